@@ -1,0 +1,341 @@
+//! The pure policy: `evaluate(config, snapshot, state) -> Plan`.
+//!
+//! No I/O and no clock (time comes in on the snapshot), so every rule is tested with plain data.
+//! Floors (host RAM, each GPU) open *incidents* that act on one victim at a time and escalate;
+//! budgets watch each model. The plan says what to do, what happened, and when to look again.
+
+mod budgets;
+mod floors;
+pub mod models;
+mod victim;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::config::Config;
+use crate::snapshot::{ProcessId, Snapshot};
+use crate::units::fmt_bytes;
+
+pub use models::{attribute, Attribution, MatchCache, ModelUsage};
+
+/// The memory a floor or budget is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Resource {
+    Ram,
+    Gpu(u32),
+}
+
+impl fmt::Display for Resource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Resource::Ram => f.write_str("RAM"),
+            Resource::Gpu(i) => write!(f, "GPU {i}"),
+        }
+    }
+}
+
+/// How close a resource is to its floors.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Level {
+    /// The reading is missing (not zero): may alert, never act.
+    Unknown,
+    #[default]
+    Ok,
+    Warn,
+    Act,
+}
+
+/// A signal-level step taken against a target.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Verb {
+    /// Slow the target's growth (cgroup limits or a SIGSTOP/SIGCONT duty cycle).
+    Throttle,
+    Unthrottle,
+    /// SIGSTOP.
+    Stop,
+    /// SIGCONT.
+    Resume,
+    /// SIGTERM (then SIGCONT, so a stopped process can act on it).
+    Terminate,
+    /// SIGKILL, then reap its memory with process_mrelease.
+    Kill,
+}
+
+impl Verb {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verb::Throttle => "throttle",
+            Verb::Unthrottle => "unthrottle",
+            Verb::Stop => "stop",
+            Verb::Resume => "resume",
+            Verb::Terminate => "terminate",
+            Verb::Kill => "kill",
+        }
+    }
+}
+
+/// One process of a target, as the policy saw it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Member {
+    pub id: ProcessId,
+    pub comm: String,
+    pub uid: u32,
+}
+
+/// What an action is aimed at: a whole model, or one process that belongs to none.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Target {
+    pub model: Option<String>,
+    pub members: Vec<Member>,
+}
+
+impl Target {
+    pub fn ids(&self) -> impl Iterator<Item = ProcessId> + '_ {
+        self.members.iter().map(|m| m.id)
+    }
+
+    pub fn any_alive(&self, snapshot: &Snapshot) -> bool {
+        self.ids().any(|id| snapshot.processes.alive(id))
+    }
+}
+
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let pids: Vec<String> =
+            self.members.iter().map(|m| format!("{}({})", m.id.pid, m.comm)).collect();
+        match &self.model {
+            Some(model) => write!(f, "model '{model}' pids [{}]", pids.join(", ")),
+            None => write!(f, "pid {}", pids.join(", ")),
+        }
+    }
+}
+
+/// Why something was done, for logs, alerts and metrics.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Reason {
+    /// Stable label: `ram_floor`, `gpu_floor`, `ram_budget`, `gpu_budget`, `max_stop`, `cleared`.
+    pub kind: &'static str,
+    /// Self-contained, human: "RAM available 1.2 GiB < min_available 2.0 GiB".
+    pub detail: String,
+}
+
+/// Before acting, the executor reads this resource again and skips the action if it has recovered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Recheck {
+    pub resource: Resource,
+    pub below_bytes: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Action {
+    pub verb: Verb,
+    pub target: Target,
+    pub reason: Reason,
+    pub recheck: Option<Recheck>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Severity {
+    Info,
+    Warning,
+    Critical,
+}
+
+/// Something worth telling an operator that is not itself a signal.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Event {
+    pub severity: Severity,
+    /// Stable label: `floor_warn`, `floor_act`, `floor_cleared`, `no_victim`, `budget_exceeded`,
+    /// `budget_cleared`, `reading_unknown`, `stuck_memory`, `survived_kill`, `not_acting_stale`.
+    pub kind: &'static str,
+    pub message: String,
+}
+
+/// The policy's answer for one tick.
+#[derive(Clone, Debug, Default)]
+pub struct Plan {
+    pub actions: Vec<Action>,
+    pub events: Vec<Event>,
+    /// Sleep this long before the next tick.
+    pub next_interval: Duration,
+    /// On the next tick, rescan all processes if the last scan is older than this.
+    pub max_scan_age: Duration,
+    /// Processes to re-read every tick (victims whose exit we wait for).
+    pub watch: Vec<ProcessId>,
+}
+
+/// Where an enforcement against one target stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stage {
+    Alerted,
+    Throttled,
+    Stopped,
+    Terminated,
+    Killed,
+    /// The victim is gone; waiting to see the memory come back.
+    Gone,
+    /// The victim is gone but its memory is not (or it survived SIGKILL): no more kills here.
+    Stuck,
+}
+
+/// A floor crossed to `Act`: one victim at a time.
+#[derive(Clone, Debug, Serialize)]
+pub struct Incident {
+    pub opened_at: Duration,
+    pub victim: Option<Target>,
+    pub stage: Stage,
+    pub stage_since: Duration,
+    /// Victims already dealt with in this incident.
+    pub victims_done: u32,
+    /// Reported that no victim could be chosen (to say it once).
+    pub no_victim_reported: bool,
+}
+
+/// A model's budget state.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct BudgetState {
+    pub over_since: Option<Duration>,
+    /// The enforcement in force, with the target it was applied to.
+    pub enforced: Option<(Stage, Duration, Target)>,
+}
+
+/// A process gpuguard stopped for a floor whose incident has closed: resumed when that resource is
+/// back to `Ok`, killed after `max_stop`.
+#[derive(Clone, Debug, Serialize)]
+pub struct Held {
+    pub target: Target,
+    pub resource: Resource,
+    pub since: Duration,
+}
+
+/// What the policy remembers between ticks.
+#[derive(Debug, Default)]
+pub struct PolicyState {
+    pub levels: BTreeMap<Resource, Level>,
+    pub incidents: BTreeMap<Resource, Incident>,
+    pub budgets: BTreeMap<String, BudgetState>,
+    pub held: Vec<Held>,
+    /// Processes registered by `gpuguard launch` as members of a model.
+    pub registered: HashMap<ProcessId, String>,
+    pub match_cache: MatchCache,
+    /// The attribution of the latest scan (for status and metrics).
+    pub attribution: Attribution,
+    attributed_scan: Option<Duration>,
+}
+
+impl PolicyState {
+    /// Forget derived data that depends on the config (call after a reload).
+    pub fn config_changed(&mut self) {
+        self.match_cache.clear();
+        self.attributed_scan = None;
+    }
+
+    /// The executor could not act on a target (gone, recovered, not permitted): forget the stage
+    /// the policy optimistically entered, so the next tick decides afresh.
+    pub fn action_not_done(&mut self, action: &Action) {
+        for incident in self.incidents.values_mut() {
+            if incident.victim.as_ref() == Some(&action.target) && incident.victims_done == 0 && incident.stage != Stage::Killed {
+                incident.victim = None;
+            }
+        }
+        if let Some(model) = &action.target.model {
+            if let Some(b) = self.budgets.get_mut(model) {
+                if matches!(action.verb, Verb::Throttle | Verb::Stop | Verb::Terminate) {
+                    b.enforced = None;
+                }
+            }
+        }
+    }
+}
+
+/// Assumed worst-case fill rates, to sleep no longer than it takes to go from here to the floor.
+const RAM_FILL_BYTES_PER_SEC: f64 = 8.0 * (1u64 << 30) as f64;
+const GPU_FILL_BYTES_PER_SEC: f64 = 32.0 * (1u64 << 30) as f64;
+/// Near a floor, processes are rescanned at least this often so a victim is ready at the crossing.
+const NEAR_FLOOR_SCAN_AGE: Duration = Duration::from_millis(100);
+
+/// Decides what to do about one snapshot.
+pub fn evaluate(config: &Config, snapshot: &Snapshot, state: &mut PolicyState) -> Plan {
+    let mut plan = Plan { next_interval: config.daemon.interval, max_scan_age: config.daemon.scan_interval, ..Default::default() };
+
+    if state.attributed_scan != snapshot.processes.scanned_at || state.attributed_scan.is_none() {
+        state.attribution = attribute(config, &snapshot.processes, &snapshot.gpus, &state.registered, &mut state.match_cache);
+        state.attributed_scan = snapshot.processes.scanned_at;
+    }
+    // Drop registrations of processes that are gone.
+    if snapshot.processes.scanned_at.is_some() {
+        state.registered.retain(|id, _| snapshot.processes.alive(*id));
+    }
+
+    let readings = floors::readings(config, snapshot);
+    for reading in &readings {
+        floors::evaluate_floor(config, snapshot, state, reading, &mut plan);
+    }
+    floors::release_held(config, snapshot, state, &mut plan);
+    budgets::evaluate_budgets(config, snapshot, state, &mut plan);
+
+    // Sleep no longer than a fast hog needs to reach the nearest floor.
+    for r in &readings {
+        if let (Some(available), Some(min)) = (r.available, r.min) {
+            let rate = if r.resource == Resource::Ram { RAM_FILL_BYTES_PER_SEC } else { GPU_FILL_BYTES_PER_SEC };
+            let headroom = available.saturating_sub(min) as f64;
+            plan.next_interval = plan.next_interval.min(Duration::from_secs_f64(headroom / rate));
+        }
+        if matches!(state.levels.get(&r.resource), Some(Level::Warn | Level::Act)) {
+            plan.max_scan_age = plan.max_scan_age.min(NEAR_FLOOR_SCAN_AGE);
+        }
+    }
+    let busy = state.incidents.values().any(|i| i.victim.is_some() && i.stage != Stage::Stuck)
+        || state.budgets.values().any(|b| b.over_since.is_some());
+    if busy {
+        plan.next_interval = config.daemon.min_interval;
+    }
+    if state.incidents.values().any(|i| i.victim.is_none()) {
+        // A floor is crossed and nobody is chosen yet: look at fresh processes next tick.
+        plan.max_scan_age = Duration::ZERO;
+    }
+    if state.budgets.values().any(|b| b.over_since.is_some()) {
+        plan.max_scan_age = plan.max_scan_age.min(NEAR_FLOOR_SCAN_AGE);
+    }
+    plan.next_interval = plan.next_interval.clamp(config.daemon.min_interval, config.daemon.interval);
+    plan.watch = watched(state);
+    plan
+}
+
+/// Victims whose exit or state we wait for.
+fn watched(state: &PolicyState) -> Vec<ProcessId> {
+    let mut ids: Vec<ProcessId> = state
+        .incidents
+        .values()
+        .filter_map(|i| i.victim.as_ref())
+        .chain(state.budgets.values().filter_map(|b| b.enforced.as_ref().map(|e| &e.2)))
+        .chain(state.held.iter().map(|h| &h.target))
+        .flat_map(|t| t.ids())
+        .collect();
+    ids.sort();
+    ids.dedup();
+    ids
+}
+
+fn action(verb: Verb, target: &Target, kind: &'static str, detail: String, recheck: Option<Recheck>) -> Action {
+    Action { verb, target: target.clone(), reason: Reason { kind, detail }, recheck }
+}
+
+fn event(severity: Severity, kind: &'static str, message: String) -> Event {
+    Event { severity, kind, message }
+}
+
+fn bytes(b: u64) -> String {
+    fmt_bytes(b)
+}

@@ -1,0 +1,136 @@
+//! Which processes make up which model, and what each model uses.
+//!
+//! A process belongs to the first `[[model]]` whose `match` it satisfies, or to a model that
+//! `gpuguard launch` registered for it; otherwise to the model of its nearest ancestor (vLLM keeps
+//! its GPU memory in child processes). Usage is summed over all members.
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::config::Config;
+use crate::snapshot::{GpuSnapshot, ProcessId, ProcessTable};
+
+/// The models seen in one process table.
+#[derive(Clone, Debug, Default)]
+pub struct Attribution {
+    /// For each process in the table (same index), the model it belongs to (index into `models`).
+    pub model_of: Vec<Option<usize>>,
+    pub models: Vec<ModelUsage>,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct ModelUsage {
+    pub name: String,
+    /// Indices into the process table of live members.
+    pub members: Vec<usize>,
+    pub rss_bytes: u64,
+    /// Known GPU memory per GPU index.
+    pub gpu_bytes: BTreeMap<u32, u64>,
+    /// Some member's GPU memory is unavailable: the sums above are lower bounds.
+    pub gpu_unknown: bool,
+}
+
+impl ModelUsage {
+    pub fn gpu_total_bytes(&self) -> u64 {
+        self.gpu_bytes.values().sum()
+    }
+}
+
+/// Remembers which processes matched which model, so regexes run once per process, not per scan.
+#[derive(Clone, Debug, Default)]
+pub struct MatchCache {
+    matched: HashMap<ProcessId, Option<usize>>,
+}
+
+impl MatchCache {
+    pub fn clear(&mut self) {
+        self.matched.clear();
+    }
+}
+
+/// Works out model membership and usage. `registered` maps launched processes to model names.
+pub fn attribute(
+    config: &Config,
+    table: &ProcessTable,
+    gpus: &GpuSnapshot,
+    registered: &HashMap<ProcessId, String>,
+    cache: &mut MatchCache,
+) -> Attribution {
+    let procs = &table.processes;
+    // Model names: configured ones first (in config order), then launched-only ones.
+    let mut names: Vec<String> = config.models.iter().map(|m| m.name.clone()).collect();
+    for name in registered.values() {
+        if !names.contains(name) {
+            names.push(name.clone());
+        }
+    }
+    let index_of = |name: &str| names.iter().position(|n| n == name);
+
+    // Own match of each process (registration beats config match).
+    let own: Vec<Option<usize>> = procs
+        .iter()
+        .map(|p| {
+            if let Some(name) = registered.get(&p.id()) {
+                return index_of(name);
+            }
+            if p.kernel_thread {
+                return None;
+            }
+            *cache.matched.entry(p.id()).or_insert_with(|| {
+                config
+                    .models
+                    .iter()
+                    .position(|m| m.matcher.matches(&p.comm, p.uid, &p.cmdline, &p.cgroup))
+            })
+        })
+        .collect();
+    cache.matched.retain(|id, _| procs.iter().any(|p| p.id() == *id));
+
+    // Inherit from the nearest matched ancestor.
+    let by_pid: HashMap<i32, usize> = procs.iter().enumerate().map(|(i, p)| (p.pid, i)).collect();
+    let mut model_of: Vec<Option<Option<usize>>> = vec![None; procs.len()];
+    for start in 0..procs.len() {
+        let mut chain = Vec::new();
+        let mut at = Some(start);
+        let mut found = None;
+        while let Some(i) = at {
+            if let Some(known) = model_of[i] {
+                found = known;
+                break;
+            }
+            chain.push(i);
+            if own[i].is_some() {
+                found = own[i];
+                break;
+            }
+            // pid 0/1 and unknown parents end the walk; a cycle cannot happen but is bounded anyway.
+            at = by_pid.get(&procs[i].ppid).copied().filter(|&j| j != i && chain.len() < 4096);
+        }
+        for i in chain {
+            model_of[i] = Some(found);
+        }
+    }
+    let model_of: Vec<Option<usize>> = model_of.into_iter().map(Option::flatten).collect();
+
+    let mut models: Vec<ModelUsage> =
+        names.iter().map(|n| ModelUsage { name: n.clone(), ..Default::default() }).collect();
+    let mut member_by_pid = HashMap::new();
+    for (i, p) in procs.iter().enumerate() {
+        let Some(m) = model_of[i] else { continue };
+        if p.exited() {
+            continue;
+        }
+        models[m].members.push(i);
+        models[m].rss_bytes += p.rss_bytes;
+        member_by_pid.insert(p.pid, m);
+    }
+    for gpu in &gpus.devices {
+        for (pid, bytes) in &gpu.processes {
+            let Some(&m) = member_by_pid.get(pid) else { continue };
+            match bytes {
+                Some(b) => *models[m].gpu_bytes.entry(gpu.index).or_default() += b,
+                None => models[m].gpu_unknown = true,
+            }
+        }
+    }
+    Attribution { model_of, models }
+}

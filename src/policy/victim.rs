@@ -1,0 +1,127 @@
+//! Victim choice for a floor: models over their budget first (most over first), then lower
+//! priority, then the largest user of the memory that is short. Protected processes never.
+
+use crate::config::{Candidates, Config};
+use crate::snapshot::{Process, Snapshot};
+
+use super::{Member, PolicyState, Resource, Target};
+
+/// A possible victim with the keys it is ranked by.
+struct Candidate {
+    target: Target,
+    over_budget_bytes: Option<u64>,
+    priority: i32,
+    usage_bytes: u64,
+}
+
+/// True for processes gpuguard must never signal.
+pub(super) fn is_protected(config: &Config, snapshot: &Snapshot, p: &Process) -> bool {
+    p.pid <= 1
+        || p.kernel_thread
+        || p.pid == snapshot.self_pid
+        || p.exited()
+        || config.protect.protects(&p.comm, p.uid, &p.cmdline)
+}
+
+/// Known usage of `resource` by one process (unknown GPU memory counts as none: it never
+/// makes a process a victim).
+pub(super) fn usage(snapshot: &Snapshot, p: &Process, resource: Resource) -> u64 {
+    match resource {
+        Resource::Ram => p.rss_bytes,
+        Resource::Gpu(index) => snapshot
+            .gpus
+            .devices
+            .iter()
+            .find(|g| g.index == index)
+            .and_then(|g| g.processes.get(&p.pid).copied().flatten())
+            .unwrap_or(0),
+    }
+}
+
+pub(super) fn member(p: &Process) -> Member {
+    Member { id: p.id(), comm: p.comm.clone(), uid: p.uid }
+}
+
+/// The model's members that may be signalled.
+pub(super) fn model_target(config: &Config, snapshot: &Snapshot, state: &PolicyState, model: usize) -> Target {
+    let usage = &state.attribution.models[model];
+    let procs = &snapshot.processes.processes;
+    Target {
+        model: Some(usage.name.clone()),
+        members: usage
+            .members
+            .iter()
+            .map(|&i| &procs[i])
+            .filter(|p| !is_protected(config, snapshot, p))
+            .map(member)
+            .collect(),
+    }
+}
+
+/// How far a model is over its budget for this resource, if it is.
+pub(super) fn over_budget(config: &Config, snapshot: &Snapshot, state: &PolicyState, model: usize, resource: Resource) -> Option<u64> {
+    let usage = &state.attribution.models[model];
+    let cfg = config.model(&usage.name)?;
+    let (used, budget) = match resource {
+        Resource::Ram => (usage.rss_bytes, cfg.ram?.resolve(snapshot.host.total_bytes)?),
+        Resource::Gpu(_) => (usage.gpu_total_bytes(), cfg.gpu_memory?.resolve(largest_gpu(snapshot))?),
+    };
+    used.checked_sub(budget).filter(|&over| over > 0)
+}
+
+/// Percent GPU budgets are a share of the largest GPU on the host.
+pub(super) fn largest_gpu(snapshot: &Snapshot) -> Option<u64> {
+    snapshot.gpus.devices.iter().filter_map(|g| g.total_bytes).max()
+}
+
+/// Picks the victim for a floor on `resource`, or `None` if nobody may be touched.
+pub(super) fn choose(config: &Config, snapshot: &Snapshot, state: &PolicyState, resource: Resource) -> Option<(Target, u64)> {
+    let procs = &snapshot.processes.processes;
+    let mut candidates = Vec::new();
+    for (m, usage) in state.attribution.models.iter().enumerate() {
+        let target = model_target(config, snapshot, state, m);
+        let used: u64 = usage
+            .members
+            .iter()
+            .map(|&i| &procs[i])
+            .filter(|p| !is_protected(config, snapshot, p))
+            .map(|p| self::usage(snapshot, p, resource))
+            .sum();
+        if target.members.is_empty() || used == 0 {
+            continue;
+        }
+        candidates.push(Candidate {
+            target,
+            over_budget_bytes: over_budget(config, snapshot, state, m, resource),
+            priority: config.model(&usage.name).map_or(0, |c| c.priority),
+            usage_bytes: used,
+        });
+    }
+    if config.daemon.candidates == Candidates::Any {
+        for (i, p) in procs.iter().enumerate() {
+            if state.attribution.model_of.get(i).copied().flatten().is_some() || is_protected(config, snapshot, p) {
+                continue;
+            }
+            let used = usage(snapshot, p, resource);
+            if used == 0 {
+                continue;
+            }
+            candidates.push(Candidate {
+                target: Target { model: None, members: vec![member(p)] },
+                over_budget_bytes: None,
+                priority: 0,
+                usage_bytes: used,
+            });
+        }
+    }
+    candidates
+        .into_iter()
+        .min_by(|a, b| {
+            // Over budget first, most over first; then lower priority; then larger usage.
+            b.over_budget_bytes
+                .cmp(&a.over_budget_bytes)
+                .then(a.priority.cmp(&b.priority))
+                .then(b.usage_bytes.cmp(&a.usage_bytes))
+        })
+        .map(|c| (c.target, c.usage_bytes))
+}
