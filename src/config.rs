@@ -400,10 +400,10 @@ impl Config {
     pub fn parse(text: &str, file: &Path) -> Result<Config, ConfigError> {
         let error = |key: String, message: String| ConfigError { file: file.to_path_buf(), key, message };
         let deserializer = toml::Deserializer::parse(text)
-            .map_err(|e| error(String::new(), one_line(&e.to_string())))?;
+            .map_err(|e| error(String::new(), format!("TOML syntax error: {}", describe(&e, text))))?;
         let config: Config = serde_path_to_error::deserialize(deserializer).map_err(|e| {
             let key = name_models_in_path(&e.path().to_string(), text);
-            error(key, one_line(&e.into_inner().to_string()))
+            error(key, describe(e.inner(), text))
         })?;
         config.validate().map_err(|(key, message)| error(key, message))?;
         Ok(config)
@@ -496,9 +496,13 @@ fn name_models_in_path(path: &str, text: &str) -> String {
     }
 }
 
-/// toml errors span several lines (with a caret under the value); logs want one.
-fn one_line(message: &str) -> String {
-    message.split('\n').map(str::trim).filter(|l| !l.is_empty() && *l != "|" && !l.starts_with('^')).collect::<Vec<_>>().join(" ")
+/// A toml error on one line (its Display spans several, with a caret under the value).
+fn describe(e: &toml::de::Error, text: &str) -> String {
+    let message = e.message().trim().replace('\n', " ");
+    match e.span() {
+        Some(span) => format!("{message} (line {})", text[..span.start.min(text.len())].matches('\n').count() + 1),
+        None => message,
+    }
 }
 
 #[cfg(test)]
@@ -538,7 +542,7 @@ mod tests {
             ("[ram]\nwarn_available = \"1GiB\"\nmin_available = \"2GiB\"\n", "ram.warn_available: '1.0 GiB' is below"),
             ("[[model]]\nname = \"a\"\naction = \"kill\"\n", "model[0] 'a'.action: 'kill' needs a budget"),
             ("[[model]]\nname = \"a\"\n[[model]]\nname = \"a\"\n", "model[1] 'a'.name: 'a' is used by another"),
-            ("[ram\n", "TOML parse error"),
+            ("[ram\n", "TOML syntax error"),
         ];
         for (text, want) in cases {
             let err = parse(text).unwrap_err();

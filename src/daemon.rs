@@ -101,7 +101,8 @@ impl Daemon {
             match signals_rx.recv_timeout(wait) {
                 Ok(SIGHUP) => self.reload(),
                 Ok(signal) => {
-                    info!("signal {signal}: stopping");
+                    let name = nix::sys::signal::Signal::try_from(signal).map_or("signal", |s| s.as_str());
+                    info!("{name}: resuming held processes and stopping");
                     break;
                 }
                 Err(RecvTimeoutError::Timeout) => {}

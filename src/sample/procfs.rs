@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use procfs::process::Process as ProcfsProcess;
-use procfs::{FromRead, Meminfo, MemoryPressure};
+use procfs::{FromRead, MemoryPressure};
 
 use crate::snapshot::{HostMemory, Process, ProcessId};
 
@@ -70,6 +70,30 @@ impl ProcfsSource {
     }
 }
 
+/// The four /proc/meminfo fields the guard needs, read every tick. (procfs's `Meminfo` parses
+/// every field into a map and fails as a whole if one it expects is missing; this is the hot
+/// path, and a missing field must leave only that reading unknown.)
+fn parse_meminfo(text: &str, host: &mut HostMemory) {
+    for line in text.lines() {
+        let Some((key, rest)) = line.split_once(':') else { continue };
+        let slot = match key {
+            "MemTotal" => &mut host.total_bytes,
+            "MemAvailable" => &mut host.available_bytes,
+            "SwapTotal" => &mut host.swap_total_bytes,
+            "SwapFree" => &mut host.swap_free_bytes,
+            _ => continue,
+        };
+        let mut parts = rest.split_whitespace();
+        let value = parts.next().and_then(|v| v.parse::<u64>().ok());
+        let scale = match parts.next() {
+            Some("kB") => 1024,
+            None => 1,
+            Some(_) => continue,
+        };
+        *slot = value.map(|v| v * scale);
+    }
+}
+
 /// The cgroup v2 path (`0::/system.slice/x.service`), else the first hierarchy's path.
 fn parse_cgroup(text: &str) -> String {
     let path_of = |line: &str| line.splitn(3, ':').nth(2).map(str::to_string);
@@ -83,11 +107,8 @@ fn parse_cgroup(text: &str) -> String {
 impl ProcSource for ProcfsSource {
     fn host_memory(&mut self) -> HostMemory {
         let mut host = HostMemory::default();
-        if let Ok(m) = Meminfo::from_file(self.root.join("meminfo")) {
-            host.total_bytes = Some(m.mem_total);
-            host.available_bytes = m.mem_available;
-            host.swap_total_bytes = Some(m.swap_total);
-            host.swap_free_bytes = Some(m.swap_free);
+        if let Ok(text) = std::fs::read_to_string(self.root.join("meminfo")) {
+            parse_meminfo(&text, &mut host);
         }
         if let Ok(psi) = MemoryPressure::from_file(self.root.join("pressure/memory")) {
             host.psi_some_avg10 = Some(psi.some.avg10 as f64);
@@ -134,11 +155,19 @@ mod tests {
         std::fs::create_dir_all(&p).unwrap();
         let stat = "4242 (foo) Z ) S 1 4242 4242 0 -1 4194304 100 0 0 0 5 3 0 0 20 0 1 0 98765 100000000 2560 18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 1 0 0 0 0 0 0 0 0 0 0 0 0 0\n";
         std::fs::write(p.join("stat"), stat).unwrap();
-        std::fs::write(
-            p.join("status"),
-            "Name:\tfoo) Z \nUmask:\t0022\nState:\tS (sleeping)\nTgid:\t4242\nPid:\t4242\nPPid:\t1\nUid:\t1000\t1000\t1000\t1000\nGid:\t1000\t1000\t1000\t1000\nVmRSS:\t10240 kB\nVmSwap:\t512 kB\n",
-        )
-        .unwrap();
+        // A real status file with the fields of interest rewritten.
+        let status: String = std::fs::read_to_string("/proc/self/status")
+            .unwrap()
+            .lines()
+            .map(|l| match l.split(':').next() {
+                Some("Name") => "Name:\tfoo) Z ".to_string(),
+                Some("Uid") => "Uid:\t1000\t1000\t1000\t1000".to_string(),
+                Some("VmSwap") => "VmSwap:\t512 kB".to_string(),
+                _ => l.to_string(),
+            })
+            .map(|l| l + "\n")
+            .collect();
+        std::fs::write(p.join("status"), status).unwrap();
         std::fs::write(p.join("cmdline"), "python3\0-m\0vllm.entrypoints\0").unwrap();
         std::fs::write(p.join("cgroup"), "0::/system.slice/vllm.service\n").unwrap();
         // A kernel thread.
@@ -190,6 +219,15 @@ mod tests {
         assert!(!me.kernel_thread);
         assert!(source.scan().iter().any(|p| p.pid == me.pid));
         assert!(source.host_memory().available_bytes.is_some());
+    }
+
+    #[test]
+    fn missing_meminfo_fields_stay_unknown() {
+        let mut host = HostMemory::default();
+        parse_meminfo("MemTotal: 100 kB\nSwapFree: 0 kB\nBogus line\n", &mut host);
+        assert_eq!(host.total_bytes, Some(102400));
+        assert_eq!(host.available_bytes, None);
+        assert_eq!(host.swap_free_bytes, Some(0));
     }
 
     #[test]
