@@ -96,6 +96,8 @@ pub struct GpuSnapshot {
     /// True if the latest reading is older than the sample deadline: alert on it, never kill.
     pub stale: bool,
     pub devices: Vec<Gpu>,
+    /// Counts the reads of the per-process lists (they are read less often than memory).
+    pub process_lists_read: u64,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]

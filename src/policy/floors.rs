@@ -19,6 +19,8 @@ pub(super) struct Reading {
     /// Something other than `available` says act (swap, PSI), and why.
     pub act_because: Option<String>,
     pub warn_because: Option<String>,
+    /// Why the reading is unknown, if the source said (e.g. NVML: the GPU fell off the bus).
+    pub error: Option<String>,
     /// False when the reading is stale: it may alert, never act.
     pub may_act: bool,
     pub action: FloorAction,
@@ -51,7 +53,10 @@ impl Reading {
             Resource::Gpu(_) => ("warn_free", "min_free"),
         };
         let mut text = match self.available {
-            None => format!("{what} unknown"),
+            None => match &self.error {
+                Some(e) => format!("{what} unknown ({e})"),
+                None => format!("{what} unknown"),
+            },
             Some(a) => match (self.min, self.warn) {
                 (Some(m), _) if a < m => format!("{what} {} < {min_key} {}", bytes(a), bytes(m)),
                 (_, Some(w)) if a < w => format!("{what} {} < {warn_key} {}", bytes(a), bytes(w)),
@@ -105,6 +110,7 @@ pub(super) fn readings(config: &Config, snapshot: &Snapshot) -> Vec<Reading> {
         min: ram.min_available.and_then(|a| a.resolve(host.total_bytes)),
         act_because,
         warn_because,
+        error: None,
         may_act: true,
         action: ram.action,
     }];
@@ -120,6 +126,7 @@ pub(super) fn readings(config: &Config, snapshot: &Snapshot) -> Vec<Reading> {
             min: min.and_then(|a| a.resolve(gpu.total_bytes)),
             act_because: None,
             warn_because: None,
+            error: gpu.error.clone(),
             may_act: !snapshot.gpus.stale,
             action: config.gpu.action,
         });

@@ -8,6 +8,7 @@ mod budgets;
 mod floors;
 pub mod models;
 mod victim;
+mod waste;
 
 #[cfg(test)]
 mod tests;
@@ -231,14 +232,17 @@ pub struct PolicyState {
     pub match_cache: MatchCache,
     /// The attribution of the latest scan (for status and metrics).
     pub attribution: Attribution,
-    attributed_scan: Option<Duration>,
+    /// The (process scan, GPU process lists) the attribution was computed from.
+    attributed: Option<(Option<Duration>, u64)>,
+    /// (GPU, command line) pairs already reported as loaded more than once.
+    duplicates_reported: Vec<(u32, String)>,
 }
 
 impl PolicyState {
     /// Forget derived data that depends on the config (call after a reload).
     pub fn config_changed(&mut self) {
         self.match_cache.clear();
-        self.attributed_scan = None;
+        self.attributed = None;
     }
 
     /// The executor could not act on a target (gone, recovered, not permitted): forget the stage
@@ -269,9 +273,12 @@ const NEAR_FLOOR_SCAN_AGE: Duration = Duration::from_millis(100);
 pub fn evaluate(config: &Config, snapshot: &Snapshot, state: &mut PolicyState) -> Plan {
     let mut plan = Plan { next_interval: config.daemon.interval, max_scan_age: config.daemon.scan_interval, ..Default::default() };
 
-    if state.attributed_scan != snapshot.processes.scanned_at || state.attributed_scan.is_none() {
+    // Membership and usage change only with a new process scan or new GPU process lists.
+    let inputs = (snapshot.processes.scanned_at, snapshot.gpus.process_lists_read);
+    if state.attributed != Some(inputs) {
         state.attribution = attribute(config, &snapshot.processes, &snapshot.gpus, &state.registered, &mut state.match_cache);
-        state.attributed_scan = snapshot.processes.scanned_at;
+        state.attributed = Some(inputs);
+        waste::duplicate_loads(snapshot, state, &mut plan);
     }
     // Drop registrations of processes that are gone.
     if snapshot.processes.scanned_at.is_some() {

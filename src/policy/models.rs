@@ -36,9 +36,10 @@ impl ModelUsage {
 }
 
 /// Remembers which processes matched which model, so regexes run once per process, not per scan.
+/// An entry holds for one (process, comm): an exec changes comm and the command line.
 #[derive(Clone, Debug, Default)]
 pub struct MatchCache {
-    matched: HashMap<ProcessId, Option<usize>>,
+    matched: HashMap<ProcessId, (String, Option<usize>)>,
 }
 
 impl MatchCache {
@@ -75,12 +76,17 @@ pub fn attribute(
             if p.kernel_thread {
                 return None;
             }
-            *cache.matched.entry(p.id()).or_insert_with(|| {
-                config
-                    .models
-                    .iter()
-                    .position(|m| m.matcher.matches(&p.comm, p.uid, &p.cmdline, &p.cgroup))
-            })
+            match cache.matched.get(&p.id()) {
+                Some((comm, model)) if *comm == p.comm => *model,
+                _ => {
+                    let model = config
+                        .models
+                        .iter()
+                        .position(|m| m.matcher.matches(&p.comm, p.uid, &p.cmdline, &p.cgroup));
+                    cache.matched.insert(p.id(), (p.comm.clone(), model));
+                    model
+                }
+            }
         })
         .collect();
     cache.matched.retain(|id, _| procs.iter().any(|p| p.id() == *id));

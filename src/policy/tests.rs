@@ -1,0 +1,933 @@
+//! Table-driven tests of the pure policy: plain snapshots and TOML configs in, the exact verbs,
+//! targets and event kinds out. Time moves by building the next snapshot with a later `at`.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::Duration;
+
+use crate::config::Config;
+use crate::snapshot::{Gpu, GpuSnapshot, GpuStatus, HostMemory, Process, ProcessId, ProcessTable, Snapshot};
+
+use super::*;
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+/// gpuguard's own pid in every snapshot.
+const SELF_PID: i32 = 4242;
+/// RAM floors of most tests, on a 64 GiB host: warn below 8 GiB available, act below 4 GiB.
+const RAM_FLOORS: &str = "[ram]\nwarn_available = \"8GiB\"\nmin_available = \"4GiB\"\n";
+
+fn config(text: &str) -> Config {
+    Config::parse(text, Path::new("test.toml")).unwrap_or_else(|e| panic!("{e}\n{text}"))
+}
+
+/// A `[[model]]` matched by its own name as `comm`, with more keys in `extra`.
+fn model(name: &str, extra: &str) -> String {
+    format!("[[model]]\nname = \"{name}\"\nmatch = {{ comm = \"{name}\" }}\n{extra}")
+}
+
+/// An ordinary user process; tests change the other fields with `..proc(...)`.
+fn proc(pid: i32, comm: &str, rss: u64, ppid: i32) -> Process {
+    Process {
+        pid,
+        start_time: 50_000 + pid as u64,
+        ppid,
+        uid: 1000,
+        state: 'S',
+        comm: comm.to_string(),
+        cmdline: format!("/usr/bin/{comm}"),
+        cgroup: "/user.slice/user-1000.slice/session-1.scope".to_string(),
+        rss_bytes: rss,
+        swap_bytes: Some(0),
+        kernel_thread: false,
+    }
+}
+
+/// A 64 GiB host without swap, `available` bytes available, processes scanned at `at_ms`.
+fn snap(at_ms: u64, available: Option<u64>, procs: Vec<Process>) -> Snapshot {
+    let at = Duration::from_millis(at_ms);
+    Snapshot {
+        at,
+        host: HostMemory {
+            total_bytes: Some(64 * GIB),
+            available_bytes: available,
+            swap_total_bytes: Some(0),
+            swap_free_bytes: Some(0),
+            psi_some_avg10: None,
+            psi_full_avg10: None,
+        },
+        processes: ProcessTable { scanned_at: Some(at), processes: procs },
+        gpus: GpuSnapshot::default(),
+        self_pid: SELF_PID,
+    }
+}
+
+/// A 16 GiB GPU with `free` bytes free and the GPU memory NVML lists per pid.
+fn gpu(index: u32, free: u64, holders: &[(i32, Option<u64>)]) -> Gpu {
+    Gpu {
+        index,
+        uuid: format!("GPU-{index}"),
+        name: "Test GPU".to_string(),
+        total_bytes: Some(16 * GIB),
+        used_bytes: Some(16 * GIB - free),
+        free_bytes: Some(free),
+        utilization_percent: Some(50),
+        error: None,
+        processes: holders.iter().copied().collect(),
+        processes_known: true,
+    }
+}
+
+/// Plenty of host RAM, fresh GPU readings.
+fn gsnap(at_ms: u64, procs: Vec<Process>, devices: Vec<Gpu>) -> Snapshot {
+    let mut s = snap(at_ms, Some(32 * GIB), procs);
+    s.gpus = GpuSnapshot { status: GpuStatus::Ok, sampled_at: Some(s.at), stale: false, devices };
+    s
+}
+
+/// The plan's actions as `verb model[pid,pid]` (no model name for a lone process), `; `-joined.
+fn acts(plan: &Plan) -> String {
+    let one = |a: &Action| {
+        let pids: Vec<String> = a.target.ids().map(|id| id.pid.to_string()).collect();
+        format!("{} {}[{}]", a.verb.as_str(), a.target.model.as_deref().unwrap_or(""), pids.join(","))
+    };
+    plan.actions.iter().map(one).collect::<Vec<_>>().join("; ")
+}
+
+fn events(plan: &Plan) -> String {
+    plan.events.iter().map(|e| e.kind).collect::<Vec<_>>().join(", ")
+}
+
+/// Evaluates the snapshots in order, checking each plan's actions and event kinds.
+fn play(config: &Config, state: &mut PolicyState, steps: Vec<(Snapshot, &str, &str)>) -> Vec<Plan> {
+    let mut plans = Vec::new();
+    for (i, (snapshot, want_acts, want_events)) in steps.into_iter().enumerate() {
+        let plan = evaluate(config, &snapshot, state);
+        assert_eq!(
+            (acts(&plan).as_str(), events(&plan).as_str()),
+            (want_acts, want_events),
+            "step {i} at {:?}; events: {:#?}",
+            snapshot.at,
+            plan.events
+        );
+        plans.push(plan);
+    }
+    plans
+}
+
+/// One tick from a fresh state.
+fn once(config: &Config, snapshot: &Snapshot) -> Plan {
+    evaluate(config, snapshot, &mut PolicyState::default())
+}
+
+/// The executor skips an action whose recheck reads at or above `below_bytes`: a recheck must not
+/// cancel the very action the current reading calls for.
+fn assert_recheck_lets_it_act(plan: &Plan, available: u64) {
+    for a in &plan.actions {
+        if let Some(r) = a.recheck {
+            assert!(available < r.below_bytes, "{a:?} would be skipped at {available} bytes available");
+        }
+    }
+}
+
+#[test]
+fn ram_floor_levels() {
+    let c = config(RAM_FLOORS);
+    let procs = || vec![proc(100, "trainer", 6 * GIB, 1), proc(200, "loader", 2 * GIB, 1)];
+    let cases = [
+        (16 * GIB, "", ""),
+        (8 * GIB, "", ""),
+        (6 * GIB, "", "floor_warn"),
+        (4 * GIB, "", "floor_warn"),
+        (3 * GIB, "terminate [100]", "floor_act"),
+        // Exactly half of min_available is not under half of it.
+        (2 * GIB, "terminate [100]", "floor_act"),
+        (2 * GIB - 1, "kill [100]", "floor_act"),
+        (512 * MIB, "kill [100]", "floor_act"),
+    ];
+    for (available, want_acts, want_events) in cases {
+        let plan = once(&c, &snap(0, Some(available), procs()));
+        assert_eq!((acts(&plan).as_str(), events(&plan).as_str()), (want_acts, want_events), "{available}");
+        for a in &plan.actions {
+            assert_eq!(a.reason.kind, "ram_floor");
+            assert_eq!(a.recheck, Some(Recheck { resource: Resource::Ram, below_bytes: 4 * GIB }));
+            assert!(a.reason.detail.contains("min_available"), "{}", a.reason.detail);
+        }
+    }
+}
+
+#[test]
+fn warn_is_said_once_and_cleared_once() {
+    let c = config(RAM_FLOORS);
+    let procs = || vec![proc(100, "trainer", 6 * GIB, 1)];
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (snap(0, Some(16 * GIB), procs()), "", ""),
+            (snap(1000, Some(6 * GIB), procs()), "", "floor_warn"),
+            (snap(2000, Some(5 * GIB), procs()), "", ""),
+            (snap(3000, Some(7 * GIB), procs()), "", ""),
+            (snap(4000, Some(16 * GIB), procs()), "", "floor_cleared"),
+            (snap(5000, Some(16 * GIB), procs()), "", ""),
+            (snap(6000, Some(6 * GIB), procs()), "", "floor_warn"),
+        ],
+    );
+}
+
+#[test]
+fn protected_processes_are_never_victims() {
+    let big = 30 * GIB;
+    let cases = [
+        ("pid 1", "", proc(1, "bash", big, 0)),
+        ("kernel thread", "", Process { kernel_thread: true, ..proc(2, "kworker/0:1", big, 2) }),
+        ("gpuguard itself", "", proc(SELF_PID, "agent", big, 1)),
+        ("sshd by default", "", proc(300, "sshd", big, 1)),
+        ("systemd* by default", "", proc(301, "systemd-journal", big, 1)),
+        ("a zombie", "", Process { state: 'Z', ..proc(302, "defunct", big, 1) }),
+        ("[protect] comm prefix", "[protect]\ncomm = [\"redis*\"]\n", proc(303, "redis-server", big, 1)),
+        (
+            "[protect] cmdline regex",
+            "[protect]\ncmdline = [\"--keep-me\\\\b\"]\n",
+            Process { cmdline: "python3 app.py --keep-me".into(), ..proc(304, "python3", big, 1) },
+        ),
+        ("[protect] users", "[protect]\nusers = [\"4321\"]\n", Process { uid: 4321, ..proc(305, "postgres", big, 1) }),
+    ];
+    for (what, extra, protected) in cases {
+        let c = config(&format!("{RAM_FLOORS}{extra}"));
+        let worker = proc(500, "worker", GIB, 1);
+        let plan = once(&c, &snap(0, Some(3 * GIB), vec![protected.clone(), worker]));
+        assert_eq!(acts(&plan), "terminate [500]", "{what}");
+
+        // Nothing else to choose: say so once, act never.
+        play(
+            &c,
+            &mut PolicyState::default(),
+            vec![
+                (snap(0, Some(3 * GIB), vec![protected.clone()]), "", "floor_act, no_victim"),
+                (snap(1000, Some(3 * GIB), vec![protected.clone()]), "", ""),
+                (snap(2000, Some(GIB), vec![protected.clone()]), "", ""),
+            ],
+        );
+    }
+
+    // The built-in list can be turned off.
+    let c = config(&format!("{RAM_FLOORS}[protect]\ndefaults = false\n"));
+    let plan = once(&c, &snap(0, Some(3 * GIB), vec![proc(300, "sshd", big, 1), proc(500, "worker", GIB, 1)]));
+    assert_eq!(acts(&plan), "terminate [300]");
+}
+
+#[test]
+fn victim_order() {
+    let any = "[daemon]\ncandidates = \"any\"\n";
+    let models_only = "[daemon]\ncandidates = \"models\"\n";
+    let cases = [
+        (
+            "a model over its RAM budget beats a bigger process",
+            format!("{any}{}", model("small", "ram = \"1GiB\"\n")),
+            vec![proc(100, "small", 2 * GIB, 1), proc(300, "big", 10 * GIB, 1)],
+            "terminate small[100]",
+        ),
+        (
+            "the most over first",
+            format!("{any}{}{}", model("a", "ram = \"4GiB\"\n"), model("b", "ram = \"1GiB\"\n")),
+            vec![proc(100, "a", 5 * GIB, 1), proc(200, "b", 3 * GIB, 1), proc(300, "big", 10 * GIB, 1)],
+            "terminate b[200]",
+        ),
+        (
+            "over budget before lower priority",
+            format!("{any}{}{}", model("a", "priority = -10\n"), model("b", "priority = 10\nram = \"1GiB\"\n")),
+            vec![proc(100, "a", 8 * GIB, 1), proc(200, "b", 2 * GIB, 1)],
+            "terminate b[200]",
+        ),
+        (
+            "lower priority first",
+            format!("{any}{}{}", model("a", "priority = 10\n"), model("b", "priority = 5\n")),
+            vec![proc(100, "a", 8 * GIB, 1), proc(200, "b", 2 * GIB, 1)],
+            "terminate b[200]",
+        ),
+        (
+            "a process outside every model counts as priority 0",
+            format!("{any}{}", model("a", "priority = -5\n")),
+            vec![proc(100, "a", GIB, 1), proc(300, "big", 10 * GIB, 1)],
+            "terminate a[100]",
+        ),
+        (
+            "then the larger user",
+            format!("{any}{}{}", model("a", ""), model("b", "")),
+            vec![proc(100, "a", 3 * GIB, 1), proc(200, "b", 5 * GIB, 1), proc(300, "big", 4 * GIB, 1)],
+            "terminate b[200]",
+        ),
+        (
+            "the larger user, in a model or not",
+            format!("{any}{}", model("a", "")),
+            vec![proc(100, "a", 3 * GIB, 1), proc(300, "big", 4 * GIB, 1)],
+            "terminate [300]",
+        ),
+        (
+            "candidates = models never picks a process outside a model",
+            format!("{models_only}{}", model("a", "")),
+            vec![proc(100, "a", GIB, 1), proc(300, "big", 30 * GIB, 1)],
+            "terminate a[100]",
+        ),
+    ];
+    for (what, extra, procs, want) in cases {
+        let c = config(&format!("{RAM_FLOORS}{extra}"));
+        let plan = once(&c, &snap(0, Some(3 * GIB), procs));
+        assert_eq!(acts(&plan), want, "{what}");
+    }
+
+    let c = config(&format!("{RAM_FLOORS}{models_only}{}", model("a", "")));
+    let plan = once(&c, &snap(0, Some(3 * GIB), vec![proc(300, "big", 30 * GIB, 1)]));
+    assert_eq!((acts(&plan).as_str(), events(&plan).as_str()), ("", "floor_act, no_victim"));
+}
+
+#[test]
+fn model_membership_by_matcher() {
+    let cases = [
+        (
+            "cmdline regex",
+            "match = { cmdline = \"vllm serve\" }",
+            Process { cmdline: "python3 -m vllm serve Qwen/Qwen2-7B".into(), ..proc(100, "python3", GIB, 1) },
+            Process { cmdline: "python3 -m vllm bench".into(), ..proc(200, "python3", GIB, 1) },
+        ),
+        ("comm", "match = { comm = \"vllm*\" }", proc(100, "vllm-worker", GIB, 1), proc(200, "pvllm", GIB, 1)),
+        (
+            "user (numeric uid)",
+            "match = { user = \"1234\" }",
+            Process { uid: 1234, ..proc(100, "python3", GIB, 1) },
+            Process { uid: 1235, ..proc(200, "python3", GIB, 1) },
+        ),
+        (
+            "unit (a cgroup component)",
+            "match = { unit = \"vllm.service\" }",
+            Process { cgroup: "/system.slice/vllm.service".into(), ..proc(100, "python3", GIB, 1) },
+            Process { cgroup: "/system.slice/vllm.service2".into(), ..proc(200, "python3", GIB, 1) },
+        ),
+        (
+            "cgroup prefix",
+            "match = { cgroup = \"/machine.slice/models\" }",
+            Process { cgroup: "/machine.slice/models/qwen".into(), ..proc(100, "python3", GIB, 1) },
+            Process { cgroup: "/machine.slice/models-old/qwen".into(), ..proc(200, "python3", GIB, 1) },
+        ),
+        (
+            "every given key",
+            "match = { comm = \"python3\", user = \"1234\" }",
+            Process { uid: 1234, ..proc(100, "python3", GIB, 1) },
+            proc(200, "python3", GIB, 1),
+        ),
+    ];
+    for (what, matcher, yes, no) in cases {
+        let c = config(&format!("[[model]]\nname = \"m\"\n{matcher}\n"));
+        let table = ProcessTable { scanned_at: Some(Duration::ZERO), processes: vec![yes, no] };
+        let a = attribute(&c, &table, &GpuSnapshot::default(), &HashMap::new(), &mut MatchCache::default());
+        assert_eq!(a.model_of, [Some(0), None], "{what}");
+        assert_eq!(a.models[0].members, [0], "{what}");
+    }
+}
+
+#[test]
+fn descendants_belong_to_the_model() {
+    let c = config(&format!(
+        "{RAM_FLOORS}[protect]\ncomm = [\"metrics-agent\"]\n[[model]]\nname = \"vllm\"\nmatch = {{ cmdline = \"vllm serve\" }}\n"
+    ));
+    let procs = vec![
+        Process { cmdline: "python3 -m vllm serve Qwen".into(), ..proc(100, "python3", 2 * GIB, 1) },
+        Process { cmdline: "python3 -c from multiprocessing.spawn import spawn_main".into(), ..proc(101, "python3", 3 * GIB, 100) },
+        proc(102, "pt_main_thread", GIB, 101),
+        Process { state: 'Z', ..proc(103, "python3", 7 * GIB, 100) },
+        proc(104, "metrics-agent", GIB / 2, 100),
+        proc(200, "other", 5 * GIB, 1),
+    ];
+    let s = snap(0, Some(3 * GIB), procs);
+    let mut state = PolicyState::default();
+    let plan = evaluate(&c, &s, &mut state);
+
+    let usage = &state.attribution.models[0];
+    assert_eq!(state.attribution.model_of, [Some(0), Some(0), Some(0), Some(0), Some(0), None]);
+    // Live members only (the zombie has none of its memory any more), RSS summed over them.
+    assert_eq!(usage.members, [0, 1, 2, 4]);
+    assert_eq!(usage.rss_bytes, 6 * GIB + GIB / 2);
+    // The parent alone (2 GiB) is smaller than `other` (5 GiB); with its children (6 GiB) it is not.
+    // The target is every live member that may be signalled.
+    assert_eq!(acts(&plan), "terminate vllm[100,101,102]");
+    let target = &plan.actions[0].target;
+    assert_eq!(target.members[1], Member { id: ProcessId { pid: 101, start_time: 50_101 }, comm: "python3".into(), uid: 1000 });
+    assert_eq!(plan.watch, target.ids().collect::<Vec<_>>());
+}
+
+#[test]
+fn launched_processes_belong_to_their_registered_model() {
+    let c = config("[[model]]\nname = \"vllm\"\nmatch = { comm = \"vllm\" }\n");
+    let procs = vec![proc(100, "vllm", GIB, 1), proc(101, "worker", GIB, 100), proc(300, "vllm", GIB, 1), proc(301, "worker", GIB, 300)];
+    let registered = HashMap::from([(procs[2].id(), "launched".to_string())]);
+    let table = ProcessTable { scanned_at: Some(Duration::ZERO), processes: procs };
+    let a = attribute(&c, &table, &GpuSnapshot::default(), &registered, &mut MatchCache::default());
+    let names: Vec<&str> = a.models.iter().map(|m| m.name.as_str()).collect();
+    assert_eq!(names, ["vllm", "launched"]);
+    // Registration beats the config match, and children follow their parent.
+    assert_eq!(a.model_of, [Some(0), Some(0), Some(1), Some(1)]);
+}
+
+#[test]
+fn membership_follows_exec() {
+    // pid and start time survive exec(): a wrapper scanned before it execs the model server must
+    // join the model once it has.
+    let c = config("[[model]]\nname = \"vllm\"\nmatch = { comm = \"vllm\" }\n");
+    let mut cache = MatchCache::default();
+    let table = |comm: &str| ProcessTable { scanned_at: Some(Duration::ZERO), processes: vec![proc(100, comm, GIB, 1)] };
+    let gpus = GpuSnapshot::default();
+    let before = attribute(&c, &table("sh"), &gpus, &HashMap::new(), &mut cache);
+    assert_eq!(before.model_of, [None]);
+    let after = attribute(&c, &table("vllm"), &gpus, &HashMap::new(), &mut cache);
+    assert_eq!(after.model_of, [Some(0)]);
+}
+
+#[test]
+fn one_victim_per_incident_then_the_next() {
+    let c = config(RAM_FLOORS);
+    let abc = || vec![proc(100, "trainer", 6 * GIB, 1), proc(200, "loader", 4 * GIB, 1), proc(300, "notebook", GIB, 1)];
+    let bc = || abc().into_iter().filter(|p| p.pid != 100).collect::<Vec<_>>();
+    let c_only = || abc().into_iter().filter(|p| p.pid == 300).collect::<Vec<_>>();
+    let low = Some(3 * GIB);
+    let plans = play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (snap(0, low, abc()), "terminate [100]", "floor_act"),
+            (snap(500, low, abc()), "", ""),
+            (snap(999, low, abc()), "", ""),
+            // term_grace (1s) is over and it is still there.
+            (snap(1000, low, abc()), "kill [100]", ""),
+            // No second victim while the first is alive.
+            (snap(1500, low, abc()), "", ""),
+            // Gone: sample again before choosing another.
+            (snap(2000, low, bc()), "", ""),
+            (snap(2100, low, bc()), "terminate [200]", ""),
+            (snap(2200, Some(5 * GIB), c_only()), "", "incident_closed"),
+            (snap(2300, Some(16 * GIB), c_only()), "", "floor_cleared"),
+        ],
+    );
+    let pid = |p: &Plan| p.watch.iter().map(|id| id.pid).collect::<Vec<_>>();
+    assert_eq!(pid(&plans[0]), [100]);
+    assert_eq!(pid(&plans[6]), [200]);
+    assert_eq!(pid(&plans[8]), Vec::<i32>::new());
+    assert_eq!(plans[3].actions[0].recheck, Some(Recheck { resource: Resource::Ram, below_bytes: 4 * GIB }));
+}
+
+#[test]
+fn a_victim_that_exits_on_sigterm_is_not_killed() {
+    let c = config(RAM_FLOORS);
+    let ab = || vec![proc(100, "trainer", 6 * GIB, 1), proc(200, "loader", 4 * GIB, 1)];
+    let zombie_a = || vec![Process { state: 'Z', ..proc(100, "trainer", 0, 1) }, proc(200, "loader", 4 * GIB, 1)];
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (snap(0, Some(3 * GIB), ab()), "terminate [100]", "floor_act"),
+            (snap(500, Some(3 * GIB), zombie_a()), "", ""),
+            (snap(1000, Some(3 * GIB), zombie_a()), "terminate [200]", ""),
+            (snap(1500, Some(10 * GIB), zombie_a()), "", "floor_cleared, incident_closed"),
+        ],
+    );
+}
+
+#[test]
+fn far_below_skips_sigterm_grace() {
+    let c = config(RAM_FLOORS);
+    let a = || vec![proc(100, "trainer", 6 * GIB, 1)];
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (snap(0, Some(3 * GIB), a()), "terminate [100]", "floor_act"),
+            (snap(100, Some(GIB), a()), "kill [100]", ""),
+            (snap(200, Some(GIB), a()), "", ""),
+        ],
+    );
+}
+
+#[test]
+fn survived_kill_is_reported_and_nobody_else_is_killed() {
+    let c = config(&format!("{RAM_FLOORS}[gpu]\nrelease_timeout = \"5s\"\n"));
+    let ab = || vec![Process { state: 'D', ..proc(100, "trainer", 6 * GIB, 1) }, proc(200, "loader", 4 * GIB, 1)];
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (snap(0, Some(GIB), ab()), "kill [100]", "floor_act"),
+            (snap(4999, Some(GIB), ab()), "", ""),
+            (snap(5000, Some(GIB), ab()), "", "survived_kill"),
+            (snap(6000, Some(GIB), ab()), "", ""),
+        ],
+    );
+}
+
+#[test]
+fn stop_then_terminate_after_settle() {
+    let c = config(&format!("{RAM_FLOORS}action = \"stop\"\n"));
+    let a = || vec![proc(100, "trainer", 6 * GIB, 1), proc(200, "loader", 4 * GIB, 1)];
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (snap(0, Some(3 * GIB), a()), "stop [100]", "floor_act"),
+            (snap(1999, Some(3 * GIB), a()), "", ""),
+            // settle (2s) is over and RAM is still below min: stopping was not enough.
+            (snap(2000, Some(3 * GIB), a()), "terminate [100]", ""),
+            (snap(3000, Some(3 * GIB), a()), "kill [100]", ""),
+        ],
+    );
+    // Far below after settle: straight to SIGKILL.
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![(snap(0, Some(GIB), a()), "stop [100]", "floor_act"), (snap(2000, Some(GIB), a()), "kill [100]", "")],
+    );
+}
+
+#[test]
+fn stopped_victim_is_held_until_ram_is_back_above_warn() {
+    let c = config(&format!("{RAM_FLOORS}action = \"stop\"\n[daemon]\nmax_stop = \"30s\"\n"));
+    let a = || vec![proc(100, "trainer", 6 * GIB, 1), proc(200, "loader", 4 * GIB, 1)];
+    let plans = play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (snap(0, Some(3 * GIB), a()), "stop [100]", "floor_act"),
+            // Between min and warn: the incident is over, the victim stays stopped.
+            (snap(1000, Some(6 * GIB), a()), "", "incident_closed"),
+            (snap(5000, Some(6 * GIB), a()), "", ""),
+            (snap(6000, Some(16 * GIB), a()), "resume [100]", "floor_cleared"),
+            (snap(7000, Some(16 * GIB), a()), "", ""),
+        ],
+    );
+    assert_eq!(plans[3].actions[0].reason.kind, "cleared");
+    assert_eq!(plans[2].watch.iter().map(|id| id.pid).collect::<Vec<_>>(), [100]);
+
+    // Held too long: killed after max_stop (counted from the stop).
+    let plans = play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (snap(0, Some(3 * GIB), a()), "stop [100]", "floor_act"),
+            (snap(1000, Some(6 * GIB), a()), "", "incident_closed"),
+            (snap(29_999, Some(6 * GIB), a()), "", ""),
+            (snap(30_000, Some(6 * GIB), a()), "kill [100]", ""),
+            (snap(31_000, Some(16 * GIB), a()), "", "floor_cleared"),
+        ],
+    );
+    assert_eq!(plans[3].actions[0].reason.kind, "max_stop");
+
+    // A held process that exits is forgotten: neither killed nor resumed.
+    let b = || a().into_iter().filter(|p| p.pid != 100).collect::<Vec<_>>();
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (snap(0, Some(3 * GIB), a()), "stop [100]", "floor_act"),
+            (snap(1000, Some(6 * GIB), a()), "", "incident_closed"),
+            (snap(2000, Some(6 * GIB), b()), "", ""),
+            (snap(40_000, Some(6 * GIB), b()), "", ""),
+            (snap(41_000, Some(16 * GIB), b()), "", "floor_cleared"),
+        ],
+    );
+}
+
+#[test]
+fn observe_mode_acts_once_and_never_escalates() {
+    let a = || vec![proc(100, "trainer", 6 * GIB, 1), proc(200, "loader", 4 * GIB, 1)];
+    let c = config(&format!("{RAM_FLOORS}[daemon]\nmode = \"observe\"\n"));
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (snap(0, Some(3 * GIB), a()), "terminate [100]", "floor_act"),
+            (snap(1000, Some(3 * GIB), a()), "", ""),
+            (snap(5000, Some(3 * GIB), a()), "", ""),
+            (snap(20_000, Some(GIB), a()), "", ""),
+        ],
+    );
+    // A stop that never happened is never "resumed" (the executor runs Resume even in observe).
+    let c = config(&format!("{RAM_FLOORS}action = \"stop\"\n[daemon]\nmode = \"observe\"\n"));
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (snap(0, Some(3 * GIB), a()), "stop [100]", "floor_act"),
+            (snap(3000, Some(3 * GIB), a()), "", ""),
+            (snap(4000, Some(6 * GIB), a()), "", "incident_closed"),
+            (snap(5000, Some(16 * GIB), a()), "", "floor_cleared"),
+        ],
+    );
+}
+
+#[test]
+fn alert_action_names_the_victim_without_acting() {
+    let c = config(&format!("{RAM_FLOORS}action = \"alert\"\n"));
+    let a = || vec![proc(100, "trainer", 6 * GIB, 1)];
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (snap(0, Some(GIB), a()), "", "floor_act, floor_victim"),
+            (snap(5000, Some(GIB), a()), "", ""),
+        ],
+    );
+}
+
+#[test]
+fn unknown_ram_reading_never_acts() {
+    let c = config(RAM_FLOORS);
+    let a = || vec![proc(100, "trainer", 6 * GIB, 1)];
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (snap(0, None, a()), "", "reading_unknown"),
+            (snap(1000, None, a()), "", ""),
+            (snap(2000, Some(3 * GIB), a()), "terminate [100]", "floor_act"),
+        ],
+    );
+    // Unknown in the middle of an incident: no escalation while it is unknown.
+    let mut state = PolicyState::default();
+    play(&c, &mut state, vec![(snap(0, Some(3 * GIB), a()), "terminate [100]", "floor_act")]);
+    for at in [1000, 2000, 30_000] {
+        let plan = evaluate(&c, &snap(at, None, a()), &mut state);
+        assert_eq!(acts(&plan), "", "at {at}");
+        assert!(at > 1000 || plan.events.iter().any(|e| e.kind == "reading_unknown"), "{:?}", plan.events);
+    }
+    // A reading that is unknown because the total is (a percentage floor) does not act either.
+    let c = config("[ram]\nwarn_available = \"10%\"\nmin_available = \"5%\"\n");
+    let mut s = snap(0, Some(MIB), a());
+    s.host.total_bytes = None;
+    assert_eq!(acts(&once(&c, &s)), "");
+}
+
+#[test]
+fn psi_alone_warns_and_acts_with_low_ram() {
+    let c = config(&format!("{RAM_FLOORS}psi_some_avg10 = 20.0\n"));
+    let cases = [
+        (16 * GIB, Some(50.0), "", "floor_warn"),
+        (16 * GIB, Some(10.0), "", ""),
+        (16 * GIB, None, "", ""),
+        (6 * GIB, Some(10.0), "", "floor_warn"),
+        (6 * GIB, Some(50.0), "terminate [100]", "floor_act"),
+        (3 * GIB, None, "terminate [100]", "floor_act"),
+    ];
+    for (available, psi, want_acts, want_events) in cases {
+        let mut s = snap(0, Some(available), vec![proc(100, "trainer", 6 * GIB, 1)]);
+        s.host.psi_some_avg10 = psi;
+        let plan = once(&c, &s);
+        assert_eq!((acts(&plan).as_str(), events(&plan).as_str()), (want_acts, want_events), "{available} {psi:?}");
+        assert_recheck_lets_it_act(&plan, available);
+        if psi == Some(50.0) {
+            assert!(plan.events[0].message.contains("PSI"), "{}", plan.events[0].message);
+        }
+    }
+}
+
+#[test]
+fn swap_floor_acts_only_with_swap() {
+    let cases = [
+        ("1GiB", None, None, "", ""),
+        ("1GiB", Some(0), Some(0), "", ""),
+        ("1GiB", Some(8 * GIB), Some(4 * GIB), "", ""),
+        ("1GiB", Some(8 * GIB), Some(512 * MIB), "terminate [100]", "floor_act"),
+        ("10%", Some(8 * GIB), Some(GIB), "", ""),
+        ("10%", Some(8 * GIB), Some(512 * MIB), "terminate [100]", "floor_act"),
+    ];
+    for (floor, total, free, want_acts, want_events) in cases {
+        let c = config(&format!("{RAM_FLOORS}min_swap_free = \"{floor}\"\n"));
+        let mut s = snap(0, Some(16 * GIB), vec![proc(100, "trainer", 6 * GIB, 1)]);
+        s.host.swap_total_bytes = total;
+        s.host.swap_free_bytes = free;
+        let plan = once(&c, &s);
+        assert_eq!((acts(&plan).as_str(), events(&plan).as_str()), (want_acts, want_events), "{floor} {total:?} {free:?}");
+        assert_recheck_lets_it_act(&plan, 16 * GIB);
+    }
+}
+
+#[test]
+fn ram_budget_actions_after_grace() {
+    // A 3.5 GiB model (parent + child) over a 2 GiB budget, then back to 1.5 GiB.
+    let over = || vec![proc(100, "vllm", 3 * GIB, 1), proc(101, "worker", GIB / 2, 100), proc(300, "other", 8 * GIB, 1)];
+    let under = || vec![proc(100, "vllm", GIB, 1), proc(101, "worker", GIB / 2, 100), proc(300, "other", 8 * GIB, 1)];
+    let cases = [
+        ("throttle", "throttle vllm[100,101]", "", "", "unthrottle vllm[100,101]"),
+        ("stop", "stop vllm[100,101]", "", "", "resume vllm[100,101]"),
+        ("kill", "terminate vllm[100,101]", "", "kill vllm[100,101]", ""),
+        ("alert", "", "budget_enforced", "", ""),
+    ];
+    let ok = Some(32 * GIB);
+    for (action, at_grace, grace_events, after, cleared) in cases {
+        let c = config(&model("vllm", &format!("ram = \"2GiB\"\naction = \"{action}\"\ngrace = \"5s\"\n")));
+        let plans = play(
+            &c,
+            &mut PolicyState::default(),
+            vec![
+                (snap(0, ok, over()), "", "budget_exceeded"),
+                (snap(4999, ok, over()), "", ""),
+                (snap(5000, ok, over()), at_grace, grace_events),
+                (snap(6000, ok, over()), after, ""),
+                (snap(7000, ok, under()), cleared, "budget_cleared"),
+                (snap(8000, ok, under()), "", ""),
+            ],
+        );
+        for a in plans[2].actions.iter().chain(&plans[3].actions) {
+            assert_eq!(a.reason.kind, "ram_budget", "{action}");
+            assert_eq!(a.recheck, None, "{action}");
+        }
+        for a in &plans[4].actions {
+            assert_eq!(a.reason.kind, "cleared", "{action}");
+        }
+        assert!(plans[0].events[0].message.contains(&format!("action {action} after grace 5s")), "{}", plans[0].events[0].message);
+    }
+}
+
+#[test]
+fn budget_grace_restarts_when_back_under() {
+    let c = config(&model("vllm", "ram = \"2GiB\"\naction = \"stop\"\ngrace = \"5s\"\n"));
+    let use_ = |rss| vec![proc(100, "vllm", rss, 1)];
+    let ok = Some(32 * GIB);
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (snap(0, ok, use_(3 * GIB)), "", "budget_exceeded"),
+            (snap(3000, ok, use_(GIB)), "", "budget_cleared"),
+            (snap(6000, ok, use_(3 * GIB)), "", "budget_exceeded"),
+            (snap(10_999, ok, use_(3 * GIB)), "", ""),
+            (snap(11_000, ok, use_(3 * GIB)), "stop vllm[100]", ""),
+        ],
+    );
+}
+
+#[test]
+fn budget_stopped_model_is_killed_after_max_stop() {
+    let c = config(&format!("[daemon]\nmax_stop = \"30s\"\n{}", model("vllm", "ram = \"2GiB\"\naction = \"stop\"\ngrace = \"0s\"\n")));
+    let a = || vec![proc(100, "vllm", 3 * GIB, 1), proc(101, "worker", GIB, 100)];
+    let ok = Some(32 * GIB);
+    let plans = play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (snap(0, ok, a()), "stop vllm[100,101]", "budget_exceeded"),
+            (snap(29_999, ok, a()), "", ""),
+            (snap(30_000, ok, a()), "kill vllm[100,101]", ""),
+            (snap(31_000, ok, a()), "", ""),
+            (snap(32_000, ok, vec![]), "", "budget_cleared"),
+        ],
+    );
+    assert_eq!(plans[2].actions[0].reason.kind, "max_stop");
+}
+
+#[test]
+fn budget_messages_keep_the_model_name() {
+    let c = config(&model("AlertStopKill", "ram = \"2GiB\"\naction = \"throttle\"\n"));
+    let plan = once(&c, &snap(0, Some(32 * GIB), vec![proc(100, "AlertStopKill", 3 * GIB, 1)]));
+    let message = &plan.events[0].message;
+    assert!(message.contains("model 'AlertStopKill' over budget"), "{message}");
+    assert!(message.contains("action throttle after grace 10s"), "{message}");
+}
+
+#[test]
+fn gpu_floor_picks_the_largest_holder_on_that_gpu() {
+    let c = config("[gpu]\nmin_free = \"2GiB\"\n");
+    // pid 300 is the biggest everywhere, but only on GPU 1.
+    let procs = || vec![proc(100, "vllm", GIB, 1), proc(200, "notebook", GIB, 1), proc(300, "trainer", 20 * GIB, 1)];
+    let low = 3 * GIB / 2;
+    let ok = 3 * GIB;
+    let cases = [
+        (low, ok, "terminate [100]", "floor_act"),
+        (ok, low, "terminate [300]", "floor_act"),
+        (low, low, "terminate [100]; terminate [300]", "floor_act, floor_act"),
+        (ok, ok, "", ""),
+    ];
+    for (free0, free1, want_acts, want_events) in cases {
+        let s = |at| {
+            gsnap(
+                at,
+                procs(),
+                vec![gpu(0, free0, &[(100, Some(8 * GIB)), (200, Some(4 * GIB))]), gpu(1, free1, &[(300, Some(12 * GIB))])],
+            )
+        };
+        let plans = play(
+            &c,
+            &mut PolicyState::default(),
+            vec![(s(0), want_acts, want_events), (s(500), "", ""), (s(1000), &want_acts.replace("terminate", "kill"), "")],
+        );
+        for a in &plans[0].actions {
+            assert_eq!(a.reason.kind, "gpu_floor");
+            assert_eq!(a.recheck, None);
+        }
+    }
+}
+
+#[test]
+fn gpu_budget_is_summed_over_the_model() {
+    let c = config(
+        "[[model]]\nname = \"vllm\"\nmatch = { cmdline = \"vllm serve\" }\ngpu_memory = \"10GiB\"\naction = \"kill\"\ngrace = \"0s\"\n",
+    );
+    let procs = || {
+        vec![
+            Process { cmdline: "python3 -m vllm serve Qwen".into(), ..proc(100, "python3", 2 * GIB, 1) },
+            Process { cmdline: "python3 -c from multiprocessing.spawn import spawn_main".into(), ..proc(101, "python3", GIB, 100) },
+            proc(300, "trainer", GIB, 1),
+        ]
+    };
+    let cases = [
+        (6 * GIB, 6 * GIB, "terminate vllm[100,101]", "budget_exceeded"),
+        (6 * GIB, 3 * GIB, "", ""),
+    ];
+    for (parent, child, want_acts, want_events) in cases {
+        let devices = vec![gpu(0, 8 * GIB, &[(100, Some(parent)), (300, Some(8 * GIB))]), gpu(1, 8 * GIB, &[(101, Some(child))])];
+        let mut state = PolicyState::default();
+        let plans = play(&c, &mut state, vec![(gsnap(0, procs(), devices), want_acts, want_events)]);
+        let usage = &state.attribution.models[0];
+        assert_eq!(usage.gpu_bytes.iter().map(|(i, b)| (*i, *b)).collect::<Vec<_>>(), [(0, parent), (1, child)]);
+        assert_eq!(usage.gpu_total_bytes(), parent + child);
+        for a in &plans[0].actions {
+            assert_eq!(a.reason.kind, "gpu_budget");
+        }
+    }
+}
+
+#[test]
+fn unavailable_gpu_memory_never_makes_a_victim() {
+    let c = config("[gpu]\nmin_free = \"2GiB\"\n");
+    let procs = || vec![proc(100, "mystery", 30 * GIB, 1), proc(200, "notebook", GIB, 1)];
+    let low = 3 * GIB / 2;
+    let plan = once(&c, &gsnap(0, procs(), vec![gpu(0, low, &[(100, None), (200, Some(GIB))])]));
+    assert_eq!(acts(&plan), "terminate [200]");
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (gsnap(0, procs(), vec![gpu(0, low, &[(100, None)])]), "", "floor_act, no_victim"),
+            (gsnap(500, procs(), vec![gpu(0, low, &[(100, None)])]), "", ""),
+        ],
+    );
+    // ...and makes a model's GPU figures a lower bound.
+    let c = config(&model("mystery", ""));
+    let mut state = PolicyState::default();
+    evaluate(&c, &gsnap(0, procs(), vec![gpu(0, low, &[(100, None)])]), &mut state);
+    assert!(state.attribution.models[0].gpu_unknown);
+    assert_eq!(state.attribution.models[0].gpu_total_bytes(), 0);
+}
+
+#[test]
+fn stale_gpu_reading_alerts_only() {
+    let c = config("[gpu]\nmin_free = \"2GiB\"\n");
+    let procs = || vec![proc(100, "vllm", GIB, 1)];
+    let low = 3 * GIB / 2;
+    let s = |at, stale, holders: &[(i32, Option<u64>)]| {
+        let mut s = gsnap(at, procs(), vec![gpu(0, low, holders)]);
+        s.gpus.stale = stale;
+        s
+    };
+    let holds = [(100, Some(8 * GIB))];
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (s(0, true, &holds), "", "floor_act, not_acting_stale"),
+            (s(500, true, &holds), "", ""),
+            (s(1000, false, &holds), "terminate [100]", ""),
+        ],
+    );
+    // Having said "stale" does not silence "no victim" once the reading is fresh.
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![(s(0, true, &[(100, None)]), "", "floor_act, not_acting_stale"), (s(1000, false, &[(100, None)]), "", "no_victim")],
+    );
+}
+
+#[test]
+fn stale_gpu_reading_only_delays_a_budget() {
+    let c = config(&model("vllm", "gpu_memory = \"4GiB\"\naction = \"kill\"\ngrace = \"5s\"\n"));
+    let procs = || vec![proc(100, "vllm", GIB, 1)];
+    let s = |at, stale| {
+        let mut s = gsnap(at, procs(), vec![gpu(0, 8 * GIB, &[(100, Some(6 * GIB))])]);
+        s.gpus.stale = stale;
+        s
+    };
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (s(0, false), "", "budget_exceeded"),
+            (s(5000, true), "", ""),
+            (s(5500, false), "terminate vllm[100]", ""),
+        ],
+    );
+}
+
+#[test]
+fn stuck_gpu_memory_is_reported_not_killed_around() {
+    let c = config("[gpu]\nmin_free = \"2GiB\"\nrelease_timeout = \"5s\"\n");
+    let low = 3 * GIB / 2;
+    let ab = || vec![proc(100, "vllm", GIB, 1), proc(200, "notebook", GIB, 1)];
+    let b = || vec![proc(200, "notebook", GIB, 1)];
+    // The victim has exited, but NVML still lists its pid with memory.
+    let devices = || vec![gpu(0, low, &[(100, Some(8 * GIB)), (200, Some(2 * GIB))])];
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (gsnap(0, ab(), devices()), "terminate [100]", "floor_act"),
+            (gsnap(1000, b(), devices()), "", ""),
+            (gsnap(2000, b(), devices()), "", ""),
+            (gsnap(5999, b(), devices()), "", ""),
+            (gsnap(6000, b(), devices()), "", "stuck_memory"),
+            (gsnap(7000, b(), devices()), "", ""),
+            (gsnap(60_000, b(), devices()), "", ""),
+        ],
+    );
+    // Released in time: on to the next holder.
+    let released = || vec![gpu(0, low, &[(200, Some(2 * GIB))])];
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (gsnap(0, ab(), devices()), "terminate [100]", "floor_act"),
+            (gsnap(1000, b(), devices()), "", ""),
+            (gsnap(2000, b(), released()), "terminate [200]", ""),
+        ],
+    );
+}
+
+#[test]
+fn sampling_interval_tightens_near_a_floor() {
+    let c = config(RAM_FLOORS);
+    let ms = Duration::from_millis;
+    let protected = vec![proc(300, "sshd", 6 * GIB, 1)];
+    let victims = vec![proc(100, "trainer", 6 * GIB, 1)];
+    let cases = [
+        // available, processes, next_interval, max_scan_age
+        (60 * GIB, &victims, ms(1000), ms(5000)),
+        // 4.5 GiB above min at 8 GiB/s: 562.5 ms.
+        (8 * GIB + GIB / 2, &victims, Duration::from_micros(562_500), ms(5000)),
+        // In the warn band: 2 GiB above min: 250 ms, and scans at least every 100 ms.
+        (6 * GIB, &victims, ms(250), ms(100)),
+        (4 * GIB + 40 * MIB, &victims, ms(10), ms(100)),
+        (3 * GIB, &victims, ms(10), ms(100)),
+        // Below min with nobody chosen yet: rescan at once.
+        (3 * GIB, &protected, ms(10), Duration::ZERO),
+    ];
+    for (available, procs, interval, scan_age) in cases {
+        let plan = once(&c, &snap(0, Some(available), procs.clone()));
+        assert_eq!((plan.next_interval, plan.max_scan_age), (interval, scan_age), "{available}");
+    }
+
+    // A GPU floor: 8 GiB above min_free at 32 GiB/s.
+    let c = config("[gpu]\nmin_free = \"2GiB\"\n");
+    let plan = once(&c, &gsnap(0, victims.clone(), vec![gpu(0, 10 * GIB, &[])]));
+    assert_eq!((plan.next_interval, plan.max_scan_age), (ms(250), ms(5000)));
+
+    // A model over budget: sampled fast, scanned often.
+    let c = config(&model("trainer", "ram = \"1GiB\"\n"));
+    let plan = once(&c, &snap(0, Some(60 * GIB), victims.clone()));
+    assert_eq!((plan.next_interval, plan.max_scan_age), (ms(10), ms(100)));
+}

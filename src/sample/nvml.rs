@@ -43,6 +43,8 @@ impl XidEvent {
 pub struct GpuReading {
     pub status: GpuStatus,
     pub devices: Vec<Gpu>,
+    /// True if this reading read the per-process lists afresh.
+    pub read_processes: bool,
 }
 
 /// Where GPU readings come from (NVML, or a fake in tests).
@@ -190,7 +192,7 @@ impl GpuSource for NvmlGpuSource {
     fn sample(&mut self, processes: bool) -> GpuReading {
         let nvml = match self.init() {
             Ok(nvml) => nvml,
-            Err(why) => return GpuReading { status: GpuStatus::Unavailable(why), devices: Vec::new() },
+            Err(why) => return GpuReading { status: GpuStatus::Unavailable(why), ..Default::default() },
         };
         let count = match nvml.device_count() {
             Ok(n) => n,
@@ -199,7 +201,7 @@ impl GpuSource for NvmlGpuSource {
                 if matches!(e, NvmlError::LibRmVersionMismatch | NvmlError::Uninitialized | NvmlError::DriverNotLoaded) {
                     self.reset(why.clone());
                 }
-                return GpuReading { status: GpuStatus::Unavailable(why), devices: Vec::new() };
+                return GpuReading { status: GpuStatus::Unavailable(why), ..Default::default() };
             }
         };
         let mut devices = Vec::with_capacity(count as usize);
@@ -240,7 +242,7 @@ impl GpuSource for NvmlGpuSource {
             }
             devices.push(gpu);
         }
-        GpuReading { status: GpuStatus::Ok, devices }
+        GpuReading { status: GpuStatus::Ok, devices, read_processes: processes }
     }
 
     fn take_xids(&mut self) -> Vec<XidEvent> {
@@ -256,6 +258,7 @@ struct Latest {
     /// How long the last sample took.
     took: Duration,
     xids: Vec<XidEvent>,
+    process_lists_read: u64,
 }
 
 /// Runs a `GpuSource` on its own thread; the control loop never waits for it.
@@ -286,6 +289,7 @@ impl GpuMonitor {
                     let reading = source.sample(processes);
                     let xids = source.take_xids();
                     let mut latest = shared.lock().expect("gpu lock");
+                    latest.process_lists_read += u64::from(reading.read_processes);
                     latest.reading = reading;
                     latest.sampled_at = Some(Instant::now());
                     latest.took = started.elapsed();
@@ -310,8 +314,10 @@ impl GpuMonitor {
         let snapshot = GpuSnapshot {
             status: latest.reading.status.clone(),
             sampled_at: age.map(|a| at.saturating_sub(a)),
-            stale: age.is_none_or(|a| a > expected_age + self.sample_timeout),
+            // Late (the sample itself took too long) or old (no answer since): alerts only.
+            stale: latest.took > self.sample_timeout || age.is_none_or(|a| a > expected_age + self.sample_timeout),
             devices: latest.reading.devices.clone(),
+            process_lists_read: latest.process_lists_read,
         };
         (snapshot, xids, latest.took)
     }

@@ -14,11 +14,18 @@ use super::ProcSource;
 /// `PF_KTHREAD` in /proc/PID/stat's flags.
 const PF_KTHREAD: u32 = 0x0020_0000;
 
+struct StaticInfo {
+    comm: String,
+    cmdline: String,
+    cgroup: String,
+}
+
 pub struct ProcfsSource {
     root: PathBuf,
     page_size: u64,
-    /// cmdline and cgroup rarely change during a process's life; read them once.
-    static_info: HashMap<ProcessId, (String, String)>,
+    /// cmdline and cgroup rarely change during a process's life: read once per (process, comm),
+    /// since an exec (a launcher script becoming python) changes comm but not the start time.
+    static_info: HashMap<ProcessId, StaticInfo>,
 }
 
 impl ProcfsSource {
@@ -44,13 +51,14 @@ impl ProcfsSource {
             }
         };
         let (cmdline, cgroup) = match self.static_info.get(&id) {
-            Some(info) => info.clone(),
-            None => {
+            Some(info) if info.comm == stat.comm => (info.cmdline.clone(), info.cgroup.clone()),
+            _ => {
                 let cmdline = proc.cmdline().map(|args| args.join(" ")).unwrap_or_default();
                 let cgroup = std::fs::read_to_string(dir.join("cgroup"))
                     .map(|text| parse_cgroup(&text))
                     .unwrap_or_default();
-                self.static_info.insert(id, (cmdline.clone(), cgroup.clone()));
+                let info = StaticInfo { comm: stat.comm.clone(), cmdline: cmdline.clone(), cgroup: cgroup.clone() };
+                self.static_info.insert(id, info);
                 (cmdline, cgroup)
             }
         };

@@ -235,3 +235,67 @@ impl Drop for GuardDaemon {
 pub fn path(p: &Path) -> String {
     p.to_string_lossy().into_owned()
 }
+
+/// A scripted fake libnvidia-ml.so.1 (tests/fake_nvml) with its own state file.
+pub struct FakeNvml {
+    pub dir: tempfile::TempDir,
+    pub state: PathBuf,
+}
+
+impl FakeNvml {
+    pub fn new(state: &str) -> FakeNvml {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = FakeNvml { state: dir.path().join("nvml-state"), dir };
+        fake.set(state);
+        fake
+    }
+
+    /// Replaces the state atomically (the fake re-reads it on every call).
+    pub fn set(&self, state: &str) {
+        let tmp = self.state.with_extension("tmp");
+        std::fs::write(&tmp, state).unwrap();
+        std::fs::rename(tmp, &self.state).unwrap();
+    }
+
+    pub fn library() -> String {
+        format!("{}/libnvidia-ml.so.1", env!("GPUGUARD_FAKE_NVML_DIR"))
+    }
+
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        vec![("FAKE_NVML_STATE", path(&self.state))]
+    }
+}
+
+/// A python parent that starts one python child; both idle. The child's pid is read back.
+pub struct Family {
+    pub parent: Child,
+    pub child_pid: u32,
+}
+
+const FAMILY_PY: &str = r#"
+import subprocess, sys, time
+c = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", sys.argv[1] + "-child"])
+print(c.pid, flush=True)
+time.sleep(600)
+"#;
+
+impl Family {
+    pub fn start(token: &str) -> Family {
+        use std::io::BufRead;
+        let mut parent = Command::new("python3").args(["-c", FAMILY_PY, token]).stdout(Stdio::piped()).spawn().unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(parent.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        Family { parent, child_pid: line.trim().parse().unwrap() }
+    }
+}
+
+impl Drop for Family {
+    fn drop(&mut self) {
+        for pid in [self.child_pid as i32, self.parent.id() as i32] {
+            let pid = nix::unistd::Pid::from_raw(pid);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+        }
+        let _ = self.parent.wait();
+    }
+}
