@@ -28,7 +28,13 @@ impl fmt::Display for ConfigError {
         if self.key.is_empty() {
             write!(f, "config {}: {}", self.file.display(), self.message)
         } else {
-            write!(f, "config {}: {}: {}", self.file.display(), self.key, self.message)
+            write!(
+                f,
+                "config {}: {}: {}",
+                self.file.display(),
+                self.key,
+                self.message
+            )
         }
     }
 }
@@ -94,6 +100,10 @@ pub struct DaemonConfig {
     /// After an action on a floor, how long to wait for memory to come back before acting again.
     #[serde(with = "duration")]
     pub settle: Duration,
+    /// A victim still there this long after SIGKILL is reported (stuck in the kernel or driver)
+    /// and nothing more is killed for that incident.
+    #[serde(with = "duration")]
+    pub kill_timeout: Duration,
 }
 
 impl Default for DaemonConfig {
@@ -108,6 +118,7 @@ impl Default for DaemonConfig {
             term_grace: Duration::from_secs(1),
             max_stop: Duration::from_secs(300),
             settle: Duration::from_secs(2),
+            kill_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -207,7 +218,11 @@ impl GpuConfig {
     /// The (warn, min) floors for one GPU, overrides first.
     pub fn floors_for(&self, index: u32, uuid: &str) -> (Option<Amount>, Option<Amount>) {
         let index = index.to_string();
-        match self.devices.iter().find(|d| d.gpu == index || d.gpu == uuid) {
+        match self
+            .devices
+            .iter()
+            .find(|d| d.gpu == index || d.gpu == uuid)
+        {
             Some(o) => (o.warn_free.or(self.warn_free), o.min_free.or(self.min_free)),
             None => (self.warn_free, self.min_free),
         }
@@ -230,7 +245,12 @@ pub struct ProtectConfig {
 
 impl Default for ProtectConfig {
     fn default() -> Self {
-        ProtectConfig { defaults: true, comm: Vec::new(), cmdline: Vec::new(), users: Vec::new() }
+        ProtectConfig {
+            defaults: true,
+            comm: Vec::new(),
+            cmdline: Vec::new(),
+            users: Vec::new(),
+        }
     }
 }
 
@@ -261,8 +281,16 @@ pub const DEFAULT_PROTECTED_COMM: &[&str] = &[
 impl ProtectConfig {
     /// True if a process with this name, uid and command line must never be touched.
     pub fn protects(&self, comm: &str, uid: u32, cmdline: &str) -> bool {
-        let builtin = if self.defaults { DEFAULT_PROTECTED_COMM } else { &[] };
-        builtin.iter().copied().chain(self.comm.iter().map(String::as_str)).any(|p| comm_matches(p, comm))
+        let builtin = if self.defaults {
+            DEFAULT_PROTECTED_COMM
+        } else {
+            &[]
+        };
+        builtin
+            .iter()
+            .copied()
+            .chain(self.comm.iter().map(String::as_str))
+            .any(|p| comm_matches(p, comm))
             || self.cmdline.iter().any(|p| p.0.is_match(cmdline))
             || self.users.iter().any(|u| u.uid == uid)
     }
@@ -341,15 +369,27 @@ impl Matcher {
         !self.is_empty()
             && self.comm.as_deref().is_none_or(|p| comm_matches(p, comm))
             && self.user.as_ref().is_none_or(|u| u.uid == uid)
-            && self.unit.as_deref().is_none_or(|u| cgroup.split('/').any(|part| part == u))
-            && self.cgroup.as_deref().is_none_or(|prefix| cgroup_has_prefix(cgroup, prefix))
-            && self.cmdline.as_ref().is_none_or(|re| re.0.is_match(cmdline))
+            && self
+                .unit
+                .as_deref()
+                .is_none_or(|u| cgroup.split('/').any(|part| part == u))
+            && self
+                .cgroup
+                .as_deref()
+                .is_none_or(|prefix| cgroup_has_prefix(cgroup, prefix))
+            && self
+                .cmdline
+                .as_ref()
+                .is_none_or(|re| re.0.is_match(cmdline))
     }
 }
 
 fn cgroup_has_prefix(cgroup: &str, prefix: &str) -> bool {
     let prefix = prefix.trim_end_matches('/');
-    cgroup == prefix || cgroup.strip_prefix(prefix).is_some_and(|rest| rest.starts_with('/'))
+    cgroup == prefix
+        || cgroup
+            .strip_prefix(prefix)
+            .is_some_and(|rest| rest.starts_with('/'))
 }
 
 /// A compiled regex from the config.
@@ -379,8 +419,13 @@ impl<'de> Deserialize<'de> for User {
             return Ok(User { name, uid });
         }
         match nix::unistd::User::from_name(&name) {
-            Ok(Some(user)) => Ok(User { name, uid: user.uid.as_raw() }),
-            _ => Err(serde::de::Error::custom(format!("'{name}' is not a known user"))),
+            Ok(Some(user)) => Ok(User {
+                name,
+                uid: user.uid.as_raw(),
+            }),
+            _ => Err(serde::de::Error::custom(format!(
+                "'{name}' is not a known user"
+            ))),
         }
     }
 }
@@ -398,14 +443,24 @@ impl Config {
 
     /// Parses and validates config text; `file` is only used in error messages.
     pub fn parse(text: &str, file: &Path) -> Result<Config, ConfigError> {
-        let error = |key: String, message: String| ConfigError { file: file.to_path_buf(), key, message };
-        let deserializer = toml::Deserializer::parse(text)
-            .map_err(|e| error(String::new(), format!("TOML syntax error: {}", describe(&e, text))))?;
+        let error = |key: String, message: String| ConfigError {
+            file: file.to_path_buf(),
+            key,
+            message,
+        };
+        let deserializer = toml::Deserializer::parse(text).map_err(|e| {
+            error(
+                String::new(),
+                format!("TOML syntax error: {}", describe(&e, text)),
+            )
+        })?;
         let config: Config = serde_path_to_error::deserialize(deserializer).map_err(|e| {
             let key = name_models_in_path(&e.path().to_string(), text);
             error(key, describe(e.inner(), text))
         })?;
-        config.validate().map_err(|(key, message)| error(key, message))?;
+        config
+            .validate()
+            .map_err(|(key, message)| error(key, message))?;
         Ok(config)
     }
 
@@ -424,16 +479,34 @@ impl Config {
         if d.interval > Duration::from_secs(60) {
             return Err(("daemon.interval".into(), "must be at most 60s".into()));
         }
-        check_floor_order("ram.warn_available", self.ram.warn_available, "ram.min_available", self.ram.min_available)?;
-        check_floor_order("gpu.warn_free", self.gpu.warn_free, "gpu.min_free", self.gpu.min_free)?;
+        check_floor_order(
+            "ram.warn_available",
+            self.ram.warn_available,
+            "ram.min_available",
+            self.ram.min_available,
+        )?;
+        check_floor_order(
+            "gpu.warn_free",
+            self.gpu.warn_free,
+            "gpu.min_free",
+            self.gpu.min_free,
+        )?;
         for (i, o) in self.gpu.devices.iter().enumerate() {
             let (warn, min) = self.gpu.floors_for(0, &o.gpu);
             let key = format!("gpu.device[{i}] '{}'", o.gpu);
-            check_floor_order(&format!("{key}.warn_free"), warn, &format!("{key}.min_free"), min)?;
+            check_floor_order(
+                &format!("{key}.warn_free"),
+                warn,
+                &format!("{key}.min_free"),
+                min,
+            )?;
         }
         if let Some(psi) = self.ram.psi_some_avg10 {
             if !(0.0..=100.0).contains(&psi) {
-                return Err(("ram.psi_some_avg10".into(), format!("'{psi}' must be a percentage (0-100)")));
+                return Err((
+                    "ram.psi_some_avg10".into(),
+                    format!("'{psi}' must be a percentage (0-100)"),
+                ));
             }
         }
         let mut names = HashSet::new();
@@ -443,12 +516,16 @@ impl Config {
                 return Err((format!("model[{i}].name"), "must not be empty".into()));
             }
             if !names.insert(m.name.as_str()) {
-                return Err((format!("{key}.name"), format!("'{}' is used by another [[model]]", m.name)));
+                return Err((
+                    format!("{key}.name"),
+                    format!("'{}' is used by another [[model]]", m.name),
+                ));
             }
             if m.action != ModelAction::Alert && m.ram.is_none() && m.gpu_memory.is_none() {
                 return Err((
                     format!("{key}.action"),
-                    format!("'{:?}' needs a budget: set ram or gpu_memory", m.action).to_lowercase(),
+                    format!("'{:?}' needs a budget: set ram or gpu_memory", m.action)
+                        .to_lowercase(),
                 ));
             }
         }
@@ -476,7 +553,11 @@ fn check_floor_order(
     if below {
         return Err((
             warn_key.into(),
-            format!("'{}' is below {min_key} ('{}')", warn.unwrap(), min.unwrap()),
+            format!(
+                "'{}' is below {min_key} ('{}')",
+                warn.unwrap(),
+                min.unwrap()
+            ),
         ));
     }
     Ok(())
@@ -484,11 +565,20 @@ fn check_floor_order(
 
 /// serde_path_to_error says `model[1].ram`; operators know models by name: `model[1] 'qwen'.ram`.
 fn name_models_in_path(path: &str, text: &str) -> String {
-    let Some(rest) = path.strip_prefix("model[") else { return path.to_string() };
-    let Some((index, tail)) = rest.split_once(']') else { return path.to_string() };
+    let Some(rest) = path.strip_prefix("model[") else {
+        return path.to_string();
+    };
+    let Some((index, tail)) = rest.split_once(']') else {
+        return path.to_string();
+    };
     let name = toml::from_str::<toml::Table>(text).ok().and_then(|t| {
         let i: usize = index.parse().ok()?;
-        t.get("model")?.as_array()?.get(i)?.get("name")?.as_str().map(str::to_string)
+        t.get("model")?
+            .as_array()?
+            .get(i)?
+            .get("name")?
+            .as_str()
+            .map(str::to_string)
     });
     match name {
         Some(name) => format!("model[{index}] '{name}'{tail}"),
@@ -500,7 +590,10 @@ fn name_models_in_path(path: &str, text: &str) -> String {
 fn describe(e: &toml::de::Error, text: &str) -> String {
     let message = e.message().trim().replace('\n', " ");
     match e.span() {
-        Some(span) => format!("{message} (line {})", text[..span.start.min(text.len())].matches('\n').count() + 1),
+        Some(span) => format!(
+            "{message} (line {})",
+            text[..span.start.min(text.len())].matches('\n').count() + 1
+        ),
         None => message,
     }
 }
@@ -527,10 +620,22 @@ mod tests {
     #[test]
     fn errors_name_file_key_and_value() {
         let cases = [
-            ("[ram]\nmin_available = \"12X\"\n", "ram.min_available: '12X' is not a size"),
-            ("[ram]\nmin_availble = \"1GiB\"\n", "unknown field `min_availble`"),
-            ("[daemon]\ninterval = \"soon\"\n", "daemon.interval: 'soon' is not a duration"),
-            ("[daemon]\nmode = \"yolo\"\n", "daemon.mode: unknown variant `yolo`"),
+            (
+                "[ram]\nmin_available = \"12X\"\n",
+                "ram.min_available: '12X' is not a size",
+            ),
+            (
+                "[ram]\nmin_availble = \"1GiB\"\n",
+                "unknown field `min_availble`",
+            ),
+            (
+                "[daemon]\ninterval = \"soon\"\n",
+                "daemon.interval: 'soon' is not a duration",
+            ),
+            (
+                "[daemon]\nmode = \"yolo\"\n",
+                "daemon.mode: unknown variant `yolo`",
+            ),
             (
                 "[[model]]\nname = \"qwen\"\ngpu_memory = \"12X\"\n",
                 "model[0] 'qwen'.gpu_memory: '12X' is not a size",
@@ -539,14 +644,26 @@ mod tests {
                 "[[model]]\nname = \"a\"\nmatch = { cmdline = \"(\" }\n",
                 "model[0] 'a'.match.cmdline: '(' is not a valid regex",
             ),
-            ("[ram]\nwarn_available = \"1GiB\"\nmin_available = \"2GiB\"\n", "ram.warn_available: '1.0 GiB' is below"),
-            ("[[model]]\nname = \"a\"\naction = \"kill\"\n", "model[0] 'a'.action: 'kill' needs a budget"),
-            ("[[model]]\nname = \"a\"\n[[model]]\nname = \"a\"\n", "model[1] 'a'.name: 'a' is used by another"),
+            (
+                "[ram]\nwarn_available = \"1GiB\"\nmin_available = \"2GiB\"\n",
+                "ram.warn_available: '1.0 GiB' is below",
+            ),
+            (
+                "[[model]]\nname = \"a\"\naction = \"kill\"\n",
+                "model[0] 'a'.action: 'kill' needs a budget",
+            ),
+            (
+                "[[model]]\nname = \"a\"\n[[model]]\nname = \"a\"\n",
+                "model[1] 'a'.name: 'a' is used by another",
+            ),
             ("[ram\n", "TOML syntax error"),
         ];
         for (text, want) in cases {
             let err = parse(text).unwrap_err();
-            assert!(err.starts_with("config /etc/gpuguard/config.toml: "), "{err}");
+            assert!(
+                err.starts_with("config /etc/gpuguard/config.toml: "),
+                "{err}"
+            );
             assert!(err.contains(want), "{text:?}: got {err:?}, want {want:?}");
             assert!(!err.contains('\n'), "one line: {err:?}");
         }
@@ -559,7 +676,12 @@ mod tests {
         )
         .unwrap();
         let m = &c.models[0].matcher;
-        assert!(m.matches("python3", 0, "python3 -m vllm serve x", "/system.slice/vllm.service"));
+        assert!(m.matches(
+            "python3",
+            0,
+            "python3 -m vllm serve x",
+            "/system.slice/vllm.service"
+        ));
         assert!(!m.matches("python3", 0, "python3 -m vllm serve x", "/user.slice"));
         assert!(!Matcher::default().matches("x", 0, "x", "/"));
     }
@@ -579,6 +701,9 @@ mod tests {
         .unwrap();
         assert_eq!(c.gpu.floors_for(0, "GPU-x").1, Some(Amount::Bytes(1 << 30)));
         assert_eq!(c.gpu.floors_for(1, "GPU-y").1, Some(Amount::Bytes(2 << 30)));
-        assert_eq!(c.gpu.floors_for(2, "GPU-abc"), (Some(Amount::Bytes(8 << 30)), Some(Amount::Bytes(1 << 30))));
+        assert_eq!(
+            c.gpu.floors_for(2, "GPU-abc"),
+            (Some(Amount::Bytes(8 << 30)), Some(Amount::Bytes(1 << 30)))
+        );
     }
 }

@@ -29,7 +29,10 @@ pub struct Roots {
 
 impl Default for Roots {
     fn default() -> Self {
-        Roots { proc: PathBuf::from("/proc"), cgroup: PathBuf::from("/sys/fs/cgroup") }
+        Roots {
+            proc: PathBuf::from("/proc"),
+            cgroup: PathBuf::from("/sys/fs/cgroup"),
+        }
     }
 }
 
@@ -58,7 +61,10 @@ impl Daemon {
             let source = NvmlGpuSource::new(config.gpu.nvml_library.clone(), config.gpu.retry_init);
             GpuMonitor::start(Box::new(source), config.gpu.sample_timeout)
         });
-        let snapshot = Snapshot { self_pid: std::process::id() as i32, ..Default::default() };
+        let snapshot = Snapshot {
+            self_pid: std::process::id() as i32,
+            ..Default::default()
+        };
         Ok(Daemon {
             config_path: config_path.to_path_buf(),
             config,
@@ -76,15 +82,18 @@ impl Daemon {
     /// Runs until SIGTERM or SIGINT.
     pub fn run(mut self) -> anyhow::Result<()> {
         let (tx, signals_rx) = channel();
-        let mut signals = signal_hook::iterator::Signals::new([SIGHUP, SIGTERM, SIGINT]).context("installing signal handlers")?;
+        let mut signals = signal_hook::iterator::Signals::new([SIGHUP, SIGTERM, SIGINT])
+            .context("installing signal handlers")?;
         let signal_thread = signals.handle();
-        std::thread::Builder::new().name("signals".into()).spawn(move || {
-            for signal in signals.forever() {
-                if tx.send(signal).is_err() {
-                    break;
+        std::thread::Builder::new()
+            .name("signals".into())
+            .spawn(move || {
+                for signal in signals.forever() {
+                    if tx.send(signal).is_err() {
+                        break;
+                    }
                 }
-            }
-        })?;
+            })?;
         if let Err(e) = self_test() {
             warn!("{e}");
         }
@@ -101,7 +110,8 @@ impl Daemon {
             match signals_rx.recv_timeout(wait) {
                 Ok(SIGHUP) => self.reload(),
                 Ok(signal) => {
-                    let name = nix::sys::signal::Signal::try_from(signal).map_or("signal", |s| s.as_str());
+                    let name =
+                        nix::sys::signal::Signal::try_from(signal).map_or("signal", |s| s.as_str());
                     info!("{name}: resuming held processes and stopping");
                     break;
                 }
@@ -116,14 +126,21 @@ impl Daemon {
     }
 
     /// One pass of the pipeline. Returns (sleep, max process-scan age, pids to watch).
-    fn tick(&mut self, since_last: Duration, max_scan_age: Duration, watch: &[crate::snapshot::ProcessId]) -> (Duration, Duration, Vec<crate::snapshot::ProcessId>) {
+    fn tick(
+        &mut self,
+        since_last: Duration,
+        max_scan_age: Duration,
+        watch: &[crate::snapshot::ProcessId],
+    ) -> (Duration, Duration, Vec<crate::snapshot::ProcessId>) {
         let now = Instant::now();
         let at = now.duration_since(self.started);
         self.snapshot.at = at;
         self.snapshot.host = self.procs.host_memory();
 
         let table = &mut self.snapshot.processes;
-        let scan = table.scanned_at.is_none_or(|t| at.saturating_sub(t) >= max_scan_age);
+        let scan = table
+            .scanned_at
+            .is_none_or(|t| at.saturating_sub(t) >= max_scan_age);
         if scan {
             table.processes = self.procs.scan();
             table.scanned_at = Some(at);
@@ -142,14 +159,26 @@ impl Daemon {
         }
 
         let mut events = Vec::new();
+        let mut gpu_sample = Duration::ZERO;
         if let Some(gpus) = &self.gpus {
-            let (gpu_snapshot, xids, _took) = gpus.snapshot(now, at, since_last);
+            let (gpu_snapshot, xids, took) = gpus.snapshot(now, at, since_last);
+            gpu_sample = took;
             gpus.request(scan);
             self.snapshot.gpus = gpu_snapshot;
             for x in xids {
-                let gpu = x.gpu.map_or("unknown GPU".to_string(), |g| format!("GPU {g}"));
-                let (severity, kind) = if x.critical() { (Severity::Critical, "xid_critical") } else { (Severity::Warning, "xid") };
-                events.push(Event { severity, kind, message: format!("Xid {} on {gpu}", x.xid) });
+                let gpu = x
+                    .gpu
+                    .map_or("unknown GPU".to_string(), |g| format!("GPU {g}"));
+                let (severity, kind) = if x.critical() {
+                    (Severity::Critical, "xid_critical")
+                } else {
+                    (Severity::Warning, "xid")
+                };
+                events.push(Event {
+                    severity,
+                    kind,
+                    message: format!("Xid {} on {gpu}", x.xid),
+                });
             }
             if scan {
                 self.note_unknown_gpu_pids();
@@ -168,12 +197,24 @@ impl Daemon {
                 Resource::Ram => procs.host_memory().available_bytes,
                 Resource::Gpu(_) => None,
             };
-            let outcome = self.executor.execute(self.config.daemon.mode, action, cgroup.as_deref(), &mut reread);
+            let outcome = self.executor.execute(
+                self.config.daemon.mode,
+                action,
+                cgroup.as_deref(),
+                &mut reread,
+            );
             if matches!(outcome, Outcome::Skipped(_) | Outcome::Failed(_)) {
-                self.state.action_not_done(action);
+                self.state
+                    .action_not_done(action, matches!(outcome, Outcome::Failed(_)));
             }
         }
-        debug!(took_us = now.elapsed().as_micros() as u64, scan, next_ms = plan.next_interval.as_millis() as u64, "tick");
+        debug!(
+            took_us = now.elapsed().as_micros() as u64,
+            scan,
+            gpu_sample_us = gpu_sample.as_micros() as u64,
+            next_ms = plan.next_interval.as_millis() as u64,
+            "tick"
+        );
         (plan.next_interval, plan.max_scan_age, plan.watch)
     }
 
@@ -190,7 +231,10 @@ impl Daemon {
             GpuStatus::Ok => Event {
                 severity: Severity::Info,
                 kind: "gpu_ok",
-                message: format!("GPU protection on: {} GPU(s) seen through NVML", self.snapshot.gpus.devices.len()),
+                message: format!(
+                    "GPU protection on: {} GPU(s) seen through NVML",
+                    self.snapshot.gpus.devices.len()
+                ),
             },
             GpuStatus::Unavailable(why) => Event {
                 severity: Severity::Warning,
@@ -200,7 +244,11 @@ impl Daemon {
                     humantime::format_duration(self.config.gpu.retry_init)
                 ),
             },
-            GpuStatus::Off => Event { severity: Severity::Info, kind: "gpu_off", message: "GPU protection disabled by config ([gpu] enabled = false)".into() },
+            GpuStatus::Off => Event {
+                severity: Severity::Info,
+                kind: "gpu_off",
+                message: "GPU protection disabled by config ([gpu] enabled = false)".into(),
+            },
         };
         events.push(event);
         self.gpu_status = status;
@@ -211,8 +259,15 @@ impl Daemon {
         let table = &self.snapshot.processes;
         for gpu in &self.snapshot.gpus.devices {
             for pid in gpu.processes.keys() {
-                if !table.processes.iter().any(|p| p.pid == *pid) && self.unknown_gpu_pids.insert(*pid) {
-                    warn!(gpu = gpu.index, pid, "GPU {} reports pid {pid}, which /proc does not know: ignored", gpu.index);
+                if !table.processes.iter().any(|p| p.pid == *pid)
+                    && self.unknown_gpu_pids.insert(*pid)
+                {
+                    warn!(
+                        gpu = gpu.index,
+                        pid,
+                        "GPU {} reports pid {pid}, which /proc does not know: ignored",
+                        gpu.index
+                    );
                 }
             }
         }
@@ -236,7 +291,11 @@ impl Daemon {
 
     fn log_start(&self) {
         let c = &self.config;
-        let total = self.snapshot.host.total_bytes.or_else(|| ProcfsSource::new("/proc").host_memory().total_bytes);
+        let total = self
+            .snapshot
+            .host
+            .total_bytes
+            .or_else(|| ProcfsSource::new("/proc").host_memory().total_bytes);
         let show = |a: Option<crate::units::Amount>| match a {
             Some(a) => match a.resolve(total) {
                 Some(b) => format!("{a} ({})", crate::units::fmt_bytes(b)),
@@ -259,7 +318,10 @@ impl Daemon {
 
 /// The cgroup the target's processes share, if they all live in one that is not the root.
 fn own_cgroup(snapshot: &Snapshot, target: &Target) -> Option<String> {
-    let mut groups = target.ids().filter_map(|id| snapshot.processes.get(id)).map(|p| p.cgroup.clone());
+    let mut groups = target
+        .ids()
+        .filter_map(|id| snapshot.processes.get(id))
+        .map(|p| p.cgroup.clone());
     let first = groups.next()?;
     (first != "/" && !first.is_empty() && groups.all(|g| g == first)).then_some(first)
 }

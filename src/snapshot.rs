@@ -58,7 +58,10 @@ pub struct Process {
 
 impl Process {
     pub fn id(&self) -> ProcessId {
-        ProcessId { pid: self.pid, start_time: self.start_time }
+        ProcessId {
+            pid: self.pid,
+            start_time: self.start_time,
+        }
     }
 
     /// Gone in all but name: a zombie or dead task holds no memory and cannot be signalled usefully.

@@ -9,7 +9,8 @@ use common::BIN;
 
 fn run(args: &[&str]) -> (i32, String) {
     let out = Command::new(BIN).args(args).output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     (out.status.code().unwrap_or(-1), text)
 }
 
@@ -23,23 +24,57 @@ fn config_errors_exit_2_naming_file_key_and_value() {
     };
     let bad_size = write("bad_size.toml", "[ram]\nmin_available = \"12X\"\n");
     let typo = write("typo.toml", "[ram]\nmin_availble = \"1GiB\"\n");
-    let bad_model = write("bad_model.toml", "[[model]]\nname = \"qwen\"\ngpu_memory = \"12X\"\n");
-    let missing = dir.path().join("missing.toml").to_string_lossy().into_owned();
+    let bad_model = write(
+        "bad_model.toml",
+        "[[model]]\nname = \"qwen\"\ngpu_memory = \"12X\"\n",
+    );
+    let missing = dir
+        .path()
+        .join("missing.toml")
+        .to_string_lossy()
+        .into_owned();
     let good = write("good.toml", "[daemon]\nmode = \"observe\"\n");
     let cases: Vec<(Vec<&str>, i32, String)> = vec![
-        (vec!["check-config", &bad_size], 2, format!("config {bad_size}: ram.min_available: '12X' is not a size")),
-        (vec!["check-config", &typo], 2, "unknown field `min_availble`".into()),
-        (vec!["check-config", &bad_model], 2, "model[0] 'qwen'.gpu_memory: '12X' is not a size".into()),
-        (vec!["check-config", &missing], 2, format!("config {missing}: cannot read")),
+        (
+            vec!["check-config", &bad_size],
+            2,
+            format!("config {bad_size}: ram.min_available: '12X' is not a size"),
+        ),
+        (
+            vec!["check-config", &typo],
+            2,
+            "unknown field `min_availble`".into(),
+        ),
+        (
+            vec!["check-config", &bad_model],
+            2,
+            "model[0] 'qwen'.gpu_memory: '12X' is not a size".into(),
+        ),
+        (
+            vec!["check-config", &missing],
+            2,
+            format!("config {missing}: cannot read"),
+        ),
         (vec!["check-config", &good], 0, "ok".into()),
-        (vec!["daemon", "--config", &bad_size], 2, "ram.min_available: '12X'".into()),
-        (vec!["daemon", "--config", &missing], 2, "cannot read".into()),
+        (
+            vec!["daemon", "--config", &bad_size],
+            2,
+            "ram.min_available: '12X'".into(),
+        ),
+        (
+            vec!["daemon", "--config", &missing],
+            2,
+            "cannot read".into(),
+        ),
         (vec!["frobnicate"], 2, "unrecognized subcommand".into()),
     ];
     for (args, code, needle) in cases {
         let (got, text) = run(&args);
         assert_eq!(got, code, "{args:?}: {text}");
-        assert!(text.contains(&needle), "{args:?}: {text:?} lacks {needle:?}");
+        assert!(
+            text.contains(&needle),
+            "{args:?}: {text:?} lacks {needle:?}"
+        );
     }
 }
 

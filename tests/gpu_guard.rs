@@ -16,7 +16,9 @@ fn gpu_config(gpu: &str, models: &[(&str, &str, &str)]) -> String {
         FakeNvml::library()
     );
     for (name, token, rest) in models {
-        text.push_str(&format!("\n[[model]]\nname = \"{name}\"\nmatch = {{ cmdline = \"{token}\" }}\n{rest}\n"));
+        text.push_str(&format!(
+            "\n[[model]]\nname = \"{name}\"\nmatch = {{ cmdline = \"{token}\" }}\n{rest}\n"
+        ));
     }
     text
 }
@@ -50,21 +52,55 @@ fn idle(token: &str) -> Hog {
 fn gpu_below_min_free_loses_its_largest_holder_and_the_other_gpu_is_untouched() {
     let (ta, tb, tc) = (token("gpu-a"), token("gpu-b"), token("gpu-c"));
     let (mut a, mut b, mut c) = (idle(&ta), idle(&tb), idle(&tc));
-    let healthy = two_gpus(8, 13, &[(0, a.pid(), "5368709120"), (0, b.pid(), "2147483648"), (1, c.pid(), "12884901888")]);
+    let healthy = two_gpus(
+        8,
+        13,
+        &[
+            (0, a.pid(), "5368709120"),
+            (0, b.pid(), "2147483648"),
+            (1, c.pid(), "12884901888"),
+        ],
+    );
     let fake = FakeNvml::new(&healthy);
-    let daemon = start(&gpu_config("min_free = \"1GiB\"\nwarn_free = \"2GiB\"", &[("a", &ta, ""), ("b", &tb, ""), ("c", &tc, "")]), &fake);
+    let daemon = start(
+        &gpu_config(
+            "min_free = \"1GiB\"\nwarn_free = \"2GiB\"",
+            &[("a", &ta, ""), ("b", &tb, ""), ("c", &tc, "")],
+        ),
+        &fake,
+    );
     daemon.wait_for_log("GPU protection on: 2 GPU(s)", Duration::from_secs(5));
     assert!(a.alive() && b.alive() && c.alive());
 
     // GPU 0 fills up: 15.5 GiB used of 16.
-    fake.set(&healthy.replace(&format!("used={}", 8 * GIB), &format!("used={}", 31 * GIB / 2)));
-    let status = a.wait(Duration::from_secs(10)).unwrap_or_else(|| panic!("largest holder on GPU 0 not acted on:\n{}", daemon.log_text()));
+    fake.set(&healthy.replace(
+        &format!("used={}", 8 * GIB),
+        &format!("used={}", 31 * GIB / 2),
+    ));
+    let status = a.wait(Duration::from_secs(10)).unwrap_or_else(|| {
+        panic!(
+            "largest holder on GPU 0 not acted on:\n{}",
+            daemon.log_text()
+        )
+    });
     assert!(matches!(status.signal(), Some(15 | 9)), "{status:?}");
-    assert!(b.alive(), "the smaller holder on GPU 0 is not the first victim");
-    assert!(c.alive(), "the holder on the healthy GPU 1 must be untouched (it is larger)");
+    assert!(
+        b.alive(),
+        "the smaller holder on GPU 0 is not the first victim"
+    );
+    assert!(
+        c.alive(),
+        "the holder on the healthy GPU 1 must be untouched (it is larger)"
+    );
     let log = daemon.log_text();
-    assert!(log.contains("GPU 0 free 512.0 MiB < min_free 1.0 GiB"), "{log}");
-    assert!(log.contains(&format!("model 'a' pids [{}(python3)]", a.pid())), "{log}");
+    assert!(
+        log.contains("GPU 0 free 512.0 MiB < min_free 1.0 GiB"),
+        "{log}"
+    );
+    assert!(
+        log.contains(&format!("model 'a' pids [{}(python3)]", a.pid())),
+        "{log}"
+    );
 }
 
 #[test]
@@ -72,17 +108,46 @@ fn model_over_gpu_budget_summed_over_parent_and_child_is_stopped_after_grace() {
     let t = token("family");
     let family = Family::start(&t);
     let (parent, child) = (family.parent.id(), family.child_pid);
-    let fake = FakeNvml::new(&two_gpus(6, 6, &[(0, parent, "5368709120"), (1, child, "5368709120")]));
+    let fake = FakeNvml::new(&two_gpus(
+        6,
+        6,
+        &[(0, parent, "5368709120"), (1, child, "5368709120")],
+    ));
     // 10 GiB over two GPUs in two processes against an 8 GiB budget.
-    let daemon = start(&gpu_config("", &[("fam", &t, "gpu_memory = \"8GiB\"\naction = \"stop\"\ngrace = \"2s\"")]), &fake);
+    let daemon = start(
+        &gpu_config(
+            "",
+            &[(
+                "fam",
+                &t,
+                "gpu_memory = \"8GiB\"\naction = \"stop\"\ngrace = \"2s\"",
+            )],
+        ),
+        &fake,
+    );
     daemon.wait_for_log("model 'fam' over budget: GPU memory 10.0 GiB > budget 8.0 GiB (GPU 0: 5.0 GiB, GPU 1: 5.0 GiB)", Duration::from_secs(5));
     std::thread::sleep(Duration::from_millis(1200));
-    assert_ne!(proc_state(parent), Some('T'), "stopped before grace:\n{}", daemon.log_text());
-    assert!(wait_until(Duration::from_secs(5), || proc_state(parent) == Some('T') && proc_state(child) == Some('T')), "{}", daemon.log_text());
+    assert_ne!(
+        proc_state(parent),
+        Some('T'),
+        "stopped before grace:\n{}",
+        daemon.log_text()
+    );
+    assert!(
+        wait_until(Duration::from_secs(5), || proc_state(parent) == Some('T')
+            && proc_state(child) == Some('T')),
+        "{}",
+        daemon.log_text()
+    );
 
     // Back under budget (the child released memory): both resumed.
     fake.set(&two_gpus(6, 1, &[(0, parent, "5368709120")]));
-    assert!(wait_until(Duration::from_secs(5), || proc_state(parent) != Some('T') && proc_state(child) != Some('T')), "{}", daemon.log_text());
+    assert!(
+        wait_until(Duration::from_secs(5), || proc_state(parent) != Some('T')
+            && proc_state(child) != Some('T')),
+        "{}",
+        daemon.log_text()
+    );
 }
 
 #[test]
@@ -90,12 +155,28 @@ fn unavailable_gpu_memory_never_leads_to_a_kill() {
     let t = token("na");
     let mut holder = idle(&t);
     let fake = FakeNvml::new(&two_gpus(15, 1, &[(0, holder.pid(), "NA")]));
-    let daemon = start(&gpu_config("min_free = \"2GiB\"", &[("na", &t, "gpu_memory = \"1GiB\"\naction = \"kill\"\ngrace = \"0s\"")]), &fake);
-    daemon.wait_for_log("GPU 0 free 1.0 GiB < min_free 2.0 GiB", Duration::from_secs(5));
+    let daemon = start(
+        &gpu_config(
+            "min_free = \"2GiB\"",
+            &[(
+                "na",
+                &t,
+                "gpu_memory = \"1GiB\"\naction = \"kill\"\ngrace = \"0s\"",
+            )],
+        ),
+        &fake,
+    );
+    daemon.wait_for_log(
+        "GPU 0 free 1.0 GiB < min_free 2.0 GiB",
+        Duration::from_secs(5),
+    );
     daemon.wait_for_log("no process may be acted on", Duration::from_secs(5));
     std::thread::sleep(Duration::from_secs(1));
     assert!(holder.alive(), "NA must not kill:\n{}", daemon.log_text());
-    assert!(!daemon.log_text().contains("over budget"), "NA is unknown, not a usage");
+    assert!(
+        !daemon.log_text().contains("over budget"),
+        "NA is unknown, not a usage"
+    );
 }
 
 #[test]
@@ -106,30 +187,60 @@ fn gpu_lost_while_running_keeps_the_daemon_up_and_guarding_ram() {
     let available = mem_available();
     let min = available - GIB;
     let mut config = gpu_config("min_free = \"1GiB\"", &[("hog", &hog_t, "")]);
-    config = config.replace("min_available = \"0%\"\nwarn_available = \"0%\"", &format!("min_available = {min}\nwarn_available = {}", min + 256 * MIB));
+    config = config.replace(
+        "min_available = \"0%\"\nwarn_available = \"0%\"",
+        &format!(
+            "min_available = {min}\nwarn_available = {}",
+            min + 256 * MIB
+        ),
+    );
     let daemon = start(&config, &fake);
     daemon.wait_for_log("GPU protection on: 2 GPU(s)", Duration::from_secs(5));
     let _ = t;
 
     fake.set(&format!("{}error * 15 gpu=1\n", two_gpus(1, 1, &[])));
-    daemon.wait_for_log("GPU 1 free unknown (device fell off the bus", Duration::from_secs(5));
+    daemon.wait_for_log(
+        "GPU 1 free unknown (device fell off the bus",
+        Duration::from_secs(5),
+    );
     let mut hog = Hog::start(&hog_t, 1024, 2560, 30);
-    let status = hog.wait(Duration::from_secs(30)).unwrap_or_else(|| panic!("RAM hog not stopped:\n{}", daemon.log_text()));
+    let status = hog
+        .wait(Duration::from_secs(30))
+        .unwrap_or_else(|| panic!("RAM hog not stopped:\n{}", daemon.log_text()));
     assert!(matches!(status.signal(), Some(15 | 9)), "{status:?}");
     let (code, log) = daemon.stop();
     assert_eq!(code, Some(0), "{log}");
-    assert!(log.contains("RAM available") && log.contains(&format!("model 'hog' pids [{}(python3)]", hog.pid())), "{log}");
+    assert!(
+        log.contains("RAM available")
+            && log.contains(&format!("model 'hog' pids [{}(python3)]", hog.pid())),
+        "{log}"
+    );
 }
 
 #[test]
 fn no_libnvidia_ml_at_all_starts_and_guards_ram() {
     let t = token("nolib");
     let hog = Hog::start(&t, 0, 128, 60);
-    let config = gpu_config("", &[("m", &t, "ram = \"64MiB\"\naction = \"stop\"\ngrace = \"0s\"")])
-        .replace(&FakeNvml::library(), "/nonexistent/libnvidia-ml.so.1");
+    let config = gpu_config(
+        "",
+        &[(
+            "m",
+            &t,
+            "ram = \"64MiB\"\naction = \"stop\"\ngrace = \"0s\"",
+        )],
+    )
+    .replace(&FakeNvml::library(), "/nonexistent/libnvidia-ml.so.1");
     let daemon = GuardDaemon::start(&config);
-    daemon.wait_for_log("GPU protection is off: NVML library not loadable", Duration::from_secs(5));
-    assert!(wait_until(Duration::from_secs(10), || proc_state(hog.pid()) == Some('T')), "{}", daemon.log_text());
+    daemon.wait_for_log(
+        "GPU protection is off: NVML library not loadable",
+        Duration::from_secs(5),
+    );
+    assert!(
+        wait_until(Duration::from_secs(10), || proc_state(hog.pid())
+            == Some('T')),
+        "{}",
+        daemon.log_text()
+    );
 }
 
 #[test]
@@ -137,7 +248,10 @@ fn driver_appearing_later_is_picked_up_by_the_init_retry() {
     let fake = FakeNvml::new("");
     std::fs::remove_file(&fake.state).unwrap();
     let daemon = start(&gpu_config("", &[]), &fake);
-    daemon.wait_for_log("GPU protection is off: NVIDIA driver not loaded", Duration::from_secs(5));
+    daemon.wait_for_log(
+        "GPU protection is off: NVIDIA driver not loaded",
+        Duration::from_secs(5),
+    );
     fake.set(&two_gpus(1, 1, &[]));
     daemon.wait_for_log("GPU protection on: 2 GPU(s)", Duration::from_secs(5));
 }
@@ -151,8 +265,15 @@ fn injected_xid_shows_up_as_a_critical_event() {
     daemon.wait_for_log("Xid 79 on GPU 1", Duration::from_secs(5));
     let log = daemon.log_text();
     let line = log.lines().find(|l| l.contains("Xid 79")).unwrap();
-    assert!(line.contains("ERROR") && line.contains("xid_critical"), "{line}");
-    assert_eq!(log.matches("Xid 79 on GPU 1").count(), 1, "delivered once:\n{log}");
+    assert!(
+        line.contains("ERROR") && line.contains("xid_critical"),
+        "{line}"
+    );
+    assert_eq!(
+        log.matches("Xid 79 on GPU 1").count(),
+        1,
+        "delivered once:\n{log}"
+    );
 }
 
 #[test]
@@ -160,15 +281,30 @@ fn memory_kept_after_the_kill_is_reported_stuck_and_nobody_else_is_killed() {
     let (ta, tb) = (token("stuck-a"), token("stuck-b"));
     let (mut a, mut b) = (idle(&ta), idle(&tb));
     // GPU 0 is below its floor from the start; the fake keeps listing a's memory after it dies.
-    let fake = FakeNvml::new(&two_gpus(15, 1, &[(0, a.pid(), "8589934592"), (0, b.pid(), "4294967296")]));
-    let daemon = start(&gpu_config("min_free = \"2GiB\"", &[("a", &ta, ""), ("b", &tb, "")]), &fake);
-    a.wait(Duration::from_secs(10)).unwrap_or_else(|| panic!("a not killed:\n{}", daemon.log_text()));
+    let fake = FakeNvml::new(&two_gpus(
+        15,
+        1,
+        &[(0, a.pid(), "8589934592"), (0, b.pid(), "4294967296")],
+    ));
+    let daemon = start(
+        &gpu_config("min_free = \"2GiB\"", &[("a", &ta, ""), ("b", &tb, "")]),
+        &fake,
+    );
+    a.wait(Duration::from_secs(10))
+        .unwrap_or_else(|| panic!("a not killed:\n{}", daemon.log_text()));
     daemon.wait_for_log("memory stuck in the driver", Duration::from_secs(5));
     std::thread::sleep(Duration::from_secs(1));
-    assert!(b.alive(), "no second kill while the first victim's memory is stuck:\n{}", daemon.log_text());
+    assert!(
+        b.alive(),
+        "no second kill while the first victim's memory is stuck:\n{}",
+        daemon.log_text()
+    );
     let log = daemon.log_text();
     assert!(log.contains("stuck_memory"), "{log}");
-    assert!(!log.contains(&format!("model 'b' pids [{}", b.pid())), "{log}");
+    assert!(
+        !log.contains(&format!("model 'b' pids [{}", b.pid())),
+        "{log}"
+    );
 }
 
 #[test]
@@ -179,10 +315,20 @@ fn stale_gpu_samples_alert_but_never_kill() {
     let daemon = start(&gpu_config("min_free = \"2GiB\"", &[("s", &t, "")]), &fake);
     daemon.wait_for_log("GPU protection on", Duration::from_secs(5));
     // NVML now answers late (1 s per memory query, deadline 300 ms) with GPU 0 nearly full.
-    fake.set(&format!("{}delay nvmlDeviceGetMemoryInfo_v2 1000\n", two_gpus(15, 1, &[(0, holder.pid(), "8589934592")])));
-    daemon.wait_for_log("the reading is stale, alerting only", Duration::from_secs(10));
+    fake.set(&format!(
+        "{}delay nvmlDeviceGetMemoryInfo_v2 1000\n",
+        two_gpus(15, 1, &[(0, holder.pid(), "8589934592")])
+    ));
+    daemon.wait_for_log(
+        "the reading is stale, alerting only",
+        Duration::from_secs(10),
+    );
     std::thread::sleep(Duration::from_secs(2));
-    assert!(holder.alive(), "a stale sample must not kill:\n{}", daemon.log_text());
+    assert!(
+        holder.alive(),
+        "a stale sample must not kill:\n{}",
+        daemon.log_text()
+    );
 }
 
 #[test]
@@ -190,10 +336,21 @@ fn same_model_loaded_twice_on_one_gpu_is_reported_once() {
     let t = token("dup");
     // Two unrelated processes with the same command line.
     let (a, b) = (idle(&t), idle(&t));
-    let fake = FakeNvml::new(&two_gpus(9, 1, &[(0, a.pid(), "4294967296"), (0, b.pid(), "4294967296")]));
+    let fake = FakeNvml::new(&two_gpus(
+        9,
+        1,
+        &[(0, a.pid(), "4294967296"), (0, b.pid(), "4294967296")],
+    ));
     let daemon = start(&gpu_config("", &[]), &fake);
-    daemon.wait_for_log("run the same command and hold 8.0 GiB together", Duration::from_secs(5));
+    daemon.wait_for_log(
+        "run the same command and hold 8.0 GiB together",
+        Duration::from_secs(5),
+    );
     std::thread::sleep(Duration::from_secs(1));
-    assert_eq!(daemon.log_text().matches("run the same command").count(), 1, "reported once");
+    assert_eq!(
+        daemon.log_text().matches("run the same command").count(),
+        1,
+        "reported once"
+    );
     let _ = GIB_S;
 }

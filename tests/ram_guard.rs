@@ -18,7 +18,9 @@ fn config(extra_daemon: &str, ram: &str, models: &[(&str, &str, &str)]) -> Strin
         "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"models\"\ninterval = \"500ms\"\nmin_interval = \"10ms\"\nscan_interval = \"200ms\"\nterm_grace = \"500ms\"\n{extra_daemon}\n[gpu]\nenabled = false\n\n[ram]\n{ram}\n"
     );
     for (name, token, rest) in models {
-        text.push_str(&format!("\n[[model]]\nname = \"{name}\"\nmatch = {{ cmdline = \"{token}\" }}\n{rest}\n"));
+        text.push_str(&format!(
+            "\n[[model]]\nname = \"{name}\"\nmatch = {{ cmdline = \"{token}\" }}\n{rest}\n"
+        ));
     }
     text
 }
@@ -27,7 +29,13 @@ fn config(extra_daemon: &str, ram: &str, models: &[(&str, &str, &str)]) -> Strin
 fn floors_below_now() -> (u64, String) {
     let available = mem_available();
     let min = available - GIB;
-    (available, format!("min_available = {min}\nwarn_available = {}\n", min + 256 * MIB))
+    (
+        available,
+        format!(
+            "min_available = {min}\nwarn_available = {}\n",
+            min + 256 * MIB
+        ),
+    )
 }
 
 #[test]
@@ -35,17 +43,33 @@ fn hog_below_the_floor_is_killed_and_the_sentinel_survives() {
     let _lock = memory_pressure_lock();
     let (hog_token, sentinel_token) = (token("hog"), token("sentinel"));
     let (_, floors) = floors_below_now();
-    let daemon = GuardDaemon::start(&config("", &floors, &[("hog", &hog_token, ""), ("sentinel", &sentinel_token, "")]));
+    let daemon = GuardDaemon::start(&config(
+        "",
+        &floors,
+        &[("hog", &hog_token, ""), ("sentinel", &sentinel_token, "")],
+    ));
     let mut sentinel = Hog::start(&sentinel_token, 0, 64, 60);
     // 1 GiB/s up to 2.5 GiB: crosses the floor about a second in; stops by itself if not killed.
     let mut hog = Hog::start(&hog_token, 1024, 2560, 30);
 
-    let status = hog.wait(Duration::from_secs(30)).expect("the hog was not stopped");
-    assert!(matches!(status.signal(), Some(15) | Some(9)), "hog should die of SIGTERM/SIGKILL, got {status:?}\n{}", daemon.log_text());
+    let status = hog
+        .wait(Duration::from_secs(30))
+        .expect("the hog was not stopped");
+    assert!(
+        matches!(status.signal(), Some(15) | Some(9)),
+        "hog should die of SIGTERM/SIGKILL, got {status:?}\n{}",
+        daemon.log_text()
+    );
     assert!(sentinel.alive(), "the sentinel must survive");
     let log = daemon.log_text();
-    assert!(log.contains(&format!("model 'hog' pids [{}(python3)]", hog.pid())), "{log}");
-    assert!(log.contains("RAM available") && log.contains("< min_available"), "{log}");
+    assert!(
+        log.contains(&format!("model 'hog' pids [{}(python3)]", hog.pid())),
+        "{log}"
+    );
+    assert!(
+        log.contains("RAM available") && log.contains("< min_available"),
+        "{log}"
+    );
     let (code, _) = daemon.stop();
     assert_eq!(code, Some(0));
 }
@@ -61,11 +85,20 @@ fn protected_hog_is_never_touched() {
     // Crosses the floor by ~0.5 GiB, holds it for a second, exits 0.
     let mut hog = Hog::start(&hog_token, 1024, 1536, 1);
 
-    let status = hog.wait(Duration::from_secs(30)).expect("hog did not finish");
-    assert_eq!(status.code(), Some(0), "a protected process must not be signalled: {status:?}");
+    let status = hog
+        .wait(Duration::from_secs(30))
+        .expect("hog did not finish");
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "a protected process must not be signalled: {status:?}"
+    );
     let log = daemon.log_text();
     assert!(log.contains("no process may be acted on"), "{log}");
-    assert!(!log.contains("terminate model") && !log.contains("kill model"), "{log}");
+    assert!(
+        !log.contains("terminate model") && !log.contains("kill model"),
+        "{log}"
+    );
 }
 
 #[test]
@@ -73,61 +106,139 @@ fn observe_mode_decides_but_signals_nothing() {
     let _lock = memory_pressure_lock();
     let hog_token = token("observed");
     let (_, floors) = floors_below_now();
-    let daemon = GuardDaemon::start(&config("mode = \"observe\"", &floors, &[("hog", &hog_token, "")]));
+    let daemon = GuardDaemon::start(&config(
+        "mode = \"observe\"",
+        &floors,
+        &[("hog", &hog_token, "")],
+    ));
     let mut hog = Hog::start(&hog_token, 1024, 1536, 1);
 
-    let status = hog.wait(Duration::from_secs(30)).expect("hog did not finish");
-    assert_eq!(status.code(), Some(0), "observe mode must not signal: {status:?}");
-    daemon.wait_for_log(&format!("observe mode: would terminate model 'hog' pids [{}(python3)]", hog.pid()), Duration::from_secs(1));
+    let status = hog
+        .wait(Duration::from_secs(30))
+        .expect("hog did not finish");
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "observe mode must not signal: {status:?}"
+    );
+    daemon.wait_for_log(
+        &format!(
+            "observe mode: would terminate model 'hog' pids [{}(python3)]",
+            hog.pid()
+        ),
+        Duration::from_secs(1),
+    );
 }
 
 #[test]
 fn model_over_ram_budget_is_stopped_then_resumed_when_budget_is_raised() {
     let hog_token = token("budget");
-    let model = |budget: &str| config("", "", &[("greedy", &hog_token, &format!("ram = \"{budget}\"\naction = \"stop\"\ngrace = \"300ms\""))]);
+    let model = |budget: &str| {
+        config(
+            "",
+            "",
+            &[(
+                "greedy",
+                &hog_token,
+                &format!("ram = \"{budget}\"\naction = \"stop\"\ngrace = \"300ms\""),
+            )],
+        )
+    };
     let daemon = GuardDaemon::start(&model("100MiB"));
     let mut hog = Hog::start(&hog_token, 0, 256, 60);
     let pid = hog.pid();
 
-    assert!(wait_until(Duration::from_secs(10), || proc_state(pid) == Some('T')), "not stopped:\n{}", daemon.log_text());
+    assert!(
+        wait_until(Duration::from_secs(10), || proc_state(pid) == Some('T')),
+        "not stopped:\n{}",
+        daemon.log_text()
+    );
     let record = std::fs::read_to_string(daemon.state_dir().join("stopped.json")).unwrap();
-    assert!(record.contains(&format!("\"pid\": {pid}")), "stopped process recorded on disk: {record}");
+    assert!(
+        record.contains(&format!("\"pid\": {pid}")),
+        "stopped process recorded on disk: {record}"
+    );
     daemon.wait_for_log("over budget: RAM", Duration::from_secs(1));
 
     daemon.rewrite_config(&model("4GiB"));
     daemon.signal(Signal::SIGHUP);
-    assert!(wait_until(Duration::from_secs(10), || matches!(proc_state(pid), Some('S' | 'R'))), "not resumed:\n{}", daemon.log_text());
+    assert!(
+        wait_until(Duration::from_secs(10), || matches!(
+            proc_state(pid),
+            Some('S' | 'R')
+        )),
+        "not resumed:\n{}",
+        daemon.log_text()
+    );
     daemon.wait_for_log("back under budget", Duration::from_secs(2));
     assert!(hog.alive());
     let record = std::fs::read_to_string(daemon.state_dir().join("stopped.json")).unwrap();
-    assert!(!record.contains(&format!("\"pid\": {pid}")), "resumed process removed from the record: {record}");
+    assert!(
+        !record.contains(&format!("\"pid\": {pid}")),
+        "resumed process removed from the record: {record}"
+    );
 }
 
 #[test]
 fn budget_grace_is_honoured() {
     let hog_token = token("grace");
-    let daemon = GuardDaemon::start(&config("", "", &[("slow", &hog_token, "ram = \"64MiB\"\naction = \"stop\"\ngrace = \"3s\"")]));
+    let daemon = GuardDaemon::start(&config(
+        "",
+        "",
+        &[(
+            "slow",
+            &hog_token,
+            "ram = \"64MiB\"\naction = \"stop\"\ngrace = \"3s\"",
+        )],
+    ));
     let mut hog = Hog::start(&hog_token, 0, 128, 60);
     let pid = hog.pid();
     daemon.wait_for_log("model 'slow' over budget", Duration::from_secs(10));
     let over_at = Instant::now();
     std::thread::sleep(Duration::from_millis(1500));
-    assert_ne!(proc_state(pid), Some('T'), "stopped before its grace ran out");
-    assert!(wait_until(Duration::from_secs(10), || proc_state(pid) == Some('T')), "{}", daemon.log_text());
-    assert!(over_at.elapsed() >= Duration::from_millis(2500), "stopped after {:?}", over_at.elapsed());
+    assert_ne!(
+        proc_state(pid),
+        Some('T'),
+        "stopped before its grace ran out"
+    );
+    assert!(
+        wait_until(Duration::from_secs(10), || proc_state(pid) == Some('T')),
+        "{}",
+        daemon.log_text()
+    );
+    assert!(
+        over_at.elapsed() >= Duration::from_millis(2500),
+        "stopped after {:?}",
+        over_at.elapsed()
+    );
     assert!(hog.alive());
 }
 
 #[test]
 fn sigterm_resumes_stopped_processes_before_exit() {
     let hog_token = token("term");
-    let daemon = GuardDaemon::start(&config("", "", &[("m", &hog_token, "ram = \"64MiB\"\naction = \"stop\"\ngrace = \"0s\"")]));
+    let daemon = GuardDaemon::start(&config(
+        "",
+        "",
+        &[(
+            "m",
+            &hog_token,
+            "ram = \"64MiB\"\naction = \"stop\"\ngrace = \"0s\"",
+        )],
+    ));
     let mut hog = Hog::start(&hog_token, 0, 128, 60);
     let pid = hog.pid();
-    assert!(wait_until(Duration::from_secs(10), || proc_state(pid) == Some('T')), "{}", daemon.log_text());
+    assert!(
+        wait_until(Duration::from_secs(10), || proc_state(pid) == Some('T')),
+        "{}",
+        daemon.log_text()
+    );
     let (code, log) = daemon.stop();
     assert_eq!(code, Some(0), "{log}");
-    assert!(matches!(proc_state(pid), Some('S' | 'R')), "still stopped after the daemon exited:\n{log}");
+    assert!(
+        matches!(proc_state(pid), Some('S' | 'R')),
+        "still stopped after the daemon exited:\n{log}"
+    );
     assert!(log.contains("on shutdown"), "{log}");
     assert!(hog.alive());
 }
@@ -135,20 +246,46 @@ fn sigterm_resumes_stopped_processes_before_exit() {
 #[test]
 fn daemon_killed_while_holding_a_process_resumes_it_on_restart() {
     let hog_token = token("crash");
-    let text = config("", "", &[("m", &hog_token, "ram = \"64MiB\"\naction = \"stop\"\ngrace = \"0s\"")]);
+    let text = config(
+        "",
+        "",
+        &[(
+            "m",
+            &hog_token,
+            "ram = \"64MiB\"\naction = \"stop\"\ngrace = \"0s\"",
+        )],
+    );
     let daemon = GuardDaemon::start(&text);
     let mut hog = Hog::start(&hog_token, 0, 128, 60);
     let pid = hog.pid();
-    assert!(wait_until(Duration::from_secs(10), || proc_state(pid) == Some('T')), "{}", daemon.log_text());
+    assert!(
+        wait_until(Duration::from_secs(10), || proc_state(pid) == Some('T')),
+        "{}",
+        daemon.log_text()
+    );
 
     let dir = daemon.crash();
     std::thread::sleep(Duration::from_millis(300));
-    assert_eq!(proc_state(pid), Some('T'), "a SIGKILLed daemon cannot resume anything itself");
+    assert_eq!(
+        proc_state(pid),
+        Some('T'),
+        "a SIGKILLed daemon cannot resume anything itself"
+    );
 
     // The restarted daemon no longer budgets this model: it must resume the leftover at start.
     let restarted = GuardDaemon::start_in(dir, &config("", "", &[]), &[]);
-    assert!(wait_until(Duration::from_secs(5), || matches!(proc_state(pid), Some('S' | 'R'))), "{}", restarted.log_text());
-    restarted.wait_for_log(&format!("resumed pid {pid} (python3) left stopped"), Duration::from_secs(2));
+    assert!(
+        wait_until(Duration::from_secs(5), || matches!(
+            proc_state(pid),
+            Some('S' | 'R')
+        )),
+        "{}",
+        restarted.log_text()
+    );
+    restarted.wait_for_log(
+        &format!("resumed pid {pid} (python3) left stopped"),
+        Duration::from_secs(2),
+    );
     assert!(hog.alive());
 }
 
@@ -158,14 +295,32 @@ fn throttle_measurably_slows_a_growing_hog() {
     // Unthrottled growth rate of the same hog, measured the same way.
     let free_rate = {
         let hog = Hog::start_chunked(&token("free"), 400, 600, 60, 4);
-        growth_per_second(hog.pid(), Duration::from_millis(300), Duration::from_millis(800))
+        growth_per_second(
+            hog.pid(),
+            Duration::from_millis(300),
+            Duration::from_millis(800),
+        )
     };
     let hog_token = token("throttled");
-    let daemon = GuardDaemon::start(&config("", "", &[("t", &hog_token, "ram = \"32MiB\"\naction = \"throttle\"\ngrace = \"0s\"")]));
+    let daemon = GuardDaemon::start(&config(
+        "",
+        "",
+        &[(
+            "t",
+            &hog_token,
+            "ram = \"32MiB\"\naction = \"throttle\"\ngrace = \"0s\"",
+        )],
+    ));
     let hog = Hog::start_chunked(&hog_token, 400, 1024, 60, 4);
-    daemon.wait_for_log(&format!("throttle model 't' pids [{}(python3)]", hog.pid()), Duration::from_secs(10));
+    daemon.wait_for_log(
+        &format!("throttle model 't' pids [{}(python3)]", hog.pid()),
+        Duration::from_secs(10),
+    );
     let throttled_rate = growth_per_second(hog.pid(), Duration::ZERO, Duration::from_millis(1500));
-    assert!(free_rate > 100.0 * MIB as f64, "the free hog must grow (measured {free_rate} B/s)");
+    assert!(
+        free_rate > 100.0 * MIB as f64,
+        "the free hog must grow (measured {free_rate} B/s)"
+    );
     assert!(
         throttled_rate < free_rate * 0.5,
         "throttled growth {:.0} MiB/s is not well below free growth {:.0} MiB/s\n{}",
@@ -175,7 +330,10 @@ fn throttle_measurably_slows_a_growing_hog() {
     );
     let (code, _) = daemon.stop();
     assert_eq!(code, Some(0));
-    assert!(matches!(proc_state(hog.pid()), Some('S' | 'R')), "left stopped after the throttle ended");
+    assert!(
+        matches!(proc_state(hog.pid()), Some('S' | 'R')),
+        "left stopped after the throttle ended"
+    );
 }
 
 /// RSS growth of `pid` in bytes per second, measured over `over` after waiting `after`.
@@ -189,13 +347,35 @@ fn growth_per_second(pid: u32, after: Duration, over: Duration) -> f64 {
 #[test]
 fn bad_reload_keeps_the_old_config_running() {
     let hog_token = token("reload");
-    let good = config("", "", &[("m", &hog_token, "ram = \"64MiB\"\naction = \"stop\"\ngrace = \"0s\"")]);
+    let good = config(
+        "",
+        "",
+        &[(
+            "m",
+            &hog_token,
+            "ram = \"64MiB\"\naction = \"stop\"\ngrace = \"0s\"",
+        )],
+    );
     let daemon = GuardDaemon::start(&good);
     daemon.rewrite_config(&good.replace("ram = \"64MiB\"", "ram = \"64 parsecs\""));
     daemon.signal(Signal::SIGHUP);
-    daemon.wait_for_log("config reload failed, keeping the previous config", Duration::from_secs(5));
-    assert!(daemon.log_text().contains("model[0] 'm'.ram: '64 parsecs' is not a size"), "{}", daemon.log_text());
+    daemon.wait_for_log(
+        "config reload failed, keeping the previous config",
+        Duration::from_secs(5),
+    );
+    assert!(
+        daemon
+            .log_text()
+            .contains("model[0] 'm'.ram: '64 parsecs' is not a size"),
+        "{}",
+        daemon.log_text()
+    );
     // The old budget still acts.
     let hog = Hog::start(&hog_token, 0, 128, 60);
-    assert!(wait_until(Duration::from_secs(10), || proc_state(hog.pid()) == Some('T')), "{}", daemon.log_text());
+    assert!(
+        wait_until(Duration::from_secs(10), || proc_state(hog.pid())
+            == Some('T')),
+        "{}",
+        daemon.log_text()
+    );
 }

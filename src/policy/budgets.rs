@@ -1,33 +1,61 @@
 //! Per-model budgets: a model over its RAM or GPU budget for longer than its `grace` gets its
 //! action (alert, throttle, stop, kill); once back under budget, a throttle or stop is lifted.
 
-use crate::config::{Config, ModelAction, Mode};
+use crate::config::{Config, Mode, ModelAction};
 use crate::snapshot::Snapshot;
 
 use super::victim::{largest_gpu, model_target};
 use super::{action, bytes, event, BudgetState, Plan, PolicyState, Severity, Stage, Verb};
 
-pub(super) fn evaluate_budgets(config: &Config, snapshot: &Snapshot, state: &mut PolicyState, plan: &mut Plan) {
+pub(super) fn evaluate_budgets(
+    config: &Config,
+    snapshot: &Snapshot,
+    state: &mut PolicyState,
+    plan: &mut Plan,
+) {
     if snapshot.processes.scanned_at.is_none() {
         return;
     }
     let now = snapshot.at;
     for model in &config.models {
-        let Some(index) = state.attribution.models.iter().position(|u| u.name == model.name) else { continue };
+        let Some(index) = state
+            .attribution
+            .models
+            .iter()
+            .position(|u| u.name == model.name)
+        else {
+            continue;
+        };
         let usage = &state.attribution.models[index];
         let mut over = Vec::new();
         let mut ram_over = false;
         if let Some(budget) = model.ram.and_then(|b| b.resolve(snapshot.host.total_bytes)) {
             if usage.rss_bytes > budget {
                 ram_over = true;
-                over.push(format!("RAM {} > budget {}", bytes(usage.rss_bytes), bytes(budget)));
+                over.push(format!(
+                    "RAM {} > budget {}",
+                    bytes(usage.rss_bytes),
+                    bytes(budget)
+                ));
             }
         }
-        if let Some(budget) = model.gpu_memory.and_then(|b| b.resolve(largest_gpu(snapshot))) {
+        if let Some(budget) = model
+            .gpu_memory
+            .and_then(|b| b.resolve(largest_gpu(snapshot)))
+        {
             let used = usage.gpu_total_bytes();
             if used > budget {
-                let per_gpu: Vec<String> = usage.gpu_bytes.iter().map(|(i, b)| format!("GPU {i}: {}", bytes(*b))).collect();
-                over.push(format!("GPU memory {} > budget {} ({})", bytes(used), bytes(budget), per_gpu.join(", ")));
+                let per_gpu: Vec<String> = usage
+                    .gpu_bytes
+                    .iter()
+                    .map(|(i, b)| format!("GPU {i}: {}", bytes(*b)))
+                    .collect();
+                over.push(format!(
+                    "GPU memory {} > budget {} ({})",
+                    bytes(used),
+                    bytes(budget),
+                    per_gpu.join(", ")
+                ));
             }
         }
         // GPU figures from a stale sample may alert, never act.
@@ -44,7 +72,11 @@ pub(super) fn evaluate_budgets(config: &Config, snapshot: &Snapshot, state: &mut
             plan.events.push(event(
                 Severity::Warning,
                 "budget_exceeded",
-                format!("{why}; action {:?} after grace {}", model.action, humantime::format_duration(model.grace)).replace("Alert", "alert").replace("Throttle", "throttle").replace("Stop", "stop").replace("Kill", "kill"),
+                format!(
+                    "{why}; action {} after grace {}",
+                    action_name(model.action),
+                    humantime::format_duration(model.grace)
+                ),
             ));
             now
         });
@@ -57,7 +89,8 @@ pub(super) fn evaluate_budgets(config: &Config, snapshot: &Snapshot, state: &mut
                 }
                 let verb = match model.action {
                     ModelAction::Alert => None,
-                    _ if !may_act => None,
+                    // Not on a stale GPU reading: wait for a fresh one (budget_exceeded has alerted).
+                    _ if !may_act => continue,
                     ModelAction::Throttle => Some(Verb::Throttle),
                     ModelAction::Stop => Some(Verb::Stop),
                     ModelAction::Kill => Some(Verb::Terminate),
@@ -68,19 +101,53 @@ pub(super) fn evaluate_budgets(config: &Config, snapshot: &Snapshot, state: &mut
                     (Some(Verb::Stop), _) => Stage::Stopped,
                     _ => Stage::Terminated,
                 };
-                let detail = format!("{why} for longer than grace {}", humantime::format_duration(model.grace));
+                let detail = format!(
+                    "{why} for longer than grace {}",
+                    humantime::format_duration(model.grace)
+                );
                 match verb {
                     Some(verb) => plan.actions.push(action(verb, &target, kind, detail, None)),
-                    None => plan.events.push(event(Severity::Critical, "budget_enforced", format!("{detail} (alert only)"))),
+                    None => plan.events.push(event(
+                        Severity::Critical,
+                        "budget_enforced",
+                        format!("{detail} (alert only)"),
+                    )),
                 }
-                state.budgets.get_mut(&model.name).expect("entry exists").enforced = Some((stage, now, target));
+                state
+                    .budgets
+                    .get_mut(&model.name)
+                    .expect("entry exists")
+                    .enforced = Some((stage, now, target));
             }
-            Some((Stage::Terminated, since, target)) if now.saturating_sub(since) >= d.term_grace && target.any_alive(snapshot) => {
-                plan.actions.push(action(Verb::Kill, &target, kind, format!("{why}; SIGTERM not enough"), None));
+            Some((Stage::Terminated, since, target))
+                if now.saturating_sub(since) >= d.term_grace && target.any_alive(snapshot) =>
+            {
+                plan.actions.push(action(
+                    Verb::Kill,
+                    &target,
+                    kind,
+                    format!("{why}; SIGTERM not enough"),
+                    None,
+                ));
                 budget.enforced = Some((Stage::Killed, now, target));
             }
+            // The enforced processes are gone but the model is still over budget (restarted by
+            // its supervisor): a new round, starting with a new grace.
+            Some((Stage::Terminated | Stage::Killed, _, target)) if !target.any_alive(snapshot) => {
+                budget.enforced = None;
+                budget.over_since = Some(now);
+            }
             Some((Stage::Stopped, since, target)) if now.saturating_sub(since) >= d.max_stop => {
-                plan.actions.push(action(Verb::Kill, &target, "max_stop", format!("{why}; stopped for {} (max_stop)", humantime::format_duration(d.max_stop)), None));
+                plan.actions.push(action(
+                    Verb::Kill,
+                    &target,
+                    "max_stop",
+                    format!(
+                        "{why}; stopped for {} (max_stop)",
+                        humantime::format_duration(d.max_stop)
+                    ),
+                    None,
+                ));
                 budget.enforced = Some((Stage::Killed, now, target));
             }
             _ => {}
@@ -88,20 +155,52 @@ pub(super) fn evaluate_budgets(config: &Config, snapshot: &Snapshot, state: &mut
     }
     // Models that left the config or the host: lift what was enforced on them.
     let present: Vec<String> = config.models.iter().map(|m| m.name.clone()).collect();
-    for (name, budget) in state.budgets.iter_mut().filter(|(name, _)| !present.contains(name)) {
+    for (name, budget) in state
+        .budgets
+        .iter_mut()
+        .filter(|(name, _)| !present.contains(name))
+    {
         lift(budget, name, plan);
     }
-    state.budgets.retain(|name, b| present.contains(name) || b.over_since.is_some());
+    state
+        .budgets
+        .retain(|name, b| present.contains(name) || b.over_since.is_some());
 }
 
 /// The model is back under budget (or gone): resume or unthrottle it.
 fn lift(budget: &mut BudgetState, name: &str, plan: &mut Plan) {
     if budget.over_since.take().is_some() {
-        plan.events.push(event(Severity::Info, "budget_cleared", format!("model '{name}' back under budget")));
+        plan.events.push(event(
+            Severity::Info,
+            "budget_cleared",
+            format!("model '{name}' back under budget"),
+        ));
     }
     match budget.enforced.take() {
-        Some((Stage::Stopped, _, target)) => plan.actions.push(action(Verb::Resume, &target, "cleared", format!("model '{name}' back under budget"), None)),
-        Some((Stage::Throttled, _, target)) => plan.actions.push(action(Verb::Unthrottle, &target, "cleared", format!("model '{name}' back under budget"), None)),
+        Some((Stage::Stopped, _, target)) => plan.actions.push(action(
+            Verb::Resume,
+            &target,
+            "cleared",
+            format!("model '{name}' back under budget"),
+            None,
+        )),
+        Some((Stage::Throttled, _, target)) => plan.actions.push(action(
+            Verb::Unthrottle,
+            &target,
+            "cleared",
+            format!("model '{name}' back under budget"),
+            None,
+        )),
         _ => {}
+    }
+}
+
+/// The action as written in the config.
+fn action_name(action: ModelAction) -> &'static str {
+    match action {
+        ModelAction::Alert => "alert",
+        ModelAction::Throttle => "throttle",
+        ModelAction::Stop => "stop",
+        ModelAction::Kill => "kill",
     }
 }

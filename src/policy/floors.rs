@@ -8,7 +8,10 @@ use crate::config::{Config, FloorAction, Mode};
 use crate::snapshot::Snapshot;
 
 use super::victim;
-use super::{action, bytes, event, Held, Incident, Level, Plan, PolicyState, Recheck, Resource, Severity, Stage, Target, Verb};
+use super::{
+    action, bytes, event, Held, Incident, Level, Plan, PolicyState, Recheck, Resource, Severity,
+    Stage, Target, Verb,
+};
 
 /// One resource's reading against its floors.
 pub(super) struct Reading {
@@ -28,7 +31,9 @@ pub(super) struct Reading {
 
 impl Reading {
     fn level(&self) -> Level {
-        let Some(available) = self.available else { return Level::Unknown };
+        let Some(available) = self.available else {
+            return Level::Unknown;
+        };
         if self.min.is_some_and(|m| available < m) || self.act_because.is_some() {
             Level::Act
         } else if self.warn.is_some_and(|w| available < w) || self.warn_because.is_some() {
@@ -63,11 +68,27 @@ impl Reading {
                 _ => format!("{what} {}", bytes(a)),
             },
         };
-        for because in [&self.act_because, &self.warn_because].into_iter().flatten() {
+        for because in [&self.act_because, &self.warn_because]
+            .into_iter()
+            .flatten()
+        {
             text.push_str("; ");
             text.push_str(because);
         }
         text
+    }
+
+    /// What the executor reads again just before acting: MemAvailable, when it being below
+    /// `min_available` is why this acts. An act for swap or PSI has no MemAvailable level that
+    /// means "recovered" (it is above the floor already), so it gets no recheck.
+    fn recheck(&self) -> Option<Recheck> {
+        match (self.resource, self.available, self.min) {
+            (Resource::Ram, Some(a), Some(m)) if a < m => Some(Recheck {
+                resource: Resource::Ram,
+                below_bytes: m,
+            }),
+            _ => None,
+        }
     }
 
     fn kind(&self) -> &'static str {
@@ -84,10 +105,18 @@ pub(super) fn readings(config: &Config, snapshot: &Snapshot) -> Vec<Reading> {
     let ram = &config.ram;
     let mut act_because = None;
     let mut warn_because = None;
-    if let (Some(floor), Some(total), Some(free)) = (ram.min_swap_free, host.swap_total_bytes, host.swap_free_bytes) {
+    if let (Some(floor), Some(total), Some(free)) = (
+        ram.min_swap_free,
+        host.swap_total_bytes,
+        host.swap_free_bytes,
+    ) {
         if let Some(floor) = floor.resolve(Some(total)).filter(|_| total > 0) {
             if free < floor {
-                act_because = Some(format!("swap free {} < min_swap_free {}", bytes(free), bytes(floor)));
+                act_because = Some(format!(
+                    "swap free {} < min_swap_free {}",
+                    bytes(free),
+                    bytes(floor)
+                ));
             }
         }
     }
@@ -134,7 +163,13 @@ pub(super) fn readings(config: &Config, snapshot: &Snapshot) -> Vec<Reading> {
     out
 }
 
-pub(super) fn evaluate_floor(config: &Config, snapshot: &Snapshot, state: &mut PolicyState, reading: &Reading, plan: &mut Plan) {
+pub(super) fn evaluate_floor(
+    config: &Config,
+    snapshot: &Snapshot,
+    state: &mut PolicyState,
+    reading: &Reading,
+    plan: &mut Plan,
+) {
     let now = snapshot.at;
     let resource = reading.resource;
     let level = reading.level();
@@ -142,18 +177,38 @@ pub(super) fn evaluate_floor(config: &Config, snapshot: &Snapshot, state: &mut P
     if previous != Some(level) {
         let text = reading.describe();
         match level {
-            Level::Unknown => plan.events.push(event(Severity::Warning, "reading_unknown", format!("{text}: not acting on {resource} until it reads again"))),
-            Level::Warn if previous < Some(Level::Warn) => plan.events.push(event(Severity::Warning, "floor_warn", text)),
-            Level::Act => plan.events.push(event(Severity::Critical, "floor_act", text)),
-            Level::Ok if previous.is_some() => plan.events.push(event(Severity::Info, "floor_cleared", text)),
+            Level::Unknown => plan.events.push(event(
+                Severity::Warning,
+                "reading_unknown",
+                format!("{text}: not acting on {resource} until it reads again"),
+            )),
+            Level::Warn if previous < Some(Level::Warn) => {
+                plan.events
+                    .push(event(Severity::Warning, "floor_warn", text))
+            }
+            Level::Act => plan
+                .events
+                .push(event(Severity::Critical, "floor_act", text)),
+            Level::Ok if previous.is_some() => {
+                plan.events
+                    .push(event(Severity::Info, "floor_cleared", text))
+            }
             _ => {}
         }
     }
 
+    // A reading that is missing says nothing about the incident: leave it as it is.
+    if level == Level::Unknown {
+        return;
+    }
     if level != Level::Act {
         if let Some(incident) = state.incidents.remove(&resource) {
             if let (Some(victim), Stage::Stopped) = (&incident.victim, incident.stage) {
-                state.held.push(Held { target: victim.clone(), resource, since: incident.stage_since });
+                state.held.push(Held {
+                    target: victim.clone(),
+                    resource,
+                    since: incident.stage_since,
+                });
             }
             if incident.victim.is_some() {
                 plan.events.push(event(
@@ -173,16 +228,25 @@ pub(super) fn evaluate_floor(config: &Config, snapshot: &Snapshot, state: &mut P
         stage_since: now,
         victims_done: 0,
         no_victim_reported: false,
+        stale_reported: false,
+        excluded: Vec::new(),
     });
     if !reading.may_act {
-        if !incident.no_victim_reported {
-            incident.no_victim_reported = true;
-            plan.events.push(event(Severity::Warning, "not_acting_stale", format!("{}: the reading is stale, alerting only", reading.describe())));
+        if !incident.stale_reported {
+            incident.stale_reported = true;
+            plan.events.push(event(
+                Severity::Warning,
+                "not_acting_stale",
+                format!(
+                    "{}: the reading is stale, alerting only",
+                    reading.describe()
+                ),
+            ));
         }
         return;
     }
     let since = now.saturating_sub(incident.stage_since);
-    let recheck = (resource == Resource::Ram).then_some(()).and(reading.min).map(|m| Recheck { resource, below_bytes: m });
+    let recheck = reading.recheck();
     let why = reading.describe();
     let d = &config.daemon;
 
@@ -198,17 +262,40 @@ pub(super) fn evaluate_floor(config: &Config, snapshot: &Snapshot, state: &mut P
             incident.stage_since = now;
         }
         Stage::Stopped if since >= d.settle => {
-            let verb = if reading.far_below() { Verb::Kill } else { Verb::Terminate };
-            incident.stage = if verb == Verb::Kill { Stage::Killed } else { Stage::Terminated };
+            let verb = if reading.far_below() {
+                Verb::Kill
+            } else {
+                Verb::Terminate
+            };
+            incident.stage = if verb == Verb::Kill {
+                Stage::Killed
+            } else {
+                Stage::Terminated
+            };
             incident.stage_since = now;
-            plan.actions.push(action(verb, &victim, reading.kind(), format!("{why}; still below {} after stopping it", humantime::format_duration(d.settle)), recheck));
+            plan.actions.push(action(
+                verb,
+                &victim,
+                reading.kind(),
+                format!(
+                    "{why}; still below {} after stopping it",
+                    humantime::format_duration(d.settle)
+                ),
+                recheck,
+            ));
         }
         Stage::Terminated if reading.far_below() || since >= d.term_grace => {
             incident.stage = Stage::Killed;
             incident.stage_since = now;
-            plan.actions.push(action(Verb::Kill, &victim, reading.kind(), format!("{why}; SIGTERM not enough"), recheck));
+            plan.actions.push(action(
+                Verb::Kill,
+                &victim,
+                reading.kind(),
+                format!("{why}; SIGTERM not enough"),
+                recheck,
+            ));
         }
-        Stage::Killed if since >= config.gpu.release_timeout => {
+        Stage::Killed if since >= d.kill_timeout => {
             incident.stage = Stage::Stuck;
             incident.stage_since = now;
             plan.events.push(event(
@@ -246,7 +333,9 @@ pub(super) fn evaluate_floor(config: &Config, snapshot: &Snapshot, state: &mut P
 
 /// Pids of an exited victim that NVML still reports as holding memory on GPU `index`.
 fn stuck_pids(snapshot: &Snapshot, victim: &Target, index: u32) -> Vec<i32> {
-    let Some(gpu) = snapshot.gpus.devices.iter().find(|g| g.index == index) else { return Vec::new() };
+    let Some(gpu) = snapshot.gpus.devices.iter().find(|g| g.index == index) else {
+        return Vec::new();
+    };
     victim
         .members
         .iter()
@@ -256,19 +345,39 @@ fn stuck_pids(snapshot: &Snapshot, victim: &Target, index: u32) -> Vec<i32> {
 }
 
 /// Chooses a victim for an open incident and takes the first step of the floor's action.
-fn choose_next(config: &Config, snapshot: &Snapshot, state: &mut PolicyState, reading: &Reading, plan: &mut Plan) {
+fn choose_next(
+    config: &Config,
+    snapshot: &Snapshot,
+    state: &mut PolicyState,
+    reading: &Reading,
+    plan: &mut Plan,
+) {
     let resource = reading.resource;
-    let chosen = victim::choose(config, snapshot, state, resource);
+    let excluded = state
+        .incidents
+        .get(&resource)
+        .map(|i| i.excluded.clone())
+        .unwrap_or_default();
+    let chosen = victim::choose(config, snapshot, state, resource, &excluded);
     let incident = state.incidents.get_mut(&resource).expect("incident exists");
     let why = reading.describe();
     let Some((target, used)) = chosen else {
         if !incident.no_victim_reported {
             incident.no_victim_reported = true;
-            plan.events.push(event(Severity::Critical, "no_victim", format!("{why}; no process may be acted on (all protected or outside the candidates)")));
+            plan.events.push(event(
+                Severity::Critical,
+                "no_victim",
+                format!(
+                    "{why}; no process may be acted on (all protected or outside the candidates)"
+                ),
+            ));
         }
         return;
     };
-    let detail = format!("{why}; largest eligible user of {resource}: {} ", bytes(used));
+    let detail = format!(
+        "{why}; largest eligible user of {resource}: {} ",
+        bytes(used)
+    );
     let verb = match reading.action {
         FloorAction::Alert => None,
         FloorAction::Stop => Some(Verb::Stop),
@@ -283,16 +392,31 @@ fn choose_next(config: &Config, snapshot: &Snapshot, state: &mut PolicyState, re
     };
     incident.stage_since = snapshot.at;
     incident.victim = Some(target.clone());
-    let recheck = (resource == Resource::Ram).then_some(()).and(reading.min).map(|m| Recheck { resource, below_bytes: m });
+    let recheck = reading.recheck();
     match verb {
-        Some(verb) => plan.actions.push(action(verb, &target, reading.kind(), detail.trim_end().to_string(), recheck)),
-        None => plan.events.push(event(Severity::Critical, "floor_victim", format!("{detail}would act on {target} (action = \"alert\")"))),
+        Some(verb) => plan.actions.push(action(
+            verb,
+            &target,
+            reading.kind(),
+            detail.trim_end().to_string(),
+            recheck,
+        )),
+        None => plan.events.push(event(
+            Severity::Critical,
+            "floor_victim",
+            format!("{detail}would act on {target} (action = \"alert\")"),
+        )),
     }
 }
 
 /// Floor-stopped processes whose incident has closed: resume once the resource is back to `Ok`,
 /// kill once they have been stopped for `max_stop`.
-pub(super) fn release_held(config: &Config, snapshot: &Snapshot, state: &mut PolicyState, plan: &mut Plan) {
+pub(super) fn release_held(
+    config: &Config,
+    snapshot: &Snapshot,
+    state: &mut PolicyState,
+    plan: &mut Plan,
+) {
     let now = snapshot.at;
     let max_stop: Duration = config.daemon.max_stop;
     let levels = state.levels.clone();
@@ -301,7 +425,13 @@ pub(super) fn release_held(config: &Config, snapshot: &Snapshot, state: &mut Pol
             return false;
         }
         if levels.get(&held.resource) == Some(&Level::Ok) {
-            plan.actions.push(action(Verb::Resume, &held.target, "cleared", format!("{} is back above its warn floor", held.resource), None));
+            plan.actions.push(action(
+                Verb::Resume,
+                &held.target,
+                "cleared",
+                format!("{} is back above its warn floor", held.resource),
+                None,
+            ));
             return false;
         }
         if now.saturating_sub(held.since) >= max_stop {
@@ -309,7 +439,11 @@ pub(super) fn release_held(config: &Config, snapshot: &Snapshot, state: &mut Pol
                 Verb::Kill,
                 &held.target,
                 "max_stop",
-                format!("stopped for {} (max_stop) and {} is still below its warn floor", humantime::format_duration(max_stop), held.resource),
+                format!(
+                    "stopped for {} (max_stop) and {} is still below its warn floor",
+                    humantime::format_duration(max_stop),
+                    held.resource
+                ),
                 None,
             ));
             return false;

@@ -111,8 +111,11 @@ impl Target {
 
 impl fmt::Display for Target {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let pids: Vec<String> =
-            self.members.iter().map(|m| format!("{}({})", m.id.pid, m.comm)).collect();
+        let pids: Vec<String> = self
+            .members
+            .iter()
+            .map(|m| format!("{}({})", m.id.pid, m.comm))
+            .collect();
         match &self.model {
             Some(model) => write!(f, "model '{model}' pids [{}]", pids.join(", ")),
             None => write!(f, "pid {}", pids.join(", ")),
@@ -201,6 +204,10 @@ pub struct Incident {
     pub victims_done: u32,
     /// Reported that no victim could be chosen (to say it once).
     pub no_victim_reported: bool,
+    /// Reported that the reading is stale (to say it once).
+    pub stale_reported: bool,
+    /// Processes the executor could not act on (not permitted...): not chosen again here.
+    pub excluded: Vec<ProcessId>,
 }
 
 /// A model's budget state.
@@ -245,12 +252,16 @@ impl PolicyState {
         self.attributed = None;
     }
 
-    /// The executor could not act on a target (gone, recovered, not permitted): forget the stage
-    /// the policy optimistically entered, so the next tick decides afresh.
-    pub fn action_not_done(&mut self, action: &Action) {
+    /// The executor did not act on a target (gone, memory recovered, or `failed`: not
+    /// permitted...): forget the stage the policy optimistically entered, so the next tick
+    /// decides afresh; a target that could not be signalled is not chosen again in that incident.
+    pub fn action_not_done(&mut self, action: &Action, failed: bool) {
         for incident in self.incidents.values_mut() {
-            if incident.victim.as_ref() == Some(&action.target) && incident.victims_done == 0 && incident.stage != Stage::Killed {
+            if incident.victim.as_ref() == Some(&action.target) {
                 incident.victim = None;
+                if failed {
+                    incident.excluded.extend(action.target.ids());
+                }
             }
         }
         if let Some(model) = &action.target.model {
@@ -271,18 +282,33 @@ const NEAR_FLOOR_SCAN_AGE: Duration = Duration::from_millis(100);
 
 /// Decides what to do about one snapshot.
 pub fn evaluate(config: &Config, snapshot: &Snapshot, state: &mut PolicyState) -> Plan {
-    let mut plan = Plan { next_interval: config.daemon.interval, max_scan_age: config.daemon.scan_interval, ..Default::default() };
+    let mut plan = Plan {
+        next_interval: config.daemon.interval,
+        max_scan_age: config.daemon.scan_interval,
+        ..Default::default()
+    };
 
     // Membership and usage change only with a new process scan or new GPU process lists.
-    let inputs = (snapshot.processes.scanned_at, snapshot.gpus.process_lists_read);
+    let inputs = (
+        snapshot.processes.scanned_at,
+        snapshot.gpus.process_lists_read,
+    );
     if state.attributed != Some(inputs) {
-        state.attribution = attribute(config, &snapshot.processes, &snapshot.gpus, &state.registered, &mut state.match_cache);
+        state.attribution = attribute(
+            config,
+            &snapshot.processes,
+            &snapshot.gpus,
+            &state.registered,
+            &mut state.match_cache,
+        );
         state.attributed = Some(inputs);
         waste::duplicate_loads(snapshot, state, &mut plan);
     }
     // Drop registrations of processes that are gone.
     if snapshot.processes.scanned_at.is_some() {
-        state.registered.retain(|id, _| snapshot.processes.alive(*id));
+        state
+            .registered
+            .retain(|id, _| snapshot.processes.alive(*id));
     }
 
     let readings = floors::readings(config, snapshot);
@@ -295,15 +321,27 @@ pub fn evaluate(config: &Config, snapshot: &Snapshot, state: &mut PolicyState) -
     // Sleep no longer than a fast hog needs to reach the nearest floor.
     for r in &readings {
         if let (Some(available), Some(min)) = (r.available, r.min) {
-            let rate = if r.resource == Resource::Ram { RAM_FILL_BYTES_PER_SEC } else { GPU_FILL_BYTES_PER_SEC };
+            let rate = if r.resource == Resource::Ram {
+                RAM_FILL_BYTES_PER_SEC
+            } else {
+                GPU_FILL_BYTES_PER_SEC
+            };
             let headroom = available.saturating_sub(min) as f64;
-            plan.next_interval = plan.next_interval.min(Duration::from_secs_f64(headroom / rate));
+            plan.next_interval = plan
+                .next_interval
+                .min(Duration::from_secs_f64(headroom / rate));
         }
-        if matches!(state.levels.get(&r.resource), Some(Level::Warn | Level::Act)) {
+        if matches!(
+            state.levels.get(&r.resource),
+            Some(Level::Warn | Level::Act)
+        ) {
             plan.max_scan_age = plan.max_scan_age.min(NEAR_FLOOR_SCAN_AGE);
         }
     }
-    let busy = state.incidents.values().any(|i| i.victim.is_some() && i.stage != Stage::Stuck)
+    let busy = state
+        .incidents
+        .values()
+        .any(|i| i.victim.is_some() && i.stage != Stage::Stuck)
         || state.budgets.values().any(|b| b.over_since.is_some());
     if busy {
         plan.next_interval = config.daemon.min_interval;
@@ -315,7 +353,9 @@ pub fn evaluate(config: &Config, snapshot: &Snapshot, state: &mut PolicyState) -
     if state.budgets.values().any(|b| b.over_since.is_some()) {
         plan.max_scan_age = plan.max_scan_age.min(NEAR_FLOOR_SCAN_AGE);
     }
-    plan.next_interval = plan.next_interval.clamp(config.daemon.min_interval, config.daemon.interval);
+    plan.next_interval = plan
+        .next_interval
+        .clamp(config.daemon.min_interval, config.daemon.interval);
     plan.watch = watched(state);
     plan
 }
@@ -326,7 +366,12 @@ fn watched(state: &PolicyState) -> Vec<ProcessId> {
         .incidents
         .values()
         .filter_map(|i| i.victim.as_ref())
-        .chain(state.budgets.values().filter_map(|b| b.enforced.as_ref().map(|e| &e.2)))
+        .chain(
+            state
+                .budgets
+                .values()
+                .filter_map(|b| b.enforced.as_ref().map(|e| &e.2)),
+        )
         .chain(state.held.iter().map(|h| &h.target))
         .flat_map(|t| t.ids())
         .collect();
@@ -335,12 +380,27 @@ fn watched(state: &PolicyState) -> Vec<ProcessId> {
     ids
 }
 
-fn action(verb: Verb, target: &Target, kind: &'static str, detail: String, recheck: Option<Recheck>) -> Action {
-    Action { verb, target: target.clone(), reason: Reason { kind, detail }, recheck }
+fn action(
+    verb: Verb,
+    target: &Target,
+    kind: &'static str,
+    detail: String,
+    recheck: Option<Recheck>,
+) -> Action {
+    Action {
+        verb,
+        target: target.clone(),
+        reason: Reason { kind, detail },
+        recheck,
+    }
 }
 
 fn event(severity: Severity, kind: &'static str, message: String) -> Event {
-    Event { severity, kind, message }
+    Event {
+        severity,
+        kind,
+        message,
+    }
 }
 
 fn bytes(b: u64) -> String {

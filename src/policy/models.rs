@@ -89,7 +89,9 @@ pub fn attribute(
             }
         })
         .collect();
-    cache.matched.retain(|id, _| procs.iter().any(|p| p.id() == *id));
+    cache
+        .matched
+        .retain(|id, _| procs.iter().any(|p| p.id() == *id));
 
     // Inherit from the nearest matched ancestor.
     let by_pid: HashMap<i32, usize> = procs.iter().enumerate().map(|(i, p)| (p.pid, i)).collect();
@@ -109,7 +111,10 @@ pub fn attribute(
                 break;
             }
             // pid 0/1 and unknown parents end the walk; a cycle cannot happen but is bounded anyway.
-            at = by_pid.get(&procs[i].ppid).copied().filter(|&j| j != i && chain.len() < 4096);
+            at = by_pid
+                .get(&procs[i].ppid)
+                .copied()
+                .filter(|&j| j != i && chain.len() < 4096);
         }
         for i in chain {
             model_of[i] = Some(found);
@@ -117,8 +122,13 @@ pub fn attribute(
     }
     let model_of: Vec<Option<usize>> = model_of.into_iter().map(Option::flatten).collect();
 
-    let mut models: Vec<ModelUsage> =
-        names.iter().map(|n| ModelUsage { name: n.clone(), ..Default::default() }).collect();
+    let mut models: Vec<ModelUsage> = names
+        .iter()
+        .map(|n| ModelUsage {
+            name: n.clone(),
+            ..Default::default()
+        })
+        .collect();
     let mut member_by_pid = HashMap::new();
     for (i, p) in procs.iter().enumerate() {
         let Some(m) = model_of[i] else { continue };
@@ -131,7 +141,9 @@ pub fn attribute(
     }
     for gpu in &gpus.devices {
         for (pid, bytes) in &gpu.processes {
-            let Some(&m) = member_by_pid.get(pid) else { continue };
+            let Some(&m) = member_by_pid.get(pid) else {
+                continue;
+            };
             match bytes {
                 Some(b) => *models[m].gpu_bytes.entry(gpu.index).or_default() += b,
                 None => models[m].gpu_unknown = true,

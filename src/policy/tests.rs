@@ -6,7 +6,9 @@ use std::path::Path;
 use std::time::Duration;
 
 use crate::config::Config;
-use crate::snapshot::{Gpu, GpuSnapshot, GpuStatus, HostMemory, Process, ProcessId, ProcessTable, Snapshot};
+use crate::snapshot::{
+    Gpu, GpuSnapshot, GpuStatus, HostMemory, Process, ProcessId, ProcessTable, Snapshot,
+};
 
 use super::*;
 
@@ -56,7 +58,10 @@ fn snap(at_ms: u64, available: Option<u64>, procs: Vec<Process>) -> Snapshot {
             psi_some_avg10: None,
             psi_full_avg10: None,
         },
-        processes: ProcessTable { scanned_at: Some(at), processes: procs },
+        processes: ProcessTable {
+            scanned_at: Some(at),
+            processes: procs,
+        },
         gpus: GpuSnapshot::default(),
         self_pid: SELF_PID,
     }
@@ -81,7 +86,13 @@ fn gpu(index: u32, free: u64, holders: &[(i32, Option<u64>)]) -> Gpu {
 /// Plenty of host RAM, fresh GPU readings.
 fn gsnap(at_ms: u64, procs: Vec<Process>, devices: Vec<Gpu>) -> Snapshot {
     let mut s = snap(at_ms, Some(32 * GIB), procs);
-    s.gpus = GpuSnapshot { status: GpuStatus::Ok, sampled_at: Some(s.at), stale: false, devices };
+    s.gpus = GpuSnapshot {
+        status: GpuStatus::Ok,
+        sampled_at: Some(s.at),
+        stale: false,
+        devices,
+        process_lists_read: at_ms,
+    };
     s
 }
 
@@ -89,13 +100,22 @@ fn gsnap(at_ms: u64, procs: Vec<Process>, devices: Vec<Gpu>) -> Snapshot {
 fn acts(plan: &Plan) -> String {
     let one = |a: &Action| {
         let pids: Vec<String> = a.target.ids().map(|id| id.pid.to_string()).collect();
-        format!("{} {}[{}]", a.verb.as_str(), a.target.model.as_deref().unwrap_or(""), pids.join(","))
+        format!(
+            "{} {}[{}]",
+            a.verb.as_str(),
+            a.target.model.as_deref().unwrap_or(""),
+            pids.join(",")
+        )
     };
     plan.actions.iter().map(one).collect::<Vec<_>>().join("; ")
 }
 
 fn events(plan: &Plan) -> String {
-    plan.events.iter().map(|e| e.kind).collect::<Vec<_>>().join(", ")
+    plan.events
+        .iter()
+        .map(|e| e.kind)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Evaluates the snapshots in order, checking each plan's actions and event kinds.
@@ -125,7 +145,10 @@ fn once(config: &Config, snapshot: &Snapshot) -> Plan {
 fn assert_recheck_lets_it_act(plan: &Plan, available: u64) {
     for a in &plan.actions {
         if let Some(r) = a.recheck {
-            assert!(available < r.below_bytes, "{a:?} would be skipped at {available} bytes available");
+            assert!(
+                available < r.below_bytes,
+                "{a:?} would be skipped at {available} bytes available"
+            );
         }
     }
 }
@@ -133,7 +156,12 @@ fn assert_recheck_lets_it_act(plan: &Plan, available: u64) {
 #[test]
 fn ram_floor_levels() {
     let c = config(RAM_FLOORS);
-    let procs = || vec![proc(100, "trainer", 6 * GIB, 1), proc(200, "loader", 2 * GIB, 1)];
+    let procs = || {
+        vec![
+            proc(100, "trainer", 6 * GIB, 1),
+            proc(200, "loader", 2 * GIB, 1),
+        ]
+    };
     let cases = [
         (16 * GIB, "", ""),
         (8 * GIB, "", ""),
@@ -147,11 +175,25 @@ fn ram_floor_levels() {
     ];
     for (available, want_acts, want_events) in cases {
         let plan = once(&c, &snap(0, Some(available), procs()));
-        assert_eq!((acts(&plan).as_str(), events(&plan).as_str()), (want_acts, want_events), "{available}");
+        assert_eq!(
+            (acts(&plan).as_str(), events(&plan).as_str()),
+            (want_acts, want_events),
+            "{available}"
+        );
         for a in &plan.actions {
             assert_eq!(a.reason.kind, "ram_floor");
-            assert_eq!(a.recheck, Some(Recheck { resource: Resource::Ram, below_bytes: 4 * GIB }));
-            assert!(a.reason.detail.contains("min_available"), "{}", a.reason.detail);
+            assert_eq!(
+                a.recheck,
+                Some(Recheck {
+                    resource: Resource::Ram,
+                    below_bytes: 4 * GIB
+                })
+            );
+            assert!(
+                a.reason.detail.contains("min_available"),
+                "{}",
+                a.reason.detail
+            );
         }
     }
 }
@@ -180,18 +222,50 @@ fn protected_processes_are_never_victims() {
     let big = 30 * GIB;
     let cases = [
         ("pid 1", "", proc(1, "bash", big, 0)),
-        ("kernel thread", "", Process { kernel_thread: true, ..proc(2, "kworker/0:1", big, 2) }),
+        (
+            "kernel thread",
+            "",
+            Process {
+                kernel_thread: true,
+                ..proc(2, "kworker/0:1", big, 2)
+            },
+        ),
         ("gpuguard itself", "", proc(SELF_PID, "agent", big, 1)),
         ("sshd by default", "", proc(300, "sshd", big, 1)),
-        ("systemd* by default", "", proc(301, "systemd-journal", big, 1)),
-        ("a zombie", "", Process { state: 'Z', ..proc(302, "defunct", big, 1) }),
-        ("[protect] comm prefix", "[protect]\ncomm = [\"redis*\"]\n", proc(303, "redis-server", big, 1)),
+        (
+            "systemd* by default",
+            "",
+            proc(301, "systemd-journal", big, 1),
+        ),
+        (
+            "a zombie",
+            "",
+            Process {
+                state: 'Z',
+                ..proc(302, "defunct", big, 1)
+            },
+        ),
+        (
+            "[protect] comm prefix",
+            "[protect]\ncomm = [\"redis*\"]\n",
+            proc(303, "redis-server", big, 1),
+        ),
         (
             "[protect] cmdline regex",
             "[protect]\ncmdline = [\"--keep-me\\\\b\"]\n",
-            Process { cmdline: "python3 app.py --keep-me".into(), ..proc(304, "python3", big, 1) },
+            Process {
+                cmdline: "python3 app.py --keep-me".into(),
+                ..proc(304, "python3", big, 1)
+            },
         ),
-        ("[protect] users", "[protect]\nusers = [\"4321\"]\n", Process { uid: 4321, ..proc(305, "postgres", big, 1) }),
+        (
+            "[protect] users",
+            "[protect]\nusers = [\"4321\"]\n",
+            Process {
+                uid: 4321,
+                ..proc(305, "postgres", big, 1)
+            },
+        ),
     ];
     for (what, extra, protected) in cases {
         let c = config(&format!("{RAM_FLOORS}{extra}"));
@@ -204,7 +278,11 @@ fn protected_processes_are_never_victims() {
             &c,
             &mut PolicyState::default(),
             vec![
-                (snap(0, Some(3 * GIB), vec![protected.clone()]), "", "floor_act, no_victim"),
+                (
+                    snap(0, Some(3 * GIB), vec![protected.clone()]),
+                    "",
+                    "floor_act, no_victim",
+                ),
                 (snap(1000, Some(3 * GIB), vec![protected.clone()]), "", ""),
                 (snap(2000, Some(GIB), vec![protected.clone()]), "", ""),
             ],
@@ -213,7 +291,14 @@ fn protected_processes_are_never_victims() {
 
     // The built-in list can be turned off.
     let c = config(&format!("{RAM_FLOORS}[protect]\ndefaults = false\n"));
-    let plan = once(&c, &snap(0, Some(3 * GIB), vec![proc(300, "sshd", big, 1), proc(500, "worker", GIB, 1)]));
+    let plan = once(
+        &c,
+        &snap(
+            0,
+            Some(3 * GIB),
+            vec![proc(300, "sshd", big, 1), proc(500, "worker", GIB, 1)],
+        ),
+    );
     assert_eq!(acts(&plan), "terminate [300]");
 }
 
@@ -225,24 +310,43 @@ fn victim_order() {
         (
             "a model over its RAM budget beats a bigger process",
             format!("{any}{}", model("small", "ram = \"1GiB\"\n")),
-            vec![proc(100, "small", 2 * GIB, 1), proc(300, "big", 10 * GIB, 1)],
+            vec![
+                proc(100, "small", 2 * GIB, 1),
+                proc(300, "big", 10 * GIB, 1),
+            ],
             "terminate small[100]",
         ),
         (
             "the most over first",
-            format!("{any}{}{}", model("a", "ram = \"4GiB\"\n"), model("b", "ram = \"1GiB\"\n")),
-            vec![proc(100, "a", 5 * GIB, 1), proc(200, "b", 3 * GIB, 1), proc(300, "big", 10 * GIB, 1)],
+            format!(
+                "{any}{}{}",
+                model("a", "ram = \"4GiB\"\n"),
+                model("b", "ram = \"1GiB\"\n")
+            ),
+            vec![
+                proc(100, "a", 5 * GIB, 1),
+                proc(200, "b", 3 * GIB, 1),
+                proc(300, "big", 10 * GIB, 1),
+            ],
             "terminate b[200]",
         ),
         (
             "over budget before lower priority",
-            format!("{any}{}{}", model("a", "priority = -10\n"), model("b", "priority = 10\nram = \"1GiB\"\n")),
+            format!(
+                "{any}{}{}",
+                model("a", "priority = -10\n"),
+                model("b", "priority = 10\nram = \"1GiB\"\n")
+            ),
             vec![proc(100, "a", 8 * GIB, 1), proc(200, "b", 2 * GIB, 1)],
             "terminate b[200]",
         ),
         (
             "lower priority first",
-            format!("{any}{}{}", model("a", "priority = 10\n"), model("b", "priority = 5\n")),
+            format!(
+                "{any}{}{}",
+                model("a", "priority = 10\n"),
+                model("b", "priority = 5\n")
+            ),
             vec![proc(100, "a", 8 * GIB, 1), proc(200, "b", 2 * GIB, 1)],
             "terminate b[200]",
         ),
@@ -255,7 +359,11 @@ fn victim_order() {
         (
             "then the larger user",
             format!("{any}{}{}", model("a", ""), model("b", "")),
-            vec![proc(100, "a", 3 * GIB, 1), proc(200, "b", 5 * GIB, 1), proc(300, "big", 4 * GIB, 1)],
+            vec![
+                proc(100, "a", 3 * GIB, 1),
+                proc(200, "b", 5 * GIB, 1),
+                proc(300, "big", 4 * GIB, 1),
+            ],
             "terminate b[200]",
         ),
         (
@@ -278,8 +386,14 @@ fn victim_order() {
     }
 
     let c = config(&format!("{RAM_FLOORS}{models_only}{}", model("a", "")));
-    let plan = once(&c, &snap(0, Some(3 * GIB), vec![proc(300, "big", 30 * GIB, 1)]));
-    assert_eq!((acts(&plan).as_str(), events(&plan).as_str()), ("", "floor_act, no_victim"));
+    let plan = once(
+        &c,
+        &snap(0, Some(3 * GIB), vec![proc(300, "big", 30 * GIB, 1)]),
+    );
+    assert_eq!(
+        (acts(&plan).as_str(), events(&plan).as_str()),
+        ("", "floor_act, no_victim")
+    );
 }
 
 #[test]
@@ -288,39 +402,80 @@ fn model_membership_by_matcher() {
         (
             "cmdline regex",
             "match = { cmdline = \"vllm serve\" }",
-            Process { cmdline: "python3 -m vllm serve Qwen/Qwen2-7B".into(), ..proc(100, "python3", GIB, 1) },
-            Process { cmdline: "python3 -m vllm bench".into(), ..proc(200, "python3", GIB, 1) },
+            Process {
+                cmdline: "python3 -m vllm serve Qwen/Qwen2-7B".into(),
+                ..proc(100, "python3", GIB, 1)
+            },
+            Process {
+                cmdline: "python3 -m vllm bench".into(),
+                ..proc(200, "python3", GIB, 1)
+            },
         ),
-        ("comm", "match = { comm = \"vllm*\" }", proc(100, "vllm-worker", GIB, 1), proc(200, "pvllm", GIB, 1)),
+        (
+            "comm",
+            "match = { comm = \"vllm*\" }",
+            proc(100, "vllm-worker", GIB, 1),
+            proc(200, "pvllm", GIB, 1),
+        ),
         (
             "user (numeric uid)",
             "match = { user = \"1234\" }",
-            Process { uid: 1234, ..proc(100, "python3", GIB, 1) },
-            Process { uid: 1235, ..proc(200, "python3", GIB, 1) },
+            Process {
+                uid: 1234,
+                ..proc(100, "python3", GIB, 1)
+            },
+            Process {
+                uid: 1235,
+                ..proc(200, "python3", GIB, 1)
+            },
         ),
         (
             "unit (a cgroup component)",
             "match = { unit = \"vllm.service\" }",
-            Process { cgroup: "/system.slice/vllm.service".into(), ..proc(100, "python3", GIB, 1) },
-            Process { cgroup: "/system.slice/vllm.service2".into(), ..proc(200, "python3", GIB, 1) },
+            Process {
+                cgroup: "/system.slice/vllm.service".into(),
+                ..proc(100, "python3", GIB, 1)
+            },
+            Process {
+                cgroup: "/system.slice/vllm.service2".into(),
+                ..proc(200, "python3", GIB, 1)
+            },
         ),
         (
             "cgroup prefix",
             "match = { cgroup = \"/machine.slice/models\" }",
-            Process { cgroup: "/machine.slice/models/qwen".into(), ..proc(100, "python3", GIB, 1) },
-            Process { cgroup: "/machine.slice/models-old/qwen".into(), ..proc(200, "python3", GIB, 1) },
+            Process {
+                cgroup: "/machine.slice/models/qwen".into(),
+                ..proc(100, "python3", GIB, 1)
+            },
+            Process {
+                cgroup: "/machine.slice/models-old/qwen".into(),
+                ..proc(200, "python3", GIB, 1)
+            },
         ),
         (
             "every given key",
             "match = { comm = \"python3\", user = \"1234\" }",
-            Process { uid: 1234, ..proc(100, "python3", GIB, 1) },
+            Process {
+                uid: 1234,
+                ..proc(100, "python3", GIB, 1)
+            },
             proc(200, "python3", GIB, 1),
         ),
     ];
     for (what, matcher, yes, no) in cases {
         let c = config(&format!("[[model]]\nname = \"m\"\n{matcher}\n"));
-        let table = ProcessTable { scanned_at: Some(Duration::ZERO), processes: vec![yes, no] };
-        let a = attribute(&c, &table, &GpuSnapshot::default(), &HashMap::new(), &mut MatchCache::default());
+        let table = ProcessTable {
+            scanned_at: Some(Duration::ZERO),
+            processes: vec![yes, no],
+        };
+        let a = attribute(
+            &c,
+            &table,
+            &GpuSnapshot::default(),
+            &HashMap::new(),
+            &mut MatchCache::default(),
+        );
         assert_eq!(a.model_of, [Some(0), None], "{what}");
         assert_eq!(a.models[0].members, [0], "{what}");
     }
@@ -332,10 +487,19 @@ fn descendants_belong_to_the_model() {
         "{RAM_FLOORS}[protect]\ncomm = [\"metrics-agent\"]\n[[model]]\nname = \"vllm\"\nmatch = {{ cmdline = \"vllm serve\" }}\n"
     ));
     let procs = vec![
-        Process { cmdline: "python3 -m vllm serve Qwen".into(), ..proc(100, "python3", 2 * GIB, 1) },
-        Process { cmdline: "python3 -c from multiprocessing.spawn import spawn_main".into(), ..proc(101, "python3", 3 * GIB, 100) },
+        Process {
+            cmdline: "python3 -m vllm serve Qwen".into(),
+            ..proc(100, "python3", 2 * GIB, 1)
+        },
+        Process {
+            cmdline: "python3 -c from multiprocessing.spawn import spawn_main".into(),
+            ..proc(101, "python3", 3 * GIB, 100)
+        },
         proc(102, "pt_main_thread", GIB, 101),
-        Process { state: 'Z', ..proc(103, "python3", 7 * GIB, 100) },
+        Process {
+            state: 'Z',
+            ..proc(103, "python3", 7 * GIB, 100)
+        },
         proc(104, "metrics-agent", GIB / 2, 100),
         proc(200, "other", 5 * GIB, 1),
     ];
@@ -344,7 +508,10 @@ fn descendants_belong_to_the_model() {
     let plan = evaluate(&c, &s, &mut state);
 
     let usage = &state.attribution.models[0];
-    assert_eq!(state.attribution.model_of, [Some(0), Some(0), Some(0), Some(0), Some(0), None]);
+    assert_eq!(
+        state.attribution.model_of,
+        [Some(0), Some(0), Some(0), Some(0), Some(0), None]
+    );
     // Live members only (the zombie has none of its memory any more), RSS summed over them.
     assert_eq!(usage.members, [0, 1, 2, 4]);
     assert_eq!(usage.rss_bytes, 6 * GIB + GIB / 2);
@@ -352,17 +519,41 @@ fn descendants_belong_to_the_model() {
     // The target is every live member that may be signalled.
     assert_eq!(acts(&plan), "terminate vllm[100,101,102]");
     let target = &plan.actions[0].target;
-    assert_eq!(target.members[1], Member { id: ProcessId { pid: 101, start_time: 50_101 }, comm: "python3".into(), uid: 1000 });
+    assert_eq!(
+        target.members[1],
+        Member {
+            id: ProcessId {
+                pid: 101,
+                start_time: 50_101
+            },
+            comm: "python3".into(),
+            uid: 1000
+        }
+    );
     assert_eq!(plan.watch, target.ids().collect::<Vec<_>>());
 }
 
 #[test]
 fn launched_processes_belong_to_their_registered_model() {
     let c = config("[[model]]\nname = \"vllm\"\nmatch = { comm = \"vllm\" }\n");
-    let procs = vec![proc(100, "vllm", GIB, 1), proc(101, "worker", GIB, 100), proc(300, "vllm", GIB, 1), proc(301, "worker", GIB, 300)];
+    let procs = vec![
+        proc(100, "vllm", GIB, 1),
+        proc(101, "worker", GIB, 100),
+        proc(300, "vllm", GIB, 1),
+        proc(301, "worker", GIB, 300),
+    ];
     let registered = HashMap::from([(procs[2].id(), "launched".to_string())]);
-    let table = ProcessTable { scanned_at: Some(Duration::ZERO), processes: procs };
-    let a = attribute(&c, &table, &GpuSnapshot::default(), &registered, &mut MatchCache::default());
+    let table = ProcessTable {
+        scanned_at: Some(Duration::ZERO),
+        processes: procs,
+    };
+    let a = attribute(
+        &c,
+        &table,
+        &GpuSnapshot::default(),
+        &registered,
+        &mut MatchCache::default(),
+    );
     let names: Vec<&str> = a.models.iter().map(|m| m.name.as_str()).collect();
     assert_eq!(names, ["vllm", "launched"]);
     // Registration beats the config match, and children follow their parent.
@@ -375,7 +566,10 @@ fn membership_follows_exec() {
     // join the model once it has.
     let c = config("[[model]]\nname = \"vllm\"\nmatch = { comm = \"vllm\" }\n");
     let mut cache = MatchCache::default();
-    let table = |comm: &str| ProcessTable { scanned_at: Some(Duration::ZERO), processes: vec![proc(100, comm, GIB, 1)] };
+    let table = |comm: &str| ProcessTable {
+        scanned_at: Some(Duration::ZERO),
+        processes: vec![proc(100, comm, GIB, 1)],
+    };
     let gpus = GpuSnapshot::default();
     let before = attribute(&c, &table("sh"), &gpus, &HashMap::new(), &mut cache);
     assert_eq!(before.model_of, [None]);
@@ -386,9 +580,25 @@ fn membership_follows_exec() {
 #[test]
 fn one_victim_per_incident_then_the_next() {
     let c = config(RAM_FLOORS);
-    let abc = || vec![proc(100, "trainer", 6 * GIB, 1), proc(200, "loader", 4 * GIB, 1), proc(300, "notebook", GIB, 1)];
-    let bc = || abc().into_iter().filter(|p| p.pid != 100).collect::<Vec<_>>();
-    let c_only = || abc().into_iter().filter(|p| p.pid == 300).collect::<Vec<_>>();
+    let abc = || {
+        vec![
+            proc(100, "trainer", 6 * GIB, 1),
+            proc(200, "loader", 4 * GIB, 1),
+            proc(300, "notebook", GIB, 1),
+        ]
+    };
+    let bc = || {
+        abc()
+            .into_iter()
+            .filter(|p| p.pid != 100)
+            .collect::<Vec<_>>()
+    };
+    let c_only = || {
+        abc()
+            .into_iter()
+            .filter(|p| p.pid == 300)
+            .collect::<Vec<_>>()
+    };
     let low = Some(3 * GIB);
     let plans = play(
         &c,
@@ -412,14 +622,33 @@ fn one_victim_per_incident_then_the_next() {
     assert_eq!(pid(&plans[0]), [100]);
     assert_eq!(pid(&plans[6]), [200]);
     assert_eq!(pid(&plans[8]), Vec::<i32>::new());
-    assert_eq!(plans[3].actions[0].recheck, Some(Recheck { resource: Resource::Ram, below_bytes: 4 * GIB }));
+    assert_eq!(
+        plans[3].actions[0].recheck,
+        Some(Recheck {
+            resource: Resource::Ram,
+            below_bytes: 4 * GIB
+        })
+    );
 }
 
 #[test]
 fn a_victim_that_exits_on_sigterm_is_not_killed() {
     let c = config(RAM_FLOORS);
-    let ab = || vec![proc(100, "trainer", 6 * GIB, 1), proc(200, "loader", 4 * GIB, 1)];
-    let zombie_a = || vec![Process { state: 'Z', ..proc(100, "trainer", 0, 1) }, proc(200, "loader", 4 * GIB, 1)];
+    let ab = || {
+        vec![
+            proc(100, "trainer", 6 * GIB, 1),
+            proc(200, "loader", 4 * GIB, 1),
+        ]
+    };
+    let zombie_a = || {
+        vec![
+            Process {
+                state: 'Z',
+                ..proc(100, "trainer", 0, 1)
+            },
+            proc(200, "loader", 4 * GIB, 1),
+        ]
+    };
     play(
         &c,
         &mut PolicyState::default(),
@@ -427,7 +656,11 @@ fn a_victim_that_exits_on_sigterm_is_not_killed() {
             (snap(0, Some(3 * GIB), ab()), "terminate [100]", "floor_act"),
             (snap(500, Some(3 * GIB), zombie_a()), "", ""),
             (snap(1000, Some(3 * GIB), zombie_a()), "terminate [200]", ""),
-            (snap(1500, Some(10 * GIB), zombie_a()), "", "floor_cleared, incident_closed"),
+            (
+                snap(1500, Some(10 * GIB), zombie_a()),
+                "",
+                "floor_cleared, incident_closed",
+            ),
         ],
     );
 }
@@ -449,8 +682,16 @@ fn far_below_skips_sigterm_grace() {
 
 #[test]
 fn survived_kill_is_reported_and_nobody_else_is_killed() {
-    let c = config(&format!("{RAM_FLOORS}[gpu]\nrelease_timeout = \"5s\"\n"));
-    let ab = || vec![Process { state: 'D', ..proc(100, "trainer", 6 * GIB, 1) }, proc(200, "loader", 4 * GIB, 1)];
+    let c = config(&format!("[daemon]\nkill_timeout = \"5s\"\n{RAM_FLOORS}"));
+    let ab = || {
+        vec![
+            Process {
+                state: 'D',
+                ..proc(100, "trainer", 6 * GIB, 1)
+            },
+            proc(200, "loader", 4 * GIB, 1),
+        ]
+    };
     play(
         &c,
         &mut PolicyState::default(),
@@ -466,7 +707,12 @@ fn survived_kill_is_reported_and_nobody_else_is_killed() {
 #[test]
 fn stop_then_terminate_after_settle() {
     let c = config(&format!("{RAM_FLOORS}action = \"stop\"\n"));
-    let a = || vec![proc(100, "trainer", 6 * GIB, 1), proc(200, "loader", 4 * GIB, 1)];
+    let a = || {
+        vec![
+            proc(100, "trainer", 6 * GIB, 1),
+            proc(200, "loader", 4 * GIB, 1),
+        ]
+    };
     play(
         &c,
         &mut PolicyState::default(),
@@ -482,14 +728,24 @@ fn stop_then_terminate_after_settle() {
     play(
         &c,
         &mut PolicyState::default(),
-        vec![(snap(0, Some(GIB), a()), "stop [100]", "floor_act"), (snap(2000, Some(GIB), a()), "kill [100]", "")],
+        vec![
+            (snap(0, Some(GIB), a()), "stop [100]", "floor_act"),
+            (snap(2000, Some(GIB), a()), "kill [100]", ""),
+        ],
     );
 }
 
 #[test]
 fn stopped_victim_is_held_until_ram_is_back_above_warn() {
-    let c = config(&format!("{RAM_FLOORS}action = \"stop\"\n[daemon]\nmax_stop = \"30s\"\n"));
-    let a = || vec![proc(100, "trainer", 6 * GIB, 1), proc(200, "loader", 4 * GIB, 1)];
+    let c = config(&format!(
+        "{RAM_FLOORS}action = \"stop\"\n[daemon]\nmax_stop = \"30s\"\n"
+    ));
+    let a = || {
+        vec![
+            proc(100, "trainer", 6 * GIB, 1),
+            proc(200, "loader", 4 * GIB, 1),
+        ]
+    };
     let plans = play(
         &c,
         &mut PolicyState::default(),
@@ -498,12 +754,19 @@ fn stopped_victim_is_held_until_ram_is_back_above_warn() {
             // Between min and warn: the incident is over, the victim stays stopped.
             (snap(1000, Some(6 * GIB), a()), "", "incident_closed"),
             (snap(5000, Some(6 * GIB), a()), "", ""),
-            (snap(6000, Some(16 * GIB), a()), "resume [100]", "floor_cleared"),
+            (
+                snap(6000, Some(16 * GIB), a()),
+                "resume [100]",
+                "floor_cleared",
+            ),
             (snap(7000, Some(16 * GIB), a()), "", ""),
         ],
     );
     assert_eq!(plans[3].actions[0].reason.kind, "cleared");
-    assert_eq!(plans[2].watch.iter().map(|id| id.pid).collect::<Vec<_>>(), [100]);
+    assert_eq!(
+        plans[2].watch.iter().map(|id| id.pid).collect::<Vec<_>>(),
+        [100]
+    );
 
     // Held too long: killed after max_stop (counted from the stop).
     let plans = play(
@@ -536,7 +799,12 @@ fn stopped_victim_is_held_until_ram_is_back_above_warn() {
 
 #[test]
 fn observe_mode_acts_once_and_never_escalates() {
-    let a = || vec![proc(100, "trainer", 6 * GIB, 1), proc(200, "loader", 4 * GIB, 1)];
+    let a = || {
+        vec![
+            proc(100, "trainer", 6 * GIB, 1),
+            proc(200, "loader", 4 * GIB, 1),
+        ]
+    };
     let c = config(&format!("{RAM_FLOORS}[daemon]\nmode = \"observe\"\n"));
     play(
         &c,
@@ -549,7 +817,9 @@ fn observe_mode_acts_once_and_never_escalates() {
         ],
     );
     // A stop that never happened is never "resumed" (the executor runs Resume even in observe).
-    let c = config(&format!("{RAM_FLOORS}action = \"stop\"\n[daemon]\nmode = \"observe\"\n"));
+    let c = config(&format!(
+        "{RAM_FLOORS}action = \"stop\"\n[daemon]\nmode = \"observe\"\n"
+    ));
     play(
         &c,
         &mut PolicyState::default(),
@@ -586,16 +856,28 @@ fn unknown_ram_reading_never_acts() {
         vec![
             (snap(0, None, a()), "", "reading_unknown"),
             (snap(1000, None, a()), "", ""),
-            (snap(2000, Some(3 * GIB), a()), "terminate [100]", "floor_act"),
+            (
+                snap(2000, Some(3 * GIB), a()),
+                "terminate [100]",
+                "floor_act",
+            ),
         ],
     );
     // Unknown in the middle of an incident: no escalation while it is unknown.
     let mut state = PolicyState::default();
-    play(&c, &mut state, vec![(snap(0, Some(3 * GIB), a()), "terminate [100]", "floor_act")]);
+    play(
+        &c,
+        &mut state,
+        vec![(snap(0, Some(3 * GIB), a()), "terminate [100]", "floor_act")],
+    );
     for at in [1000, 2000, 30_000] {
         let plan = evaluate(&c, &snap(at, None, a()), &mut state);
         assert_eq!(acts(&plan), "", "at {at}");
-        assert!(at > 1000 || plan.events.iter().any(|e| e.kind == "reading_unknown"), "{:?}", plan.events);
+        assert!(
+            at > 1000 || plan.events.iter().any(|e| e.kind == "reading_unknown"),
+            "{:?}",
+            plan.events
+        );
     }
     // A reading that is unknown because the total is (a percentage floor) does not act either.
     let c = config("[ram]\nwarn_available = \"10%\"\nmin_available = \"5%\"\n");
@@ -619,10 +901,18 @@ fn psi_alone_warns_and_acts_with_low_ram() {
         let mut s = snap(0, Some(available), vec![proc(100, "trainer", 6 * GIB, 1)]);
         s.host.psi_some_avg10 = psi;
         let plan = once(&c, &s);
-        assert_eq!((acts(&plan).as_str(), events(&plan).as_str()), (want_acts, want_events), "{available} {psi:?}");
+        assert_eq!(
+            (acts(&plan).as_str(), events(&plan).as_str()),
+            (want_acts, want_events),
+            "{available} {psi:?}"
+        );
         assert_recheck_lets_it_act(&plan, available);
         if psi == Some(50.0) {
-            assert!(plan.events[0].message.contains("PSI"), "{}", plan.events[0].message);
+            assert!(
+                plan.events[0].message.contains("PSI"),
+                "{}",
+                plan.events[0].message
+            );
         }
     }
 }
@@ -633,9 +923,21 @@ fn swap_floor_acts_only_with_swap() {
         ("1GiB", None, None, "", ""),
         ("1GiB", Some(0), Some(0), "", ""),
         ("1GiB", Some(8 * GIB), Some(4 * GIB), "", ""),
-        ("1GiB", Some(8 * GIB), Some(512 * MIB), "terminate [100]", "floor_act"),
+        (
+            "1GiB",
+            Some(8 * GIB),
+            Some(512 * MIB),
+            "terminate [100]",
+            "floor_act",
+        ),
         ("10%", Some(8 * GIB), Some(GIB), "", ""),
-        ("10%", Some(8 * GIB), Some(512 * MIB), "terminate [100]", "floor_act"),
+        (
+            "10%",
+            Some(8 * GIB),
+            Some(512 * MIB),
+            "terminate [100]",
+            "floor_act",
+        ),
     ];
     for (floor, total, free, want_acts, want_events) in cases {
         let c = config(&format!("{RAM_FLOORS}min_swap_free = \"{floor}\"\n"));
@@ -643,7 +945,11 @@ fn swap_floor_acts_only_with_swap() {
         s.host.swap_total_bytes = total;
         s.host.swap_free_bytes = free;
         let plan = once(&c, &s);
-        assert_eq!((acts(&plan).as_str(), events(&plan).as_str()), (want_acts, want_events), "{floor} {total:?} {free:?}");
+        assert_eq!(
+            (acts(&plan).as_str(), events(&plan).as_str()),
+            (want_acts, want_events),
+            "{floor} {total:?} {free:?}"
+        );
         assert_recheck_lets_it_act(&plan, 16 * GIB);
     }
 }
@@ -651,17 +957,44 @@ fn swap_floor_acts_only_with_swap() {
 #[test]
 fn ram_budget_actions_after_grace() {
     // A 3.5 GiB model (parent + child) over a 2 GiB budget, then back to 1.5 GiB.
-    let over = || vec![proc(100, "vllm", 3 * GIB, 1), proc(101, "worker", GIB / 2, 100), proc(300, "other", 8 * GIB, 1)];
-    let under = || vec![proc(100, "vllm", GIB, 1), proc(101, "worker", GIB / 2, 100), proc(300, "other", 8 * GIB, 1)];
+    let over = || {
+        vec![
+            proc(100, "vllm", 3 * GIB, 1),
+            proc(101, "worker", GIB / 2, 100),
+            proc(300, "other", 8 * GIB, 1),
+        ]
+    };
+    let under = || {
+        vec![
+            proc(100, "vllm", GIB, 1),
+            proc(101, "worker", GIB / 2, 100),
+            proc(300, "other", 8 * GIB, 1),
+        ]
+    };
     let cases = [
-        ("throttle", "throttle vllm[100,101]", "", "", "unthrottle vllm[100,101]"),
+        (
+            "throttle",
+            "throttle vllm[100,101]",
+            "",
+            "",
+            "unthrottle vllm[100,101]",
+        ),
         ("stop", "stop vllm[100,101]", "", "", "resume vllm[100,101]"),
-        ("kill", "terminate vllm[100,101]", "", "kill vllm[100,101]", ""),
+        (
+            "kill",
+            "terminate vllm[100,101]",
+            "",
+            "kill vllm[100,101]",
+            "",
+        ),
         ("alert", "", "budget_enforced", "", ""),
     ];
     let ok = Some(32 * GIB);
     for (action, at_grace, grace_events, after, cleared) in cases {
-        let c = config(&model("vllm", &format!("ram = \"2GiB\"\naction = \"{action}\"\ngrace = \"5s\"\n")));
+        let c = config(&model(
+            "vllm",
+            &format!("ram = \"2GiB\"\naction = \"{action}\"\ngrace = \"5s\"\n"),
+        ));
         let plans = play(
             &c,
             &mut PolicyState::default(),
@@ -681,13 +1014,22 @@ fn ram_budget_actions_after_grace() {
         for a in &plans[4].actions {
             assert_eq!(a.reason.kind, "cleared", "{action}");
         }
-        assert!(plans[0].events[0].message.contains(&format!("action {action} after grace 5s")), "{}", plans[0].events[0].message);
+        assert!(
+            plans[0].events[0]
+                .message
+                .contains(&format!("action {action} after grace 5s")),
+            "{}",
+            plans[0].events[0].message
+        );
     }
 }
 
 #[test]
 fn budget_grace_restarts_when_back_under() {
-    let c = config(&model("vllm", "ram = \"2GiB\"\naction = \"stop\"\ngrace = \"5s\"\n"));
+    let c = config(&model(
+        "vllm",
+        "ram = \"2GiB\"\naction = \"stop\"\ngrace = \"5s\"\n",
+    ));
     let use_ = |rss| vec![proc(100, "vllm", rss, 1)];
     let ok = Some(32 * GIB);
     play(
@@ -705,7 +1047,13 @@ fn budget_grace_restarts_when_back_under() {
 
 #[test]
 fn budget_stopped_model_is_killed_after_max_stop() {
-    let c = config(&format!("[daemon]\nmax_stop = \"30s\"\n{}", model("vllm", "ram = \"2GiB\"\naction = \"stop\"\ngrace = \"0s\"\n")));
+    let c = config(&format!(
+        "[daemon]\nmax_stop = \"30s\"\n{}",
+        model(
+            "vllm",
+            "ram = \"2GiB\"\naction = \"stop\"\ngrace = \"0s\"\n"
+        )
+    ));
     let a = || vec![proc(100, "vllm", 3 * GIB, 1), proc(101, "worker", GIB, 100)];
     let ok = Some(32 * GIB);
     let plans = play(
@@ -724,24 +1072,51 @@ fn budget_stopped_model_is_killed_after_max_stop() {
 
 #[test]
 fn budget_messages_keep_the_model_name() {
-    let c = config(&model("AlertStopKill", "ram = \"2GiB\"\naction = \"throttle\"\n"));
-    let plan = once(&c, &snap(0, Some(32 * GIB), vec![proc(100, "AlertStopKill", 3 * GIB, 1)]));
+    let c = config(&model(
+        "AlertStopKill",
+        "ram = \"2GiB\"\naction = \"throttle\"\n",
+    ));
+    let plan = once(
+        &c,
+        &snap(
+            0,
+            Some(32 * GIB),
+            vec![proc(100, "AlertStopKill", 3 * GIB, 1)],
+        ),
+    );
     let message = &plan.events[0].message;
-    assert!(message.contains("model 'AlertStopKill' over budget"), "{message}");
-    assert!(message.contains("action throttle after grace 10s"), "{message}");
+    assert!(
+        message.contains("model 'AlertStopKill' over budget"),
+        "{message}"
+    );
+    assert!(
+        message.contains("action throttle after grace 10s"),
+        "{message}"
+    );
 }
 
 #[test]
 fn gpu_floor_picks_the_largest_holder_on_that_gpu() {
     let c = config("[gpu]\nmin_free = \"2GiB\"\n");
     // pid 300 is the biggest everywhere, but only on GPU 1.
-    let procs = || vec![proc(100, "vllm", GIB, 1), proc(200, "notebook", GIB, 1), proc(300, "trainer", 20 * GIB, 1)];
+    let procs = || {
+        vec![
+            proc(100, "vllm", GIB, 1),
+            proc(200, "notebook", GIB, 1),
+            proc(300, "trainer", 20 * GIB, 1),
+        ]
+    };
     let low = 3 * GIB / 2;
     let ok = 3 * GIB;
     let cases = [
         (low, ok, "terminate [100]", "floor_act"),
         (ok, low, "terminate [300]", "floor_act"),
-        (low, low, "terminate [100]; terminate [300]", "floor_act, floor_act"),
+        (
+            low,
+            low,
+            "terminate [100]; terminate [300]",
+            "floor_act, floor_act",
+        ),
         (ok, ok, "", ""),
     ];
     for (free0, free1, want_acts, want_events) in cases {
@@ -749,13 +1124,21 @@ fn gpu_floor_picks_the_largest_holder_on_that_gpu() {
             gsnap(
                 at,
                 procs(),
-                vec![gpu(0, free0, &[(100, Some(8 * GIB)), (200, Some(4 * GIB))]), gpu(1, free1, &[(300, Some(12 * GIB))])],
+                vec![
+                    gpu(0, free0, &[(100, Some(8 * GIB)), (200, Some(4 * GIB))]),
+                    gpu(1, free1, &[(300, Some(12 * GIB))]),
+                ],
             )
         };
+        let killed = want_acts.replace("terminate", "kill");
         let plans = play(
             &c,
             &mut PolicyState::default(),
-            vec![(s(0), want_acts, want_events), (s(500), "", ""), (s(1000), &want_acts.replace("terminate", "kill"), "")],
+            vec![
+                (s(0), want_acts, want_events),
+                (s(500), "", ""),
+                (s(1000), killed.as_str(), ""),
+            ],
         );
         for a in &plans[0].actions {
             assert_eq!(a.reason.kind, "gpu_floor");
@@ -771,21 +1154,46 @@ fn gpu_budget_is_summed_over_the_model() {
     );
     let procs = || {
         vec![
-            Process { cmdline: "python3 -m vllm serve Qwen".into(), ..proc(100, "python3", 2 * GIB, 1) },
-            Process { cmdline: "python3 -c from multiprocessing.spawn import spawn_main".into(), ..proc(101, "python3", GIB, 100) },
+            Process {
+                cmdline: "python3 -m vllm serve Qwen".into(),
+                ..proc(100, "python3", 2 * GIB, 1)
+            },
+            Process {
+                cmdline: "python3 -c from multiprocessing.spawn import spawn_main".into(),
+                ..proc(101, "python3", GIB, 100)
+            },
             proc(300, "trainer", GIB, 1),
         ]
     };
     let cases = [
-        (6 * GIB, 6 * GIB, "terminate vllm[100,101]", "budget_exceeded"),
+        (
+            6 * GIB,
+            6 * GIB,
+            "terminate vllm[100,101]",
+            "budget_exceeded",
+        ),
         (6 * GIB, 3 * GIB, "", ""),
     ];
     for (parent, child, want_acts, want_events) in cases {
-        let devices = vec![gpu(0, 8 * GIB, &[(100, Some(parent)), (300, Some(8 * GIB))]), gpu(1, 8 * GIB, &[(101, Some(child))])];
+        let devices = vec![
+            gpu(0, 8 * GIB, &[(100, Some(parent)), (300, Some(8 * GIB))]),
+            gpu(1, 8 * GIB, &[(101, Some(child))]),
+        ];
         let mut state = PolicyState::default();
-        let plans = play(&c, &mut state, vec![(gsnap(0, procs(), devices), want_acts, want_events)]);
+        let plans = play(
+            &c,
+            &mut state,
+            vec![(gsnap(0, procs(), devices), want_acts, want_events)],
+        );
         let usage = &state.attribution.models[0];
-        assert_eq!(usage.gpu_bytes.iter().map(|(i, b)| (*i, *b)).collect::<Vec<_>>(), [(0, parent), (1, child)]);
+        assert_eq!(
+            usage
+                .gpu_bytes
+                .iter()
+                .map(|(i, b)| (*i, *b))
+                .collect::<Vec<_>>(),
+            [(0, parent), (1, child)]
+        );
         assert_eq!(usage.gpu_total_bytes(), parent + child);
         for a in &plans[0].actions {
             assert_eq!(a.reason.kind, "gpu_budget");
@@ -796,22 +1204,46 @@ fn gpu_budget_is_summed_over_the_model() {
 #[test]
 fn unavailable_gpu_memory_never_makes_a_victim() {
     let c = config("[gpu]\nmin_free = \"2GiB\"\n");
-    let procs = || vec![proc(100, "mystery", 30 * GIB, 1), proc(200, "notebook", GIB, 1)];
+    let procs = || {
+        vec![
+            proc(100, "mystery", 30 * GIB, 1),
+            proc(200, "notebook", GIB, 1),
+        ]
+    };
     let low = 3 * GIB / 2;
-    let plan = once(&c, &gsnap(0, procs(), vec![gpu(0, low, &[(100, None), (200, Some(GIB))])]));
+    let plan = once(
+        &c,
+        &gsnap(
+            0,
+            procs(),
+            vec![gpu(0, low, &[(100, None), (200, Some(GIB))])],
+        ),
+    );
     assert_eq!(acts(&plan), "terminate [200]");
     play(
         &c,
         &mut PolicyState::default(),
         vec![
-            (gsnap(0, procs(), vec![gpu(0, low, &[(100, None)])]), "", "floor_act, no_victim"),
-            (gsnap(500, procs(), vec![gpu(0, low, &[(100, None)])]), "", ""),
+            (
+                gsnap(0, procs(), vec![gpu(0, low, &[(100, None)])]),
+                "",
+                "floor_act, no_victim",
+            ),
+            (
+                gsnap(500, procs(), vec![gpu(0, low, &[(100, None)])]),
+                "",
+                "",
+            ),
         ],
     );
     // ...and makes a model's GPU figures a lower bound.
     let c = config(&model("mystery", ""));
     let mut state = PolicyState::default();
-    evaluate(&c, &gsnap(0, procs(), vec![gpu(0, low, &[(100, None)])]), &mut state);
+    evaluate(
+        &c,
+        &gsnap(0, procs(), vec![gpu(0, low, &[(100, None)])]),
+        &mut state,
+    );
     assert!(state.attribution.models[0].gpu_unknown);
     assert_eq!(state.attribution.models[0].gpu_total_bytes(), 0);
 }
@@ -840,13 +1272,23 @@ fn stale_gpu_reading_alerts_only() {
     play(
         &c,
         &mut PolicyState::default(),
-        vec![(s(0, true, &[(100, None)]), "", "floor_act, not_acting_stale"), (s(1000, false, &[(100, None)]), "", "no_victim")],
+        vec![
+            (
+                s(0, true, &[(100, None)]),
+                "",
+                "floor_act, not_acting_stale",
+            ),
+            (s(1000, false, &[(100, None)]), "", "no_victim"),
+        ],
     );
 }
 
 #[test]
 fn stale_gpu_reading_only_delays_a_budget() {
-    let c = config(&model("vllm", "gpu_memory = \"4GiB\"\naction = \"kill\"\ngrace = \"5s\"\n"));
+    let c = config(&model(
+        "vllm",
+        "gpu_memory = \"4GiB\"\naction = \"kill\"\ngrace = \"5s\"\n",
+    ));
     let procs = || vec![proc(100, "vllm", GIB, 1)];
     let s = |at, stale| {
         let mut s = gsnap(at, procs(), vec![gpu(0, 8 * GIB, &[(100, Some(6 * GIB))])]);
@@ -908,7 +1350,12 @@ fn sampling_interval_tightens_near_a_floor() {
         // available, processes, next_interval, max_scan_age
         (60 * GIB, &victims, ms(1000), ms(5000)),
         // 4.5 GiB above min at 8 GiB/s: 562.5 ms.
-        (8 * GIB + GIB / 2, &victims, Duration::from_micros(562_500), ms(5000)),
+        (
+            8 * GIB + GIB / 2,
+            &victims,
+            Duration::from_micros(562_500),
+            ms(5000),
+        ),
         // In the warn band: 2 GiB above min: 250 ms, and scans at least every 100 ms.
         (6 * GIB, &victims, ms(250), ms(100)),
         (4 * GIB + 40 * MIB, &victims, ms(10), ms(100)),
@@ -918,7 +1365,11 @@ fn sampling_interval_tightens_near_a_floor() {
     ];
     for (available, procs, interval, scan_age) in cases {
         let plan = once(&c, &snap(0, Some(available), procs.clone()));
-        assert_eq!((plan.next_interval, plan.max_scan_age), (interval, scan_age), "{available}");
+        assert_eq!(
+            (plan.next_interval, plan.max_scan_age),
+            (interval, scan_age),
+            "{available}"
+        );
     }
 
     // A GPU floor: 8 GiB above min_free at 32 GiB/s.
@@ -930,4 +1381,70 @@ fn sampling_interval_tightens_near_a_floor() {
     let c = config(&model("trainer", "ram = \"1GiB\"\n"));
     let plan = once(&c, &snap(0, Some(60 * GIB), victims.clone()));
     assert_eq!((plan.next_interval, plan.max_scan_age), (ms(10), ms(100)));
+}
+
+#[test]
+fn a_victim_that_cannot_be_signalled_is_passed_over_for_the_next() {
+    let c = config(RAM_FLOORS);
+    let procs = || {
+        vec![
+            proc(100, "trainer", 6 * GIB, 1),
+            proc(200, "loader", 4 * GIB, 1),
+        ]
+    };
+    let mut state = PolicyState::default();
+    let first = evaluate(&c, &snap(0, Some(GIB), procs()), &mut state);
+    assert_eq!(first.actions[0].target.members[0].id.pid, 100);
+    // The executor reports EPERM for pid 100.
+    state.action_not_done(&first.actions[0], true);
+    let second = evaluate(&c, &snap(10, Some(GIB), procs()), &mut state);
+    assert_eq!(second.actions.len(), 1, "{:?}", second.actions);
+    assert_eq!(
+        second.actions[0].target.members[0].id.pid, 200,
+        "the next largest, not the one that failed"
+    );
+}
+
+#[test]
+fn a_model_restarted_after_a_budget_kill_gets_a_new_grace_and_round() {
+    let c = config("[[model]]\nname = \"m\"\nmatch = { comm = \"trainer\" }\nram = \"1GiB\"\naction = \"kill\"\ngrace = \"1s\"\n");
+    let mut state = PolicyState::default();
+    let old = || vec![proc(100, "trainer", 2 * GIB, 1)];
+    let new = || vec![proc(300, "trainer", 2 * GIB, 1)];
+    let verbs = |p: &Plan| {
+        p.actions
+            .iter()
+            .map(|a| format!("{} {}", a.verb.as_str(), a.target.members[0].id.pid))
+            .collect::<Vec<_>>()
+    };
+    assert!(verbs(&evaluate(&c, &snap(0, Some(20 * GIB), old()), &mut state)).is_empty());
+    assert_eq!(
+        verbs(&evaluate(
+            &c,
+            &snap(1000, Some(20 * GIB), old()),
+            &mut state
+        )),
+        ["terminate 100"]
+    );
+    // Its supervisor restarted it, still over budget: a new grace, then a new terminate.
+    assert!(verbs(&evaluate(
+        &c,
+        &snap(1500, Some(20 * GIB), new()),
+        &mut state
+    ))
+    .is_empty());
+    assert!(verbs(&evaluate(
+        &c,
+        &snap(2000, Some(20 * GIB), new()),
+        &mut state
+    ))
+    .is_empty());
+    assert_eq!(
+        verbs(&evaluate(
+            &c,
+            &snap(2600, Some(20 * GIB), new()),
+            &mut state
+        )),
+        ["terminate 300"]
+    );
 }

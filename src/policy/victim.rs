@@ -2,7 +2,7 @@
 //! priority, then the largest user of the memory that is short. Protected processes never.
 
 use crate::config::{Candidates, Config};
-use crate::snapshot::{Process, Snapshot};
+use crate::snapshot::{Process, ProcessId, Snapshot};
 
 use super::{Member, PolicyState, Resource, Target};
 
@@ -39,11 +39,20 @@ pub(super) fn usage(snapshot: &Snapshot, p: &Process, resource: Resource) -> u64
 }
 
 pub(super) fn member(p: &Process) -> Member {
-    Member { id: p.id(), comm: p.comm.clone(), uid: p.uid }
+    Member {
+        id: p.id(),
+        comm: p.comm.clone(),
+        uid: p.uid,
+    }
 }
 
 /// The model's members that may be signalled.
-pub(super) fn model_target(config: &Config, snapshot: &Snapshot, state: &PolicyState, model: usize) -> Target {
+pub(super) fn model_target(
+    config: &Config,
+    snapshot: &Snapshot,
+    state: &PolicyState,
+    model: usize,
+) -> Target {
     let usage = &state.attribution.models[model];
     let procs = &snapshot.processes.processes;
     Target {
@@ -59,32 +68,59 @@ pub(super) fn model_target(config: &Config, snapshot: &Snapshot, state: &PolicyS
 }
 
 /// How far a model is over its budget for this resource, if it is.
-pub(super) fn over_budget(config: &Config, snapshot: &Snapshot, state: &PolicyState, model: usize, resource: Resource) -> Option<u64> {
+pub(super) fn over_budget(
+    config: &Config,
+    snapshot: &Snapshot,
+    state: &PolicyState,
+    model: usize,
+    resource: Resource,
+) -> Option<u64> {
     let usage = &state.attribution.models[model];
     let cfg = config.model(&usage.name)?;
     let (used, budget) = match resource {
-        Resource::Ram => (usage.rss_bytes, cfg.ram?.resolve(snapshot.host.total_bytes)?),
-        Resource::Gpu(_) => (usage.gpu_total_bytes(), cfg.gpu_memory?.resolve(largest_gpu(snapshot))?),
+        Resource::Ram => (
+            usage.rss_bytes,
+            cfg.ram?.resolve(snapshot.host.total_bytes)?,
+        ),
+        Resource::Gpu(_) => (
+            usage.gpu_total_bytes(),
+            cfg.gpu_memory?.resolve(largest_gpu(snapshot))?,
+        ),
     };
     used.checked_sub(budget).filter(|&over| over > 0)
 }
 
 /// Percent GPU budgets are a share of the largest GPU on the host.
 pub(super) fn largest_gpu(snapshot: &Snapshot) -> Option<u64> {
-    snapshot.gpus.devices.iter().filter_map(|g| g.total_bytes).max()
+    snapshot
+        .gpus
+        .devices
+        .iter()
+        .filter_map(|g| g.total_bytes)
+        .max()
 }
 
 /// Picks the victim for a floor on `resource`, or `None` if nobody may be touched.
-pub(super) fn choose(config: &Config, snapshot: &Snapshot, state: &PolicyState, resource: Resource) -> Option<(Target, u64)> {
+/// `excluded`: processes that could not be signalled earlier in this incident.
+pub(super) fn choose(
+    config: &Config,
+    snapshot: &Snapshot,
+    state: &PolicyState,
+    resource: Resource,
+    excluded: &[ProcessId],
+) -> Option<(Target, u64)> {
     let procs = &snapshot.processes.processes;
     let mut candidates = Vec::new();
     for (m, usage) in state.attribution.models.iter().enumerate() {
-        let target = model_target(config, snapshot, state, m);
+        let mut target = model_target(config, snapshot, state, m);
+        target
+            .members
+            .retain(|member| !excluded.contains(&member.id));
         let used: u64 = usage
             .members
             .iter()
             .map(|&i| &procs[i])
-            .filter(|p| !is_protected(config, snapshot, p))
+            .filter(|p| !is_protected(config, snapshot, p) && !excluded.contains(&p.id()))
             .map(|p| self::usage(snapshot, p, resource))
             .sum();
         if target.members.is_empty() || used == 0 {
@@ -99,7 +135,14 @@ pub(super) fn choose(config: &Config, snapshot: &Snapshot, state: &PolicyState, 
     }
     if config.daemon.candidates == Candidates::Any {
         for (i, p) in procs.iter().enumerate() {
-            if state.attribution.model_of.get(i).copied().flatten().is_some() || is_protected(config, snapshot, p) {
+            let in_model = state
+                .attribution
+                .model_of
+                .get(i)
+                .copied()
+                .flatten()
+                .is_some();
+            if in_model || is_protected(config, snapshot, p) || excluded.contains(&p.id()) {
                 continue;
             }
             let used = usage(snapshot, p, resource);
@@ -107,7 +150,10 @@ pub(super) fn choose(config: &Config, snapshot: &Snapshot, state: &PolicyState, 
                 continue;
             }
             candidates.push(Candidate {
-                target: Target { model: None, members: vec![member(p)] },
+                target: Target {
+                    model: None,
+                    members: vec![member(p)],
+                },
                 over_budget_bytes: None,
                 priority: 0,
                 usage_bytes: used,

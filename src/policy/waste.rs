@@ -12,7 +12,9 @@ pub(super) fn duplicate_loads(snapshot: &Snapshot, state: &mut PolicyState, plan
     let by_pid: HashMap<i32, usize> = procs.iter().enumerate().map(|(i, p)| (p.pid, i)).collect();
     let is_ancestor = |ancestor: i32, mut pid: i32| {
         for _ in 0..4096 {
-            let Some(&i) = by_pid.get(&pid) else { return false };
+            let Some(&i) = by_pid.get(&pid) else {
+                return false;
+            };
             pid = procs[i].ppid;
             if pid == ancestor {
                 return true;
@@ -27,13 +29,22 @@ pub(super) fn duplicate_loads(snapshot: &Snapshot, state: &mut PolicyState, plan
     for gpu in &snapshot.gpus.devices {
         let mut groups: BTreeMap<&str, Vec<(i32, u64)>> = BTreeMap::new();
         for (pid, used) in &gpu.processes {
-            let (Some(&i), Some(used)) = (by_pid.get(pid), used) else { continue };
+            let (Some(&i), Some(used)) = (by_pid.get(pid), used) else {
+                continue;
+            };
             if *used > 0 && !procs[i].cmdline.is_empty() {
-                groups.entry(procs[i].cmdline.as_str()).or_default().push((*pid, *used));
+                groups
+                    .entry(procs[i].cmdline.as_str())
+                    .or_default()
+                    .push((*pid, *used));
             }
         }
         for (cmdline, holders) in groups {
-            let unrelated = holders.iter().all(|(a, _)| holders.iter().all(|(b, _)| a == b || (!is_ancestor(*a, *b) && !is_ancestor(*b, *a))));
+            let unrelated = holders.iter().all(|(a, _)| {
+                holders
+                    .iter()
+                    .all(|(b, _)| a == b || (!is_ancestor(*a, *b) && !is_ancestor(*b, *a)))
+            });
             if holders.len() < 2 || !unrelated {
                 continue;
             }

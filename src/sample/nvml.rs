@@ -12,11 +12,11 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enums::device::UsedGpuMemory;
+use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::struct_wrappers::device::ProcessInfo;
-use nvml_wrapper::bitmasks::event::EventTypes;
-use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::Nvml;
 
 use crate::snapshot::{Gpu, GpuSnapshot, GpuStatus};
@@ -88,7 +88,10 @@ impl NvmlGpuSource {
         if let Some(nvml) = &self.nvml {
             return Ok(nvml.clone());
         }
-        if self.last_init.is_some_and(|t| t.elapsed() < self.retry_init) {
+        if self
+            .last_init
+            .is_some_and(|t| t.elapsed() < self.retry_init)
+        {
             return Err(self.last_error.clone());
         }
         self.last_init = Some(Instant::now());
@@ -121,33 +124,42 @@ impl NvmlGpuSource {
     /// Listens for Xid events on every GPU in a thread of its own (the wait blocks).
     fn start_events(&self, nvml: Arc<Nvml>) {
         let (xids, quit) = (self.xids.clone(), self.quit_events.clone());
-        let spawned = std::thread::Builder::new().name("nvml-events".into()).spawn(move || {
-            let Ok(mut set) = nvml.create_event_set() else { return };
-            for index in 0..nvml.device_count().unwrap_or(0) {
-                let Ok(device) = nvml.device_by_index(index) else { continue };
-                match device.register_events(EventTypes::CRITICAL_XID_ERROR, set) {
-                    Ok(s) => set = s,
-                    Err(e) => {
-                        tracing::warn!("GPU {index}: cannot listen for Xid events: {}", e.error);
-                        return;
+        let spawned = std::thread::Builder::new()
+            .name("nvml-events".into())
+            .spawn(move || {
+                let Ok(mut set) = nvml.create_event_set() else {
+                    return;
+                };
+                for index in 0..nvml.device_count().unwrap_or(0) {
+                    let Ok(device) = nvml.device_by_index(index) else {
+                        continue;
+                    };
+                    match device.register_events(EventTypes::CRITICAL_XID_ERROR, set) {
+                        Ok(s) => set = s,
+                        Err(e) => {
+                            tracing::warn!(
+                                "GPU {index}: cannot listen for Xid events: {}",
+                                e.error
+                            );
+                            return;
+                        }
                     }
                 }
-            }
-            while !quit.load(Ordering::Relaxed) {
-                match set.wait(500) {
-                    Ok(data) => {
-                        let xid = match data.event_data {
-                            Some(XidError::Value(v)) => v,
-                            _ => continue,
-                        };
-                        let gpu = data.device.index().ok();
-                        xids.lock().expect("xid lock").push(XidEvent { gpu, xid });
+                while !quit.load(Ordering::Relaxed) {
+                    match set.wait(500) {
+                        Ok(data) => {
+                            let xid = match data.event_data {
+                                Some(XidError::Value(v)) => v,
+                                _ => continue,
+                            };
+                            let gpu = data.device.index().ok();
+                            xids.lock().expect("xid lock").push(XidEvent { gpu, xid });
+                        }
+                        Err(NvmlError::Timeout) => {}
+                        Err(_) => std::thread::sleep(Duration::from_secs(1)),
                     }
-                    Err(NvmlError::Timeout) => {}
-                    Err(_) => std::thread::sleep(Duration::from_secs(1)),
                 }
-            }
-        });
+            });
         if let Err(e) = spawned {
             tracing::warn!("cannot start the Xid listener: {e}");
         }
@@ -162,9 +174,13 @@ impl Drop for NvmlGpuSource {
 
 fn describe_init_error(e: &NvmlError) -> String {
     match e {
-        NvmlError::LibloadingError(e) => format!("NVML library not loadable ({e}): no NVIDIA driver?"),
+        NvmlError::LibloadingError(e) => {
+            format!("NVML library not loadable ({e}): no NVIDIA driver?")
+        }
         NvmlError::DriverNotLoaded => "NVIDIA driver not loaded".into(),
-        NvmlError::LibRmVersionMismatch => "NVML/driver version mismatch (driver upgraded without reboot?)".into(),
+        NvmlError::LibRmVersionMismatch => {
+            "NVML/driver version mismatch (driver upgraded without reboot?)".into()
+        }
         NvmlError::NoPermission => "no permission to use NVML".into(),
         other => format!("NVML init failed: {other}"),
     }
@@ -192,21 +208,37 @@ impl GpuSource for NvmlGpuSource {
     fn sample(&mut self, processes: bool) -> GpuReading {
         let nvml = match self.init() {
             Ok(nvml) => nvml,
-            Err(why) => return GpuReading { status: GpuStatus::Unavailable(why), ..Default::default() },
+            Err(why) => {
+                return GpuReading {
+                    status: GpuStatus::Unavailable(why),
+                    ..Default::default()
+                }
+            }
         };
         let count = match nvml.device_count() {
             Ok(n) => n,
             Err(e) => {
                 let why = format!("NVML device count failed: {e}");
-                if matches!(e, NvmlError::LibRmVersionMismatch | NvmlError::Uninitialized | NvmlError::DriverNotLoaded) {
+                if matches!(
+                    e,
+                    NvmlError::LibRmVersionMismatch
+                        | NvmlError::Uninitialized
+                        | NvmlError::DriverNotLoaded
+                ) {
                     self.reset(why.clone());
                 }
-                return GpuReading { status: GpuStatus::Unavailable(why), ..Default::default() };
+                return GpuReading {
+                    status: GpuStatus::Unavailable(why),
+                    ..Default::default()
+                };
             }
         };
         let mut devices = Vec::with_capacity(count as usize);
         for index in 0..count {
-            let mut gpu = Gpu { index, ..Default::default() };
+            let mut gpu = Gpu {
+                index,
+                ..Default::default()
+            };
             let device = match nvml.device_by_index(index) {
                 Ok(d) => d,
                 Err(e) => {
@@ -242,7 +274,11 @@ impl GpuSource for NvmlGpuSource {
             }
             devices.push(gpu);
         }
-        GpuReading { status: GpuStatus::Ok, devices, read_processes: processes }
+        GpuReading {
+            status: GpuStatus::Ok,
+            devices,
+            read_processes: processes,
+        }
     }
 
     fn take_xids(&mut self) -> Vec<XidEvent> {
@@ -297,7 +333,11 @@ impl GpuMonitor {
                 }
             })
             .expect("spawn the GPU sampler thread");
-        GpuMonitor { requests, latest, sample_timeout }
+        GpuMonitor {
+            requests,
+            latest,
+            sample_timeout,
+        }
     }
 
     /// Asks for a new sample (never blocks: if the worker is still busy, the request waits for it).
@@ -307,7 +347,12 @@ impl GpuMonitor {
 
     /// The latest reading as seen at `now` (daemon clock `at`), with any Xid events since the last
     /// call. `expected_age` is how old a healthy sample may be (the time since the last request).
-    pub fn snapshot(&self, now: Instant, at: Duration, expected_age: Duration) -> (GpuSnapshot, Vec<XidEvent>, Duration) {
+    pub fn snapshot(
+        &self,
+        now: Instant,
+        at: Duration,
+        expected_age: Duration,
+    ) -> (GpuSnapshot, Vec<XidEvent>, Duration) {
         let mut latest = self.latest.lock().expect("gpu lock");
         let xids = std::mem::take(&mut latest.xids);
         let age = latest.sampled_at.map(|t| now.saturating_duration_since(t));
@@ -315,7 +360,8 @@ impl GpuMonitor {
             status: latest.reading.status.clone(),
             sampled_at: age.map(|a| at.saturating_sub(a)),
             // Late (the sample itself took too long) or old (no answer since): alerts only.
-            stale: latest.took > self.sample_timeout || age.is_none_or(|a| a > expected_age + self.sample_timeout),
+            stale: latest.took > self.sample_timeout
+                || age.is_none_or(|a| a > expected_age + self.sample_timeout),
             devices: latest.reading.devices.clone(),
             process_lists_read: latest.process_lists_read,
         };
@@ -329,12 +375,27 @@ mod tests {
 
     #[test]
     fn merges_compute_and_graphics_keeping_unknown() {
-        let info = |pid, mem| ProcessInfo { pid, used_gpu_memory: mem, gpu_instance_id: None, compute_instance_id: None };
-        let compute = [info(1, UsedGpuMemory::Used(100)), info(2, UsedGpuMemory::Unavailable)];
-        let graphics = [info(1, UsedGpuMemory::Used(50)), info(3, UsedGpuMemory::Used(7))];
+        let info = |pid, mem| ProcessInfo {
+            pid,
+            used_gpu_memory: mem,
+            gpu_instance_id: None,
+            compute_instance_id: None,
+        };
+        let compute = [
+            info(1, UsedGpuMemory::Used(100)),
+            info(2, UsedGpuMemory::Unavailable),
+        ];
+        let graphics = [
+            info(1, UsedGpuMemory::Used(50)),
+            info(3, UsedGpuMemory::Used(7)),
+        ];
         let merged = merge_processes(&[&compute, &graphics]);
         assert_eq!(merged.get(&1), Some(&Some(100)));
-        assert_eq!(merged.get(&2), Some(&None), "unavailable is unknown, not zero");
+        assert_eq!(
+            merged.get(&2),
+            Some(&None),
+            "unavailable is unknown, not zero"
+        );
         assert_eq!(merged.get(&3), Some(&Some(7)));
     }
 }

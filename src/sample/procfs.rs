@@ -30,7 +30,11 @@ pub struct ProcfsSource {
 
 impl ProcfsSource {
     pub fn new(root: impl Into<PathBuf>) -> Self {
-        ProcfsSource { root: root.into(), page_size: procfs::page_size(), static_info: HashMap::new() }
+        ProcfsSource {
+            root: root.into(),
+            page_size: procfs::page_size(),
+            static_info: HashMap::new(),
+        }
     }
 
     pub fn root(&self) -> &Path {
@@ -41,7 +45,10 @@ impl ProcfsSource {
         let proc = ProcfsProcess::new_with_root(dir.clone()).ok()?;
         let stat = proc.stat().ok()?;
         let kernel_thread = stat.flags & PF_KTHREAD != 0;
-        let id = ProcessId { pid: stat.pid, start_time: stat.starttime };
+        let id = ProcessId {
+            pid: stat.pid,
+            start_time: stat.starttime,
+        };
         let (uid, swap_bytes) = if kernel_thread {
             (0, None)
         } else {
@@ -53,11 +60,18 @@ impl ProcfsSource {
         let (cmdline, cgroup) = match self.static_info.get(&id) {
             Some(info) if info.comm == stat.comm => (info.cmdline.clone(), info.cgroup.clone()),
             _ => {
-                let cmdline = proc.cmdline().map(|args| args.join(" ")).unwrap_or_default();
+                let cmdline = proc
+                    .cmdline()
+                    .map(|args| args.join(" "))
+                    .unwrap_or_default();
                 let cgroup = std::fs::read_to_string(dir.join("cgroup"))
                     .map(|text| parse_cgroup(&text))
                     .unwrap_or_default();
-                let info = StaticInfo { comm: stat.comm.clone(), cmdline: cmdline.clone(), cgroup: cgroup.clone() };
+                let info = StaticInfo {
+                    comm: stat.comm.clone(),
+                    cmdline: cmdline.clone(),
+                    cgroup: cgroup.clone(),
+                };
                 self.static_info.insert(id, info);
                 (cmdline, cgroup)
             }
@@ -83,7 +97,9 @@ impl ProcfsSource {
 /// path, and a missing field must leave only that reading unknown.)
 fn parse_meminfo(text: &str, host: &mut HostMemory) {
     for line in text.lines() {
-        let Some((key, rest)) = line.split_once(':') else { continue };
+        let Some((key, rest)) = line.split_once(':') else {
+            continue;
+        };
         let slot = match key {
             "MemTotal" => &mut host.total_bytes,
             "MemAvailable" => &mut host.available_bytes,
@@ -126,18 +142,24 @@ impl ProcSource for ProcfsSource {
     }
 
     fn scan(&mut self) -> Vec<Process> {
-        let Ok(entries) = std::fs::read_dir(&self.root) else { return Vec::new() };
+        let Ok(entries) = std::fs::read_dir(&self.root) else {
+            return Vec::new();
+        };
         let mut out = Vec::new();
         for entry in entries.flatten() {
             let name = entry.file_name();
-            if name.to_str().is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit())) {
+            if name
+                .to_str()
+                .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()))
+            {
                 // A process that exits mid-scan is normal: it is simply not in this scan.
                 if let Some(p) = self.read_process(entry.path()) {
                     out.push(p);
                 }
             }
         }
-        self.static_info.retain(|id, _| out.iter().any(|p| p.id() == *id));
+        self.static_info
+            .retain(|id, _| out.iter().any(|p| p.id() == *id));
         out
     }
 
@@ -193,7 +215,10 @@ mod tests {
         let host = ProcfsSource::new(dir.path()).host_memory();
         assert_eq!(host.total_bytes, Some(24683656 * 1024));
         assert_eq!(host.available_bytes, Some(2048 * 1024));
-        assert_eq!(host.psi_some_avg10, None, "no pressure file: unknown, not zero");
+        assert_eq!(
+            host.psi_some_avg10, None,
+            "no pressure file: unknown, not zero"
+        );
     }
 
     #[test]

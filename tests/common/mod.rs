@@ -15,23 +15,55 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_gpuguard");
 pub const MIB: u64 = 1 << 20;
 pub const GIB: u64 = 1 << 30;
 
-/// Tests that push MemAvailable down run one at a time (their floors are relative to it).
+/// Tests that push MemAvailable down run one at a time (their floors are relative to it): one
+/// at a time in this test binary (the mutex), and one at a time on this machine (an flock on
+/// /tmp/gpuguard-memory-pressure.lock, shared with the benchmarks and other test binaries).
 static PRESSURE: Mutex<()> = Mutex::new(());
 
-pub fn memory_pressure_lock() -> MutexGuard<'static, ()> {
-    PRESSURE.lock().unwrap_or_else(|e| e.into_inner())
+pub struct PressureLock {
+    _in_process: MutexGuard<'static, ()>,
+    _machine: nix::fcntl::Flock<std::fs::File>,
+}
+
+pub fn memory_pressure_lock() -> PressureLock {
+    let in_process = PRESSURE.lock().unwrap_or_else(|e| e.into_inner());
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open("/tmp/gpuguard-memory-pressure.lock")
+        .unwrap();
+    let machine = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
+        .map_err(|(_, e)| e)
+        .unwrap();
+    PressureLock {
+        _in_process: in_process,
+        _machine: machine,
+    }
 }
 
 /// A token unique to this test process and call, for command lines and configs.
 pub fn token(name: &str) -> String {
     static N: AtomicU32 = AtomicU32::new(0);
-    format!("gpuguard-test-{name}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
+    format!(
+        "gpuguard-test-{name}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
 }
 
 pub fn mem_available() -> u64 {
     let text = std::fs::read_to_string("/proc/meminfo").unwrap();
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:")).unwrap();
-    line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("MemAvailable:"))
+        .unwrap();
+    line.split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse::<u64>()
+        .unwrap()
+        * 1024
 }
 
 /// The state letter of a process from /proc/PID/stat.
@@ -91,14 +123,23 @@ impl Hog {
         Self::start_chunked(token, rate_mib_s, cap_mib, hold_s, 16)
     }
 
-    pub fn start_chunked(token: &str, rate_mib_s: u64, cap_mib: u64, hold_s: u64, chunk_mib: u64) -> Hog {
+    pub fn start_chunked(
+        token: &str,
+        rate_mib_s: u64,
+        cap_mib: u64,
+        hold_s: u64,
+        chunk_mib: u64,
+    ) -> Hog {
         let child = Command::new("python3")
             .args(["-c", HOG_PY, token])
             .args([rate_mib_s, cap_mib, hold_s, chunk_mib].map(|n| n.to_string()))
             .stdout(Stdio::null())
             .spawn()
             .expect("python3 is needed for the tests (apt-get install python3)");
-        Hog { child, token: token.to_string() }
+        Hog {
+            child,
+            token: token.to_string(),
+        }
     }
 
     pub fn pid(&self) -> u32 {
@@ -156,15 +197,28 @@ impl GuardDaemon {
     pub fn start_in(dir: tempfile::TempDir, config: &str, env: &[(&str, &str)]) -> GuardDaemon {
         let config_path = dir.path().join("config.toml");
         let log = dir.path().join("daemon.log");
-        std::fs::write(&config_path, config.replace("{state_dir}", &dir.path().join("state").to_string_lossy())).unwrap();
+        std::fs::write(
+            &config_path,
+            config.replace("{state_dir}", &dir.path().join("state").to_string_lossy()),
+        )
+        .unwrap();
         let mut cmd = Command::new(BIN);
         cmd.args(["daemon", "--config"]).arg(&config_path);
         cmd.env("GPUGUARD_LOG", "debug,gpuguard=debug");
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let child = cmd.stdout(Stdio::null()).stderr(std::fs::File::create(&log).unwrap()).spawn().unwrap();
-        let daemon = GuardDaemon { child, dir, config: config_path, log };
+        let child = cmd
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let daemon = GuardDaemon {
+            child,
+            dir,
+            config: config_path,
+            log,
+        };
         daemon.wait_for_log("started", Duration::from_secs(10));
         daemon
     }
@@ -180,14 +234,22 @@ impl GuardDaemon {
     /// Waits until the log contains `needle`; panics with the log if it never does.
     pub fn wait_for_log(&self, needle: &str, timeout: Duration) {
         if !wait_until(timeout, || self.log_text().contains(needle)) {
-            panic!("daemon log never said {needle:?}; log:\n{}", self.log_text());
+            panic!(
+                "daemon log never said {needle:?}; log:\n{}",
+                self.log_text()
+            );
         }
     }
 
     pub fn rewrite_config(&self, config: &str) {
         let tmp = self.config.with_extension("tmp");
         let mut f = std::fs::File::create(&tmp).unwrap();
-        f.write_all(config.replace("{state_dir}", &self.state_dir().to_string_lossy()).as_bytes()).unwrap();
+        f.write_all(
+            config
+                .replace("{state_dir}", &self.state_dir().to_string_lossy())
+                .as_bytes(),
+        )
+        .unwrap();
         std::fs::rename(tmp, &self.config).unwrap();
     }
 
@@ -206,8 +268,7 @@ impl GuardDaemon {
     pub fn crash(mut self) -> tempfile::TempDir {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let dir = std::mem::replace(&mut self.dir, tempfile::tempdir().unwrap());
-        dir
+        std::mem::replace(&mut self.dir, tempfile::tempdir().unwrap())
     }
 }
 
@@ -245,7 +306,10 @@ pub struct FakeNvml {
 impl FakeNvml {
     pub fn new(state: &str) -> FakeNvml {
         let dir = tempfile::tempdir().unwrap();
-        let fake = FakeNvml { state: dir.path().join("nvml-state"), dir };
+        let fake = FakeNvml {
+            state: dir.path().join("nvml-state"),
+            dir,
+        };
         fake.set(state);
         fake
     }
@@ -282,10 +346,19 @@ time.sleep(600)
 impl Family {
     pub fn start(token: &str) -> Family {
         use std::io::BufRead;
-        let mut parent = Command::new("python3").args(["-c", FAMILY_PY, token]).stdout(Stdio::piped()).spawn().unwrap();
+        let mut parent = Command::new("python3")
+            .args(["-c", FAMILY_PY, token])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
         let mut line = String::new();
-        std::io::BufReader::new(parent.stdout.take().unwrap()).read_line(&mut line).unwrap();
-        Family { parent, child_pid: line.trim().parse().unwrap() }
+        std::io::BufReader::new(parent.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        Family {
+            parent,
+            child_pid: line.trim().parse().unwrap(),
+        }
     }
 }
 
