@@ -14,7 +14,11 @@ use gpuguard::daemon::{Daemon, Roots};
 const EXIT_CONFIG: u8 = 2;
 
 #[derive(Parser)]
-#[command(name = "gpuguard", version, about = "Keeps GPU machines alive: guards GPU memory and host RAM for model servers")]
+#[command(
+    name = "gpuguard",
+    version,
+    about = "Keeps GPU machines alive: guards GPU memory and host RAM for model servers"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -40,7 +44,12 @@ fn main() -> ExitCode {
     match cli.command {
         Command::CheckConfig { config } => match Config::load(&config) {
             Ok(c) => {
-                println!("config {}: ok ({} model(s), mode {:?})", config.display(), c.models.len(), c.daemon.mode);
+                println!(
+                    "config {}: ok ({} model(s), mode {:?})",
+                    config.display(),
+                    c.models.len(),
+                    c.daemon.mode
+                );
                 ExitCode::SUCCESS
             }
             Err(e) => {
@@ -71,7 +80,8 @@ fn main() -> ExitCode {
 /// Logs to stderr, one line per event, without colours when not on a terminal (journald).
 fn init_logging() {
     use std::io::IsTerminal;
-    let filter = tracing_subscriber::EnvFilter::try_from_env("GPUGUARD_LOG").unwrap_or_else(|_| "info".into());
+    let filter = tracing_subscriber::EnvFilter::try_from_env("GPUGUARD_LOG")
+        .unwrap_or_else(|_| "info".into());
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

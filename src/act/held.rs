@@ -22,7 +22,10 @@ pub struct HeldProcess {
 
 impl HeldProcess {
     pub fn id(&self) -> ProcessId {
-        ProcessId { pid: self.pid, start_time: self.start_time }
+        ProcessId {
+            pid: self.pid,
+            start_time: self.start_time,
+        }
     }
 }
 
@@ -38,7 +41,10 @@ impl HeldRecord {
         let path = state_dir.join("stopped.json");
         let entries = match std::fs::read(&path) {
             Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or_else(|e| {
-                tracing::warn!("{}: unreadable ({e}); starting with an empty record", path.display());
+                tracing::warn!(
+                    "{}: unreadable ({e}); starting with an empty record",
+                    path.display()
+                );
                 Vec::new()
             }),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
@@ -86,7 +92,10 @@ impl HeldRecord {
             .and_then(|bytes| std::fs::write(&tmp, bytes))
             .and_then(|()| std::fs::rename(&tmp, &self.path));
         if let Err(e) = result {
-            tracing::error!("cannot write {}: {e}; stopped processes may not be resumed after a crash", self.path.display());
+            tracing::error!(
+                "cannot write {}: {e}; stopped processes may not be resumed after a crash",
+                self.path.display()
+            );
         }
     }
 }

@@ -78,7 +78,12 @@ pub struct Executor {
 impl Executor {
     pub fn new(control: Arc<dyn ProcessControl>, held: HeldRecord, cgroup_root: &str) -> Self {
         let throttler = Throttler::new(control.clone(), cgroup_root);
-        Executor { control, held, throttler, throttled: HashMap::new() }
+        Executor {
+            control,
+            held,
+            throttler,
+            throttled: HashMap::new(),
+        }
     }
 
     pub fn held(&self) -> &[HeldProcess] {
@@ -105,13 +110,21 @@ impl Executor {
         let target = &action.target;
         let why = &action.reason.detail;
         if mode == Mode::Observe && !matches!(action.verb, Verb::Resume | Verb::Unthrottle) {
-            info!(verb, reason = action.reason.kind, "observe mode: would {verb} {target}: {why}");
+            info!(
+                verb,
+                reason = action.reason.kind,
+                "observe mode: would {verb} {target}: {why}"
+            );
             return Outcome::Observed;
         }
         if let Some(recheck) = action.recheck {
             if let Some(now) = read_available(recheck.resource) {
                 if now >= recheck.below_bytes {
-                    let text = format!("{} recovered to {} while choosing a victim", recheck.resource, fmt_bytes(now));
+                    let text = format!(
+                        "{} recovered to {} while choosing a victim",
+                        recheck.resource,
+                        fmt_bytes(now)
+                    );
                     info!(verb, "not going to {verb} {target}: {text}");
                     return Outcome::Skipped(text);
                 }
@@ -128,7 +141,10 @@ impl Executor {
                 Outcome::Done
             }
             Verb::Unthrottle => {
-                let kind = self.throttled.remove(&ids).unwrap_or(ThrottleKind::DutyCycle);
+                let kind = self
+                    .throttled
+                    .remove(&ids)
+                    .unwrap_or(ThrottleKind::DutyCycle);
                 self.throttler.unthrottle(&ids, &kind);
                 ids.iter().for_each(|id| self.held.remove(*id));
                 Outcome::Done
@@ -150,7 +166,11 @@ impl Executor {
         }
         match &outcome {
             Outcome::Done => info!(verb, reason = action.reason.kind, "{verb} {target}: {why}"),
-            Outcome::Failed(e) => warn!(verb, reason = action.reason.kind, "failed to {verb} {target}: {e} (wanted because: {why})"),
+            Outcome::Failed(e) => warn!(
+                verb,
+                reason = action.reason.kind,
+                "failed to {verb} {target}: {e} (wanted because: {why})"
+            ),
             Outcome::Skipped(e) => info!(verb, "not going to {verb} {target}: {e}"),
             Outcome::Observed => {}
         }
@@ -175,9 +195,17 @@ impl Executor {
     }
 
     fn hold(&mut self, target: &Target, why: &str) {
-        let since_unix = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let since_unix = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
         for m in &target.members {
-            self.held.add(HeldProcess { pid: m.id.pid, start_time: m.id.start_time, comm: m.comm.clone(), why: why.into(), since_unix });
+            self.held.add(HeldProcess {
+                pid: m.id.pid,
+                start_time: m.id.start_time,
+                comm: m.comm.clone(),
+                why: why.into(),
+                since_unix,
+            });
         }
     }
 
@@ -188,7 +216,10 @@ impl Executor {
             self.throttler.unthrottle(&ids, &kind);
         }
         for p in self.held.resume_all(self.control.as_ref()) {
-            info!(pid = p.pid, "resumed pid {} ({}) on shutdown", p.pid, p.comm);
+            info!(
+                pid = p.pid,
+                "resumed pid {} ({}) on shutdown", p.pid, p.comm
+            );
         }
     }
 }

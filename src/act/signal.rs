@@ -9,7 +9,7 @@ use procfs::process::Process as ProcfsProcess;
 
 use crate::snapshot::ProcessId;
 
-use super::{ProcessControl, SignalError, Sig};
+use super::{ProcessControl, Sig, SignalError};
 
 /// The real `ProcessControl`.
 pub struct PidfdControl {
@@ -18,7 +18,9 @@ pub struct PidfdControl {
 
 impl PidfdControl {
     pub fn new(proc_root: impl Into<PathBuf>) -> Self {
-        PidfdControl { proc_root: proc_root.into() }
+        PidfdControl {
+            proc_root: proc_root.into(),
+        }
     }
 
     fn open_verified(&self, id: ProcessId) -> Result<OwnedFd, SignalError> {
@@ -51,7 +53,13 @@ impl PidfdControl {
 fn send(fd: &OwnedFd, signal: i32) -> Result<(), SignalError> {
     // SAFETY: pidfd_send_signal(pidfd, sig, info = NULL, flags = 0).
     let rc = unsafe {
-        libc::syscall(libc::SYS_pidfd_send_signal, fd.as_raw_fd(), signal, std::ptr::null::<libc::siginfo_t>(), 0)
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            fd.as_raw_fd(),
+            signal,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
     };
     if rc == 0 {
         return Ok(());
@@ -92,6 +100,7 @@ impl ProcessControl for PidfdControl {
 
 /// Sends signal 0 to pid 1 at start-up, so missing permissions show now, not during an emergency.
 pub fn self_test() -> Result<(), String> {
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(1), None)
-        .map_err(|e| format!("cannot signal other processes ({e}): run gpuguard as root or with CAP_KILL"))
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(1), None).map_err(|e| {
+        format!("cannot signal other processes ({e}): run gpuguard as root or with CAP_KILL")
+    })
 }

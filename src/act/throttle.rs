@@ -22,7 +22,11 @@ const RUN: Duration = Duration::from_millis(20);
 /// How a target is being throttled.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ThrottleKind {
-    Cgroup { dir: PathBuf, old_memory_high: String, old_cpu_max: Option<String> },
+    Cgroup {
+        dir: PathBuf,
+        old_memory_high: String,
+        old_cpu_max: Option<String>,
+    },
     DutyCycle,
 }
 
@@ -64,14 +68,21 @@ impl Throttler {
     /// Lifts a throttle and lets the processes run.
     pub fn unthrottle(&mut self, ids: &[ProcessId], kind: &ThrottleKind) {
         match kind {
-            ThrottleKind::Cgroup { dir, old_memory_high, old_cpu_max } => {
+            ThrottleKind::Cgroup {
+                dir,
+                old_memory_high,
+                old_cpu_max,
+            } => {
                 let _ = std::fs::write(dir.join("memory.high"), old_memory_high);
                 if let Some(old) = old_cpu_max {
                     let _ = std::fs::write(dir.join("cpu.max"), old);
                 }
             }
             ThrottleKind::DutyCycle => {
-                self.cycled.lock().expect("throttle lock").retain(|id| !ids.contains(id));
+                self.cycled
+                    .lock()
+                    .expect("throttle lock")
+                    .retain(|id| !ids.contains(id));
                 for id in ids {
                     let _ = self.control.send(*id, Sig::Cont);
                 }
@@ -86,7 +97,10 @@ impl Throttler {
         }
         let dir = self.cgroup_root.join(cgroup.trim_start_matches('/'));
         let procs = std::fs::read_to_string(dir.join("cgroup.procs")).ok()?;
-        let own = procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()).all(|pid| ids.iter().any(|id| id.pid == pid));
+        let own = procs
+            .lines()
+            .filter_map(|l| l.trim().parse::<i32>().ok())
+            .all(|pid| ids.iter().any(|id| id.pid == pid));
         if !own {
             return None;
         }
@@ -97,32 +111,42 @@ impl Throttler {
         if old_cpu_max.is_some() {
             let _ = std::fs::write(dir.join("cpu.max"), "20000 100000");
         }
-        Some(ThrottleKind::Cgroup { dir, old_memory_high, old_cpu_max })
+        Some(ThrottleKind::Cgroup {
+            dir,
+            old_memory_high,
+            old_cpu_max,
+        })
     }
 
     fn ensure_thread(&mut self) {
         if self.thread.is_some() {
             return;
         }
-        let (control, cycled, quit) = (self.control.clone(), self.cycled.clone(), self.quit.clone());
-        let spawned = std::thread::Builder::new().name("throttle".into()).spawn(move || {
-            while !quit.load(Ordering::Relaxed) {
-                let ids = cycled.lock().expect("throttle lock").clone();
-                if ids.is_empty() {
-                    std::thread::sleep(PERIOD);
-                    continue;
+        let (control, cycled, quit) =
+            (self.control.clone(), self.cycled.clone(), self.quit.clone());
+        let spawned = std::thread::Builder::new()
+            .name("throttle".into())
+            .spawn(move || {
+                while !quit.load(Ordering::Relaxed) {
+                    let ids = cycled.lock().expect("throttle lock").clone();
+                    if ids.is_empty() {
+                        std::thread::sleep(PERIOD);
+                        continue;
+                    }
+                    for id in &ids {
+                        let _ = control.send(*id, Sig::Stop);
+                    }
+                    std::thread::sleep(PERIOD - RUN);
+                    // Resume whatever is cycled now (an unthrottle in between already resumed its own).
+                    for id in ids
+                        .iter()
+                        .filter(|id| cycled.lock().expect("throttle lock").contains(id))
+                    {
+                        let _ = control.send(*id, Sig::Cont);
+                    }
+                    std::thread::sleep(RUN);
                 }
-                for id in &ids {
-                    let _ = control.send(*id, Sig::Stop);
-                }
-                std::thread::sleep(PERIOD - RUN);
-                // Resume whatever is cycled now (an unthrottle in between already resumed its own).
-                for id in ids.iter().filter(|id| cycled.lock().expect("throttle lock").contains(id)) {
-                    let _ = control.send(*id, Sig::Cont);
-                }
-                std::thread::sleep(RUN);
-            }
-        });
+            });
         match spawned {
             Ok(handle) => self.thread = Some(handle),
             Err(e) => tracing::error!("cannot start the throttle thread: {e}"),
@@ -142,5 +166,7 @@ impl Throttler {
 }
 
 fn read_trimmed(dir: &Path, file: &str) -> Option<String> {
-    std::fs::read_to_string(dir.join(file)).ok().map(|s| s.trim().to_string())
+    std::fs::read_to_string(dir.join(file))
+        .ok()
+        .map(|s| s.trim().to_string())
 }
