@@ -52,6 +52,8 @@ pub struct Config {
     pub gpu: GpuConfig,
     #[serde(default)]
     pub protect: ProtectConfig,
+    #[serde(default)]
+    pub launch: LaunchConfig,
     #[serde(default, rename = "model")]
     pub models: Vec<ModelConfig>,
 }
@@ -119,6 +121,37 @@ impl Default for DaemonConfig {
             max_stop: Duration::from_secs(300),
             settle: Duration::from_secs(2),
             kill_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// `gpuguard launch`: the socket, the launch lock and its timeouts.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LaunchConfig {
+    /// The daemon's unix socket (also used by `gpuguard status`).
+    pub socket: PathBuf,
+    /// How many models may load at once (the launch lock).
+    pub max_loading: usize,
+    /// A loading model is ready once its memory has grown and stayed flat this long.
+    #[serde(with = "duration")]
+    pub settle: Duration,
+    /// A loading model holds the lock at most this long (default for --ready-timeout).
+    #[serde(with = "duration")]
+    pub ready_timeout: Duration,
+    /// How long a launch may wait in the queue before it fails (default for --queue-timeout).
+    #[serde(with = "duration")]
+    pub queue_timeout: Duration,
+}
+
+impl Default for LaunchConfig {
+    fn default() -> Self {
+        LaunchConfig {
+            socket: PathBuf::from(crate::ipc::DEFAULT_SOCKET),
+            max_loading: 1,
+            settle: Duration::from_secs(10),
+            ready_timeout: Duration::from_secs(600),
+            queue_timeout: Duration::from_secs(1800),
         }
     }
 }
@@ -474,6 +507,12 @@ impl Config {
                     humantime::format_duration(d.min_interval),
                     humantime::format_duration(d.interval)
                 ),
+            ));
+        }
+        if self.launch.max_loading == 0 {
+            return Err((
+                "launch.max_loading".into(),
+                "'0' would never let a model load; use 1 or more".into(),
             ));
         }
         if d.interval > Duration::from_secs(60) {

@@ -1,7 +1,7 @@
 //! The daemon loop: sample -> evaluate -> execute -> log, at an adaptive interval, with SIGHUP
 //! reload and SIGTERM/SIGINT shutdown that resumes every process gpuguard holds stopped.
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{channel, RecvTimeoutError};
 use std::sync::Arc;
@@ -14,11 +14,18 @@ use tracing::{debug, error, info, warn};
 use crate::act::held::HeldRecord;
 use crate::act::signal::{self_test, PidfdControl};
 use crate::act::{Executor, Outcome};
-use crate::config::Config;
-use crate::policy::{evaluate, Event, PolicyState, Resource, Severity, Target};
+use crate::config::{Config, Mode};
+use crate::ipc::server::IpcEvent;
+use crate::ipc::{self, Request, Response};
+use crate::launch::Launches;
+use crate::policy::{evaluate, Action, Event, Level, PolicyState, Resource, Severity, Target};
 use crate::sample::nvml::{GpuMonitor, NvmlGpuSource};
 use crate::sample::{ProcSource, ProcfsSource};
-use crate::snapshot::{GpuStatus, Snapshot};
+use crate::snapshot::{GpuStatus, ProcessId, Snapshot};
+use crate::status::{
+    ActionRow, GpuProtection, GpuRow, HeldRow, MemoryStatus, ModelRow, StatusReport,
+    STATUS_SCHEMA_VERSION,
+};
 
 /// Where the daemon looks at the system; tests and fixtures may point these elsewhere.
 #[derive(Clone, Debug)]
@@ -47,7 +54,23 @@ pub struct Daemon {
     started: Instant,
     gpu_status: GpuStatus,
     unknown_gpu_pids: HashSet<i32>,
+    launches: Launches,
+    recent_actions: VecDeque<ActionRow>,
+    /// From the last plan: how fresh the process table must be, and which pids to re-read.
+    max_scan_age: Duration,
+    watch: Vec<ProcessId>,
 }
+
+/// What wakes the loop between ticks.
+pub enum DaemonEvent {
+    Signal(i32),
+    Ipc(IpcEvent),
+}
+
+/// How many actions `status` shows.
+const RECENT_ACTIONS: usize = 50;
+/// While launches wait or load, the loop ticks at least this often.
+const LAUNCH_TICK: Duration = Duration::from_millis(100);
 
 impl Daemon {
     /// Sets the daemon up: state directory, leftovers from a crash, NVML worker.
@@ -76,44 +99,57 @@ impl Daemon {
             started: Instant::now(),
             gpu_status: GpuStatus::Off,
             unknown_gpu_pids: HashSet::new(),
+            launches: Launches::default(),
+            recent_actions: VecDeque::new(),
+            max_scan_age: Duration::ZERO,
+            watch: Vec::new(),
         })
     }
 
     /// Runs until SIGTERM or SIGINT.
     pub fn run(mut self) -> anyhow::Result<()> {
-        let (tx, signals_rx) = channel();
+        let (tx, events) = channel();
         let mut signals = signal_hook::iterator::Signals::new([SIGHUP, SIGTERM, SIGINT])
             .context("installing signal handlers")?;
         let signal_thread = signals.handle();
+        let signal_tx = tx.clone();
         std::thread::Builder::new()
             .name("signals".into())
             .spawn(move || {
                 for signal in signals.forever() {
-                    if tx.send(signal).is_err() {
+                    if signal_tx.send(DaemonEvent::Signal(signal)).is_err() {
                         break;
                     }
                 }
             })?;
+        let _socket = ipc::server::spawn(&self.config.launch.socket, tx, DaemonEvent::Ipc)?;
         if let Err(e) = self_test() {
             warn!("{e}");
         }
         self.log_start();
 
-        let mut wait = Duration::ZERO;
-        let mut max_scan_age = Duration::ZERO;
-        let mut watch = Vec::new();
+        let mut last_tick = Instant::now();
+        let mut next_tick = last_tick;
         loop {
-            let plan = self.tick(wait, max_scan_age, &watch);
-            wait = plan.0;
-            max_scan_age = plan.1;
-            watch = plan.2;
-            match signals_rx.recv_timeout(wait) {
-                Ok(SIGHUP) => self.reload(),
-                Ok(signal) => {
+            let now = Instant::now();
+            if now >= next_tick {
+                let wait = self.tick(now.saturating_duration_since(last_tick));
+                last_tick = now;
+                next_tick = now + wait;
+            }
+            match events.recv_timeout(next_tick.saturating_duration_since(Instant::now())) {
+                Ok(DaemonEvent::Signal(SIGHUP)) => self.reload(),
+                Ok(DaemonEvent::Signal(signal)) => {
                     let name =
                         nix::sys::signal::Signal::try_from(signal).map_or("signal", |s| s.as_str());
                     info!("{name}: resuming held processes and stopping");
                     break;
+                }
+                Ok(DaemonEvent::Ipc(event)) => {
+                    if self.handle_ipc(event) {
+                        // A new launch: try to admit it now rather than at the next tick.
+                        next_tick = Instant::now();
+                    }
                 }
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => break,
@@ -125,13 +161,8 @@ impl Daemon {
         Ok(())
     }
 
-    /// One pass of the pipeline. Returns (sleep, max process-scan age, pids to watch).
-    fn tick(
-        &mut self,
-        since_last: Duration,
-        max_scan_age: Duration,
-        watch: &[crate::snapshot::ProcessId],
-    ) -> (Duration, Duration, Vec<crate::snapshot::ProcessId>) {
+    /// One pass of the pipeline; returns how long to sleep.
+    fn tick(&mut self, since_last: Duration) -> Duration {
         let now = Instant::now();
         let at = now.duration_since(self.started);
         self.snapshot.at = at;
@@ -140,13 +171,13 @@ impl Daemon {
         let table = &mut self.snapshot.processes;
         let scan = table
             .scanned_at
-            .is_none_or(|t| at.saturating_sub(t) >= max_scan_age);
+            .is_none_or(|t| at.saturating_sub(t) >= self.max_scan_age);
         if scan {
             table.processes = self.procs.scan();
             table.scanned_at = Some(at);
         } else {
             // Re-read only the victims we wait on.
-            for id in watch {
+            for id in &self.watch {
                 let fresh = self.procs.read(id.pid).filter(|p| p.id() == *id);
                 match (table.processes.iter().position(|p| p.id() == *id), fresh) {
                     (Some(i), Some(p)) => table.processes[i] = p,
@@ -187,6 +218,18 @@ impl Daemon {
         self.note_gpu_status(&mut events);
 
         let plan = evaluate(&self.config, &self.snapshot, &mut self.state);
+        let procs = &mut self.procs;
+        let mut alive = |id: ProcessId| {
+            procs
+                .read(id.pid)
+                .is_some_and(|p| p.id() == id && !p.exited())
+        };
+        events.extend(self.launches.tick(
+            &self.config,
+            &self.snapshot,
+            &mut self.state,
+            &mut alive,
+        ));
         for e in events.iter().chain(&plan.events) {
             log_event(e);
         }
@@ -207,6 +250,7 @@ impl Daemon {
                 self.state
                     .action_not_done(action, matches!(outcome, Outcome::Failed(_)));
             }
+            self.record_action(action, &outcome);
         }
         debug!(
             took_us = now.elapsed().as_micros() as u64,
@@ -215,7 +259,204 @@ impl Daemon {
             next_ms = plan.next_interval.as_millis() as u64,
             "tick"
         );
-        (plan.next_interval, plan.max_scan_age, plan.watch)
+        self.max_scan_age = plan.max_scan_age;
+        self.watch = plan.watch;
+        if self.launches.busy() {
+            // Admission and readiness are checked every tick: look often while launches wait.
+            self.max_scan_age = self.max_scan_age.min(LAUNCH_TICK);
+            return plan.next_interval.min(LAUNCH_TICK);
+        }
+        plan.next_interval
+    }
+
+    /// Answers a client; returns true if a launch was queued.
+    fn handle_ipc(&mut self, event: IpcEvent) -> bool {
+        match event {
+            IpcEvent::Closed { conn } => {
+                self.launches.cancel(conn);
+                false
+            }
+            IpcEvent::Request {
+                conn,
+                peer,
+                request,
+                reply,
+            } => match request {
+                Request::Status => {
+                    let _ = reply.send(Response::Status(Box::new(self.status())));
+                    false
+                }
+                Request::Release { lease } => {
+                    let _ = reply.send(self.launches.release(lease, peer));
+                    false
+                }
+                Request::Launch(launch) => {
+                    self.launches
+                        .enqueue(&self.config, &self.snapshot, conn, peer, launch, reply);
+                    true
+                }
+            },
+        }
+    }
+
+    fn record_action(&mut self, action: &Action, outcome: &Outcome) {
+        let outcome = match outcome {
+            Outcome::Done => "done".to_string(),
+            Outcome::Observed => "observed".to_string(),
+            Outcome::Skipped(why) => format!("skipped: {why}"),
+            Outcome::Failed(why) => format!("failed: {why}"),
+        };
+        if self.recent_actions.len() == RECENT_ACTIONS {
+            self.recent_actions.pop_front();
+        }
+        self.recent_actions.push_back(ActionRow {
+            at_unix: unix_now(),
+            verb: action.verb.as_str().into(),
+            target: action.target.to_string(),
+            reason_kind: action.reason.kind.into(),
+            reason: action.reason.detail.clone(),
+            outcome,
+        });
+    }
+
+    /// The status report for `gpuguard status`.
+    fn status(&self) -> StatusReport {
+        let s = &self.snapshot;
+        let c = &self.config;
+        let level = |r: Resource| level_name(self.state.levels.get(&r).copied());
+        let memory = MemoryStatus {
+            total_bytes: s.host.total_bytes,
+            available_bytes: s.host.available_bytes,
+            swap_total_bytes: s.host.swap_total_bytes,
+            swap_free_bytes: s.host.swap_free_bytes,
+            psi_some_avg10: s.host.psi_some_avg10,
+            warn_available_bytes: c
+                .ram
+                .warn_available
+                .and_then(|a| a.resolve(s.host.total_bytes)),
+            min_available_bytes: c
+                .ram
+                .min_available
+                .and_then(|a| a.resolve(s.host.total_bytes)),
+            level: level(Resource::Ram),
+        };
+        let gpu_protection = match &s.gpus.status {
+            GpuStatus::Ok => GpuProtection {
+                state: "ok".into(),
+                reason: None,
+                stale: s.gpus.stale,
+            },
+            GpuStatus::Unavailable(why) => GpuProtection {
+                state: "unavailable".into(),
+                reason: Some(why.clone()),
+                stale: s.gpus.stale,
+            },
+            GpuStatus::Off => GpuProtection {
+                state: "off".into(),
+                reason: Some("disabled by config".into()),
+                stale: false,
+            },
+        };
+        let gpus = s
+            .gpus
+            .devices
+            .iter()
+            .map(|g| {
+                let (warn, min) = c.gpu.floors_for(g.index, &g.uuid);
+                GpuRow {
+                    index: g.index,
+                    uuid: g.uuid.clone(),
+                    name: g.name.clone(),
+                    total_bytes: g.total_bytes,
+                    used_bytes: g.used_bytes,
+                    free_bytes: g.free_bytes,
+                    utilization_percent: g.utilization_percent,
+                    warn_free_bytes: warn.and_then(|a| a.resolve(g.total_bytes)),
+                    min_free_bytes: min.and_then(|a| a.resolve(g.total_bytes)),
+                    level: level(Resource::Gpu(g.index)),
+                    error: g.error.clone(),
+                }
+            })
+            .collect();
+        let largest_gpu = s.gpus.devices.iter().filter_map(|g| g.total_bytes).max();
+        let models = self
+            .state
+            .attribution
+            .models
+            .iter()
+            .map(|m| {
+                let cfg = crate::policy::model_config(c, &self.state, &m.name);
+                let ram_budget = cfg
+                    .and_then(|c| c.ram)
+                    .and_then(|a| a.resolve(s.host.total_bytes));
+                let gpu_budget = cfg
+                    .and_then(|c| c.gpu_memory)
+                    .and_then(|a| a.resolve(largest_gpu));
+                let gpu_bytes = m.gpu_total_bytes();
+                let budget = self.state.budgets.get(&m.name);
+                let state = match budget {
+                    Some(b) => match &b.enforced {
+                        Some((stage, _, _)) => format!("{stage:?}").to_lowercase(),
+                        None if b.over_since.is_some() => "over_budget".into(),
+                        None => "ok".into(),
+                    },
+                    None => "ok".into(),
+                };
+                ModelRow {
+                    name: m.name.clone(),
+                    source: if c.model(&m.name).is_some() {
+                        "config"
+                    } else {
+                        "launch"
+                    }
+                    .into(),
+                    pids: m
+                        .members
+                        .iter()
+                        .map(|&i| s.processes.processes[i].pid)
+                        .collect(),
+                    ram_bytes: m.rss_bytes,
+                    ram_budget_bytes: ram_budget,
+                    gpu_bytes,
+                    gpu_budget_bytes: gpu_budget,
+                    gpu_unknown: m.gpu_unknown,
+                    ram_headroom_bytes: ram_budget.map(|b| b as i64 - m.rss_bytes as i64),
+                    gpu_headroom_bytes: gpu_budget.map(|b| b as i64 - gpu_bytes as i64),
+                    state,
+                }
+            })
+            .collect();
+        StatusReport {
+            schema_version: STATUS_SCHEMA_VERSION,
+            hostname: nix::unistd::gethostname()
+                .map(|h| h.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            mode: match c.daemon.mode {
+                Mode::Enforce => "enforce",
+                Mode::Observe => "observe",
+            }
+            .into(),
+            uptime_seconds: self.started.elapsed().as_secs_f64(),
+            memory,
+            gpu_protection,
+            gpus,
+            models,
+            queue: self.launches.queue_rows(s.at),
+            leases: self.launches.lease_rows(s.at),
+            held: self
+                .executor
+                .held()
+                .iter()
+                .map(|h| HeldRow {
+                    pid: h.pid,
+                    comm: h.comm.clone(),
+                    why: h.why.clone(),
+                    since_unix: h.since_unix,
+                })
+                .collect(),
+            recent_actions: self.recent_actions.iter().cloned().collect(),
+        }
     }
 
     fn note_gpu_status(&mut self, events: &mut Vec<Event>) {
@@ -276,8 +517,10 @@ impl Daemon {
     fn reload(&mut self) {
         match Config::load(&self.config_path) {
             Ok(config) => {
-                if config.daemon.state_dir != self.config.daemon.state_dir {
-                    warn!("daemon.state_dir changes only at restart");
+                if config.daemon.state_dir != self.config.daemon.state_dir
+                    || config.launch.socket != self.config.launch.socket
+                {
+                    warn!("daemon.state_dir and launch.socket change only at restart");
                 }
                 self.config = config;
                 self.state.config_changed();
@@ -324,6 +567,22 @@ fn own_cgroup(snapshot: &Snapshot, target: &Target) -> Option<String> {
         .map(|p| p.cgroup.clone());
     let first = groups.next()?;
     (first != "/" && !first.is_empty() && groups.all(|g| g == first)).then_some(first)
+}
+
+fn level_name(level: Option<Level>) -> String {
+    match level {
+        None | Some(Level::Ok) => "ok",
+        Some(Level::Unknown) => "unknown",
+        Some(Level::Warn) => "warn",
+        Some(Level::Act) => "act",
+    }
+    .into()
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 fn log_event(e: &Event) {

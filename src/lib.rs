@@ -6,9 +6,13 @@
 //! config, `units` the sizes and durations it is written in.
 
 pub mod act;
+pub mod cli;
 pub mod config;
 pub mod daemon;
+pub mod ipc;
+pub mod launch;
 pub mod policy;
 pub mod sample;
 pub mod snapshot;
+pub mod status;
 pub mod units;

@@ -1,7 +1,7 @@
 //! Per-model budgets: a model over its RAM or GPU budget for longer than its `grace` gets its
 //! action (alert, throttle, stop, kill); once back under budget, a throttle or stop is lifted.
 
-use crate::config::{Config, Mode, ModelAction};
+use crate::config::{Config, Mode, ModelAction, ModelConfig};
 use crate::snapshot::Snapshot;
 
 use super::victim::{largest_gpu, model_target};
@@ -17,7 +17,8 @@ pub(super) fn evaluate_budgets(
         return;
     }
     let now = snapshot.at;
-    for model in &config.models {
+    let models: Vec<ModelConfig> = super::budgeted_models(config, state).cloned().collect();
+    for model in &models {
         let Some(index) = state
             .attribution
             .models
@@ -154,7 +155,7 @@ pub(super) fn evaluate_budgets(
         }
     }
     // Models that left the config or the host: lift what was enforced on them.
-    let present: Vec<String> = config.models.iter().map(|m| m.name.clone()).collect();
+    let present: Vec<String> = models.iter().map(|m| m.name.clone()).collect();
     for (name, budget) in state
         .budgets
         .iter_mut()

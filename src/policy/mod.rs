@@ -4,6 +4,7 @@
 //! Floors (host RAM, each GPU) open *incidents* that act on one victim at a time and escalate;
 //! budgets watch each model. The plan says what to do, what happened, and when to look again.
 
+pub mod admission;
 mod budgets;
 mod floors;
 pub mod models;
@@ -19,7 +20,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::config::Config;
+use crate::config::{Config, ModelConfig};
 use crate::snapshot::{ProcessId, Snapshot};
 use crate::units::fmt_bytes;
 
@@ -236,6 +237,8 @@ pub struct PolicyState {
     pub held: Vec<Held>,
     /// Processes registered by `gpuguard launch` as members of a model.
     pub registered: HashMap<ProcessId, String>,
+    /// Budgets of launched models that have no `[[model]]` in the config (from `launch` flags).
+    pub launched_models: BTreeMap<String, ModelConfig>,
     pub match_cache: MatchCache,
     /// The attribution of the latest scan (for status and metrics).
     pub attribution: Attribution,
@@ -358,6 +361,30 @@ pub fn evaluate(config: &Config, snapshot: &Snapshot, state: &mut PolicyState) -
         .clamp(config.daemon.min_interval, config.daemon.interval);
     plan.watch = watched(state);
     plan
+}
+
+/// A model's config: its `[[model]]`, else what `gpuguard launch` registered for it.
+pub fn model_config<'a>(
+    config: &'a Config,
+    state: &'a PolicyState,
+    name: &str,
+) -> Option<&'a ModelConfig> {
+    config
+        .model(name)
+        .or_else(|| state.launched_models.get(name))
+}
+
+/// Every model with a config: the `[[model]]`s, then launched-only ones.
+fn budgeted_models<'a>(
+    config: &'a Config,
+    state: &'a PolicyState,
+) -> impl Iterator<Item = &'a ModelConfig> {
+    config.models.iter().chain(
+        state
+            .launched_models
+            .values()
+            .filter(|m| config.model(&m.name).is_none()),
+    )
 }
 
 /// Victims whose exit or state we wait for.

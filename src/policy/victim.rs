@@ -76,7 +76,7 @@ pub(super) fn over_budget(
     resource: Resource,
 ) -> Option<u64> {
     let usage = &state.attribution.models[model];
-    let cfg = config.model(&usage.name)?;
+    let cfg = super::model_config(config, state, &usage.name)?;
     let (used, budget) = match resource {
         Resource::Ram => (
             usage.rss_bytes,
@@ -129,7 +129,7 @@ pub(super) fn choose(
         candidates.push(Candidate {
             target,
             over_budget_bytes: over_budget(config, snapshot, state, m, resource),
-            priority: config.model(&usage.name).map_or(0, |c| c.priority),
+            priority: super::model_config(config, state, &usage.name).map_or(0, |c| c.priority),
             usage_bytes: used,
         });
     }

@@ -196,6 +196,7 @@ impl GuardDaemon {
 
     pub fn start_in(dir: tempfile::TempDir, config: &str, env: &[(&str, &str)]) -> GuardDaemon {
         let config_path = dir.path().join("config.toml");
+        let config = with_own_socket(config);
         let log = dir.path().join("daemon.log");
         std::fs::write(
             &config_path,
@@ -245,7 +246,7 @@ impl GuardDaemon {
         let tmp = self.config.with_extension("tmp");
         let mut f = std::fs::File::create(&tmp).unwrap();
         f.write_all(
-            config
+            with_own_socket(config)
                 .replace("{state_dir}", &self.state_dir().to_string_lossy())
                 .as_bytes(),
         )
@@ -269,6 +270,22 @@ impl GuardDaemon {
         let _ = self.child.kill();
         let _ = self.child.wait();
         std::mem::replace(&mut self.dir, tempfile::tempdir().unwrap())
+    }
+}
+
+/// Each daemon gets its own socket (in its state dir), so tests run in parallel.
+fn with_own_socket(config: &str) -> String {
+    if config.contains("[launch]") {
+        config.to_string()
+    } else {
+        format!("{config}\n[launch]\nsocket = \"{{state_dir}}/gpuguard.sock\"\n")
+    }
+}
+
+impl GuardDaemon {
+    /// The socket `with_own_socket` gave it (tests that set `[launch] socket` know their own).
+    pub fn socket(&self) -> PathBuf {
+        self.state_dir().join("gpuguard.sock")
     }
 }
 

@@ -1,0 +1,177 @@
+//! The `gpuguard` command line: one binary, one subcommand per job. `main.rs` only calls `main`.
+
+mod launch;
+mod status;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+
+use crate::config::Config;
+use crate::daemon::{Daemon, Roots};
+use crate::ipc::DEFAULT_SOCKET;
+
+/// Exit codes, documented in the README and the man page.
+pub mod exit {
+    /// Success.
+    pub const OK: u8 = 0;
+    /// A runtime error (the daemon could not start, an I/O error).
+    pub const FAILURE: u8 = 1;
+    /// A bad config file or bad usage.
+    pub const CONFIG: u8 = 2;
+    /// The daemon is not reachable on its socket (EX_UNAVAILABLE).
+    pub const UNREACHABLE: u8 = 69;
+    /// `launch`: the model did not fit before the queue timeout; it was not started (EX_TEMPFAIL).
+    pub const TIMED_OUT: u8 = 75;
+    /// `launch`: the daemon refused the request (EX_NOPERM).
+    pub const REFUSED: u8 = 77;
+    /// `launch`: the command could not be executed (as in shells).
+    pub const CANNOT_EXECUTE: u8 = 126;
+    /// `launch`: the command was not found (as in shells).
+    pub const NOT_FOUND: u8 = 127;
+}
+
+#[derive(Parser)]
+#[command(
+    name = "gpuguard",
+    version,
+    about = "Keeps GPU machines alive: guards GPU memory and host RAM for model servers",
+    after_help = "Exit codes: 0 ok; 1 runtime error; 2 bad config or usage; 69 daemon unreachable; \
+                  75 launch timed out in the queue; 77 launch refused; 126/127 command not executable/found."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the guard in the foreground (as systemd runs it).
+    Daemon {
+        /// The config file.
+        #[arg(long, short, default_value = "/etc/gpuguard/config.toml")]
+        config: PathBuf,
+    },
+    /// Validate a config file: exit 0 if it is good, 2 with the file, key and value if not.
+    CheckConfig {
+        /// The config file.
+        config: PathBuf,
+    },
+    /// Show GPUs, host memory, models, the launch queue, held processes and recent actions.
+    Status {
+        /// Print the report as JSON (a stable, versioned schema).
+        #[arg(long)]
+        json: bool,
+        /// Refresh every 2 seconds until interrupted.
+        #[arg(long)]
+        watch: bool,
+        #[arg(long, env = "GPUGUARD_SOCKET", default_value = DEFAULT_SOCKET)]
+        socket: PathBuf,
+    },
+    /// Wait for memory through the daemon's launch queue, then exec CMD (same pid).
+    Launch(launch::LaunchArgs),
+    /// Tell the daemon a launched model is ready: frees the launch lock (owner or root only).
+    Release {
+        /// The lease number (launched commands get it as GPUGUARD_LEASE).
+        #[arg(env = "GPUGUARD_LEASE")]
+        lease: u64,
+        #[arg(long, env = "GPUGUARD_SOCKET", default_value = DEFAULT_SOCKET)]
+        socket: PathBuf,
+    },
+}
+
+/// Runs the command line; returns the process exit code.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let code = match cli.command {
+        Command::CheckConfig { config } => match Config::load(&config) {
+            Ok(c) => {
+                println!(
+                    "config {}: ok ({} model(s), mode {:?})",
+                    config.display(),
+                    c.models.len(),
+                    c.daemon.mode
+                );
+                exit::OK
+            }
+            Err(e) => {
+                eprintln!("gpuguard: {e}");
+                exit::CONFIG
+            }
+        },
+        Command::Daemon { config: path } => run_daemon(path),
+        Command::Status {
+            json,
+            watch,
+            socket,
+        } => status::run(&socket, json, watch.then_some(Duration::from_secs(2))),
+        Command::Launch(args) => launch::run(args),
+        Command::Release { lease, socket } => release(&socket, lease),
+    };
+    ExitCode::from(code)
+}
+
+fn release(socket: &std::path::Path, lease: u64) -> u8 {
+    match crate::ipc::client::ask(socket, crate::ipc::Request::Release { lease }) {
+        Ok(crate::ipc::Response::Released { lease }) => {
+            println!("lease {lease} released");
+            exit::OK
+        }
+        Ok(crate::ipc::Response::Error { message }) => {
+            eprintln!("gpuguard: release refused: {message}");
+            exit::REFUSED
+        }
+        Ok(other) => {
+            eprintln!("gpuguard: unexpected answer from the daemon: {other:?}");
+            exit::FAILURE
+        }
+        Err(e) => {
+            eprintln!("gpuguard: {e}");
+            exit::UNREACHABLE
+        }
+    }
+}
+
+fn run_daemon(path: PathBuf) -> u8 {
+    init_logging();
+    let config = match Config::load(&path) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("gpuguard: {e}");
+            return exit::CONFIG;
+        }
+    };
+    match Daemon::new(&path, config, Roots::default()).and_then(Daemon::run) {
+        Ok(()) => exit::OK,
+        Err(e) => {
+            eprintln!("gpuguard: {e:#}");
+            exit::FAILURE
+        }
+    }
+}
+
+/// Logs to stderr, one line per event, without colours when not on a terminal (journald).
+fn init_logging() {
+    use std::io::IsTerminal;
+    let filter = tracing_subscriber::EnvFilter::try_from_env("GPUGUARD_LOG")
+        .unwrap_or_else(|_| "info".into());
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_target(false)
+        .init();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+}

@@ -1,0 +1,65 @@
+//! The CLI side of the socket: connect, send one request, read the answers.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+
+use super::{Envelope, Request, Response, MAX_MESSAGE_BYTES, PROTOCOL_VERSION};
+
+/// Why the daemon could not be asked.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("cannot reach the gpuguard daemon at {path}: {source} (is it running? `systemctl status gpuguard`)")]
+    Unreachable {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("the daemon closed the connection without an answer")]
+    NoAnswer,
+    #[error("bad answer from the daemon: {0}")]
+    Bad(String),
+}
+
+pub struct Connection {
+    reader: BufReader<UnixStream>,
+}
+
+impl Connection {
+    pub fn open(path: &Path, request: Request) -> Result<Connection, ClientError> {
+        let unreachable = |source| ClientError::Unreachable {
+            path: path.display().to_string(),
+            source,
+        };
+        let mut stream = UnixStream::connect(path).map_err(unreachable)?;
+        let mut line = serde_json::to_vec(&Envelope {
+            version: PROTOCOL_VERSION,
+            request,
+        })
+        .expect("serialisable");
+        line.push(b'\n');
+        stream.write_all(&line).map_err(unreachable)?;
+        Ok(Connection {
+            reader: BufReader::new(stream),
+        })
+    }
+
+    /// The next answer.
+    pub fn next(&mut self) -> Result<Response, ClientError> {
+        let mut line = String::new();
+        let n = (&mut self.reader)
+            .take(MAX_MESSAGE_BYTES as u64 + 1)
+            .read_line(&mut line)
+            .map_err(|e| ClientError::Bad(e.to_string()))?;
+        if n == 0 {
+            return Err(ClientError::NoAnswer);
+        }
+        serde_json::from_str(&line).map_err(|e| ClientError::Bad(e.to_string()))
+    }
+}
+
+/// One request, one answer.
+pub fn ask(path: &Path, request: Request) -> Result<Response, ClientError> {
+    Connection::open(path, request)?.next()
+}
+
+use std::io::Read as _;
