@@ -1,0 +1,485 @@
+//! `gpuguard launch` through the real binary and the daemon's socket: the launch lock, memory
+//! admission (with the fake NVML), fail-closed timeouts, peer-credential checks, and a socket that
+//! survives garbage.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// A model loader: records its start (time, pid, CUDA_VISIBLE_DEVICES) in `log`, takes 64 MiB
+/// of RAM, waits `delay` s, then either crashes or registers `gpu_bytes` on its GPU in the fake
+/// NVML state and idles.
+const LOADER_PY: &str = r#"
+import fcntl, os, sys, time
+name, state, gpu_bytes, delay, crash, log = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5] == "crash", sys.argv[6]
+def note(what):
+    with open(log, "a") as f:
+        f.write(f"{what} {name} {time.time()} {os.getpid()} {os.environ.get('CUDA_VISIBLE_DEVICES', '-')} {os.environ.get('GPUGUARD_LEASE', '-')}\n")
+note("start")
+ram = b"\x01" * (64 << 20)
+time.sleep(delay)
+if crash:
+    note("crash")
+    sys.exit(1)
+gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+with open(state + ".lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    text = open(state).read() + f"process {gpu} {os.getpid()} {gpu_bytes}\n"
+    tmp = f"{state}.{os.getpid()}"
+    open(tmp, "w").write(text)
+    os.rename(tmp, state)
+note("loaded")
+time.sleep(600)
+"#;
+
+struct Setup {
+    fake: FakeNvml,
+    daemon: GuardDaemon,
+    log: PathBuf,
+    socket: PathBuf,
+}
+
+fn gpus(free0_gib: u64, free1_gib: u64) -> String {
+    format!(
+        "device 0 uuid=GPU-aaaa total={} used={}\ndevice 1 uuid=GPU-bbbb total={} used={}\n",
+        16 * GIB,
+        (16 - free0_gib) * GIB,
+        16 * GIB,
+        (16 - free1_gib) * GIB
+    )
+}
+
+fn setup(launch: &str, state: &str) -> Setup {
+    setup_with("{state_dir}/gpuguard.sock", launch, state)
+}
+
+fn setup_at(socket: &Path, launch: &str, state: &str) -> Setup {
+    setup_with(&path(socket), launch, state)
+}
+
+fn setup_with(socket: &str, launch: &str, state: &str) -> Setup {
+    let fake = FakeNvml::new(state);
+    let config = format!(
+        "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"models\"\ninterval = \"200ms\"\nscan_interval = \"200ms\"\n[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n[gpu]\nnvml_library = \"{}\"\nsample_timeout = \"500ms\"\n[launch]\nsocket = \"{socket}\"\n{launch}\n",
+        FakeNvml::library()
+    );
+    let env = fake.env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let daemon = GuardDaemon::start_with_env(&config, &env);
+    daemon.wait_for_log("GPU protection on", Duration::from_secs(5));
+    let log = fake.dir.path().join("loaders.log");
+    let socket = if socket.starts_with("{state_dir}") {
+        daemon.socket()
+    } else {
+        PathBuf::from(socket)
+    };
+    Setup {
+        fake,
+        daemon,
+        log,
+        socket,
+    }
+}
+
+impl Setup {
+    fn launch(&self, model: &str, flags: &[&str], loader: (&str, u64, f64, bool)) -> Child {
+        let (name, gpu_bytes, delay, crash) = loader;
+        Command::new(BIN)
+            .args(["launch", "--model", model])
+            .args(flags)
+            .arg("--")
+            .args([
+                "python3",
+                "-c",
+                LOADER_PY,
+                name,
+                &path(&self.fake.state),
+                &gpu_bytes.to_string(),
+                &delay.to_string(),
+                if crash { "crash" } else { "ok" },
+                &path(&self.log),
+            ])
+            .env("GPUGUARD_SOCKET", &self.socket)
+            .env_remove("CUDA_VISIBLE_DEVICES")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    }
+
+    /// Loader log lines of `what` ("start", "loaded", "crash") for `name`: (time, pid, cuda, lease).
+    fn noted(&self, what: &str, name: &str) -> Option<(f64, u32, String, String)> {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        text.lines()
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .find(|f| f[0] == what && f[1] == name)
+            .map(|f| {
+                (
+                    f[2].parse().unwrap(),
+                    f[3].parse().unwrap(),
+                    f[4].to_string(),
+                    f[5].to_string(),
+                )
+            })
+    }
+
+    fn wait_noted(&self, what: &str, name: &str, timeout: Duration) -> (f64, u32, String, String) {
+        assert!(
+            wait_until(timeout, || self.noted(what, name).is_some()),
+            "{name} never said {what}:\n{}",
+            self.daemon.log_text()
+        );
+        self.noted(what, name).unwrap()
+    }
+}
+
+fn kill_all(children: &mut [&mut Child]) {
+    for c in children {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
+#[test]
+fn second_launch_starts_only_after_the_first_is_ready() {
+    let s = setup("settle = \"1s\"\nready_timeout = \"60s\"", &gpus(14, 14));
+    let mut first = s.launch(
+        "first",
+        &["--gpu-mem", "2GiB"],
+        ("first", 2 * GIB, 0.5, false),
+    );
+    let (first_start, first_pid, _, _) = s.wait_noted("start", "first", Duration::from_secs(5));
+    let mut second = s.launch(
+        "second",
+        &["--gpu-mem", "2GiB"],
+        ("second", 2 * GIB, 0.0, false),
+    );
+    let (first_loaded, ..) = s.wait_noted("loaded", "first", Duration::from_secs(5));
+    let (second_start, ..) = s.wait_noted("start", "second", Duration::from_secs(10));
+    // Loaded, then 1 s of flat GPU memory (settle) before the lock goes to the second.
+    assert!(
+        second_start >= first_loaded + 0.9,
+        "second started {:.2}s after the first loaded",
+        second_start - first_loaded
+    );
+    assert!(second_start > first_start);
+    s.daemon.wait_for_log(&format!("model 'first' (pid {first_pid}): GPU memory grew to 2.0 GiB and stayed flat for 1s; launch lock released"), Duration::from_secs(2));
+    kill_all(&mut [&mut first, &mut second]);
+    let mut err = String::new();
+    second
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert!(
+        err.contains("model 'second' queued at position 1, waiting for the launch lock"),
+        "{err}"
+    );
+}
+
+#[test]
+fn ready_url_answering_releases_the_lock() {
+    let s = setup("settle = \"60s\"\nready_timeout = \"60s\"", &gpus(14, 14));
+    let server = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/health", server.local_addr().unwrap());
+    let mut first = s.launch("first", &["--ready-url", &url], ("first", GIB, 0.0, false));
+    s.wait_noted("loaded", "first", Duration::from_secs(5));
+    let mut second = s.launch("second", &[], ("second", GIB, 0.0, false));
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(
+        s.noted("start", "second").is_none(),
+        "second started before the ready URL answered"
+    );
+    // Answer the poller's next request with 200.
+    let (mut conn, _) = server.accept().unwrap();
+    let mut buf = [0u8; 1024];
+    let _ = conn.read(&mut buf).unwrap();
+    conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+        .unwrap();
+    drop(conn);
+    s.wait_noted("start", "second", Duration::from_secs(5));
+    s.daemon.wait_for_log(
+        "ready URL answered; launch lock released",
+        Duration::from_secs(1),
+    );
+    kill_all(&mut [&mut first, &mut second]);
+}
+
+#[test]
+fn launch_that_does_not_fit_times_out_and_never_runs() {
+    let s = setup("", &gpus(4, 6));
+    let started = Instant::now();
+    let out: Output = s
+        .launch(
+            "huge",
+            &["--gpu-mem", "12GiB", "--queue-timeout", "1s"],
+            ("huge", GIB, 0.0, false),
+        )
+        .wait_with_output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(75), "{err}");
+    assert!(started.elapsed() >= Duration::from_millis(900));
+    assert!(err.contains("model 'huge' not started: it did not fit within the queue timeout of 1s: needs 12.0 GiB on each of 1 GPU(s): GPU 1: room 6.0 GiB"), "{err}");
+    assert!(
+        s.noted("start", "huge").is_none(),
+        "the command must never run"
+    );
+}
+
+#[test]
+fn first_loader_crashing_lets_the_second_start_at_once() {
+    let s = setup("settle = \"30s\"\nready_timeout = \"60s\"", &gpus(14, 14));
+    let mut first = s.launch("first", &[], ("first", GIB, 0.7, true));
+    s.wait_noted("start", "first", Duration::from_secs(5));
+    let mut second = s.launch("second", &[], ("second", GIB, 0.0, false));
+    let (crashed, ..) = s.wait_noted("crash", "first", Duration::from_secs(5));
+    let (second_start, ..) = s.wait_noted("start", "second", Duration::from_secs(5));
+    assert!(
+        second_start - crashed < 1.5,
+        "second started {:.2}s after the crash",
+        second_start - crashed
+    );
+    s.daemon
+        .wait_for_log("model 'first'", Duration::from_secs(1));
+    assert!(
+        s.daemon
+            .log_text()
+            .contains("exited while loading; launch lock released"),
+        "{}",
+        s.daemon.log_text()
+    );
+    kill_all(&mut [&mut first, &mut second]);
+}
+
+#[test]
+fn launched_command_keeps_the_pid_and_goes_to_the_gpu_with_room() {
+    let s = setup("", &gpus(2, 12));
+    let mut child = s.launch(
+        "placed",
+        &["--gpu-mem", "8GiB"],
+        ("placed", GIB, 0.0, false),
+    );
+    let (_, pid, cuda, lease) = s.wait_noted("start", "placed", Duration::from_secs(5));
+    assert_eq!(pid, child.id(), "exec keeps the launcher's pid");
+    assert_eq!(cuda, "1", "GPU 1 has the room");
+    assert_eq!(lease, "1");
+    let released = Command::new(BIN)
+        .args(["release", "1"])
+        .env("GPUGUARD_SOCKET", &s.socket)
+        .output()
+        .unwrap();
+    assert_eq!(released.status.code(), Some(0));
+    // A caller that sets CUDA_VISIBLE_DEVICES gets those GPUs checked, not replaced.
+    let out = Command::new(BIN)
+        .args([
+            "launch",
+            "--model",
+            "pinned",
+            "--gpu-mem",
+            "8GiB",
+            "--queue-timeout",
+            "500ms",
+            "--",
+            "true",
+        ])
+        .env("GPUGUARD_SOCKET", s.daemon.socket())
+        .env("CUDA_VISIBLE_DEVICES", "0")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(75));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("GPU 0: room 2.0 GiB"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    kill_all(&mut [&mut child]);
+}
+
+#[test]
+fn daemon_not_running_is_a_clear_error_and_nothing_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("ran");
+    let out = Command::new(BIN)
+        .args(["launch", "--model", "m", "--", "touch"])
+        .arg(&marker)
+        .env("GPUGUARD_SOCKET", dir.path().join("nope.sock"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(69));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("cannot reach the gpuguard daemon")
+            && err.contains("model 'm' was not started"),
+        "{err}"
+    );
+    assert!(!marker.exists());
+    let status = Command::new(BIN)
+        .args(["status"])
+        .env("GPUGUARD_SOCKET", dir.path().join("nope.sock"))
+        .output()
+        .unwrap();
+    assert_eq!(status.status.code(), Some(69));
+}
+
+fn setpriv_available() -> bool {
+    Command::new("setpriv")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// `gpuguard ARGS` as the unprivileged user nobody.
+fn as_nobody(socket: &Path, args: &[&str]) -> Output {
+    Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", BIN])
+        .args(args)
+        .env("GPUGUARD_SOCKET", socket)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn a_non_root_client_cannot_release_someone_elses_lease() {
+    assert!(setpriv_available(), "setpriv (util-linux) is needed");
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "this test runs as root (CI does)"
+    );
+    // A socket that nobody can reach: in a world-traversable directory.
+    let shared = tempfile::Builder::new()
+        .prefix("gpuguard-sock")
+        .tempdir_in("/tmp")
+        .unwrap();
+    std::fs::set_permissions(
+        shared.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let socket = shared.path().join("gpuguard.sock");
+    let s = setup_at(
+        &socket,
+        "settle = \"60s\"\nready_timeout = \"60s\"",
+        &gpus(14, 14),
+    );
+    let mut first = s.launch("first", &[], ("first", GIB, 0.0, false));
+    s.wait_noted("loaded", "first", Duration::from_secs(5));
+    let mut second = s.launch("second", &[], ("second", GIB, 0.0, false));
+
+    let status = as_nobody(&socket, &["status", "--json"]);
+    assert_eq!(
+        status.status.code(),
+        Some(0),
+        "anyone may read the status: {}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+    let refused = as_nobody(&socket, &["release", "1"]);
+    assert_eq!(refused.status.code(), Some(77));
+    assert!(
+        String::from_utf8_lossy(&refused.stderr)
+            .contains("lease 1 belongs to uid 0, not to uid 65534"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        s.noted("start", "second").is_none(),
+        "the lock must still be held"
+    );
+
+    // Its owner (root here) may.
+    let released = Command::new(BIN)
+        .args(["release", "1"])
+        .env("GPUGUARD_SOCKET", &socket)
+        .output()
+        .unwrap();
+    assert_eq!(
+        released.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&released.stderr)
+    );
+    s.wait_noted("start", "second", Duration::from_secs(5));
+    kill_all(&mut [&mut first, &mut second]);
+}
+
+#[test]
+fn garbage_on_the_socket_leaves_the_daemon_serving() {
+    let s = setup("", &gpus(14, 14));
+    let socket = s.daemon.socket();
+    let exchange = |bytes: &[u8], close_write: bool| -> String {
+        let mut stream = UnixStream::connect(&socket).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let _ = stream.write_all(bytes);
+        if close_write {
+            let _ = stream.shutdown(std::net::Shutdown::Write);
+        }
+        let mut answer = String::new();
+        let _ = stream.read_to_string(&mut answer);
+        answer
+    };
+    let cases: Vec<(Vec<u8>, bool, &str)> = vec![
+        (b"hello\n".to_vec(), false, "not JSON"),
+        (
+            b"{\"version\":1,\"type\":\"format_disk\"}\n".to_vec(),
+            false,
+            "bad request",
+        ),
+        (
+            b"{\"version\":99,\"type\":\"status\"}\n".to_vec(),
+            false,
+            "protocol version 99 not supported",
+        ),
+        (
+            b"{\"type\":\"status\"}\n".to_vec(),
+            false,
+            "missing protocol version",
+        ),
+        (
+            b"{\"version\":1,\"type\":\"sta".to_vec(),
+            true,
+            "incomplete message",
+        ),
+        (vec![b'x'; (1 << 20) + 10], false, "message longer than"),
+        (vec![0xff, 0xfe, b'\n'], false, "not UTF-8"),
+    ];
+    for (bytes, close_write, want) in cases {
+        let answer = exchange(&bytes, close_write);
+        assert!(answer.contains(want), "{want:?}: got {answer:?}");
+    }
+    // A client that connects and says nothing is dropped, without holding anything up.
+    let _silent = UnixStream::connect(&socket).unwrap();
+    // Many clients at once.
+    let threads: Vec<_> = (0..32)
+        .map(|_| {
+            let socket = socket.clone();
+            std::thread::spawn(move || {
+                Command::new(BIN)
+                    .args(["status", "--json"])
+                    .env("GPUGUARD_SOCKET", socket)
+                    .output()
+                    .unwrap()
+            })
+        })
+        .collect();
+    for t in threads {
+        let out = t.join().unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(report["schema_version"], 1);
+    }
+}
