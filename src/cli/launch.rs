@@ -78,7 +78,7 @@ pub fn run(args: LaunchArgs) -> u8 {
         Err(e) => return unreachable(&args.model, e),
     };
     loop {
-        match connection.next() {
+        match connection.receive() {
             Ok(Response::Queued {
                 position,
                 waiting_for,

@@ -37,7 +37,7 @@ pub fn run(socket: &Path, json: bool, watch: Option<Duration>) -> u8 {
             }
             Some(every) => {
                 // Clear the screen and draw from the top.
-                print!("\x1b[2J\x1b[H{text}\n");
+                println!("\x1b[2J\x1b[H{text}");
                 std::thread::sleep(every);
             }
         }

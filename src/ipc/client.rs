@@ -1,6 +1,6 @@
 //! The CLI side of the socket: connect, send one request, read the answers.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 
@@ -44,7 +44,7 @@ impl Connection {
     }
 
     /// The next answer.
-    pub fn next(&mut self) -> Result<Response, ClientError> {
+    pub fn receive(&mut self) -> Result<Response, ClientError> {
         let mut line = String::new();
         let n = (&mut self.reader)
             .take(MAX_MESSAGE_BYTES as u64 + 1)
@@ -59,7 +59,5 @@ impl Connection {
 
 /// One request, one answer.
 pub fn ask(path: &Path, request: Request) -> Result<Response, ClientError> {
-    Connection::open(path, request)?.next()
+    Connection::open(path, request)?.receive()
 }
-
-use std::io::Read as _;
