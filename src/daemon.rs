@@ -27,6 +27,53 @@ use crate::status::{
     STATUS_SCHEMA_VERSION,
 };
 
+/// systemd's notify protocol: READY once serving, STATUS now and then, and watchdog pings from
+/// the control loop itself, so a wedged loop gets the service restarted. No-ops outside systemd.
+struct Systemd {
+    watchdog: Option<Duration>,
+    last_ping: Option<Instant>,
+    last_status: Option<Instant>,
+}
+
+impl Systemd {
+    fn new() -> Systemd {
+        let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
+        let watchdog = sd_notify::watchdog_enabled();
+        if let Some(w) = watchdog {
+            info!("systemd watchdog armed: {}", humantime::format_duration(w));
+        }
+        Systemd {
+            watchdog,
+            last_ping: None,
+            last_status: None,
+        }
+    }
+
+    /// The loop must come round at least this often to keep the watchdog fed.
+    fn max_sleep(&self) -> Duration {
+        self.watchdog.map_or(Duration::MAX, |w| w / 4)
+    }
+
+    fn tick(&mut self, now: Instant, status: impl FnOnce() -> String) {
+        if let Some(w) = self.watchdog {
+            if self
+                .last_ping
+                .is_none_or(|t| now.duration_since(t) >= w / 4)
+            {
+                let _ = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]);
+                self.last_ping = Some(now);
+            }
+        }
+        if self
+            .last_status
+            .is_none_or(|t| now.duration_since(t) >= Duration::from_secs(5))
+        {
+            let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(&status())]);
+            self.last_status = Some(now);
+        }
+    }
+}
+
 /// Where the daemon looks at the system; tests and fixtures may point these elsewhere.
 #[derive(Clone, Debug)]
 pub struct Roots {
@@ -127,6 +174,7 @@ impl Daemon {
             warn!("{e}");
         }
         self.log_start();
+        let mut systemd = Systemd::new();
 
         let mut last_tick = Instant::now();
         let mut next_tick = last_tick;
@@ -134,11 +182,16 @@ impl Daemon {
             let now = Instant::now();
             if now >= next_tick {
                 let wait = self.tick(now.saturating_duration_since(last_tick));
+                systemd.tick(now, || self.one_line_status());
                 last_tick = now;
-                next_tick = now + wait;
+                next_tick = now + wait.min(systemd.max_sleep());
             }
             match events.recv_timeout(next_tick.saturating_duration_since(Instant::now())) {
-                Ok(DaemonEvent::Signal(SIGHUP)) => self.reload(),
+                Ok(DaemonEvent::Signal(SIGHUP)) => {
+                    let _ = sd_notify::notify(&[sd_notify::NotifyState::Reloading]);
+                    self.reload();
+                    let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
+                }
                 Ok(DaemonEvent::Signal(signal)) => {
                     let name =
                         nix::sys::signal::Signal::try_from(signal).map_or("signal", |s| s.as_str());
@@ -155,6 +208,7 @@ impl Daemon {
                 Err(RecvTimeoutError::Disconnected) => break,
             }
         }
+        let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
         self.executor.shutdown();
         signal_thread.close();
         info!("gpuguard stopped");
@@ -267,6 +321,32 @@ impl Daemon {
             return plan.next_interval.min(LAUNCH_TICK);
         }
         plan.next_interval
+    }
+
+    /// What `systemctl status` shows.
+    fn one_line_status(&self) -> String {
+        let s = &self.snapshot;
+        let ram = s
+            .host
+            .available_bytes
+            .map_or("unknown".into(), crate::units::fmt_bytes);
+        let gpus = match &s.gpus.status {
+            GpuStatus::Ok => format!("{} GPU(s)", s.gpus.devices.len()),
+            GpuStatus::Unavailable(_) => "GPU protection off (no NVML)".into(),
+            GpuStatus::Off => "GPU protection disabled".into(),
+        };
+        format!(
+            "{:?}: RAM available {ram}, {gpus}, {} model(s), {} queued, {} held stopped",
+            self.config.daemon.mode,
+            self.state
+                .attribution
+                .models
+                .iter()
+                .filter(|m| !m.members.is_empty())
+                .count(),
+            self.launches.queue.len(),
+            self.executor.held().len()
+        )
     }
 
     /// Answers a client; returns true if a launch was queued.

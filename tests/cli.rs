@@ -84,3 +84,69 @@ fn example_config_is_valid() {
     let (code, text) = run(&["check-config", example]);
     assert_eq!(code, 0, "{text}");
 }
+
+/// The daemon speaks systemd's notify protocol: READY, STATUS, watchdog pings, STOPPING.
+#[test]
+fn daemon_notifies_systemd_ready_status_and_watchdog() {
+    use std::os::unix::net::UnixDatagram;
+    let dir = tempfile::tempdir().unwrap();
+    let notify = dir.path().join("notify.sock");
+    let socket = UnixDatagram::bind(&notify).unwrap();
+    socket
+        .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    let config = dir.path().join("config.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[daemon]\nstate_dir = \"{0}/state\"\n[gpu]\nenabled = false\n[launch]\nsocket = \"{0}/g.sock\"\n",
+            dir.path().display()
+        ),
+    )
+    .unwrap();
+    let mut daemon = Command::new(BIN)
+        .args(["daemon", "--config"])
+        .arg(&config)
+        .env("NOTIFY_SOCKET", &notify)
+        .env("WATCHDOG_USEC", "400000")
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while std::time::Instant::now() < deadline
+        && seen
+            .iter()
+            .filter(|m: &&String| m.contains("WATCHDOG=1"))
+            .count()
+            < 3
+    {
+        if let Ok(n) = socket.recv(&mut buf) {
+            seen.push(String::from_utf8_lossy(&buf[..n]).into_owned());
+        }
+    }
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(daemon.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let _ = daemon.wait();
+    while let Ok(n) = socket.recv(&mut buf) {
+        seen.push(String::from_utf8_lossy(&buf[..n]).into_owned());
+        if seen.last().unwrap().contains("STOPPING=1") {
+            break;
+        }
+    }
+    assert!(seen.iter().any(|m| m.contains("READY=1")), "{seen:?}");
+    assert!(
+        seen.iter()
+            .any(|m| m.contains("STATUS=Enforce: RAM available")),
+        "{seen:?}"
+    );
+    assert!(
+        seen.iter().filter(|m| m.contains("WATCHDOG=1")).count() >= 3,
+        "watchdog pinged repeatedly: {seen:?}"
+    );
+    assert!(seen.iter().any(|m| m.contains("STOPPING=1")), "{seen:?}");
+}
