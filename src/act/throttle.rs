@@ -79,10 +79,8 @@ impl Throttler {
                 }
             }
             ThrottleKind::DutyCycle => {
-                self.cycled
-                    .lock()
-                    .expect("throttle lock")
-                    .retain(|id| !ids.contains(id));
+                let mut cycled = self.cycled.lock().expect("throttle lock");
+                cycled.retain(|id| !ids.contains(id));
                 for id in ids {
                     let _ = self.control.send(*id, Sig::Cont);
                 }
@@ -128,20 +126,22 @@ impl Throttler {
             .name("throttle".into())
             .spawn(move || {
                 while !quit.load(Ordering::Relaxed) {
-                    let ids = cycled.lock().expect("throttle lock").clone();
-                    if ids.is_empty() {
+                    // Signals go out with the list locked, so an unthrottle (which removes its
+                    // pids and SIGCONTs them under the same lock) is never followed by a stale
+                    // SIGSTOP from here.
+                    let stopped = {
+                        let cycled = cycled.lock().expect("throttle lock");
+                        for id in cycled.iter() {
+                            let _ = control.send(*id, Sig::Stop);
+                        }
+                        !cycled.is_empty()
+                    };
+                    if !stopped {
                         std::thread::sleep(PERIOD);
                         continue;
                     }
-                    for id in &ids {
-                        let _ = control.send(*id, Sig::Stop);
-                    }
                     std::thread::sleep(PERIOD - RUN);
-                    // Resume whatever is cycled now (an unthrottle in between already resumed its own).
-                    for id in ids
-                        .iter()
-                        .filter(|id| cycled.lock().expect("throttle lock").contains(id))
-                    {
+                    for id in cycled.lock().expect("throttle lock").iter() {
                         let _ = control.send(*id, Sig::Cont);
                     }
                     std::thread::sleep(RUN);
@@ -169,4 +169,97 @@ fn read_trimmed(dir: &Path, file: &str) -> Option<String> {
     std::fs::read_to_string(dir.join(file))
         .ok()
         .map(|s| s.trim().to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::act::SignalError;
+
+    /// Records signals instead of sending them.
+    #[derive(Default)]
+    struct Recorder(Mutex<Vec<(i32, Sig)>>);
+
+    impl ProcessControl for Recorder {
+        fn send(&self, id: ProcessId, sig: Sig) -> Result<(), SignalError> {
+            self.0.lock().unwrap().push((id.pid, sig));
+            Ok(())
+        }
+        fn is_stopped(&self, _: ProcessId) -> bool {
+            false
+        }
+    }
+
+    fn cgroup(root: &Path, name: &str, procs: &str) -> PathBuf {
+        let dir = root.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("cgroup.procs"), procs).unwrap();
+        std::fs::write(dir.join("memory.high"), "max\n").unwrap();
+        std::fs::write(dir.join("memory.current"), "1073741824\n").unwrap();
+        std::fs::write(dir.join("cpu.max"), "max 100000\n").unwrap();
+        dir
+    }
+
+    fn id(pid: i32) -> ProcessId {
+        ProcessId { pid, start_time: 1 }
+    }
+
+    #[test]
+    fn own_cgroup_gets_memory_high_and_cpu_max_then_restored() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = cgroup(root.path(), "system.slice/vllm.service", "10\n11\n");
+        let recorder = Arc::new(Recorder::default());
+        let mut t = Throttler::new(recorder.clone(), root.path());
+        let kind = t.throttle(&[id(10), id(11)], Some("/system.slice/vllm.service"));
+        assert!(matches!(kind, ThrottleKind::Cgroup { .. }), "{kind:?}");
+        assert_eq!(
+            std::fs::read_to_string(dir.join("memory.high")).unwrap(),
+            "1073741824"
+        );
+        assert_eq!(
+            std::fs::read_to_string(dir.join("cpu.max")).unwrap(),
+            "20000 100000"
+        );
+        t.unthrottle(&[id(10), id(11)], &kind);
+        assert_eq!(
+            std::fs::read_to_string(dir.join("memory.high")).unwrap(),
+            "max"
+        );
+        assert_eq!(
+            std::fs::read_to_string(dir.join("cpu.max")).unwrap(),
+            "max 100000"
+        );
+        assert!(
+            recorder.0.lock().unwrap().is_empty(),
+            "no signals for a cgroup throttle"
+        );
+    }
+
+    #[test]
+    fn shared_cgroup_falls_back_to_a_duty_cycle_that_ends_running() {
+        let root = tempfile::tempdir().unwrap();
+        cgroup(root.path(), "user.slice", "10\n99\n");
+        let recorder = Arc::new(Recorder::default());
+        let mut t = Throttler::new(recorder.clone(), root.path());
+        let kind = t.throttle(&[id(10)], Some("/user.slice"));
+        assert_eq!(
+            kind,
+            ThrottleKind::DutyCycle,
+            "pid 99 is not ours: the cgroup is shared"
+        );
+        std::thread::sleep(PERIOD * 3);
+        t.unthrottle(&[id(10)], &kind);
+        t.shutdown();
+        let sent = recorder.0.lock().unwrap().clone();
+        assert!(sent.iter().any(|s| *s == (10, Sig::Stop)), "{sent:?}");
+        assert_eq!(
+            sent.last(),
+            Some(&(10, Sig::Cont)),
+            "left running: {sent:?}"
+        );
+        assert!(
+            sent.iter().all(|s| s.0 == 10),
+            "only the throttled pid: {sent:?}"
+        );
+    }
 }
