@@ -11,6 +11,7 @@ use std::time::Duration;
 use regex::Regex;
 use serde::{Deserialize, Deserializer};
 
+use crate::policy::Severity;
 use crate::units::{duration, Amount};
 
 /// A config that could not be loaded: which file, which key, what is wrong with the value.
@@ -56,6 +57,144 @@ pub struct Config {
     pub launch: LaunchConfig,
     #[serde(default, rename = "model")]
     pub models: Vec<ModelConfig>,
+    #[serde(default)]
+    pub metrics: MetricsConfig,
+    #[serde(default)]
+    pub alert: AlertConfig,
+}
+
+/// `[metrics]`: the Prometheus endpoint.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// `host:port` to serve `/metrics` on (loopback, e.g. `127.0.0.1:9835`); empty = off.
+    pub listen: String,
+}
+
+impl MetricsConfig {
+    /// The address to listen on, if metrics are on (validated when the config is loaded).
+    pub fn address(&self) -> Option<std::net::SocketAddr> {
+        let listen = self.listen.trim();
+        (!listen.is_empty()).then(|| listen.parse().ok()).flatten()
+    }
+}
+
+/// `[alert]`: where notifications go, how often they repeat, and the event log.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AlertConfig {
+    /// A condition still active (floor crossed, over budget, GPU lost) is notified again this often.
+    #[serde(with = "duration")]
+    pub repeat_interval: Duration,
+    /// Notifications waiting per sink; when full, the oldest is dropped (and counted).
+    pub queue: usize,
+    /// One HTTP request may take at most this long.
+    #[serde(with = "duration")]
+    pub timeout: Duration,
+    /// Retries after a network error, 429 or 5xx (exponential backoff with jitter).
+    pub retries: u32,
+    /// The first retry waits this long; each later one twice as long (at most 5 minutes).
+    #[serde(with = "duration")]
+    pub backoff: Duration,
+    /// The JSON-lines event log in `daemon.state_dir` (`events.jsonl`).
+    pub event_log: bool,
+    /// The event log is rotated to `events.jsonl.1` at this size.
+    pub event_log_max_size: Amount,
+    #[serde(rename = "webhook")]
+    pub webhooks: Vec<WebhookConfig>,
+}
+
+impl Default for AlertConfig {
+    fn default() -> Self {
+        AlertConfig {
+            repeat_interval: Duration::from_secs(3600),
+            queue: 256,
+            timeout: Duration::from_secs(10),
+            retries: 5,
+            backoff: Duration::from_secs(1),
+            event_log: true,
+            event_log_max_size: Amount::Bytes(16 << 20),
+            webhooks: Vec::new(),
+        }
+    }
+}
+
+/// What a webhook receives.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum WebhookFormat {
+    /// gpuguard's JSON body, with a Slack-compatible `text` field.
+    #[default]
+    Json,
+    /// Slack's incoming-webhook body (`text` only).
+    Slack,
+    /// Alertmanager's v2 API (`POST /api/v2/alerts`): active alerts, resolved with `endsAt`.
+    Alertmanager,
+}
+
+impl WebhookFormat {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WebhookFormat::Json => "json",
+            WebhookFormat::Slack => "slack",
+            WebhookFormat::Alertmanager => "alertmanager",
+        }
+    }
+}
+
+/// One `[[alert.webhook]]`. Its URL may hold a secret (Slack's do): it is never logged whole.
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WebhookConfig {
+    pub url: String,
+    #[serde(default)]
+    pub format: WebhookFormat,
+    /// A file whose content (trailing newline trimmed) keys an HMAC-SHA256 of every body, sent as
+    /// `X-Gpuguard-Signature: sha256=<hex>`.
+    pub secret_file: Option<PathBuf>,
+    /// Only notifications at least this severe: "info", "warning" or "critical".
+    #[serde(
+        default = "default_min_severity",
+        deserialize_with = "deserialize_severity"
+    )]
+    pub min_severity: Severity,
+}
+
+fn default_min_severity() -> Severity {
+    Severity::Warning
+}
+
+fn deserialize_severity<'de, D: Deserializer<'de>>(d: D) -> Result<Severity, D::Error> {
+    let text = String::deserialize(d)?;
+    match text.as_str() {
+        "info" => Ok(Severity::Info),
+        "warning" => Ok(Severity::Warning),
+        "critical" => Ok(Severity::Critical),
+        _ => Err(serde::de::Error::custom(format!(
+            "'{text}' is not a severity (use \"info\", \"warning\" or \"critical\")"
+        ))),
+    }
+}
+
+impl WebhookConfig {
+    /// The URL without path, query or credentials: what logs and metrics may show.
+    pub fn redacted_url(&self) -> String {
+        let (scheme, rest) = self.url.split_once("://").unwrap_or(("", &self.url));
+        let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+        let host = authority.rsplit('@').next().unwrap_or("");
+        format!("{scheme}://{host}/…")
+    }
+}
+
+impl fmt::Debug for WebhookConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WebhookConfig")
+            .field("url", &self.redacted_url())
+            .field("format", &self.format)
+            .field("secret_file", &self.secret_file)
+            .field("min_severity", &self.min_severity)
+            .finish()
+    }
 }
 
 /// `observe` decides, logs and alerts, but never signals a process.
@@ -545,6 +684,38 @@ impl Config {
                 return Err((
                     "ram.psi_some_avg10".into(),
                     format!("'{psi}' must be a percentage (0-100)"),
+                ));
+            }
+        }
+        let listen = self.metrics.listen.trim();
+        if !listen.is_empty() && listen.parse::<std::net::SocketAddr>().is_err() {
+            return Err((
+                "metrics.listen".into(),
+                format!("'{listen}' is not an address:port such as \"127.0.0.1:9835\""),
+            ));
+        }
+        let a = &self.alert;
+        if a.queue == 0 {
+            return Err(("alert.queue".into(), "'0' would drop every alert".into()));
+        }
+        if a.repeat_interval.is_zero() {
+            return Err((
+                "alert.repeat_interval".into(),
+                "must be above 0 (it would repeat every tick)".into(),
+            ));
+        }
+        if !matches!(a.event_log_max_size, Amount::Bytes(b) if b >= 4096) {
+            return Err((
+                "alert.event_log_max_size".into(),
+                format!("'{}' must be a size of at least 4KiB", a.event_log_max_size),
+            ));
+        }
+        for (i, w) in a.webhooks.iter().enumerate() {
+            let url = w.url.trim();
+            if !(url.starts_with("http://") || url.starts_with("https://")) || url.len() < 10 {
+                return Err((
+                    format!("alert.webhook[{i}].url"),
+                    format!("'{}' is not an http:// or https:// URL", w.redacted_url()),
                 ));
             }
         }

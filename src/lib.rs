@@ -2,15 +2,18 @@
 //!
 //! The pipeline, one module per stage:
 //! `sample` (/proc, NVML) -> `snapshot` (plain data) -> `policy` (pure decisions) -> `act`
-//! (signals, throttles) -> logs and alerts, driven by the `daemon` loop. `config` holds the TOML
-//! config, `units` the sizes and durations it is written in.
+//! (signals, throttles) -> logs, `alert` (webhooks, event log) and `metrics` (Prometheus),
+//! driven by the `daemon` loop. `config` holds the TOML config, `units` the sizes and durations
+//! it is written in.
 
 pub mod act;
+pub mod alert;
 pub mod cli;
 pub mod config;
 pub mod daemon;
 pub mod ipc;
 pub mod launch;
+pub mod metrics;
 pub mod policy;
 pub mod sample;
 pub mod snapshot;

@@ -359,11 +359,18 @@ fn same_model_loaded_twice_on_one_gpu_is_reported_once() {
 fn driver_library_mismatch_is_a_state_not_a_crash() {
     let fake = FakeNvml::new(&format!("{}error nvmlInit_v2 18\n", two_gpus(1, 1, &[])));
     let daemon = start(&gpu_config("", &[]), &fake);
-    daemon.wait_for_log("GPU protection is off: NVML/driver version mismatch (driver upgraded without reboot?)", Duration::from_secs(5));
+    daemon.wait_for_log(
+        "GPU protection is off: NVML/driver version mismatch (driver upgraded without reboot?)",
+        Duration::from_secs(5),
+    );
     // Once the mismatch is gone (reboot), the retry picks the GPUs up; the daemon never stopped.
     fake.set(&two_gpus(1, 1, &[]));
     daemon.wait_for_log("GPU protection on: 2 GPU(s)", Duration::from_secs(5));
-    assert_eq!(daemon.log_text().matches("GPU protection is off").count(), 1, "said once");
+    assert_eq!(
+        daemon.log_text().matches("GPU protection is off").count(),
+        1,
+        "said once"
+    );
     let (code, _) = daemon.stop();
     assert_eq!(code, Some(0));
 }

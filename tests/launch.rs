@@ -95,7 +95,7 @@ impl Setup {
             .args(flags)
             .arg("--")
             .args([
-                "python3",
+                python3(),
                 "-c",
                 LOADER_PY,
                 name,

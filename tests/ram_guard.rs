@@ -27,10 +27,9 @@ fn config(extra_daemon: &str, ram: &str, models: &[(&str, &str, &str)]) -> Strin
 
 /// Floors about 1 GiB below what is available now.
 fn floors_below_now() -> (u64, String) {
-    let available = mem_available();
-    let min = available - GIB;
+    let min = mem_available() - GIB;
     (
-        available,
+        min,
         format!(
             "min_available = {min}\nwarn_available = {}\n",
             min + 256 * MIB
@@ -78,12 +77,12 @@ fn hog_below_the_floor_is_killed_and_the_sentinel_survives() {
 fn protected_hog_is_never_touched() {
     let _lock = memory_pressure_lock();
     let hog_token = token("protected");
-    let (_, floors) = floors_below_now();
+    let (floor, floors) = floors_below_now();
     let mut text = config("", &floors, &[("hog", &hog_token, "")]);
     text.push_str(&format!("\n[protect]\ncmdline = [\"{hog_token}\"]\n"));
     let daemon = GuardDaemon::start(&text);
-    // Crosses the floor by ~0.5 GiB, holds it for a second, exits 0.
-    let mut hog = Hog::start(&hog_token, 1024, 1536, 1);
+    // Crosses the floor by 256 MiB whatever else the machine does, holds a second, exits 0.
+    let mut hog = Hog::start_until_below(&hog_token, 1024, floor - 256 * MIB, 3072, 1);
 
     let status = hog
         .wait(Duration::from_secs(30))
@@ -105,13 +104,14 @@ fn protected_hog_is_never_touched() {
 fn observe_mode_decides_but_signals_nothing() {
     let _lock = memory_pressure_lock();
     let hog_token = token("observed");
-    let (_, floors) = floors_below_now();
+    let (floor, floors) = floors_below_now();
     let daemon = GuardDaemon::start(&config(
         "mode = \"observe\"",
         &floors,
         &[("hog", &hog_token, "")],
     ));
-    let mut hog = Hog::start(&hog_token, 1024, 1536, 1);
+    // Crosses the floor by 256 MiB whatever else the machine does, holds a second, exits 0.
+    let mut hog = Hog::start_until_below(&hog_token, 1024, floor - 256 * MIB, 3072, 1);
 
     let status = hog
         .wait(Duration::from_secs(30))

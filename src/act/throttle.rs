@@ -251,7 +251,7 @@ mod tests {
         t.unthrottle(&[id(10)], &kind);
         t.shutdown();
         let sent = recorder.0.lock().unwrap().clone();
-        assert!(sent.iter().any(|s| *s == (10, Sig::Stop)), "{sent:?}");
+        assert!(sent.contains(&(10, Sig::Stop)), "{sent:?}");
         assert_eq!(
             sent.last(),
             Some(&(10, Sig::Cont)),

@@ -1,5 +1,6 @@
 //! The `gpuguard` command line: one binary, one subcommand per job. `main.rs` only calls `main`.
 
+mod generate;
 mod launch;
 mod status;
 
@@ -53,6 +54,10 @@ enum Command {
         /// The config file.
         #[arg(long, short, default_value = "/etc/gpuguard/config.toml")]
         config: PathBuf,
+        /// Lock the daemon's memory (mlockall) so it is never paged out under memory pressure
+        /// (the systemd unit sets this, with LimitMEMLOCK=infinity). Failure only warns.
+        #[arg(long)]
+        lock_memory: bool,
     },
     /// Validate a config file: exit 0 if it is good, 2 with the file, key and value if not.
     CheckConfig {
@@ -80,6 +85,9 @@ enum Command {
         #[arg(long, env = "GPUGUARD_SOCKET", default_value = DEFAULT_SOCKET)]
         socket: PathBuf,
     },
+    /// Packaging: write the man pages and shell completions under DIR.
+    #[command(hide = true)]
+    GenerateAssets { dir: PathBuf },
 }
 
 /// Runs the command line; returns the process exit code.
@@ -101,7 +109,10 @@ pub fn main() -> ExitCode {
                 exit::CONFIG
             }
         },
-        Command::Daemon { config: path } => run_daemon(path),
+        Command::Daemon {
+            config: path,
+            lock_memory: lock,
+        } => run_daemon(path, lock),
         Command::Status {
             json,
             watch,
@@ -109,6 +120,7 @@ pub fn main() -> ExitCode {
         } => status::run(&socket, json, watch.then_some(Duration::from_secs(2))),
         Command::Launch(args) => launch::run(args),
         Command::Release { lease, socket } => release(&socket, lease),
+        Command::GenerateAssets { dir } => generate::run(&dir),
     };
     ExitCode::from(code)
 }
@@ -134,7 +146,7 @@ fn release(socket: &std::path::Path, lease: u64) -> u8 {
     }
 }
 
-fn run_daemon(path: PathBuf) -> u8 {
+fn run_daemon(path: PathBuf, lock: bool) -> u8 {
     init_logging();
     let config = match Config::load(&path) {
         Ok(c) => c,
@@ -143,12 +155,40 @@ fn run_daemon(path: PathBuf) -> u8 {
             return exit::CONFIG;
         }
     };
+    if lock {
+        lock_memory();
+    }
     match Daemon::new(&path, config, Roots::default()).and_then(Daemon::run) {
         Ok(()) => exit::OK,
         Err(e) => {
             eprintln!("gpuguard: {e:#}");
             exit::FAILURE
         }
+    }
+}
+
+/// Keeps the guard resident when the host runs out of memory, when it matters most. First every
+/// page mapped now (the whole binary, the rarely run kill path included) is faulted in and locked;
+/// then later mappings (heap, thread stacks, NVML loaded at run time) are locked as they are
+/// touched (MCL_ONFAULT, Linux 4.4+; before that, populated at once). Needs CAP_IPC_LOCK or a
+/// large enough RLIMIT_MEMLOCK (the unit sets LimitMEMLOCK=infinity). Failure only warns.
+fn lock_memory() {
+    // SAFETY: mlockall takes flags only and changes no memory contents.
+    if unsafe { libc::mlockall(libc::MCL_CURRENT) } != 0 {
+        let e = std::io::Error::last_os_error();
+        tracing::warn!(
+            "memory not locked, gpuguard may be paged out under pressure: mlockall: {e}"
+        );
+        return;
+    }
+    // SAFETY: as above.
+    let future = unsafe { libc::mlockall(libc::MCL_FUTURE | libc::MCL_ONFAULT) } == 0
+        || unsafe { libc::mlockall(libc::MCL_FUTURE) } == 0;
+    if future {
+        tracing::info!("memory locked");
+    } else {
+        let e = std::io::Error::last_os_error();
+        tracing::warn!("memory mapped from now on is not locked: mlockall: {e}");
     }
 }
 

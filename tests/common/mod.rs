@@ -93,6 +93,19 @@ pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
     cond()
 }
 
+/// The real python interpreter (not a pyenv-style shim script, whose `bash` would show up as the
+/// process name until it execs python).
+pub fn python3() -> &'static str {
+    static PYTHON: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    PYTHON.get_or_init(|| {
+        let out = Command::new("python3")
+            .args(["-c", "import sys; print(sys.executable)"])
+            .output()
+            .expect("python3 is needed for the tests (apt-get install python3)");
+        String::from_utf8(out.stdout).unwrap().trim().to_string()
+    })
+}
+
 /// A python child that allocates `cap_mib` MiB at `rate_mib_s` (0 = as fast as it can) in
 /// chunks, prints "full", holds the memory for `hold_s` seconds, then exits 0.
 pub struct Hog {
@@ -103,9 +116,14 @@ pub struct Hog {
 const HOG_PY: &str = r#"
 import sys, time
 token, rate, cap, hold, chunk = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
+stop_below = int(sys.argv[6]) if len(sys.argv) > 6 else 0
+def available():
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
 chunks = []
 allocated = 0
-while allocated < cap:
+while allocated < cap and (stop_below == 0 or available() > stop_below):
     began = time.time()
     chunks.append(b"\x01" * (chunk << 20))
     allocated += chunk
@@ -130,9 +148,25 @@ impl Hog {
         hold_s: u64,
         chunk_mib: u64,
     ) -> Hog {
-        let child = Command::new("python3")
+        Self::spawn(token, [rate_mib_s, cap_mib, hold_s, chunk_mib, 0])
+    }
+
+    /// Allocates until MemAvailable is below `stop_below` bytes (or `cap_mib` is reached),
+    /// whatever else the machine is doing, then holds for `hold_s` and exits 0.
+    pub fn start_until_below(
+        token: &str,
+        rate_mib_s: u64,
+        stop_below: u64,
+        cap_mib: u64,
+        hold_s: u64,
+    ) -> Hog {
+        Self::spawn(token, [rate_mib_s, cap_mib, hold_s, 16, stop_below])
+    }
+
+    fn spawn(token: &str, numbers: [u64; 5]) -> Hog {
+        let child = Command::new(python3())
             .args(["-c", HOG_PY, token])
-            .args([rate_mib_s, cap_mib, hold_s, chunk_mib].map(|n| n.to_string()))
+            .args(numbers.map(|n| n.to_string()))
             .stdout(Stdio::null())
             .spawn()
             .expect("python3 is needed for the tests (apt-get install python3)");
@@ -363,7 +397,7 @@ time.sleep(600)
 impl Family {
     pub fn start(token: &str) -> Family {
         use std::io::BufRead;
-        let mut parent = Command::new("python3")
+        let mut parent = Command::new(python3())
             .args(["-c", FAMILY_PY, token])
             .stdout(Stdio::piped())
             .spawn()

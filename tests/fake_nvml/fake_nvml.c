@@ -857,7 +857,8 @@ nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsi
     nvmlReturn_t rc = enter(__func__, -1, 1);
     if (rc)
         return rc;
-    unsigned long long deadline = now_ms() + timeoutms;
+    /* +1: now_ms() truncates, so a deadline in whole ms could come up to 1 ms early. */
+    unsigned long long deadline = now_ms() + timeoutms + 1;
     for (;;) {
         if (!valid_set(set) || !data)
             return leave(NVML_ERROR_INVALID_ARGUMENT);

@@ -1,0 +1,548 @@
+//! Telling people: what the daemon saw and did becomes notices for the webhooks
+//! (`[[alert.webhook]]`: JSON, Slack, Alertmanager) and lines in the event log.
+//!
+//! Two kinds of notice:
+//! - *conditions* (a floor crossed, a model over budget, a GPU lost, a kill that did not free
+//!   memory): the daemon hands the set of active ones to `Alerter::conditions` every tick; a new
+//!   one fires, one that changes severity fires again, one still active repeats every
+//!   `repeat_interval`, and one that goes away is resolved. Not one notice per tick.
+//! - *events* (an action taken, a launch admitted or timed out, an Xid, a failed reload, start
+//!   and stop): one notice each.
+//!
+//! Nothing here can slow the daemon loop: every sink has its own worker thread fed by a bounded
+//! queue that drops its oldest entry when full (`queue.rs`); HTTP, retries and file writes happen
+//! on those threads.
+
+mod eventlog;
+pub mod queue;
+pub mod webhook;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use serde::Serialize;
+
+use crate::config::Config;
+use crate::metrics::Metrics;
+use crate::policy::{Event, Severity};
+use queue::Queue;
+
+/// Alertmanager forgets an alert that is not re-posted: active ones are refreshed this often
+/// (and posted with an `endsAt` three refreshes ahead).
+pub const ALERTMANAGER_REFRESH: Duration = Duration::from_secs(60);
+/// On shutdown, how long queued notices (the "stopping" one included) may take to go out.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+
+/// Event kinds that the conditions already report (fired, repeated, resolved): these go to the
+/// event log, not a second time to the webhooks.
+const CONDITION_KINDS: &[&str] = &[
+    "floor_warn",
+    "floor_act",
+    "floor_cleared",
+    "budget_exceeded",
+    "budget_cleared",
+    "gpu_ok",
+    "gpu_unavailable",
+];
+
+pub fn severity_name(s: Severity) -> &'static str {
+    match s {
+        Severity::Info => "info",
+        Severity::Warning => "warning",
+        Severity::Critical => "critical",
+    }
+}
+
+/// Who or what a notice is about. Every field is optional: each event fills what it knows.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Subject {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// "RAM" or "GPU 0".
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resource: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pid: Option<i32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub comm: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cmdline: Option<String>,
+    /// Every process of the target (a model has several).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub pids: Vec<i32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub budget_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub floor_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub available_bytes: Option<u64>,
+}
+
+/// The action a notice reports, when it reports one.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ActionInfo {
+    /// stop, resume, terminate, kill, throttle, unthrottle.
+    pub verb: String,
+    /// ram_floor, gpu_floor, ram_budget, gpu_budget, max_stop, cleared.
+    pub reason: String,
+    pub detail: String,
+    /// done, observed, skipped: ..., failed: ...
+    pub outcome: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    Firing,
+    Resolved,
+}
+
+/// One notification, as every sink receives it (each formats it its own way).
+#[derive(Clone, Debug, Serialize)]
+pub struct Notice {
+    pub host: String,
+    /// The event kind: floor_warn, process_killed, launch_admitted, ...
+    pub event: String,
+    #[serde(serialize_with = "ser_severity")]
+    pub severity: Severity,
+    pub status: Status,
+    /// "condition" (fires, repeats, resolves) or "event" (one notice).
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// A condition still active, notified again after `repeat_interval`.
+    pub repeat: bool,
+    /// Identifies the condition across notices: `floor:RAM`, `budget:qwen`, ...
+    pub key: String,
+    pub summary: String,
+    pub subject: Subject,
+    pub action: Option<ActionInfo>,
+    #[serde(serialize_with = "ser_time")]
+    pub at: SystemTime,
+    /// When the condition began (for events: `at`).
+    #[serde(serialize_with = "ser_time")]
+    pub since: SystemTime,
+    /// Only for Alertmanager sinks: keeps an active alert alive there (webhooks skip it).
+    #[serde(skip)]
+    pub refresh: bool,
+    /// Ends an Alertmanager alert whose severity changed; webhooks skip it (they get the new one).
+    #[serde(skip)]
+    pub superseded: bool,
+}
+
+fn ser_severity<S: serde::Serializer>(s: &Severity, ser: S) -> Result<S::Ok, S::Error> {
+    ser.serialize_str(severity_name(*s))
+}
+
+fn ser_time<S: serde::Serializer>(t: &SystemTime, ser: S) -> Result<S::Ok, S::Error> {
+    ser.serialize_str(&humantime::format_rfc3339_millis(*t).to_string())
+}
+
+impl Notice {
+    /// The one-line, Slack-compatible text.
+    pub fn text(&self) -> String {
+        let state = match (self.status, self.repeat) {
+            (Status::Resolved, _) => "RESOLVED".to_string(),
+            (Status::Firing, true) => format!("{} (still active)", self.severity_upper()),
+            (Status::Firing, false) => self.severity_upper(),
+        };
+        let mut text = format!(
+            "[gpuguard {}] {state} {}: {}",
+            self.host, self.event, self.summary
+        );
+        if let Some(a) = &self.action {
+            text += &format!(" [{} {}]", a.verb, a.outcome);
+        }
+        text
+    }
+
+    fn severity_upper(&self) -> String {
+        severity_name(self.severity).to_uppercase()
+    }
+}
+
+/// A condition the daemon sees as active this tick.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Condition {
+    pub key: String,
+    pub event: &'static str,
+    pub severity: Severity,
+    pub summary: String,
+    pub subject: Subject,
+}
+
+struct Active {
+    condition: Condition,
+    since: SystemTime,
+    last_sent: Instant,
+    last_refresh: Instant,
+}
+
+/// A sink's end of its queue, on the daemon's side.
+struct SinkHandle {
+    queue: Arc<Queue<Notice>>,
+    /// Alertmanager sinks take refreshes and superseded notices; others skip them.
+    alertmanager: bool,
+    min_severity: Severity,
+}
+
+impl Drop for SinkHandle {
+    fn drop(&mut self) {
+        // The worker finishes what is queued (bounded by its retries) and exits.
+        self.queue.close();
+    }
+}
+
+/// The daemon's handle on alerting. Every method returns at once.
+pub struct Alerter {
+    host: String,
+    repeat_interval: Duration,
+    sinks: Vec<SinkHandle>,
+    event_log: Option<SinkHandle>,
+    active: BTreeMap<String, Active>,
+    metrics: Metrics,
+}
+
+impl Alerter {
+    /// Starts a worker per webhook and one for the event log. Fails if a secret file cannot
+    /// be read.
+    pub fn new(config: &Config, metrics: &Metrics) -> anyhow::Result<Alerter> {
+        let mut alerter = Alerter {
+            host: nix::unistd::gethostname()
+                .map(|h| h.to_string_lossy().into_owned())
+                .unwrap_or_else(|_| "unknown".into()),
+            repeat_interval: config.alert.repeat_interval,
+            sinks: Vec::new(),
+            event_log: None,
+            active: BTreeMap::new(),
+            metrics: metrics.clone(),
+        };
+        alerter.configure(config)?;
+        Ok(alerter)
+    }
+
+    /// Applies a (re)loaded config: new sinks replace the old ones, which finish their queues.
+    /// Active conditions are kept, so a reload does not re-fire them.
+    pub fn configure(&mut self, config: &Config) -> anyhow::Result<()> {
+        let a = &config.alert;
+        let mut sinks = Vec::new();
+        for (i, w) in a.webhooks.iter().enumerate() {
+            let counters = self.metrics.sink(&i.to_string(), w.format.as_str());
+            let queue = Arc::new(Queue::new(a.queue, counters.dropped.clone()));
+            webhook::start(i, w, a, queue.clone(), counters)?;
+            sinks.push(SinkHandle {
+                queue,
+                alertmanager: w.format == crate::config::WebhookFormat::Alertmanager,
+                min_severity: w.min_severity,
+            });
+        }
+        let event_log = if a.event_log {
+            let counters = self.metrics.sink("event_log", "jsonl");
+            let queue = Arc::new(Queue::new(a.queue, counters.dropped.clone()));
+            let max = match a.event_log_max_size {
+                crate::units::Amount::Bytes(b) => b,
+                crate::units::Amount::Percent(_) => 16 << 20,
+            };
+            eventlog::start(&config.daemon.state_dir, max, queue.clone(), counters)?;
+            Some(SinkHandle {
+                queue,
+                alertmanager: false,
+                min_severity: Severity::Info,
+            })
+        } else {
+            None
+        };
+        self.sinks = sinks;
+        self.event_log = event_log;
+        self.repeat_interval = a.repeat_interval;
+        Ok(())
+    }
+
+    pub fn host(&self) -> &str {
+        &self.host
+    }
+
+    fn notice(&self, event: &str, severity: Severity, summary: String) -> Notice {
+        let now = SystemTime::now();
+        Notice {
+            host: self.host.clone(),
+            event: event.to_string(),
+            severity,
+            status: Status::Firing,
+            kind: "event",
+            repeat: false,
+            key: event.to_string(),
+            summary,
+            subject: Subject::default(),
+            action: None,
+            at: now,
+            since: now,
+            refresh: false,
+            superseded: false,
+        }
+    }
+
+    /// Hands a notice to the sinks that take it.
+    fn send(&self, notice: Notice, to_webhooks: bool) {
+        if let Some(log) = &self.event_log {
+            if !notice.refresh && !notice.superseded && !notice.repeat {
+                log.queue.push(notice.clone());
+            }
+        }
+        if !to_webhooks {
+            return;
+        }
+        for sink in &self.sinks {
+            let wanted = notice.severity >= sink.min_severity
+                && (sink.alertmanager || !(notice.refresh || notice.superseded));
+            if wanted {
+                sink.queue.push(notice.clone());
+            }
+        }
+    }
+
+    /// An event from the policy, the launch queue or the GPU sampler.
+    pub fn event(&mut self, e: &Event, subject: Subject) {
+        self.metrics.count_event(e.kind, severity_name(e.severity));
+        let mut notice = self.notice(e.kind, e.severity, e.message.clone());
+        notice.subject = subject;
+        // Conditions report these (with repeats and a resolved notice).
+        let to_webhooks = !CONDITION_KINDS.contains(&e.kind);
+        self.send(notice, to_webhooks);
+    }
+
+    /// An action and what became of it.
+    pub fn action(
+        &mut self,
+        event: &'static str,
+        severity: Severity,
+        summary: String,
+        subject: Subject,
+        action: ActionInfo,
+    ) {
+        let outcome = action.outcome.split(':').next().unwrap_or("").to_string();
+        self.metrics
+            .count_action(&action.verb, &action.reason, &outcome);
+        let mut notice = self.notice(event, severity, summary);
+        notice.key = match subject.pid {
+            Some(pid) => format!("{event}:{pid}"),
+            None => event.to_string(),
+        };
+        notice.subject = subject;
+        notice.action = Some(action);
+        self.send(notice, true);
+    }
+
+    /// The daemon's own life: started, stopping, config reload failed.
+    pub fn lifecycle(&mut self, event: &'static str, severity: Severity, summary: String) {
+        self.metrics.count_event(event, severity_name(severity));
+        let notice = self.notice(event, severity, summary);
+        self.send(notice, true);
+    }
+
+    /// The conditions active now: fires the new ones, repeats or refreshes the old ones,
+    /// resolves those that are gone.
+    pub fn conditions(&mut self, now: Instant, current: Vec<Condition>) {
+        let mut seen = Vec::with_capacity(current.len());
+        for c in current {
+            seen.push(c.key.clone());
+            match self.active.get_mut(&c.key) {
+                None => {
+                    let since = SystemTime::now();
+                    let notice = self.condition_notice(&c, since, Status::Firing, false);
+                    self.send(notice, true);
+                    self.active.insert(
+                        c.key.clone(),
+                        Active {
+                            condition: c,
+                            since,
+                            last_sent: now,
+                            last_refresh: now,
+                        },
+                    );
+                }
+                Some(a) if a.condition.event != c.event || a.condition.severity != c.severity => {
+                    // Escalated (warn -> act) or eased: Alertmanager ends the old alert, every
+                    // sink hears of the new state.
+                    let old = a.condition.clone();
+                    let since = a.since;
+                    a.condition = c.clone();
+                    a.last_sent = now;
+                    a.last_refresh = now;
+                    let mut ended = self.condition_notice(&old, since, Status::Resolved, false);
+                    ended.superseded = true;
+                    self.send(ended, true);
+                    let notice = self.condition_notice(&c, since, Status::Firing, false);
+                    self.send(notice, true);
+                }
+                Some(a) => {
+                    // Same state: keep the latest figures for the next repeat.
+                    a.condition = c;
+                    let (repeat, refresh) = (
+                        now.duration_since(a.last_sent) >= self.repeat_interval,
+                        now.duration_since(a.last_refresh) >= ALERTMANAGER_REFRESH,
+                    );
+                    if repeat {
+                        a.last_sent = now;
+                        a.last_refresh = now;
+                    } else if refresh {
+                        a.last_refresh = now;
+                    }
+                    let (condition, since) = (a.condition.clone(), a.since);
+                    if repeat {
+                        let notice = self.condition_notice(&condition, since, Status::Firing, true);
+                        self.send(notice, true);
+                    } else if refresh {
+                        let mut notice =
+                            self.condition_notice(&condition, since, Status::Firing, true);
+                        notice.refresh = true;
+                        self.send(notice, true);
+                    }
+                }
+            }
+        }
+        let gone: Vec<String> = self
+            .active
+            .keys()
+            .filter(|k| !seen.contains(k))
+            .cloned()
+            .collect();
+        for key in gone {
+            if let Some(a) = self.active.remove(&key) {
+                let notice = self.condition_notice(&a.condition, a.since, Status::Resolved, false);
+                self.send(notice, true);
+            }
+        }
+    }
+
+    fn condition_notice(
+        &self,
+        c: &Condition,
+        since: SystemTime,
+        status: Status,
+        repeat: bool,
+    ) -> Notice {
+        let mut summary = c.summary.clone();
+        if status == Status::Resolved {
+            summary = format!(
+                "cleared after {}: {summary}",
+                humantime::format_duration(Duration::from_secs(
+                    since.elapsed().map_or(0, |d| d.as_secs())
+                ))
+            );
+        }
+        Notice {
+            host: self.host.clone(),
+            event: c.event.to_string(),
+            severity: c.severity,
+            status,
+            kind: "condition",
+            repeat,
+            key: c.key.clone(),
+            summary,
+            subject: c.subject.clone(),
+            action: None,
+            at: SystemTime::now(),
+            since,
+            refresh: false,
+            superseded: false,
+        }
+    }
+
+    /// Gives the queued notices (the "stopping" one too) a short while to go out.
+    pub fn shutdown(self) {
+        let deadline = Instant::now() + SHUTDOWN_GRACE;
+        for sink in self.sinks.iter().chain(&self.event_log) {
+            sink.queue.close();
+            sink.queue.drain(deadline);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn alerter(repeat: Duration) -> (Alerter, Arc<Queue<Notice>>) {
+        let metrics = Metrics::new();
+        let queue = Arc::new(Queue::new(100, Default::default()));
+        let a = Alerter {
+            host: "h".into(),
+            repeat_interval: repeat,
+            sinks: vec![SinkHandle {
+                queue: queue.clone(),
+                alertmanager: false,
+                min_severity: Severity::Info,
+            }],
+            event_log: None,
+            active: BTreeMap::new(),
+            metrics,
+        };
+        (a, queue)
+    }
+
+    fn floor(severity: Severity, event: &'static str) -> Condition {
+        Condition {
+            key: "floor:RAM".into(),
+            event,
+            severity,
+            summary: "RAM low".into(),
+            subject: Subject::default(),
+        }
+    }
+
+    fn drain(q: &Queue<Notice>) -> Vec<(String, Status, bool)> {
+        let mut out = Vec::new();
+        while !q.is_empty() {
+            let n = q.pop().unwrap();
+            q.done();
+            out.push((n.event, n.status, n.repeat));
+        }
+        out
+    }
+
+    #[test]
+    fn conditions_fire_once_repeat_escalate_and_resolve() {
+        let (mut a, q) = alerter(Duration::from_secs(10));
+        let t0 = Instant::now();
+        let warn = floor(Severity::Warning, "floor_warn");
+        a.conditions(t0, vec![warn.clone()]);
+        a.conditions(t0 + Duration::from_secs(1), vec![warn.clone()]);
+        assert_eq!(
+            drain(&q),
+            vec![("floor_warn".into(), Status::Firing, false)]
+        );
+        a.conditions(t0 + Duration::from_secs(11), vec![warn.clone()]);
+        assert_eq!(drain(&q), vec![("floor_warn".into(), Status::Firing, true)]);
+        a.conditions(
+            t0 + Duration::from_secs(12),
+            vec![floor(Severity::Critical, "floor_act")],
+        );
+        // The superseded end goes to Alertmanager sinks only.
+        assert_eq!(drain(&q), vec![("floor_act".into(), Status::Firing, false)]);
+        a.conditions(t0 + Duration::from_secs(13), vec![]);
+        assert_eq!(
+            drain(&q),
+            vec![("floor_act".into(), Status::Resolved, false)]
+        );
+        a.conditions(t0 + Duration::from_secs(14), vec![]);
+        assert!(drain(&q).is_empty());
+    }
+
+    #[test]
+    fn condition_kind_events_are_not_sent_twice() {
+        let (mut a, q) = alerter(Duration::from_secs(10));
+        let e = |kind| Event {
+            severity: Severity::Warning,
+            kind,
+            message: "m".into(),
+        };
+        a.event(&e("floor_warn"), Subject::default());
+        a.event(&e("xid"), Subject::default());
+        assert_eq!(drain(&q), vec![("xid".into(), Status::Firing, false)]);
+    }
+}

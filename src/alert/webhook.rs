@@ -1,0 +1,318 @@
+//! One `[[alert.webhook]]`: a worker thread that formats each notice (gpuguard JSON with a
+//! Slack-compatible `text`, Slack, or Alertmanager's v2 API), signs it (HMAC-SHA256 keyed by the
+//! sink's `secret_file`, in `X-Gpuguard-Signature: sha256=<hex>`) and posts it, retrying network
+//! errors, 429 (after its Retry-After) and 5xx with exponential backoff and jitter.
+//!
+//! The URL can hold a secret (Slack's do) and so does the key: logs show only the URL's scheme
+//! and host.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use anyhow::Context;
+use hmac::{Hmac, KeyInit, Mac};
+use prometheus_client::metrics::counter::Counter;
+use serde_json::{json, Value};
+use sha2::Sha256;
+use tracing::{debug, warn};
+
+use super::queue::Queue;
+use super::{severity_name, Notice, Status, ALERTMANAGER_REFRESH};
+use crate::config::{AlertConfig, WebhookConfig, WebhookFormat};
+use crate::metrics::SinkCounters;
+
+/// The signature header: `sha256=` and the hex HMAC-SHA256 of the body.
+pub const SIGNATURE_HEADER: &str = "X-Gpuguard-Signature";
+/// The longest wait between two attempts, and the most of a Retry-After that is honoured.
+const MAX_BACKOFF: Duration = Duration::from_secs(300);
+/// One-off events stay this long in Alertmanager.
+const ALERTMANAGER_EVENT_TTL: Duration = Duration::from_secs(300);
+
+struct Sink {
+    name: String,
+    url: String,
+    redacted: String,
+    format: WebhookFormat,
+    key: Option<Vec<u8>>,
+    agent: ureq::Agent,
+    retries: u32,
+    backoff: Duration,
+    sent: Counter,
+    failed: Counter,
+    rng: u64,
+}
+
+/// Reads the secret and starts the sink's worker.
+pub fn start(
+    index: usize,
+    config: &WebhookConfig,
+    alert: &AlertConfig,
+    queue: Arc<Queue<Notice>>,
+    counters: SinkCounters,
+) -> anyhow::Result<()> {
+    let name = format!("alert.webhook[{index}] ({})", config.redacted_url());
+    let key = match &config.secret_file {
+        Some(path) => {
+            let text = std::fs::read(path)
+                .with_context(|| format!("{name}: secret_file {}", path.display()))?;
+            let trimmed = text.trim_ascii_end().to_vec();
+            anyhow::ensure!(
+                !trimmed.is_empty(),
+                "{name}: secret_file {} is empty",
+                path.display()
+            );
+            Some(trimmed)
+        }
+        None => None,
+    };
+    let url = match config.format {
+        WebhookFormat::Alertmanager => alertmanager_url(&config.url),
+        _ => config.url.trim().to_string(),
+    };
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .timeout_global(Some(alert.timeout))
+        .http_status_as_error(false)
+        .user_agent(concat!("gpuguard/", env!("CARGO_PKG_VERSION")))
+        .build()
+        .into();
+    let mut sink = Sink {
+        name,
+        url,
+        redacted: config.redacted_url(),
+        format: config.format,
+        key,
+        agent,
+        retries: alert.retries,
+        backoff: alert.backoff,
+        sent: counters.sent,
+        failed: counters.failed,
+        rng: seed(index),
+    };
+    std::thread::Builder::new()
+        .name(format!("webhook-{index}"))
+        .spawn(move || {
+            while let Some(notice) = queue.pop() {
+                sink.deliver(&notice);
+                queue.done();
+            }
+        })?;
+    Ok(())
+}
+
+/// `http://host:9093` -> `http://host:9093/api/v2/alerts` (a full API URL is kept).
+fn alertmanager_url(url: &str) -> String {
+    let url = url.trim().trim_end_matches('/');
+    if url.ends_with("/api/v2/alerts") {
+        url.to_string()
+    } else {
+        format!("{url}/api/v2/alerts")
+    }
+}
+
+fn seed(index: usize) -> u64 {
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    (nanos ^ (u64::from(std::process::id()) << 32) ^ index as u64) | 1
+}
+
+/// What one attempt came to.
+enum Attempt {
+    Delivered,
+    /// Worth another try, after at least this long (Retry-After) if given.
+    Retry(String, Option<Duration>),
+    /// Retrying will not help (4xx other than 429).
+    Rejected(String),
+}
+
+impl Sink {
+    fn deliver(&mut self, notice: &Notice) {
+        let body = match self.body(notice) {
+            Ok(b) => b,
+            Err(e) => {
+                warn!("{}: cannot encode the notice: {e}", self.name);
+                return;
+            }
+        };
+        let signature = self.key.as_deref().map(|key| sign(key, &body));
+        let mut attempt = 0;
+        loop {
+            match self.attempt(&body, signature.as_deref()) {
+                Attempt::Delivered => {
+                    self.sent.inc();
+                    debug!(
+                        "{}: delivered {} {:?}",
+                        self.name, notice.event, notice.status
+                    );
+                    return;
+                }
+                Attempt::Rejected(why) => {
+                    self.failed.inc();
+                    warn!("{}: {} notice rejected: {why}", self.name, notice.event);
+                    return;
+                }
+                Attempt::Retry(why, _) if attempt >= self.retries => {
+                    self.failed.inc();
+                    warn!(
+                        "{}: giving up on the {} notice after {} attempt(s): {why}",
+                        self.name,
+                        notice.event,
+                        attempt + 1
+                    );
+                    return;
+                }
+                Attempt::Retry(why, after) => {
+                    let wait = after
+                        .unwrap_or_else(|| self.backoff_for(attempt))
+                        .min(MAX_BACKOFF);
+                    debug!(
+                        "{}: attempt {} failed ({why}); retrying in {}",
+                        self.name,
+                        attempt + 1,
+                        humantime::format_duration(wait)
+                    );
+                    std::thread::sleep(wait);
+                    attempt += 1;
+                }
+            }
+        }
+    }
+
+    /// Exponential backoff with jitter: between half and all of `backoff * 2^attempt`.
+    fn backoff_for(&mut self, attempt: u32) -> Duration {
+        let full = self
+            .backoff
+            .saturating_mul(1u32 << attempt.min(16))
+            .min(MAX_BACKOFF);
+        // xorshift64: jitter needs no more.
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        let fraction = (self.rng % 1000) as f64 / 1000.0;
+        full.mul_f64(0.5 + fraction / 2.0)
+    }
+
+    fn attempt(&self, body: &[u8], signature: Option<&str>) -> Attempt {
+        let mut request = self
+            .agent
+            .post(&self.url)
+            .header("Content-Type", "application/json");
+        if let Some(signature) = signature {
+            request = request.header(SIGNATURE_HEADER, signature);
+        }
+        match request.send(body) {
+            Ok(response) => {
+                let status = response.status().as_u16();
+                match status {
+                    200..=299 => Attempt::Delivered,
+                    429 | 500..=599 => Attempt::Retry(
+                        format!("HTTP {status}"),
+                        response
+                            .headers()
+                            .get("retry-after")
+                            .and_then(|v| v.to_str().ok())
+                            .and_then(|v| v.trim().parse::<u64>().ok())
+                            .map(Duration::from_secs),
+                    ),
+                    _ => Attempt::Rejected(format!("HTTP {status}")),
+                }
+            }
+            // ureq's errors may quote the URL: keep only its host.
+            Err(e) => Attempt::Retry(e.to_string().replace(&self.url, &self.redacted), None),
+        }
+    }
+
+    fn body(&self, n: &Notice) -> serde_json::Result<Vec<u8>> {
+        let value = match self.format {
+            WebhookFormat::Json => {
+                let mut v = serde_json::to_value(n)?;
+                v["version"] = json!(1);
+                v["text"] = json!(n.text());
+                v
+            }
+            WebhookFormat::Slack => json!({ "text": n.text() }),
+            WebhookFormat::Alertmanager => alertmanager_body(n),
+        };
+        serde_json::to_vec(&value)
+    }
+}
+
+/// The HMAC-SHA256 of `body` keyed by `key`, as the header carries it.
+pub fn sign(key: &[u8], body: &[u8]) -> String {
+    let mut mac = <Hmac<Sha256> as KeyInit>::new_from_slice(key).expect("HMAC takes any key");
+    mac.update(body);
+    let digest = mac.finalize().into_bytes();
+    let mut hex = String::with_capacity(7 + digest.len() * 2);
+    hex.push_str("sha256=");
+    for b in digest {
+        hex.push_str(&format!("{b:02x}"));
+    }
+    hex
+}
+
+/// Alertmanager's v2 body: one alert, its labels the identity (same labels = same alert).
+fn alertmanager_body(n: &Notice) -> Value {
+    let rfc3339 = |t: SystemTime| humantime::format_rfc3339_millis(t).to_string();
+    let mut labels = serde_json::Map::new();
+    labels.insert("alertname".into(), json!(n.event));
+    labels.insert("host".into(), json!(n.host));
+    labels.insert("instance".into(), json!(n.host));
+    labels.insert("severity".into(), json!(severity_name(n.severity)));
+    labels.insert("key".into(), json!(n.key));
+    labels.insert("job".into(), json!("gpuguard"));
+    if let Some(model) = &n.subject.model {
+        labels.insert("model".into(), json!(model));
+    }
+    if let Some(resource) = &n.subject.resource {
+        labels.insert("resource".into(), json!(resource));
+    }
+    let ends = match (n.status, n.kind) {
+        (Status::Resolved, _) => n.at,
+        (Status::Firing, "event") => n.at + ALERTMANAGER_EVENT_TTL,
+        (Status::Firing, _) => n.at + 3 * ALERTMANAGER_REFRESH,
+    };
+    let mut annotations = serde_json::Map::new();
+    annotations.insert("summary".into(), json!(n.summary));
+    annotations.insert("description".into(), json!(n.text()));
+    if let Ok(subject) = serde_json::to_string(&n.subject) {
+        annotations.insert("subject".into(), json!(subject));
+    }
+    if let Some(a) = &n.action {
+        annotations.insert(
+            "action".into(),
+            json!(format!("{} ({}): {}", a.verb, a.outcome, a.detail)),
+        );
+    }
+    json!([{
+        "labels": labels,
+        "annotations": annotations,
+        "startsAt": rfc3339(n.since),
+        "endsAt": rfc3339(ends),
+    }])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signature_matches_a_known_hmac_sha256() {
+        // RFC 4231 test case 2.
+        assert_eq!(
+            sign(b"Jefe", b"what do ya want for nothing?"),
+            "sha256=5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+        );
+    }
+
+    #[test]
+    fn alertmanager_url_gets_the_v2_path_once() {
+        assert_eq!(
+            alertmanager_url("http://127.0.0.1:9093/"),
+            "http://127.0.0.1:9093/api/v2/alerts"
+        );
+        assert_eq!(
+            alertmanager_url("http://am:9093/api/v2/alerts"),
+            "http://am:9093/api/v2/alerts"
+        );
+    }
+}

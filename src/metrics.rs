@@ -1,0 +1,681 @@
+//! Prometheus metrics: the families (prometheus-client), how the daemon loop updates them, and a
+//! small HTTP server for `GET /metrics` on `[metrics] listen` (loopback), on its own thread.
+//!
+//! The loop only stores into atomics (and, for labelled families, takes a short lock that the
+//! encoder shares): it never waits for a scrape. Units are in the names (`_bytes`, `_seconds`,
+//! `_ratio`). A scraper that asks for OpenMetrics (Prometheus does) gets it as prometheus-client
+//! writes it; anyone else gets the classic text format 0.0.4 (what `promtool check metrics`
+//! reads).
+
+use std::collections::{BTreeSet, HashSet};
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::status::StatusReport;
+
+type FGauge = Gauge<f64, AtomicU64>;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct GpuLabels {
+    pub gpu: String,
+    pub uuid: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct GpuFloorLabels {
+    pub gpu: String,
+    pub uuid: String,
+    /// "warn" or "min".
+    pub floor: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FloorLabels {
+    pub floor: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelLabels {
+    pub model: String,
+    /// "ram" or "gpu".
+    pub resource: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NameLabels {
+    pub model: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ActionLabels {
+    pub verb: String,
+    pub reason: String,
+    /// "done", "observed", "skipped" or "failed".
+    pub outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EventLabels {
+    pub kind: String,
+    pub severity: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StateLabels {
+    pub state: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SinkLabels {
+    /// The sink's index in `[[alert.webhook]]`, or "event_log".
+    pub sink: String,
+    pub format: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct VersionLabels {
+    pub version: String,
+}
+
+/// Every family gpuguard exports. Cloning shares the same metrics.
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Arc<Registry>,
+    gpu_total: Family<GpuLabels, Gauge>,
+    gpu_used: Family<GpuLabels, Gauge>,
+    gpu_free: Family<GpuLabels, Gauge>,
+    gpu_utilization: Family<GpuLabels, FGauge>,
+    gpu_floor: Family<GpuFloorLabels, Gauge>,
+    host_total: Gauge,
+    host_available: Gauge,
+    host_floor: Family<FloorLabels, Gauge>,
+    swap_total: Gauge,
+    swap_free: Gauge,
+    psi_some: FGauge,
+    model_usage: Family<ModelLabels, Gauge>,
+    model_budget: Family<ModelLabels, Gauge>,
+    model_processes: Family<NameLabels, Gauge>,
+    actions: Family<ActionLabels, Counter>,
+    events: Family<EventLabels, Counter>,
+    queue_length: Gauge,
+    leases: Family<StateLabels, Gauge>,
+    held: Gauge,
+    nvml_state: Family<StateLabels, Gauge>,
+    gpu_stale: Gauge,
+    sample_duration: Histogram,
+    alerts_sent: Family<SinkLabels, Counter>,
+    alerts_failed: Family<SinkLabels, Counter>,
+    alerts_dropped: Family<SinkLabels, Counter>,
+    seen: Arc<Mutex<Seen>>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut r = Registry::default();
+        macro_rules! reg {
+            ($name:expr, $help:expr, $metric:expr) => {{
+                let m = $metric;
+                r.register($name, $help, m.clone());
+                m
+            }};
+        }
+        let build_info: Family<VersionLabels, Gauge> = reg!(
+            "gpuguard_build_info",
+            "gpuguard's version (always 1)",
+            Family::default()
+        );
+        build_info
+            .get_or_create(&VersionLabels {
+                version: env!("CARGO_PKG_VERSION").into(),
+            })
+            .set(1);
+        let m = Metrics {
+            gpu_total: reg!(
+                "gpuguard_gpu_memory_total_bytes",
+                "GPU memory per GPU (NVML)",
+                Family::default()
+            ),
+            gpu_used: reg!(
+                "gpuguard_gpu_memory_used_bytes",
+                "GPU memory in use per GPU (NVML v2 memory info)",
+                Family::default()
+            ),
+            gpu_free: reg!(
+                "gpuguard_gpu_memory_free_bytes",
+                "GPU memory free per GPU (NVML), what the GPU floors are about",
+                Family::default()
+            ),
+            gpu_utilization: reg!(
+                "gpuguard_gpu_utilization_ratio",
+                "GPU utilisation, 0 to 1",
+                Family::default()
+            ),
+            gpu_floor: reg!(
+                "gpuguard_gpu_memory_floor_bytes",
+                "GPU free-memory floors per GPU: floor=warn (alert) and floor=min (act)",
+                Family::default()
+            ),
+            host_total: reg!(
+                "gpuguard_host_memory_total_bytes",
+                "Host RAM (MemTotal)",
+                Gauge::default()
+            ),
+            host_available: reg!(
+                "gpuguard_host_memory_available_bytes",
+                "Host RAM available (MemAvailable)",
+                Gauge::default()
+            ),
+            host_floor: reg!(
+                "gpuguard_host_memory_floor_bytes",
+                "Host MemAvailable floors: floor=warn (alert) and floor=min (act)",
+                Family::default()
+            ),
+            swap_total: reg!(
+                "gpuguard_swap_total_bytes",
+                "Swap space (SwapTotal)",
+                Gauge::default()
+            ),
+            swap_free: reg!(
+                "gpuguard_swap_free_bytes",
+                "Swap free (SwapFree)",
+                Gauge::default()
+            ),
+            psi_some: reg!(
+                "gpuguard_psi_memory_some_avg10_ratio",
+                "Memory pressure stall information, some avg10, as a ratio (0 to 1; /proc gives percent)",
+                Gauge::default()
+            ),
+            model_usage: reg!(
+                "gpuguard_model_usage_bytes",
+                "Memory used by a model's processes and their descendants: resource=ram (RSS) or gpu",
+                Family::default()
+            ),
+            model_budget: reg!(
+                "gpuguard_model_budget_bytes",
+                "A model's budget: resource=ram or gpu",
+                Family::default()
+            ),
+            model_processes: reg!(
+                "gpuguard_model_processes",
+                "Processes that make up a model",
+                Family::default()
+            ),
+            actions: reg!(
+                "gpuguard_actions",
+                "Actions taken, by verb (stop, resume, terminate, kill, throttle...), reason and outcome",
+                Family::default()
+            ),
+            events: reg!(
+                "gpuguard_events",
+                "Events reported, by kind and severity",
+                Family::default()
+            ),
+            queue_length: reg!(
+                "gpuguard_launch_queue_length",
+                "Launches waiting in the queue",
+                Gauge::default()
+            ),
+            leases: reg!(
+                "gpuguard_launch_leases",
+                "Admitted launches by state (loading holds the launch lock)",
+                Family::default()
+            ),
+            held: reg!(
+                "gpuguard_held_processes",
+                "Processes gpuguard holds stopped or throttled",
+                Gauge::default()
+            ),
+            nvml_state: reg!(
+                "gpuguard_nvml_state",
+                "GPU protection state: 1 for the current state (ok, unavailable, off), 0 for the others",
+                Family::default()
+            ),
+            gpu_stale: reg!(
+                "gpuguard_gpu_sample_stale",
+                "1 if the latest GPU sample is late (alerts only, no kills)",
+                Gauge::default()
+            ),
+            sample_duration: reg!(
+                "gpuguard_sample_duration_seconds",
+                "Time to sample host memory, processes and GPUs in one tick",
+                Histogram::new(exponential_buckets(0.000_01, 4.0, 10))
+            ),
+            alerts_sent: reg!(
+                "gpuguard_alerts_sent",
+                "Notifications delivered, per sink",
+                Family::default()
+            ),
+            alerts_failed: reg!(
+                "gpuguard_alerts_failed",
+                "Notifications given up on after their retries, per sink",
+                Family::default()
+            ),
+            alerts_dropped: reg!(
+                "gpuguard_alerts_dropped",
+                "Notifications dropped because the sink's queue was full (oldest first), per sink",
+                Family::default()
+            ),
+            registry: Arc::new(Registry::default()),
+            seen: Arc::default(),
+        };
+        for state in ["ok", "unavailable", "off"] {
+            m.nvml_state
+                .get_or_create(&StateLabels {
+                    state: state.into(),
+                })
+                .set(0);
+        }
+        Metrics {
+            registry: Arc::new(r),
+            ..m
+        }
+    }
+
+    /// Updates the gauges from a status report (the daemon builds one now and then).
+    pub fn update(&self, r: &StatusReport) {
+        let set = |g: &Gauge, v: Option<u64>| {
+            if let Some(v) = v {
+                g.set(v as i64);
+            }
+        };
+        let m = &r.memory;
+        set(&self.host_total, m.total_bytes);
+        set(&self.host_available, m.available_bytes);
+        set(&self.swap_total, m.swap_total_bytes);
+        set(&self.swap_free, m.swap_free_bytes);
+        if let Some(p) = m.psi_some_avg10 {
+            self.psi_some.set(p / 100.0);
+        }
+        for (floor, v) in [
+            ("warn", m.warn_available_bytes),
+            ("min", m.min_available_bytes),
+        ] {
+            let labels = FloorLabels {
+                floor: floor.into(),
+            };
+            match v {
+                Some(v) => {
+                    self.host_floor.get_or_create(&labels).set(v as i64);
+                }
+                None => {
+                    self.host_floor.remove(&labels);
+                }
+            }
+        }
+
+        let gpus: HashSet<GpuLabels> = r
+            .gpus
+            .iter()
+            .map(|g| GpuLabels {
+                gpu: g.index.to_string(),
+                uuid: g.uuid.clone(),
+            })
+            .collect();
+        for g in &r.gpus {
+            let labels = GpuLabels {
+                gpu: g.index.to_string(),
+                uuid: g.uuid.clone(),
+            };
+            // A reading that failed is unknown: the series disappears rather than read 0.
+            for (family, v) in [
+                (&self.gpu_total, g.total_bytes),
+                (&self.gpu_used, g.used_bytes),
+                (&self.gpu_free, g.free_bytes),
+            ] {
+                match v.filter(|_| g.error.is_none()) {
+                    Some(v) => {
+                        family.get_or_create(&labels).set(v as i64);
+                    }
+                    None => {
+                        family.remove(&labels);
+                    }
+                }
+            }
+            match g.utilization_percent.filter(|_| g.error.is_none()) {
+                Some(u) => {
+                    self.gpu_utilization
+                        .get_or_create(&labels)
+                        .set(f64::from(u) / 100.0);
+                }
+                None => {
+                    self.gpu_utilization.remove(&labels);
+                }
+            }
+            for (floor, v) in [("warn", g.warn_free_bytes), ("min", g.min_free_bytes)] {
+                let labels = GpuFloorLabels {
+                    gpu: labels.gpu.clone(),
+                    uuid: labels.uuid.clone(),
+                    floor: floor.into(),
+                };
+                match v {
+                    Some(v) => {
+                        self.gpu_floor.get_or_create(&labels).set(v as i64);
+                    }
+                    None => {
+                        self.gpu_floor.remove(&labels);
+                    }
+                }
+            }
+        }
+        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        for family in [&self.gpu_total, &self.gpu_used, &self.gpu_free] {
+            for gone in seen.gpus.difference(&gpus) {
+                family.remove(gone);
+            }
+        }
+        retain(&self.gpu_utilization, &mut seen.gpus, gpus.clone());
+        let gpu_floors: HashSet<GpuFloorLabels> = gpus
+            .iter()
+            .flat_map(|g| {
+                ["warn", "min"].map(|floor| GpuFloorLabels {
+                    gpu: g.gpu.clone(),
+                    uuid: g.uuid.clone(),
+                    floor: floor.into(),
+                })
+            })
+            .collect();
+        retain(&self.gpu_floor, &mut seen.gpu_floors, gpu_floors);
+
+        let mut usage = HashSet::new();
+        let mut budgets = HashSet::new();
+        let mut names = HashSet::new();
+        for model in &r.models {
+            let ram = ModelLabels {
+                model: model.name.clone(),
+                resource: "ram".into(),
+            };
+            let gpu = ModelLabels {
+                model: model.name.clone(),
+                resource: "gpu".into(),
+            };
+            self.model_usage
+                .get_or_create(&ram)
+                .set(model.ram_bytes as i64);
+            self.model_usage
+                .get_or_create(&gpu)
+                .set(model.gpu_bytes as i64);
+            for (labels, budget) in [
+                (&ram, model.ram_budget_bytes),
+                (&gpu, model.gpu_budget_bytes),
+            ] {
+                if let Some(b) = budget {
+                    self.model_budget.get_or_create(labels).set(b as i64);
+                    budgets.insert(labels.clone());
+                }
+            }
+            let name = NameLabels {
+                model: model.name.clone(),
+            };
+            self.model_processes
+                .get_or_create(&name)
+                .set(model.pids.len() as i64);
+            usage.insert(ram);
+            usage.insert(gpu);
+            names.insert(name);
+        }
+        retain(&self.model_usage, &mut seen.usage, usage);
+        retain(&self.model_budget, &mut seen.budgets, budgets);
+        retain(&self.model_processes, &mut seen.names, names);
+        drop(seen);
+
+        self.queue_length.set(r.queue.len() as i64);
+        for state in ["loading", "ready"] {
+            self.leases
+                .get_or_create(&StateLabels {
+                    state: state.into(),
+                })
+                .set(r.leases.iter().filter(|l| l.state == state).count() as i64);
+        }
+        self.held.set(r.held.len() as i64);
+        for state in ["ok", "unavailable", "off"] {
+            self.nvml_state
+                .get_or_create(&StateLabels {
+                    state: state.into(),
+                })
+                .set(i64::from(r.gpu_protection.state == state));
+        }
+        self.gpu_stale.set(i64::from(r.gpu_protection.stale));
+    }
+
+    pub fn observe_sample(&self, took: Duration) {
+        self.sample_duration.observe(took.as_secs_f64());
+    }
+
+    pub fn count_action(&self, verb: &str, reason: &str, outcome: &str) {
+        self.actions
+            .get_or_create(&ActionLabels {
+                verb: verb.into(),
+                reason: reason.into(),
+                outcome: outcome.into(),
+            })
+            .inc();
+    }
+
+    pub fn count_event(&self, kind: &str, severity: &str) {
+        self.events
+            .get_or_create(&EventLabels {
+                kind: kind.into(),
+                severity: severity.into(),
+            })
+            .inc();
+    }
+
+    /// The counters of one alert sink (created at 0 so they show before the first alert).
+    pub fn sink(&self, sink: &str, format: &str) -> SinkCounters {
+        let labels = SinkLabels {
+            sink: sink.into(),
+            format: format.into(),
+        };
+        SinkCounters {
+            sent: self.alerts_sent.get_or_create_owned(&labels),
+            failed: self.alerts_failed.get_or_create_owned(&labels),
+            dropped: self.alerts_dropped.get_or_create_owned(&labels),
+        }
+    }
+
+    /// The OpenMetrics text, as prometheus-client writes it.
+    pub fn openmetrics(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("writing to a String");
+        out
+    }
+
+    /// The classic Prometheus text format 0.0.4.
+    pub fn text(&self) -> String {
+        to_text_format(&self.openmetrics())
+    }
+}
+
+/// Counters of one alert sink, shared with its worker thread.
+#[derive(Clone, Debug, Default)]
+pub struct SinkCounters {
+    pub sent: Counter,
+    pub failed: Counter,
+    pub dropped: Counter,
+}
+
+/// Removes the series present last time whose labels are gone now, and remembers the new set.
+fn retain<S, M>(family: &Family<S, M>, previous: &mut HashSet<S>, now: HashSet<S>)
+where
+    S: Clone + std::hash::Hash + Eq,
+{
+    for gone in previous.difference(&now) {
+        family.remove(gone);
+    }
+    *previous = now;
+}
+
+/// The labelled series the last update set, to remove those that disappear (a GPU lost, a model
+/// gone).
+#[derive(Default)]
+struct Seen {
+    gpus: HashSet<GpuLabels>,
+    gpu_floors: HashSet<GpuFloorLabels>,
+    usage: HashSet<ModelLabels>,
+    budgets: HashSet<ModelLabels>,
+    names: HashSet<NameLabels>,
+}
+
+/// OpenMetrics -> text format 0.0.4: counters are named with their `_total` in HELP/TYPE, and
+/// `# UNIT` and `# EOF` go.
+fn to_text_format(om: &str) -> String {
+    let counters: BTreeSet<&str> = om
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(om.len());
+    for line in om.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let rewritten = ["# HELP ", "# TYPE "].iter().find_map(|prefix| {
+            let rest = line.strip_prefix(prefix)?;
+            let (name, tail) = rest.split_once(' ')?;
+            counters
+                .contains(name)
+                .then(|| format!("{prefix}{name}_total {tail}"))
+        });
+        let _ = writeln!(out, "{}", rewritten.as_deref().unwrap_or(line));
+    }
+    out
+}
+
+/// How long a scraper may take to send its request.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+const MAX_REQUEST_BYTES: usize = 8192;
+
+/// Binds `address` and serves `/metrics` on a new thread until the process exits.
+pub fn serve(address: SocketAddr, metrics: Metrics) -> anyhow::Result<SocketAddr> {
+    let listener = std::net::TcpListener::bind(address)
+        .with_context(|| format!("metrics: cannot listen on {address}"))?;
+    listener.set_nonblocking(true)?;
+    let bound = listener.local_addr()?;
+    std::thread::Builder::new()
+        .name("metrics".into())
+        .spawn(move || {
+            let runtime = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(r) => r,
+                Err(e) => return tracing::error!("metrics server: cannot start its runtime: {e}"),
+            };
+            runtime.block_on(async move {
+                let listener = match tokio::net::TcpListener::from_std(listener) {
+                    Ok(l) => l,
+                    Err(e) => return tracing::error!("metrics server: {e}"),
+                };
+                loop {
+                    let Ok((stream, _)) = listener.accept().await else {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    };
+                    let metrics = metrics.clone();
+                    tokio::spawn(async move {
+                        let _ =
+                            tokio::time::timeout(REQUEST_TIMEOUT, answer(stream, &metrics)).await;
+                    });
+                }
+            });
+        })?;
+    Ok(bound)
+}
+
+/// One request, one response, then close.
+async fn answer(mut stream: tokio::net::TcpStream, metrics: &Metrics) -> std::io::Result<()> {
+    let mut request = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = stream.read(&mut buf).await?;
+        if n == 0 || request.len() + n > MAX_REQUEST_BYTES {
+            return Ok(());
+        }
+        request.extend_from_slice(&buf[..n]);
+    }
+    let request = String::from_utf8_lossy(&request);
+    let mut lines = request.lines();
+    let first = lines.next().unwrap_or("");
+    let mut parts = first.split_whitespace();
+    let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let openmetrics = lines.any(|l| {
+        l.to_ascii_lowercase().starts_with("accept:") && l.contains("application/openmetrics-text")
+    });
+    let path = target.split('?').next().unwrap_or("");
+    let (status, content_type, body) = match (method, path) {
+        ("GET" | "HEAD", "/metrics") if openmetrics => (
+            "200 OK",
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            metrics.openmetrics(),
+        ),
+        ("GET" | "HEAD", "/metrics") => (
+            "200 OK",
+            "text/plain; version=0.0.4; charset=utf-8",
+            metrics.text(),
+        ),
+        ("GET" | "HEAD", "/") => (
+            "200 OK",
+            "text/plain; charset=utf-8",
+            "gpuguard: metrics at /metrics\n".to_string(),
+        ),
+        ("GET" | "HEAD", _) => (
+            "404 Not Found",
+            "text/plain; charset=utf-8",
+            "not found\n".to_string(),
+        ),
+        _ => (
+            "405 Method Not Allowed",
+            "text/plain; charset=utf-8",
+            "only GET\n".to_string(),
+        ),
+    };
+    let head = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await?;
+    if method != "HEAD" {
+        stream.write_all(body.as_bytes()).await?;
+    }
+    stream.shutdown().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_format_names_counters_with_total_and_drops_eof() {
+        let m = Metrics::new();
+        m.count_action("kill", "ram_floor", "done");
+        let text = m.text();
+        assert!(
+            text.contains("# TYPE gpuguard_actions_total counter"),
+            "{text}"
+        );
+        assert!(text.contains(
+            "gpuguard_actions_total{verb=\"kill\",reason=\"ram_floor\",outcome=\"done\"} 1"
+        ));
+        assert!(!text.contains("# EOF"));
+        assert!(m.openmetrics().ends_with("# EOF\n"));
+    }
+}

@@ -1,0 +1,530 @@
+//! Webhook alerts from the real daemon to real HTTP receivers on 127.0.0.1: a signed kill alert,
+//! retries after 503 and 429 (Retry-After) delivering once, deduplication with repeats and a
+//! resolved notice, a real Alertmanager (Debian's `prometheus-alertmanager`, started here on
+//! loopback) showing an alert and then its resolution, the event log, and a webhook that never
+//! answers not slowing the guard down.
+//!
+//! The Alertmanager test needs `prometheus-alertmanager` on the PATH (.ci/run installs it): it
+//! fails, not skips, without it.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+use hmac::{Hmac, KeyInit, Mac};
+use serde_json::Value;
+
+/// How the receiver answers its n-th request (from 0).
+#[derive(Clone, Copy)]
+enum Reply {
+    Status(u16),
+    /// 429 with `Retry-After: N` seconds.
+    TooMany(u64),
+    /// Accept, read, never answer.
+    Hang,
+}
+
+#[derive(Clone, Debug)]
+struct Received {
+    at: Instant,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Received {
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap()
+    }
+
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// A plain HTTP receiver on 127.0.0.1: records every request, answers as scripted.
+struct Receiver {
+    port: u16,
+    received: Arc<Mutex<Vec<Received>>>,
+    accepted: Arc<Mutex<usize>>,
+}
+
+impl Receiver {
+    fn start(script: impl Fn(usize) -> Reply + Send + 'static) -> Receiver {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let received = Arc::new(Mutex::new(Vec::new()));
+        let accepted = Arc::new(Mutex::new(0));
+        let (r, a) = (received.clone(), accepted.clone());
+        std::thread::spawn(move || {
+            let mut hung = Vec::new();
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                *a.lock().unwrap() += 1;
+                let reply = script(r.lock().unwrap().len());
+                if let Reply::Hang = reply {
+                    // Never read, never answer: the client waits for its timeout.
+                    hung.push(stream);
+                    continue;
+                }
+                let Some(request) = read_request(&mut stream) else {
+                    continue;
+                };
+                r.lock().unwrap().push(request);
+                let head = match reply {
+                    Reply::Status(code) => format!("HTTP/1.1 {code} X\r\n"),
+                    Reply::TooMany(after) => {
+                        format!("HTTP/1.1 429 Too Many Requests\r\nRetry-After: {after}\r\n")
+                    }
+                    Reply::Hang => unreachable!(),
+                };
+                let _ = stream.write_all(
+                    format!("{head}Content-Length: 0\r\nConnection: close\r\n\r\n").as_bytes(),
+                );
+            }
+        });
+        Receiver {
+            port,
+            received,
+            accepted,
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}/hook/s3cr3t-path", self.port)
+    }
+
+    fn received(&self) -> Vec<Received> {
+        self.received.lock().unwrap().clone()
+    }
+
+    /// The JSON bodies received so far.
+    fn notices(&self) -> Vec<Value> {
+        self.received().iter().map(Received::json).collect()
+    }
+}
+
+fn read_request(stream: &mut TcpStream) -> Option<Received> {
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    let mut reader = BufReader::new(stream.try_clone().ok()?);
+    let mut line = String::new();
+    reader.read_line(&mut line).ok()?;
+    let mut headers = Vec::new();
+    loop {
+        let mut h = String::new();
+        reader.read_line(&mut h).ok()?;
+        let h = h.trim_end();
+        if h.is_empty() {
+            break;
+        }
+        let (k, v) = h.split_once(':')?;
+        headers.push((k.trim().to_string(), v.trim().to_string()));
+    }
+    let length: usize = headers
+        .iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case("content-length"))
+        .and_then(|(_, v)| v.parse().ok())
+        .unwrap_or(0);
+    let mut body = vec![0; length];
+    reader.read_exact(&mut body).ok()?;
+    Some(Received {
+        at: Instant::now(),
+        headers,
+        body,
+    })
+}
+
+fn base_config(extra: &str) -> String {
+    format!(
+        "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"models\"\ninterval = \"200ms\"\nmin_interval = \"10ms\"\nscan_interval = \"200ms\"\nterm_grace = \"500ms\"\n\
+         [gpu]\nenabled = false\n{extra}\n"
+    )
+}
+
+fn model(name: &str, token: &str, rest: &str) -> String {
+    format!("\n[[model]]\nname = \"{name}\"\nmatch = {{ cmdline = \"{token}\" }}\n{rest}\n")
+}
+
+#[test]
+fn kill_alert_reaches_a_signed_webhook() {
+    let receiver = Receiver::start(|_| Reply::Status(200));
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("secret");
+    std::fs::write(&secret, "hunter2-key\n").unwrap();
+    let t = token("signed");
+    let config = base_config(&format!(
+        "[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n[alert]\nbackoff = \"100ms\"\n[[alert.webhook]]\nurl = \"{}\"\nsecret_file = \"{}\"\n{}",
+        receiver.url(),
+        path(&secret),
+        model("greedy", &t, "ram = \"32MiB\"\naction = \"kill\"\ngrace = \"0s\"")
+    ));
+    let daemon = GuardDaemon::start(&config);
+    let mut hog = Hog::start(&t, 0, 128, 60);
+    let status = hog
+        .wait(Duration::from_secs(10))
+        .unwrap_or_else(|| panic!("over-budget model not killed:\n{}", daemon.log_text()));
+    assert!(matches!(status.signal(), Some(15 | 9)), "{status:?}");
+
+    let kill = wait_for(&receiver, |n| n["event"] == "process_killed").unwrap_or_else(|| {
+        panic!(
+            "no kill alert: {:?}\n{}",
+            receiver.notices(),
+            daemon.log_text()
+        )
+    });
+    let n = kill.json();
+    // Signed: HMAC-SHA256 of the exact body with the file's key (newline trimmed).
+    let mut mac = <Hmac<sha2::Sha256> as KeyInit>::new_from_slice(b"hunter2-key").unwrap();
+    mac.update(&kill.body);
+    let want: String = mac
+        .finalize()
+        .into_bytes()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    assert_eq!(
+        kill.header("X-Gpuguard-Signature"),
+        Some(format!("sha256={want}").as_str())
+    );
+    assert_eq!(
+        kill.header("Content-Type"),
+        Some("application/json"),
+        "{:?}",
+        kill.headers
+    );
+    // The body: host, event, subject, action, and a Slack-compatible text.
+    let host = nix::unistd::gethostname().unwrap();
+    assert_eq!(n["host"], host.to_string_lossy().as_ref());
+    assert_eq!(n["severity"], "critical");
+    assert_eq!(n["status"], "firing");
+    assert_eq!(n["version"], 1);
+    let s = &n["subject"];
+    assert_eq!(s["model"], "greedy");
+    assert_eq!(s["pid"], hog.pid());
+    assert_eq!(s["uid"], nix::unistd::getuid().as_raw());
+    // python3, or the shell of a pyenv shim that execs it.
+    assert!(s["comm"].as_str().is_some_and(|c| !c.is_empty()), "{s}");
+    assert!(s["cmdline"].as_str().unwrap().contains(&t), "{s}");
+    assert_eq!(s["budget_bytes"], 32 * MIB);
+    assert!(s["usage_bytes"].as_u64().unwrap() > 32 * MIB, "{s}");
+    let a = &n["action"];
+    assert!(a["verb"] == "terminate" || a["verb"] == "kill", "{a}");
+    assert_eq!(a["reason"], "ram_budget");
+    assert_eq!(a["outcome"], "done");
+    let text = n["text"].as_str().unwrap();
+    assert!(
+        text.contains("CRITICAL process_killed") && text.contains(&hog.pid().to_string()),
+        "{text}"
+    );
+    // Every request is signed, and the URL's secret path never reaches the log.
+    assert!(receiver
+        .received()
+        .iter()
+        .all(|r| r.header("X-Gpuguard-Signature").is_some()));
+    let (code, log) = daemon.stop();
+    assert_eq!(code, Some(0));
+    assert!(
+        !log.contains("s3cr3t-path") && !log.contains("hunter2"),
+        "{log}"
+    );
+}
+
+/// Waits for a received notice matching `pred`.
+fn wait_for(receiver: &Receiver, pred: impl Fn(&Value) -> bool) -> Option<Received> {
+    let mut found = None;
+    wait_until(Duration::from_secs(10), || {
+        found = receiver
+            .received()
+            .into_iter()
+            .find(|r| serde_json::from_slice(&r.body).is_ok_and(|v| pred(&v)));
+        found.is_some()
+    });
+    found
+}
+
+#[test]
+fn retries_after_503_and_429_deliver_the_alert_once() {
+    // 503, 503, then 429 with Retry-After: 1, then 200.
+    let receiver = Receiver::start(|n| match n {
+        0 | 1 => Reply::Status(503),
+        2 => Reply::TooMany(1),
+        _ => Reply::Status(200),
+    });
+    let config = base_config(&format!(
+        "[alert]\nbackoff = \"100ms\"\nretries = 5\n[[alert.webhook]]\nurl = \"{}\"\nmin_severity = \"info\"\n",
+        receiver.url()
+    ));
+    let daemon = GuardDaemon::start(&config);
+    assert!(
+        wait_until(Duration::from_secs(10), || receiver.received().len() >= 4),
+        "{:?}\n{}",
+        receiver.notices(),
+        daemon.log_text()
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let got = receiver.received();
+    // The same notice four times (the same bytes: a retry, not a new alert), and nothing else.
+    assert_eq!(got.len(), 4, "{:?}", receiver.notices());
+    assert!(got.iter().all(|r| r.body == got[0].body));
+    assert_eq!(got[0].json()["event"], "daemon_started");
+    // Backoff between the 503s; the 429's Retry-After of 1 s honoured.
+    assert!(got[1].at - got[0].at >= Duration::from_millis(40));
+    assert!(
+        got[3].at - got[2].at >= Duration::from_millis(900),
+        "{:?}",
+        got[3].at - got[2].at
+    );
+    let (code, _) = daemon.stop();
+    assert_eq!(code, Some(0));
+    let after = receiver.notices();
+    assert_eq!(
+        after.last().unwrap()["event"],
+        "daemon_stopping",
+        "{after:?}"
+    );
+}
+
+#[test]
+fn a_condition_fires_once_repeats_and_resolves_and_the_event_log_has_it() {
+    let receiver = Receiver::start(|_| Reply::Status(200));
+    let t = token("dedup");
+    let config = base_config(&format!(
+        "[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n[alert]\nrepeat_interval = \"1s\"\n[[alert.webhook]]\nurl = \"{}\"\nformat = \"json\"\n{}",
+        receiver.url(),
+        model("fat", &t, "ram = \"32MiB\"\naction = \"alert\"\ngrace = \"0s\"")
+    ));
+    let daemon = GuardDaemon::start(&config);
+    // Over budget for about 3.5 s (hundreds of ticks at min_interval), then exits.
+    let mut hog = Hog::start(&t, 0, 128, 3);
+    let started = Instant::now();
+    assert!(hog.wait(Duration::from_secs(20)).is_some());
+    let resolved = wait_for(&receiver, |n| {
+        n["event"] == "budget_exceeded" && n["status"] == "resolved"
+    })
+    .unwrap_or_else(|| panic!("{:?}\n{}", receiver.notices(), daemon.log_text()));
+    let over = started.elapsed();
+    std::thread::sleep(Duration::from_millis(500));
+
+    let budget: Vec<Value> = receiver
+        .notices()
+        .into_iter()
+        .filter(|n| n["key"] == "budget:fat")
+        .collect();
+    let firing: Vec<&Value> = budget
+        .iter()
+        .filter(|n| n["status"] == "firing" && n["repeat"] == false)
+        .collect();
+    let repeats = budget.iter().filter(|n| n["repeat"] == true).count();
+    let resolved_count = budget.iter().filter(|n| n["status"] == "resolved").count();
+    assert_eq!(firing.len(), 1, "{budget:?}");
+    assert_eq!(resolved_count, 1, "{budget:?}");
+    // About one repeat a second while active: not one per tick.
+    assert!(
+        (1..=over.as_secs() as usize + 1).contains(&repeats),
+        "{repeats} repeats in {over:?}: {budget:?}"
+    );
+    assert_eq!(budget.last().unwrap()["status"], "resolved");
+    let n = &firing[0];
+    assert_eq!(n["type"], "condition");
+    assert_eq!(n["severity"], "warning");
+    assert_eq!(n["subject"]["model"], "fat");
+    assert_eq!(n["subject"]["pid"], hog.pid());
+    assert_eq!(n["subject"]["budget_bytes"], 32 * MIB);
+    let text = resolved.json()["text"].as_str().unwrap().to_string();
+    assert!(text.contains("RESOLVED budget_exceeded"), "{text}");
+    // The "alert only" enforcement is one event, sent once.
+    assert_eq!(
+        receiver
+            .notices()
+            .iter()
+            .filter(|n| n["event"] == "budget_enforced")
+            .count(),
+        1
+    );
+
+    // The event log: JSON lines with the raw event, the condition and its resolution.
+    let mut daemon = daemon;
+    daemon.signal(nix::sys::signal::Signal::SIGTERM);
+    assert!(wait_child(&mut daemon.child, Duration::from_secs(10)).is_some());
+    let log = std::fs::read_to_string(daemon.state_dir().join("events.jsonl")).unwrap();
+    let lines: Vec<Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for (event, status) in [
+        ("daemon_started", "firing"),
+        ("budget_exceeded", "firing"),
+        ("budget_exceeded", "resolved"),
+        ("budget_cleared", "firing"),
+        ("daemon_stopping", "firing"),
+    ] {
+        assert!(
+            lines
+                .iter()
+                .any(|l| l["event"] == event && l["status"] == status),
+            "{event} {status} missing from the event log:\n{log}"
+        );
+    }
+    assert!(lines.iter().all(|l| l["repeat"] == false), "{log}");
+}
+
+/// A child killed when the test ends.
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn am_alerts(port: u16) -> Vec<Value> {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .timeout_global(Some(Duration::from_secs(5)))
+        .build()
+        .into();
+    agent
+        .get(&format!("http://127.0.0.1:{port}/api/v2/alerts"))
+        .call()
+        .ok()
+        .and_then(|mut r| r.body_mut().read_to_string().ok())
+        .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+        .and_then(|v| v.as_array().cloned())
+        .unwrap_or_default()
+}
+
+#[test]
+fn a_real_alertmanager_shows_the_alert_then_resolves_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let config = dir.path().join("alertmanager.yml");
+    std::fs::write(
+        &config,
+        "route:\n  receiver: blackhole\n  group_wait: 1s\nreceivers:\n  - name: blackhole\n",
+    )
+    .unwrap();
+    let log_path = dir.path().join("alertmanager.log");
+    let _am = Server(
+        Command::new("prometheus-alertmanager")
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.path={}",
+                dir.path().join("data").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .arg("--cluster.listen-address=")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log_path).unwrap())
+            .spawn()
+            .expect("prometheus-alertmanager is needed (apt-get install prometheus-alertmanager)"),
+    );
+    let am_log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+    assert!(
+        wait_until(Duration::from_secs(30), || {
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+                && ureq::get(&format!("http://127.0.0.1:{port}/-/ready"))
+                    .call()
+                    .is_ok()
+        }),
+        "alertmanager never became ready:\n{}",
+        am_log()
+    );
+
+    let t = token("am");
+    let daemon = GuardDaemon::start(&base_config(&format!(
+        "[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n[[alert.webhook]]\nurl = \"http://127.0.0.1:{port}\"\nformat = \"alertmanager\"\n{}",
+        model("amodel", &t, "ram = \"32MiB\"\naction = \"alert\"\ngrace = \"0s\"")
+    )));
+    let mut hog = Hog::start(&t, 0, 128, 4);
+    let ours = |a: &Value| {
+        a["labels"]["alertname"] == "budget_exceeded" && a["labels"]["model"] == "amodel"
+    };
+    let mut alerts = Vec::new();
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            alerts = am_alerts(port);
+            alerts
+                .iter()
+                .any(|a| ours(a) && a["status"]["state"] == "active")
+        }),
+        "alert not shown by Alertmanager: {alerts:?}\n{}\n{}",
+        daemon.log_text(),
+        am_log()
+    );
+    let a = alerts.iter().find(|a| ours(a)).unwrap();
+    assert_eq!(a["labels"]["severity"], "warning");
+    assert!(a["annotations"]["summary"]
+        .as_str()
+        .unwrap()
+        .contains("model 'amodel' over budget"));
+
+    // The model exits: gpuguard posts endsAt, and Alertmanager drops it from the active list
+    // (long before the three minutes a firing alert is posted for).
+    assert!(hog.wait(Duration::from_secs(20)).is_some());
+    assert!(
+        wait_until(Duration::from_secs(10), || !am_alerts(port)
+            .iter()
+            .any(ours)),
+        "not resolved: {:?}\n{}",
+        am_alerts(port),
+        daemon.log_text()
+    );
+}
+
+/// Time from the hog's start to its death by the RAM floor.
+fn time_to_kill(extra_alert: &str) -> Duration {
+    let hog_t = token("slow-hook");
+    let available = mem_available();
+    let min = available - GIB;
+    let config = base_config(&format!(
+        "[ram]\nmin_available = {min}\nwarn_available = {}\n{extra_alert}\n{}",
+        min + 256 * MIB,
+        model("hog", &hog_t, "")
+    ));
+    let daemon = GuardDaemon::start(&config);
+    let started = Instant::now();
+    // 1 GiB/s up to 2.5 GiB: crosses the floor about a second in; stops by itself if not killed.
+    let mut hog = Hog::start(&hog_t, 1024, 2560, 30);
+    let status = hog
+        .wait(Duration::from_secs(30))
+        .unwrap_or_else(|| panic!("hog not killed:\n{}", daemon.log_text()));
+    let took = started.elapsed();
+    assert!(
+        matches!(status.signal(), Some(15 | 9)),
+        "{status:?}\n{}",
+        daemon.log_text()
+    );
+    took
+}
+
+#[test]
+fn a_webhook_that_never_answers_does_not_slow_the_guard() {
+    let _lock = memory_pressure_lock();
+    let plain = time_to_kill("");
+    let hanging = Receiver::start(|_| Reply::Hang);
+    let with_hook = time_to_kill(&format!(
+        "[alert]\ntimeout = \"60s\"\nqueue = 4\n[[alert.webhook]]\nurl = \"{}\"\nmin_severity = \"info\"\n",
+        hanging.url()
+    ));
+    eprintln!("time to kill: {plain:?} without a webhook, {with_hook:?} with one that hangs");
+    assert!(
+        *hanging.accepted.lock().unwrap() >= 1,
+        "the webhook was never called"
+    );
+    assert!(
+        with_hook < plain * 2 + Duration::from_secs(1),
+        "with a hanging webhook the kill took {with_hook:?}, without {plain:?}"
+    );
+}

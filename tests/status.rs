@@ -1,0 +1,235 @@
+//! `gpuguard status` and `status --json` against the real daemon with the fake NVML, in a scenario
+//! where every section has something to show: two GPUs, a model with budgets, usage and pids, a
+//! model held stopped over its RAM budget (with the stop in the recent actions), a launch that
+//! holds the launch lock (a lease) and one queued behind it.
+
+mod common;
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+use serde_json::Value;
+
+struct Launch(Child);
+
+impl Drop for Launch {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn launch(daemon: &GuardDaemon, model: &str, token: &str) -> Launch {
+    Launch(
+        Command::new(BIN)
+            .args([
+                "launch",
+                "--model",
+                model,
+                "--gpu-mem",
+                "2GiB",
+                "--ram",
+                "64MiB",
+            ])
+            .args(["--", python3(), "-c", "import time; time.sleep(600)", token])
+            .env("GPUGUARD_SOCKET", daemon.socket())
+            .env_remove("CUDA_VISIBLE_DEVICES")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+fn status_json(daemon: &GuardDaemon) -> Value {
+    let out = Command::new(BIN)
+        .args(["status", "--json", "--socket"])
+        .arg(daemon.socket())
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn model<'a>(report: &'a Value, name: &str) -> Option<&'a Value> {
+    report["models"]
+        .as_array()?
+        .iter()
+        .find(|m| m["name"] == name)
+}
+
+#[test]
+fn status_shows_every_section_consistent_with_the_scenario() {
+    let (served_t, held_t) = (token("served"), token("held"));
+    let served = Hog::start(&served_t, 0, 0, 600);
+    let held = Hog::start(&held_t, 0, 64, 600);
+    let fake = FakeNvml::new(&format!(
+        "device 0 name=\"Fake A100\" uuid=GPU-aaaa total={} used={} util=40\ndevice 1 name=\"Fake A100\" uuid=GPU-bbbb total={} used={} util=0\nprocess 0 {} {}\n",
+        16 * GIB,
+        6 * GIB,
+        16 * GIB,
+        GIB,
+        served.pid(),
+        5 * GIB
+    ));
+    let config = format!(
+        "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"models\"\ninterval = \"200ms\"\nscan_interval = \"200ms\"\n\
+         [ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n\
+         [gpu]\nnvml_library = \"{}\"\nsample_timeout = \"500ms\"\nwarn_free = \"2GiB\"\nmin_free = \"1GiB\"\n\
+         [launch]\nsocket = \"{{state_dir}}/gpuguard.sock\"\nsettle = \"60s\"\nmax_loading = 1\n\
+         [[model]]\nname = \"served\"\nmatch = {{ cmdline = \"{served_t}\" }}\nram = \"1GiB\"\ngpu_memory = \"8GiB\"\n\
+         [[model]]\nname = \"held\"\nmatch = {{ cmdline = \"{held_t}\" }}\nram = \"16MiB\"\naction = \"stop\"\ngrace = \"0s\"\n",
+        FakeNvml::library()
+    );
+    let env = fake.env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let daemon = GuardDaemon::start_with_env(&config, &env);
+    daemon.wait_for_log("GPU protection on: 2 GPU(s)", Duration::from_secs(5));
+    assert!(
+        wait_until(Duration::from_secs(10), || proc_state(held.pid())
+            == Some('T')),
+        "the model over its RAM budget is not held stopped:\n{}",
+        daemon.log_text()
+    );
+    let (loading_t, queued_t) = (token("loading"), token("queued"));
+    let _loading = launch(&daemon, "loading", &loading_t);
+    assert!(
+        wait_until(Duration::from_secs(10), || status_json(&daemon)["leases"]
+            .as_array()
+            .is_some_and(|l| !l.is_empty())),
+        "no lease:\n{}",
+        daemon.log_text()
+    );
+    let _queued = launch(&daemon, "queued", &queued_t);
+    assert!(
+        wait_until(Duration::from_secs(10), || status_json(&daemon)["queue"]
+            .as_array()
+            .is_some_and(|q| !q.is_empty())),
+        "nothing queued:\n{}",
+        daemon.log_text()
+    );
+    // Wait for a scan that sees the served model's pid with its GPU memory.
+    assert!(wait_until(Duration::from_secs(5), || {
+        model(&status_json(&daemon), "served").is_some_and(|m| m["gpu_bytes"] == 5 * GIB)
+    }));
+
+    let r = status_json(&daemon);
+    assert_eq!(r["schema_version"], 1);
+    assert_eq!(r["mode"], "enforce");
+    assert!(r["hostname"].as_str().is_some_and(|h| !h.is_empty()));
+
+    // Host memory: figures from /proc, floors at 0%.
+    let m = &r["memory"];
+    assert!(m["total_bytes"].as_u64().unwrap() > m["available_bytes"].as_u64().unwrap());
+    assert_eq!(m["min_available_bytes"], 0);
+    assert_eq!(m["level"], "ok");
+
+    // GPUs as the fake NVML reports them, with their floors resolved.
+    assert_eq!(r["gpu_protection"]["state"], "ok");
+    let gpus = r["gpus"].as_array().unwrap();
+    assert_eq!(gpus.len(), 2);
+    assert_eq!(gpus[0]["uuid"], "GPU-aaaa");
+    assert_eq!(gpus[0]["name"], "Fake A100");
+    assert_eq!(gpus[0]["total_bytes"], 16 * GIB);
+    assert_eq!(gpus[0]["used_bytes"], 6 * GIB);
+    assert_eq!(gpus[0]["free_bytes"], 10 * GIB);
+    assert_eq!(gpus[0]["utilization_percent"], 40);
+    assert_eq!(gpus[0]["warn_free_bytes"], 2 * GIB);
+    assert_eq!(gpus[0]["min_free_bytes"], GIB);
+    assert_eq!(gpus[1]["free_bytes"], 15 * GIB);
+
+    // The served model: budget, used, headroom, pids.
+    let s = model(&r, "served").expect("served model");
+    assert_eq!(s["source"], "config");
+    assert_eq!(s["pids"], serde_json::json!([served.pid()]));
+    assert_eq!(s["gpu_bytes"], 5 * GIB);
+    assert_eq!(s["gpu_budget_bytes"], 8 * GIB);
+    assert_eq!(s["gpu_headroom_bytes"], 3 * GIB);
+    assert_eq!(s["ram_budget_bytes"], GIB);
+    let ram = s["ram_bytes"].as_i64().unwrap();
+    assert!(ram > 0);
+    assert_eq!(s["ram_headroom_bytes"].as_i64().unwrap(), GIB as i64 - ram);
+    assert_eq!(s["state"], "ok");
+
+    // The held model: stopped over budget, negative headroom, in `held` and the actions.
+    let h = model(&r, "held").expect("held model");
+    assert_eq!(h["state"], "stopped");
+    assert!(h["ram_headroom_bytes"].as_i64().unwrap() < 0);
+    let held_rows = r["held"].as_array().unwrap();
+    assert!(
+        held_rows
+            .iter()
+            .any(|row| row["pid"] == held.pid() && row["why"] == "stop"),
+        "{held_rows:?}"
+    );
+    let actions = r["recent_actions"].as_array().unwrap();
+    assert!(
+        actions.iter().any(|a| a["verb"] == "stop"
+            && a["reason_kind"] == "ram_budget"
+            && a["outcome"] == "done"
+            && a["target"]
+                .as_str()
+                .unwrap()
+                .contains(&held.pid().to_string())),
+        "{actions:?}"
+    );
+
+    // The launch lock: one loading lease, one queued behind it.
+    let leases = r["leases"].as_array().unwrap();
+    assert_eq!(leases.len(), 1, "{leases:?}");
+    assert_eq!(leases[0]["model"], "loading");
+    assert_eq!(leases[0]["state"], "loading");
+    assert_eq!(leases[0]["gpu_bytes"], 2 * GIB);
+    let queue = r["queue"].as_array().unwrap();
+    assert_eq!(queue.len(), 1, "{queue:?}");
+    assert_eq!(queue[0]["model"], "queued");
+    assert_eq!(queue[0]["position"], 1);
+
+    // The table shows the same.
+    let out = Command::new(BIN)
+        .args(["status", "--socket"])
+        .arg(daemon.socket())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let table = String::from_utf8_lossy(&out.stdout);
+    for needle in [
+        "Host memory: available",
+        "GPUs: protection ok",
+        "Fake A100",
+        "served (config)",
+        "GPU 3.0 GiB",
+        &format!("{}", served.pid()),
+        "Launch queue:",
+        "lease ",
+        "waiting for",
+        "Held stopped by gpuguard:",
+        &format!("pid {} (", held.pid()),
+        "): stop",
+        "Recent actions:",
+        "stop model 'held'",
+    ] {
+        assert!(table.contains(needle), "{needle:?} missing from:\n{table}");
+    }
+    drop(held);
+}
+
+#[test]
+fn status_without_a_daemon_says_so_with_exit_69() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(BIN)
+        .args(["status", "--json", "--socket"])
+        .arg(dir.path().join("none.sock"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(69));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.starts_with("gpuguard: "), "{err}");
+    assert!(out.stdout.is_empty());
+}
