@@ -45,16 +45,40 @@ fn processes() -> Vec<Process> {
         .map(|i| {
             let pid = 1000 + i as i32;
             let (comm, cmdline, cgroup) = match i % 10 {
-                0 => ("python3", format!("python3 -m vllm serve /models/Qwen2.5-32B-Instruct --port {i}"), "/system.slice/vllm.service"),
-                1 => ("python3", format!("python3 -m vllm serve /models/Llama-3.1-8B --port {i}"), "/system.slice/vllm.service"),
-                2 => ("python3", format!("python3 worker.py --id {i}"), "/system.slice/workers.service"),
-                3 => ("sshd", "sshd: root@pts/0".to_string(), "/system.slice/ssh.service"),
-                _ => ("sleep", "sleep 100000".to_string(), "/user.slice/user-0.slice/session-1.scope"),
+                0 => (
+                    "python3",
+                    format!("python3 -m vllm serve /models/Qwen2.5-32B-Instruct --port {i}"),
+                    "/system.slice/vllm.service",
+                ),
+                1 => (
+                    "python3",
+                    format!("python3 -m vllm serve /models/Llama-3.1-8B --port {i}"),
+                    "/system.slice/vllm.service",
+                ),
+                2 => (
+                    "python3",
+                    format!("python3 worker.py --id {i}"),
+                    "/system.slice/workers.service",
+                ),
+                3 => (
+                    "sshd",
+                    "sshd: root@pts/0".to_string(),
+                    "/system.slice/ssh.service",
+                ),
+                _ => (
+                    "sleep",
+                    "sleep 100000".to_string(),
+                    "/user.slice/user-0.slice/session-1.scope",
+                ),
             };
             Process {
                 pid,
                 start_time: 10_000 + i as u64,
-                ppid: if i % 10 == 0 || i < 10 { 1 } else { 1000 + (i as i32 / 10) * 10 },
+                ppid: if i % 10 == 0 || i < 10 {
+                    1
+                } else {
+                    1000 + (i as i32 / 10) * 10
+                },
                 uid: 0,
                 state: 'S',
                 comm: comm.to_string(),
@@ -78,7 +102,10 @@ fn snapshot(at: Duration, available: u64, procs: &[Process], scanned_at: Duratio
             swap_free_bytes: Some(0),
             ..Default::default()
         },
-        processes: ProcessTable { scanned_at: Some(scanned_at), processes: procs.to_vec() },
+        processes: ProcessTable {
+            scanned_at: Some(scanned_at),
+            processes: procs.to_vec(),
+        },
         self_pid: 1,
         ..Default::default()
     }

@@ -242,7 +242,7 @@ impl Launches {
                         ),
                     ));
                 }
-                state.registered.remove(&lease.process);
+                state.unregister(lease.process);
                 return false;
             }
             if lease.state == LeaseState::Loading {
@@ -373,7 +373,7 @@ impl Launches {
         {
             return;
         }
-        state.registered.insert(process, model.clone());
+        state.register(process, &model);
         if config.model(&model).is_none() {
             state
                 .launched_models

@@ -230,6 +230,7 @@ pub(super) fn evaluate_floor(
         no_victim_reported: false,
         stale_reported: false,
         excluded: Vec::new(),
+        available_at_stage: None,
     });
     if !reading.may_act {
         if !incident.stale_reported {
@@ -262,6 +263,7 @@ pub(super) fn evaluate_floor(
             incident.stage_since = now;
         }
         Stage::Stopped if since >= d.settle => {
+            incident.available_at_stage = reading.available;
             let verb = if reading.far_below() {
                 Verb::Kill
             } else {
@@ -284,14 +286,24 @@ pub(super) fn evaluate_floor(
                 recheck,
             ));
         }
-        Stage::Terminated if reading.far_below() || since >= d.term_grace => {
+        Stage::Terminated
+            if reading.far_below() || since >= d.term_grace || kept_falling(reading, incident) =>
+        {
+            let how = if kept_falling(reading, incident) {
+                format!(
+                    "memory kept falling by more than {} after SIGTERM",
+                    bytes(KEPT_FALLING_BYTES)
+                )
+            } else {
+                "SIGTERM not enough".to_string()
+            };
             incident.stage = Stage::Killed;
             incident.stage_since = now;
             plan.actions.push(action(
                 Verb::Kill,
                 &victim,
                 reading.kind(),
-                format!("{why}; SIGTERM not enough"),
+                format!("{why}; {how}"),
                 recheck,
             ));
         }
@@ -329,6 +341,14 @@ pub(super) fn evaluate_floor(
         }
         _ => {}
     }
+}
+
+/// After SIGTERM a victim that heeds it stops growing at once; one that keeps memory falling
+/// by more than this is ignoring it, and gets SIGKILL without waiting out `term_grace`.
+const KEPT_FALLING_BYTES: u64 = 64 << 20;
+
+fn kept_falling(reading: &Reading, incident: &Incident) -> bool {
+    matches!((reading.available, incident.available_at_stage), (Some(now), Some(then)) if then.saturating_sub(now) > KEPT_FALLING_BYTES)
 }
 
 /// Pids of an exited victim that NVML still reports as holding memory on GPU `index`.
@@ -391,6 +411,7 @@ fn choose_next(
         _ => Stage::Terminated,
     };
     incident.stage_since = snapshot.at;
+    incident.available_at_stage = reading.available;
     incident.victim = Some(target.clone());
     let recheck = reading.recheck();
     match verb {

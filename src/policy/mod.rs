@@ -209,6 +209,8 @@ pub struct Incident {
     pub stale_reported: bool,
     /// Processes the executor could not act on (not permitted...): not chosen again here.
     pub excluded: Vec<ProcessId>,
+    /// The resource's reading when the current stage began (to see whether SIGTERM helped).
+    pub available_at_stage: Option<u64>,
 }
 
 /// A model's budget state.
@@ -249,6 +251,19 @@ pub struct PolicyState {
 }
 
 impl PolicyState {
+    /// A launched process joins a model (its lease ends with `unregister`; the launch queue,
+    /// not the process table, knows when a launched process is gone).
+    pub fn register(&mut self, id: ProcessId, model: &str) {
+        self.registered.insert(id, model.to_string());
+        self.attributed = None;
+    }
+
+    pub fn unregister(&mut self, id: ProcessId) {
+        if self.registered.remove(&id).is_some() {
+            self.attributed = None;
+        }
+    }
+
     /// Forget derived data that depends on the config (call after a reload).
     pub fn config_changed(&mut self) {
         self.match_cache.clear();
@@ -307,13 +322,6 @@ pub fn evaluate(config: &Config, snapshot: &Snapshot, state: &mut PolicyState) -
         state.attributed = Some(inputs);
         waste::duplicate_loads(snapshot, state, &mut plan);
     }
-    // Drop registrations of processes that are gone.
-    if snapshot.processes.scanned_at.is_some() {
-        state
-            .registered
-            .retain(|id, _| snapshot.processes.alive(*id));
-    }
-
     let readings = floors::readings(config, snapshot);
     for reading in &readings {
         floors::evaluate_floor(config, snapshot, state, reading, &mut plan);

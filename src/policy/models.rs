@@ -4,7 +4,7 @@
 //! `gpuguard launch` registered for it; otherwise to the model of its nearest ancestor (vLLM keeps
 //! its GPU memory in child processes). Usage is summed over all members.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use crate::config::Config;
 use crate::snapshot::{GpuSnapshot, ProcessId, ProcessTable};
@@ -89,9 +89,8 @@ pub fn attribute(
             }
         })
         .collect();
-    cache
-        .matched
-        .retain(|id, _| procs.iter().any(|p| p.id() == *id));
+    let present: HashSet<ProcessId> = procs.iter().map(|p| p.id()).collect();
+    cache.matched.retain(|id, _| present.contains(id));
 
     // Inherit from the nearest matched ancestor.
     let by_pid: HashMap<i32, usize> = procs.iter().enumerate().map(|(i, p)| (p.pid, i)).collect();

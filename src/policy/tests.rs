@@ -1448,3 +1448,39 @@ fn a_model_restarted_after_a_budget_kill_gets_a_new_grace_and_round() {
         ["terminate 300"]
     );
 }
+
+#[test]
+fn a_victim_ignoring_sigterm_is_killed_once_memory_keeps_falling() {
+    let c = config(RAM_FLOORS);
+    let procs = || {
+        vec![
+            proc(100, "trainer", 6 * GIB, 1),
+            proc(200, "loader", 4 * GIB, 1),
+        ]
+    };
+    let mut state = PolicyState::default();
+    let verbs = |p: &Plan| {
+        p.actions
+            .iter()
+            .map(|a| a.verb.as_str())
+            .collect::<Vec<_>>()
+    };
+    let at = |ms, avail| snap(ms, Some(avail), procs());
+    assert_eq!(
+        verbs(&evaluate(&c, &at(0, 3 * GIB), &mut state)),
+        ["terminate"]
+    );
+    // A little lower is noise (a process shutting down may still touch memory)...
+    assert!(verbs(&evaluate(&c, &at(10, 3 * GIB - 32 * MIB), &mut state)).is_empty());
+    // ...but 64 MiB and more, well before term_grace, is a victim ignoring SIGTERM.
+    let plan = evaluate(&c, &at(20, 3 * GIB - 80 * MIB), &mut state);
+    assert_eq!(verbs(&plan), ["kill"]);
+    assert!(
+        plan.actions[0]
+            .reason
+            .detail
+            .contains("memory kept falling"),
+        "{}",
+        plan.actions[0].reason.detail
+    );
+}

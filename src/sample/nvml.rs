@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -299,30 +299,26 @@ struct Latest {
 
 /// Runs a `GpuSource` on its own thread; the control loop never waits for it.
 pub struct GpuMonitor {
-    requests: SyncSender<bool>,
+    /// Wakes the worker; a wake-up sent while one is pending is merged into it.
+    wake: SyncSender<()>,
+    /// Sticky until the worker takes it, so a request for process lists is never lost.
+    want_processes: Arc<AtomicBool>,
     latest: Arc<Mutex<Latest>>,
     sample_timeout: Duration,
 }
 
 impl GpuMonitor {
     pub fn start(mut source: Box<dyn GpuSource>, sample_timeout: Duration) -> GpuMonitor {
-        let (requests, rx): (SyncSender<bool>, Receiver<bool>) = sync_channel(1);
+        let (wake, woken): (SyncSender<()>, Receiver<()>) = sync_channel(1);
+        let want_processes = Arc::new(AtomicBool::new(false));
         let latest = Arc::new(Mutex::new(Latest::default()));
-        let shared = latest.clone();
+        let (shared, want) = (latest.clone(), want_processes.clone());
         std::thread::Builder::new()
             .name("gpu-sampler".into())
             .spawn(move || {
-                while let Ok(mut processes) = rx.recv() {
-                    // Coalesce requests that queued up while the last sample ran.
-                    loop {
-                        match rx.try_recv() {
-                            Ok(p) => processes |= p,
-                            Err(TryRecvError::Empty) => break,
-                            Err(TryRecvError::Disconnected) => return,
-                        }
-                    }
+                while woken.recv().is_ok() {
                     let started = Instant::now();
-                    let reading = source.sample(processes);
+                    let reading = source.sample(want.swap(false, Ordering::AcqRel));
                     let xids = source.take_xids();
                     let mut latest = shared.lock().expect("gpu lock");
                     latest.process_lists_read += u64::from(reading.read_processes);
@@ -334,15 +330,20 @@ impl GpuMonitor {
             })
             .expect("spawn the GPU sampler thread");
         GpuMonitor {
-            requests,
+            wake,
+            want_processes,
             latest,
             sample_timeout,
         }
     }
 
-    /// Asks for a new sample (never blocks: if the worker is still busy, the request waits for it).
+    /// Asks for a new sample, with the per-process lists if `processes`. Never blocks: if the
+    /// worker is busy, the request is served by its next sample.
     pub fn request(&self, processes: bool) {
-        let _ = self.requests.try_send(processes);
+        if processes {
+            self.want_processes.store(true, Ordering::Release);
+        }
+        let _ = self.wake.try_send(());
     }
 
     /// The latest reading as seen at `now` (daemon clock `at`), with any Xid events since the last

@@ -1,10 +1,11 @@
 //! The /proc sampler, on the `procfs` crate. The root is configurable so tests can point it at
 //! fixture directories (hostile `comm` names included).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use procfs::process::Process as ProcfsProcess;
+use procfs::process::{Process as ProcfsProcess, Stat, Status};
 use procfs::{FromRead, MemoryPressure};
 
 use crate::snapshot::{HostMemory, Process, ProcessId};
@@ -16,6 +17,10 @@ const PF_KTHREAD: u32 = 0x0020_0000;
 
 struct StaticInfo {
     comm: String,
+    /// The real uid, from `status`.
+    uid: u32,
+    /// The owner of /proc/PID when this was read.
+    owner: u32,
     cmdline: String,
     cgroup: String,
 }
@@ -23,9 +28,12 @@ struct StaticInfo {
 pub struct ProcfsSource {
     root: PathBuf,
     page_size: u64,
-    /// cmdline and cgroup rarely change during a process's life: read once per (process, comm),
-    /// since an exec (a launcher script becoming python) changes comm but not the start time.
+    /// uid, cmdline and cgroup rarely change during a process's life: read once per (process,
+    /// comm, owner), since an exec (a launcher script becoming python) changes comm but not the
+    /// start time, and a setuid() changes the owner of /proc/PID.
     static_info: HashMap<ProcessId, StaticInfo>,
+    /// From the latest meminfo: per-process swap is only worth reading where there is swap.
+    host_has_swap: bool,
 }
 
 impl ProcfsSource {
@@ -34,6 +42,7 @@ impl ProcfsSource {
             root: root.into(),
             page_size: procfs::page_size(),
             static_info: HashMap::new(),
+            host_has_swap: true,
         }
     }
 
@@ -41,50 +50,57 @@ impl ProcfsSource {
         &self.root
     }
 
+    /// One process. The scan's cost is per process, so only `stat` is read every time; uid,
+    /// cmdline and cgroup are read once per (process, comm), and `status` (for VmSwap) only on
+    /// hosts with swap.
     fn read_process(&mut self, dir: PathBuf) -> Option<Process> {
-        let proc = ProcfsProcess::new_with_root(dir.clone()).ok()?;
-        let stat = proc.stat().ok()?;
+        let stat = Stat::from_file(dir.join("stat")).ok()?;
         let kernel_thread = stat.flags & PF_KTHREAD != 0;
         let id = ProcessId {
             pid: stat.pid,
             start_time: stat.starttime,
         };
-        let (uid, swap_bytes) = if kernel_thread {
-            (0, None)
-        } else {
-            match proc.status() {
-                Ok(status) => (status.ruid, status.vmswap.map(|kib| kib * 1024)),
-                Err(_) => (proc.uid().ok()?, None),
-            }
-        };
-        let (cmdline, cgroup) = match self.static_info.get(&id) {
-            Some(info) if info.comm == stat.comm => (info.cmdline.clone(), info.cgroup.clone()),
+        // The owner of /proc/PID is the effective uid: a setuid() without exec changes it.
+        let owner = std::fs::metadata(&dir).ok()?.uid();
+        let info = match self.static_info.get(&id) {
+            Some(info) if info.comm == stat.comm && info.owner == owner => info,
             _ => {
-                let cmdline = proc
-                    .cmdline()
-                    .map(|args| args.join(" "))
-                    .unwrap_or_default();
-                let cgroup = std::fs::read_to_string(dir.join("cgroup"))
-                    .map(|text| parse_cgroup(&text))
-                    .unwrap_or_default();
+                let proc = ProcfsProcess::new_with_root(dir.clone()).ok()?;
                 let info = StaticInfo {
                     comm: stat.comm.clone(),
-                    cmdline: cmdline.clone(),
-                    cgroup: cgroup.clone(),
+                    owner,
+                    uid: match Status::from_file(dir.join("status")) {
+                        Ok(status) => status.ruid,
+                        Err(_) => proc.uid().ok()?,
+                    },
+                    cmdline: proc
+                        .cmdline()
+                        .map(|args| args.join(" "))
+                        .unwrap_or_default(),
+                    cgroup: std::fs::read_to_string(dir.join("cgroup"))
+                        .map(|text| parse_cgroup(&text))
+                        .unwrap_or_default(),
                 };
-                self.static_info.insert(id, info);
-                (cmdline, cgroup)
+                self.static_info.entry(id).insert_entry(info).into_mut()
             }
+        };
+        let swap_bytes = if self.host_has_swap && !kernel_thread {
+            Status::from_file(dir.join("status"))
+                .ok()
+                .and_then(|s| s.vmswap)
+                .map(|kib| kib * 1024)
+        } else {
+            Some(0).filter(|_| !kernel_thread)
         };
         Some(Process {
             pid: stat.pid,
             start_time: stat.starttime,
             ppid: stat.ppid,
-            uid,
+            uid: info.uid,
             state: stat.state,
             comm: stat.comm,
-            cmdline,
-            cgroup,
+            cmdline: info.cmdline.clone(),
+            cgroup: info.cgroup.clone(),
             rss_bytes: stat.rss * self.page_size,
             swap_bytes,
             kernel_thread,
@@ -134,6 +150,7 @@ impl ProcSource for ProcfsSource {
         if let Ok(text) = std::fs::read_to_string(self.root.join("meminfo")) {
             parse_meminfo(&text, &mut host);
         }
+        self.host_has_swap = host.swap_total_bytes != Some(0);
         if let Ok(psi) = MemoryPressure::from_file(self.root.join("pressure/memory")) {
             host.psi_some_avg10 = Some(psi.some.avg10 as f64);
             host.psi_full_avg10 = Some(psi.full.avg10 as f64);
@@ -158,8 +175,8 @@ impl ProcSource for ProcfsSource {
                 }
             }
         }
-        self.static_info
-            .retain(|id, _| out.iter().any(|p| p.id() == *id));
+        let seen: HashSet<ProcessId> = out.iter().map(Process::id).collect();
+        self.static_info.retain(|id, _| seen.contains(id));
         out
     }
 
