@@ -1,0 +1,53 @@
+# lib.sh: shared settings and helpers for the gpuguard benchmarks (sourced, not run).
+BENCH_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO_DIR=$(cd "$BENCH_DIR/.." && pwd)
+BUILD_DIR="$BENCH_DIR/build"
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/tmp/target-bench}
+GPUGUARD=${GPUGUARD:-$CARGO_TARGET_DIR/release/gpuguard}
+EARLYOOM=${EARLYOOM:-$(command -v earlyoom || echo /usr/bin/earlyoom)}
+HOG="$BUILD_DIR/gg_bench_hog"       # its comm is "gg_bench_hog": the only thing any agent may pick
+SAMPLER="$BUILD_DIR/sampler"
+LOCK=/tmp/gpuguard-memory-pressure.lock  # shared with the project's memory-pressure tests
+GIB=$((1 << 30))
+MIB=$((1 << 20))
+
+mem_available_bytes() { awk '/^MemAvailable:/ {printf "%.0f\n", $2 * 1024}' /proc/meminfo; }
+mem_total_bytes() { awk '/^MemTotal:/ {printf "%.0f\n", $2 * 1024}' /proc/meminfo; }
+
+# An earlyoom --avoid regex (POSIX ERE, matched against the process name) that matches every
+# name except those starting with $1: shorter names, or a first differing character.
+avoid_all_but() {
+    local name=$1 i alts
+    alts=".{0,$((${#name} - 1))}\$"
+    for ((i = 0; i < ${#name}; i++)); do alts+="|${name:0:i}[^${name:i:1}]"; done
+    printf '^(%s)' "$alts"
+}
+
+# CPU time of a process (all its threads, dead ones included) in clock ticks: utime + stime.
+cpu_ticks() { awk '{sub(/^.*\) /, ""); print $12 + $13}' "/proc/$1/stat"; }
+# Peak RSS in KiB.
+vm_hwm_kib() { awk '/^VmHWM:/ {print $2}' "/proc/$1/status"; }
+
+# Wait up to $3 seconds for file $1 to contain regex $2.
+wait_for_line() {
+    local deadline=$((SECONDS + $3))
+    until grep -qE "$2" "$1" 2>/dev/null; do
+        ((SECONDS < deadline)) || return 1
+        sleep 0.02
+    done
+}
+
+# Kill the given pids (ours only: callers pass pids they started), then reap them.
+kill_pids() {
+    local pid
+    for pid in "$@"; do [[ -z $pid ]] || kill -KILL "$pid" 2>/dev/null || true; done
+    for pid in "$@"; do [[ -z $pid ]] || wait "$pid" 2>/dev/null || true; done
+}
+
+build_tools() {
+    mkdir -p "$BUILD_DIR"
+    gcc -O2 -Wall -o "$HOG" "$BENCH_DIR/hog.c"
+    gcc -O2 -Wall -o "$SAMPLER" "$BENCH_DIR/sampler.c"
+    gcc -shared -fPIC -O2 -pthread -Wl,-soname,libnvidia-ml.so.1 -Wl,-z,nodelete \
+        -o "$BUILD_DIR/libnvidia-ml.so.1" "$REPO_DIR/tests/fake_nvml/fake_nvml.c"
+}

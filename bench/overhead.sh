@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# overhead.sh: what each agent costs while nothing happens.
+#
+#   bench/overhead.sh [RESULTS_DIR]      (env: SECONDS_PER_CASE=60)
+#
+# Cases, each over SECONDS_PER_CASE after a 3 s warm-up, agents side by side in the same window:
+#   idle        gpuguard and earlyoom, no memory pressure
+#   1000 procs  the same with 1000 idle `sleep` processes on the host (started and killed here)
+#   8 GPUs      gpuguard alone, fake NVML (tests/fake_nvml) with 8 GPUs x 16 processes (pids of
+#               128 of the sleeps), and the 1000 sleeps still there
+# Per agent: CPU = utime+stime from /proc/PID/stat (clock ticks) over the window, as % of one core;
+# peak RSS = VmHWM at the end. Both agents use their stock intervals; floors 5 % (earlyoom -m 5,
+# gpuguard min_available 5 %, warn 10 %, its defaults); earlyoom runs --dryrun and gpuguard with
+# candidates = "models" (a model no process matches), so neither can touch anything.
+# No memory pressure here, so no lock. Output: RESULTS_DIR/overhead.md (a table, also on stdout).
+set -euo pipefail
+source "$(dirname "$0")/lib.sh"
+out=${1:-$BENCH_DIR/results/$(date +%Y%m%d-%H%M%S)}
+mkdir -p "$out"
+window=${SECONDS_PER_CASE:-60}
+[[ -x $GPUGUARD ]] || { echo "build gpuguard first: cargo build --release" >&2; exit 1; }
+[[ -f $BUILD_DIR/libnvidia-ml.so.1 ]] || build_tools
+hz=$(getconf CLK_TCK)
+
+work=$(mktemp -d /tmp/gg-bench-overhead.XXXXXX)
+sleeps=() agents=()
+cleanup() { kill_pids "${agents[@]}" "${sleeps[@]}"; rm -rf "$work"; }
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+gpuguard_config() { # $1: file, $2: extra TOML for [gpu]
+    cat >"$1" <<TOML
+[daemon]
+state_dir = "$work/state-$RANDOM"
+candidates = "models"
+[ram]
+min_available = "5%"
+warn_available = "10%"
+$2
+[[model]]
+name = "nothing"
+match = { comm = "gg_bench_none" }
+TOML
+}
+
+# measure LABEL: samples every agent in ${agents[@]} (names in ${names[@]}) over the window.
+measure() {
+    local label=$1 i t0=() t1=()
+    sleep 3
+    for i in "${!agents[@]}"; do t0[i]=$(cpu_ticks "${agents[i]}"); done
+    sleep "$window"
+    for i in "${!agents[@]}"; do
+        t1[i]=$(cpu_ticks "${agents[i]}")
+        local ticks=$((t1[i] - t0[i])) hwm
+        hwm=$(vm_hwm_kib "${agents[i]}")
+        printf '| %s | %s | %d | %d | %.3f %% | %.1f MiB |\n' "$label" "${names[i]}" "$window" "$ticks" \
+            "$(echo "$ticks * 100 / $hz / $window" | bc -l)" "$(echo "$hwm / 1024" | bc -l)" | tee -a "$out/overhead.md"
+    done
+    kill_pids "${agents[@]}"
+    agents=()
+}
+
+start_pair() {
+    gpuguard_config "$work/gg.toml" $'[gpu]\nenabled = false'
+    "$GPUGUARD" daemon --config "$work/gg.toml" 2>"$work/gg.log" &
+    agents=($!)
+    "$EARLYOOM" -m 5 -s 100 -r 0 --dryrun >"$work/eo.log" 2>&1 &
+    agents+=($!)
+    names=(gpuguard earlyoom)
+}
+
+{
+    echo "| case | agent | window s | CPU ticks (1/$hz s) | CPU, % of one core | peak RSS (VmHWM) |"
+    echo "|---|---|---|---|---|---|"
+} | tee "$out/overhead.md"
+
+start_pair
+measure "idle"
+
+echo "starting 1000 sleep processes" >&2
+for ((i = 0; i < 1000; i++)); do sleep 100000 & sleeps+=($!); done
+start_pair
+measure "1000 procs"
+
+{
+    echo "driver_version 550.54.15"
+    for ((g = 0; g < 8; g++)); do
+        echo "device $g name=\"Fake H100\" total=85899345920 used=42949672960 util=50 memutil=40 temp=50"
+        for ((p = 0; p < 16; p++)); do echo "process $g ${sleeps[g * 16 + p]} 2684354560"; done
+    done
+} >"$work/nvml.state"
+gpuguard_config "$work/gg-gpu.toml" "[gpu]
+enabled = true
+nvml_library = \"$BUILD_DIR/libnvidia-ml.so.1\"
+warn_free = \"4GiB\"
+min_free = \"2GiB\""
+FAKE_NVML_STATE="$work/nvml.state" "$GPUGUARD" daemon --config "$work/gg-gpu.toml" 2>"$work/gg-gpu.log" &
+agents=($!)
+names=(gpuguard)
+measure "8 fake GPUs x 16 procs, 1000 procs"
+if ! grep -q "GPU protection on: 8 GPU" "$work/gg-gpu.log"; then
+    echo "WARNING: gpuguard did not report 8 GPUs:" >&2; cat "$work/gg-gpu.log" >&2
+fi
+cp "$work"/*.log "$out/" 2>/dev/null || true

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# reaction-one.sh: ONE reaction run: an agent, a hog filling RAM, a 1 ms MemAvailable sampler.
+#
+#   flock /tmp/gpuguard-memory-pressure.lock bench/reaction-one.sh AGENT RATE HOG OUT_CSV
+#
+# AGENT: gpuguard | earlyoom (SIGTERM at the floor, SIGKILL at half of it: its default)
+#        | earlyoom-kill (-M FLOOR,FLOOR: SIGKILL at the floor)
+# RATE: hog fill rate in bytes/s, 0 = as fast as it can.  HOG: term | ignore-term.
+# The floor is MemAvailable at start minus 1.5 GiB; the hog stops by itself 1 GiB below the floor.
+# Appends one CSV line to OUT_CSV (see analyze.py). Must run under the flock (run via reaction.sh).
+set -euo pipefail
+source "$(dirname "$0")/lib.sh"
+agent=$1 rate=$2 hogkind=$3 out=$4
+
+work=$(mktemp -d /tmp/gg-bench-reaction.XXXXXX)
+agent_pid= sampler_pid= hog_pid=
+# BENCH_KEEP=DIR keeps each run's samples and agent log under DIR.
+cleanup() {
+    kill_pids "$hog_pid" "$agent_pid" "$sampler_pid"
+    if [[ -n ${BENCH_KEEP:-} ]]; then mkdir -p "$BENCH_KEEP" && cp -r "$work" "$BENCH_KEEP/"; fi
+    rm -rf "$work"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# Warm-up: on this VM (virtio-balloon free page reporting) memory freed a few seconds ago goes
+# back to the hypervisor and is 5-7x slower to fault in again; touch what the hog will use right
+# before the run (no agent is running yet) so that the hog fills at the rate asked.
+"$HOG" --cap $((3 * GIB)) --hold 0
+
+start=$(mem_available_bytes)
+floor=$((start - 3 * GIB / 2))
+warn=$((floor + 512 * MIB))
+cap=$((start - floor + GIB))          # the hog never takes MemAvailable more than 1 GiB below the floor
+
+case $agent in
+gpuguard)
+    cat >"$work/gpuguard.toml" <<TOML
+[daemon]
+state_dir = "$work/state"
+candidates = "models"
+[ram]
+min_available = $floor
+warn_available = $warn
+action = "kill"
+[gpu]
+enabled = false
+[[model]]
+name = "bench-hog"
+match = { comm = "gg_bench_hog", cmdline = '^\S*/gg_bench_hog( |$)' }
+TOML
+    GPUGUARD_LOG=info "$GPUGUARD" daemon --config "$work/gpuguard.toml" >"$work/agent.log" 2>&1 &
+    agent_pid=$!
+    wait_for_line "$work/agent.log" "started" 10 || { cat "$work/agent.log" >&2; exit 1; }
+    ;;
+earlyoom | earlyoom-kill)
+    m=$((floor / 1024))
+    [[ $agent == earlyoom-kill ]] && m="$m,$m"
+    # -s 100,100: no swap here, so only MemAvailable decides; --prefer/--avoid: only the hog.
+    stdbuf -oL -eL "$EARLYOOM" -M "$m" -s 100,100 -r 0 --prefer '^gg_bench_hog$' \
+        --avoid "$(avoid_all_but gg_bench_hog)" >"$work/agent.log" 2>&1 &
+    agent_pid=$!
+    wait_for_line "$work/agent.log" "SIGKILL when" 10 || { cat "$work/agent.log" >&2; exit 1; }
+    ;;
+*) echo "unknown agent $agent" >&2; exit 2 ;;
+esac
+sleep 0.2   # first tick / scan
+
+hog_args=(--rate "$rate" --cap "$cap" --hold 2 --status "$work/hog.status")
+[[ $hogkind == ignore-term ]] && hog_args+=(--ignore-term)
+"$SAMPLER" --out "$work/samples.csv" --status "$work/hog.status" --max-s 30 &
+sampler_pid=$!
+sleep 0.1
+"$HOG" "${hog_args[@]}" &
+hog_pid=$!
+hog_rc=0
+wait "$hog_pid" || hog_rc=$?
+hog_pid=
+# The hog is gone: stop the agent at once so it can never pick anything else.
+kill -TERM "$agent_pid" 2>/dev/null || true
+wait "$agent_pid" 2>/dev/null || true
+agent_pid=
+sleep 0.5   # let the sampler see memory come back
+kill -TERM "$sampler_pid"
+wait "$sampler_pid" || true
+sampler_pid=
+
+python3 "$BENCH_DIR/analyze.py" reaction --samples "$work/samples.csv" --status "$work/hog.status" \
+    --floor "$floor" --agent "$agent" --rate "$rate" --hog "$hogkind" --hog-rc "$hog_rc" \
+    --start "$start" --agent-log "$work/agent.log" >>"$out"
