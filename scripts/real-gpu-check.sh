@@ -27,7 +27,7 @@ print('allocated', flush=True)
 time.sleep(600)
 " "$TOKEN" > "$WORK/torch.out" 2>&1 &
 TORCH=$!
-trap 'kill -CONT $TORCH 2>/dev/null; kill -KILL $TORCH 2>/dev/null; kill $DAEMON 2>/dev/null || true' EXIT
+trap 'kill -CONT $TORCH 2>/dev/null || true; kill -KILL $TORCH 2>/dev/null || true; if [ -n "${DAEMON:-}" ]; then kill $DAEMON 2>/dev/null || true; fi' EXIT
 for _ in $(seq 100); do grep -q allocated "$WORK/torch.out" && break; sleep 0.2; done
 grep -q allocated "$WORK/torch.out" || { cat "$WORK/torch.out"; exit 1; }
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv | tee "$OUT/compute-apps.csv"
@@ -39,6 +39,8 @@ state_dir = "$WORK/state"
 candidates = "models"
 interval = "200ms"
 scan_interval = "200ms"
+[launch]
+socket = "$WORK/gpuguard.sock"
 [ram]
 min_available = "0%"
 warn_available = "0%"
@@ -59,6 +61,8 @@ GPUGUARD_LOG=debug "$BIN" daemon --config "$WORK/config.toml" 2> "$OUT/daemon-bu
 DAEMON=$!
 for _ in $(seq 50); do [ "$(state $TORCH)" = T ] && break; sleep 0.2; done
 echo "torch pid $TORCH state: $(state $TORCH)"; [ "$(state $TORCH)" = T ]
+"$BIN" status --socket "$WORK/gpuguard.sock" | tee "$OUT/status.txt"
+"$BIN" status --json --socket "$WORK/gpuguard.sock" > "$OUT/status.json"
 say "budget raised to 8GiB + SIGHUP: it must be resumed"
 config 8GiB ""
 kill -HUP $DAEMON
@@ -91,3 +95,4 @@ for lists in ("memory only", "with process lists"):
     g = [int(r[2]) for r in rows if int(r[2]) > 0 and ((r[1] == "true") == (lists != "memory only"))]
     if g: print(f"NVML sample ({lists}, requested on the previous tick): n={len(g)} median={st.median(g)} µs max={max(g)} µs")
 PY
+say "all checks passed"

@@ -1,0 +1,298 @@
+//! What the daemon tells the alert pipeline and the metrics: each action with its outcome and
+//! subject, and the conditions that fire, repeat and resolve.
+
+use crate::act::Outcome;
+use crate::alert::{ActionInfo, Condition, Subject};
+use crate::policy::{Action, Level, Resource, Severity, Stage, Target, Verb};
+use crate::snapshot::GpuStatus;
+use crate::status::ActionRow;
+
+use super::{unix_now, Daemon, RECENT_ACTIONS};
+
+impl Daemon {
+    pub(super) fn record_action(&mut self, action: &Action, outcome: &Outcome) {
+        let failed = matches!(outcome, Outcome::Failed(_));
+        let outcome = match outcome {
+            Outcome::Done => "done".to_string(),
+            Outcome::Observed => "observed".to_string(),
+            Outcome::Skipped(why) => format!("skipped: {why}"),
+            Outcome::Failed(why) => format!("failed: {why}"),
+        };
+        self.alert_action(action, &outcome, failed);
+        if self.recent_actions.len() == RECENT_ACTIONS {
+            self.recent_actions.pop_front();
+        }
+        self.recent_actions.push_back(ActionRow {
+            at_unix: unix_now(),
+            verb: action.verb.as_str().into(),
+            target: action.target.to_string(),
+            reason_kind: action.reason.kind.into(),
+            reason: action.reason.detail.clone(),
+            outcome,
+        });
+    }
+
+    /// Tells the alert pipeline (and the metrics) about an action and its outcome.
+    fn alert_action(&mut self, action: &Action, outcome: &str, failed: bool) {
+        let (event, severity) = match action.verb {
+            Verb::Kill | Verb::Terminate => ("process_killed", Severity::Critical),
+            Verb::Stop => ("process_stopped", Severity::Warning),
+            Verb::Throttle => ("process_throttled", Severity::Warning),
+            Verb::Resume => ("process_resumed", Severity::Info),
+            Verb::Unthrottle => ("process_unthrottled", Severity::Info),
+        };
+        let severity = if failed {
+            Severity::Critical
+        } else if outcome.starts_with("skipped") {
+            Severity::Info
+        } else {
+            severity
+        };
+        let mut subject = self.target_subject(&action.target);
+        let s = &self.snapshot;
+        if let Some(recheck) = action.recheck {
+            subject.resource = Some(recheck.resource.to_string());
+            subject.floor_bytes = Some(recheck.below_bytes);
+            subject.available_bytes = match recheck.resource {
+                Resource::Ram => s.host.available_bytes,
+                Resource::Gpu(i) => s
+                    .gpus
+                    .devices
+                    .iter()
+                    .find(|g| g.index == i)
+                    .and_then(|g| g.free_bytes),
+            };
+        }
+        if let Some(model) = &action.target.model {
+            let (ram, ram_budget, gpu, gpu_budget) = self.model_figures(model);
+            (subject.usage_bytes, subject.budget_bytes) = match action.reason.kind {
+                "gpu_budget" | "gpu_floor" => (Some(gpu), gpu_budget),
+                _ => (Some(ram), ram_budget),
+            };
+        } else if action.reason.kind == "ram_floor" {
+            subject.usage_bytes = action
+                .target
+                .ids()
+                .filter_map(|id| s.processes.get(id))
+                .map(|p| p.rss_bytes)
+                .reduce(|a, b| a + b);
+        }
+        let summary = format!(
+            "{} {}: {} ({outcome})",
+            action.verb.as_str(),
+            action.target,
+            action.reason.detail
+        );
+        self.alerter.action(
+            event,
+            severity,
+            summary,
+            subject,
+            ActionInfo {
+                verb: action.verb.as_str().into(),
+                reason: action.reason.kind.into(),
+                detail: action.reason.detail.clone(),
+                outcome: outcome.into(),
+            },
+        );
+    }
+
+    /// Who a target is: its model, its processes, and the first one's pid, uid, name, command.
+    fn target_subject(&self, target: &Target) -> Subject {
+        let first = target.members.first();
+        let cmdline = first
+            .and_then(|m| self.snapshot.processes.get(m.id))
+            .map(|p| p.cmdline.chars().take(1024).collect());
+        Subject {
+            model: target.model.clone(),
+            pid: first.map(|m| m.id.pid),
+            uid: first.map(|m| m.uid),
+            comm: first.map(|m| m.comm.clone()),
+            cmdline,
+            pids: target.ids().map(|id| id.pid).collect(),
+            ..Subject::default()
+        }
+    }
+
+    /// A model's (RAM used, RAM budget, GPU used, GPU budget), in bytes.
+    fn model_figures(&self, name: &str) -> (u64, Option<u64>, u64, Option<u64>) {
+        let s = &self.snapshot;
+        let cfg = crate::policy::model_config(&self.config, &self.state, name);
+        let largest_gpu = s.gpus.devices.iter().filter_map(|g| g.total_bytes).max();
+        let usage = self
+            .state
+            .attribution
+            .models
+            .iter()
+            .find(|m| m.name == name);
+        (
+            usage.map_or(0, |m| m.rss_bytes),
+            cfg.and_then(|c| c.ram)
+                .and_then(|a| a.resolve(s.host.total_bytes)),
+            usage.map_or(0, |m| m.gpu_total_bytes()),
+            cfg.and_then(|c| c.gpu_memory)
+                .and_then(|a| a.resolve(largest_gpu)),
+        )
+    }
+
+    /// What is wrong right now, for alerts that fire, repeat and resolve: floors crossed,
+    /// models over budget, GPUs lost, kills that did not free memory.
+    pub(super) fn conditions(&self) -> Vec<Condition> {
+        let s = &self.snapshot;
+        let c = &self.config;
+        let mut out = Vec::new();
+        for (resource, level) in &self.state.levels {
+            let (event, severity) = match level {
+                Level::Warn => ("floor_warn", Severity::Warning),
+                Level::Act => ("floor_act", Severity::Critical),
+                Level::Ok | Level::Unknown => continue,
+            };
+            let (available, warn, min) = match resource {
+                Resource::Ram => (
+                    s.host.available_bytes,
+                    c.ram
+                        .warn_available
+                        .and_then(|a| a.resolve(s.host.total_bytes)),
+                    c.ram
+                        .min_available
+                        .and_then(|a| a.resolve(s.host.total_bytes)),
+                ),
+                Resource::Gpu(i) => {
+                    let Some(g) = s.gpus.devices.iter().find(|g| g.index == *i) else {
+                        continue;
+                    };
+                    let (warn, min) = c.gpu.floors_for(g.index, &g.uuid);
+                    (
+                        g.free_bytes,
+                        warn.and_then(|a| a.resolve(g.total_bytes)),
+                        min.and_then(|a| a.resolve(g.total_bytes)),
+                    )
+                }
+            };
+            let show = |b: Option<u64>| b.map_or("unknown".into(), crate::units::fmt_bytes);
+            let mut summary = format!(
+                "{resource} {} {} (warn floor {}, act floor {})",
+                if *resource == Resource::Ram {
+                    "available"
+                } else {
+                    "free"
+                },
+                show(available),
+                show(warn),
+                show(min)
+            );
+            if let (Resource::Ram, Some(psi)) = (resource, s.host.psi_some_avg10) {
+                summary += &format!(", PSI some avg10 {psi:.1}%");
+            }
+            out.push(Condition {
+                key: format!("floor:{resource}"),
+                event,
+                severity,
+                summary,
+                subject: Subject {
+                    resource: Some(resource.to_string()),
+                    available_bytes: available,
+                    floor_bytes: if *level == Level::Act { min } else { warn },
+                    ..Subject::default()
+                },
+            });
+        }
+        for (name, budget) in &self.state.budgets {
+            if budget.over_since.is_none() {
+                continue;
+            }
+            let (ram, ram_budget, gpu, gpu_budget) = self.model_figures(name);
+            let (resource, used, limit) = match (ram_budget, gpu_budget) {
+                (Some(b), _) if ram > b => ("RAM", ram, Some(b)),
+                (_, Some(b)) if gpu > b => ("GPU memory", gpu, Some(b)),
+                _ => ("RAM", ram, ram_budget),
+            };
+            let pids: Vec<i32> = self
+                .state
+                .attribution
+                .models
+                .iter()
+                .find(|m| &m.name == name)
+                .map(|m| {
+                    m.members
+                        .iter()
+                        .map(|&i| s.processes.processes[i].pid)
+                        .collect()
+                })
+                .unwrap_or_default();
+            let first = pids
+                .first()
+                .and_then(|pid| s.processes.processes.iter().find(|p| p.pid == *pid));
+            out.push(Condition {
+                key: format!("budget:{name}"),
+                event: "budget_exceeded",
+                severity: Severity::Warning,
+                summary: format!(
+                    "model '{name}' over budget: {resource} {} > budget {}",
+                    crate::units::fmt_bytes(used),
+                    limit.map_or("?".into(), crate::units::fmt_bytes)
+                ),
+                subject: Subject {
+                    model: Some(name.clone()),
+                    resource: Some(resource.into()),
+                    pid: first.map(|p| p.pid),
+                    uid: first.map(|p| p.uid),
+                    comm: first.map(|p| p.comm.clone()),
+                    cmdline: first.map(|p| p.cmdline.chars().take(1024).collect()),
+                    pids,
+                    usage_bytes: Some(used),
+                    budget_bytes: limit,
+                    ..Subject::default()
+                },
+            });
+        }
+        for g in &s.gpus.devices {
+            if let Some(error) = &g.error {
+                out.push(Condition {
+                    key: format!("gpu_lost:{}", g.index),
+                    event: "gpu_lost",
+                    severity: Severity::Critical,
+                    summary: format!("GPU {} ({}): {error}", g.index, g.uuid),
+                    subject: Subject {
+                        resource: Some(Resource::Gpu(g.index).to_string()),
+                        ..Subject::default()
+                    },
+                });
+            }
+        }
+        if let (true, GpuStatus::Unavailable(why)) = (self.gpu_seen_ok, &self.gpu_status) {
+            out.push(Condition {
+                key: "gpu_lost:nvml".into(),
+                event: "gpu_lost",
+                severity: Severity::Critical,
+                summary: format!("GPU protection is off: {why}"),
+                subject: Subject::default(),
+            });
+        }
+        for (resource, incident) in &self.state.incidents {
+            if incident.stage != Stage::Stuck {
+                continue;
+            }
+            let mut subject = incident
+                .victim
+                .as_ref()
+                .map(|v| self.target_subject(v))
+                .unwrap_or_default();
+            subject.resource = Some(resource.to_string());
+            out.push(Condition {
+                key: format!("kill_ineffective:{resource}"),
+                event: "kill_ineffective",
+                severity: Severity::Critical,
+                summary: format!(
+                    "{} was killed but {resource} did not come back (stuck in the kernel or driver); not killing more for {resource}",
+                    incident
+                        .victim
+                        .as_ref()
+                        .map_or("the victim".into(), |v| v.to_string())
+                ),
+                subject,
+            });
+        }
+        out
+    }
+}

@@ -1,0 +1,178 @@
+//! The daemon's own view for operators: the `gpuguard status` report and systemd's STATUS line.
+
+use crate::config::Mode;
+use crate::policy::Resource;
+use crate::snapshot::GpuStatus;
+use crate::status::{
+    GpuProtection, GpuRow, HeldRow, MemoryStatus, ModelRow, StatusReport, STATUS_SCHEMA_VERSION,
+};
+
+use super::{level_name, Daemon};
+
+impl Daemon {
+    /// The status report for `gpuguard status`.
+    pub(super) fn status(&self) -> StatusReport {
+        let s = &self.snapshot;
+        let c = &self.config;
+        let level = |r: Resource| level_name(self.state.levels.get(&r).copied());
+        let memory = MemoryStatus {
+            total_bytes: s.host.total_bytes,
+            available_bytes: s.host.available_bytes,
+            swap_total_bytes: s.host.swap_total_bytes,
+            swap_free_bytes: s.host.swap_free_bytes,
+            psi_some_avg10: s.host.psi_some_avg10,
+            warn_available_bytes: c
+                .ram
+                .warn_available
+                .and_then(|a| a.resolve(s.host.total_bytes)),
+            min_available_bytes: c
+                .ram
+                .min_available
+                .and_then(|a| a.resolve(s.host.total_bytes)),
+            level: level(Resource::Ram),
+        };
+        let gpu_protection = match &s.gpus.status {
+            GpuStatus::Ok => GpuProtection {
+                state: "ok".into(),
+                reason: None,
+                stale: s.gpus.stale,
+            },
+            GpuStatus::Unavailable(why) => GpuProtection {
+                state: "unavailable".into(),
+                reason: Some(why.clone()),
+                stale: s.gpus.stale,
+            },
+            GpuStatus::Off => GpuProtection {
+                state: "off".into(),
+                reason: Some("disabled by config".into()),
+                stale: false,
+            },
+        };
+        let gpus = s
+            .gpus
+            .devices
+            .iter()
+            .map(|g| {
+                let (warn, min) = c.gpu.floors_for(g.index, &g.uuid);
+                GpuRow {
+                    index: g.index,
+                    uuid: g.uuid.clone(),
+                    name: g.name.clone(),
+                    total_bytes: g.total_bytes,
+                    used_bytes: g.used_bytes,
+                    free_bytes: g.free_bytes,
+                    utilization_percent: g.utilization_percent,
+                    warn_free_bytes: warn.and_then(|a| a.resolve(g.total_bytes)),
+                    min_free_bytes: min.and_then(|a| a.resolve(g.total_bytes)),
+                    level: level(Resource::Gpu(g.index)),
+                    error: g.error.clone(),
+                }
+            })
+            .collect();
+        let largest_gpu = s.gpus.devices.iter().filter_map(|g| g.total_bytes).max();
+        let models = self
+            .state
+            .attribution
+            .models
+            .iter()
+            .map(|m| {
+                let cfg = crate::policy::model_config(c, &self.state, &m.name);
+                let ram_budget = cfg
+                    .and_then(|c| c.ram)
+                    .and_then(|a| a.resolve(s.host.total_bytes));
+                let gpu_budget = cfg
+                    .and_then(|c| c.gpu_memory)
+                    .and_then(|a| a.resolve(largest_gpu));
+                let gpu_bytes = m.gpu_total_bytes();
+                let budget = self.state.budgets.get(&m.name);
+                let state = match budget {
+                    Some(b) => match &b.enforced {
+                        Some((stage, _, _)) => format!("{stage:?}").to_lowercase(),
+                        None if b.over_since.is_some() => "over_budget".into(),
+                        None => "ok".into(),
+                    },
+                    None => "ok".into(),
+                };
+                ModelRow {
+                    name: m.name.clone(),
+                    source: if c.model(&m.name).is_some() {
+                        "config"
+                    } else {
+                        "launch"
+                    }
+                    .into(),
+                    pids: m
+                        .members
+                        .iter()
+                        .map(|&i| s.processes.processes[i].pid)
+                        .collect(),
+                    ram_bytes: m.rss_bytes,
+                    ram_budget_bytes: ram_budget,
+                    gpu_bytes,
+                    gpu_budget_bytes: gpu_budget,
+                    gpu_unknown: m.gpu_unknown,
+                    ram_headroom_bytes: ram_budget.map(|b| b as i64 - m.rss_bytes as i64),
+                    gpu_headroom_bytes: gpu_budget.map(|b| b as i64 - gpu_bytes as i64),
+                    state,
+                }
+            })
+            .collect();
+        StatusReport {
+            schema_version: STATUS_SCHEMA_VERSION,
+            hostname: nix::unistd::gethostname()
+                .map(|h| h.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            mode: match c.daemon.mode {
+                Mode::Enforce => "enforce",
+                Mode::Observe => "observe",
+            }
+            .into(),
+            uptime_seconds: self.started.elapsed().as_secs_f64(),
+            memory,
+            gpu_protection,
+            gpus,
+            models,
+            queue: self.launches.queue_rows(s.at),
+            leases: self.launches.lease_rows(s.at),
+            held: self
+                .executor
+                .held()
+                .iter()
+                .map(|h| HeldRow {
+                    pid: h.pid,
+                    comm: h.comm.clone(),
+                    why: h.why.clone(),
+                    since_unix: h.since_unix,
+                })
+                .collect(),
+            recent_actions: self.recent_actions.iter().cloned().collect(),
+        }
+    }
+
+    /// What `systemctl status` shows.
+    pub(super) fn one_line_status(&self) -> String {
+        let s = &self.snapshot;
+        let ram = s
+            .host
+            .available_bytes
+            .map_or("unknown".into(), crate::units::fmt_bytes);
+        let gpus = match &s.gpus.status {
+            GpuStatus::Ok => format!("{} GPU(s)", s.gpus.devices.len()),
+            GpuStatus::Unavailable(_) => "GPU protection off (no NVML)".into(),
+            GpuStatus::Off => "GPU protection disabled".into(),
+        };
+        format!(
+            "{:?}: RAM available {ram}, {gpus}, {} model(s), {} queued, {} held stopped",
+            self.config.daemon.mode,
+            self.state
+                .attribution
+                .models
+                .iter()
+                .filter(|m| !m.members.is_empty())
+                .count(),
+            self.launches.queue.len(),
+            self.executor.held().len()
+        )
+    }
+}
