@@ -70,7 +70,9 @@ impl Process {
     }
 }
 
-/// One process scan.
+/// One process scan. Its order is fixed until the next scan (the policy's attribution indexes
+/// it): between scans, entries are only updated in place, and a process that is gone is marked
+/// `X` rather than removed.
 #[derive(Clone, Debug, Default)]
 pub struct ProcessTable {
     /// When the scan ran (daemon clock); `None` before the first scan.

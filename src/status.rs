@@ -41,7 +41,7 @@ pub struct MemoryStatus {
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct GpuProtection {
-    /// "ok", "unavailable" or "off".
+    /// "ok", "starting" (NVML not sampled yet), "unavailable" or "off".
     pub state: String,
     pub reason: Option<String>,
     /// The latest GPU sample is late or old: alerts only.

@@ -379,3 +379,48 @@ fn bad_reload_keeps_the_old_config_running() {
         daemon.log_text()
     );
 }
+
+#[test]
+fn model_over_ram_budget_with_action_kill_is_killed_and_the_daemon_lives_on() {
+    let hog_token = token("budget-kill");
+    let text = config(
+        "",
+        "",
+        &[(
+            "greedy",
+            &hog_token,
+            "ram = \"64MiB\"\naction = \"kill\"\ngrace = \"300ms\"",
+        )],
+    )
+    .replace("scan_interval = \"200ms\"", "scan_interval = \"1s\"");
+    let daemon = GuardDaemon::start(&text);
+    // Its exit is seen through the per-tick re-read of watched pids, between full scans. (Removing
+    // it from the table there once shifted the indices the policy holds, and the daemon panicked;
+    // packaging/test-deb.sh hit that, this test did not, so it guards the budget kill itself.)
+    let mut hog = Hog::start(&hog_token, 0, 128, 60);
+    let status = hog
+        .wait(Duration::from_secs(10))
+        .unwrap_or_else(|| panic!("not killed:\n{}", daemon.log_text()));
+    assert!(matches!(status.signal(), Some(15 | 9)), "{status:?}");
+    std::thread::sleep(Duration::from_millis(500));
+    let out = std::process::Command::new(BIN)
+        .args(["status", "--json"])
+        .env("GPUGUARD_SOCKET", daemon.socket())
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "the daemon must still answer:\n{}",
+        daemon.log_text()
+    );
+    let (code, log) = daemon.stop();
+    assert_eq!(code, Some(0), "{log}");
+    assert!(
+        log.contains(&format!(
+            "terminate model 'greedy' pids [{}(python3)]",
+            hog.pid()
+        )),
+        "{log}"
+    );
+}

@@ -170,14 +170,41 @@ fn run_daemon(path: PathBuf, lock: bool) -> u8 {
 /// Keeps the guard resident when the host runs out of memory, when it matters most. First every
 /// page mapped now (the whole binary, the rarely run kill path included) is faulted in and locked;
 /// then later mappings (heap, thread stacks, NVML loaded at run time) are locked as they are
-/// touched (MCL_ONFAULT, Linux 4.4+; before that, populated at once). Needs CAP_IPC_LOCK or a
-/// large enough RLIMIT_MEMLOCK (the unit sets LimitMEMLOCK=infinity). Failure only warns.
+/// touched (MCL_ONFAULT, Linux 4.4+). Failure only warns.
+///
+/// The kernel accounts locked memory by mapping size, reservations included (hundreds of MiB
+/// with NVML loaded, for a few MiB more resident than unlocked), so under a finite
+/// RLIMIT_MEMLOCK, MCL_FUTURE would make later allocations fail once that account is full.
+/// Future mappings are therefore locked only without a limit (the unit's LimitMEMLOCK=infinity)
+/// or with CAP_IPC_LOCK.
 fn lock_memory() {
     // SAFETY: mlockall takes flags only and changes no memory contents.
     if unsafe { libc::mlockall(libc::MCL_CURRENT) } != 0 {
         let e = std::io::Error::last_os_error();
         tracing::warn!(
             "memory not locked, gpuguard may be paged out under pressure: mlockall: {e}"
+        );
+        return;
+    }
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit struct that we own.
+    let unlimited = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) } == 0
+        && limit.rlim_cur == libc::RLIM_INFINITY;
+    // CapEff, bit 14: CAP_IPC_LOCK lifts the limit.
+    let ipc_lock = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let hex = s.lines().find_map(|l| l.strip_prefix("CapEff:"))?.trim();
+            u64::from_str_radix(hex, 16).ok()
+        })
+        .is_some_and(|caps| caps & (1 << 14) != 0);
+    if !unlimited && !ipc_lock {
+        tracing::warn!(
+            "only the memory mapped at start is locked: RLIMIT_MEMLOCK is finite \
+             (LimitMEMLOCK=infinity lifts it)"
         );
         return;
     }

@@ -227,8 +227,12 @@ impl Daemon {
                 let fresh = self.procs.read(id.pid).filter(|p| p.id() == *id);
                 match (table.processes.iter().position(|p| p.id() == *id), fresh) {
                     (Some(i), Some(p)) => table.processes[i] = p,
+                    // Gone: marked dead in place, since the policy's attribution holds indices
+                    // into this table until the next scan.
                     (Some(i), None) => {
-                        table.processes.swap_remove(i);
+                        let p = &mut table.processes[i];
+                        p.state = 'X';
+                        p.rss_bytes = 0;
                     }
                     (None, _) => {}
                 }

@@ -42,6 +42,11 @@ impl Daemon {
                 reason: Some(why.clone()),
                 stale: s.gpus.stale,
             },
+            GpuStatus::Off if self.gpus.is_some() => GpuProtection {
+                state: "starting".into(),
+                reason: Some("NVML has not answered yet".into()),
+                stale: false,
+            },
             GpuStatus::Off => GpuProtection {
                 state: "off".into(),
                 reason: Some("disabled by config".into()),
