@@ -15,7 +15,7 @@ use crate::config::{Config, ModelAction, ModelConfig};
 use crate::ipc::server::Peer;
 use crate::ipc::{LaunchRequest, Response};
 use crate::policy::admission::{admit, Admission, Need, Reservation};
-use crate::policy::{Event, PolicyState, Severity};
+use crate::policy::{About, Event, PolicyState, Severity};
 use crate::snapshot::{ProcessId, Snapshot};
 use crate::status::{LeaseRow, QueuedRow};
 use crate::units::{fmt_bytes, Amount};
@@ -240,6 +240,9 @@ impl Launches {
                             "model '{}' (pid {}) exited while loading; launch lock released",
                             lease.model, lease.process.pid
                         ),
+                        &lease.model,
+                        lease.process.pid,
+                        lease.uid,
                     ));
                 }
                 state.unregister(lease.process);
@@ -260,6 +263,9 @@ impl Launches {
                             "model '{}' (pid {}): {why}; launch lock released",
                             lease.model, lease.process.pid
                         ),
+                        &lease.model,
+                        lease.process.pid,
+                        lease.uid,
                     ));
                 }
             }
@@ -282,6 +288,9 @@ impl Launches {
                     Severity::Warning,
                     "launch_timed_out",
                     format!("{message} (pid {})", q.peer.pid),
+                    &q.request.model,
+                    q.peer.pid,
+                    q.peer.uid,
                 ));
                 let _ = q.reply.send(Response::TimedOut { message });
                 continue;
@@ -400,6 +409,9 @@ impl Launches {
                 fmt_bytes(q.need.ram_bytes),
                 humantime::format_duration(Duration::from_millis(snapshot.at.saturating_sub(q.queued_at).as_millis() as u64))
             ),
+            &model,
+            process.pid,
+            q.peer.uid,
         ));
         self.leases.push(Lease {
             id,
@@ -602,10 +614,18 @@ fn poll_ready_url(url: String, stop: Arc<AtomicBool>) -> Arc<AtomicBool> {
     ready
 }
 
-fn event(severity: Severity, kind: &'static str, message: String) -> Event {
-    Event {
-        severity,
-        kind,
-        message,
-    }
+fn event(
+    severity: Severity,
+    kind: &'static str,
+    message: String,
+    model: &str,
+    pid: i32,
+    uid: u32,
+) -> Event {
+    Event::new(severity, kind, message).about(About {
+        model: Some(model.to_string()),
+        pid: Some(pid),
+        uid: Some(uid),
+        resource: None,
+    })
 }

@@ -528,3 +528,50 @@ fn a_webhook_that_never_answers_does_not_slow_the_guard() {
         "with a hanging webhook the kill took {with_hook:?}, without {plain:?}"
     );
 }
+
+#[test]
+fn launch_events_carry_their_subject() {
+    let receiver = Receiver::start(|_| Reply::Status(200));
+    let config = base_config(&format!(
+        "[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n[launch]\nsocket = \"{{state_dir}}/gpuguard.sock\"\nsettle = \"60s\"\n[[alert.webhook]]\nurl = \"{}\"\nmin_severity = \"info\"\n",
+        receiver.url()
+    ));
+    let daemon = GuardDaemon::start(&config);
+    let t = token("launched");
+    let mut launched = std::process::Command::new(BIN)
+        .args([
+            "launch",
+            "--model",
+            "served",
+            "--",
+            python3(),
+            "-c",
+            "import time; time.sleep(60)",
+            &t,
+        ])
+        .env("GPUGUARD_SOCKET", daemon.socket())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let admitted = wait_for(&receiver, |n| n["event"] == "launch_admitted").unwrap_or_else(|| {
+        panic!(
+            "no launch alert: {:?}\n{}",
+            receiver.notices(),
+            daemon.log_text()
+        )
+    });
+    let s = &admitted.json()["subject"];
+    assert_eq!(s["model"], "served", "{s}");
+    assert_eq!(s["pid"], launched.id(), "{s}");
+    assert_eq!(s["uid"], nix::unistd::getuid().as_raw(), "{s}");
+    let _ = launched.kill();
+    let _ = launched.wait();
+    let died = wait_for(&receiver, |n| n["event"] == "launch_died").unwrap_or_else(|| {
+        panic!(
+            "no launch_died alert: {:?}\n{}",
+            receiver.notices(),
+            daemon.log_text()
+        )
+    });
+    assert_eq!(died.json()["subject"]["pid"], launched.id());
+}

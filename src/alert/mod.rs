@@ -536,11 +536,7 @@ mod tests {
     #[test]
     fn condition_kind_events_are_not_sent_twice() {
         let (mut a, q) = alerter(Duration::from_secs(10));
-        let e = |kind| Event {
-            severity: Severity::Warning,
-            kind,
-            message: "m".into(),
-        };
+        let e = |kind| Event::new(Severity::Warning, kind, "m".into());
         a.event(&e("floor_warn"), Subject::default());
         a.event(&e("xid"), Subject::default());
         assert_eq!(drain(&q), vec![("xid".into(), Status::Firing, false)]);

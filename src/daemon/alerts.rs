@@ -3,7 +3,7 @@
 
 use crate::act::Outcome;
 use crate::alert::{ActionInfo, Condition, Subject};
-use crate::policy::{Action, Level, Resource, Severity, Stage, Target, Verb};
+use crate::policy::{About, Action, Level, Resource, Severity, Stage, Target, Verb};
 use crate::snapshot::GpuStatus;
 use crate::status::ActionRow;
 
@@ -112,6 +112,37 @@ impl Daemon {
             pids: target.ids().map(|id| id.pid).collect(),
             ..Subject::default()
         }
+    }
+
+    /// The subject of an event: what it says it is about, with the process's name and command
+    /// line and the model's usage where the daemon knows them.
+    pub(super) fn event_subject(&self, about: &About) -> Subject {
+        let process = about.pid.and_then(|pid| {
+            self.snapshot
+                .processes
+                .processes
+                .iter()
+                .find(|p| p.pid == pid)
+        });
+        let mut subject = Subject {
+            model: about.model.clone(),
+            resource: about.resource.map(|r| r.to_string()),
+            pid: about.pid,
+            uid: about.uid.or(process.map(|p| p.uid)),
+            comm: process.map(|p| p.comm.clone()),
+            cmdline: process.map(|p| p.cmdline.chars().take(1024).collect()),
+            pids: about.pid.into_iter().collect(),
+            ..Subject::default()
+        };
+        if let Some(model) = &about.model {
+            let (ram, ram_budget, gpu, gpu_budget) = self.model_figures(model);
+            (subject.usage_bytes, subject.budget_bytes) = match about.resource {
+                Some(Resource::Gpu(_)) => (Some(gpu), gpu_budget),
+                _ if ram_budget.is_none() && gpu_budget.is_some() => (Some(gpu), gpu_budget),
+                _ => (Some(ram), ram_budget),
+            };
+        }
+        subject
     }
 
     /// A model's (RAM used, RAM budget, GPU used, GPU budget), in bytes.

@@ -16,13 +16,13 @@ use tracing::{debug, error, info, warn};
 use crate::act::held::HeldRecord;
 use crate::act::signal::{self_test, PidfdControl};
 use crate::act::{Executor, Outcome};
-use crate::alert::{Alerter, Subject};
+use crate::alert::Alerter;
 use crate::config::Config;
 use crate::ipc::server::IpcEvent;
 use crate::ipc::{self, Request, Response};
 use crate::launch::Launches;
 use crate::metrics::Metrics;
-use crate::policy::{evaluate, Event, Level, PolicyState, Resource, Severity, Target};
+use crate::policy::{evaluate, About, Event, Level, PolicyState, Resource, Severity, Target};
 use crate::sample::nvml::{GpuMonitor, NvmlGpuSource};
 use crate::sample::{ProcSource, ProcfsSource};
 use crate::snapshot::{GpuStatus, ProcessId, Snapshot};
@@ -255,11 +255,13 @@ impl Daemon {
                 } else {
                     (Severity::Warning, "xid")
                 };
-                events.push(Event {
-                    severity,
-                    kind,
-                    message: format!("Xid {} on {gpu}", x.xid),
-                });
+                let about = About {
+                    resource: x.gpu.map(Resource::Gpu),
+                    ..About::default()
+                };
+                events.push(
+                    Event::new(severity, kind, format!("Xid {} on {gpu}", x.xid)).about(about),
+                );
             }
             if scan {
                 self.note_unknown_gpu_pids();
@@ -283,7 +285,8 @@ impl Daemon {
         ));
         for e in events.iter().chain(&plan.events) {
             log_event(e);
-            self.alerter.event(e, Subject::default());
+            let subject = self.event_subject(&e.about);
+            self.alerter.event(e, subject);
         }
         for action in &plan.actions {
             let cgroup = own_cgroup(&self.snapshot, &action.target);
@@ -370,27 +373,27 @@ impl Daemon {
         }
         self.gpu_seen_ok |= status == GpuStatus::Ok;
         let event = match &status {
-            GpuStatus::Ok => Event {
-                severity: Severity::Info,
-                kind: "gpu_ok",
-                message: format!(
+            GpuStatus::Ok => Event::new(
+                Severity::Info,
+                "gpu_ok",
+                format!(
                     "GPU protection on: {} GPU(s) seen through NVML",
                     self.snapshot.gpus.devices.len()
                 ),
-            },
-            GpuStatus::Unavailable(why) => Event {
-                severity: Severity::Warning,
-                kind: "gpu_unavailable",
-                message: format!(
+            ),
+            GpuStatus::Unavailable(why) => Event::new(
+                Severity::Warning,
+                "gpu_unavailable",
+                format!(
                     "GPU protection is off: {why}; guarding host RAM only, retrying NVML every {}",
                     humantime::format_duration(self.config.gpu.retry_init)
                 ),
-            },
-            GpuStatus::Off => Event {
-                severity: Severity::Info,
-                kind: "gpu_off",
-                message: "GPU protection disabled by config ([gpu] enabled = false)".into(),
-            },
+            ),
+            GpuStatus::Off => Event::new(
+                Severity::Info,
+                "gpu_off",
+                "GPU protection disabled by config ([gpu] enabled = false)".into(),
+            ),
         };
         events.push(event);
         self.gpu_status = status;

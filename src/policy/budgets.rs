@@ -5,7 +5,7 @@ use crate::config::{Config, Mode, ModelAction, ModelConfig};
 use crate::snapshot::Snapshot;
 
 use super::victim::{largest_gpu, model_target};
-use super::{action, bytes, event, BudgetState, Plan, PolicyState, Severity, Stage, Verb};
+use super::{action, bytes, event, About, BudgetState, Plan, PolicyState, Severity, Stage, Verb};
 
 pub(super) fn evaluate_budgets(
     config: &Config,
@@ -70,15 +70,18 @@ pub(super) fn evaluate_budgets(
         let why = format!("model '{}' over budget: {}", model.name, over.join("; "));
         let kind = if ram_over { "ram_budget" } else { "gpu_budget" };
         let over_since = *budget.over_since.get_or_insert_with(|| {
-            plan.events.push(event(
-                Severity::Warning,
-                "budget_exceeded",
-                format!(
-                    "{why}; action {} after grace {}",
-                    action_name(model.action),
-                    humantime::format_duration(model.grace)
-                ),
-            ));
+            plan.events.push(
+                event(
+                    Severity::Warning,
+                    "budget_exceeded",
+                    format!(
+                        "{why}; action {} after grace {}",
+                        action_name(model.action),
+                        humantime::format_duration(model.grace)
+                    ),
+                )
+                .about(about_model(&model.name)),
+            );
             now
         });
         let d = &config.daemon;
@@ -108,11 +111,14 @@ pub(super) fn evaluate_budgets(
                 );
                 match verb {
                     Some(verb) => plan.actions.push(action(verb, &target, kind, detail, None)),
-                    None => plan.events.push(event(
-                        Severity::Critical,
-                        "budget_enforced",
-                        format!("{detail} (alert only)"),
-                    )),
+                    None => plan.events.push(
+                        event(
+                            Severity::Critical,
+                            "budget_enforced",
+                            format!("{detail} (alert only)"),
+                        )
+                        .about(about_model(&model.name)),
+                    ),
                 }
                 state
                     .budgets
@@ -171,11 +177,14 @@ pub(super) fn evaluate_budgets(
 /// The model is back under budget (or gone): resume or unthrottle it.
 fn lift(budget: &mut BudgetState, name: &str, plan: &mut Plan) {
     if budget.over_since.take().is_some() {
-        plan.events.push(event(
-            Severity::Info,
-            "budget_cleared",
-            format!("model '{name}' back under budget"),
-        ));
+        plan.events.push(
+            event(
+                Severity::Info,
+                "budget_cleared",
+                format!("model '{name}' back under budget"),
+            )
+            .about(about_model(name)),
+        );
     }
     match budget.enforced.take() {
         Some((Stage::Stopped, _, target)) => plan.actions.push(action(
@@ -193,6 +202,13 @@ fn lift(budget: &mut BudgetState, name: &str, plan: &mut Plan) {
             None,
         )),
         _ => {}
+    }
+}
+
+fn about_model(name: &str) -> About {
+    About {
+        model: Some(name.to_string()),
+        ..About::default()
     }
 }
 

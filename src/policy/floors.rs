@@ -9,8 +9,8 @@ use crate::snapshot::Snapshot;
 
 use super::victim;
 use super::{
-    action, bytes, event, Held, Incident, Level, Plan, PolicyState, Recheck, Resource, Severity,
-    Stage, Target, Verb,
+    action, bytes, event, About, Held, Incident, Level, Plan, PolicyState, Recheck, Resource,
+    Severity, Stage, Target, Verb,
 };
 
 /// One resource's reading against its floors.
@@ -163,7 +163,7 @@ pub(super) fn readings(config: &Config, snapshot: &Snapshot) -> Vec<Reading> {
     out
 }
 
-pub(super) fn evaluate_floor(
+fn evaluate_floor_inner(
     config: &Config,
     snapshot: &Snapshot,
     state: &mut PolicyState,
@@ -349,6 +349,33 @@ const KEPT_FALLING_BYTES: u64 = 64 << 20;
 
 fn kept_falling(reading: &Reading, incident: &Incident) -> bool {
     matches!((reading.available, incident.available_at_stage), (Some(now), Some(then)) if then.saturating_sub(now) > KEPT_FALLING_BYTES)
+}
+
+/// One floor for one tick; every event it raises is about that resource (and its victim, if any).
+pub(super) fn evaluate_floor(
+    config: &Config,
+    snapshot: &Snapshot,
+    state: &mut PolicyState,
+    reading: &Reading,
+    plan: &mut Plan,
+) {
+    let first = plan.events.len();
+    evaluate_floor_inner(config, snapshot, state, reading, plan);
+    let resource = reading.resource;
+    let about = match state
+        .incidents
+        .get(&resource)
+        .and_then(|i| i.victim.as_ref())
+    {
+        Some(victim) => About::target(victim, resource),
+        None => About {
+            resource: Some(resource),
+            ..About::default()
+        },
+    };
+    for e in &mut plan.events[first..] {
+        e.about = about.clone();
+    }
 }
 
 /// Pids of an exited victim that NVML still reports as holding memory on GPU `index`.

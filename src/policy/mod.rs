@@ -160,10 +160,54 @@ pub enum Severity {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Event {
     pub severity: Severity,
-    /// Stable label: `floor_warn`, `floor_act`, `floor_cleared`, `no_victim`, `budget_exceeded`,
-    /// `budget_cleared`, `reading_unknown`, `stuck_memory`, `survived_kill`, `not_acting_stale`.
+    /// Stable label: `floor_warn`, `floor_act`, `floor_cleared`, `floor_victim`, `no_victim`,
+    /// `incident_closed`, `budget_exceeded`, `budget_enforced`, `budget_cleared`,
+    /// `reading_unknown`, `stuck_memory`, `survived_kill`, `not_acting_stale`,
+    /// `duplicate_load`; the daemon adds `xid`, `xid_critical`, `gpu_ok`, `gpu_unavailable`,
+    /// `gpu_off`, and the launch queue `launch_admitted`, `launch_ready`, `launch_died`,
+    /// `launch_timed_out`.
     pub kind: &'static str,
     pub message: String,
+    /// Who or what it is about, for alert bodies.
+    pub about: About,
+}
+
+impl Event {
+    pub fn new(severity: Severity, kind: &'static str, message: String) -> Event {
+        Event {
+            severity,
+            kind,
+            message,
+            about: About::default(),
+        }
+    }
+
+    pub fn about(mut self, about: About) -> Event {
+        self.about = about;
+        self
+    }
+}
+
+/// The subject of an event, as far as it has one.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct About {
+    pub model: Option<String>,
+    pub pid: Option<i32>,
+    pub uid: Option<u32>,
+    pub resource: Option<Resource>,
+}
+
+impl About {
+    /// A target's model and first process, on a resource.
+    pub fn target(target: &Target, resource: Resource) -> About {
+        let first = target.members.first();
+        About {
+            model: target.model.clone(),
+            pid: first.map(|m| m.id.pid),
+            uid: first.map(|m| m.uid),
+            resource: Some(resource),
+        }
+    }
 }
 
 /// The policy's answer for one tick.
@@ -431,11 +475,7 @@ fn action(
 }
 
 fn event(severity: Severity, kind: &'static str, message: String) -> Event {
-    Event {
-        severity,
-        kind,
-        message,
-    }
+    Event::new(severity, kind, message)
 }
 
 fn bytes(b: u64) -> String {

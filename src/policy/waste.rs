@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use crate::snapshot::Snapshot;
 
-use super::{bytes, event, Plan, PolicyState, Severity};
+use super::{bytes, event, About, Plan, PolicyState, Resource, Severity};
 
 pub(super) fn duplicate_loads(snapshot: &Snapshot, state: &mut PolicyState, plan: &mut Plan) {
     let procs = &snapshot.processes.processes;
@@ -65,7 +65,7 @@ pub(super) fn duplicate_loads(snapshot: &Snapshot, state: &mut PolicyState, plan
                     holders.len(),
                     bytes(total)
                 ),
-            ));
+            ).about(About { pid: pids.first().copied(), resource: Some(Resource::Gpu(gpu.index)), ..About::default() }));
         }
     }
     state.duplicates_reported.retain(|k| seen.contains(k));
