@@ -386,7 +386,31 @@ pub struct GpuOverride {
     pub min_free: Option<Amount>,
 }
 
+impl RamConfig {
+    /// The (warn, min) MemAvailable floors in bytes on a host with `total` bytes of RAM.
+    pub fn floor_bytes(&self, total: Option<u64>) -> (Option<u64>, Option<u64>) {
+        (
+            self.warn_available.and_then(|a| a.resolve(total)),
+            self.min_available.and_then(|a| a.resolve(total)),
+        )
+    }
+}
+
 impl GpuConfig {
+    /// The (warn, min) free-memory floors in bytes of one GPU with `total` bytes.
+    pub fn floor_bytes(
+        &self,
+        index: u32,
+        uuid: &str,
+        total: Option<u64>,
+    ) -> (Option<u64>, Option<u64>) {
+        let (warn, min) = self.floors_for(index, uuid);
+        (
+            warn.and_then(|a| a.resolve(total)),
+            min.and_then(|a| a.resolve(total)),
+        )
+    }
+
     /// The (warn, min) floors for one GPU, overrides first.
     pub fn floors_for(&self, index: u32, uuid: &str) -> (Option<Amount>, Option<Amount>) {
         let index = index.to_string();
@@ -506,6 +530,21 @@ pub struct ModelConfig {
     /// Higher is more important: lower priorities are chosen as victims first.
     #[serde(default)]
     pub priority: i32,
+}
+
+impl ModelConfig {
+    /// The (RAM, GPU memory) budgets in bytes: a `%` RAM budget is a share of MemTotal
+    /// (`host_total`), a `%` GPU budget a share of the largest GPU (`largest_gpu`).
+    pub fn budget_bytes(
+        &self,
+        host_total: Option<u64>,
+        largest_gpu: Option<u64>,
+    ) -> (Option<u64>, Option<u64>) {
+        (
+            self.ram.and_then(|a| a.resolve(host_total)),
+            self.gpu_memory.and_then(|a| a.resolve(largest_gpu)),
+        )
+    }
 }
 
 fn default_grace() -> Duration {

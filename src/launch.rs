@@ -137,28 +137,14 @@ impl Launches {
             return Err("--model must name a model".into());
         }
         let model = config.model(&r.model);
-        let largest_gpu = snapshot
-            .gpus
-            .devices
-            .iter()
-            .filter_map(|g| g.total_bytes)
-            .max();
-        let gpu_bytes = r
-            .gpu_memory_bytes
-            .or_else(|| {
-                model
-                    .and_then(|m| m.gpu_memory)
-                    .and_then(|a| a.resolve(largest_gpu))
-            })
-            .unwrap_or(0);
-        let ram_bytes = r
-            .ram_bytes
-            .or_else(|| {
-                model
-                    .and_then(|m| m.ram)
-                    .and_then(|a| a.resolve(snapshot.host.total_bytes))
-            })
-            .unwrap_or(0);
+        let (ram_budget, gpu_budget) = model.map_or((None, None), |m| {
+            m.budget_bytes(
+                snapshot.host.total_bytes,
+                snapshot.gpus.largest_total_bytes(),
+            )
+        });
+        let gpu_bytes = r.gpu_memory_bytes.or(gpu_budget).unwrap_or(0);
+        let ram_bytes = r.ram_bytes.or(ram_budget).unwrap_or(0);
         let pinned = match (r.gpu, &r.cuda_visible_devices) {
             (Some(index), _) => Some(vec![index]),
             (None, Some(visible)) if !visible.trim().is_empty() => {

@@ -245,7 +245,7 @@ impl Metrics {
             ),
             nvml_state: reg!(
                 "gpuguard_nvml_state",
-                "GPU protection state: 1 for the current state (ok, unavailable, off), 0 for the others",
+                "GPU protection state: 1 for the current state (ok, starting, unavailable, off), 0 for the others",
                 Family::default()
             ),
             gpu_stale: reg!(
@@ -276,7 +276,7 @@ impl Metrics {
             registry: Arc::new(Registry::default()),
             seen: Arc::default(),
         };
-        for state in ["ok", "unavailable", "off"] {
+        for state in NVML_STATES {
             m.nvml_state
                 .get_or_create(&StateLabels {
                     state: state.into(),
@@ -311,14 +311,9 @@ impl Metrics {
             let labels = FloorLabels {
                 floor: floor.into(),
             };
-            match v {
-                Some(v) => {
-                    self.host_floor.get_or_create(&labels).set(v as i64);
-                }
-                None => {
-                    self.host_floor.remove(&labels);
-                }
-            }
+            set_or_remove(&self.host_floor, &labels, v, |g, v| {
+                g.set(v as i64);
+            });
         }
 
         let gpus: HashSet<GpuLabels> = r
@@ -340,39 +335,23 @@ impl Metrics {
                 (&self.gpu_used, g.used_bytes),
                 (&self.gpu_free, g.free_bytes),
             ] {
-                match v.filter(|_| g.error.is_none()) {
-                    Some(v) => {
-                        family.get_or_create(&labels).set(v as i64);
-                    }
-                    None => {
-                        family.remove(&labels);
-                    }
-                }
+                set_or_remove(family, &labels, v.filter(|_| g.error.is_none()), |g, v| {
+                    g.set(v as i64);
+                });
             }
-            match g.utilization_percent.filter(|_| g.error.is_none()) {
-                Some(u) => {
-                    self.gpu_utilization
-                        .get_or_create(&labels)
-                        .set(f64::from(u) / 100.0);
-                }
-                None => {
-                    self.gpu_utilization.remove(&labels);
-                }
-            }
+            let utilization = g.utilization_percent.filter(|_| g.error.is_none());
+            set_or_remove(&self.gpu_utilization, &labels, utilization, |g, u| {
+                g.set(f64::from(u) / 100.0);
+            });
             for (floor, v) in [("warn", g.warn_free_bytes), ("min", g.min_free_bytes)] {
                 let labels = GpuFloorLabels {
                     gpu: labels.gpu.clone(),
                     uuid: labels.uuid.clone(),
                     floor: floor.into(),
                 };
-                match v {
-                    Some(v) => {
-                        self.gpu_floor.get_or_create(&labels).set(v as i64);
-                    }
-                    None => {
-                        self.gpu_floor.remove(&labels);
-                    }
-                }
+                set_or_remove(&self.gpu_floor, &labels, v, |g, v| {
+                    g.set(v as i64);
+                });
             }
         }
         let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
@@ -445,7 +424,7 @@ impl Metrics {
                 .set(r.leases.iter().filter(|l| l.state == state).count() as i64);
         }
         self.held.set(r.held.len() as i64);
-        for state in ["ok", "unavailable", "off"] {
+        for state in NVML_STATES {
             self.nvml_state
                 .get_or_create(&StateLabels {
                     state: state.into(),
@@ -511,6 +490,28 @@ pub struct SinkCounters {
     pub sent: Counter,
     pub failed: Counter,
     pub dropped: Counter,
+}
+
+/// The values of `gpuguard_nvml_state{state}`: `GpuProtection::state` in the status report.
+const NVML_STATES: [&str; 4] = ["ok", "starting", "unavailable", "off"];
+
+/// Sets the series to `value`, or removes it when the value is unknown (a missing reading is
+/// no series, never a 0).
+fn set_or_remove<S, M, V>(
+    family: &Family<S, M>,
+    labels: &S,
+    value: Option<V>,
+    set: impl FnOnce(&M, V),
+) where
+    S: Clone + std::hash::Hash + Eq,
+    M: Default,
+{
+    match value {
+        Some(v) => set(&family.get_or_create(labels), v),
+        None => {
+            family.remove(labels);
+        }
+    }
 }
 
 /// Removes the series present last time whose labels are gone now, and remembers the new set.

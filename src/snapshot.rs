@@ -105,6 +105,13 @@ pub struct GpuSnapshot {
     pub process_lists_read: u64,
 }
 
+impl GpuSnapshot {
+    /// The largest GPU's memory (a `%` GPU budget is a share of it).
+    pub fn largest_total_bytes(&self) -> Option<u64> {
+        self.devices.iter().filter_map(|g| g.total_bytes).max()
+    }
+}
+
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 #[serde(tag = "state", content = "reason", rename_all = "snake_case")]
 pub enum GpuStatus {

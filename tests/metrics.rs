@@ -209,6 +209,11 @@ fn metrics_pass_promtool_and_show_the_host() {
         sample(&text, "gpuguard_nvml_state{state=\"off\"}"),
         Some(0.0)
     );
+    assert_eq!(
+        sample(&text, "gpuguard_nvml_state{state=\"starting\"}"),
+        Some(0.0),
+        "every state status can report has its series"
+    );
     assert!(sample(&text, "gpuguard_sample_duration_seconds_count").unwrap() >= 1.0);
     assert!(text.contains("# TYPE gpuguard_sample_duration_seconds histogram"));
     assert!(text.contains("gpuguard_sample_duration_seconds_bucket{le=\"+Inf\"}"));

@@ -145,24 +145,28 @@ impl Daemon {
         subject
     }
 
+    /// A model's (RAM budget, GPU budget) in bytes, if it has a config.
+    pub(super) fn model_budgets(&self, name: &str) -> (Option<u64>, Option<u64>) {
+        let s = &self.snapshot;
+        crate::policy::model_config(&self.config, &self.state, name).map_or((None, None), |c| {
+            c.budget_bytes(s.host.total_bytes, s.gpus.largest_total_bytes())
+        })
+    }
+
     /// A model's (RAM used, RAM budget, GPU used, GPU budget), in bytes.
     fn model_figures(&self, name: &str) -> (u64, Option<u64>, u64, Option<u64>) {
-        let s = &self.snapshot;
-        let cfg = crate::policy::model_config(&self.config, &self.state, name);
-        let largest_gpu = s.gpus.devices.iter().filter_map(|g| g.total_bytes).max();
         let usage = self
             .state
             .attribution
             .models
             .iter()
             .find(|m| m.name == name);
+        let (ram_budget, gpu_budget) = self.model_budgets(name);
         (
             usage.map_or(0, |m| m.rss_bytes),
-            cfg.and_then(|c| c.ram)
-                .and_then(|a| a.resolve(s.host.total_bytes)),
+            ram_budget,
             usage.map_or(0, |m| m.gpu_total_bytes()),
-            cfg.and_then(|c| c.gpu_memory)
-                .and_then(|a| a.resolve(largest_gpu)),
+            gpu_budget,
         )
     }
 
@@ -178,25 +182,18 @@ impl Daemon {
                 Level::Act => ("floor_act", Severity::Critical),
                 Level::Ok | Level::Unknown => continue,
             };
-            let (available, warn, min) = match resource {
+            let (available, (warn, min)) = match resource {
                 Resource::Ram => (
                     s.host.available_bytes,
-                    c.ram
-                        .warn_available
-                        .and_then(|a| a.resolve(s.host.total_bytes)),
-                    c.ram
-                        .min_available
-                        .and_then(|a| a.resolve(s.host.total_bytes)),
+                    c.ram.floor_bytes(s.host.total_bytes),
                 ),
                 Resource::Gpu(i) => {
                     let Some(g) = s.gpus.devices.iter().find(|g| g.index == *i) else {
                         continue;
                     };
-                    let (warn, min) = c.gpu.floors_for(g.index, &g.uuid);
                     (
                         g.free_bytes,
-                        warn.and_then(|a| a.resolve(g.total_bytes)),
-                        min.and_then(|a| a.resolve(g.total_bytes)),
+                        c.gpu.floor_bytes(g.index, &g.uuid, g.total_bytes),
                     )
                 }
             };

@@ -15,20 +15,15 @@ impl Daemon {
         let s = &self.snapshot;
         let c = &self.config;
         let level = |r: Resource| level_name(self.state.levels.get(&r).copied());
+        let (ram_warn, ram_min) = c.ram.floor_bytes(s.host.total_bytes);
         let memory = MemoryStatus {
             total_bytes: s.host.total_bytes,
             available_bytes: s.host.available_bytes,
             swap_total_bytes: s.host.swap_total_bytes,
             swap_free_bytes: s.host.swap_free_bytes,
             psi_some_avg10: s.host.psi_some_avg10,
-            warn_available_bytes: c
-                .ram
-                .warn_available
-                .and_then(|a| a.resolve(s.host.total_bytes)),
-            min_available_bytes: c
-                .ram
-                .min_available
-                .and_then(|a| a.resolve(s.host.total_bytes)),
+            warn_available_bytes: ram_warn,
+            min_available_bytes: ram_min,
             level: level(Resource::Ram),
         };
         let gpu_protection = match &s.gpus.status {
@@ -58,7 +53,7 @@ impl Daemon {
             .devices
             .iter()
             .map(|g| {
-                let (warn, min) = c.gpu.floors_for(g.index, &g.uuid);
+                let (warn, min) = c.gpu.floor_bytes(g.index, &g.uuid, g.total_bytes);
                 GpuRow {
                     index: g.index,
                     uuid: g.uuid.clone(),
@@ -67,27 +62,20 @@ impl Daemon {
                     used_bytes: g.used_bytes,
                     free_bytes: g.free_bytes,
                     utilization_percent: g.utilization_percent,
-                    warn_free_bytes: warn.and_then(|a| a.resolve(g.total_bytes)),
-                    min_free_bytes: min.and_then(|a| a.resolve(g.total_bytes)),
+                    warn_free_bytes: warn,
+                    min_free_bytes: min,
                     level: level(Resource::Gpu(g.index)),
                     error: g.error.clone(),
                 }
             })
             .collect();
-        let largest_gpu = s.gpus.devices.iter().filter_map(|g| g.total_bytes).max();
         let models = self
             .state
             .attribution
             .models
             .iter()
             .map(|m| {
-                let cfg = crate::policy::model_config(c, &self.state, &m.name);
-                let ram_budget = cfg
-                    .and_then(|c| c.ram)
-                    .and_then(|a| a.resolve(s.host.total_bytes));
-                let gpu_budget = cfg
-                    .and_then(|c| c.gpu_memory)
-                    .and_then(|a| a.resolve(largest_gpu));
+                let (ram_budget, gpu_budget) = self.model_budgets(&m.name);
                 let gpu_bytes = m.gpu_total_bytes();
                 let budget = self.state.budgets.get(&m.name);
                 let state = match budget {

@@ -78,12 +78,8 @@ pub fn admit(
         let Some(available) = host.available_bytes else {
             return wait("MemAvailable is unknown".into());
         };
-        let floor = config
-            .ram
-            .warn_available
-            .or(config.ram.min_available)
-            .and_then(|a| a.resolve(host.total_bytes))
-            .unwrap_or(0);
+        let (warn, min) = config.ram.floor_bytes(host.total_bytes);
+        let floor = warn.or(min).unwrap_or(0);
         let reserved: u64 = loading.iter().map(|r| r.ram_bytes).sum();
         let room = available.saturating_sub(floor).saturating_sub(reserved);
         if room < need.ram_bytes {
@@ -113,11 +109,8 @@ pub fn admit(
         .devices
         .iter()
         .map(|g| {
-            let (warn, min) = config.gpu.floors_for(g.index, &g.uuid);
-            let floor = warn
-                .or(min)
-                .and_then(|a| a.resolve(g.total_bytes))
-                .unwrap_or(0);
+            let (warn, min) = config.gpu.floor_bytes(g.index, &g.uuid, g.total_bytes);
+            let floor = warn.or(min).unwrap_or(0);
             let reserved: u64 = loading
                 .iter()
                 .filter_map(|r| r.gpu_bytes.get(&g.index))

@@ -4,7 +4,7 @@
 use crate::config::{Config, Mode, ModelAction, ModelConfig};
 use crate::snapshot::Snapshot;
 
-use super::victim::{largest_gpu, model_target};
+use super::victim::model_target;
 use super::{action, bytes, event, About, BudgetState, Plan, PolicyState, Severity, Stage, Verb};
 
 pub(super) fn evaluate_budgets(
@@ -28,9 +28,13 @@ pub(super) fn evaluate_budgets(
             continue;
         };
         let usage = &state.attribution.models[index];
+        let (ram_budget, gpu_budget) = model.budget_bytes(
+            snapshot.host.total_bytes,
+            snapshot.gpus.largest_total_bytes(),
+        );
         let mut over = Vec::new();
         let mut ram_over = false;
-        if let Some(budget) = model.ram.and_then(|b| b.resolve(snapshot.host.total_bytes)) {
+        if let Some(budget) = ram_budget {
             if usage.rss_bytes > budget {
                 ram_over = true;
                 over.push(format!(
@@ -40,10 +44,7 @@ pub(super) fn evaluate_budgets(
                 ));
             }
         }
-        if let Some(budget) = model
-            .gpu_memory
-            .and_then(|b| b.resolve(largest_gpu(snapshot)))
-        {
+        if let Some(budget) = gpu_budget {
             let used = usage.gpu_total_bytes();
             if used > budget {
                 let per_gpu: Vec<String> = usage

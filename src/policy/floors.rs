@@ -120,7 +120,7 @@ pub(super) fn readings(config: &Config, snapshot: &Snapshot) -> Vec<Reading> {
             }
         }
     }
-    let warn = ram.warn_available.and_then(|a| a.resolve(host.total_bytes));
+    let (warn, min) = ram.floor_bytes(host.total_bytes);
     if let (Some(limit), Some(psi)) = (ram.psi_some_avg10, host.psi_some_avg10) {
         if psi > limit {
             let text = format!("PSI memory some avg10 {psi:.1}% > {limit:.1}%");
@@ -136,7 +136,7 @@ pub(super) fn readings(config: &Config, snapshot: &Snapshot) -> Vec<Reading> {
         resource: Resource::Ram,
         available: host.available_bytes,
         warn,
-        min: ram.min_available.and_then(|a| a.resolve(host.total_bytes)),
+        min,
         act_because,
         warn_because,
         error: None,
@@ -144,15 +144,18 @@ pub(super) fn readings(config: &Config, snapshot: &Snapshot) -> Vec<Reading> {
         action: ram.action,
     }];
     for gpu in &snapshot.gpus.devices {
-        let (warn, min) = config.gpu.floors_for(gpu.index, &gpu.uuid);
-        if warn.is_none() && min.is_none() {
+        // No floors configured: no reading (an unknown total only makes the floors unknown).
+        if config.gpu.floors_for(gpu.index, &gpu.uuid) == (None, None) {
             continue;
         }
+        let (warn, min) = config
+            .gpu
+            .floor_bytes(gpu.index, &gpu.uuid, gpu.total_bytes);
         out.push(Reading {
             resource: Resource::Gpu(gpu.index),
             available: gpu.free_bytes.filter(|_| gpu.error.is_none()),
-            warn: warn.and_then(|a| a.resolve(gpu.total_bytes)),
-            min: min.and_then(|a| a.resolve(gpu.total_bytes)),
+            warn,
+            min,
             act_because: None,
             warn_because: None,
             error: gpu.error.clone(),

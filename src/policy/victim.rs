@@ -77,27 +77,15 @@ pub(super) fn over_budget(
 ) -> Option<u64> {
     let usage = &state.attribution.models[model];
     let cfg = super::model_config(config, state, &usage.name)?;
+    let (ram_budget, gpu_budget) = cfg.budget_bytes(
+        snapshot.host.total_bytes,
+        snapshot.gpus.largest_total_bytes(),
+    );
     let (used, budget) = match resource {
-        Resource::Ram => (
-            usage.rss_bytes,
-            cfg.ram?.resolve(snapshot.host.total_bytes)?,
-        ),
-        Resource::Gpu(_) => (
-            usage.gpu_total_bytes(),
-            cfg.gpu_memory?.resolve(largest_gpu(snapshot))?,
-        ),
+        Resource::Ram => (usage.rss_bytes, ram_budget?),
+        Resource::Gpu(_) => (usage.gpu_total_bytes(), gpu_budget?),
     };
     used.checked_sub(budget).filter(|&over| over > 0)
-}
-
-/// Percent GPU budgets are a share of the largest GPU on the host.
-pub(super) fn largest_gpu(snapshot: &Snapshot) -> Option<u64> {
-    snapshot
-        .gpus
-        .devices
-        .iter()
-        .filter_map(|g| g.total_bytes)
-        .max()
 }
 
 /// Picks the victim for a floor on `resource`, or `None` if nobody may be touched.
