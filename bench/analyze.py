@@ -4,6 +4,7 @@
   analyze.py reaction ...      one reaction run -> one CSV line (called by reaction-one.sh)
   analyze.py reaction-table F  medians per (hog, rate, agent) of the runs in reaction CSV F
   analyze.py ticks LOG...      histogram / percentiles of gpuguard's `tick took_us=N` debug lines
+                               (and of the scan thread's `scan took_us=N` lines)
 """
 import argparse
 import csv
@@ -13,7 +14,8 @@ import struct
 import sys
 
 FIELDS = ["agent", "rate", "hog", "fill_gibps", "start_mib", "floor_mib", "overshoot_mib", "halt_ms",
-          "recovery_ms", "outcome", "acted"]
+          "recovery_ms", "outcome", "acted", "background"]
+BACKGROUNDS = {"none": 0, "idle1000": 1, "storm": 2}
 
 
 def rate_name(rate):
@@ -55,7 +57,7 @@ def reaction(a):
     acted = "yes" if re.search(r"\b(terminate|kill) (model|pid) .*\(gg_bench_hog\)|sending SIG\w+ to process \d+ .*gg_bench_hog", log) else "no"
     w = csv.writer(sys.stdout)
     w.writerow([a.agent, a.rate, a.hog, fill, f"{a.start / 2**20:.0f}", f"{floor / 2**20:.0f}",
-                f"{overshoot:.0f}", halt, recovery, outcome, acted])
+                f"{overshoot:.0f}", halt, recovery, outcome, acted, a.background])
 
 
 def med(values):
@@ -70,77 +72,109 @@ def fmt(v, unit=""):
 def reaction_table(a):
     with open(a.csv) as f:
         rows = [r for r in csv.DictReader(f, fieldnames=FIELDS) if r["agent"] != "agent"]
+    for r in rows:
+        r["background"] = r.get("background") or "none"  # CSVs from before the column
     # A run measures the agent only if the hog was still growing when MemAvailable crossed the
     # floor. On a shared host, memory freed or taken by others during a run can leave the floor
     # uncrossed (no fill rate) or crossed only after the hog had stopped at its cap (fill 0):
     # those runs are excluded and counted.
+    key = lambda r: (r["background"], r["hog"], float(r["rate"]), r["agent"])
     excluded = {}
-    valid = []
-    for r in rows:
-        if r["fill_gibps"] == "" or float(r["fill_gibps"]) < 0.05:
-            k = (r["hog"], float(r["rate"]), r["agent"])
-            excluded[k] = excluded.get(k, 0) + 1
-        else:
-            valid.append(r)
-    rows = valid
     groups = {}
     for r in rows:
-        groups.setdefault((r["hog"], float(r["rate"]), r["agent"]), []).append(r)
+        if r["fill_gibps"] == "" or float(r["fill_gibps"]) < 0.05:
+            excluded[key(r)] = excluded.get(key(r), 0) + 1
+        else:
+            groups.setdefault(key(r), []).append(r)
     order = {"gpuguard": 0, "earlyoom": 1, "earlyoom-kill": 2}
-    print("| hog | rate | agent | runs (excluded) | fill GiB/s at crossing | halted | overshoot MiB (median) | halt ms (median) | recovery ms (median) | hog ended by |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    keys = sorted(groups, key=lambda k: (k[0] != "term", -k[1] if k[1] else -1e30, order.get(k[2], 9)))
-    for hog, rate, agent in keys:
-        g = groups[(hog, rate, agent)]
+    print("| background | hog | rate | agent | runs (excluded) | fill GiB/s at crossing | halted | overshoot MiB (median) | halt ms (median) | recovery ms (median) | hog ended by |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    keys = sorted(set(groups) | set(excluded), key=lambda k: (BACKGROUNDS.get(k[0], 9), k[1] != "term", -k[2] if k[2] else -1e30, order.get(k[3], 9)))
+    for k in keys:
+        g = groups.get(k, [])
+        background, hog, rate, agent = k
         halted = sum(1 for r in g if r["halt_ms"] != "")
         ends = {}
         for r in g:
             ends[r["outcome"]] = ends.get(r["outcome"], 0) + 1
-        end = ", ".join(f"{k} x{v}" for k, v in sorted(ends.items()))
-        print(f"| {hog} | {rate_name(rate)} | {agent} | {len(g)} ({excluded.get((hog, rate, agent), 0)}) | {fmt(med(r['fill_gibps'] for r in g))} | {halted}/{len(g)} | "
+        end = ", ".join(f"{e} x{v}" for e, v in sorted(ends.items()))
+        print(f"| {background} | {hog} | {rate_name(rate)} | {agent} | {len(g)} ({excluded.get(k, 0)}) | {fmt(med(r['fill_gibps'] for r in g))} | {halted}/{len(g)} | "
               f"{fmt(med(r['overshoot_mib'] for r in g))} | {fmt(med(r['halt_ms'] for r in g))} | "
               f"{fmt(med(r['recovery_ms'] for r in g))} | {end} |")
-    # Target check: gpuguard's median overshoot and halt at most half of earlyoom's (default earlyoom).
+    # Targets (issue 15): a SIGTERM-able hog: gpuguard's median overshoot and halt at most half
+    # of earlyoom's (its default); a hog ignoring SIGTERM: at most those of `earlyoom -M F,F`
+    # (earlyoom-kill), which SIGKILLs at the floor.
     print()
-    for hog in sorted({k[0] for k in keys}, key=lambda h: h != "term"):
-        for rate in sorted({k[1] for k in keys if k[0] == hog}, key=lambda r: -r if r else -1e30):
-            gg, eo = groups.get((hog, rate, "gpuguard")), groups.get((hog, rate, "earlyoom"))
+    cases = sorted({k[:3] for k in groups}, key=lambda c: (BACKGROUNDS.get(c[0], 9), c[1] != "term", -c[2] if c[2] else -1e30))
+    for background, hog, rate in cases:
+        gg = groups.get((background, hog, rate, "gpuguard"))
+        for other, limit in (("earlyoom", 0.5), ("earlyoom-kill", 1.0)):
+            if hog == "ignore-term" and other == "earlyoom":
+                continue  # default earlyoom never SIGKILLs such a hog before its cap (see the table)
+            eo = groups.get((background, hog, rate, other))
             if not gg or not eo:
                 continue
-            for what, key in (("overshoot", "overshoot_mib"), ("halt", "halt_ms")):
-                x, y = med(r[key] for r in gg), med(r[key] for r in eo)
-                if x is None and y is None:
-                    print(f"- {hog}, {rate_name(rate)}, {what}: neither agent halted the hog before its safety cap -> not measurable here (see recovery)")
-                    continue
+            for what, col in (("overshoot", "overshoot_mib"), ("halt", "halt_ms")):
+                x, y = med(r[col] for r in gg), med(r[col] for r in eo)
+                label = f"- {background}, {hog}, {rate_name(rate)}, {what} vs {other}"
                 if x is None or y is None:
-                    verdict = f"gpuguard {fmt(x)} vs earlyoom {fmt(y)} (earlyoom never halted the hog)" if y is None and x is not None else f"gpuguard {fmt(x)} vs earlyoom {fmt(y)}"
-                    ok = y is None and x is not None
-                else:
-                    ok = x <= y / 2
-                    verdict = f"gpuguard {fmt(x)} vs earlyoom {fmt(y)}: ratio {x / y:.2f}" if y else f"gpuguard {fmt(x)} vs earlyoom {fmt(y)}"
-                print(f"- {hog}, {rate_name(rate)}, {what}: {verdict} -> {'MET' if ok else 'MISSED'} (target <= 0.5)")
+                    ok = x is not None
+                    print(f"{label}: gpuguard {fmt(x)} vs {fmt(y)} -> {'MET' if ok else 'MISSED'} (target <= {limit}x)")
+                    continue
+                ok = x <= y * limit
+                ratio = f"ratio {x / y:.2f}" if y else "ratio -"
+                print(f"{label}: gpuguard {fmt(x)} vs {fmt(y)}: {ratio} -> {'MET' if ok else 'MISSED'} (target <= {limit}x)")
+    # During a fork storm, gpuguard should react as on a quiet host.
+    for hog, rate in sorted({(k[1], k[2]) for k in groups}):
+        quiet, storm = groups.get(("none", hog, rate, "gpuguard")), groups.get(("storm", hog, rate, "gpuguard"))
+        if quiet and storm:
+            print(f"- gpuguard, {hog}, {rate_name(rate)}: halt {fmt(med(r['halt_ms'] for r in quiet))} ms quiet vs "
+                  f"{fmt(med(r['halt_ms'] for r in storm))} ms in a fork storm; overshoot "
+                  f"{fmt(med(r['overshoot_mib'] for r in quiet))} vs {fmt(med(r['overshoot_mib'] for r in storm))} MiB")
+
+
+def percentiles(label, name, v):
+    v = sorted(v)
+    if not v:
+        return
+    q = lambda p: v[min(len(v) - 1, int(p * len(v)))]
+    print(f"| {label} | {name} | {len(v)} | {q(0.5)} | {q(0.9)} | {q(0.99)} | {v[-1]} |")
 
 
 def ticks(a):
-    pat = re.compile(r"took_us=(\d+) scan=(true|false)")
+    pat = re.compile(r"tick took_us=(\d+) scan=(true|false)")
+    scan_pat = re.compile(r"scan took_us=(\d+) listed=(\d+) new=(\d+) refreshed=(\d+).* full=(true|false)")
     for path in a.logs:
         vals = {"all": [], "true": [], "false": []}
+        scans = {"true": [], "false": []}
+        listed, new, refreshed = [], [], []
         for line in open(path, errors="replace"):
             m = pat.search(line)
             if m:
                 v = int(m.group(1))
                 vals["all"].append(v)
                 vals[m.group(2)].append(v)
+                continue
+            m = scan_pat.search(line)
+            if m:
+                scans[m.group(5)].append(int(m.group(1)))
+                listed.append(int(m.group(2)))
+                new.append(int(m.group(3)))
+                refreshed.append(int(m.group(4)))
         label = a.label or path
         print(f"{label}:")
         print("| ticks | scan | n | p50 µs | p90 µs | p99 µs | max µs |")
         print("|---|---|---|---|---|---|---|")
-        for k, name in (("all", "all"), ("false", "no scan"), ("true", "scan")):
-            v = sorted(vals[k])
-            if not v:
-                continue
-            q = lambda p: v[min(len(v) - 1, int(p * len(v)))]
-            print(f"| {label} | {name} | {len(v)} | {q(0.5)} | {q(0.9)} | {q(0.99)} | {v[-1]} |")
+        for k, name in (("all", "all"), ("false", "no new table"), ("true", "new table merged")):
+            percentiles(label, name, vals[k])
+        if scans["true"] or scans["false"]:
+            print("\nscan rounds on the scan thread (not in the tick):")
+            print("| rounds | kind | n | p50 µs | p90 µs | p99 µs | max µs |")
+            print("|---|---|---|---|---|---|---|")
+            percentiles(label, "partial", scans["false"])
+            percentiles(label, "full", scans["true"])
+            mean = lambda x: sum(x) / len(x) if x else 0
+            print(f"\nper round (mean): {mean(listed):.0f} pids listed, {mean(new):.1f} new, {mean(refreshed):.1f} re-read")
         v = vals["all"]
         if v:
             edges = [25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000]
@@ -163,6 +197,7 @@ def main():
     r = sub.add_parser("reaction")
     for k in ("samples", "status", "agent", "hog", "agent_log"):
         r.add_argument("--" + k.replace("_", "-"), required=True)
+    r.add_argument("--background", default="none")
     for k in ("floor", "rate", "hog_rc", "start"):
         r.add_argument("--" + k.replace("_", "-"), type=int, required=True)
     t = sub.add_parser("reaction-table")

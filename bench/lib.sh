@@ -2,11 +2,12 @@
 BENCH_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO_DIR=$(cd "$BENCH_DIR/.." && pwd)
 BUILD_DIR="$BENCH_DIR/build"
-export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/tmp/target-bench}
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$REPO_DIR/target}
 GPUGUARD=${GPUGUARD:-$CARGO_TARGET_DIR/release/gpuguard}
 EARLYOOM=${EARLYOOM:-$(command -v earlyoom || echo /usr/bin/earlyoom)}
 HOG="$BUILD_DIR/gg_bench_hog"       # its comm is "gg_bench_hog": the only thing any agent may pick
 SAMPLER="$BUILD_DIR/sampler"
+STORM="$BUILD_DIR/gg_bench_storm"    # fork storm (bench/storm.c)
 LOCK=/tmp/gpuguard-memory-pressure.lock  # shared with the project's memory-pressure tests
 GIB=$((1 << 30))
 MIB=$((1 << 20))
@@ -48,6 +49,32 @@ build_tools() {
     mkdir -p "$BUILD_DIR"
     gcc -O2 -Wall -o "$HOG" "$BENCH_DIR/hog.c"
     gcc -O2 -Wall -o "$SAMPLER" "$BENCH_DIR/sampler.c"
+    gcc -O2 -Wall -o "$STORM" "$BENCH_DIR/storm.c"
     gcc -shared -fPIC -O2 -pthread -Wl,-soname,libnvidia-ml.so.1 -Wl,-z,nodelete \
         -o "$BUILD_DIR/libnvidia-ml.so.1" "$REPO_DIR/tests/fake_nvml/fake_nvml.c"
+}
+
+# Background load for a case: "none", "idle1000" (1000 idle `sleep` processes) or "storm" (a fork
+# storm: up to 400 short-lived processes at once, each living ~200 ms, ~2000 new ones a second,
+# on top of the 1000 idle ones). start_background NAME fills BACKGROUND_PIDS; stop_background
+# kills them (ours only).
+BACKGROUND_PIDS=()
+start_background() {
+    local i
+    case $1 in
+    none) ;;
+    idle1000 | storm)
+        for ((i = 0; i < 1000; i++)); do sleep 100000 & BACKGROUND_PIDS+=($!); done
+        if [[ $1 == storm ]]; then
+            "$STORM" --live 400 --life-ms 200 >/dev/null &
+            BACKGROUND_PIDS+=($!)
+        fi
+        ;;
+    *) echo "unknown background $1" >&2; return 2 ;;
+    esac
+    sleep 1
+}
+stop_background() {
+    kill_pids "${BACKGROUND_PIDS[@]}"
+    BACKGROUND_PIDS=()
 }

@@ -1,42 +1,51 @@
 #!/usr/bin/env bash
-# overhead.sh: what each agent costs while nothing happens.
+# overhead.sh: what each agent costs while nothing happens (and while memory sits near a floor).
 #
 #   bench/overhead.sh [RESULTS_DIR]      (env: SECONDS_PER_CASE=60)
 #
 # Cases, each over SECONDS_PER_CASE after a 3 s warm-up, agents side by side in the same window:
-#   idle        gpuguard and earlyoom, no memory pressure
-#   1000 procs  the same with 1000 idle `sleep` processes on the host (started and killed here)
-#   8 GPUs      gpuguard alone, fake NVML (tests/fake_nvml) with 8 GPUs x 16 processes (pids of
-#               128 of the sleeps), and the 1000 sleeps still there
+#   idle          gpuguard and earlyoom, no memory pressure
+#   1000 procs    the same with 1000 idle `sleep` processes on the host (started and killed here)
+#   near floor    the same, 1000 procs, and MemAvailable held between the warn and act floors: a
+#                 hog holds 1 GiB, floors: act = start - 1.5 GiB, warn = start - 0.5 GiB (earlyoom
+#                 -M at the act floor). Holds the memory-pressure flock.
+#   8 GPUs        gpuguard alone, fake NVML (tests/fake_nvml) with 8 GPUs x 16 processes (pids of
+#                 128 of the sleeps), and the 1000 sleeps still there
+#   lock-memory   the 8 GPU case with `--lock-memory` (mlockall), as the systemd unit runs it
 # Per agent: CPU = utime+stime from /proc/PID/stat (clock ticks) over the window, as % of one core;
 # peak RSS = VmHWM at the end. Both agents use their stock intervals; floors 5 % (earlyoom -m 5,
-# gpuguard min_available 5 %, warn 10 %, its defaults); earlyoom runs --dryrun and gpuguard with
-# candidates = "models" (a model no process matches), so neither can touch anything.
-# No memory pressure here, so no lock. Output: RESULTS_DIR/overhead.md (a table, also on stdout).
+# gpuguard min_available 5 %, warn 10 %, its defaults) except near the floor; earlyoom runs
+# --dryrun and gpuguard with candidates = "models" (a model no process matches, and the hog), so
+# neither can touch anything but the hog. Output: RESULTS_DIR/overhead.md (also on stdout).
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 out=${1:-$BENCH_DIR/results/$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$out"
 window=${SECONDS_PER_CASE:-60}
 [[ -x $GPUGUARD ]] || { echo "build gpuguard first: cargo build --release" >&2; exit 1; }
-[[ -f $BUILD_DIR/libnvidia-ml.so.1 ]] || build_tools
+[[ -f $BUILD_DIR/libnvidia-ml.so.1 && -x $HOG ]] || build_tools
 hz=$(getconf CLK_TCK)
 
 work=$(mktemp -d /tmp/gg-bench-overhead.XXXXXX)
-sleeps=() agents=()
-cleanup() { kill_pids "${agents[@]}" "${sleeps[@]}"; rm -rf "$work"; }
+sleeps=() agents=() hog=
+cleanup() { kill_pids "${agents[@]}" "$hog" "${sleeps[@]}"; rm -rf "$work"; }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-gpuguard_config() { # $1: file, $2: extra TOML for [gpu]
+gpuguard_config() { # $1: file, $2: extra TOML for [gpu], $3: min, $4: warn (bytes; default 5 %/10 %)
+    local min=${3:-} warn=${4:-}
+    [[ -n $min ]] || min='"5%"'
+    [[ -n $warn ]] || warn='"10%"'
     cat >"$1" <<TOML
 [daemon]
 state_dir = "$work/state-$RANDOM"
 candidates = "models"
 [ram]
-min_available = "5%"
-warn_available = "10%"
+min_available = $min
+warn_available = $warn
 $2
+[launch]
+socket = "$work/sock-$RANDOM"
 [[model]]
 name = "nothing"
 match = { comm = "gg_bench_none" }
@@ -60,11 +69,15 @@ measure() {
     agents=()
 }
 
-start_pair() {
-    gpuguard_config "$work/gg.toml" $'[gpu]\nenabled = false'
+start_pair() { # [$1 min bytes, $2 warn bytes]: floors near the memory in use; default 5 %/10 %
+    gpuguard_config "$work/gg.toml" $'[gpu]\nenabled = false' "${1:-}" "${2:-}"
     "$GPUGUARD" daemon --config "$work/gg.toml" 2>"$work/gg.log" &
     agents=($!)
-    "$EARLYOOM" -m 5 -s 100 -r 0 --dryrun >"$work/eo.log" 2>&1 &
+    if [[ -n ${1:-} ]]; then
+        "$EARLYOOM" -M "$(($1 / 1024))" -s 100 -r 0 --dryrun >"$work/eo.log" 2>&1 &
+    else
+        "$EARLYOOM" -m 5 -s 100 -r 0 --dryrun >"$work/eo.log" 2>&1 &
+    fi
     agents+=($!)
     names=(gpuguard earlyoom)
 }
@@ -82,6 +95,23 @@ for ((i = 0; i < 1000; i++)); do sleep 100000 & sleeps+=($!); done
 start_pair
 measure "1000 procs"
 
+# Near the floor: the hog and both agents under the memory-pressure flock.
+exec 9>"$LOCK"
+flock 9
+start=$(mem_available_bytes)
+min=$((start - 3 * GIB / 2)) warn=$((start - GIB / 2))
+"$HOG" --cap "$GIB" --hold $((window + 30)) &
+hog=$!
+sleep 2
+start_pair "$min" "$warn"
+measure "near floor (between warn and act), 1000 procs"
+grep -q "floor_warn" "$work/gg.log" || echo "WARNING: the near-floor case never reached warn" >&2
+grep -q "floor_act" "$work/gg.log" && echo "WARNING: the near-floor case crossed the act floor" >&2
+kill_pids "$hog"
+hog=
+flock -u 9
+exec 9>&-
+
 {
     echo "driver_version 550.54.15"
     for ((g = 0; g < 8; g++)); do
@@ -89,11 +119,12 @@ measure "1000 procs"
         for ((p = 0; p < 16; p++)); do echo "process $g ${sleeps[g * 16 + p]} 2684354560"; done
     done
 } >"$work/nvml.state"
-gpuguard_config "$work/gg-gpu.toml" "[gpu]
+gpu_toml="[gpu]
 enabled = true
 nvml_library = \"$BUILD_DIR/libnvidia-ml.so.1\"
 warn_free = \"4GiB\"
 min_free = \"2GiB\""
+gpuguard_config "$work/gg-gpu.toml" "$gpu_toml"
 FAKE_NVML_STATE="$work/nvml.state" "$GPUGUARD" daemon --config "$work/gg-gpu.toml" 2>"$work/gg-gpu.log" &
 agents=($!)
 names=(gpuguard)
@@ -101,4 +132,12 @@ measure "8 fake GPUs x 16 procs, 1000 procs"
 if ! grep -q "GPU protection on: 8 GPU" "$work/gg-gpu.log"; then
     echo "WARNING: gpuguard did not report 8 GPUs:" >&2; cat "$work/gg-gpu.log" >&2
 fi
+
+gpuguard_config "$work/gg-lock.toml" "$gpu_toml"
+FAKE_NVML_STATE="$work/nvml.state" "$GPUGUARD" daemon --config "$work/gg-lock.toml" --lock-memory \
+    2>"$work/gg-lock.log" &
+agents=($!)
+names=(gpuguard)
+measure "--lock-memory, 8 fake GPUs x 16 procs, 1000 procs"
+grep -q "memory locked" "$work/gg-lock.log" || { echo "WARNING: memory not locked:" >&2; cat "$work/gg-lock.log" >&2; }
 cp "$work"/*.log "$out/" 2>/dev/null || true

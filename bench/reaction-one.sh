@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # reaction-one.sh: ONE reaction run: an agent, a hog filling RAM, a 1 ms MemAvailable sampler.
 #
-#   flock /tmp/gpuguard-memory-pressure.lock bench/reaction-one.sh AGENT RATE HOG OUT_CSV
+#   flock /tmp/gpuguard-memory-pressure.lock bench/reaction-one.sh AGENT RATE HOG OUT_CSV [BACKGROUND]
 #
 # AGENT: gpuguard | earlyoom (SIGTERM at the floor, SIGKILL at half of it: its default)
 #        | earlyoom-kill (-M FLOOR,FLOOR: SIGKILL at the floor)
 # RATE: hog fill rate in bytes/s, 0 = as fast as it can.  HOG: term | ignore-term.
+# BACKGROUND: the label of what reaction.sh runs beside it (none, idle1000, storm), for the CSV.
 # The floor is MemAvailable at start minus 1.5 GiB; the hog stops by itself 1 GiB below the floor.
 # Appends one CSV line to OUT_CSV (see analyze.py). Must run under the flock (run via reaction.sh).
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
-agent=$1 rate=$2 hogkind=$3 out=$4
+agent=$1 rate=$2 hogkind=$3 out=$4 background=${5:-none}
 
 work=$(mktemp -d /tmp/gg-bench-reaction.XXXXXX)
 agent_pid= sampler_pid= hog_pid=
@@ -45,11 +46,13 @@ warn_available = $warn
 action = "kill"
 [gpu]
 enabled = false
+[launch]
+socket = "$work/gpuguard.sock"
 [[model]]
 name = "bench-hog"
 match = { comm = "gg_bench_hog", cmdline = '^\S*/gg_bench_hog( |$)' }
 TOML
-    GPUGUARD_LOG=info "$GPUGUARD" daemon --config "$work/gpuguard.toml" >"$work/agent.log" 2>&1 &
+    GPUGUARD_LOG=${BENCH_GPUGUARD_LOG:-info} "$GPUGUARD" daemon --config "$work/gpuguard.toml" >"$work/agent.log" 2>&1 &
     agent_pid=$!
     wait_for_line "$work/agent.log" "started" 10 || { cat "$work/agent.log" >&2; exit 1; }
     ;;
@@ -87,4 +90,4 @@ sampler_pid=
 
 python3 "$BENCH_DIR/analyze.py" reaction --samples "$work/samples.csv" --status "$work/hog.status" \
     --floor "$floor" --agent "$agent" --rate "$rate" --hog "$hogkind" --hog-rc "$hog_rc" \
-    --start "$start" --agent-log "$work/agent.log" >>"$out"
+    --start "$start" --agent-log "$work/agent.log" --background "$background" >>"$out"

@@ -8,6 +8,10 @@
 #              start - 0.5 GiB, hog holds 1 GiB): fast ticks and a full scan every 100 ms. Holds
 #              the memory-pressure flock.
 #   8 GPUs     idle, plus fake NVML with 8 GPUs x 16 processes (tests/fake_nvml)
+#   fork storm idle, with a fork storm on top of the 1000 sleeps: up to 400 short-lived processes
+#              at once, each living ~200 ms (bench/storm.c)
+# The scan runs on a thread of its own: a tick only merges the table it sent (`scan=true` below
+# means a new table was merged in that tick); the scan rounds' own durations are listed too.
 #
 #   bench/ticks.sh [RESULTS_DIR]      (env: TICK_SECONDS=30)
 # Output: RESULTS_DIR/ticks.md (percentiles and histograms, also on stdout).
@@ -17,11 +21,11 @@ out=${1:-$BENCH_DIR/results/$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$out"
 secs=${TICK_SECONDS:-30}
 [[ -x $GPUGUARD ]] || { echo "build gpuguard first: cargo build --release" >&2; exit 1; }
-[[ -x $HOG && -f $BUILD_DIR/libnvidia-ml.so.1 ]] || build_tools
+[[ -x $HOG && -x $STORM && -f $BUILD_DIR/libnvidia-ml.so.1 ]] || build_tools
 
 work=$(mktemp -d /tmp/gg-bench-ticks.XXXXXX)
-sleeps=() gg= hog=
-cleanup() { kill_pids "$gg" "$hog" "${sleeps[@]}"; rm -rf "$work"; }
+sleeps=() gg= hog= storm=
+cleanup() { kill_pids "$gg" "$hog" "$storm" "${sleeps[@]}"; rm -rf "$work"; }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
@@ -36,6 +40,8 @@ candidates = "models"
 min_available = $2
 warn_available = $3
 $4
+[launch]
+socket = "$work/sock-$RANDOM"
 [[model]]
 name = "bench-hog"
 match = { comm = "gg_bench_hog", cmdline = '^\S*/gg_bench_hog( |$)' }
@@ -93,4 +99,14 @@ min_free = \"2GiB\""
 run_gg "$work/gpu.toml" "$work/gpu.log" FAKE_NVML_STATE="$work/nvml.state"
 python3 "$BENCH_DIR/analyze.py" ticks --label "8 fake GPUs x 16 procs, 1000 procs" "$work/gpu.log" | tee -a "$out/ticks.md"
 grep -o "gpu_sample_us=[0-9]*" "$work/gpu.log" | sort -t= -k2 -n | awk -F= '{v[NR]=$2} END {if (NR) printf "gpu_sample_us: n=%d p50=%d p99=%d max=%d\n\n", NR, v[int(NR*0.5)+1], v[int(NR*0.99)+1], v[NR]}' | tee -a "$out/ticks.md"
+echo "starting a fork storm" >&2
+"$STORM" --live 400 --life-ms 200 >"$work/storm.count" &
+storm=$!
+sleep 1
+run_gg "$work/idle.toml" "$work/storm.log"
+kill -TERM "$storm"
+wait "$storm" || true
+storm=
+python3 "$BENCH_DIR/analyze.py" ticks --label "fork storm, 1000 procs" "$work/storm.log" | tee -a "$out/ticks.md"
+echo "fork storm: $(cat "$work/storm.count") processes started in about $((secs + 1)) s" | tee -a "$out/ticks.md"
 cp "$work"/*.log "$out/" 2>/dev/null || true

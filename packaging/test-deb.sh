@@ -267,6 +267,7 @@ expect_prop Restart always
 expect_prop WatchdogUSec 30s
 expect_prop OOMScoreAdjust -1000
 expect_prop LimitMEMLOCK infinity
+expect_prop LimitNOFILE 65536
 expect_prop CapabilityBoundingSet cap_kill
 expect_prop RuntimeDirectoryMode 0755
 # Nothing hides /proc entries or GPU devices.
@@ -339,10 +340,12 @@ wait_for 10 "the victim running" in_guest systemctl is-active --quiet gpuguard-e
 # The edit the upgrade below must keep.
 in_guest sh -c "cat >>$CONFIG" <<'EOF'
 
-# Added by packaging/test-deb.sh: the victim, a model with a tiny RAM budget.
+# Added by packaging/test-deb.sh: the victim, a model with a tiny RAM budget. A model only
+# claims processes of its users (default: system accounts), so it names nobody.
 [[model]]
 name = "e2e-victim"
 match = { cmdline = "gpuguard-e2e-victim" }
+users = ["nobody"]
 ram = "1MiB"
 action = "kill"
 grace = "1s"

@@ -9,10 +9,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use regex::Regex;
-use serde::{Deserialize, Deserializer};
+use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::policy::Severity;
-use crate::units::{duration, Amount};
+use crate::units::{duration, fmt_bytes, Amount};
 
 /// A config that could not be loaded: which file, which key, what is wrong with the value.
 #[derive(Debug)]
@@ -61,6 +61,82 @@ pub struct Config {
     pub metrics: MetricsConfig,
     #[serde(default)]
     pub alert: AlertConfig,
+    #[serde(default)]
+    pub clients: ClientsConfig,
+    #[serde(default)]
+    pub permits: PermitsConfig,
+}
+
+/// `[clients]`: what the users of the socket may hold at once. Every cap bounds the daemon's
+/// memory and file descriptors whatever local users do.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClientsConfig {
+    /// Socket connections at once, all users together; beyond it new ones are closed at once.
+    pub max_connections: usize,
+    /// Socket connections at once per uid (root included).
+    pub max_connections_per_uid: usize,
+    /// Launches per uid, waiting in the queue or loading.
+    pub max_launches_per_uid: usize,
+    /// Launched models per uid whose process still runs (each lease keeps a pidfd).
+    pub max_leases_per_uid: usize,
+    /// Launched models whose process still runs, all users together.
+    pub max_leases: usize,
+    /// A connection that holds nothing and sends nothing for this long is closed.
+    #[serde(with = "duration")]
+    pub idle_timeout: Duration,
+}
+
+impl Default for ClientsConfig {
+    fn default() -> Self {
+        ClientsConfig {
+            max_connections: 256,
+            max_connections_per_uid: 64,
+            max_launches_per_uid: 8,
+            max_leases_per_uid: 32,
+            max_leases: 256,
+            idle_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// `[permits]`: memory permits (`gpuguard permit`, the Python client): the defaults and caps of
+/// what a request may ask for.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PermitsConfig {
+    /// How long a request waits when it names no timeout.
+    #[serde(with = "duration")]
+    pub default_timeout: Duration,
+    /// The longest a request may wait, whatever it asks.
+    #[serde(with = "duration")]
+    pub max_timeout: Duration,
+    /// How long a permit may be held when the request names no TTL; past it, it is revoked.
+    #[serde(with = "duration")]
+    pub default_ttl: Duration,
+    /// The longest TTL a request may ask for.
+    #[serde(with = "duration")]
+    pub max_ttl: Duration,
+    /// Requests waiting per model (and in the host-wide pool); beyond it, refused at once.
+    pub queue: usize,
+    /// Permits held plus requests waiting, per uid (root included).
+    pub max_per_uid: usize,
+    /// Permits held plus requests waiting, all users together.
+    pub max_total: usize,
+}
+
+impl Default for PermitsConfig {
+    fn default() -> Self {
+        PermitsConfig {
+            default_timeout: Duration::from_secs(30),
+            max_timeout: Duration::from_secs(600),
+            default_ttl: Duration::from_secs(600),
+            max_ttl: Duration::from_secs(3600),
+            queue: 256,
+            max_per_uid: 1024,
+            max_total: 4096,
+        }
+    }
 }
 
 /// `[metrics]`: the Prometheus endpoint.
@@ -197,8 +273,23 @@ impl fmt::Debug for WebhookConfig {
     }
 }
 
+/// Config enums print as they are written in the config (`enforce`, not `Enforce`).
+macro_rules! display_as_written {
+    ($($name:ident),*) => {$(
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                match serde_json::to_value(self) {
+                    Ok(serde_json::Value::String(s)) => f.write_str(&s),
+                    _ => write!(f, "{self:?}"),
+                }
+            }
+        }
+    )*};
+}
+display_as_written!(Mode, Candidates, FloorAction, ModelAction);
+
 /// `observe` decides, logs and alerts, but never signals a process.
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
     #[default]
@@ -207,7 +298,7 @@ pub enum Mode {
 }
 
 /// Which processes may be chosen as a victim when a floor is crossed.
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum Candidates {
     /// Any process that is not protected (like the kernel OOM killer, but earlier).
@@ -235,6 +326,9 @@ pub struct DaemonConfig {
     /// After SIGTERM, how long a victim gets before SIGKILL.
     #[serde(with = "duration")]
     pub term_grace: Duration,
+    /// After SIGTERM, a victim whose own memory grows by more than this is not shutting down:
+    /// SIGKILL at once, without waiting out `term_grace` (a size, or a share of MemTotal).
+    pub term_max_growth: Amount,
     /// The longest a process stays SIGSTOPped by gpuguard before it is killed.
     #[serde(with = "duration")]
     pub max_stop: Duration,
@@ -257,6 +351,7 @@ impl Default for DaemonConfig {
             state_dir: PathBuf::from("/var/lib/gpuguard"),
             candidates: Candidates::Any,
             term_grace: Duration::from_secs(1),
+            term_max_growth: Amount::Bytes(8 << 20),
             max_stop: Duration::from_secs(300),
             settle: Duration::from_secs(2),
             kill_timeout: Duration::from_secs(10),
@@ -281,6 +376,12 @@ pub struct LaunchConfig {
     /// How long a launch may wait in the queue before it fails (default for --queue-timeout).
     #[serde(with = "duration")]
     pub queue_timeout: Duration,
+    /// The longest --ready-timeout a launch may ask for.
+    #[serde(with = "duration")]
+    pub max_ready_timeout: Duration,
+    /// The longest --queue-timeout a launch may ask for.
+    #[serde(with = "duration")]
+    pub max_queue_timeout: Duration,
 }
 
 impl Default for LaunchConfig {
@@ -291,12 +392,14 @@ impl Default for LaunchConfig {
             settle: Duration::from_secs(10),
             ready_timeout: Duration::from_secs(600),
             queue_timeout: Duration::from_secs(1800),
+            max_ready_timeout: Duration::from_secs(7200),
+            max_queue_timeout: Duration::from_secs(86400),
         }
     }
 }
 
 /// What gpuguard does to the chosen victim when a floor is crossed.
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum FloorAction {
     /// Only alert.
@@ -413,30 +516,62 @@ impl GpuConfig {
 
     /// The (warn, min) floors for one GPU, overrides first.
     pub fn floors_for(&self, index: u32, uuid: &str) -> (Option<Amount>, Option<Amount>) {
+        self.with_override(self.override_index(index, uuid))
+    }
+
+    /// The (warn, min) floors of the GPU a `[[gpu.device]] gpu` names.
+    fn floors_for_id(&self, id: &str) -> (Option<Amount>, Option<Amount>) {
+        self.with_override(self.devices.iter().position(|d| d.gpu == id))
+    }
+
+    /// The `[[gpu.device]]` that applies to a GPU, by index or uuid (an empty uuid matches none).
+    fn override_index(&self, index: u32, uuid: &str) -> Option<usize> {
         let index = index.to_string();
-        match self
-            .devices
+        self.devices
             .iter()
-            .find(|d| d.gpu == index || d.gpu == uuid)
-        {
+            .position(|d| d.gpu == index || (!uuid.is_empty() && d.gpu == uuid))
+    }
+
+    fn with_override(&self, device: Option<usize>) -> (Option<Amount>, Option<Amount>) {
+        match device.map(|i| &self.devices[i]) {
             Some(o) => (o.warn_free.or(self.warn_free), o.min_free.or(self.min_free)),
             None => (self.warn_free, self.min_free),
         }
     }
 }
 
+impl GpuOverride {
+    /// True if this override sets `field` (`warn_free` or `min_free`) itself.
+    fn has(&self, field: &str) -> bool {
+        match field {
+            "warn_free" => self.warn_free.is_some(),
+            _ => self.min_free.is_some(),
+        }
+    }
+}
+
 /// Processes never to touch. `pid 1`, kernel threads and gpuguard itself are always protected.
+///
+/// A process chooses its own name and command line (`prctl(PR_SET_NAME, "sshd")`), so the
+/// `comm` and `cmdline` rules (the built-in list too) protect only processes of root and the
+/// system accounts (uid below 1000): a user's hog named `sshd` is an ordinary candidate. What
+/// users cannot fake: their uid (`users`), and the cgroup systemd put a service in (`units`,
+/// `cgroups`).
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ProtectConfig {
     /// Include the built-in list (sshd, systemd*, cloud guest agents, nvidia-persistenced, ...).
     pub defaults: bool,
-    /// More process names (`comm`); a trailing `*` matches a prefix.
+    /// More process names (`comm`); a trailing `*` matches a prefix. System uids only.
     pub comm: Vec<String>,
-    /// Regexes over the full command line.
+    /// Regexes over the full command line. System uids only.
     pub cmdline: Vec<Pattern>,
     /// Users whose processes are never touched.
     pub users: Vec<User>,
+    /// systemd units whose processes are never touched (`ssh.service`, `ml.slice/x.service`).
+    pub units: Vec<String>,
+    /// cgroup v2 path prefixes whose processes are never touched.
+    pub cgroups: Vec<String>,
 }
 
 impl Default for ProtectConfig {
@@ -446,6 +581,8 @@ impl Default for ProtectConfig {
             comm: Vec::new(),
             cmdline: Vec::new(),
             users: Vec::new(),
+            units: Vec::new(),
+            cgroups: Vec::new(),
         }
     }
 }
@@ -475,8 +612,21 @@ pub const DEFAULT_PROTECTED_COMM: &[&str] = &[
 ];
 
 impl ProtectConfig {
-    /// True if a process with this name, uid and command line must never be touched.
-    pub fn protects(&self, comm: &str, uid: u32, cmdline: &str) -> bool {
+    /// True if a process with this name, uid, command line and cgroup must never be touched.
+    pub fn protects(&self, comm: &str, uid: u32, cmdline: &str, cgroup: &str) -> bool {
+        if self.users.iter().any(|u| u.uid == uid)
+            || self
+                .units
+                .iter()
+                .any(|u| cgroup_has_prefix(cgroup, &unit_cgroup(u)))
+            || self.cgroups.iter().any(|c| cgroup_has_prefix(cgroup, c))
+        {
+            return true;
+        }
+        // Names and command lines are the process's own choice: trusted from system uids only.
+        if uid >= FIRST_USER_UID {
+            return false;
+        }
         let builtin = if self.defaults {
             DEFAULT_PROTECTED_COMM
         } else {
@@ -488,7 +638,6 @@ impl ProtectConfig {
             .chain(self.comm.iter().map(String::as_str))
             .any(|p| comm_matches(p, comm))
             || self.cmdline.iter().any(|p| p.0.is_match(cmdline))
-            || self.users.iter().any(|u| u.uid == uid)
     }
 }
 
@@ -502,7 +651,7 @@ pub fn comm_matches(pattern: &str, comm: &str) -> bool {
 }
 
 /// What gpuguard does to a model that stays over its budget longer than its `grace`.
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq, PartialOrd, Ord)]
 #[serde(rename_all = "lowercase")]
 pub enum ModelAction {
     #[default]
@@ -530,9 +679,91 @@ pub struct ModelConfig {
     /// Higher is more important: lower priorities are chosen as victims first.
     #[serde(default)]
     pub priority: i32,
+    /// The users whose processes may belong to the model, and who may launch it or take permits
+    /// for it. Unset: the `match.user`, else only root and system accounts (uid below 1000),
+    /// which no unprivileged user can become: a user cannot join or steer a model by naming a
+    /// process like its server.
+    pub users: Option<Vec<User>>,
+    /// At most this many permits held at once (for those who think in slots); unset: no limit.
+    pub max_permits: Option<u32>,
+    /// The GPU memory of a permit that names no size, until the observed p95 per permit is known.
+    pub permit_gpu_memory: Option<Amount>,
+    /// The model server's Prometheus endpoint (vLLM's `/metrics`), on loopback, plain http:
+    /// scraped for its own limits (KV cache, running and waiting requests, preemptions).
+    #[serde(default)]
+    pub metrics_url: Option<String>,
+}
+
+/// Below this a uid is root or a system account (Debian's `SYS_UID_MAX` is 999): users cannot
+/// get one, so what they run can be trusted with a name.
+pub const FIRST_USER_UID: u32 = 1000;
+
+/// Who may run a model's processes and act for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Users {
+    /// Root and the system accounts.
+    System,
+    /// These uids (root is always allowed to act, but its processes join only if listed or
+    /// when the list is `System`).
+    Only(Vec<u32>),
+}
+
+impl Users {
+    /// True if a process of `uid` may belong to the model.
+    pub fn member(&self, uid: u32) -> bool {
+        match self {
+            Users::System => uid < FIRST_USER_UID,
+            Users::Only(uids) => uids.contains(&uid),
+        }
+    }
+
+    /// True if a client of `uid` may launch the model or take its permits.
+    pub fn may_act(&self, uid: u32) -> bool {
+        uid == 0 || self.member(uid)
+    }
+}
+
+/// A model server's metrics URL must be plain `http://` on a loopback address (the daemon is
+/// root and fetches it; a URL from a client must not reach anywhere else).
+pub fn check_metrics_url(url: &str) -> Result<(), String> {
+    let bad = |why: &str| Err(format!("'{url}' {why}"));
+    let Ok(uri) = url.parse::<ureq::http::Uri>() else {
+        return bad("is not a URL");
+    };
+    if uri.scheme_str() != Some("http") {
+        return bad("must be an http:// URL (the engine's metrics on this host)");
+    }
+    let Some(authority) = uri.authority() else {
+        return bad("has no host");
+    };
+    if authority.as_str().contains('@') {
+        return bad("must not hold credentials");
+    }
+    let host = authority
+        .host()
+        .trim_start_matches('[')
+        .trim_end_matches(']');
+    let loopback = host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    if !loopback {
+        return bad("must be on a loopback address (127.0.0.1, [::1] or localhost)");
+    }
+    Ok(())
 }
 
 impl ModelConfig {
+    /// Who may run the model's processes and act for it (see `users`).
+    pub fn allowed_users(&self) -> Users {
+        match (&self.users, &self.matcher.user) {
+            (Some(list), _) => Users::Only(list.iter().map(|u| u.uid).collect()),
+            // A model matched by user is that user's.
+            (None, Some(user)) => Users::Only(vec![user.uid]),
+            (None, None) => Users::System,
+        }
+    }
+
     /// The (RAM, GPU memory) budgets in bytes: a `%` RAM budget is a share of MemTotal
     /// (`host_total`), a `%` GPU budget a share of the largest GPU (`largest_gpu`).
     pub fn budget_bytes(
@@ -561,7 +792,8 @@ pub struct Matcher {
     /// Process name (`comm`); a trailing `*` matches a prefix.
     pub comm: Option<String>,
     pub user: Option<User>,
-    /// systemd unit, e.g. `vllm.service`: matches processes in that unit's cgroup.
+    /// systemd unit, e.g. `vllm.service`: matches processes in that unit's own cgroup
+    /// (`/system.slice/vllm.service`, or `SLICE/NAME` for a unit in another slice).
     pub unit: Option<String>,
     /// cgroup v2 path prefix, e.g. `/system.slice/vllm.service`.
     pub cgroup: Option<String>,
@@ -583,7 +815,7 @@ impl Matcher {
             && self
                 .unit
                 .as_deref()
-                .is_none_or(|u| cgroup.split('/').any(|part| part == u))
+                .is_none_or(|u| cgroup_has_prefix(cgroup, &unit_cgroup(u)))
             && self
                 .cgroup
                 .as_deref()
@@ -592,6 +824,18 @@ impl Matcher {
                 .cmdline
                 .as_ref()
                 .is_none_or(|re| re.0.is_match(cmdline))
+    }
+}
+
+/// The cgroup of a systemd unit: `vllm.service` lives at `/system.slice/vllm.service`; a unit in
+/// another slice is written with it (`ml.slice/vllm.service`). Only the unit's own cgroup and its
+/// children match: a user's `…/user@1001.service/app.slice/vllm.service` does not.
+fn unit_cgroup(unit: &str) -> String {
+    let unit = unit.trim_matches('/');
+    if unit.contains('/') {
+        format!("/{unit}")
+    } else {
+        format!("/system.slice/{unit}")
     }
 }
 
@@ -696,28 +940,8 @@ impl Config {
         if d.interval > Duration::from_secs(60) {
             return Err(("daemon.interval".into(), "must be at most 60s".into()));
         }
-        check_floor_order(
-            "ram.warn_available",
-            self.ram.warn_available,
-            "ram.min_available",
-            self.ram.min_available,
-        )?;
-        check_floor_order(
-            "gpu.warn_free",
-            self.gpu.warn_free,
-            "gpu.min_free",
-            self.gpu.min_free,
-        )?;
-        for (i, o) in self.gpu.devices.iter().enumerate() {
-            let (warn, min) = self.gpu.floors_for(0, &o.gpu);
-            let key = format!("gpu.device[{i}] '{}'", o.gpu);
-            check_floor_order(
-                &format!("{key}.warn_free"),
-                warn,
-                &format!("{key}.min_free"),
-                min,
-            )?;
-        }
+        self.validate_floors()?;
+        self.validate_paths()?;
         if let Some(psi) = self.ram.psi_some_avg10 {
             if !(0.0..=100.0).contains(&psi) {
                 return Err((
@@ -770,21 +994,274 @@ impl Config {
                     format!("'{}' is used by another [[model]]", m.name),
                 ));
             }
+            if let Some(url) = &m.metrics_url {
+                check_metrics_url(url).map_err(|e| (format!("{key}.metrics_url"), e))?;
+            }
             if m.action != ModelAction::Alert && m.ram.is_none() && m.gpu_memory.is_none() {
                 return Err((
                     format!("{key}.action"),
-                    format!("'{:?}' needs a budget: set ram or gpu_memory", m.action)
-                        .to_lowercase(),
+                    format!("'{}' needs a budget: set ram or gpu_memory", m.action),
                 ));
             }
         }
         Ok(())
     }
 
+    /// What is allowed but probably not meant: said by `check-config` and at start.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if let Some(address) = self.metrics.address() {
+            if !address.ip().is_loopback() {
+                out.push(format!(
+                    "metrics.listen '{address}' is not a loopback address: anyone who can reach \
+                     it reads the host's memory, models and process names"
+                ));
+            }
+        }
+        out
+    }
+
     /// The model config with this name.
     pub fn model(&self, name: &str) -> Option<&ModelConfig> {
         self.models.iter().find(|m| m.name == name)
     }
+
+    /// Floors wrong on any host: a share of 100 % (always crossed: every candidate a victim),
+    /// a warn floor below its act floor (same units), a per-GPU override naming no GPU.
+    fn validate_floors(&self) -> Result<(), (String, String)> {
+        let (ram, gpu) = (&self.ram, &self.gpu);
+        let mut floors = vec![
+            ("ram.warn_available".to_string(), ram.warn_available),
+            ("ram.min_available".to_string(), ram.min_available),
+            ("ram.min_swap_free".to_string(), ram.min_swap_free),
+            ("gpu.warn_free".to_string(), gpu.warn_free),
+            ("gpu.min_free".to_string(), gpu.min_free),
+        ];
+        for (i, o) in gpu.devices.iter().enumerate() {
+            let key = format!("gpu.device[{i}] '{}'", o.gpu);
+            floors.push((format!("{key}.warn_free"), o.warn_free));
+            floors.push((format!("{key}.min_free"), o.min_free));
+        }
+        for (key, floor) in floors {
+            if let Some(Amount::Percent(p)) =
+                floor.filter(|f| matches!(f, Amount::Percent(p) if *p >= 100.0))
+            {
+                return Err((
+                    key,
+                    format!("'{p}%' is the whole memory: it would always be crossed (use less than 100%)"),
+                ));
+            }
+        }
+        check_floor_order(
+            "ram.warn_available",
+            ram.warn_available,
+            "ram.min_available",
+            ram.min_available,
+        )?;
+        check_floor_order("gpu.warn_free", gpu.warn_free, "gpu.min_free", gpu.min_free)?;
+        let mut ids = HashSet::new();
+        for (i, o) in gpu.devices.iter().enumerate() {
+            let key = format!("gpu.device[{i}] '{}'", o.gpu);
+            if !is_gpu_id(&o.gpu) {
+                return Err((
+                    format!("gpu.device[{i}].gpu"),
+                    format!(
+                        "'{}' is not a GPU: use its index (\"0\") or its uuid (\"GPU-…\", see nvidia-smi -L)",
+                        o.gpu
+                    ),
+                ));
+            }
+            if !ids.insert(o.gpu.as_str()) {
+                return Err((
+                    format!("{key}.gpu"),
+                    format!("'{}' has another [[gpu.device]] already", o.gpu),
+                ));
+            }
+            let (warn, min) = gpu.floors_for_id(&o.gpu);
+            check_floor_order(
+                &format!("{key}.warn_free"),
+                warn,
+                &format!("{key}.min_free"),
+                min,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Paths that must name something: the state directory and the socket (absolute, since the
+    /// daemon's working directory is not the config's), the NVML library and secret files if set.
+    fn validate_paths(&self) -> Result<(), (String, String)> {
+        let mut paths = vec![
+            (
+                "daemon.state_dir".to_string(),
+                Some(&self.daemon.state_dir),
+                true,
+            ),
+            ("launch.socket".to_string(), Some(&self.launch.socket), true),
+            (
+                "gpu.nvml_library".to_string(),
+                self.gpu.nvml_library.as_ref(),
+                false,
+            ),
+        ];
+        for (i, w) in self.alert.webhooks.iter().enumerate() {
+            paths.push((
+                format!("alert.webhook[{i}].secret_file"),
+                w.secret_file.as_ref(),
+                false,
+            ));
+        }
+        for (key, path, absolute) in paths {
+            let Some(path) = path else { continue };
+            let text = path.to_string_lossy();
+            if text.trim().is_empty() {
+                return Err((key, "must not be empty".into()));
+            }
+            if absolute && !path.is_absolute() {
+                return Err((key, format!("'{text}' must be an absolute path")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Floors that cannot be right on this host, resolved against its totals: an act floor at or
+    /// above the total (every process would be a victim, always), or a warn floor below the act
+    /// floor once both are in bytes (`"1%"` against `"20GiB"`). GPU floors are checked per GPU
+    /// with that GPU's own total and overrides. The daemon refuses such a config at start and on
+    /// reload; `check-config` cannot know the host and checks only what is wrong anywhere.
+    pub fn check_host(&self, host: &HostTotals, file: &Path) -> Result<(), ConfigError> {
+        self.host_problem(host).map_or(Ok(()), |(key, message)| {
+            Err(ConfigError {
+                file: file.to_path_buf(),
+                key,
+                message,
+            })
+        })
+    }
+
+    fn host_problem(&self, host: &HostTotals) -> Option<(String, String)> {
+        let ram = &self.ram;
+        let what = "this host's MemTotal";
+        let (warn, min) = ram.floor_bytes(host.ram_bytes);
+        let floors = FloorPair {
+            warn: Floor::new("ram.warn_available", ram.warn_available, warn),
+            min: Floor::new("ram.min_available", ram.min_available, min),
+        };
+        if let Some(p) = floors.problem(host.ram_bytes, what) {
+            return Some(p);
+        }
+        if let (Some(floor), Some(total)) = (ram.min_swap_free, host.swap_bytes.filter(|&t| t > 0))
+        {
+            let bytes = floor.resolve(Some(total)).unwrap_or(0);
+            if bytes >= total {
+                return Some((
+                    "ram.min_swap_free".into(),
+                    at_or_above(floor, bytes, total, "this host's SwapTotal"),
+                ));
+            }
+        }
+        for g in &host.gpus {
+            let (warn_amount, min_amount) = self.gpu.floors_for(g.index, &g.uuid);
+            let (warn, min) = self.gpu.floor_bytes(g.index, &g.uuid, g.total_bytes);
+            let key = |field: &str| match self.gpu.override_index(g.index, &g.uuid) {
+                Some(i) if self.gpu.devices[i].has(field) => {
+                    format!("gpu.device[{i}] '{}'.{field}", self.gpu.devices[i].gpu)
+                }
+                _ => format!("gpu.{field}"),
+            };
+            let what = format!("GPU {}'s total", g.index);
+            let floors = FloorPair {
+                warn: Floor::new(&key("warn_free"), warn_amount, warn),
+                min: Floor::new(&key("min_free"), min_amount, min),
+            };
+            if let Some(p) = floors.problem(g.total_bytes, &what) {
+                return Some(p);
+            }
+        }
+        None
+    }
+}
+
+/// The totals a config's floors are resolved against.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct HostTotals {
+    pub ram_bytes: Option<u64>,
+    pub swap_bytes: Option<u64>,
+    pub gpus: Vec<GpuTotal>,
+}
+
+/// One GPU as seen by NVML, for `Config::check_host`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct GpuTotal {
+    pub index: u32,
+    pub uuid: String,
+    pub total_bytes: Option<u64>,
+}
+
+/// One floor: its key, its value as written and resolved to bytes on this host.
+struct Floor {
+    key: String,
+    amount: Option<Amount>,
+    bytes: Option<u64>,
+}
+
+impl Floor {
+    fn new(key: &str, amount: Option<Amount>, bytes: Option<u64>) -> Floor {
+        Floor {
+            key: key.to_string(),
+            amount,
+            bytes,
+        }
+    }
+}
+
+/// A resource's warn and act floors.
+struct FloorPair {
+    warn: Floor,
+    min: Floor,
+}
+
+impl FloorPair {
+    /// The act floor at or above `total` (what names it), or the warn floor below the act
+    /// floor, in bytes: (key, message).
+    fn problem(&self, total: Option<u64>, what: &str) -> Option<(String, String)> {
+        let (warn, min) = (&self.warn, &self.min);
+        if let (Some(amount), Some(bytes), Some(total)) = (min.amount, min.bytes, total) {
+            if bytes >= total {
+                return Some((min.key.clone(), at_or_above(amount, bytes, total, what)));
+            }
+        }
+        match (warn.amount, warn.bytes, min.amount, min.bytes) {
+            (Some(w), Some(wb), Some(m), Some(mb)) if wb < mb => Some((
+                warn.key.clone(),
+                format!(
+                    "'{w}' ({} here) is below {} '{m}' ({} here): the act floor would be crossed before the warning",
+                    fmt_bytes(wb),
+                    min.key,
+                    fmt_bytes(mb)
+                ),
+            )),
+            _ => None,
+        }
+    }
+}
+
+fn at_or_above(amount: Amount, bytes: u64, total: u64, what: &str) -> String {
+    format!(
+        "'{amount}' ({}) is at or above {what} ({}): every process would be a victim, always",
+        fmt_bytes(bytes),
+        fmt_bytes(total)
+    )
+}
+
+/// A GPU as `[[gpu.device]] gpu` names it: its index, or its uuid (`GPU-` and hex digits).
+fn is_gpu_id(id: &str) -> bool {
+    let index = !id.is_empty() && id.len() <= 4 && id.bytes().all(|b| b.is_ascii_digit());
+    let uuid = id.strip_prefix("GPU-").is_some_and(|rest| {
+        rest.bytes().any(|b| b.is_ascii_hexdigit())
+            && rest.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-')
+    });
+    index || uuid
 }
 
 /// A warn floor must lie above its act floor (when both are of the same kind).
@@ -860,10 +1337,16 @@ mod tests {
         let c = parse("").unwrap();
         assert_eq!(c.daemon.mode, Mode::Enforce);
         assert_eq!(c.ram.min_available, Some(Amount::Percent(5.0)));
-        assert!(c.protect.protects("sshd", 0, "/usr/sbin/sshd -D"));
-        assert!(c.protect.protects("nvidia-persiste", 0, ""));
-        assert!(c.protect.protects("systemd-journal", 0, ""));
-        assert!(!c.protect.protects("python3", 1000, "python3 -m vllm"));
+        assert!(c
+            .protect
+            .protects("sshd", 0, "/usr/sbin/sshd -D", "/system.slice/ssh.service"));
+        assert!(c.protect.protects("nvidia-persiste", 0, "", "/"));
+        assert!(c.protect.protects("systemd-journal", 0, "", "/"));
+        assert!(!c.protect.protects("python3", 1000, "python3 -m vllm", "/"));
+        // A user's process that calls itself sshd is not protected (issue #11).
+        assert!(!c
+            .protect
+            .protects("sshd", 1001, "/usr/sbin/sshd -D", "/user.slice"));
     }
 
     #[test]
@@ -906,8 +1389,63 @@ mod tests {
                 "model[1] 'a'.name: 'a' is used by another",
             ),
             ("[ram\n", "TOML syntax error"),
+            (
+                "[ram]\nmin_available = \"100%\"\n",
+                "ram.min_available: '100%' is the whole memory",
+            ),
+            (
+                "[gpu]\nwarn_free = \"100%\"\n",
+                "gpu.warn_free: '100%' is the whole memory",
+            ),
+            (
+                "[ram]\nmin_swap_free = \"100%\"\n",
+                "ram.min_swap_free: '100%'",
+            ),
+            (
+                "[[gpu.device]]\ngpu = \"banana\"\nmin_free = \"1GiB\"\n",
+                "gpu.device[0].gpu: 'banana' is not a GPU",
+            ),
+            (
+                "[[gpu.device]]\ngpu = \"GPU-\"\n",
+                "gpu.device[0].gpu: 'GPU-' is not a GPU",
+            ),
+            (
+                "[[gpu.device]]\ngpu = \"1\"\n[[gpu.device]]\ngpu = \"1\"\n",
+                "gpu.device[1] '1'.gpu: '1' has another [[gpu.device]]",
+            ),
+            (
+                "[[gpu.device]]\ngpu = \"1\"\nmin_free = \"50%\"\n[[gpu.device]]\ngpu = \"0\"\n",
+                "",
+            ),
+            (
+                "[gpu]\nwarn_free = \"40%\"\n[[gpu.device]]\ngpu = \"0\"\nmin_free = \"1GiB\"\n[[gpu.device]]\ngpu = \"1\"\nmin_free = \"50%\"\n",
+                "gpu.device[1] '1'.warn_free: '40%' is below gpu.device[1] '1'.min_free ('50%')",
+            ),
+            ("[daemon]\nstate_dir = \"\"\n", "daemon.state_dir: must not be empty"),
+            ("[launch]\nsocket = \" \"\n", "launch.socket: must not be empty"),
+            (
+                "[launch]\nsocket = \"gpuguard.sock\"\n",
+                "launch.socket: 'gpuguard.sock' must be an absolute path",
+            ),
+            ("[gpu]\nnvml_library = \"\"\n", "gpu.nvml_library: must not be empty"),
+            (
+                "[[model]]\nname = \"v\"\nmetrics_url = \"http://10.0.0.5:8000/metrics\"\n",
+                "model[0] 'v'.metrics_url: 'http://10.0.0.5:8000/metrics' must be on a loopback address",
+            ),
+            (
+                "[[model]]\nname = \"v\"\nmetrics_url = \"https://127.0.0.1/metrics\"\n",
+                "model[0] 'v'.metrics_url: 'https://127.0.0.1/metrics' must be an http:// URL",
+            ),
+            (
+                "[[model]]\nname = \"v\"\nmetrics_url = \"http://u:p@127.0.0.1/metrics\"\n",
+                "must not hold credentials",
+            ),
         ];
         for (text, want) in cases {
+            if want.is_empty() {
+                assert!(parse(text).is_ok(), "{text:?}: {:?}", parse(text).err());
+                continue;
+            }
             let err = parse(text).unwrap_err();
             assert!(
                 err.starts_with("config /etc/gpuguard/config.toml: "),
@@ -916,6 +1454,75 @@ mod tests {
             assert!(err.contains(want), "{text:?}: got {err:?}, want {want:?}");
             assert!(!err.contains('\n'), "one line: {err:?}");
         }
+    }
+
+    #[test]
+    fn floors_impossible_on_this_host_are_refused_after_resolving() {
+        let gib = 1u64 << 30;
+        let gpu = |index: u32, uuid: &str, total: u64| GpuTotal {
+            index,
+            uuid: uuid.into(),
+            total_bytes: Some(total),
+        };
+        let host = HostTotals {
+            ram_bytes: Some(64 * gib),
+            swap_bytes: Some(0),
+            gpus: vec![gpu(0, "GPU-aa", 16 * gib), gpu(1, "GPU-bb", 80 * gib)],
+        };
+        let cases = [
+            ("", ""),
+            (
+                "[ram]\nmin_available = \"64GiB\"\n",
+                "ram.min_available: '64.0 GiB' (64.0 GiB) is at or above this host's MemTotal (64.0 GiB)",
+            ),
+            // Mixed units: 1 % of 64 GiB is below 20 GiB.
+            (
+                "[ram]\nwarn_available = \"1%\"\nmin_available = \"20GiB\"\n",
+                "ram.warn_available: '1%' (655.4 MiB here) is below ram.min_available '20.0 GiB' (20.0 GiB here)",
+            ),
+            ("[ram]\nwarn_available = \"50%\"\nmin_available = \"20GiB\"\n", ""),
+            // No swap here: a swap floor has nothing to act on and is not refused.
+            ("[ram]\nmin_swap_free = \"1TiB\"\n", ""),
+            (
+                "[gpu]\nmin_free = \"20GiB\"\n",
+                "gpu.min_free: '20.0 GiB' (20.0 GiB) is at or above GPU 0's total (16.0 GiB)",
+            ),
+            // Per GPU, with each GPU's own total: 20 GiB fits GPU 1 (80 GiB), not GPU 0 (16 GiB).
+            ("[[gpu.device]]\ngpu = \"1\"\nmin_free = \"20GiB\"\n", ""),
+            (
+                "[[gpu.device]]\ngpu = \"GPU-aa\"\nmin_free = \"20GiB\"\n",
+                "gpu.device[0] 'GPU-aa'.min_free: '20.0 GiB' (20.0 GiB) is at or above GPU 0's total",
+            ),
+            (
+                "[gpu]\nwarn_free = \"10%\"\n[[gpu.device]]\ngpu = \"1\"\nmin_free = \"10GiB\"\n",
+                "gpu.warn_free: '10%' (8.0 GiB here) is below gpu.device[0] '1'.min_free '10.0 GiB'",
+            ),
+        ];
+        for (text, want) in cases {
+            let c = parse(text).unwrap();
+            let got = c
+                .check_host(&host, Path::new("/etc/gpuguard/config.toml"))
+                .map_err(|e| e.to_string());
+            match (want, got) {
+                ("", Ok(())) => {}
+                ("", Err(e)) => panic!("{text:?}: refused: {e}"),
+                (want, Ok(())) => panic!("{text:?}: accepted, want {want:?}"),
+                (want, Err(e)) => assert!(
+                    e.starts_with("config /etc/gpuguard/config.toml: ") && e.contains(want),
+                    "{text:?}: got {e:?}, want {want:?}"
+                ),
+            }
+        }
+        // With swap: a swap floor at or above SwapTotal is refused.
+        let swap = HostTotals {
+            swap_bytes: Some(4 * gib),
+            ..host
+        };
+        let e = parse("[ram]\nmin_swap_free = \"4GiB\"\n")
+            .unwrap()
+            .check_host(&swap, Path::new("c.toml"))
+            .unwrap_err();
+        assert!(e.to_string().contains("ram.min_swap_free"), "{e}");
     }
 
     #[test]
@@ -933,6 +1540,26 @@ mod tests {
         ));
         assert!(!m.matches("python3", 0, "python3 -m vllm serve x", "/user.slice"));
         assert!(!Matcher::default().matches("x", 0, "x", "/"));
+    }
+
+    #[test]
+    fn metrics_urls_on_loopback_are_accepted() {
+        for url in [
+            "http://127.0.0.1:8000/metrics",
+            "http://localhost:8000/metrics",
+            "http://[::1]:8000/metrics",
+            "http://127.0.0.2/metrics",
+        ] {
+            assert_eq!(check_metrics_url(url), Ok(()), "{url}");
+        }
+        for url in [
+            "http://example.com/metrics",
+            "file:///etc/shadow",
+            "127.0.0.1:8000",
+            "",
+        ] {
+            assert!(check_metrics_url(url).is_err(), "{url}");
+        }
     }
 
     #[test]

@@ -97,6 +97,7 @@ pub struct Metrics {
     gpu_used: Family<GpuLabels, Gauge>,
     gpu_free: Family<GpuLabels, Gauge>,
     gpu_utilization: Family<GpuLabels, FGauge>,
+    gpu_lost: Family<GpuLabels, Gauge>,
     gpu_floor: Family<GpuFloorLabels, Gauge>,
     host_total: Gauge,
     host_available: Gauge,
@@ -107,6 +108,11 @@ pub struct Metrics {
     model_usage: Family<ModelLabels, Gauge>,
     model_budget: Family<ModelLabels, Gauge>,
     model_processes: Family<NameLabels, Gauge>,
+    engine_up: Family<NameLabels, Gauge>,
+    engine_kv_usage: Family<NameLabels, FGauge>,
+    engine_running: Family<NameLabels, Gauge>,
+    engine_waiting: Family<NameLabels, Gauge>,
+    engine_preemptions: Family<NameLabels, Gauge>,
     actions: Family<ActionLabels, Counter>,
     events: Family<EventLabels, Counter>,
     queue_length: Gauge,
@@ -118,7 +124,31 @@ pub struct Metrics {
     alerts_sent: Family<SinkLabels, Counter>,
     alerts_failed: Family<SinkLabels, Counter>,
     alerts_dropped: Family<SinkLabels, Counter>,
+    permits: PermitFamilies,
     seen: Arc<Mutex<Seen>>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub model: String,
+    /// "granted", "refused" or "expired".
+    pub outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct QuantileLabels {
+    pub model: String,
+    pub quantile: String,
+}
+
+/// Memory permits per model (`(host)`: permits of no model).
+#[derive(Clone)]
+struct PermitFamilies {
+    held: Family<NameLabels, Gauge>,
+    waiting: Family<NameLabels, Gauge>,
+    reserved: Family<ModelLabels, Gauge>,
+    outcomes: Family<OutcomeLabels, Counter>,
+    observed: Family<QuantileLabels, Gauge>,
 }
 
 impl Default for Metrics {
@@ -166,6 +196,11 @@ impl Metrics {
             gpu_utilization: reg!(
                 "gpuguard_gpu_utilization_ratio",
                 "GPU utilisation, 0 to 1",
+                Family::default()
+            ),
+            gpu_lost: reg!(
+                "gpuguard_gpu_lost",
+                "1 if the GPU fell off the bus or left NVML's device list (its readings are unknown)",
                 Family::default()
             ),
             gpu_floor: reg!(
@@ -218,6 +253,31 @@ impl Metrics {
                 "Processes that make up a model",
                 Family::default()
             ),
+            engine_up: reg!(
+                "gpuguard_engine_up",
+                "1 if the model server's metrics URL answered with its metrics at the last scrape, 0 if not",
+                Family::default()
+            ),
+            engine_kv_usage: reg!(
+                "gpuguard_engine_kv_cache_usage_ratio",
+                "Share of the model server's KV cache in use, 0 to 1 (vLLM's kv_cache_usage_perc)",
+                Family::default()
+            ),
+            engine_running: reg!(
+                "gpuguard_engine_requests_running",
+                "Requests the model server is running (vLLM's num_requests_running)",
+                Family::default()
+            ),
+            engine_waiting: reg!(
+                "gpuguard_engine_requests_waiting",
+                "Requests waiting in the model server's queue (vLLM's num_requests_waiting)",
+                Family::default()
+            ),
+            engine_preemptions: reg!(
+                "gpuguard_engine_preemptions",
+                "Requests the model server has preempted since it started, as it last reported (vLLM's num_preemptions_total)",
+                Family::default()
+            ),
             actions: reg!(
                 "gpuguard_actions",
                 "Actions taken, by verb (stop, resume, terminate, kill, throttle...), reason and outcome",
@@ -245,7 +305,7 @@ impl Metrics {
             ),
             nvml_state: reg!(
                 "gpuguard_nvml_state",
-                "GPU protection state: 1 for the current state (ok, starting, unavailable, off), 0 for the others",
+                "GPU protection state: 1 for the current state (ok, degraded, starting, unavailable, off), 0 for the others",
                 Family::default()
             ),
             gpu_stale: reg!(
@@ -273,6 +333,33 @@ impl Metrics {
                 "Notifications dropped because the sink's queue was full (oldest first), per sink",
                 Family::default()
             ),
+            permits: PermitFamilies {
+                held: reg!(
+                    "gpuguard_permits_held",
+                    "Memory permits held, per model",
+                    Family::default()
+                ),
+                waiting: reg!(
+                    "gpuguard_permits_waiting",
+                    "Permit requests waiting for memory, per model",
+                    Family::default()
+                ),
+                reserved: reg!(
+                    "gpuguard_permit_reserved_bytes",
+                    "Memory the permits held reserve, per model: resource=ram or gpu",
+                    Family::default()
+                ),
+                outcomes: reg!(
+                    "gpuguard_permits",
+                    "Permit requests by outcome (granted, refused, expired), per model",
+                    Family::default()
+                ),
+                observed: reg!(
+                    "gpuguard_permit_observed_gpu_bytes",
+                    "GPU growth per permit observed while permits were held, per model: quantile=0.5 or 0.95",
+                    Family::default()
+                ),
+            },
             registry: Arc::new(Registry::default()),
             seen: Arc::default(),
         };
@@ -339,6 +426,7 @@ impl Metrics {
                     g.set(v as i64);
                 });
             }
+            self.gpu_lost.get_or_create(&labels).set(i64::from(g.lost));
             let utilization = g.utilization_percent.filter(|_| g.error.is_none());
             set_or_remove(&self.gpu_utilization, &labels, utilization, |g, u| {
                 g.set(f64::from(u) / 100.0);
@@ -355,7 +443,12 @@ impl Metrics {
             }
         }
         let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-        for family in [&self.gpu_total, &self.gpu_used, &self.gpu_free] {
+        for family in [
+            &self.gpu_total,
+            &self.gpu_used,
+            &self.gpu_free,
+            &self.gpu_lost,
+        ] {
             for gone in seen.gpus.difference(&gpus) {
                 family.remove(gone);
             }
@@ -388,9 +481,11 @@ impl Metrics {
             self.model_usage
                 .get_or_create(&ram)
                 .set(model.ram_bytes as i64);
-            self.model_usage
-                .get_or_create(&gpu)
-                .set(model.gpu_bytes as i64);
+            // Unknown (no NVML): no series rather than a false 0.
+            if let Some(used) = model.gpu_bytes {
+                self.model_usage.get_or_create(&gpu).set(used as i64);
+                usage.insert(gpu.clone());
+            }
             for (labels, budget) in [
                 (&ram, model.ram_budget_bytes),
                 (&gpu, model.gpu_budget_bytes),
@@ -407,12 +502,12 @@ impl Metrics {
                 .get_or_create(&name)
                 .set(model.pids.len() as i64);
             usage.insert(ram);
-            usage.insert(gpu);
             names.insert(name);
         }
         retain(&self.model_usage, &mut seen.usage, usage);
         retain(&self.model_budget, &mut seen.budgets, budgets);
         retain(&self.model_processes, &mut seen.names, names);
+        self.update_engines(r, &mut seen);
         drop(seen);
 
         self.queue_length.set(r.queue.len() as i64);
@@ -432,6 +527,110 @@ impl Metrics {
                 .set(i64::from(r.gpu_protection.state == state));
         }
         self.gpu_stale.set(i64::from(r.gpu_protection.stale));
+        self.update_permits(r);
+    }
+
+    fn update_permits(&self, r: &StatusReport) {
+        let p = &self.permits;
+        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        let mut names = HashSet::new();
+        let mut reserved = HashSet::new();
+        let mut quantiles = HashSet::new();
+        for row in &r.permits {
+            let name = NameLabels {
+                model: row.model.clone(),
+            };
+            p.held.get_or_create(&name).set(row.held as i64);
+            p.waiting.get_or_create(&name).set(row.waiting as i64);
+            names.insert(name);
+            for (resource, bytes) in [
+                ("gpu", row.reserved_gpu_bytes),
+                ("ram", row.reserved_ram_bytes),
+            ] {
+                let labels = ModelLabels {
+                    model: row.model.clone(),
+                    resource: resource.into(),
+                };
+                p.reserved.get_or_create(&labels).set(bytes as i64);
+                reserved.insert(labels);
+            }
+            for (outcome, total) in [
+                ("granted", row.granted_total),
+                ("refused", row.refused_total),
+                ("expired", row.expired_total),
+            ] {
+                let labels = OutcomeLabels {
+                    model: row.model.clone(),
+                    outcome: outcome.into(),
+                };
+                // The table keeps totals; the counter moves by what is new since last time.
+                let last = seen.permit_totals.entry(labels.clone()).or_default();
+                p.outcomes
+                    .get_or_create(&labels)
+                    .inc_by(total.saturating_sub(*last));
+                *last = (*last).max(total);
+            }
+            for (q, value) in [
+                ("0.5", row.observed_gpu_bytes_p50),
+                ("0.95", row.observed_gpu_bytes_p95),
+            ] {
+                let labels = QuantileLabels {
+                    model: row.model.clone(),
+                    quantile: q.into(),
+                };
+                set_or_remove(&p.observed, &labels, value, |g, v| {
+                    g.set(v as i64);
+                });
+                if value.is_some() {
+                    quantiles.insert(labels);
+                }
+            }
+        }
+        retain(&p.held, &mut seen.permit_names, names.clone());
+        let mut previous = seen.permit_names_waiting.clone();
+        retain(&p.waiting, &mut previous, names);
+        seen.permit_names_waiting = previous;
+        retain(&p.reserved, &mut seen.permit_reserved, reserved);
+        retain(&p.observed, &mut seen.permit_quantiles, quantiles);
+    }
+
+    /// The model servers' own figures; a figure the engine did not give has no series.
+    fn update_engines(&self, r: &StatusReport, seen: &mut Seen) {
+        let mut engines = HashSet::new();
+        for model in &r.models {
+            let Some(e) = &model.engine else { continue };
+            let labels = NameLabels {
+                model: model.name.clone(),
+            };
+            let ok = e.state == "ok";
+            self.engine_up.get_or_create(&labels).set(i64::from(ok));
+            let keep = |v: Option<u64>| v.filter(|_| ok);
+            set_or_remove(
+                &self.engine_kv_usage,
+                &labels,
+                e.kv_cache_usage_ratio.filter(|_| ok),
+                |g, v| {
+                    g.set(v);
+                },
+            );
+            for (family, v) in [
+                (&self.engine_running, keep(e.requests_running)),
+                (&self.engine_waiting, keep(e.requests_waiting)),
+                (&self.engine_preemptions, keep(e.preemptions_total)),
+            ] {
+                set_or_remove(family, &labels, v, |g, v| {
+                    g.set(v as i64);
+                });
+            }
+            engines.insert(labels);
+        }
+        for gone in seen.engines.difference(&engines) {
+            self.engine_kv_usage.remove(gone);
+            self.engine_running.remove(gone);
+            self.engine_waiting.remove(gone);
+            self.engine_preemptions.remove(gone);
+        }
+        retain(&self.engine_up, &mut seen.engines, engines);
     }
 
     pub fn observe_sample(&self, took: Duration) {
@@ -493,7 +692,7 @@ pub struct SinkCounters {
 }
 
 /// The values of `gpuguard_nvml_state{state}`: `GpuProtection::state` in the status report.
-const NVML_STATES: [&str; 4] = ["ok", "starting", "unavailable", "off"];
+const NVML_STATES: [&str; 5] = ["ok", "degraded", "starting", "unavailable", "off"];
 
 /// Sets the series to `value`, or removes it when the value is unknown (a missing reading is
 /// no series, never a 0).
@@ -529,11 +728,17 @@ where
 /// gone).
 #[derive(Default)]
 struct Seen {
+    permit_names: HashSet<NameLabels>,
+    permit_names_waiting: HashSet<NameLabels>,
+    permit_reserved: HashSet<ModelLabels>,
+    permit_quantiles: HashSet<QuantileLabels>,
+    permit_totals: std::collections::HashMap<OutcomeLabels, u64>,
     gpus: HashSet<GpuLabels>,
     gpu_floors: HashSet<GpuFloorLabels>,
     usage: HashSet<ModelLabels>,
     budgets: HashSet<ModelLabels>,
     names: HashSet<NameLabels>,
+    engines: HashSet<NameLabels>,
 }
 
 /// OpenMetrics -> text format 0.0.4: counters are named with their `_total` in HELP/TYPE, and
@@ -566,6 +771,9 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_REQUEST_BYTES: usize = 8192;
 
 /// Binds `address` and serves `/metrics` on a new thread until the process exits.
+/// Scrapes served at once; more connections are closed as they arrive.
+const MAX_CONNECTIONS: usize = 32;
+
 pub fn serve(address: SocketAddr, metrics: Metrics) -> anyhow::Result<SocketAddr> {
     let listener = std::net::TcpListener::bind(address)
         .with_context(|| format!("metrics: cannot listen on {address}"))?;
@@ -586,15 +794,24 @@ pub fn serve(address: SocketAddr, metrics: Metrics) -> anyhow::Result<SocketAddr
                     Ok(l) => l,
                     Err(e) => return tracing::error!("metrics server: {e}"),
                 };
+                let open = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
                 loop {
                     let Ok((stream, _)) = listener.accept().await else {
+                        // Out of file descriptors: wait rather than spin.
                         tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    };
+                    // Over the cap the connection is closed at once: idle scrapers cannot use
+                    // up the daemon's file descriptors.
+                    let Ok(slot) = open.clone().try_acquire_owned() else {
+                        drop(stream);
                         continue;
                     };
                     let metrics = metrics.clone();
                     tokio::spawn(async move {
                         let _ =
                             tokio::time::timeout(REQUEST_TIMEOUT, answer(stream, &metrics)).await;
+                        drop(slot);
                     });
                 }
             });

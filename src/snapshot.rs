@@ -1,10 +1,14 @@
 //! What one tick of sampling saw: plain data, no I/O. A reading that failed is `None` (unknown),
-//! never zero: unknown may alert, never kill.
+//! never zero: unknown may alert, never kill. A reading that contradicts itself (a GPU using more
+//! than it has, more available than total) is unknown too: `inconsistency` says why.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
+
+use crate::units::fmt_bytes;
 
 /// Everything the policy decides from. `at` is the daemon's monotonic clock (time since start),
 /// so the policy itself never reads a clock.
@@ -17,6 +21,27 @@ pub struct Snapshot {
     pub gpus: GpuSnapshot,
     /// gpuguard's own pid, never a victim.
     pub self_pid: i32,
+    /// The weights files each GPU-holding process maps (/proc/PID/maps), read on scans.
+    pub mapped_weights: BTreeMap<i32, Vec<MappedFile>>,
+}
+
+/// A weights file (`.safetensors`, `.bin`, `.gguf`, `.pt`) a process has memory-mapped. The
+/// file is identified by device and inode, so the same file under two paths is one file.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct MappedFile {
+    pub path: String,
+    /// `major:minor` of the file system, as /proc/PID/maps writes it.
+    pub device: String,
+    pub inode: u64,
+    /// Bytes of the file this process maps.
+    pub mapped_bytes: u64,
+}
+
+impl MappedFile {
+    /// The file's identity: device and inode.
+    pub fn key(&self) -> (&str, u64) {
+        (&self.device, self.inode)
+    }
 }
 
 /// Host memory from /proc/meminfo and /proc/pressure/memory, in bytes.
@@ -31,8 +56,30 @@ pub struct HostMemory {
     pub psi_full_avg10: Option<f64>,
 }
 
+impl HostMemory {
+    /// Why MemAvailable cannot be trusted, if it cannot: it is above MemTotal.
+    pub fn inconsistency(&self) -> Option<String> {
+        match (self.available_bytes, self.total_bytes) {
+            (Some(a), Some(t)) if a > t => Some(format!(
+                "inconsistent reading: MemAvailable {} > MemTotal {}",
+                fmt_bytes(a),
+                fmt_bytes(t)
+            )),
+            _ => None,
+        }
+    }
+
+    /// SwapFree, if it is known and not above SwapTotal.
+    pub fn trusted_swap_free_bytes(&self) -> Option<u64> {
+        match (self.swap_free_bytes, self.swap_total_bytes) {
+            (Some(free), Some(total)) if free <= total => Some(free),
+            _ => None,
+        }
+    }
+}
+
 /// A process as a victim candidate: pid + start time identify it across pid reuse.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct ProcessId {
     pub pid: i32,
     /// Start time in clock ticks since boot (field 22 of /proc/PID/stat).
@@ -103,6 +150,8 @@ pub struct GpuSnapshot {
     pub devices: Vec<Gpu>,
     /// Counts the reads of the per-process lists (they are read less often than memory).
     pub process_lists_read: u64,
+    /// The latest reading read the per-process lists in the same pass as the memory figures.
+    pub processes_fresh: bool,
 }
 
 impl GpuSnapshot {
@@ -130,11 +179,113 @@ pub struct Gpu {
     pub total_bytes: Option<u64>,
     pub used_bytes: Option<u64>,
     pub free_bytes: Option<u64>,
+    /// Driver-reserved memory (NVML's v2 memory API): `total = used + free + reserved`.
+    pub reserved_bytes: Option<u64>,
     pub utilization_percent: Option<u32>,
     /// An error NVML gave for this device (e.g. "GPU is lost"): its readings are unknown.
     pub error: Option<String>,
+    /// The GPU fell off the bus (NVML says GPU_IS_LOST) or is no longer in NVML's device list.
+    pub lost: bool,
     /// GPU memory per pid; `None` where NVML says the figure is unavailable.
     pub processes: BTreeMap<i32, Option<u64>>,
     /// False if the process list could not be read this time (the map above is then empty).
     pub processes_known: bool,
+    /// The lists were read just before and just after the memory figures and were the same:
+    /// this GPU's free memory and its processes' figures describe one moment.
+    pub processes_steady: bool,
+}
+
+/// How far `used + free + reserved` may be from `total` before a GPU reading counts as
+/// inconsistent: a share of the total (1/64, about 1.6 %), and at least this much.
+pub const GPU_MEMORY_SLACK_BYTES: u64 = 64 << 20;
+
+impl Gpu {
+    /// Why this GPU's memory figures cannot be trusted, if they cannot: more used (or free) than
+    /// the card has, used + free + reserved far from the total, or a process holding more than
+    /// the card. Figures NVML did not give are not checked (they are unknown already).
+    pub fn inconsistency(&self) -> Option<String> {
+        let total = self.total_bytes?;
+        let over = |what: &str, bytes: u64| {
+            Some(format!(
+                "inconsistent reading: {what} {} > total {}",
+                fmt_bytes(bytes),
+                fmt_bytes(total)
+            ))
+        };
+        if let Some(used) = self.used_bytes.filter(|&u| u > total) {
+            return over("used", used);
+        }
+        if let Some(free) = self.free_bytes.filter(|&f| f > total) {
+            return over("free", free);
+        }
+        if let (Some(used), Some(free)) = (self.used_bytes, self.free_bytes) {
+            let sum =
+                u128::from(used) + u128::from(free) + u128::from(self.reserved_bytes.unwrap_or(0));
+            let slack = u128::from((total / 64).max(GPU_MEMORY_SLACK_BYTES));
+            if sum.abs_diff(u128::from(total)) > slack {
+                return Some(format!(
+                    "inconsistent reading: used {} + free {} + reserved {} is far from total {}",
+                    fmt_bytes(used),
+                    fmt_bytes(free),
+                    fmt_bytes(self.reserved_bytes.unwrap_or(0)),
+                    fmt_bytes(total)
+                ));
+            }
+        }
+        let holder = self
+            .processes
+            .iter()
+            .filter_map(|(pid, bytes)| bytes.map(|b| (*pid, b)))
+            .find(|&(_, b)| b > total);
+        holder.and_then(|(pid, bytes)| over(&format!("pid {pid} holds"), bytes))
+    }
+
+    /// Why nothing may be decided from this GPU's memory figures, if so: an NVML error, a lost
+    /// GPU, or an inconsistent reading.
+    pub fn untrusted(&self) -> Option<String> {
+        match &self.error {
+            Some(e) => Some(e.clone()),
+            None if self.lost => Some("GPU lost".into()),
+            None => self.inconsistency(),
+        }
+    }
+}
+
+/// Text a process chose (its name, its command line) made safe for logs, alerts and terminals:
+/// control characters (newlines, escape sequences, bidirectional overrides) become `\u{..}`
+/// escapes, so a process cannot forge log lines or rewrite an operator's screen.
+pub fn printable(text: &str) -> Cow<'_, str> {
+    let unsafe_char = |c: char| {
+        c.is_control()
+            || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+    };
+    if !text.chars().any(unsafe_char) {
+        return Cow::Borrowed(text);
+    }
+    Cow::Owned(
+        text.chars()
+            .map(|c| {
+                if unsafe_char(c) {
+                    c.escape_unicode().to_string()
+                } else {
+                    c.to_string()
+                }
+            })
+            .collect(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_characters_are_escaped() {
+        assert!(matches!(printable("python3 -m vllm"), Cow::Borrowed(_)));
+        assert_eq!(
+            printable("evil\n2026-01-01 INFO killed sshd\x1b[2J"),
+            "evil\\u{a}2026-01-01 INFO killed sshd\\u{1b}[2J"
+        );
+        assert_eq!(printable("a\u{202e}b"), "a\\u{202e}b");
+    }
 }

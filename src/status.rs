@@ -3,8 +3,9 @@
 
 use serde::{Deserialize, Serialize};
 
-/// Bumped when a field changes meaning or disappears.
-pub const STATUS_SCHEMA_VERSION: u32 = 1;
+/// Bumped when a field changes meaning or disappears. 2: `models[].gpu_bytes` may be null
+/// (unknown while NVML is unavailable).
+pub const STATUS_SCHEMA_VERSION: u32 = 2;
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct StatusReport {
@@ -20,6 +21,9 @@ pub struct StatusReport {
     pub models: Vec<ModelRow>,
     pub queue: Vec<QueuedRow>,
     pub leases: Vec<LeaseRow>,
+    /// Memory permits per model.
+    #[serde(default)]
+    pub permits: Vec<PermitPoolRow>,
     /// Processes gpuguard holds stopped (SIGSTOP or a throttle duty cycle).
     pub held: Vec<HeldRow>,
     /// The latest actions, newest last.
@@ -41,7 +45,8 @@ pub struct MemoryStatus {
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct GpuProtection {
-    /// "ok", "starting" (NVML not sampled yet), "unavailable" or "off".
+    /// "ok", "degraded" (a GPU is lost), "starting" (NVML not sampled yet), "unavailable" or
+    /// "off".
     pub state: String,
     pub reason: Option<String>,
     /// The latest GPU sample is late or old: alerts only.
@@ -61,6 +66,9 @@ pub struct GpuRow {
     pub min_free_bytes: Option<u64>,
     pub level: String,
     pub error: Option<String>,
+    /// Fell off the bus (GPU_IS_LOST) or left NVML's device list: its readings are unknown.
+    #[serde(default)]
+    pub lost: bool,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -71,7 +79,8 @@ pub struct ModelRow {
     pub pids: Vec<i32>,
     pub ram_bytes: u64,
     pub ram_budget_bytes: Option<u64>,
-    pub gpu_bytes: u64,
+    /// `None` while GPU readings are unavailable (no NVML): unknown, not zero.
+    pub gpu_bytes: Option<u64>,
     pub gpu_budget_bytes: Option<u64>,
     /// Some member's GPU memory is unavailable: `gpu_bytes` is a lower bound.
     pub gpu_unknown: bool,
@@ -80,6 +89,65 @@ pub struct ModelRow {
     pub gpu_headroom_bytes: Option<i64>,
     /// "ok", "over_budget", "alerted", "throttled", "stopped", "terminated", "killed".
     pub state: String,
+    /// The model's GPU memory as a share of the GPUs it is on (a vLLM-like server preallocates
+    /// most of them: a high share is its reservation, not its load).
+    #[serde(default)]
+    pub gpu_reserved_ratio: Option<f64>,
+    /// The model server's own view, from its metrics URL (`None`: it has none).
+    #[serde(default)]
+    pub engine: Option<EngineRow>,
+    /// The limit the model is at, if any, in words: "KV cache 100%, 24 waiting" (the engine is
+    /// full) is not "GPU 95% reserved" (memory taken up front, load unknown).
+    #[serde(default)]
+    pub limit: Option<String>,
+    /// Its processes one by one (`status --model NAME`).
+    #[serde(default)]
+    pub processes: Vec<ProcessRow>,
+}
+
+/// A model server's own limits, as last scraped from its Prometheus endpoint.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct EngineRow {
+    pub url: String,
+    /// "ok", or "error" (see `error`: unreachable, HTTP status, no vLLM metrics), or "pending"
+    /// before the first scrape.
+    pub state: String,
+    pub error: Option<String>,
+    /// Seconds since the last scrape (successful or not).
+    pub age_seconds: Option<f64>,
+    /// Share of the KV cache in use, 0 to 1.
+    pub kv_cache_usage_ratio: Option<f64>,
+    pub requests_running: Option<u64>,
+    pub requests_waiting: Option<u64>,
+    /// Requests preempted since the engine started (out of KV cache).
+    pub preemptions_total: Option<u64>,
+    pub kv_cache_blocks: Option<u64>,
+    pub block_size_tokens: Option<u64>,
+    /// The share of the GPU the engine was told to take (`--gpu-memory-utilization`).
+    pub gpu_memory_utilization: Option<f64>,
+}
+
+/// One process of a model.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct ProcessRow {
+    pub pid: i32,
+    pub ppid: i32,
+    pub comm: String,
+    /// "launched" (registered by `gpuguard launch`), "matched" (by the `[[model]]` match), or
+    /// "child" (a descendant of one of those).
+    pub role: String,
+    pub ram_bytes: u64,
+    /// GPU memory on each GPU it holds any on.
+    pub gpus: Vec<ProcessGpu>,
+    /// Weights files it maps (with GPU memory held; read on process scans).
+    pub weights_files: Vec<String>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct ProcessGpu {
+    pub gpu: u32,
+    /// `None`: NVML lists the process but cannot say how much (unknown, not zero).
+    pub bytes: Option<u64>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -92,6 +160,9 @@ pub struct QueuedRow {
     pub gpu_bytes: u64,
     pub ram_bytes: u64,
     pub waiting_for: String,
+    /// How long it may wait in all (its --queue-timeout, capped by the config).
+    #[serde(default)]
+    pub queue_timeout_seconds: f64,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -106,6 +177,32 @@ pub struct LeaseRow {
     pub seconds: f64,
     pub gpu_bytes: u64,
     pub ram_bytes: u64,
+    /// A thread polls the lease's ready URL (only while it loads).
+    #[serde(default)]
+    pub polling_ready_url: bool,
+    /// The longest it may hold the launch lock (its --ready-timeout, capped by the config).
+    #[serde(default)]
+    pub ready_timeout_seconds: f64,
+}
+
+/// Memory permits of one model (or `(host)`: permits of no model).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct PermitPoolRow {
+    pub model: String,
+    pub held: usize,
+    pub waiting: usize,
+    pub max_permits: Option<u32>,
+    /// What the permits held reserve.
+    pub reserved_gpu_bytes: u64,
+    pub reserved_ram_bytes: u64,
+    /// GPU growth per permit observed while permits were held (peak minus the use before,
+    /// over the most permits held at once), median and 95th percentile.
+    pub observed_gpu_bytes_p50: Option<u64>,
+    pub observed_gpu_bytes_p95: Option<u64>,
+    /// Since the daemon started.
+    pub granted_total: u64,
+    pub refused_total: u64,
+    pub expired_total: u64,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]

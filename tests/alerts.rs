@@ -575,3 +575,112 @@ fn launch_events_carry_their_subject() {
     });
     assert_eq!(died.json()["subject"]["pid"], launched.id());
 }
+
+/// An HTTPS receiver on 127.0.0.1 (python's ssl module) whose certificate is signed by a CA made
+/// here: prints its port, then one line per POST body.
+const HTTPS_RECEIVER_PY: &str = r#"
+import http.server, ssl, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        print(body.decode(), flush=True)
+        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+    def log_message(self, *a): pass
+server = http.server.HTTPServer(("127.0.0.1", 0), H)
+context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+context.load_cert_chain(sys.argv[1], sys.argv[2])
+server.socket = context.wrap_socket(server.socket, server_side=True)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"#;
+
+/// A private CA and a certificate for 127.0.0.1 signed by it (openssl CLI).
+fn private_ca(dir: &std::path::Path) {
+    let run = |args: &[&str]| {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("openssl is needed for this test (apt-get install openssl)");
+        assert!(out.status.success(), "openssl {args:?}: {out:?}");
+    };
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=gpuguard test CA",
+    ]);
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=127.0.0.1",
+    ]);
+    std::fs::write(dir.join("ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "ext",
+    ]);
+}
+
+/// Issue #10: a webhook behind a company CA works when the system trusts that CA (here through
+/// `SSL_CERT_FILE`, which the platform verifier reads like the system store), and fails when not.
+#[test]
+fn webhook_behind_a_private_ca_is_trusted_through_the_system_store() {
+    let dir = tempfile::tempdir().unwrap();
+    private_ca(dir.path());
+    let mut receiver = Command::new(python3())
+        .args(["-c", HTTPS_RECEIVER_PY])
+        .arg(dir.path().join("server.pem"))
+        .arg(dir.path().join("server.key"))
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(receiver.stdout.take().unwrap()).lines();
+    let port: u16 = lines.next().unwrap().unwrap().trim().parse().unwrap();
+    let config = base_config(&format!(
+        "[[alert.webhook]]\nurl = \"https://127.0.0.1:{port}/hook\"\nmin_severity = \"info\"\n"
+    ));
+    let ca = path(&dir.path().join("ca.pem"));
+
+    // Trusted: the daemon_started notice arrives over TLS.
+    let daemon = GuardDaemon::start_with_env(&config, &[("SSL_CERT_FILE", &ca)]);
+    let line = lines.next().expect("a notice over HTTPS").unwrap();
+    let notice: Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(notice["event"], "daemon_started", "{notice}");
+    drop(daemon);
+
+    // Not trusted (the CA is not in the store): the request fails, the failure is counted.
+    let untrusted = GuardDaemon::start(&config.replace("[gpu]", "[alert]\nretries = 0\n[gpu]"));
+    untrusted.wait_for_log("certificate", Duration::from_secs(20));
+    let _ = receiver.kill();
+    let _ = receiver.wait();
+}

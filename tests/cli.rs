@@ -34,6 +34,7 @@ fn config_errors_exit_2_naming_file_key_and_value() {
         .to_string_lossy()
         .into_owned();
     let good = write("good.toml", "[daemon]\nmode = \"observe\"\n");
+    let exposed = write("exposed.toml", "[metrics]\nlisten = \"0.0.0.0:9835\"\n");
     let cases: Vec<(Vec<&str>, i32, String)> = vec![
         (
             vec!["check-config", &bad_size],
@@ -55,7 +56,16 @@ fn config_errors_exit_2_naming_file_key_and_value() {
             2,
             format!("config {missing}: cannot read"),
         ),
-        (vec!["check-config", &good], 0, "ok".into()),
+        (
+            vec!["check-config", &good],
+            0,
+            "ok (0 model(s), mode observe)".into(),
+        ),
+        (
+            vec!["check-config", &exposed],
+            0,
+            "warning: metrics.listen '0.0.0.0:9835' is not a loopback address".into(),
+        ),
         (
             vec!["daemon", "--config", &bad_size],
             2,
@@ -141,7 +151,7 @@ fn daemon_notifies_systemd_ready_status_and_watchdog() {
     assert!(seen.iter().any(|m| m.contains("READY=1")), "{seen:?}");
     assert!(
         seen.iter()
-            .any(|m| m.contains("STATUS=Enforce: RAM available")),
+            .any(|m| m.contains("STATUS=enforce: RAM available")),
         "{seen:?}"
     );
     assert!(

@@ -547,3 +547,28 @@ mod raw {
         }
     }
 }
+
+#[test]
+fn fault_injection_free_override_device_count_and_claimed_process_count() {
+    let fake = Fake::new(
+        "device 0 total=1000 used=900 free=800\nprocess 0 7 10\nprocess_count 0 4294967290\ndevice_count 3\n",
+    );
+    let nvml = init().unwrap();
+    // `device_count` claims 3 GPUs; only GPU 0 is declared: 1 and 2 have fallen off the bus.
+    assert_eq!(nvml.device_count().unwrap(), 3);
+    assert!(matches!(nvml.device_by_index(1), Err(NvmlError::GpuLost)));
+    assert!(matches!(
+        nvml.device_by_index(3),
+        Err(NvmlError::InvalidArg)
+    ));
+    let gpu = nvml.device_by_index(0).unwrap();
+    // `free=` is reported as given, even when it contradicts used and total.
+    let m = gpu.memory_info().unwrap();
+    assert_eq!((m.total, m.used, m.free), (1000, 900, 800));
+    // The size query claims what `process_count` says; the graphics list is untouched.
+    assert_eq!(gpu.running_compute_processes_count().unwrap(), 4294967290);
+    assert_eq!(gpu.running_graphics_processes_count().unwrap(), 0);
+    fake.write("device 0 total=1000 used=900\nprocess 0 7 10\n");
+    assert_eq!(gpu.running_compute_processes().unwrap().len(), 1);
+    assert_eq!(gpu.memory_info().unwrap().free, 100);
+}

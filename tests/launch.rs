@@ -169,7 +169,7 @@ fn second_launch_starts_only_after_the_first_is_ready() {
         second_start - first_loaded
     );
     assert!(second_start > first_start);
-    s.daemon.wait_for_log(&format!("model 'first' (pid {first_pid}): GPU memory grew to 2.0 GiB and stayed flat for 1s; launch lock released"), Duration::from_secs(2));
+    s.daemon.wait_for_log(&format!("model 'first' (pid {first_pid}): GPU memory grew by 2.0 GiB and stayed flat for 1s; launch lock released"), Duration::from_secs(2));
     kill_all(&mut [&mut first, &mut second]);
     let mut err = String::new();
     second
@@ -179,7 +179,7 @@ fn second_launch_starts_only_after_the_first_is_ready() {
         .read_to_string(&mut err)
         .unwrap();
     assert!(
-        err.contains("model 'second' queued at position 1, waiting for the launch lock"),
+        err.contains("model 'second' queued at position 1, waiting for: the launch lock"),
         "{err}"
     );
 }
@@ -303,6 +303,87 @@ fn launched_command_keeps_the_pid_and_goes_to_the_gpu_with_room() {
     kill_all(&mut [&mut child]);
 }
 
+/// Issue #10: `--gpus N` without `--gpu-mem` still places the command on N GPUs; the queue
+/// timeout counts from the request's arrival, never less; a launch that fits at once is not
+/// told it was queued; one that can never fit is refused at once (#16).
+#[test]
+fn gpus_without_a_budget_are_placed_and_timeouts_are_never_cut_short() {
+    let s = setup("", &gpus(2, 12));
+    let run = |args: &[&str]| {
+        Command::new(BIN)
+            .arg("launch")
+            .args(args)
+            .env("GPUGUARD_SOCKET", &s.socket)
+            .env_remove("CUDA_VISIBLE_DEVICES")
+            .output()
+            .unwrap()
+    };
+    let out = run(&[
+        "--model",
+        "two",
+        "--gpus",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "echo $CUDA_VISIBLE_DEVICES $GPUGUARD_GPU_MEMORY_FRACTION",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "0,1");
+    assert!(
+        !String::from_utf8_lossy(&out.stderr).contains("queued"),
+        "admitted at once, never said to wait: {out:?}"
+    );
+    // Fits the card (16 GiB) but not now: waits its whole queue timeout, then 75.
+    let started = Instant::now();
+    let out = run(&[
+        "--model",
+        "late",
+        "--gpu-mem",
+        "14GiB",
+        "--queue-timeout",
+        "2s",
+        "--",
+        "true",
+    ]);
+    assert_eq!(out.status.code(), Some(75), "{out:?}");
+    assert!(
+        started.elapsed() >= Duration::from_secs(2),
+        "expired early: {:?}",
+        started.elapsed()
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("queued at position 1"));
+    // Never fits: refused at once, saying so, whatever the queue timeout.
+    let out = run(&[
+        "--model",
+        "huge",
+        "--gpu-mem",
+        "20GiB",
+        "--queue-timeout",
+        "1h",
+        "--",
+        "true",
+    ]);
+    assert_eq!(out.status.code(), Some(75), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("can never fit on this host"),
+        "{out:?}"
+    );
+    // The fraction of its GPU a launch's budget is, for vLLM's --gpu-memory-utilization.
+    let out = run(&[
+        "--model",
+        "frac",
+        "--gpu-mem",
+        "8GiB",
+        "--",
+        "sh",
+        "-c",
+        "echo $GPUGUARD_GPU_MEMORY_FRACTION",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "0.5000");
+}
+
 #[test]
 fn daemon_not_running_is_a_clear_error_and_nothing_starts() {
     let dir = tempfile::tempdir().unwrap();
@@ -329,13 +410,6 @@ fn daemon_not_running_is_a_clear_error_and_nothing_starts() {
     assert_eq!(status.status.code(), Some(69));
 }
 
-fn setpriv_available() -> bool {
-    Command::new("setpriv")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
 /// `gpuguard ARGS` as the unprivileged user nobody.
 fn as_nobody(socket: &Path, args: &[&str]) -> Output {
     Command::new("setpriv")
@@ -348,11 +422,8 @@ fn as_nobody(socket: &Path, args: &[&str]) -> Output {
 
 #[test]
 fn a_non_root_client_cannot_release_someone_elses_lease() {
-    assert!(setpriv_available(), "setpriv (util-linux) is needed");
-    assert!(
-        nix::unistd::geteuid().is_root(),
-        "this test runs as root (CI does)"
-    );
+    require_tool("setpriv", "util-linux");
+    require_root();
     // A socket that nobody can reach: in a world-traversable directory.
     let shared = tempfile::Builder::new()
         .prefix("gpuguard-sock")
@@ -480,6 +551,6 @@ fn garbage_on_the_socket_leaves_the_daemon_serving() {
             String::from_utf8_lossy(&out.stderr)
         );
         let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        assert_eq!(report["schema_version"], 1);
+        assert_eq!(report["schema_version"], 2);
     }
 }

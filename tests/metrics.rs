@@ -8,7 +8,6 @@
 
 mod common;
 
-use std::io::Write;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -23,22 +22,6 @@ impl Drop for Server {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn get(url: &str) -> Option<String> {
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .timeout_global(Some(Duration::from_secs(5)))
-        .build()
-        .into();
-    agent.get(url).call().ok()?.body_mut().read_to_string().ok()
 }
 
 fn gpus(used0_gib: u64) -> String {
@@ -94,13 +77,6 @@ fn setup() -> Setup {
 }
 
 /// The value of the one sample of `name{labels}` in text-format output.
-fn sample(text: &str, series: &str) -> Option<f64> {
-    text.lines()
-        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-}
-
 #[test]
 fn metrics_pass_promtool_and_show_the_host() {
     let s = setup();
@@ -119,26 +95,7 @@ fn metrics_pass_promtool_and_show_the_host() {
         s.daemon.log_text()
     );
 
-    let mut promtool = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("promtool is needed for this test (apt-get install prometheus)");
-    promtool
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(text.as_bytes())
-        .unwrap();
-    let out = promtool.wait_with_output().unwrap();
-    assert!(
-        out.status.success() && out.stdout.is_empty() && out.stderr.is_empty(),
-        "promtool check metrics: {}{}\n{text}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    promtool_check(&text);
 
     let gpu0 = "{gpu=\"0\",uuid=\"GPU-aaaa\"}";
     assert_eq!(

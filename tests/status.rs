@@ -120,7 +120,7 @@ fn status_shows_every_section_consistent_with_the_scenario() {
     }));
 
     let r = status_json(&daemon);
-    assert_eq!(r["schema_version"], 1);
+    assert_eq!(r["schema_version"], 2);
     assert_eq!(r["mode"], "enforce");
     assert!(r["hostname"].as_str().is_some_and(|h| !h.is_empty()));
 
@@ -232,4 +232,58 @@ fn status_without_a_daemon_says_so_with_exit_69() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.starts_with("gpuguard: "), "{err}");
     assert!(out.stdout.is_empty());
+}
+
+/// Issue #10: with NVML unavailable a model's GPU use is unknown (null), not `0 B` with a full
+/// headroom; and `--watch` into a pipe writes plain reports (JSON lines with --json), no escapes.
+#[test]
+fn without_nvml_model_gpu_use_is_unknown_and_watch_into_a_pipe_is_plain() {
+    let t = token("nonvml");
+    let _p = Hog::start(&t, 0, 0, 600);
+    let config = format!(
+        "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"models\"\ninterval = \"200ms\"\nscan_interval = \"200ms\"\n\
+         [gpu]\nnvml_library = \"{}\"\n\
+         [[model]]\nname = \"m\"\nmatch = {{ cmdline = \"{t}\" }}\ngpu_memory = \"8GiB\"\n",
+        FakeNvml::library()
+    );
+    // No FAKE_NVML_STATE: the fake answers "driver not loaded".
+    let daemon = GuardDaemon::start(&config);
+    daemon.wait_for_log("GPU protection is off", Duration::from_secs(10));
+    assert!(wait_until(Duration::from_secs(10), || model(
+        &status_json(&daemon),
+        "m"
+    )
+    .is_some_and(|m| m["pids"]
+        .as_array()
+        .is_some_and(|p| !p.is_empty()))));
+    let r = status_json(&daemon);
+    let m = model(&r, "m").unwrap();
+    assert_eq!(m["gpu_bytes"], Value::Null, "{m}");
+    assert_eq!(m["gpu_headroom_bytes"], Value::Null, "{m}");
+    assert_eq!(m["gpu_budget_bytes"], 8 * GIB);
+
+    let table = Command::new(BIN)
+        .args(["status", "--socket"])
+        .arg(daemon.socket())
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&table.stdout).to_string();
+    assert!(table.contains("?/8.0 GiB"), "{table}");
+    assert!(!table.contains("0 B/8.0 GiB"), "{table}");
+
+    let mut watch = Command::new(BIN)
+        .args(["status", "--watch", "--json", "--socket"])
+        .arg(daemon.socket())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(watch.stdout.take().unwrap()));
+    for _ in 0..2 {
+        let line = lines.next().unwrap().unwrap();
+        assert!(!line.contains('\x1b'), "{line:?}");
+        let report: Value = serde_json::from_str(&line).expect("one JSON report per line");
+        assert_eq!(report["schema_version"], 2);
+    }
+    let _ = watch.kill();
+    let _ = watch.wait();
 }

@@ -1,11 +1,14 @@
 //! The on-disk record of processes gpuguard holds stopped (SIGSTOP or a throttle duty cycle), so
-//! none is left frozen: on shutdown, and on start after a crash, every one still stopped is resumed.
+//! none is left frozen: on shutdown, and on start after a crash (before the config is even read),
+//! every one still stopped is resumed. `stopped.json` in the state directory.
 
-use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::snapshot::ProcessId;
+use crate::state_dir::StateDir;
 
 use super::{ProcessControl, Sig};
 
@@ -30,27 +33,26 @@ impl HeldProcess {
 }
 
 pub struct HeldRecord {
-    path: PathBuf,
+    dir: Arc<StateDir>,
     entries: Vec<HeldProcess>,
 }
 
+/// The record's file in the state directory.
+pub const FILE_NAME: &str = "stopped.json";
+
 impl HeldRecord {
-    /// Opens the record in `state_dir` (creating the directory), keeping what a previous run left.
-    pub fn open(state_dir: &Path) -> std::io::Result<HeldRecord> {
-        std::fs::create_dir_all(state_dir)?;
-        let path = state_dir.join("stopped.json");
-        let entries = match std::fs::read(&path) {
-            Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or_else(|e| {
-                tracing::warn!(
-                    "{}: unreadable ({e}); starting with an empty record",
-                    path.display()
-                );
+    /// Opens the record in the state directory, keeping what a previous run left. A record that
+    /// cannot be read (garbage, a symlink) is set aside under a new name, kept for the operator,
+    /// and reported in `problems`: its processes may still be stopped.
+    pub fn open(dir: Arc<StateDir>, problems: &mut Vec<String>) -> HeldRecord {
+        let entries = match read_record(&dir, FILE_NAME) {
+            Ok(entries) => entries,
+            Err(problem) => {
+                problems.push(problem);
                 Vec::new()
-            }),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-            Err(e) => return Err(e),
+            }
         };
-        Ok(HeldRecord { path, entries })
+        HeldRecord { dir, entries }
     }
 
     pub fn entries(&self) -> &[HeldProcess] {
@@ -86,16 +88,43 @@ impl HeldRecord {
 
     /// Written to a temporary file and renamed, so a crash never leaves half a record.
     fn save(&self) {
-        let tmp = self.path.with_extension("json.tmp");
-        let result = serde_json::to_vec_pretty(&self.entries)
-            .map_err(std::io::Error::other)
-            .and_then(|bytes| std::fs::write(&tmp, bytes))
-            .and_then(|()| std::fs::rename(&tmp, &self.path));
-        if let Err(e) = result {
+        if let Err(e) = write_record(&self.dir, FILE_NAME, &self.entries) {
             tracing::error!(
-                "cannot write {}: {e}; stopped processes may not be resumed after a crash",
-                self.path.display()
+                "cannot write {}/{FILE_NAME}: {e}; stopped processes may not be resumed after a crash",
+                self.dir.path().display()
             );
         }
     }
+}
+
+/// A JSON list from the state directory (none: empty). One that cannot be read is set aside and
+/// the problem returned, loudly worded: what it listed may still be stopped or throttled.
+pub fn read_record<T: DeserializeOwned>(dir: &StateDir, name: &str) -> Result<Vec<T>, String> {
+    let path = dir.path().join(name);
+    let why = match dir.read(name) {
+        Ok(None) => return Ok(Vec::new()),
+        Ok(Some(bytes)) => match serde_json::from_slice(&bytes) {
+            Ok(entries) => return Ok(entries),
+            Err(e) => format!("unreadable ({e})"),
+        },
+        Err(e) => format!("cannot be opened ({e})"),
+    };
+    let kept = match dir.set_aside(name, "corrupt") {
+        Ok(aside) => format!("kept as {aside}"),
+        Err(e) => format!("could not be moved aside: {e}"),
+    };
+    Err(format!(
+        "{} is {why}, {kept}: processes a previous gpuguard run stopped or throttled may still be; check them (ps -eo pid,stat,comm | grep ' T')",
+        path.display()
+    ))
+}
+
+/// Writes a JSON list to the state directory at once (temporary file, then rename).
+pub fn write_record<T: Serialize>(
+    dir: &StateDir,
+    name: &str,
+    entries: &[T],
+) -> std::io::Result<()> {
+    let bytes = serde_json::to_vec_pretty(entries).map_err(std::io::Error::other)?;
+    dir.write_atomic(name, &bytes)
 }

@@ -1,5 +1,6 @@
-//! Acting on the plan: signals through pidfds, throttles, and the record of what is held stopped.
-//! Honours observe mode, and reads memory again just before a floor action.
+//! Acting on the plan: signals through pidfds, throttles, and the records (in the state
+//! directory) of what is held stopped or throttled. Honours observe mode, and reads memory again
+//! just before a floor action. `undo_leftovers` lets go of whatever a previous run left held.
 
 pub mod held;
 pub mod signal;
@@ -7,6 +8,7 @@ pub mod throttle;
 
 use std::collections::HashMap;
 use std::fmt;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -14,11 +16,12 @@ use tracing::{info, warn};
 
 use crate::config::Mode;
 use crate::policy::{Action, Resource, Target, Verb};
-use crate::snapshot::ProcessId;
+use crate::snapshot::{printable, ProcessId};
+use crate::state_dir::StateDir;
 use crate::units::fmt_bytes;
 
-use held::{HeldProcess, HeldRecord};
-use throttle::{ThrottleKind, Throttler};
+use held::{read_record, write_record, HeldProcess, HeldRecord};
+use throttle::{CgroupThrottle, ThrottleKind, Throttler};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Sig {
@@ -70,30 +73,118 @@ pub enum Outcome {
 
 pub struct Executor {
     control: Arc<dyn ProcessControl>,
+    dir: Arc<StateDir>,
     held: HeldRecord,
     throttler: Throttler,
     throttled: HashMap<Vec<ProcessId>, ThrottleKind>,
 }
 
+/// What a previous gpuguard run left held, and what became of it.
+#[derive(Debug, Default)]
+pub struct Leftovers {
+    /// Done: processes resumed, cgroup limits restored.
+    pub undone: Vec<String>,
+    /// Not done, to be reported loudly: unreadable records (set aside), limits left in place.
+    pub problems: Vec<String>,
+}
+
+impl Leftovers {
+    /// One log line each: what was undone (warn), what could not be (error).
+    pub fn log(&self) {
+        for line in &self.undone {
+            warn!("{line}");
+        }
+        for line in &self.problems {
+            tracing::error!("{line}");
+        }
+    }
+}
+
+/// Lets go of what a previous run (one that crashed, or was killed) left in the state directory:
+/// SIGCONT to every recorded process still stopped (same pid and start time), and cgroup limits
+/// put back. Runs at start before the config is read, so a broken config cannot leave a process
+/// frozen. Both records are empty afterwards.
+pub fn undo_leftovers(
+    dir: &Arc<StateDir>,
+    control: &dyn ProcessControl,
+    cgroup_root: &Path,
+) -> Leftovers {
+    let mut out = Leftovers::default();
+    let mut held = HeldRecord::open(dir.clone(), &mut out.problems);
+    for p in held.resume_all(control) {
+        // The record is gpuguard's own, but what it names was chosen by the process.
+        out.undone.push(format!(
+            "resumed pid {} ({}) left stopped ({}) by a previous gpuguard run",
+            p.pid,
+            printable(&p.comm),
+            printable(&p.why)
+        ));
+    }
+    match read_record::<CgroupThrottle>(dir, throttle::FILE_NAME) {
+        Ok(records) if records.is_empty() => {}
+        Ok(records) => {
+            for r in &records {
+                match throttle::restore_leftover(r, cgroup_root) {
+                    Ok(done) => out.undone.push(format!(
+                        "lifted a throttle left by a previous gpuguard run: {done}"
+                    )),
+                    Err(e) => out.problems.push(format!("throttle left in place: {e}")),
+                }
+            }
+            if let Err(e) = write_record::<CgroupThrottle>(dir, throttle::FILE_NAME, &[]) {
+                out.problems.push(format!(
+                    "{}/{}: cannot empty: {e}",
+                    dir.path().display(),
+                    throttle::FILE_NAME
+                ));
+            }
+        }
+        Err(problem) => out.problems.push(problem),
+    }
+    out
+}
+
 impl Executor {
-    pub fn new(control: Arc<dyn ProcessControl>, held: HeldRecord, cgroup_root: &str) -> Self {
-        let throttler = Throttler::new(control.clone(), cgroup_root);
-        Executor {
+    /// Takes over the state directory: first lets go of what a previous run left there
+    /// (`undo_leftovers`), then records what this run holds.
+    pub fn new(
+        control: Arc<dyn ProcessControl>,
+        dir: Arc<StateDir>,
+        cgroup_root: &Path,
+    ) -> (Self, Leftovers) {
+        let mut leftovers = undo_leftovers(&dir, control.as_ref(), cgroup_root);
+        let held = HeldRecord::open(dir.clone(), &mut leftovers.problems);
+        let throttler = Throttler::new(control.clone(), PathBuf::from(cgroup_root));
+        let executor = Executor {
             control,
+            dir,
             held,
             throttler,
             throttled: HashMap::new(),
-        }
+        };
+        (executor, leftovers)
     }
 
     pub fn held(&self) -> &[HeldProcess] {
         self.held.entries()
     }
 
-    /// Resumes whatever a previous run left stopped (after a crash) and says so.
-    pub fn resume_leftovers(&mut self) {
-        for p in self.held.resume_all(self.control.as_ref()) {
-            warn!(pid = p.pid, comm = %p.comm, "resumed pid {} ({}) left stopped ({}) by a previous gpuguard run", p.pid, p.comm, p.why);
+    /// Records the cgroup throttles in force, so a crash never leaves one behind.
+    fn save_throttles(&self) {
+        let cgroups: Vec<&CgroupThrottle> = self
+            .throttled
+            .values()
+            .filter_map(|k| match k {
+                ThrottleKind::Cgroup(c) => Some(c),
+                ThrottleKind::DutyCycle => None,
+            })
+            .collect();
+        if let Err(e) = write_record(&self.dir, throttle::FILE_NAME, &cgroups) {
+            tracing::error!(
+                "cannot write {}/{}: {e}; a crash now would leave cgroup throttles in place",
+                self.dir.path().display(),
+                throttle::FILE_NAME
+            );
         }
     }
 
@@ -137,7 +228,11 @@ impl Executor {
                 if kind == ThrottleKind::DutyCycle {
                     self.hold(target, "throttle");
                 }
+                let cgroup = matches!(kind, ThrottleKind::Cgroup(_));
                 self.throttled.insert(ids.clone(), kind);
+                if cgroup {
+                    self.save_throttles();
+                }
                 Outcome::Done
             }
             Verb::Unthrottle => {
@@ -146,6 +241,9 @@ impl Executor {
                     .remove(&ids)
                     .unwrap_or(ThrottleKind::DutyCycle);
                 self.throttler.unthrottle(&ids, &kind);
+                if matches!(kind, ThrottleKind::Cgroup(_)) {
+                    self.save_throttles();
+                }
                 ids.iter().for_each(|id| self.held.remove(*id));
                 Outcome::Done
             }
@@ -159,6 +257,9 @@ impl Executor {
             Verb::Resume | Verb::Terminate | Verb::Kill => {
                 if let Some(kind) = self.throttled.remove(&ids) {
                     self.throttler.unthrottle(&ids, &kind);
+                    if matches!(kind, ThrottleKind::Cgroup(_)) {
+                        self.save_throttles();
+                    }
                 }
                 ids.iter().for_each(|id| self.held.remove(*id));
             }
@@ -215,11 +316,106 @@ impl Executor {
         for (ids, kind) in std::mem::take(&mut self.throttled) {
             self.throttler.unthrottle(&ids, &kind);
         }
+        self.save_throttles();
         for p in self.held.resume_all(self.control.as_ref()) {
             info!(
                 pid = p.pid,
                 "resumed pid {} ({}) on shutdown", p.pid, p.comm
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::{Member, Reason};
+    use std::sync::Mutex;
+
+    /// Records signals; says every process is stopped.
+    #[derive(Default)]
+    struct Recorder(Mutex<Vec<(i32, Sig)>>);
+
+    impl ProcessControl for Recorder {
+        fn send(&self, id: ProcessId, sig: Sig) -> Result<(), SignalError> {
+            self.0.lock().unwrap().push((id.pid, sig));
+            Ok(())
+        }
+        fn is_stopped(&self, _: ProcessId) -> bool {
+            true
+        }
+    }
+
+    fn action(verb: Verb, pid: i32) -> Action {
+        Action {
+            verb,
+            target: Target {
+                model: Some("m".into()),
+                members: vec![Member {
+                    id: ProcessId { pid, start_time: 7 },
+                    comm: "vllm".into(),
+                    uid: 1000,
+                }],
+            },
+            reason: Reason {
+                kind: "ram_budget",
+                detail: "over".into(),
+            },
+            recheck: None,
+        }
+    }
+
+    #[test]
+    fn a_crash_leaves_nothing_held_for_the_next_start() {
+        let root = tempfile::tempdir().unwrap();
+        let cgroups = root.path().join("cgroup");
+        let unit = cgroups.join("system.slice/vllm.service");
+        std::fs::create_dir_all(&unit).unwrap();
+        for (file, text) in [
+            ("cgroup.procs", "10\n"),
+            ("memory.high", "max\n"),
+            ("memory.current", "4096\n"),
+            ("cpu.max", "max 100000\n"),
+        ] {
+            std::fs::write(unit.join(file), text).unwrap();
+        }
+        let dir = Arc::new(StateDir::create(&root.path().join("state")).unwrap());
+        let control = Arc::new(Recorder::default());
+        let (mut executor, leftovers) = Executor::new(control.clone(), dir.clone(), &cgroups);
+        assert!(leftovers.undone.is_empty() && leftovers.problems.is_empty());
+        let mut no_read = |_| None;
+        let cgroup = Some("/system.slice/vllm.service");
+        let done = executor.execute(
+            Mode::Enforce,
+            &action(Verb::Throttle, 10),
+            cgroup,
+            &mut no_read,
+        );
+        assert_eq!(done, Outcome::Done);
+        let stop = executor.execute(Mode::Enforce, &action(Verb::Stop, 20), None, &mut no_read);
+        assert_eq!(stop, Outcome::Done);
+        assert_eq!(
+            std::fs::read_to_string(unit.join("memory.high")).unwrap(),
+            "4096"
+        );
+        // gpuguard dies here, without shutdown: the next start lets go of both.
+        drop(executor);
+        let (_, leftovers) = Executor::new(control.clone(), dir, &cgroups);
+        assert!(leftovers.problems.is_empty(), "{leftovers:?}");
+        assert_eq!(
+            std::fs::read_to_string(unit.join("memory.high")).unwrap(),
+            "max"
+        );
+        assert_eq!(
+            std::fs::read_to_string(unit.join("cpu.max")).unwrap(),
+            "max 100000"
+        );
+        let undone = leftovers.undone.join("\n");
+        assert!(
+            undone.contains("resumed pid 20 (vllm) left stopped (stop)"),
+            "{undone}"
+        );
+        assert!(undone.contains("memory.high 4096 -> max"), "{undone}");
+        assert_eq!(control.0.lock().unwrap().last(), Some(&(20, Sig::Cont)));
     }
 }

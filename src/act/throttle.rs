@@ -4,10 +4,16 @@
 //! then reclaims and slows allocations above it) and `cpu.max` is cut to a fifth of a core; the
 //! old values are restored when lifted. Elsewhere a SIGSTOP/SIGCONT duty cycle runs the target a
 //! fifth of the time.
+//!
+//! Neither may outlive gpuguard: cgroup throttles are recorded in the state directory
+//! (`throttled.json`, with the old values and the ones gpuguard wrote) and undone at the next start
+//! after a crash; duty-cycled processes are in the held record (`held.rs`) and resumed.
 
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use serde::{Deserialize, Serialize};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -19,15 +25,35 @@ use super::{ProcessControl, Sig};
 const PERIOD: Duration = Duration::from_millis(100);
 const RUN: Duration = Duration::from_millis(20);
 
+/// The record of cgroup throttles in the state directory.
+pub const FILE_NAME: &str = "throttled.json";
+
 /// How a target is being throttled.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ThrottleKind {
-    Cgroup {
-        dir: PathBuf,
-        old_memory_high: String,
-        old_cpu_max: Option<String>,
-    },
+    Cgroup(CgroupThrottle),
     DutyCycle,
+}
+
+/// A cgroup's limits as gpuguard found them and as it set them.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CgroupThrottle {
+    /// The processes throttled (pid + start time).
+    pub ids: Vec<ProcessId>,
+    pub dir: PathBuf,
+    pub old_memory_high: String,
+    pub set_memory_high: String,
+    pub old_cpu_max: Option<String>,
+    /// `None` where the cgroup has no cpu controller (nothing was written).
+    pub set_cpu_max: Option<String>,
+}
+
+/// The cut `cpu.max`: a fifth of one CPU.
+const THROTTLED_CPU_MAX: &str = "20000 100000";
+
+/// Locks even if a thread panicked holding the lock (a plain list: whole between statements).
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 pub struct Throttler {
@@ -54,7 +80,7 @@ impl Throttler {
         if let Some(kind) = cgroup.and_then(|cg| self.try_cgroup(ids, cg)) {
             return kind;
         }
-        let mut cycled = self.cycled.lock().expect("throttle lock");
+        let mut cycled = lock(&self.cycled);
         for id in ids {
             if !cycled.contains(id) {
                 cycled.push(*id);
@@ -68,18 +94,14 @@ impl Throttler {
     /// Lifts a throttle and lets the processes run.
     pub fn unthrottle(&mut self, ids: &[ProcessId], kind: &ThrottleKind) {
         match kind {
-            ThrottleKind::Cgroup {
-                dir,
-                old_memory_high,
-                old_cpu_max,
-            } => {
-                let _ = std::fs::write(dir.join("memory.high"), old_memory_high);
-                if let Some(old) = old_cpu_max {
-                    let _ = std::fs::write(dir.join("cpu.max"), old);
+            ThrottleKind::Cgroup(c) => {
+                let _ = std::fs::write(c.dir.join("memory.high"), &c.old_memory_high);
+                if let (Some(old), Some(_)) = (&c.old_cpu_max, &c.set_cpu_max) {
+                    let _ = std::fs::write(c.dir.join("cpu.max"), old);
                 }
             }
             ThrottleKind::DutyCycle => {
-                let mut cycled = self.cycled.lock().expect("throttle lock");
+                let mut cycled = lock(&self.cycled);
                 cycled.retain(|id| !ids.contains(id));
                 for id in ids {
                     let _ = self.control.send(*id, Sig::Cont);
@@ -106,14 +128,18 @@ impl Throttler {
         let current = read_trimmed(&dir, "memory.current")?;
         std::fs::write(dir.join("memory.high"), &current).ok()?;
         let old_cpu_max = read_trimmed(&dir, "cpu.max");
-        if old_cpu_max.is_some() {
-            let _ = std::fs::write(dir.join("cpu.max"), "20000 100000");
-        }
-        Some(ThrottleKind::Cgroup {
+        let set_cpu_max = old_cpu_max
+            .as_ref()
+            .filter(|_| std::fs::write(dir.join("cpu.max"), THROTTLED_CPU_MAX).is_ok())
+            .map(|_| THROTTLED_CPU_MAX.to_string());
+        Some(ThrottleKind::Cgroup(CgroupThrottle {
+            ids: ids.to_vec(),
             dir,
             old_memory_high,
+            set_memory_high: current,
             old_cpu_max,
-        })
+            set_cpu_max,
+        }))
     }
 
     fn ensure_thread(&mut self) {
@@ -130,7 +156,7 @@ impl Throttler {
                     // pids and SIGCONTs them under the same lock) is never followed by a stale
                     // SIGSTOP from here.
                     let stopped = {
-                        let cycled = cycled.lock().expect("throttle lock");
+                        let cycled = lock(&cycled);
                         for id in cycled.iter() {
                             let _ = control.send(*id, Sig::Stop);
                         }
@@ -141,7 +167,7 @@ impl Throttler {
                         continue;
                     }
                     std::thread::sleep(PERIOD - RUN);
-                    for id in cycled.lock().expect("throttle lock").iter() {
+                    for id in lock(&cycled).iter() {
                         let _ = control.send(*id, Sig::Cont);
                     }
                     std::thread::sleep(RUN);
@@ -159,10 +185,58 @@ impl Throttler {
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
-        for id in std::mem::take(&mut *self.cycled.lock().expect("throttle lock")) {
+        for id in std::mem::take(&mut *lock(&self.cycled)) {
             let _ = self.control.send(id, Sig::Cont);
         }
     }
+}
+
+/// Undoes a cgroup throttle a previous run left (after a crash): each limit goes back to its old
+/// value if it still holds what gpuguard set (an operator's later change is left alone). Only
+/// directories under `cgroup_root` are touched. Returns what was done, or why not.
+pub fn restore_leftover(t: &CgroupThrottle, cgroup_root: &Path) -> Result<String, String> {
+    let dir = &t.dir;
+    let inside = dir.starts_with(cgroup_root)
+        && dir
+            .components()
+            .all(|c| !matches!(c, Component::ParentDir | Component::CurDir));
+    if !inside {
+        return Err(format!(
+            "{} is not under {}: left alone",
+            dir.display(),
+            cgroup_root.display()
+        ));
+    }
+    let mut done = Vec::new();
+    let limits = [
+        (
+            "memory.high",
+            Some(&t.set_memory_high),
+            Some(&t.old_memory_high),
+        ),
+        ("cpu.max", t.set_cpu_max.as_ref(), t.old_cpu_max.as_ref()),
+    ];
+    for (file, set, old) in limits {
+        let (Some(set), Some(old)) = (set, old) else {
+            continue;
+        };
+        match read_trimmed(dir, file) {
+            None => done.push(format!("{file} gone (cgroup removed?)")),
+            Some(now) if now == *set => match std::fs::write(dir.join(file), old) {
+                Ok(()) => done.push(format!("{file} {set} -> {old}")),
+                Err(e) => {
+                    return Err(format!(
+                        "{}/{file}: cannot restore {old}: {e}",
+                        dir.display()
+                    ))
+                }
+            },
+            Some(now) => done.push(format!(
+                "{file} is {now}, not the {set} gpuguard set: left as is"
+            )),
+        }
+    }
+    Ok(format!("cgroup {}: {}", dir.display(), done.join(", ")))
 }
 
 fn read_trimmed(dir: &Path, file: &str) -> Option<String> {
@@ -211,7 +285,7 @@ mod tests {
         let recorder = Arc::new(Recorder::default());
         let mut t = Throttler::new(recorder.clone(), root.path());
         let kind = t.throttle(&[id(10), id(11)], Some("/system.slice/vllm.service"));
-        assert!(matches!(kind, ThrottleKind::Cgroup { .. }), "{kind:?}");
+        assert!(matches!(kind, ThrottleKind::Cgroup(_)), "{kind:?}");
         assert_eq!(
             std::fs::read_to_string(dir.join("memory.high")).unwrap(),
             "1073741824"
@@ -233,6 +307,42 @@ mod tests {
             recorder.0.lock().unwrap().is_empty(),
             "no signals for a cgroup throttle"
         );
+    }
+
+    #[test]
+    fn a_leftover_cgroup_throttle_is_restored_unless_changed_since() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = cgroup(root.path(), "system.slice/vllm.service", "10\n");
+        let mut t = Throttler::new(Arc::new(Recorder::default()), root.path());
+        let ThrottleKind::Cgroup(record) =
+            t.throttle(&[id(10)], Some("/system.slice/vllm.service"))
+        else {
+            panic!("a cgroup of its own is throttled through the cgroup");
+        };
+        // gpuguard crashes here: nothing lifts the throttle until the next start.
+        let done = restore_leftover(&record, root.path()).unwrap();
+        assert!(done.contains("memory.high 1073741824 -> max"), "{done}");
+        assert_eq!(read_trimmed(&dir, "memory.high").as_deref(), Some("max"));
+        assert_eq!(read_trimmed(&dir, "cpu.max").as_deref(), Some("max 100000"));
+
+        // An operator set other limits since: left as they are.
+        std::fs::write(dir.join("memory.high"), "2147483648\n").unwrap();
+        let done = restore_leftover(&record, root.path()).unwrap();
+        assert!(
+            done.contains("memory.high is 2147483648, not the 1073741824 gpuguard set"),
+            "{done}"
+        );
+        assert_eq!(
+            read_trimmed(&dir, "memory.high").as_deref(),
+            Some("2147483648")
+        );
+
+        // A record pointing outside the cgroup tree is never written to.
+        let outside = CgroupThrottle {
+            dir: root.path().join("system.slice/../../etc"),
+            ..record
+        };
+        assert!(restore_leftover(&outside, root.path()).is_err());
     }
 
     #[test]

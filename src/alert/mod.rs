@@ -44,6 +44,8 @@ const CONDITION_KINDS: &[&str] = &[
     "budget_cleared",
     "gpu_ok",
     "gpu_unavailable",
+    "gpu_lost",
+    "gpu_recovered",
 ];
 
 pub fn severity_name(s: Severity) -> &'static str {
@@ -142,6 +144,27 @@ fn ser_time<S: serde::Serializer>(t: &SystemTime, ser: S) -> Result<S::Ok, S::Er
     ser.serialize_str(&humantime::format_rfc3339_millis(*t).to_string())
 }
 
+impl queue::Weigh for Notice {
+    fn weight(&self) -> usize {
+        let s = &self.subject;
+        let strings = [&s.model, &s.resource, &s.comm, &s.cmdline]
+            .iter()
+            .map(|o| o.as_ref().map_or(0, String::len))
+            .sum::<usize>();
+        let action = self.action.as_ref().map_or(0, |a| {
+            a.verb.len() + a.reason.len() + a.detail.len() + a.outcome.len()
+        });
+        std::mem::size_of::<Notice>()
+            + self.host.len()
+            + self.event.len()
+            + self.key.len()
+            + self.summary.len()
+            + strings
+            + s.pids.len() * 4
+            + action
+    }
+}
+
 impl Notice {
     /// The one-line, Slack-compatible text.
     pub fn text(&self) -> String {
@@ -188,6 +211,21 @@ struct SinkHandle {
     /// Alertmanager sinks take refreshes and superseded notices; others skip them.
     alertmanager: bool,
     min_severity: Severity,
+    /// What the worker was started with: a reload that gives the same keeps it.
+    spec: SinkSpec,
+}
+
+#[derive(Clone, PartialEq)]
+enum SinkSpec {
+    Webhook(webhook::Spec),
+    EventLog {
+        state_dir: std::path::PathBuf,
+        max_bytes: u64,
+        queue: usize,
+    },
+    /// Tests' sinks, never reused.
+    #[cfg(test)]
+    None,
 }
 
 impl Drop for SinkHandle {
@@ -225,41 +263,99 @@ impl Alerter {
         Ok(alerter)
     }
 
-    /// Applies a (re)loaded config: new sinks replace the old ones, which finish their queues.
-    /// Active conditions are kept, so a reload does not re-fire them.
+    /// Applies a (re)loaded config. A sink the new config describes exactly as before keeps its
+    /// worker and queue; the others are replaced, and the old ones are abandoned (their queues
+    /// dropped, no more retries), so reload after reload never piles up workers stuck behind a
+    /// hung endpoint. Active conditions are kept, so a reload does not re-fire them.
     pub fn configure(&mut self, config: &Config) -> anyhow::Result<()> {
         let a = &config.alert;
-        let mut sinks = Vec::new();
+        let mut wanted = Vec::new();
         for (i, w) in a.webhooks.iter().enumerate() {
-            let counters = self.metrics.sink(&i.to_string(), w.format.as_str());
-            let queue = Arc::new(Queue::new(a.queue, counters.dropped.clone()));
-            webhook::start(i, w, a, queue.clone(), counters)?;
-            sinks.push(SinkHandle {
-                queue,
-                alertmanager: w.format == crate::config::WebhookFormat::Alertmanager,
-                min_severity: w.min_severity,
-            });
+            wanted.push((
+                SinkSpec::Webhook(webhook::Spec::new(i, w, a)?),
+                w.format == crate::config::WebhookFormat::Alertmanager,
+                w.min_severity,
+            ));
         }
-        let event_log = if a.event_log {
-            let counters = self.metrics.sink("event_log", "jsonl");
-            let queue = Arc::new(Queue::new(a.queue, counters.dropped.clone()));
-            let max = match a.event_log_max_size {
+        let event_log = a.event_log.then(|| SinkSpec::EventLog {
+            state_dir: config.daemon.state_dir.clone(),
+            max_bytes: match a.event_log_max_size {
                 crate::units::Amount::Bytes(b) => b,
                 crate::units::Amount::Percent(_) => 16 << 20,
-            };
-            eventlog::start(&config.daemon.state_dir, max, queue.clone(), counters)?;
-            Some(SinkHandle {
-                queue,
-                alertmanager: false,
-                min_severity: Severity::Info,
-            })
-        } else {
-            None
+            },
+            queue: a.queue,
+        });
+        let mut old: Vec<SinkHandle> = std::mem::take(&mut self.sinks);
+        old.extend(self.event_log.take());
+        let mut reuse = |spec: &SinkSpec| {
+            old.iter()
+                .position(|h| h.spec == *spec)
+                .map(|i| old.swap_remove(i))
         };
+        let mut sinks = Vec::new();
+        for (i, (spec, alertmanager, min_severity)) in wanted.into_iter().enumerate() {
+            let handle = match reuse(&spec) {
+                Some(handle) => handle,
+                None => self.start_webhook(i, spec, alertmanager, min_severity, a)?,
+            };
+            sinks.push(handle);
+        }
+        let event_log = match event_log {
+            Some(spec) => Some(match reuse(&spec) {
+                Some(handle) => handle,
+                None => self.start_event_log(spec)?,
+            }),
+            None => None,
+        };
+        for retired in old {
+            retired.queue.abandon();
+        }
         self.sinks = sinks;
         self.event_log = event_log;
         self.repeat_interval = a.repeat_interval;
         Ok(())
+    }
+
+    fn start_webhook(
+        &self,
+        index: usize,
+        spec: SinkSpec,
+        alertmanager: bool,
+        min_severity: Severity,
+        a: &crate::config::AlertConfig,
+    ) -> anyhow::Result<SinkHandle> {
+        let SinkSpec::Webhook(w) = &spec else {
+            anyhow::bail!("not a webhook");
+        };
+        let counters = self.metrics.sink(&index.to_string(), w.format().as_str());
+        let queue = Arc::new(Queue::new(a.queue, counters.dropped.clone()));
+        webhook::start(w, queue.clone(), counters)?;
+        Ok(SinkHandle {
+            queue,
+            alertmanager,
+            min_severity,
+            spec,
+        })
+    }
+
+    fn start_event_log(&self, spec: SinkSpec) -> anyhow::Result<SinkHandle> {
+        let SinkSpec::EventLog {
+            state_dir,
+            max_bytes,
+            queue,
+        } = &spec
+        else {
+            anyhow::bail!("not the event log");
+        };
+        let counters = self.metrics.sink("event_log", "jsonl");
+        let queue = Arc::new(Queue::new(*queue, counters.dropped.clone()));
+        eventlog::start(state_dir, *max_bytes, queue.clone(), counters)?;
+        Ok(SinkHandle {
+            queue,
+            alertmanager: false,
+            min_severity: Severity::Info,
+            spec,
+        })
     }
 
     pub fn host(&self) -> &str {
@@ -477,6 +573,7 @@ mod tests {
                 queue: queue.clone(),
                 alertmanager: false,
                 min_severity: Severity::Info,
+                spec: SinkSpec::None,
             }],
             event_log: None,
             active: BTreeMap::new(),

@@ -1,12 +1,23 @@
 //! A bounded queue between the daemon loop and one sink's worker thread. Pushing never waits for
 //! the worker: when the queue is full the oldest entry is dropped (and counted), so a sink that
-//! hangs costs the loop one short, uncontended lock per notification and nothing more.
+//! hangs costs the loop one short, uncontended lock per notification and nothing more. A sink
+//! replaced by a reload is *abandoned*: its queue is emptied and its worker stops retrying, so
+//! it ends within one request's timeout instead of lingering behind a hung endpoint.
 
 use std::collections::VecDeque;
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use prometheus_client::metrics::counter::Counter;
+
+/// What an entry weighs in memory, roughly, in bytes: the queue is bounded by it too.
+pub trait Weigh {
+    fn weight(&self) -> usize;
+}
+
+/// Bytes of entries one queue holds at most (beside its count): a burst of notices about
+/// processes with long command lines cannot grow the daemon without bound.
+pub const MAX_QUEUE_BYTES: usize = 4 << 20;
 
 pub struct Queue<T> {
     inner: Mutex<Inner<T>>,
@@ -20,18 +31,24 @@ pub struct Queue<T> {
 
 struct Inner<T> {
     items: VecDeque<T>,
+    /// The weight of `items`.
+    bytes: usize,
     /// An entry the worker has taken and not finished.
     in_flight: bool,
     closed: bool,
+    /// Closed and emptied: the worker drops what it holds and ends.
+    abandoned: bool,
 }
 
-impl<T> Queue<T> {
+impl<T: Weigh> Queue<T> {
     pub fn new(capacity: usize, dropped: Counter) -> Queue<T> {
         Queue {
             inner: Mutex::new(Inner {
                 items: VecDeque::new(),
+                bytes: 0,
                 in_flight: false,
                 closed: false,
+                abandoned: false,
             }),
             arrived: Condvar::new(),
             finished: Condvar::new(),
@@ -47,11 +64,18 @@ impl<T> Queue<T> {
     /// Adds an entry; returns true if the oldest one was dropped to make room.
     pub fn push(&self, item: T) -> bool {
         let mut inner = self.lock();
-        let dropped = inner.items.len() >= self.capacity;
-        if dropped {
-            inner.items.pop_front();
+        let weight = item.weight();
+        let mut dropped = false;
+        while !inner.items.is_empty()
+            && (inner.items.len() >= self.capacity || inner.bytes + weight > MAX_QUEUE_BYTES)
+        {
+            if let Some(old) = inner.items.pop_front() {
+                inner.bytes -= old.weight();
+            }
             self.dropped.inc();
+            dropped = true;
         }
+        inner.bytes += weight;
         inner.items.push_back(item);
         drop(inner);
         self.arrived.notify_one();
@@ -64,6 +88,7 @@ impl<T> Queue<T> {
         let mut inner = self.lock();
         loop {
             if let Some(item) = inner.items.pop_front() {
+                inner.bytes -= item.weight();
                 inner.in_flight = true;
                 return Some(item);
             }
@@ -83,6 +108,39 @@ impl<T> Queue<T> {
     pub fn close(&self) {
         self.lock().closed = true;
         self.arrived.notify_all();
+    }
+
+    /// No more entries, and those waiting are dropped (and counted): the worker ends after the
+    /// one it is handling, without retrying it.
+    pub fn abandon(&self) {
+        let mut inner = self.lock();
+        inner.bytes = 0;
+        for _ in inner.items.drain(..) {
+            self.dropped.inc();
+        }
+        inner.closed = true;
+        inner.abandoned = true;
+        drop(inner);
+        self.arrived.notify_all();
+    }
+
+    /// The worker's pause between retries: waits `pause`, returning early (false) if the queue
+    /// is abandoned meanwhile; true if it is still worth retrying.
+    pub fn pause(&self, pause: Duration) -> bool {
+        let deadline = Instant::now() + pause;
+        let mut inner = self.lock();
+        while !inner.abandoned {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return true;
+            }
+            inner = self
+                .arrived
+                .wait_timeout(inner, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        false
     }
 
     /// Waits until everything queued has been handled, at most until `deadline`.
@@ -114,6 +172,26 @@ impl<T> Queue<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
+
+    impl Weigh for i32 {
+        fn weight(&self) -> usize {
+            *self as usize
+        }
+    }
+
+    #[test]
+    fn the_queue_is_bounded_in_bytes_as_well_as_in_count() {
+        let dropped = Counter::default();
+        let q = Queue::new(100, dropped.clone());
+        let big = (MAX_QUEUE_BYTES / 3) as i32;
+        for _ in 0..3 {
+            assert!(!q.push(big));
+        }
+        assert!(q.push(big), "the fourth third pushes the oldest out");
+        assert_eq!(dropped.get(), 1);
+        assert_eq!(q.lock().bytes, 3 * big as usize);
+    }
 
     #[test]
     fn full_queue_drops_the_oldest_and_counts_it() {
@@ -130,5 +208,26 @@ mod tests {
         q.done();
         assert_eq!(q.pop(), None);
         assert!(q.drain(Instant::now()));
+    }
+
+    #[test]
+    fn an_abandoned_queue_drops_its_entries_and_cuts_a_pause_short() {
+        let dropped = Counter::default();
+        let q = Arc::new(Queue::new(10, dropped.clone()));
+        q.push(1);
+        q.push(2);
+        let pausing = {
+            let q = q.clone();
+            std::thread::spawn(move || q.pause(Duration::from_secs(600)))
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        q.abandon();
+        assert!(
+            !pausing.join().unwrap(),
+            "the pause ends at once, saying stop"
+        );
+        assert_eq!(dropped.get(), 2);
+        assert_eq!(q.pop(), None);
+        assert!(!q.pause(Duration::from_secs(600)));
     }
 }

@@ -42,57 +42,86 @@ struct Sink {
     rng: u64,
 }
 
-/// Reads the secret and starts the sink's worker.
-pub fn start(
+/// What a webhook sink is: a reload that leaves it the same keeps its worker and queue.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Spec {
     index: usize,
-    config: &WebhookConfig,
-    alert: &AlertConfig,
-    queue: Arc<Queue<Notice>>,
-    counters: SinkCounters,
-) -> anyhow::Result<()> {
-    let name = format!("alert.webhook[{index}] ({})", config.redacted_url());
-    let key = match &config.secret_file {
-        Some(path) => {
-            let text = std::fs::read(path)
-                .with_context(|| format!("{name}: secret_file {}", path.display()))?;
-            let trimmed = text.trim_ascii_end().to_vec();
-            anyhow::ensure!(
-                !trimmed.is_empty(),
-                "{name}: secret_file {} is empty",
-                path.display()
-            );
-            Some(trimmed)
-        }
-        None => None,
-    };
-    let url = match config.format {
-        WebhookFormat::Alertmanager => alertmanager_url(&config.url),
-        _ => config.url.trim().to_string(),
-    };
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .timeout_global(Some(alert.timeout))
-        .http_status_as_error(false)
-        .user_agent(concat!("gpuguard/", env!("CARGO_PKG_VERSION")))
-        .build()
-        .into();
+    name: String,
+    url: String,
+    redacted: String,
+    format: WebhookFormat,
+    key: Option<Vec<u8>>,
+    timeout: Duration,
+    retries: u32,
+    backoff: Duration,
+    queue: usize,
+}
+
+impl Spec {
+    /// Reads the secret: fails if `secret_file` cannot be read or is empty.
+    pub fn new(index: usize, config: &WebhookConfig, alert: &AlertConfig) -> anyhow::Result<Spec> {
+        let name = format!("alert.webhook[{index}] ({})", config.redacted_url());
+        let key = match &config.secret_file {
+            Some(path) => {
+                let text = std::fs::read(path)
+                    .with_context(|| format!("{name}: secret_file {}", path.display()))?;
+                let trimmed = text.trim_ascii_end().to_vec();
+                anyhow::ensure!(
+                    !trimmed.is_empty(),
+                    "{name}: secret_file {} is empty",
+                    path.display()
+                );
+                Some(trimmed)
+            }
+            None => None,
+        };
+        let url = match config.format {
+            WebhookFormat::Alertmanager => alertmanager_url(&config.url),
+            _ => config.url.trim().to_string(),
+        };
+        Ok(Spec {
+            index,
+            name,
+            url,
+            redacted: config.redacted_url(),
+            format: config.format,
+            key,
+            timeout: alert.timeout,
+            retries: alert.retries,
+            backoff: alert.backoff,
+            queue: alert.queue,
+        })
+    }
+}
+
+impl Spec {
+    pub fn format(&self) -> WebhookFormat {
+        self.format
+    }
+}
+
+/// Starts the sink's worker. It ends when its queue is closed and empty, or at once (after the
+/// request in flight) when the queue is abandoned.
+pub fn start(spec: &Spec, queue: Arc<Queue<Notice>>, counters: SinkCounters) -> anyhow::Result<()> {
+    let agent = crate::http::agent(spec.timeout);
     let mut sink = Sink {
-        name,
-        url,
-        redacted: config.redacted_url(),
-        format: config.format,
-        key,
+        name: spec.name.clone(),
+        url: spec.url.clone(),
+        redacted: spec.redacted.clone(),
+        format: spec.format,
+        key: spec.key.clone(),
         agent,
-        retries: alert.retries,
-        backoff: alert.backoff,
+        retries: spec.retries,
+        backoff: spec.backoff,
         sent: counters.sent,
         failed: counters.failed,
-        rng: seed(index),
+        rng: seed(spec.index),
     };
     std::thread::Builder::new()
-        .name(format!("webhook-{index}"))
+        .name(format!("webhook-{}", spec.index))
         .spawn(move || {
             while let Some(notice) = queue.pop() {
-                sink.deliver(&notice);
+                sink.deliver(&notice, &queue);
                 queue.done();
             }
         })?;
@@ -126,7 +155,7 @@ enum Attempt {
 }
 
 impl Sink {
-    fn deliver(&mut self, notice: &Notice) {
+    fn deliver(&mut self, notice: &Notice, queue: &Queue<Notice>) {
         let body = match self.body(notice) {
             Ok(b) => b,
             Err(e) => {
@@ -171,7 +200,10 @@ impl Sink {
                         attempt + 1,
                         humantime::format_duration(wait)
                     );
-                    std::thread::sleep(wait);
+                    if !queue.pause(wait) {
+                        debug!("{}: replaced by a reload; not retrying", self.name);
+                        return;
+                    }
                     attempt += 1;
                 }
             }

@@ -422,7 +422,7 @@ mod tests {
         let exec = get("ExecStart");
         assert_eq!(
             exec,
-            ["/usr/bin/gpuguard daemon --config /etc/gpuguard/config.toml --lock-memory"]
+            ["/usr/bin/gpuguard daemon --config /etc/gpuguard/config.toml --state-dir /var/lib/gpuguard --lock-memory"]
         );
         // The arguments are the CLI's.
         let args = exec[0].split_whitespace();

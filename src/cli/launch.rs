@@ -11,7 +11,7 @@ use clap::Args;
 
 use super::exit;
 use crate::ipc::client::{ClientError, Connection};
-use crate::ipc::{LaunchRequest, Request, Response, DEFAULT_SOCKET};
+use crate::ipc::{LaunchRequest, RefusalReason, Request, Response, DEFAULT_SOCKET};
 use crate::units::{parse_duration, Amount};
 
 #[derive(Args)]
@@ -25,15 +25,22 @@ pub struct LaunchArgs {
     /// Host RAM the model will take while loading and serving (e.g. "40GiB").
     #[arg(long, value_parser = parse_size)]
     ram: Option<u64>,
-    /// Place it on this many GPUs (the ones with most room).
+    /// Place it on this many GPUs (the ones with most room); without --gpu-mem it still gets
+    /// CUDA_VISIBLE_DEVICES for that many GPUs.
     #[arg(long, conflicts_with = "gpu")]
     gpus: Option<u32>,
     /// Place it on this GPU index.
     #[arg(long)]
     gpu: Option<u32>,
-    /// Ready when this URL answers 2xx (e.g. http://127.0.0.1:8000/health).
+    /// Ready when this URL answers 2xx (e.g. http://127.0.0.1:8000/health). Without it, a vLLM,
+    /// SGLang or TGI command gets its /health URL from its --host/--port; any other command is
+    /// ready once its memory has grown and stayed flat for the daemon's `[launch] settle`.
     #[arg(long)]
     ready_url: Option<String>,
+    /// The server's Prometheus metrics (loopback http, e.g. http://127.0.0.1:8000/metrics):
+    /// `status` shows its KV cache and queue.
+    #[arg(long)]
+    metrics_url: Option<String>,
     /// Hold the launch lock at most this long while loading (default: the daemon's).
     #[arg(long, value_parser = parse_duration)]
     ready_timeout: Option<Duration>,
@@ -47,7 +54,7 @@ pub struct LaunchArgs {
     command: Vec<OsString>,
 }
 
-fn parse_size(text: &str) -> Result<u64, String> {
+pub(super) fn parse_size(text: &str) -> Result<u64, String> {
     match text.parse::<Amount>()? {
         Amount::Bytes(b) => Ok(b),
         Amount::Percent(_) => Err(format!(
@@ -65,6 +72,7 @@ pub fn run(args: LaunchArgs) -> u8 {
         gpu: args.gpu,
         cuda_visible_devices: std::env::var("CUDA_VISIBLE_DEVICES").ok(),
         ready_url: args.ready_url.clone(),
+        metrics_url: args.metrics_url.clone(),
         ready_timeout_ms: args.ready_timeout.map(|d| d.as_millis() as u64),
         queue_timeout_ms: args.queue_timeout.map(|d| d.as_millis() as u64),
         command: args
@@ -84,7 +92,7 @@ pub fn run(args: LaunchArgs) -> u8 {
                 waiting_for,
             }) => {
                 eprintln!(
-                    "gpuguard: model '{}' queued at position {position}, waiting for {waiting_for}",
+                    "gpuguard: model '{}' queued at position {position}, waiting for: {waiting_for}",
                     args.model
                 );
             }
@@ -109,7 +117,20 @@ pub fn run(args: LaunchArgs) -> u8 {
                 eprintln!("gpuguard: {message}");
                 return exit::TIMED_OUT;
             }
-            Ok(Response::Error { message }) => {
+            Ok(Response::Refused {
+                reason, message, ..
+            }) => {
+                eprintln!("gpuguard: {message}");
+                return match reason {
+                    // Not now, or never on this host: like a queue timeout, nothing started.
+                    RefusalReason::TooLarge
+                    | RefusalReason::Timeout
+                    | RefusalReason::QueueFull
+                    | RefusalReason::MaxPermits => exit::TIMED_OUT,
+                    _ => exit::REFUSED,
+                };
+            }
+            Ok(Response::Error { message, .. }) => {
                 eprintln!("gpuguard: launch refused: {message}");
                 return exit::REFUSED;
             }

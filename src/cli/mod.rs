@@ -2,17 +2,23 @@
 
 mod generate;
 mod launch;
+mod permit;
+mod plan;
 mod status;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 
-use crate::config::Config;
+use crate::act::signal::PidfdControl;
+use crate::act::{undo_leftovers, Leftovers};
+use crate::config::{Config, DaemonConfig};
 use crate::daemon::{Daemon, Roots};
 use crate::ipc::DEFAULT_SOCKET;
+use crate::state_dir::{StateDir, StateDirError};
 
 /// Exit codes, documented in the README and the man page.
 pub mod exit {
@@ -24,7 +30,7 @@ pub mod exit {
     pub const CONFIG: u8 = 2;
     /// The daemon is not reachable on its socket (EX_UNAVAILABLE).
     pub const UNREACHABLE: u8 = 69;
-    /// `launch`: the model did not fit before the queue timeout; it was not started (EX_TEMPFAIL).
+    /// `launch`/`permit`: not admitted in time, or can never fit; nothing was started (EX_TEMPFAIL).
     pub const TIMED_OUT: u8 = 75;
     /// `launch`: the daemon refused the request (EX_NOPERM).
     pub const REFUSED: u8 = 77;
@@ -40,7 +46,7 @@ pub mod exit {
     version,
     about = "Keeps GPU machines alive: guards GPU memory and host RAM for model servers",
     after_help = "Exit codes: 0 ok; 1 runtime error; 2 bad config or usage; 69 daemon unreachable; \
-                  75 launch timed out in the queue; 77 launch refused; 126/127 command not executable/found."
+                  75 launch or permit not granted in time (or never fits); 77 refused; 126/127 command not executable/found."
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -58,6 +64,11 @@ enum Command {
         /// (the systemd unit sets this, with LimitMEMLOCK=infinity). Failure only warns.
         #[arg(long)]
         lock_memory: bool,
+        /// The state directory, overriding the config's daemon.state_dir. What a previous run
+        /// left stopped or throttled there (default /var/lib/gpuguard) is let go before the
+        /// config is read, so a broken config never leaves a process frozen.
+        #[arg(long)]
+        state_dir: Option<PathBuf>,
     },
     /// Validate a config file: exit 0 if it is good, 2 with the file, key and value if not.
     CheckConfig {
@@ -69,14 +80,24 @@ enum Command {
         /// Print the report as JSON (a stable, versioned schema).
         #[arg(long)]
         json: bool,
-        /// Refresh every 2 seconds until interrupted.
+        /// Refresh every 2 seconds until interrupted (redrawn in place on a terminal; with
+        /// --json, one report per line).
         #[arg(long)]
         watch: bool,
+        /// Show one model: its engine's limits and its processes one by one (pid, role, RAM,
+        /// GPU memory per GPU, weights files mapped).
+        #[arg(long, conflicts_with = "watch")]
+        model: Option<String>,
         #[arg(long, env = "GPUGUARD_SOCKET", default_value = DEFAULT_SOCKET)]
         socket: PathBuf,
     },
     /// Wait for memory through the daemon's launch queue, then exec CMD (same pid).
     Launch(launch::LaunchArgs),
+    /// Hold a memory permit while CMD runs: waits until its memory fits (exit 75 if not in time).
+    Permit(permit::PermitArgs),
+    /// Work out the GPU memory a model needs (weights, KV cache per request, overheads), how
+    /// many concurrent requests fit on which GPUs, the vLLM flags and the `[[model]]` budget.
+    Plan(Box<plan::PlanArgs>),
     /// Tell the daemon a launched model is ready: frees the launch lock (owner or root only).
     Release {
         /// The lease number (launched commands get it as GPUGUARD_LEASE).
@@ -96,8 +117,11 @@ pub fn main() -> ExitCode {
     let code = match cli.command {
         Command::CheckConfig { config } => match Config::load(&config) {
             Ok(c) => {
+                for warning in c.warnings() {
+                    eprintln!("gpuguard: config {}: warning: {warning}", config.display());
+                }
                 println!(
-                    "config {}: ok ({} model(s), mode {:?})",
+                    "config {}: ok ({} model(s), mode {})",
                     config.display(),
                     c.models.len(),
                     c.daemon.mode
@@ -112,13 +136,22 @@ pub fn main() -> ExitCode {
         Command::Daemon {
             config: path,
             lock_memory: lock,
-        } => run_daemon(path, lock),
+            state_dir,
+        } => run_daemon(path, lock, state_dir),
         Command::Status {
             json,
             watch,
+            model,
             socket,
-        } => status::run(&socket, json, watch.then_some(Duration::from_secs(2))),
+        } => status::run(
+            &socket,
+            json,
+            watch.then_some(Duration::from_secs(2)),
+            model.as_deref(),
+        ),
         Command::Launch(args) => launch::run(args),
+        Command::Permit(args) => permit::run(args),
+        Command::Plan(args) => plan::run(*args),
         Command::Release { lease, socket } => release(&socket, lease),
         Command::GenerateAssets { dir } => generate::run(&dir),
     };
@@ -127,11 +160,14 @@ pub fn main() -> ExitCode {
 
 fn release(socket: &std::path::Path, lease: u64) -> u8 {
     match crate::ipc::client::ask(socket, crate::ipc::Request::Release { lease }) {
-        Ok(crate::ipc::Response::Released { lease }) => {
+        Ok(crate::ipc::Response::Released { .. }) => {
             println!("lease {lease} released");
             exit::OK
         }
-        Ok(crate::ipc::Response::Error { message }) => {
+        Ok(
+            crate::ipc::Response::Error { message, .. }
+            | crate::ipc::Response::Refused { message, .. },
+        ) => {
             eprintln!("gpuguard: release refused: {message}");
             exit::REFUSED
         }
@@ -146,19 +182,48 @@ fn release(socket: &std::path::Path, lease: u64) -> u8 {
     }
 }
 
-fn run_daemon(path: PathBuf, lock: bool) -> u8 {
+/// Runs the guard. The order matters: what a previous run left held is let go first (from
+/// `--state-dir`, else the default directory), then the config is read (exit 2 if it is bad,
+/// or if its floors cannot be right on this host), then the guard starts.
+fn run_daemon(path: PathBuf, lock: bool, state_dir: Option<PathBuf>) -> u8 {
     init_logging();
-    let config = match Config::load(&path) {
+    let swept = state_dir
+        .clone()
+        .unwrap_or_else(|| DaemonConfig::default().state_dir);
+    let leftovers = match undo_leftovers_in(&swept) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("gpuguard: {e}");
+            return exit::FAILURE;
+        }
+    };
+    let mut config = match Config::load(&path) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("gpuguard: {e}");
             return exit::CONFIG;
         }
     };
+    if let Some(dir) = state_dir {
+        config.daemon.state_dir = dir;
+    }
+    raise_file_limit();
     if lock {
         lock_memory();
     }
-    match Daemon::new(&path, config, Roots::default()).and_then(Daemon::run) {
+    let mut daemon = match Daemon::new(&path, config, Roots::default()) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("gpuguard: {e:#}");
+            return exit::FAILURE;
+        }
+    };
+    daemon.announce_leftovers(&leftovers);
+    if let Err(e) = daemon.check_floors_at_start() {
+        eprintln!("gpuguard: {e}");
+        return exit::CONFIG;
+    }
+    match daemon.run() {
         Ok(()) => exit::OK,
         Err(e) => {
             eprintln!("gpuguard: {e:#}");
@@ -167,10 +232,40 @@ fn run_daemon(path: PathBuf, lock: bool) -> u8 {
     }
 }
 
-/// Keeps the guard resident when the host runs out of memory, when it matters most. First every
-/// page mapped now (the whole binary, the rarely run kill path included) is faulted in and locked;
-/// then later mappings (heap, thread stacks, NVML loaded at run time) are locked as they are
-/// touched (MCL_ONFAULT, Linux 4.4+). Failure only warns.
+/// Raises the soft limit on open files to the hard one (the unit sets LimitNOFILE): the socket's
+/// connection caps stay far below it, so clients can never use up the descriptors the guard
+/// needs to read /proc and signal a victim.
+fn raise_file_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => {
+            if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+                tracing::warn!("cannot raise the open-file limit from {soft} to {hard}: {e}");
+            }
+        }
+        Ok(_) => {}
+        Err(e) => tracing::warn!("cannot read the open-file limit: {e}"),
+    }
+}
+
+/// Lets go of what a previous run left held in `dir`, if it exists (it is not created here).
+fn undo_leftovers_in(dir: &Path) -> Result<Leftovers, StateDirError> {
+    let Some(dir) = StateDir::open_existing(dir)? else {
+        return Ok(Leftovers::default());
+    };
+    let roots = Roots::default();
+    let control = PidfdControl::new(&roots.proc);
+    let leftovers = undo_leftovers(&Arc::new(dir), &control, &roots.cgroup);
+    leftovers.log();
+    Ok(leftovers)
+}
+
+/// Keeps the guard resident when the host runs out of memory, when it matters most. Every page
+/// the daemon has touched, and every page it touches from now on, is locked as it is touched
+/// (MCL_ONFAULT, Linux 4.4+; as earlyoom does): the daemon's resident set, not every mapping of
+/// the binary and its libraries, so it stays a few MiB. The daemon runs its decision and signal
+/// paths once at start (`daemon::warm`), so the code an emergency needs is already resident and
+/// locked. Failure only warns.
 ///
 /// The kernel accounts locked memory by mapping size, reservations included (hundreds of MiB
 /// with NVML loaded, for a few MiB more resident than unlocked), so under a finite
@@ -179,7 +274,9 @@ fn run_daemon(path: PathBuf, lock: bool) -> u8 {
 /// or with CAP_IPC_LOCK.
 fn lock_memory() {
     // SAFETY: mlockall takes flags only and changes no memory contents.
-    if unsafe { libc::mlockall(libc::MCL_CURRENT) } != 0 {
+    let current = unsafe { libc::mlockall(libc::MCL_CURRENT | libc::MCL_ONFAULT) } == 0
+        || unsafe { libc::mlockall(libc::MCL_CURRENT) } == 0;
+    if !current {
         let e = std::io::Error::last_os_error();
         tracing::warn!(
             "memory not locked, gpuguard may be paged out under pressure: mlockall: {e}"
@@ -209,8 +306,9 @@ fn lock_memory() {
         return;
     }
     // SAFETY: as above.
-    let future = unsafe { libc::mlockall(libc::MCL_FUTURE | libc::MCL_ONFAULT) } == 0
-        || unsafe { libc::mlockall(libc::MCL_FUTURE) } == 0;
+    let future =
+        unsafe { libc::mlockall(libc::MCL_CURRENT | libc::MCL_FUTURE | libc::MCL_ONFAULT) } == 0
+            || unsafe { libc::mlockall(libc::MCL_CURRENT | libc::MCL_FUTURE) } == 0;
     if future {
         tracing::info!("memory locked");
     } else {

@@ -1,5 +1,6 @@
 //! `gpuguard status`: the daemon's view as tables, as JSON (`--json`), or refreshed (`--watch`).
 
+use std::io::IsTerminal;
 use std::path::Path;
 use std::time::Duration;
 
@@ -9,10 +10,10 @@ use comfy_table::{Cell, Table};
 use super::exit;
 use crate::ipc::client::ask;
 use crate::ipc::{Request, Response};
-use crate::status::StatusReport;
+use crate::status::{EngineRow, ModelRow, StatusReport};
 use crate::units::fmt_bytes;
 
-pub fn run(socket: &Path, json: bool, watch: Option<Duration>) -> u8 {
+pub fn run(socket: &Path, json: bool, watch: Option<Duration>, model: Option<&str>) -> u8 {
     loop {
         let report = match ask(socket, Request::Status) {
             Ok(Response::Status(report)) => report,
@@ -25,21 +26,33 @@ pub fn run(socket: &Path, json: bool, watch: Option<Duration>) -> u8 {
                 return exit::UNREACHABLE;
             }
         };
-        let text = if json {
-            serde_json::to_string_pretty(&report).expect("serialisable")
-        } else {
-            render(&report)
-        };
-        match watch {
-            None => {
-                println!("{text}");
+        if let Some(name) = model {
+            return show_model(&report, name, json);
+        }
+        match (watch, json) {
+            (None, true) => {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&report).expect("serialisable")
+                );
                 return exit::OK;
             }
-            Some(every) => {
-                // Clear the screen and draw from the top.
-                println!("\x1b[2J\x1b[H{text}");
-                std::thread::sleep(every);
+            (None, false) => {
+                println!("{}", render(&report));
+                return exit::OK;
             }
+            // One report per line (JSON lines), for a program reading the pipe.
+            (Some(_), true) => {
+                println!("{}", serde_json::to_string(&report).expect("serialisable"))
+            }
+            // On a terminal: clear the screen and draw from the top; into a pipe, plain reports.
+            (Some(_), false) if std::io::stdout().is_terminal() => {
+                println!("\x1b[2J\x1b[H{}", render(&report))
+            }
+            (Some(_), false) => println!("{}\n", render(&report)),
+        }
+        if let Some(every) = watch {
+            std::thread::sleep(every);
         }
     }
 }
@@ -125,6 +138,7 @@ pub fn render(r: &StatusReport) -> String {
             "RAM used/budget",
             "GPU used/budget",
             "headroom",
+            "engine",
             "state",
         ]);
         for model in &r.models {
@@ -154,16 +168,26 @@ pub fn render(r: &StatusReport) -> String {
                     bytes(model.ram_budget_bytes)
                 ),
                 format!(
-                    "{}{}/{}",
-                    fmt_bytes(model.gpu_bytes),
+                    "{}{}/{}{}",
+                    bytes(model.gpu_bytes),
                     if model.gpu_unknown { "+?" } else { "" },
-                    bytes(model.gpu_budget_bytes)
+                    bytes(model.gpu_budget_bytes),
+                    model.gpu_reserved_ratio.map_or(String::new(), |r| format!(
+                        " ({:.0}% of its GPUs)",
+                        r * 100.0
+                    ))
                 ),
                 headroom,
+                engine_cell(model.engine.as_ref()),
                 model.state.clone(),
             ]);
         }
         out += &format!("{t}\n");
+        for model in &r.models {
+            if let Some(limit) = &model.limit {
+                out += &format!("  {}: {limit}\n", model.name);
+            }
+        }
     }
     out += "\nLaunch queue:\n";
     if r.queue.is_empty() && r.leases.is_empty() {
@@ -225,4 +249,107 @@ fn signed(bytes: i64) -> String {
     } else {
         fmt_bytes(bytes as u64)
     }
+}
+
+/// The engine's figures in one cell: "KV 100% · 8 running · 24 waiting · 3 preempted".
+fn engine_cell(engine: Option<&EngineRow>) -> String {
+    let Some(e) = engine else {
+        return "-".into();
+    };
+    if e.state != "ok" {
+        return format!("{}: {}", e.state, e.error.as_deref().unwrap_or(""));
+    }
+    let count = |v: Option<u64>| v.map_or("?".into(), |v| v.to_string());
+    format!(
+        "KV {} · {} running · {} waiting · {} preempted",
+        e.kv_cache_usage_ratio
+            .map_or("?".into(), |k| format!("{:.0}%", k * 100.0)),
+        count(e.requests_running),
+        count(e.requests_waiting),
+        count(e.preemptions_total)
+    )
+}
+
+/// `status --model NAME`: one model, its engine and its processes one by one.
+fn show_model(r: &StatusReport, name: &str, json: bool) -> u8 {
+    let Some(m) = r.models.iter().find(|m| m.name == name) else {
+        let known: Vec<&str> = r.models.iter().map(|m| m.name.as_str()).collect();
+        eprintln!(
+            "gpuguard: no model '{name}' (models: {})",
+            if known.is_empty() {
+                "none".to_string()
+            } else {
+                known.join(", ")
+            }
+        );
+        return exit::FAILURE;
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(m).expect("serialisable"));
+    } else {
+        println!("{}", render_model(m));
+    }
+    exit::OK
+}
+
+/// One model: its budget line, its engine, which limit it is at, its processes.
+pub fn render_model(m: &ModelRow) -> String {
+    let mut out = format!(
+        "Model {} ({}): RAM {}/{}, GPU {}{}/{}, state {}\n",
+        m.name,
+        m.source,
+        fmt_bytes(m.ram_bytes),
+        bytes(m.ram_budget_bytes),
+        bytes(m.gpu_bytes),
+        m.gpu_reserved_ratio.map_or(String::new(), |r| format!(
+            " ({:.0}% of its GPUs)",
+            r * 100.0
+        )),
+        bytes(m.gpu_budget_bytes),
+        m.state
+    );
+    if let Some(e) = &m.engine {
+        out += &format!("Engine {}: {}\n", e.url, engine_cell(Some(e)));
+        if let (Some(blocks), Some(size)) = (e.kv_cache_blocks, e.block_size_tokens) {
+            out += &format!(
+                "  KV cache: {blocks} blocks of {size} tokens ({} tokens){}\n",
+                blocks * size,
+                e.gpu_memory_utilization
+                    .map_or(String::new(), |u| format!(", gpu_memory_utilization {u}"))
+            );
+        }
+    }
+    if let Some(limit) = &m.limit {
+        out += &format!("Limit: {limit}\n");
+    }
+    let mut t = table(&[
+        "pid",
+        "ppid",
+        "role",
+        "comm",
+        "RAM",
+        "GPU",
+        "weights mapped",
+    ]);
+    for p in &m.processes {
+        let gpus: Vec<String> = p
+            .gpus
+            .iter()
+            .map(|g| format!("GPU {}: {}", g.gpu, bytes(g.bytes)))
+            .collect();
+        t.add_row(vec![
+            p.pid.to_string(),
+            p.ppid.to_string(),
+            p.role.clone(),
+            p.comm.clone(),
+            fmt_bytes(p.ram_bytes),
+            if gpus.is_empty() {
+                "-".into()
+            } else {
+                gpus.join(", ")
+            },
+            p.weights_files.join(", "),
+        ]);
+    }
+    out + &format!("{t}")
 }

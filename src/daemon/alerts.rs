@@ -170,8 +170,27 @@ impl Daemon {
         )
     }
 
-    /// What is wrong right now, for alerts that fire, repeat and resolve: floors crossed,
-    /// models over budget, GPUs lost, kills that did not free memory.
+    /// The RAM floor cannot be read: nothing guards host memory until it can.
+    fn ram_unreadable(&self) -> Condition {
+        let why = self
+            .procs
+            .host_error()
+            .unwrap_or("MemAvailable unknown")
+            .to_string();
+        Condition {
+            key: "floor_unreadable:RAM".into(),
+            event: "floor_unreadable",
+            severity: Severity::Critical,
+            summary: format!("RAM floor cannot be read ({why}): host memory is not guarded"),
+            subject: Subject {
+                resource: Some(Resource::Ram.to_string()),
+                ..Subject::default()
+            },
+        }
+    }
+
+    /// What is wrong right now, for alerts that fire, repeat and resolve: floors crossed or
+    /// unreadable, models over budget, GPUs lost, kills that did not free memory.
     pub(super) fn conditions(&self) -> Vec<Condition> {
         let s = &self.snapshot;
         let c = &self.config;
@@ -180,6 +199,10 @@ impl Daemon {
             let (event, severity) = match level {
                 Level::Warn => ("floor_warn", Severity::Warning),
                 Level::Act => ("floor_act", Severity::Critical),
+                Level::Unknown if *resource == Resource::Ram => {
+                    out.push(self.ram_unreadable());
+                    continue;
+                }
                 Level::Ok | Level::Unknown => continue,
             };
             let (available, (warn, min)) = match resource {
@@ -322,5 +345,49 @@ impl Daemon {
             });
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use crate::config::Config;
+    use crate::daemon::{Daemon, Roots};
+
+    /// A /proc whose meminfo has no MemAvailable (a kernel older than 3.14, a broken mount):
+    /// the RAM floor cannot be read, which is a critical alert, not a silent "unknown".
+    #[test]
+    fn an_unreadable_ram_floor_is_a_critical_alert() {
+        let dir = tempfile::tempdir().unwrap();
+        let proc_root = dir.path().join("proc");
+        std::fs::create_dir_all(&proc_root).unwrap();
+        std::fs::write(proc_root.join("meminfo"), "MemTotal: 1000 kB\n").unwrap();
+        let state = dir.path().join("state");
+        let text = format!(
+            "[daemon]\nstate_dir = \"{}\"\n[gpu]\nenabled = false\n",
+            state.display()
+        );
+        let path = dir.path().join("config.toml");
+        let config = Config::parse(&text, &path).unwrap();
+        let roots = Roots {
+            proc: proc_root,
+            cgroup: dir.path().join("cgroup"),
+        };
+        let mut daemon = Daemon::new(&path, config, roots).unwrap();
+        daemon.tick(Duration::ZERO);
+        let log = state.join("events.jsonl");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut text = String::new();
+        while Instant::now() < deadline && !text.contains("floor_unreadable") {
+            std::thread::sleep(Duration::from_millis(20));
+            text = std::fs::read_to_string(&log).unwrap_or_default();
+        }
+        let line = text
+            .lines()
+            .find(|l| l.contains("floor_unreadable"))
+            .unwrap_or_else(|| panic!("no floor_unreadable in the event log:\n{text}"));
+        assert!(line.contains("critical"), "{line}");
+        assert!(line.contains("has no MemAvailable"), "{line}");
     }
 }

@@ -1,11 +1,13 @@
 //! The daemon loop: sample -> evaluate -> execute -> log, at an adaptive interval, with SIGHUP
 //! reload and SIGTERM/SIGINT shutdown that resumes every process gpuguard holds stopped.
 //! `alerts.rs` feeds the alert pipeline and metrics, `report.rs` builds what operators see,
-//! `systemd.rs` speaks sd_notify.
+//! `scanning.rs` schedules the process scans (on a thread of their own), `warm.rs` runs the kill
+//! path once at start, `systemd.rs` speaks sd_notify.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{BTreeSet, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::{channel, RecvTimeoutError};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,24 +15,29 @@ use anyhow::Context;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use tracing::{debug, error, info, warn};
 
-use crate::act::held::HeldRecord;
 use crate::act::signal::{self_test, PidfdControl};
 use crate::act::{Executor, Outcome};
 use crate::alert::Alerter;
 use crate::config::Config;
-use crate::ipc::server::IpcEvent;
-use crate::ipc::{self, Request, Response};
-use crate::launch::Launches;
+use crate::ipc::server::Shared;
 use crate::metrics::Metrics;
 use crate::policy::{evaluate, About, Event, Level, PolicyState, Resource, Severity, Target};
+use crate::reserve::{Capacity, Reservations};
+use crate::sample::engine::EngineScraper;
 use crate::sample::nvml::{GpuMonitor, NvmlGpuSource};
+use crate::sample::scan::ScanResult;
 use crate::sample::{ProcSource, ProcfsSource};
 use crate::snapshot::{GpuStatus, ProcessId, Snapshot};
+use crate::state_dir::StateDir;
 use crate::status::ActionRow;
 
 mod alerts;
+mod faults;
+mod model_detail;
 mod report;
+mod scanning;
 mod systemd;
+mod warm;
 
 use systemd::Systemd;
 
@@ -53,7 +60,9 @@ impl Default for Roots {
 pub struct Daemon {
     config_path: PathBuf,
     config: Config,
+    /// Host memory every tick, and the loop's own reads of single processes.
     procs: ProcfsSource,
+    scans: scanning::Scans,
     gpus: Option<GpuMonitor>,
     executor: Executor,
     state: PolicyState,
@@ -61,7 +70,13 @@ pub struct Daemon {
     started: Instant,
     gpu_status: GpuStatus,
     unknown_gpu_pids: HashSet<i32>,
-    launches: Launches,
+    /// The reservation table and the status report, shared with the socket thread.
+    shared: Arc<Shared>,
+    events: Receiver<DaemonEvent>,
+    events_tx: Sender<DaemonEvent>,
+    /// Set while a request waits for a GPU reading newer than itself: the NVML worker then
+    /// wakes the loop when its next sample is in.
+    fresh_gpu_wanted: Arc<AtomicBool>,
     recent_actions: VecDeque<ActionRow>,
     /// From the last plan: how fresh the process table must be, and which pids to re-read.
     max_scan_age: Duration,
@@ -69,67 +84,116 @@ pub struct Daemon {
     metrics: Metrics,
     /// When the metrics' gauges were last refreshed (`None`: metrics off).
     metrics_updated: Option<Instant>,
+    /// When the status report was last published.
+    status_published: Option<Instant>,
+    /// Reservations were out at the last tick (GPU process lists are then read every tick).
+    reservations_busy: bool,
     alerter: Alerter,
     /// NVML has worked at least once: losing it now is an alert, not a host without GPUs.
     gpu_seen_ok: bool,
+    /// GPUs reported lost (GPU_IS_LOST, or gone from NVML's list), said once each.
+    lost_gpus: BTreeSet<u32>,
+    /// Scrapes the model servers' metrics URLs on a thread of its own.
+    engines: EngineScraper,
 }
 
 /// What wakes the loop between ticks.
 pub enum DaemonEvent {
     Signal(i32),
-    Ipc(IpcEvent),
+    /// A request started waiting for memory: tick now, so its capacity is fresh.
+    Wake,
+    /// A process scan round from the scan thread.
+    Scan(Box<ScanResult>),
 }
 
 /// How many actions `status` shows.
 const RECENT_ACTIONS: usize = 50;
 /// While launches wait or load, the loop ticks at least this often.
 const LAUNCH_TICK: Duration = Duration::from_millis(100);
-/// The metrics' gauges are refreshed at most this often (counters and the histogram always).
-const METRICS_REFRESH: Duration = Duration::from_millis(250);
+/// While permits are held or wait, the loop ticks at least this often, reading the GPU process
+/// lists each time, so admission sees each model's use beside the GPU's free memory.
+const PERMIT_TICK: Duration = Duration::from_millis(200);
+/// The status report (and the metrics' gauges) are refreshed at most this often (counters and
+/// the histogram always); the socket serves the latest with the reservation table's live rows.
+const STATUS_REFRESH: Duration = Duration::from_millis(250);
 
 impl Daemon {
     /// Sets the daemon up: state directory, leftovers from a crash, NVML worker.
     pub fn new(config_path: &Path, config: Config, roots: Roots) -> anyhow::Result<Daemon> {
+        one_malloc_arena();
         let control = Arc::new(PidfdControl::new(&roots.proc));
-        let held = HeldRecord::open(&config.daemon.state_dir)
-            .with_context(|| format!("state directory {}", config.daemon.state_dir.display()))?;
-        let mut executor = Executor::new(control, held, &roots.cgroup.to_string_lossy());
-        executor.resume_leftovers();
+        warm::warm_up(&control);
+        let dir = Arc::new(StateDir::create(&config.daemon.state_dir)?);
+        let (executor, leftovers) = Executor::new(control, dir, &roots.cgroup);
+        leftovers.log();
         let gpus = config.gpu.enabled.then(|| {
             let source = NvmlGpuSource::new(config.gpu.nvml_library.clone(), config.gpu.retry_init);
             GpuMonitor::start(Box::new(source), config.gpu.sample_timeout)
         });
+        let (scans, processes) = scanning::Scans::new(roots.proc.clone());
         let snapshot = Snapshot {
             self_pid: std::process::id() as i32,
+            processes: crate::snapshot::ProcessTable {
+                scanned_at: Some(Duration::ZERO),
+                processes,
+            },
             ..Default::default()
         };
         let metrics = Metrics::new();
-        let alerter = Alerter::new(&config, &metrics).context("[alert]")?;
+        let mut alerter = Alerter::new(&config, &metrics).context("[alert]")?;
+        faults::announce_leftovers(&mut alerter, &leftovers);
+        let (events_tx, events) = channel();
+        let fresh_gpu_wanted = Arc::new(AtomicBool::new(false));
+        if let Some(gpus) = &gpus {
+            let (wanted, wake) = (fresh_gpu_wanted.clone(), events_tx.clone());
+            gpus.after_each_sample(Box::new(move || {
+                if wanted.swap(false, Ordering::AcqRel) {
+                    let _ = wake.send(DaemonEvent::Wake);
+                }
+            }));
+        }
+        let wake = events_tx.clone();
+        let shared = Arc::new(Shared::new(
+            Reservations::new(config.clone()),
+            Instant::now(),
+            roots.proc.clone(),
+            Box::new(move || {
+                let _ = wake.send(DaemonEvent::Wake);
+            }),
+        ));
         Ok(Daemon {
             config_path: config_path.to_path_buf(),
             config,
             procs: ProcfsSource::new(&roots.proc),
+            scans,
             gpus,
             executor,
             state: PolicyState::default(),
             snapshot,
-            started: Instant::now(),
+            started: shared.epoch,
             gpu_status: GpuStatus::Off,
             unknown_gpu_pids: HashSet::new(),
-            launches: Launches::default(),
+            shared,
+            events,
+            events_tx,
+            fresh_gpu_wanted,
             recent_actions: VecDeque::new(),
             max_scan_age: Duration::ZERO,
             watch: Vec::new(),
             metrics,
             metrics_updated: None,
+            status_published: None,
+            reservations_busy: false,
             alerter,
             gpu_seen_ok: false,
+            lost_gpus: BTreeSet::new(),
+            engines: EngineScraper::default(),
         })
     }
 
     /// Runs until SIGTERM or SIGINT.
     pub fn run(mut self) -> anyhow::Result<()> {
-        let (tx, events) = channel();
+        let tx = self.events_tx.clone();
         let mut signals = signal_hook::iterator::Signals::new([SIGHUP, SIGTERM, SIGINT])
             .context("installing signal handlers")?;
         let signal_thread = signals.handle();
@@ -143,16 +207,20 @@ impl Daemon {
                     }
                 }
             })?;
-        let _socket = ipc::server::spawn(&self.config.launch.socket, tx, DaemonEvent::Ipc)?;
+        self.shared.publish_status(self.status());
+        self.scans
+            .start(self.events_tx.clone())
+            .context("starting the process scan thread")?;
+        let _socket = crate::ipc::server::spawn(&self.config.launch.socket, self.shared.clone())?;
         if let Some(address) = self.config.metrics.address() {
             let bound =
                 crate::metrics::serve(address, self.metrics.clone()).context("[metrics] listen")?;
-            if !bound.ip().is_loopback() {
-                warn!("metrics listen on {bound}, which is not a loopback address");
-            }
             info!("metrics on http://{bound}/metrics");
-            // Refresh at the first tick.
-            self.metrics_updated = Instant::now().checked_sub(METRICS_REFRESH);
+            // Refreshed with the status report.
+            self.metrics_updated = Some(Instant::now());
+        }
+        for warning in self.config.warnings() {
+            warn!("config {}: {warning}", self.config_path.display());
         }
         if let Err(e) = self_test() {
             warn!("{e}");
@@ -170,7 +238,8 @@ impl Daemon {
                 last_tick = now;
                 next_tick = now + wait.min(systemd.max_sleep());
             }
-            match events.recv_timeout(next_tick.saturating_duration_since(Instant::now())) {
+            let wait = next_tick.saturating_duration_since(Instant::now());
+            match self.events.recv_timeout(wait) {
                 Ok(DaemonEvent::Signal(SIGHUP)) => {
                     let _ = sd_notify::notify(&[sd_notify::NotifyState::Reloading]);
                     self.reload();
@@ -189,9 +258,11 @@ impl Daemon {
                     );
                     break;
                 }
-                Ok(DaemonEvent::Ipc(event)) => {
-                    if self.handle_ipc(event) {
-                        // A new launch: try to admit it now rather than at the next tick.
+                Ok(DaemonEvent::Wake) => next_tick = Instant::now(),
+                Ok(DaemonEvent::Scan(result)) => {
+                    self.scans.arrived(*result);
+                    if self.max_scan_age.is_zero() {
+                        // The policy is waiting for this table (a floor crossed, no victim yet).
                         next_tick = Instant::now();
                     }
                 }
@@ -214,37 +285,15 @@ impl Daemon {
         self.snapshot.at = at;
         self.snapshot.host = self.procs.host_memory();
 
-        let table = &mut self.snapshot.processes;
-        let scan = table
-            .scanned_at
-            .is_none_or(|t| at.saturating_sub(t) >= self.max_scan_age);
-        if scan {
-            table.processes = self.procs.scan();
-            table.scanned_at = Some(at);
-        } else {
-            // Re-read only the victims we wait on.
-            for id in &self.watch {
-                let fresh = self.procs.read(id.pid).filter(|p| p.id() == *id);
-                match (table.processes.iter().position(|p| p.id() == *id), fresh) {
-                    (Some(i), Some(p)) => table.processes[i] = p,
-                    // Gone: marked dead in place, since the policy's attribution holds indices
-                    // into this table until the next scan.
-                    (Some(i), None) => {
-                        let p = &mut table.processes[i];
-                        p.state = 'X';
-                        p.rss_bytes = 0;
-                    }
-                    (None, _) => {}
-                }
-            }
-        }
+        // A round the scan thread finished since the last tick, then the victims we wait on.
+        let scan = self.merge_scan();
+        self.reread_watched();
 
         let mut events = Vec::new();
         let mut gpu_sample = Duration::ZERO;
         if let Some(gpus) = &self.gpus {
             let (gpu_snapshot, xids, took) = gpus.snapshot(now, at, since_last);
             gpu_sample = took;
-            gpus.request(scan);
             self.snapshot.gpus = gpu_snapshot;
             for x in xids {
                 let gpu = x
@@ -268,21 +317,30 @@ impl Daemon {
             }
         }
         self.note_gpu_status(&mut events);
+        self.note_lost_gpus(&mut events);
         self.metrics.observe_sample(now.elapsed());
 
         let plan = evaluate(&self.config, &self.snapshot, &mut self.state);
-        let procs = &mut self.procs;
-        let mut alive = |id: ProcessId| {
-            procs
-                .read(id.pid)
-                .is_some_and(|p| p.id() == id && !p.exited())
+        if scan {
+            let targets = self.engine_targets();
+            self.engines
+                .set_targets(targets, self.config.daemon.scan_interval);
+        }
+        let (report, fresh_wanted) = {
+            let capacity = Capacity::from_tick(&self.config, &self.snapshot, &self.state);
+            let mut table = self.shared.table();
+            let report = table.tick(at, capacity);
+            (report, table.wants_fresh_gpu())
         };
-        events.extend(self.launches.tick(
-            &self.config,
-            &self.snapshot,
-            &mut self.state,
-            &mut alive,
-        ));
+        if let (true, Some(gpus)) = (fresh_wanted, &self.gpus) {
+            // A request waits for a GPU reading newer than itself: have one taken now, and be
+            // woken when it is in.
+            self.fresh_gpu_wanted.store(true, Ordering::Release);
+            gpus.request(true);
+        }
+        self.state
+            .set_launches(report.registered, report.launched_models);
+        events.extend(report.events);
         for e in events.iter().chain(&plan.events) {
             log_event(e);
             let subject = self.event_subject(&e.about);
@@ -307,59 +365,63 @@ impl Daemon {
             }
             self.record_action(action, &outcome);
         }
-        debug!(
-            took_us = now.elapsed().as_micros() as u64,
-            scan,
-            gpu_sample_us = gpu_sample.as_micros() as u64,
-            next_ms = plan.next_interval.as_millis() as u64,
-            "tick"
-        );
         self.max_scan_age = plan.max_scan_age;
         self.watch = plan.watch;
         let conditions = self.conditions();
         self.alerter.conditions(now, conditions);
-        if let Some(updated) = self.metrics_updated {
-            if now.duration_since(updated) >= METRICS_REFRESH {
-                self.metrics.update(&self.status());
-                self.metrics_updated = Some(now);
-            }
-        }
-        if self.launches.busy() {
+        self.publish(now);
+        let (launching, reserving) = {
+            let table = self.shared.table();
+            (table.launching(), table.busy())
+        };
+        let mut next = plan.next_interval;
+        if launching {
             // Admission and readiness are checked every tick: look often while launches wait.
             self.max_scan_age = self.max_scan_age.min(LAUNCH_TICK);
-            return plan.next_interval.min(LAUNCH_TICK);
+            next = next.min(LAUNCH_TICK);
         }
-        plan.next_interval
+        if reserving {
+            next = next.min(PERMIT_TICK);
+        }
+        self.reservations_busy = reserving;
+        // The next process table and GPU sample are asked for now; they arrive while we sleep.
+        // Permits are admitted against each model's use beside the GPU's free memory: the GPU
+        // process lists are read in the same pass while any reservation is out.
+        let scan_request = self.schedule_scan(at);
+        let scan_requested = scan_request.is_some();
+        debug!(
+            took_us = now.elapsed().as_micros() as u64,
+            scan,
+            scan_requested,
+            gpu_sample_us = gpu_sample.as_micros() as u64,
+            next_ms = next.as_millis() as u64,
+            "tick"
+        );
+        // Last: the threads these wake may take the CPU from the loop for a while.
+        if let Some(gpus) = &self.gpus {
+            gpus.request(scan_requested || reserving);
+        }
+        if let Some(request) = scan_request {
+            self.send_scan(request);
+        }
+        next
     }
 
-    /// Answers a client; returns true if a launch was queued.
-    fn handle_ipc(&mut self, event: IpcEvent) -> bool {
-        match event {
-            IpcEvent::Closed { conn } => {
-                self.launches.cancel(conn);
-                false
-            }
-            IpcEvent::Request {
-                conn,
-                peer,
-                request,
-                reply,
-            } => match request {
-                Request::Status => {
-                    let _ = reply.send(Response::Status(Box::new(self.status())));
-                    false
-                }
-                Request::Release { lease } => {
-                    let _ = reply.send(self.launches.release(lease, peer));
-                    false
-                }
-                Request::Launch(launch) => {
-                    self.launches
-                        .enqueue(&self.config, &self.snapshot, conn, peer, launch, reply);
-                    true
-                }
-            },
+    /// Refreshes what operators read: the status report the socket serves, and the metrics.
+    fn publish(&mut self, now: Instant) {
+        if self
+            .status_published
+            .is_some_and(|t| now.duration_since(t) < STATUS_REFRESH)
+        {
+            return;
         }
+        self.status_published = Some(now);
+        let report = self.status();
+        if self.metrics_updated.is_some() {
+            self.metrics.update(&report);
+            self.metrics_updated = Some(now);
+        }
+        self.shared.publish_status(report);
     }
 
     fn note_gpu_status(&mut self, events: &mut Vec<Event>) {
@@ -404,9 +466,9 @@ impl Daemon {
         let table = &self.snapshot.processes;
         for gpu in &self.snapshot.gpus.devices {
             for pid in gpu.processes.keys() {
-                if !table.processes.iter().any(|p| p.pid == *pid)
-                    && self.unknown_gpu_pids.insert(*pid)
-                {
+                // The table is in pid order.
+                let known = table.processes.binary_search_by_key(pid, |p| p.pid).is_ok();
+                if !known && self.unknown_gpu_pids.insert(*pid) {
                     warn!(
                         gpu = gpu.index,
                         pid,
@@ -419,7 +481,7 @@ impl Daemon {
     }
 
     fn reload(&mut self) {
-        match Config::load(&self.config_path) {
+        match Config::load(&self.config_path).and_then(|c| self.vet_reload(c)) {
             Ok(config) => {
                 if config.daemon.state_dir != self.config.daemon.state_dir
                     || config.launch.socket != self.config.launch.socket
@@ -437,10 +499,11 @@ impl Daemon {
                         .lifecycle("config_reload_failed", Severity::Warning, message);
                     return;
                 }
+                self.shared.table().configure(config.clone());
                 self.config = config;
                 self.state.config_changed();
                 // Rescan at once so new matchers and budgets apply now.
-                self.snapshot.processes.scanned_at = None;
+                self.scans.want_full();
                 info!("config {} reloaded", self.config_path.display());
             }
             Err(e) => {
@@ -467,7 +530,7 @@ impl Daemon {
             None => "off".into(),
         };
         let message = format!(
-            "gpuguard {} started: mode {:?}, RAM warn_available {}, min_available {}, action {:?}; {} model(s); GPU: {}",
+            "gpuguard {} started: mode {}, RAM warn_available {}, min_available {}, action {}; {} model(s); GPU: {}",
             env!("CARGO_PKG_VERSION"),
             c.daemon.mode,
             show(c.ram.warn_available),
@@ -479,6 +542,17 @@ impl Daemon {
         info!("{message}");
         self.alerter
             .lifecycle("daemon_started", Severity::Info, message);
+    }
+}
+
+/// All threads allocate from one malloc arena: glibc gives each thread that allocates an arena of
+/// its own (and its slack), a few hundred KiB of resident memory for a daemon that allocates
+/// little. Called before any thread starts.
+fn one_malloc_arena() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: mallopt takes two integers and changes only the allocator's settings.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 1);
     }
 }
 

@@ -1,6 +1,5 @@
 //! The daemon's own view for operators: the `gpuguard status` report and systemd's STATUS line.
 
-use crate::config::Mode;
 use crate::policy::Resource;
 use crate::snapshot::GpuStatus;
 use crate::status::{
@@ -26,7 +25,25 @@ impl Daemon {
             min_available_bytes: ram_min,
             level: level(Resource::Ram),
         };
+        let lost: Vec<String> = s
+            .gpus
+            .devices
+            .iter()
+            .filter(|g| g.lost)
+            .map(|g| {
+                format!(
+                    "GPU {} lost ({})",
+                    g.index,
+                    g.error.as_deref().unwrap_or("?")
+                )
+            })
+            .collect();
         let gpu_protection = match &s.gpus.status {
+            GpuStatus::Ok if !lost.is_empty() => GpuProtection {
+                state: "degraded".into(),
+                reason: Some(lost.join("; ")),
+                stale: s.gpus.stale,
+            },
             GpuStatus::Ok => GpuProtection {
                 state: "ok".into(),
                 reason: None,
@@ -66,17 +83,22 @@ impl Daemon {
                     min_free_bytes: min,
                     level: level(Resource::Gpu(g.index)),
                     error: g.error.clone(),
+                    lost: g.lost,
                 }
             })
             .collect();
+        let mut engines = self.engine_rows();
         let models = self
             .state
             .attribution
             .models
             .iter()
             .map(|m| {
+                let engine = engines.remove(&m.name);
+                let reserved = self.gpu_reserved_ratio(m);
                 let (ram_budget, gpu_budget) = self.model_budgets(&m.name);
-                let gpu_bytes = m.gpu_total_bytes();
+                // Without a working NVML a model's GPU use is unknown, not zero.
+                let gpu_bytes = (s.gpus.status == GpuStatus::Ok).then(|| m.gpu_total_bytes());
                 let budget = self.state.budgets.get(&m.name);
                 let state = match budget {
                     Some(b) => match &b.enforced {
@@ -105,29 +127,33 @@ impl Daemon {
                     gpu_budget_bytes: gpu_budget,
                     gpu_unknown: m.gpu_unknown,
                     ram_headroom_bytes: ram_budget.map(|b| b as i64 - m.rss_bytes as i64),
-                    gpu_headroom_bytes: gpu_budget.map(|b| b as i64 - gpu_bytes as i64),
+                    gpu_headroom_bytes: gpu_budget
+                        .zip(gpu_bytes)
+                        .map(|(b, used)| b as i64 - used as i64),
                     state,
+                    limit: super::model_detail::describe_limit(reserved, engine.as_ref()),
+                    gpu_reserved_ratio: reserved,
+                    engine,
+                    processes: self.process_rows(m),
                 }
             })
             .collect();
+        let rows = self.shared.table().rows(s.at);
         StatusReport {
             schema_version: STATUS_SCHEMA_VERSION,
             hostname: nix::unistd::gethostname()
                 .map(|h| h.to_string_lossy().into_owned())
                 .unwrap_or_default(),
             version: env!("CARGO_PKG_VERSION").into(),
-            mode: match c.daemon.mode {
-                Mode::Enforce => "enforce",
-                Mode::Observe => "observe",
-            }
-            .into(),
+            mode: c.daemon.mode.to_string(),
             uptime_seconds: self.started.elapsed().as_secs_f64(),
             memory,
             gpu_protection,
             gpus,
             models,
-            queue: self.launches.queue_rows(s.at),
-            leases: self.launches.lease_rows(s.at),
+            queue: rows.queue,
+            leases: rows.leases,
+            permits: rows.permits,
             held: self
                 .executor
                 .held()
@@ -151,12 +177,15 @@ impl Daemon {
             .available_bytes
             .map_or("unknown".into(), crate::units::fmt_bytes);
         let gpus = match &s.gpus.status {
-            GpuStatus::Ok => format!("{} GPU(s)", s.gpus.devices.len()),
+            GpuStatus::Ok => match s.gpus.devices.iter().filter(|g| g.lost).count() {
+                0 => format!("{} GPU(s)", s.gpus.devices.len()),
+                lost => format!("{} GPU(s), {lost} LOST", s.gpus.devices.len()),
+            },
             GpuStatus::Unavailable(_) => "GPU protection off (no NVML)".into(),
             GpuStatus::Off => "GPU protection disabled".into(),
         };
         format!(
-            "{:?}: RAM available {ram}, {gpus}, {} model(s), {} queued, {} held stopped",
+            "{}: RAM available {ram}, {gpus}, {} model(s), {} queued, {} held stopped",
             self.config.daemon.mode,
             self.state
                 .attribution
@@ -164,7 +193,7 @@ impl Daemon {
                 .iter()
                 .filter(|m| !m.members.is_empty())
                 .count(),
-            self.launches.queue.len(),
+            self.shared.table().rows(s.at).queue.len(),
             self.executor.held().len()
         )
     }

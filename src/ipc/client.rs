@@ -24,6 +24,16 @@ pub struct Connection {
     reader: BufReader<UnixStream>,
 }
 
+fn line(request: Request) -> Vec<u8> {
+    let mut line = serde_json::to_vec(&Envelope {
+        version: PROTOCOL_VERSION,
+        request,
+    })
+    .expect("serialisable");
+    line.push(b'\n');
+    line
+}
+
 impl Connection {
     pub fn open(path: &Path, request: Request) -> Result<Connection, ClientError> {
         let unreachable = |source| ClientError::Unreachable {
@@ -31,15 +41,24 @@ impl Connection {
             source,
         };
         let mut stream = UnixStream::connect(path).map_err(unreachable)?;
-        let mut line = serde_json::to_vec(&Envelope {
-            version: PROTOCOL_VERSION,
-            request,
-        })
-        .expect("serialisable");
-        line.push(b'\n');
-        stream.write_all(&line).map_err(unreachable)?;
+        stream.write_all(&line(request)).map_err(unreachable)?;
         Ok(Connection {
             reader: BufReader::new(stream),
+        })
+    }
+
+    /// Another request on the same connection (a permit session).
+    pub fn send(&mut self, request: Request) -> Result<(), ClientError> {
+        self.reader
+            .get_mut()
+            .write_all(&line(request))
+            .map_err(|e| ClientError::Bad(e.to_string()))
+    }
+
+    /// A second handle on the connection, to read answers on another thread.
+    pub fn try_clone(&self) -> std::io::Result<Connection> {
+        Ok(Connection {
+            reader: BufReader::new(self.reader.get_ref().try_clone()?),
         })
     }
 

@@ -1,56 +1,102 @@
-//! The socket server: a small tokio runtime on its own thread. Each connection sends one
-//! request; it is checked (size, version, shape) here and handed to the daemon loop with the
-//! caller's peer credentials. Nothing a client sends can stall or crash the loop: a bad message
-//! gets an error reply, a slow or half-sent one is dropped after a timeout.
+//! The socket server: a small tokio runtime on a thread of its own.
+//!
+//! Each connection is pinned to its peer (`peer.rs`) and counted against the connection caps
+//! before anything it sends is read; over a cap it is closed at once. Its requests are parsed and
+//! bounded here and answered from the reservation table (permits, launches, releases) or from
+//! the status report the daemon loop publishes: nothing a client sends waits for the control loop
+//! or can stall it. A reader task handles the requests in order; a writer task sends every answer
+//! (immediate ones and those the table sends later: a permit granted after waiting, a launch
+//! admitted). Accept errors (out of file descriptors) back off instead of spinning.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::Sender;
-use std::time::Duration;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
+use tokio::sync::mpsc::{channel, Receiver};
 
-use super::{Envelope, Request, Response, MAX_MESSAGE_BYTES, PROTOCOL_VERSION};
+pub use super::peer::Peer;
+use super::peer::{credentials, pin};
+use super::{Envelope, Request, Response, MAX_REQUEST_BYTES, PROTOCOL_VERSION};
+use crate::reserve::{ConnId, Reservations};
+use crate::status::StatusReport;
 
-/// Who is on the other end, from SO_PEERCRED.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Peer {
-    pub uid: u32,
-    pub pid: i32,
+/// What the socket thread shares with the daemon loop.
+pub struct Shared {
+    table: Mutex<Reservations>,
+    /// The daemon clock's zero.
+    pub epoch: Instant,
+    /// The latest status report the loop published (the table's rows are added when served).
+    status: Mutex<Arc<StatusReport>>,
+    pub proc_root: PathBuf,
+    /// Wakes the loop (a request started waiting: fresh capacity helps it).
+    wake: Box<dyn Fn() + Send + Sync>,
+    /// Wakes the expiry task, which sleeps while nothing can expire.
+    expiry: tokio::sync::Notify,
 }
 
-impl Peer {
-    pub fn is_root(&self) -> bool {
-        self.uid == 0
+impl Shared {
+    pub fn new(
+        table: Reservations,
+        epoch: Instant,
+        proc_root: PathBuf,
+        wake: Box<dyn Fn() + Send + Sync>,
+    ) -> Shared {
+        Shared {
+            table: Mutex::new(table),
+            epoch,
+            status: Mutex::new(Arc::default()),
+            proc_root,
+            wake,
+            expiry: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// The reservation table. A panic elsewhere while it was held leaves it usable.
+    pub fn table(&self) -> MutexGuard<'_, Reservations> {
+        self.table.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The daemon clock.
+    pub fn now(&self) -> Duration {
+        self.epoch.elapsed()
+    }
+
+    pub fn publish_status(&self, report: StatusReport) {
+        *self.status.lock().unwrap_or_else(|e| e.into_inner()) = Arc::new(report);
+    }
+
+    /// The published report with the table's rows as they are now.
+    fn status(&self) -> StatusReport {
+        let published = self
+            .status
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let mut report = (*published).clone();
+        let rows = self.table().rows(self.now());
+        report.queue = rows.queue;
+        report.leases = rows.leases;
+        report.permits = rows.permits;
+        report
     }
 }
 
-/// What the server hands to the daemon loop.
-pub enum IpcEvent {
-    Request {
-        conn: u64,
-        peer: Peer,
-        request: Request,
-        reply: UnboundedSender<Response>,
-    },
-    /// The client went away (e.g. a queued launch was interrupted).
-    Closed { conn: u64 },
-}
-
-/// How long a client may take to send its request.
-const READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a new connection may take to send its first request.
+const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// Answers waiting for a client that does not read; beyond it the connection is closed (so a
+/// connection holds at most this many answers of at most ~1 KiB, beside its 16 KiB request).
+const REPLY_QUEUE: usize = 64;
+/// How often waits and TTLs are checked.
+const EXPIRY_TICK: Duration = Duration::from_millis(20);
 
 /// Binds the socket (replacing a stale one) and serves it on a new thread until the process
-/// exits. `deliver` wraps events for the daemon's channel.
-pub fn spawn<E: Send + 'static>(
-    path: &Path,
-    events: Sender<E>,
-    deliver: fn(IpcEvent) -> E,
-) -> anyhow::Result<SocketGuard> {
+/// exits.
+pub fn spawn(path: &Path, shared: Arc<Shared>) -> anyhow::Result<SocketGuard> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
@@ -81,24 +127,75 @@ pub fn spawn<E: Send + 'static>(
                     Ok(l) => l,
                     Err(e) => return tracing::error!("socket server: {e}"),
                 };
-                let next_conn = AtomicU64::new(1);
-                loop {
-                    let Ok((stream, _)) = listener.accept().await else {
-                        continue;
-                    };
-                    let conn = next_conn.fetch_add(1, Ordering::Relaxed);
-                    let events = events.clone();
-                    tokio::spawn(async move {
-                        if let Err(e) = serve(stream, conn, &events, deliver).await {
-                            tracing::debug!(conn, "socket client: {e}");
-                        }
-                    });
-                }
+                tokio::spawn(expire(shared.clone()));
+                accept(listener, shared).await;
             });
         })?;
     Ok(SocketGuard {
         path: path.to_path_buf(),
     })
+}
+
+async fn accept(listener: UnixListener, shared: Arc<Shared>) {
+    let next_conn = AtomicU64::new(1);
+    let mut backoff = Duration::from_millis(10);
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                backoff = Duration::from_millis(10);
+                let conn = next_conn.fetch_add(1, Ordering::Relaxed);
+                // Counted against the caps before anything else, here in the accept loop: a
+                // connection over a cap is closed before the next one is accepted, so a flood
+                // never holds more descriptors than the caps allow.
+                let Ok((uid, pid)) = credentials(&stream) else {
+                    continue;
+                };
+                if let Err(why) = shared.table().connect(conn, uid, shared.now()) {
+                    tracing::debug!(conn, uid, "socket: connection refused: {why}");
+                    continue;
+                }
+                let shared = shared.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = serve(stream, conn, uid, pid, &shared).await {
+                        tracing::debug!(conn, "socket client: {e}");
+                    }
+                    shared.table().disconnect(conn, shared.now());
+                });
+            }
+            Err(e) => {
+                // EMFILE/ENFILE/ENOMEM: retrying at once would spin a core.
+                tracing::warn!(
+                    "socket: accept failed ({e}); retrying in {}",
+                    humantime::format_duration(backoff)
+                );
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+}
+
+/// Refuses requests whose wait is over and revokes permits past their TTL: every EXPIRY_TICK
+/// while anything waits or holds a permit; otherwise it sleeps until a request comes (only a
+/// request adds something that can expire), so an idle daemon does not wake 50 times a second.
+async fn expire(shared: Arc<Shared>) {
+    let mut tick = tokio::time::interval(EXPIRY_TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        // Registered before looking, so a request that comes meanwhile is not missed.
+        let request = shared.expiry.notified();
+        let pending = {
+            let mut table = shared.table();
+            table.expire(shared.now());
+            table.can_expire()
+        };
+        if pending {
+            tick.tick().await;
+        } else {
+            request.await;
+            tick.reset();
+        }
+    }
 }
 
 /// Removes the socket file when the daemon exits.
@@ -112,93 +209,167 @@ impl Drop for SocketGuard {
     }
 }
 
-async fn serve<E>(
+/// One connection (counted against the caps already): its identity first, then its requests.
+async fn serve(
     stream: UnixStream,
-    conn: u64,
-    events: &Sender<E>,
-    deliver: fn(IpcEvent) -> E,
+    conn: ConnId,
+    uid: u32,
+    pid: i32,
+    shared: &Arc<Shared>,
 ) -> anyhow::Result<()> {
-    let cred = stream.peer_cred()?;
-    let peer = Peer {
-        uid: cred.uid(),
-        pid: cred.pid().unwrap_or(0),
+    let (peer, pidfd) = match pin(&stream, uid, pid, &shared.proc_root) {
+        Ok(pinned) => pinned,
+        Err(message) => {
+            let (_, mut write) = stream.into_split();
+            return write_line(&mut write, &Response::error(message)).await;
+        }
     };
-    let (read, mut write) = stream.into_split();
+    let pidfd = Arc::new(pidfd);
+    let (tx, rx) = channel(REPLY_QUEUE);
+    let overflow = shared.table().attach(conn, peer, tx.clone());
+    let (read, write) = stream.into_split();
+    let writer = tokio::spawn(write_answers(write, rx));
+    let idle = shared.table().idle_timeout();
     let mut reader = BufReader::new(read);
-    let request = match tokio::time::timeout(READ_TIMEOUT, read_line(&mut reader)).await {
-        Err(_) => {
-            return reply(
-                &mut write,
-                &Response::Error {
-                    message: "timed out waiting for a request".into(),
-                },
-            )
-            .await
-        }
-        Ok(Err(message)) => return reply(&mut write, &Response::Error { message }).await,
-        Ok(Ok(line)) => match parse(&line) {
-            Ok(request) => request,
-            Err(message) => return reply(&mut write, &Response::Error { message }).await,
-        },
-    };
-    let (tx, mut rx) = unbounded_channel();
-    if events
-        .send(deliver(IpcEvent::Request {
-            conn,
-            peer,
-            request,
-            reply: tx,
-        }))
-        .is_err()
-    {
-        return reply(
-            &mut write,
-            &Response::Error {
-                message: "daemon is shutting down".into(),
-            },
-        )
-        .await;
-    }
-    let mut probe = [0u8; 1];
+    let mut first = true;
     loop {
-        tokio::select! {
-            response = rx.recv() => {
-                let Some(response) = response else { return Ok(()) };
-                let last = !matches!(response, Response::Queued { .. });
-                reply(&mut write, &response).await?;
-                if last {
-                    return Ok(());
-                }
+        // Silence past `idle` ends a connection only if it holds nothing and waits for nothing
+        // (checked when the timeout fires, not on every message).
+        let wait = if first { FIRST_REQUEST_TIMEOUT } else { idle };
+        let read = tokio::select! {
+            read = tokio::time::timeout(wait, read_line(&mut reader)) => read,
+            () = overflow.notified() => {
+                tracing::debug!(conn, "socket client leaves its answers unread: closing");
+                break;
             }
-            // A client that hangs up while waiting (Ctrl-C in `gpuguard launch`) leaves the queue.
-            n = reader.read(&mut probe) => {
-                if matches!(n, Ok(0) | Err(_)) {
-                    let _ = events.send(deliver(IpcEvent::Closed { conn }));
-                    return Ok(());
+        };
+        let line = match read {
+            Err(_) if first => {
+                let _ = tx
+                    .send(Response::error("timed out waiting for a request".into()))
+                    .await;
+                break;
+            }
+            Err(_) if shared.table().engaged(conn) => continue,
+            Err(_) => break,
+            Ok(Ok(None)) => break,
+            Ok(Ok(Some(line))) => line,
+            Ok(Err(message)) => {
+                let _ = tx.send(Response::error(message)).await;
+                break;
+            }
+        };
+        first = false;
+        let request = match parse(&line) {
+            Ok(request) => request,
+            Err(message) => {
+                let _ = tx.send(Response::error(message)).await;
+                break;
+            }
+        };
+        let now = shared.now();
+        let (answer, last) = match request {
+            Request::Status => (Some(Response::Status(Box::new(shared.status()))), true),
+            Request::Release { lease } => {
+                (Some(shared.table().release_lease(peer, lease, now)), true)
+            }
+            Request::Launch(launch) => {
+                let answer = shared.table().launch(conn, launch, pidfd.clone(), now);
+                let waits = matches!(answer, None | Some(Response::Queued { .. }));
+                if waits {
+                    (shared.wake)();
                 }
+                // A waiting launch keeps the connection: its answer comes from the table.
+                (answer, !waits)
+            }
+            Request::Acquire(acquire) => {
+                let answer = shared.table().acquire(conn, acquire, now);
+                if answer.is_none() {
+                    (shared.wake)();
+                }
+                (answer, false)
+            }
+            Request::ReleasePermit { id, permit } => (
+                Some(shared.table().release_permit(conn, id, permit, now)),
+                false,
+            ),
+            Request::Cancel { id } => (shared.table().cancel(conn, id), false),
+        };
+        // The request may have added something with a deadline: the expiry task looks again.
+        shared.expiry.notify_one();
+        if let Some(answer) = answer {
+            if tx.send(answer).await.is_err() {
+                break;
             }
         }
+        if last {
+            break;
+        }
     }
+    // Ends what the connection held, then lets the writer finish and close.
+    shared.table().disconnect(conn, shared.now());
+    drop(tx);
+    let _ = writer.await;
+    Ok(())
 }
 
-/// One line of at most MAX_MESSAGE_BYTES.
-async fn read_line<R: tokio::io::AsyncBufRead + Unpin>(reader: &mut R) -> Result<String, String> {
+/// Sends the answers in order; a launch's final answer ends the connection.
+async fn write_answers(mut write: tokio::net::unix::OwnedWriteHalf, mut rx: Receiver<Response>) {
+    let mut buf = Vec::with_capacity(4096);
+    while let Some(answer) = rx.recv().await {
+        // Everything queued goes out in one write (under load, answers come in bursts).
+        let mut last = false;
+        let mut next = Some(answer);
+        while let Some(answer) = next {
+            last |= matches!(
+                answer,
+                Response::Admitted { .. } | Response::TimedOut { .. }
+            );
+            if serde_json::to_writer(&mut buf, &answer).is_err() {
+                return;
+            }
+            buf.push(b'\n');
+            next = if last { None } else { rx.try_recv().ok() };
+        }
+        if write.write_all(&buf).await.is_err() || last {
+            break;
+        }
+        buf.clear();
+    }
+    let _ = write.shutdown().await;
+}
+
+/// One line of at most MAX_REQUEST_BYTES; `None` at the end of the stream.
+async fn read_line<R: tokio::io::AsyncBufRead + Unpin>(
+    reader: &mut R,
+) -> Result<Option<String>, String> {
     let mut buf = Vec::new();
-    let mut limited = reader.take(MAX_MESSAGE_BYTES as u64 + 1);
-    limited
+    let mut limited = reader.take(MAX_REQUEST_BYTES as u64 + 1);
+    let n = limited
         .read_until(b'\n', &mut buf)
         .await
         .map_err(|e| format!("read error: {e}"))?;
-    if buf.len() > MAX_MESSAGE_BYTES {
-        return Err(format!("message longer than {MAX_MESSAGE_BYTES} bytes"));
+    if n == 0 {
+        return Ok(None);
+    }
+    if buf.len() > MAX_REQUEST_BYTES {
+        return Err(format!("message longer than {MAX_REQUEST_BYTES} bytes"));
     }
     if buf.last() != Some(&b'\n') {
         return Err("incomplete message (no newline)".into());
     }
-    String::from_utf8(buf).map_err(|_| "message is not UTF-8".into())
+    String::from_utf8(buf)
+        .map(Some)
+        .map_err(|_| "message is not UTF-8".into())
 }
 
 fn parse(line: &str) -> Result<Request, String> {
+    // The common case in one pass; the slow path below only explains what is wrong.
+    if let Ok(envelope) = serde_json::from_str::<Envelope>(line) {
+        if envelope.version == PROTOCOL_VERSION {
+            return Ok(envelope.request);
+        }
+    }
     let value: serde_json::Value =
         serde_json::from_str(line).map_err(|e| format!("not JSON: {e}"))?;
     match value.get("version").and_then(|v| v.as_u64()) {
@@ -215,7 +386,7 @@ fn parse(line: &str) -> Result<Request, String> {
         .map_err(|e| format!("bad request: {e}"))
 }
 
-async fn reply(
+async fn write_line(
     write: &mut tokio::net::unix::OwnedWriteHalf,
     response: &Response,
 ) -> anyhow::Result<()> {

@@ -1,311 +1,368 @@
-//! Memory admission for `gpuguard launch`: does a model's declared need fit now, and on which
-//! GPUs. Pure: the daemon's launch queue asks, with the snapshot and the launches still loading.
+//! Memory admission: does a reservation (a model launch, or a request's permit) fit now, and on
+//! which GPUs. Pure: the reservation table (`src/reserve/`) hands it the room it computed from the
+//! latest snapshot, the floors and every other outstanding reservation.
 //!
-//! A launch fits when, after it, every resource it needs stays above its warn floor (its min
-//! floor where no warn floor is set), counting what launches still loading have yet to take.
-
-use std::collections::BTreeMap;
+//! Room on a resource is what may still be taken without crossing its warn floor (its act floor
+//! where no warn floor is set): free memory minus the floor minus what other reservations have
+//! been promised but not taken yet. A reservation fits when what it asks for is within the room
+//! of every resource it needs.
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::Config;
-use crate::snapshot::{GpuStatus, Snapshot};
 use crate::units::fmt_bytes;
 
-use super::{Level, Resource};
-
-/// What a launch needs.
+/// What a reservation asks for.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Need {
-    /// GPU memory over all its GPUs, spread evenly.
-    pub gpu_bytes: u64,
-    pub ram_bytes: u64,
-    /// How many GPUs (ignored when `pinned`).
+pub struct Demand {
+    /// GPU memory on each GPU it is placed on.
+    pub gpu_bytes_per_gpu: u64,
+    /// How many GPUs it is placed on; 0 = it needs no GPU.
     pub gpu_count: u32,
-    /// GPUs the caller chose (CUDA_VISIBLE_DEVICES or --gpu): checked, not chosen.
+    /// GPUs the caller chose (CUDA_VISIBLE_DEVICES, --gpu, a permit's `gpu`): checked, not chosen.
     pub pinned: Option<Vec<u32>>,
-}
-
-impl Need {
-    pub fn gpus_wanted(&self) -> u32 {
-        self.pinned
-            .as_ref()
-            .map_or(self.gpu_count.max(1), |p| p.len().max(1) as u32)
-    }
-
-    pub fn gpu_bytes_per_gpu(&self) -> u64 {
-        self.gpu_bytes.div_ceil(u64::from(self.gpus_wanted()))
-    }
-}
-
-/// What a launch still loading has yet to take (its need minus what it already uses).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Reservation {
     pub ram_bytes: u64,
-    pub gpu_bytes: BTreeMap<u32, u64>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Admission {
-    Admit {
-        gpus: Vec<u32>,
-    },
-    /// Not now, and why: "needed vs available" in operator terms.
-    Wait {
-        why: String,
-    },
-}
-
-pub fn admit(
-    config: &Config,
-    snapshot: &Snapshot,
-    levels: &BTreeMap<Resource, Level>,
-    need: &Need,
-    loading: &[Reservation],
-) -> Admission {
-    let wait = |why: String| Admission::Wait { why };
-    // The queue pauses while any warn floor is crossed.
-    if let Some((r, _)) = levels
-        .iter()
-        .find(|(_, l)| matches!(l, Level::Warn | Level::Act))
-    {
-        return wait(format!(
-            "{r} is below its warn floor; launches pause until it recovers"
-        ));
-    }
-    if need.ram_bytes > 0 {
-        let host = &snapshot.host;
-        let Some(available) = host.available_bytes else {
-            return wait("MemAvailable is unknown".into());
-        };
-        let (warn, min) = config.ram.floor_bytes(host.total_bytes);
-        let floor = warn.or(min).unwrap_or(0);
-        let reserved: u64 = loading.iter().map(|r| r.ram_bytes).sum();
-        let room = available.saturating_sub(floor).saturating_sub(reserved);
-        if room < need.ram_bytes {
-            return wait(format!(
-                "RAM: needs {}, room {} (MemAvailable {} - floor {} - loading {})",
-                fmt_bytes(need.ram_bytes),
-                fmt_bytes(room),
-                fmt_bytes(available),
-                fmt_bytes(floor),
-                fmt_bytes(reserved)
-            ));
+impl Demand {
+    /// How many GPUs it takes.
+    pub fn gpus_wanted(&self) -> usize {
+        match &self.pinned {
+            Some(p) => p.len(),
+            None => self.gpu_count as usize,
         }
     }
-    if need.gpu_bytes == 0 && need.pinned.is_none() {
-        return Admission::Admit { gpus: Vec::new() };
+
+    pub fn gpu_bytes_total(&self) -> u64 {
+        self.gpu_bytes_per_gpu
+            .saturating_mul(self.gpus_wanted() as u64)
     }
-    let gpus = &snapshot.gpus;
-    match &gpus.status {
-        GpuStatus::Ok if !gpus.stale => {}
-        GpuStatus::Ok => return wait("GPU readings are stale (NVML is slow to answer)".into()),
-        GpuStatus::Unavailable(why) => return wait(format!("GPU memory unknown: {why}")),
-        GpuStatus::Off => return wait("GPU memory unknown: GPU protection is off".into()),
+}
+
+/// One GPU as admission sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuRoom {
+    pub index: u32,
+    /// What may still be taken; `None` when the GPU's reading is unknown or stale (nothing is
+    /// placed on a GPU we cannot see). Negative: the floor is crossed or promises exceed it.
+    pub room: Option<i64>,
+    /// The GPU's memory minus its floor: a demand above it can never fit here.
+    pub ceiling: Option<u64>,
+    /// Free memory, the floor and what others have been promised, to explain a refusal.
+    pub free: Option<u64>,
+    pub floor: u64,
+    pub promised: u64,
+    /// Where the pool already holds memory: preferred when placing a demand that names no GPU.
+    pub preferred: bool,
+}
+
+/// Host RAM as admission sees it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RamRoom {
+    pub room: Option<i64>,
+    pub ceiling: Option<u64>,
+    pub available: Option<u64>,
+    pub floor: u64,
+    pub promised: u64,
+}
+
+/// The answer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Fit {
+    /// It fits on these GPUs (empty when it needs none).
+    Now { gpus: Vec<u32> },
+    /// Not now; it may later. The text says what was needed and what was there.
+    Later(Shortfall),
+    /// It can never fit on this host (more than a whole GPU or the host's RAM, above its floor).
+    Never(Shortfall),
+}
+
+/// What was asked against what there was, for a refusal the caller can act on.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Shortfall {
+    pub message: String,
+    /// The room there was on the resource that was short (GPU: the best candidate GPU).
+    pub free_gpu_bytes: Option<u64>,
+    pub free_ram_bytes: Option<u64>,
+    /// The GPU the shortfall is about, if one.
+    pub gpu: Option<u32>,
+}
+
+fn show(room: Option<i64>) -> String {
+    match room {
+        None => "unknown".into(),
+        Some(r) if r < 0 => format!("-{}", fmt_bytes(r.unsigned_abs())),
+        Some(r) => fmt_bytes(r as u64),
     }
-    let per_gpu = need.gpu_bytes_per_gpu();
-    // Room on each GPU after its floor and what loading launches will still take.
-    let mut rooms: Vec<(u32, Option<u64>, String)> = gpus
-        .devices
-        .iter()
-        .map(|g| {
-            let (warn, min) = config.gpu.floor_bytes(g.index, &g.uuid, g.total_bytes);
-            let floor = warn.or(min).unwrap_or(0);
-            let reserved: u64 = loading
-                .iter()
-                .filter_map(|r| r.gpu_bytes.get(&g.index))
-                .sum();
-            let room = g
-                .free_bytes
-                .filter(|_| g.error.is_none())
-                .map(|free| free.saturating_sub(floor).saturating_sub(reserved));
-            let text = match (room, g.free_bytes) {
-                (Some(room), Some(free)) => format!(
-                    "GPU {}: room {} (free {} - floor {} - loading {})",
-                    g.index,
-                    fmt_bytes(room),
-                    fmt_bytes(free),
-                    fmt_bytes(floor),
-                    fmt_bytes(reserved)
-                ),
-                _ => format!("GPU {}: free unknown", g.index),
-            };
-            (g.index, room, text)
-        })
-        .collect();
+}
+
+fn positive(room: Option<i64>) -> Option<u64> {
+    room.map(|r| r.max(0) as u64)
+}
+
+fn describe_gpu(g: &GpuRoom) -> String {
+    match g.free {
+        Some(free) => format!(
+            "GPU {}: room {} (free {} - floor {} - promised {})",
+            g.index,
+            show(g.room),
+            fmt_bytes(free),
+            fmt_bytes(g.floor),
+            fmt_bytes(g.promised)
+        ),
+        None => format!("GPU {}: free memory unknown", g.index),
+    }
+}
+
+/// Where a demand fits, given the room on every GPU and in RAM.
+pub fn place(demand: &Demand, gpus: &[GpuRoom], ram: &RamRoom) -> Fit {
+    if let Some(shortfall) = ram_shortfall(demand, ram) {
+        return shortfall;
+    }
+    if demand.gpus_wanted() == 0 {
+        return Fit::Now { gpus: Vec::new() };
+    }
+    let per_gpu = demand.gpu_bytes_per_gpu;
     let needs = format!(
         "needs {} on each of {} GPU(s)",
         fmt_bytes(per_gpu),
-        need.gpus_wanted()
+        demand.gpus_wanted()
     );
-    if let Some(pinned) = &need.pinned {
+    let fits = |g: &GpuRoom| g.room.is_some_and(|r| r >= per_gpu as i64);
+    let can_ever = |g: &GpuRoom| g.ceiling.is_none_or(|c| c >= per_gpu);
+    if let Some(pinned) = &demand.pinned {
         let mut lacking = Vec::new();
+        let mut never = false;
+        let mut short: Option<&GpuRoom> = None;
         for index in pinned {
-            match rooms.iter().find(|r| r.0 == *index) {
-                None => lacking.push(format!("GPU {index}: no such GPU")),
-                Some((_, room, text)) if room.is_none_or(|r| r < per_gpu) => {
-                    lacking.push(text.clone())
+            match gpus.iter().find(|g| g.index == *index) {
+                None => {
+                    lacking.push(format!("GPU {index}: no such GPU"));
+                    never = !gpus.is_empty();
+                }
+                Some(g) if !fits(g) => {
+                    never |= !can_ever(g);
+                    lacking.push(describe_gpu(g));
+                    short.get_or_insert(g);
                 }
                 Some(_) => {}
             }
         }
-        return if lacking.is_empty() {
-            Admission::Admit {
+        if lacking.is_empty() {
+            return Fit::Now {
                 gpus: pinned.clone(),
-            }
+            };
+        }
+        let shortfall = Shortfall {
+            message: format!("{needs}: {}", lacking.join("; ")),
+            free_gpu_bytes: short.and_then(|g| positive(g.room)),
+            free_ram_bytes: positive(ram.room),
+            gpu: short.map(|g| g.index),
+        };
+        return if never {
+            Fit::Never(shortfall)
         } else {
-            wait(format!("{needs}: {}", lacking.join("; ")))
+            Fit::Later(shortfall)
         };
     }
-    // Most room first.
-    rooms.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-    let fitting: Vec<u32> = rooms
+    // Preferred GPUs first (where the pool already is), then most room, then lowest index.
+    let mut order: Vec<&GpuRoom> = gpus.iter().collect();
+    order.sort_by(|a, b| {
+        b.preferred
+            .cmp(&a.preferred)
+            .then(b.room.cmp(&a.room))
+            .then(a.index.cmp(&b.index))
+    });
+    let mut chosen: Vec<u32> = order
         .iter()
-        .filter(|r| r.1.is_some_and(|room| room >= per_gpu))
-        .map(|r| r.0)
-        .take(need.gpus_wanted() as usize)
+        .filter(|g| fits(g))
+        .take(demand.gpus_wanted())
+        .map(|g| g.index)
         .collect();
-    if fitting.len() < need.gpus_wanted() as usize {
-        let best: Vec<String> = rooms.iter().take(4).map(|r| r.2.clone()).collect();
-        return wait(format!("{needs}: {}", best.join("; ")));
+    if chosen.len() == demand.gpus_wanted() {
+        chosen.sort_unstable();
+        return Fit::Now { gpus: chosen };
     }
-    let mut chosen = fitting;
-    chosen.sort();
-    Admission::Admit { gpus: chosen }
+    let possible = gpus.iter().filter(|g| can_ever(g)).count();
+    let best: Vec<String> = order.iter().take(4).map(|g| describe_gpu(g)).collect();
+    let shortfall = Shortfall {
+        message: if gpus.is_empty() {
+            format!("{needs}: no GPU is known")
+        } else {
+            format!("{needs}: {}", best.join("; "))
+        },
+        free_gpu_bytes: order.first().and_then(|g| positive(g.room)),
+        free_ram_bytes: positive(ram.room),
+        gpu: order.first().map(|g| g.index),
+    };
+    // Only when every GPU is known can "never" be said; an unknown one may be large.
+    let all_known = !gpus.is_empty() && gpus.iter().all(|g| g.ceiling.is_some());
+    if all_known && possible < demand.gpus_wanted() {
+        Fit::Never(shortfall)
+    } else {
+        Fit::Later(shortfall)
+    }
+}
+
+fn ram_shortfall(demand: &Demand, ram: &RamRoom) -> Option<Fit> {
+    if demand.ram_bytes == 0 {
+        return None;
+    }
+    if ram.room.is_some_and(|r| r >= demand.ram_bytes as i64) {
+        return None;
+    }
+    let message = match ram.available {
+        Some(available) => format!(
+            "RAM: needs {}, room {} (MemAvailable {} - floor {} - promised {})",
+            fmt_bytes(demand.ram_bytes),
+            show(ram.room),
+            fmt_bytes(available),
+            fmt_bytes(ram.floor),
+            fmt_bytes(ram.promised)
+        ),
+        None => format!(
+            "RAM: needs {}, MemAvailable unknown",
+            fmt_bytes(demand.ram_bytes)
+        ),
+    };
+    let shortfall = Shortfall {
+        message,
+        free_gpu_bytes: None,
+        free_ram_bytes: positive(ram.room),
+        gpu: None,
+    };
+    Some(if ram.ceiling.is_some_and(|c| c < demand.ram_bytes) {
+        Fit::Never(shortfall)
+    } else {
+        Fit::Later(shortfall)
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::snapshot::{Gpu, GpuSnapshot};
-    use std::path::Path;
 
     const GIB: u64 = 1 << 30;
 
-    fn snapshot(available: u64, free: &[u64]) -> Snapshot {
-        Snapshot {
-            host: crate::snapshot::HostMemory {
-                total_bytes: Some(64 * GIB),
-                available_bytes: Some(available),
-                ..Default::default()
-            },
-            gpus: GpuSnapshot {
-                status: GpuStatus::Ok,
-                devices: free
-                    .iter()
-                    .enumerate()
-                    .map(|(i, f)| Gpu {
-                        index: i as u32,
-                        total_bytes: Some(80 * GIB),
-                        free_bytes: Some(*f),
-                        ..Default::default()
-                    })
-                    .collect(),
-                ..Default::default()
-            },
+    fn gpu(index: u32, room_gib: i64, total_gib: u64) -> GpuRoom {
+        GpuRoom {
+            index,
+            room: Some(room_gib * GIB as i64),
+            ceiling: Some(total_gib * GIB),
+            free: Some((room_gib.max(0) as u64 + 2) * GIB),
+            floor: 2 * GIB,
+            promised: 0,
+            preferred: false,
+        }
+    }
+
+    fn ram(room_gib: i64) -> RamRoom {
+        RamRoom {
+            room: Some(room_gib * GIB as i64),
+            ceiling: Some(60 * GIB),
+            available: Some(40 * GIB),
+            floor: 4 * GIB,
+            promised: 0,
+        }
+    }
+
+    fn demand(per_gpu_gib: u64, count: u32) -> Demand {
+        Demand {
+            gpu_bytes_per_gpu: per_gpu_gib * GIB,
+            gpu_count: count,
             ..Default::default()
         }
     }
 
-    fn config(text: &str) -> Config {
-        Config::parse(text, Path::new("t.toml")).unwrap()
+    #[test]
+    fn picks_the_gpus_with_most_room_preferring_the_pools_own() {
+        let gpus = [gpu(0, 8, 80), gpu(1, 48, 80), gpu(2, 28, 80)];
+        assert_eq!(
+            place(&demand(20, 1), &gpus, &ram(10)),
+            Fit::Now { gpus: vec![1] }
+        );
+        assert_eq!(
+            place(&demand(20, 2), &gpus, &ram(10)),
+            Fit::Now { gpus: vec![1, 2] }
+        );
+        let mut preferring = gpus.clone();
+        preferring[2].preferred = true;
+        assert_eq!(
+            place(&demand(20, 1), &preferring, &ram(10)),
+            Fit::Now { gpus: vec![2] }
+        );
     }
 
     #[test]
-    fn picks_the_gpus_with_most_room_and_checks_pinned_ones() {
-        let c = config("[ram]\nwarn_available = \"4GiB\"\nmin_available = \"2GiB\"\n[gpu]\nwarn_free = \"2GiB\"\n");
-        let s = snapshot(40 * GIB, &[10 * GIB, 50 * GIB, 30 * GIB]);
-        let levels = BTreeMap::new();
-        let one = Need {
-            gpu_bytes: 20 * GIB,
-            gpu_count: 1,
-            ..Default::default()
-        };
-        assert_eq!(
-            admit(&c, &s, &levels, &one, &[]),
-            Admission::Admit { gpus: vec![1] }
-        );
-        let two = Need {
-            gpu_bytes: 40 * GIB,
-            gpu_count: 2,
-            ..Default::default()
-        };
-        assert_eq!(
-            admit(&c, &s, &levels, &two, &[]),
-            Admission::Admit { gpus: vec![1, 2] }
-        );
-        let pinned = Need {
-            gpu_bytes: 20 * GIB,
+    fn a_pinned_gpu_is_checked_and_the_refusal_says_what_was_there() {
+        let gpus = [gpu(0, 8, 80), gpu(1, 48, 80)];
+        let pinned = Demand {
             pinned: Some(vec![0]),
-            ..Default::default()
+            ..demand(20, 1)
         };
-        let Admission::Wait { why } = admit(&c, &s, &levels, &pinned, &[]) else {
+        let Fit::Later(s) = place(&pinned, &gpus, &ram(10)) else {
             panic!()
-        };
-        assert!(why.contains("needs 20.0 GiB on each of 1 GPU(s): GPU 0: room 8.0 GiB (free 10.0 GiB - floor 2.0 GiB - loading 0 B)"), "{why}");
-    }
-
-    #[test]
-    fn counts_what_loading_launches_will_still_take() {
-        let c = config("");
-        let s = snapshot(40 * GIB, &[50 * GIB]);
-        let need = Need {
-            gpu_bytes: 30 * GIB,
-            ram_bytes: 10 * GIB,
-            gpu_count: 1,
-            ..Default::default()
-        };
-        assert!(matches!(
-            admit(&c, &s, &BTreeMap::new(), &need, &[]),
-            Admission::Admit { .. }
-        ));
-        let loading = [Reservation {
-            ram_bytes: 0,
-            gpu_bytes: BTreeMap::from([(0, 25 * GIB)]),
-        }];
-        assert!(matches!(
-            admit(&c, &s, &BTreeMap::new(), &need, &loading),
-            Admission::Wait { .. }
-        ));
-        let loading = [Reservation {
-            ram_bytes: 27 * GIB,
-            gpu_bytes: BTreeMap::new(),
-        }];
-        let Admission::Wait { why } = admit(&c, &s, &BTreeMap::new(), &need, &loading) else {
-            panic!()
-        };
-        assert!(why.starts_with("RAM: needs 10.0 GiB"), "{why}");
-    }
-
-    #[test]
-    fn pauses_while_a_warn_floor_is_crossed_and_waits_on_unknown_gpus() {
-        let c = config("");
-        let s = snapshot(40 * GIB, &[50 * GIB]);
-        let levels = BTreeMap::from([(Resource::Gpu(0), Level::Warn)]);
-        let need = Need {
-            ram_bytes: GIB,
-            ..Default::default()
-        };
-        assert!(matches!(
-            admit(&c, &s, &levels, &need, &[]),
-            Admission::Wait { .. }
-        ));
-        let mut off = s.clone();
-        off.gpus.status = GpuStatus::Unavailable("no driver".into());
-        let gpu_need = Need {
-            gpu_bytes: GIB,
-            gpu_count: 1,
-            ..Default::default()
         };
         assert_eq!(
-            admit(&c, &off, &BTreeMap::new(), &gpu_need, &[]),
-            Admission::Wait {
-                why: "GPU memory unknown: no driver".into()
-            }
+            s.message,
+            "needs 20.0 GiB on each of 1 GPU(s): GPU 0: room 8.0 GiB (free 10.0 GiB - floor 2.0 GiB - promised 0 B)"
         );
+        assert_eq!(s.free_gpu_bytes, Some(8 * GIB));
+        assert_eq!(s.gpu, Some(0));
+    }
+
+    #[test]
+    fn more_than_any_gpu_or_the_host_is_never_and_said_at_once() {
+        let gpus = [gpu(0, 10, 24), gpu(1, 10, 24)];
+        assert!(matches!(
+            place(&demand(30, 1), &gpus, &ram(10)),
+            Fit::Never(_)
+        ));
+        assert!(matches!(
+            place(&demand(20, 3), &gpus, &ram(10)),
+            Fit::Never(_)
+        ));
+        assert!(matches!(
+            place(&demand(20, 1), &gpus, &ram(10)),
+            Fit::Later(_)
+        ));
+        let ram_hog = Demand {
+            ram_bytes: 100 * GIB,
+            ..Default::default()
+        };
+        assert!(matches!(place(&ram_hog, &gpus, &ram(10)), Fit::Never(_)));
+        // An unknown GPU may be large: not "never".
+        let mut unknown = gpus.to_vec();
+        unknown[1].ceiling = None;
+        unknown[1].room = None;
+        assert!(matches!(
+            place(&demand(30, 1), &unknown, &ram(10)),
+            Fit::Later(_)
+        ));
+    }
+
+    #[test]
+    fn ram_is_checked_first_and_negative_room_never_fits() {
+        let gpus = [gpu(0, -1, 80)];
+        let d = Demand {
+            ram_bytes: 12 * GIB,
+            ..demand(1, 1)
+        };
+        let Fit::Later(s) = place(&d, &gpus, &ram(10)) else {
+            panic!()
+        };
+        assert!(
+            s.message.starts_with("RAM: needs 12.0 GiB, room 10.0 GiB"),
+            "{}",
+            s.message
+        );
+        let Fit::Later(s) = place(&demand(1, 1), &gpus, &ram(10)) else {
+            panic!()
+        };
+        assert!(s.message.contains("room -1.0 GiB"), "{}", s.message);
+        assert_eq!(s.free_gpu_bytes, Some(0));
         assert_eq!(
-            admit(&c, &off, &BTreeMap::new(), &need, &[]),
-            Admission::Admit { gpus: vec![] }
+            place(&Demand::default(), &gpus, &ram(0)),
+            Fit::Now { gpus: vec![] }
         );
     }
 }

@@ -77,7 +77,7 @@ pub(super) fn evaluate_budgets(
                     "budget_exceeded",
                     format!(
                         "{why}; action {} after grace {}",
-                        action_name(model.action),
+                        model.action,
                         humantime::format_duration(model.grace)
                     ),
                 )
@@ -145,6 +145,22 @@ pub(super) fn evaluate_budgets(
                 budget.enforced = None;
                 budget.over_since = Some(now);
             }
+            // At max_stop on a stale GPU reading: resumed, never killed on it.
+            Some((Stage::Stopped, since, target))
+                if now.saturating_sub(since) >= d.max_stop && !may_act =>
+            {
+                plan.actions.push(action(
+                    Verb::Resume,
+                    &target,
+                    "max_stop",
+                    format!(
+                        "{why}; stopped for {} (max_stop) but the GPU reading is stale: resumed, never killed on it",
+                        humantime::format_duration(d.max_stop)
+                    ),
+                    None,
+                ));
+                budget.enforced = None;
+            }
             Some((Stage::Stopped, since, target)) if now.saturating_sub(since) >= d.max_stop => {
                 plan.actions.push(action(
                     Verb::Kill,
@@ -210,15 +226,5 @@ fn about_model(name: &str) -> About {
     About {
         model: Some(name.to_string()),
         ..About::default()
-    }
-}
-
-/// The action as written in the config.
-fn action_name(action: ModelAction) -> &'static str {
-    match action {
-        ModelAction::Alert => "alert",
-        ModelAction::Throttle => "throttle",
-        ModelAction::Stop => "stop",
-        ModelAction::Kill => "kill",
     }
 }

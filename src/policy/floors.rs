@@ -7,7 +7,7 @@ use std::time::Duration;
 use crate::config::{Config, FloorAction, Mode};
 use crate::snapshot::Snapshot;
 
-use super::victim;
+use super::victim::{self, Short};
 use super::{
     action, bytes, event, About, Held, Incident, Level, Plan, PolicyState, Recheck, Resource,
     Severity, Stage, Target, Verb,
@@ -27,6 +27,10 @@ pub(super) struct Reading {
     /// False when the reading is stale: it may alert, never act.
     pub may_act: bool,
     pub action: FloorAction,
+    /// When the figure was sampled (daemon clock): RAM every tick, a GPU when NVML answered.
+    pub sampled_at: Option<Duration>,
+    /// What victims are ranked by.
+    pub short: Short,
 }
 
 impl Reading {
@@ -99,19 +103,87 @@ impl Reading {
     }
 }
 
-/// The readings of this snapshot, with their floors resolved against the totals.
-pub(super) fn readings(config: &Config, snapshot: &Snapshot) -> Vec<Reading> {
+/// The readings of this snapshot, with their floors resolved against the totals. A reading that
+/// is missing, inconsistent or against a floor that cannot be right is unknown (`available` is
+/// `None`, `error` says why). `tracked`: resources the policy holds state for (an incident, a
+/// level, a held process), which get a reading even with no floor or no GPU left.
+pub(super) fn readings(config: &Config, snapshot: &Snapshot, tracked: &[Resource]) -> Vec<Reading> {
+    let mut out = vec![ram_reading(config, snapshot)];
+    for gpu in &snapshot.gpus.devices {
+        let resource = Resource::Gpu(gpu.index);
+        // No floors configured: no reading (an unknown total only makes the floors unknown).
+        if config.gpu.floors_for(gpu.index, &gpu.uuid) == (None, None)
+            && !tracked.contains(&resource)
+        {
+            continue;
+        }
+        let (warn, min) = config
+            .gpu
+            .floor_bytes(gpu.index, &gpu.uuid, gpu.total_bytes);
+        let error = gpu
+            .untrusted()
+            .or_else(|| impossible_floor("min_free", min, gpu.total_bytes));
+        out.push(Reading {
+            resource,
+            available: gpu.free_bytes.filter(|_| error.is_none()),
+            warn,
+            min,
+            act_because: None,
+            warn_because: None,
+            error,
+            may_act: !snapshot.gpus.stale,
+            action: config.gpu.action,
+            sampled_at: snapshot.gpus.sampled_at,
+            short: Short::Gpu(gpu.index),
+        });
+    }
+    // A GPU the policy was watching that NVML no longer lists: unknown, never "fine".
+    for &resource in tracked {
+        let Resource::Gpu(index) = resource else {
+            continue;
+        };
+        if snapshot.gpus.devices.iter().all(|g| g.index != index) {
+            out.push(Reading {
+                resource,
+                available: None,
+                warn: None,
+                min: None,
+                act_because: None,
+                warn_because: None,
+                error: Some("no longer reported by NVML".into()),
+                may_act: false,
+                action: config.gpu.action,
+                sampled_at: None,
+                short: Short::Gpu(index),
+            });
+        }
+    }
+    out
+}
+
+/// Host RAM against its floors: MemAvailable, and swap and PSI where configured.
+fn ram_reading(config: &Config, snapshot: &Snapshot) -> Reading {
     let host = &snapshot.host;
     let ram = &config.ram;
     let mut act_because = None;
     let mut warn_because = None;
+    let (warn, min) = ram.floor_bytes(host.total_bytes);
+    let error = host
+        .inconsistency()
+        .or_else(|| impossible_floor("min_available", min, host.total_bytes));
+    let available = host.available_bytes.filter(|_| error.is_none());
+    let mut swap_short = false;
     if let (Some(floor), Some(total), Some(free)) = (
         ram.min_swap_free,
         host.swap_total_bytes,
-        host.swap_free_bytes,
+        host.trusted_swap_free_bytes(),
     ) {
-        if let Some(floor) = floor.resolve(Some(total)).filter(|_| total > 0) {
+        if let Some(floor) = floor
+            .resolve(Some(total))
+            .filter(|&f| total > 0 && f < total)
+        {
             if free < floor {
+                swap_short = true;
                 act_because = Some(format!(
                     "swap free {} < min_swap_free {}",
                     bytes(free),
@@ -120,11 +192,13 @@ pub(super) fn readings(config: &Config, snapshot: &Snapshot) -> Vec<Reading> {
             }
         }
     }
-    let (warn, min) = ram.floor_bytes(host.total_bytes);
-    if let (Some(limit), Some(psi)) = (ram.psi_some_avg10, host.psi_some_avg10) {
+    let psi = host
+        .psi_some_avg10
+        .filter(|p| p.is_finite() && (0.0..=100.0).contains(p));
+    if let (Some(limit), Some(psi)) = (ram.psi_some_avg10, psi) {
         if psi > limit {
             let text = format!("PSI memory some avg10 {psi:.1}% > {limit:.1}%");
-            let low = matches!((host.available_bytes, warn), (Some(a), Some(w)) if a < w);
+            let low = matches!((available, warn), (Some(a), Some(w)) if a < w);
             if low && act_because.is_none() {
                 act_because = Some(text);
             } else {
@@ -132,38 +206,37 @@ pub(super) fn readings(config: &Config, snapshot: &Snapshot) -> Vec<Reading> {
             }
         }
     }
-    let mut out = vec![Reading {
+    let ram_short = matches!((available, min), (Some(a), Some(m)) if a < m);
+    Reading {
         resource: Resource::Ram,
-        available: host.available_bytes,
+        available,
         warn,
         min,
         act_because,
         warn_because,
-        error: None,
+        error,
         may_act: true,
         action: ram.action,
-    }];
-    for gpu in &snapshot.gpus.devices {
-        // No floors configured: no reading (an unknown total only makes the floors unknown).
-        if config.gpu.floors_for(gpu.index, &gpu.uuid) == (None, None) {
-            continue;
-        }
-        let (warn, min) = config
-            .gpu
-            .floor_bytes(gpu.index, &gpu.uuid, gpu.total_bytes);
-        out.push(Reading {
-            resource: Resource::Gpu(gpu.index),
-            available: gpu.free_bytes.filter(|_| gpu.error.is_none()),
-            warn,
-            min,
-            act_because: None,
-            warn_because: None,
-            error: gpu.error.clone(),
-            may_act: !snapshot.gpus.stale,
-            action: config.gpu.action,
-        });
+        sampled_at: Some(snapshot.at),
+        short: if swap_short && !ram_short {
+            Short::Swap
+        } else {
+            Short::Ram
+        },
     }
-    out
+}
+
+/// An act floor at or above the total would make every process a victim, always: the config
+/// checks refuse it, and should one get through (a GPU seen only later), it is not enforced.
+fn impossible_floor(key: &str, min: Option<u64>, total: Option<u64>) -> Option<String> {
+    match (min, total) {
+        (Some(m), Some(t)) if m >= t => Some(format!(
+            "{key} {} is at or above the total {}: floor not enforced",
+            bytes(m),
+            bytes(t)
+        )),
+        _ => None,
+    }
 }
 
 fn evaluate_floor_inner(
@@ -200,8 +273,10 @@ fn evaluate_floor_inner(
         }
     }
 
-    // A reading that is missing says nothing about the incident: leave it as it is.
+    // A reading that is missing says nothing about the incident: leave it as it is, except
+    // that nobody stays stopped past max_stop on it.
     if level == Level::Unknown {
+        end_stop_at_max_stop(config, snapshot, state, reading, plan);
         return;
     }
     if level != Level::Act {
@@ -234,6 +309,8 @@ fn evaluate_floor_inner(
         stale_reported: false,
         excluded: Vec::new(),
         available_at_stage: None,
+        far_below_at: None,
+        term_baseline: None,
     });
     if !reading.may_act {
         if !incident.stale_reported {
@@ -247,15 +324,17 @@ fn evaluate_floor_inner(
                 ),
             ));
         }
+        end_stop_at_max_stop(config, snapshot, state, reading, plan);
         return;
     }
+    let far_below = far_below_confirmed(reading, incident);
     let since = now.saturating_sub(incident.stage_since);
     let recheck = reading.recheck();
     let why = reading.describe();
     let d = &config.daemon;
 
     let Some(victim) = incident.victim.clone() else {
-        choose_next(config, snapshot, state, reading, plan);
+        choose_next(config, snapshot, state, reading, far_below, plan);
         return;
     };
     let alive = victim.any_alive(snapshot);
@@ -267,7 +346,7 @@ fn evaluate_floor_inner(
         }
         Stage::Stopped if since >= d.settle => {
             incident.available_at_stage = reading.available;
-            let verb = if reading.far_below() {
+            let verb = if far_below {
                 Verb::Kill
             } else {
                 Verb::Terminate
@@ -289,16 +368,18 @@ fn evaluate_floor_inner(
                 recheck,
             ));
         }
-        Stage::Terminated
-            if reading.far_below() || since >= d.term_grace || kept_falling(reading, incident) =>
-        {
-            let how = if kept_falling(reading, incident) {
-                format!(
-                    "memory kept falling by more than {} after SIGTERM",
-                    bytes(KEPT_FALLING_BYTES)
-                )
-            } else {
-                "SIGTERM not enough".to_string()
+        Stage::Terminated => {
+            let limit = d.term_max_growth.resolve(snapshot.host.total_bytes);
+            let grown = grown_after_term(snapshot, reading.resource, incident, &victim, limit);
+            if !(far_below || since >= d.term_grace || grown.is_some()) {
+                return;
+            }
+            let how = match grown {
+                Some(grown) => format!(
+                    "its memory grew by {} after SIGTERM: it is not shutting down",
+                    bytes(grown)
+                ),
+                None => "SIGTERM not enough".to_string(),
             };
             incident.stage = Stage::Killed;
             incident.stage_since = now;
@@ -328,7 +409,7 @@ fn evaluate_floor_inner(
                 // The victim is gone and this fresh sample is still below the floor: next one.
                 incident.victims_done += 1;
                 incident.victim = None;
-                choose_next(config, snapshot, state, reading, plan);
+                choose_next(config, snapshot, state, reading, far_below, plan);
             } else if since >= config.gpu.release_timeout {
                 incident.stage = Stage::Stuck;
                 incident.stage_since = now;
@@ -346,12 +427,113 @@ fn evaluate_floor_inner(
     }
 }
 
-/// After SIGTERM a victim that heeds it stops growing at once; one that keeps memory falling
-/// by more than this is ignoring it, and gets SIGKILL without waiting out `term_grace`.
-const KEPT_FALLING_BYTES: u64 = 64 << 20;
+/// Far below the floor on this sample and on an earlier one: one sample alone (a glitch, a
+/// reading caught mid-update) never earns SIGKILL without SIGTERM's grace.
+fn far_below_confirmed(reading: &Reading, incident: &mut Incident) -> bool {
+    if !reading.far_below() {
+        incident.far_below_at = None;
+        return false;
+    }
+    match (incident.far_below_at, reading.sampled_at) {
+        (Some(first), Some(now)) => now > first,
+        (None, now) => {
+            incident.far_below_at = now;
+            false
+        }
+        (Some(_), None) => false,
+    }
+}
 
-fn kept_falling(reading: &Reading, incident: &Incident) -> bool {
-    matches!((reading.available, incident.available_at_stage), (Some(now), Some(then)) if then.saturating_sub(now) > KEPT_FALLING_BYTES)
+/// A victim stopped for a floor whose reading is now unknown or stale: at `max_stop` it is
+/// resumed (never killed: nothing is decided on a reading that cannot be trusted), and the
+/// incident waits for a reading to choose again.
+fn end_stop_at_max_stop(
+    config: &Config,
+    snapshot: &Snapshot,
+    state: &mut PolicyState,
+    reading: &Reading,
+    plan: &mut Plan,
+) {
+    let max_stop = config.daemon.max_stop;
+    let Some(incident) = state.incidents.get_mut(&reading.resource) else {
+        return;
+    };
+    let Some(victim) = incident.victim.clone() else {
+        return;
+    };
+    if incident.stage != Stage::Stopped
+        || snapshot.at.saturating_sub(incident.stage_since) < max_stop
+    {
+        return;
+    }
+    incident.victim = None;
+    incident.stage = Stage::Alerted;
+    incident.stage_since = snapshot.at;
+    plan.actions.push(action(
+        Verb::Resume,
+        &victim,
+        "max_stop",
+        format!(
+            "stopped for {} (max_stop) while {}: resumed, never killed on a reading that cannot be trusted",
+            humantime::format_duration(max_stop),
+            untrusted(reading)
+        ),
+        None,
+    ));
+}
+
+/// Why a reading may not be acted on, for messages.
+fn untrusted(reading: &Reading) -> String {
+    match (&reading.error, reading.may_act) {
+        (Some(e), _) => format!("{} reading is unknown ({e})", reading.resource),
+        (None, false) => format!("{} reading is stale", reading.resource),
+        (None, true) => format!("{} reading is unknown", reading.resource),
+    }
+}
+
+/// While a victim has SIGTERM, the loop ticks at least this often: a victim that ignores SIGTERM
+/// shows by growing, and every millisecond of growth is memory the host does not have.
+pub(super) const TERM_WATCH_INTERVAL: Duration = Duration::from_millis(2);
+
+/// The victim's own memory now (RAM floors: RSS summed over its live processes; the daemon
+/// re-reads watched victims every tick). GPU memory is sampled too seldom to watch this way.
+fn victim_bytes(snapshot: &Snapshot, victim: &Target, resource: Resource) -> Option<u64> {
+    if resource != Resource::Ram {
+        return None;
+    }
+    let live: Vec<u64> = victim
+        .ids()
+        .filter_map(|id| snapshot.processes.get(id))
+        .filter(|p| !p.exited())
+        .map(|p| p.rss_bytes)
+        .collect();
+    (!live.is_empty()).then(|| live.iter().sum())
+}
+
+/// After SIGTERM, how much the victim has grown since the first reading taken after the signal,
+/// if by more than `limit` bytes: a process shutting down does not grow, so one that does is
+/// ignoring SIGTERM. Records that first reading.
+fn grown_after_term(
+    snapshot: &Snapshot,
+    resource: Resource,
+    incident: &mut Incident,
+    victim: &Target,
+    limit: Option<u64>,
+) -> Option<u64> {
+    let now = victim_bytes(snapshot, victim, resource)?;
+    match incident.term_baseline {
+        Some((stage, base)) if stage == incident.stage_since => {
+            let grown = now.saturating_sub(base);
+            limit.is_some_and(|l| grown > l).then_some(grown)
+        }
+        // The tick that sent SIGTERM read the victim before sending it; any later tick read it
+        // after (the daemon re-reads watched victims first thing).
+        _ if snapshot.at > incident.stage_since => {
+            incident.term_baseline = Some((incident.stage_since, now));
+            None
+        }
+        _ => None,
+    }
 }
 
 /// One floor for one tick; every event it raises is about that resource (and its victim, if any).
@@ -400,6 +582,7 @@ fn choose_next(
     snapshot: &Snapshot,
     state: &mut PolicyState,
     reading: &Reading,
+    far_below: bool,
     plan: &mut Plan,
 ) {
     let resource = reading.resource;
@@ -408,7 +591,7 @@ fn choose_next(
         .get(&resource)
         .map(|i| i.excluded.clone())
         .unwrap_or_default();
-    let chosen = victim::choose(config, snapshot, state, resource, &excluded);
+    let chosen = victim::choose(config, snapshot, state, reading.short, &excluded);
     let incident = state.incidents.get_mut(&resource).expect("incident exists");
     let why = reading.describe();
     let Some((target, used)) = chosen else {
@@ -424,14 +607,15 @@ fn choose_next(
         }
         return;
     };
-    let detail = format!(
-        "{why}; largest eligible user of {resource}: {} ",
-        bytes(used)
-    );
+    let what = match reading.short {
+        Short::Swap => "swap".to_string(),
+        _ => resource.to_string(),
+    };
+    let detail = format!("{why}; largest eligible user of {what}: {} ", bytes(used));
     let verb = match reading.action {
         FloorAction::Alert => None,
         FloorAction::Stop => Some(Verb::Stop),
-        FloorAction::Kill if reading.far_below() => Some(Verb::Kill),
+        FloorAction::Kill if far_below => Some(Verb::Kill),
         FloorAction::Kill => Some(Verb::Terminate),
     };
     incident.stage = match (verb, config.daemon.mode) {
@@ -460,12 +644,14 @@ fn choose_next(
     }
 }
 
-/// Floor-stopped processes whose incident has closed: resume once the resource is back to `Ok`,
-/// kill once they have been stopped for `max_stop`.
+/// Floor-stopped processes whose incident has closed: resume once the resource is back to `Ok`;
+/// at `max_stop`, kill if a reading that may act still says the resource is below its warn
+/// floor, else resume (an unknown or stale reading never kills).
 pub(super) fn release_held(
     config: &Config,
     snapshot: &Snapshot,
     state: &mut PolicyState,
+    readings: &[Reading],
     plan: &mut Plan,
 ) {
     let now = snapshot.at;
@@ -481,6 +667,27 @@ pub(super) fn release_held(
                 &held.target,
                 "cleared",
                 format!("{} is back above its warn floor", held.resource),
+                None,
+            ));
+            return false;
+        }
+        let trusted = readings
+            .iter()
+            .find(|r| r.resource == held.resource)
+            .filter(|r| r.may_act && r.available.is_some());
+        if now.saturating_sub(held.since) >= max_stop && trusted.is_none() {
+            let why = readings
+                .iter()
+                .find(|r| r.resource == held.resource)
+                .map_or(format!("{} has no reading", held.resource), untrusted);
+            plan.actions.push(action(
+                Verb::Resume,
+                &held.target,
+                "max_stop",
+                format!(
+                    "stopped for {} (max_stop) while {why}: resumed, never killed on a reading that cannot be trusted",
+                    humantime::format_duration(max_stop),
+                ),
                 None,
             ));
             return false;

@@ -253,8 +253,14 @@ pub struct Incident {
     pub stale_reported: bool,
     /// Processes the executor could not act on (not permitted...): not chosen again here.
     pub excluded: Vec<ProcessId>,
-    /// The resource's reading when the current stage began (to see whether SIGTERM helped).
+    /// The resource's reading when the current stage began.
     pub available_at_stage: Option<u64>,
+    /// When a sample first showed the resource far below its floor (SIGKILL at once needs a
+    /// later sample to confirm it); `None` while it is not.
+    pub far_below_at: Option<Duration>,
+    /// After SIGTERM: the victim's own memory at the first reading after the signal, with the
+    /// `stage_since` of the SIGTERM it belongs to.
+    pub term_baseline: Option<(Duration, u64)>,
 }
 
 /// A model's budget state.
@@ -295,17 +301,39 @@ pub struct PolicyState {
 }
 
 impl PolicyState {
-    /// A launched process joins a model (its lease ends with `unregister`; the launch queue,
-    /// not the process table, knows when a launched process is gone).
-    pub fn register(&mut self, id: ProcessId, model: &str) {
-        self.registered.insert(id, model.to_string());
-        self.attributed = None;
-    }
-
-    pub fn unregister(&mut self, id: ProcessId) {
-        if self.registered.remove(&id).is_some() {
+    /// The launched processes (each a member of its model) and the launched models that have no
+    /// `[[model]]`, as the reservation table has them now.
+    pub fn set_launches(
+        &mut self,
+        registered: HashMap<ProcessId, String>,
+        launched_models: Vec<ModelConfig>,
+    ) {
+        if registered != self.registered {
+            self.registered = registered;
             self.attributed = None;
         }
+        let launched: BTreeMap<String, ModelConfig> = launched_models
+            .into_iter()
+            .map(|m| (m.name.clone(), m))
+            .collect();
+        if launched.keys().ne(self.launched_models.keys()) {
+            self.attributed = None;
+        }
+        self.launched_models = launched;
+    }
+
+    /// Resources with an incident, a level or a held process: they keep getting a reading.
+    fn tracked_resources(&self) -> Vec<Resource> {
+        let mut out: Vec<Resource> = self
+            .levels
+            .keys()
+            .chain(self.incidents.keys())
+            .copied()
+            .chain(self.held.iter().map(|h| h.resource))
+            .collect();
+        out.sort();
+        out.dedup();
+        out
     }
 
     /// Forget derived data that depends on the config (call after a reload).
@@ -361,16 +389,17 @@ pub fn evaluate(config: &Config, snapshot: &Snapshot, state: &mut PolicyState) -
             &snapshot.processes,
             &snapshot.gpus,
             &state.registered,
+            &state.launched_models,
             &mut state.match_cache,
         );
         state.attributed = Some(inputs);
         waste::duplicate_loads(snapshot, state, &mut plan);
     }
-    let readings = floors::readings(config, snapshot);
+    let readings = floors::readings(config, snapshot, &state.tracked_resources());
     for reading in &readings {
         floors::evaluate_floor(config, snapshot, state, reading, &mut plan);
     }
-    floors::release_held(config, snapshot, state, &mut plan);
+    floors::release_held(config, snapshot, state, &readings, &mut plan);
     budgets::evaluate_budgets(config, snapshot, state, &mut plan);
 
     // Sleep no longer than a fast hog needs to reach the nearest floor.
@@ -401,6 +430,10 @@ pub fn evaluate(config: &Config, snapshot: &Snapshot, state: &mut PolicyState) -
     if busy {
         plan.next_interval = config.daemon.min_interval;
     }
+    let terminating = state
+        .incidents
+        .values()
+        .any(|i| i.victim.is_some() && i.stage == Stage::Terminated);
     if state.incidents.values().any(|i| i.victim.is_none()) {
         // A floor is crossed and nobody is chosen yet: look at fresh processes next tick.
         plan.max_scan_age = Duration::ZERO;
@@ -411,6 +444,10 @@ pub fn evaluate(config: &Config, snapshot: &Snapshot, state: &mut PolicyState) -
     plan.next_interval = plan
         .next_interval
         .clamp(config.daemon.min_interval, config.daemon.interval);
+    if terminating {
+        // A victim that ignores SIGTERM shows by growing: watch it closely until it is gone.
+        plan.next_interval = plan.next_interval.min(floors::TERM_WATCH_INTERVAL);
+    }
     plan.watch = watched(state);
     plan
 }

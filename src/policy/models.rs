@@ -2,11 +2,19 @@
 //!
 //! A process belongs to the first `[[model]]` whose `match` it satisfies, or to a model that
 //! `gpuguard launch` registered for it; otherwise to the model of its nearest ancestor (vLLM keeps
-//! its GPU memory in child processes). Usage is summed over all members.
+//! its GPU memory in child processes). Usage is summed over all members; GPU memory only from
+//! GPUs whose reading can be trusted (anything else leaves the model's GPU usage unknown).
+//!
+//! Whatever matches, a process belongs to a model only if its uid is one of the model's `users`
+//! (root and system accounts by default; a launched model's launcher): names and command lines
+//! are chosen by the process itself, uids are not. So no user can join, and thereby steer, a
+//! model that is not theirs.
 
+use std::collections::hash_map::RandomState;
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::hash::BuildHasher;
 
-use crate::config::Config;
+use crate::config::{Config, ModelConfig, Users};
 use crate::snapshot::{GpuSnapshot, ProcessId, ProcessTable};
 
 /// The models seen in one process table.
@@ -36,10 +44,13 @@ impl ModelUsage {
 }
 
 /// Remembers which processes matched which model, so regexes run once per process, not per scan.
-/// An entry holds for one (process, comm): an exec changes comm and the command line.
+/// An entry holds while what the matchers look at (name, uid, command line, cgroup) is unchanged:
+/// an exec that keeps the name, or a setuid, is matched again. What they look at is compared by a
+/// hash keyed at random per daemon, so a process cannot choose attributes that collide.
 #[derive(Clone, Debug, Default)]
 pub struct MatchCache {
-    matched: HashMap<ProcessId, (String, Option<usize>)>,
+    matched: HashMap<ProcessId, (u64, Option<usize>)>,
+    keys: RandomState,
 }
 
 impl MatchCache {
@@ -54,6 +65,7 @@ pub fn attribute(
     table: &ProcessTable,
     gpus: &GpuSnapshot,
     registered: &HashMap<ProcessId, String>,
+    launched: &BTreeMap<String, ModelConfig>,
     cache: &mut MatchCache,
 ) -> Attribution {
     let procs = &table.processes;
@@ -65,6 +77,16 @@ pub fn attribute(
         }
     }
     let index_of = |name: &str| names.iter().position(|n| n == name);
+    // Who may be a member of each model, by index.
+    let users: Vec<Users> = names
+        .iter()
+        .map(|n| {
+            config
+                .model(n)
+                .or_else(|| launched.get(n))
+                .map_or(Users::System, ModelConfig::allowed_users)
+        })
+        .collect();
 
     // Own match of each process (registration beats config match).
     let own: Vec<Option<usize>> = procs
@@ -76,14 +98,15 @@ pub fn attribute(
             if p.kernel_thread {
                 return None;
             }
+            let seen = cache.keys.hash_one((&p.comm, p.uid, &p.cmdline, &p.cgroup));
             match cache.matched.get(&p.id()) {
-                Some((comm, model)) if *comm == p.comm => *model,
+                Some((hash, model)) if *hash == seen => *model,
                 _ => {
-                    let model = config
-                        .models
-                        .iter()
-                        .position(|m| m.matcher.matches(&p.comm, p.uid, &p.cmdline, &p.cgroup));
-                    cache.matched.insert(p.id(), (p.comm.clone(), model));
+                    let model = config.models.iter().position(|m| {
+                        m.matcher.matches(&p.comm, p.uid, &p.cmdline, &p.cgroup)
+                            && m.allowed_users().member(p.uid)
+                    });
+                    cache.matched.insert(p.id(), (seen, model));
                     model
                 }
             }
@@ -129,6 +152,12 @@ pub fn attribute(
         })
         .collect();
     let mut member_by_pid = HashMap::new();
+    // A descendant of another uid (a sandboxed worker, a setuid helper) is not the model's.
+    let model_of: Vec<Option<usize>> = model_of
+        .into_iter()
+        .zip(procs)
+        .map(|(m, p)| m.filter(|&m| users[m].member(p.uid)))
+        .collect();
     for (i, p) in procs.iter().enumerate() {
         let Some(m) = model_of[i] else { continue };
         if p.exited() {
@@ -139,11 +168,13 @@ pub fn attribute(
         member_by_pid.insert(p.pid, m);
     }
     for gpu in &gpus.devices {
+        // A GPU whose figures contradict themselves (or that is lost) tells nothing about usage.
+        let trusted = gpu.untrusted().is_none();
         for (pid, bytes) in &gpu.processes {
             let Some(&m) = member_by_pid.get(pid) else {
                 continue;
             };
-            match bytes {
+            match bytes.filter(|_| trusted) {
                 Some(b) => *models[m].gpu_bytes.entry(gpu.index).or_default() += b,
                 None => models[m].gpu_unknown = true,
             }

@@ -1,7 +1,7 @@
 //! Table-driven tests of the pure policy: plain snapshots and TOML configs in, the exact verbs,
 //! targets and event kinds out. Time moves by building the next snapshot with a later `at`.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::time::Duration;
 
@@ -23,9 +23,14 @@ fn config(text: &str) -> Config {
     Config::parse(text, Path::new("test.toml")).unwrap_or_else(|e| panic!("{e}\n{text}"))
 }
 
-/// A `[[model]]` matched by its own name as `comm`, with more keys in `extra`.
+/// A `[[model]]` matched by its own name as `comm`, run by uid 1000, with more keys in `extra`.
 fn model(name: &str, extra: &str) -> String {
-    format!("[[model]]\nname = \"{name}\"\nmatch = {{ comm = \"{name}\" }}\n{extra}")
+    format!("[[model]]\nname = \"{name}\"\nmatch = {{ comm = \"{name}\" }}\nusers = [\"1000\"]\n{extra}")
+}
+
+/// The same process run by root (names and command lines protect only system uids).
+fn system(p: Process) -> Process {
+    Process { uid: 0, ..p }
 }
 
 /// An ordinary user process; tests change the other fields with `..proc(...)`.
@@ -64,6 +69,7 @@ fn snap(at_ms: u64, available: Option<u64>, procs: Vec<Process>) -> Snapshot {
         },
         gpus: GpuSnapshot::default(),
         self_pid: SELF_PID,
+        mapped_weights: Default::default(),
     }
 }
 
@@ -76,10 +82,13 @@ fn gpu(index: u32, free: u64, holders: &[(i32, Option<u64>)]) -> Gpu {
         total_bytes: Some(16 * GIB),
         used_bytes: Some(16 * GIB - free),
         free_bytes: Some(free),
+        reserved_bytes: Some(0),
         utilization_percent: Some(50),
         error: None,
+        lost: false,
         processes: holders.iter().copied().collect(),
         processes_known: true,
+        processes_steady: true,
     }
 }
 
@@ -92,6 +101,7 @@ fn gsnap(at_ms: u64, procs: Vec<Process>, devices: Vec<Gpu>) -> Snapshot {
         stale: false,
         devices,
         process_lists_read: at_ms,
+        processes_fresh: true,
     };
     s
 }
@@ -170,8 +180,9 @@ fn ram_floor_levels() {
         (3 * GIB, "terminate [100]", "floor_act"),
         // Exactly half of min_available is not under half of it.
         (2 * GIB, "terminate [100]", "floor_act"),
-        (2 * GIB - 1, "kill [100]", "floor_act"),
-        (512 * MIB, "kill [100]", "floor_act"),
+        // Far below, but on one sample only: SIGTERM (SIGKILL needs a second sample).
+        (2 * GIB - 1, "terminate [100]", "floor_act"),
+        (512 * MIB, "terminate [100]", "floor_act"),
     ];
     for (available, want_acts, want_events) in cases {
         let plan = once(&c, &snap(0, Some(available), procs()));
@@ -231,11 +242,11 @@ fn protected_processes_are_never_victims() {
             },
         ),
         ("gpuguard itself", "", proc(SELF_PID, "agent", big, 1)),
-        ("sshd by default", "", proc(300, "sshd", big, 1)),
+        ("sshd by default", "", system(proc(300, "sshd", big, 1))),
         (
             "systemd* by default",
             "",
-            proc(301, "systemd-journal", big, 1),
+            system(proc(301, "systemd-journal", big, 1)),
         ),
         (
             "a zombie",
@@ -248,15 +259,15 @@ fn protected_processes_are_never_victims() {
         (
             "[protect] comm prefix",
             "[protect]\ncomm = [\"redis*\"]\n",
-            proc(303, "redis-server", big, 1),
+            system(proc(303, "redis-server", big, 1)),
         ),
         (
             "[protect] cmdline regex",
             "[protect]\ncmdline = [\"--keep-me\\\\b\"]\n",
-            Process {
+            system(Process {
                 cmdline: "python3 app.py --keep-me".into(),
                 ..proc(304, "python3", big, 1)
-            },
+            }),
         ),
         (
             "[protect] users",
@@ -296,10 +307,42 @@ fn protected_processes_are_never_victims() {
         &snap(
             0,
             Some(3 * GIB),
-            vec![proc(300, "sshd", big, 1), proc(500, "worker", GIB, 1)],
+            vec![
+                system(proc(300, "sshd", big, 1)),
+                proc(500, "worker", GIB, 1),
+            ],
         ),
     );
     assert_eq!(acts(&plan), "terminate [300]");
+
+    // Issue #11: a user's hog that calls itself sshd (or matches a cmdline rule) is an ordinary
+    // candidate, chosen before the small process next to it; the protection users cannot fake
+    // (their uid, a service's cgroup) still holds.
+    let c = config(&format!(
+        "{RAM_FLOORS}[protect]\ncmdline = [\"keep-me\"]\nunits = [\"db.service\"]\n"
+    ));
+    for forged in [
+        proc(300, "sshd", big, 1),
+        Process {
+            cmdline: "hog keep-me".into(),
+            ..proc(300, "hog", big, 1)
+        },
+    ] {
+        let plan = once(
+            &c,
+            &snap(0, Some(3 * GIB), vec![forged, proc(500, "worker", GIB, 1)]),
+        );
+        assert_eq!(acts(&plan), "terminate [300]");
+    }
+    let service = Process {
+        cgroup: "/system.slice/db.service".into(),
+        ..proc(300, "postgres", big, 1)
+    };
+    let plan = once(
+        &c,
+        &snap(0, Some(3 * GIB), vec![service, proc(500, "worker", GIB, 1)]),
+    );
+    assert_eq!(acts(&plan), "terminate [500]");
 }
 
 #[test]
@@ -430,7 +473,7 @@ fn model_membership_by_matcher() {
             },
         ),
         (
-            "unit (a cgroup component)",
+            "unit (its own cgroup)",
             "match = { unit = \"vllm.service\" }",
             Process {
                 cgroup: "/system.slice/vllm.service".into(),
@@ -438,6 +481,31 @@ fn model_membership_by_matcher() {
             },
             Process {
                 cgroup: "/system.slice/vllm.service2".into(),
+                ..proc(200, "python3", GIB, 1)
+            },
+        ),
+        (
+            "unit: a user's unit of the same name is not the system's (issue #11)",
+            "match = { unit = \"vllm.service\" }",
+            Process {
+                cgroup: "/system.slice/vllm.service/worker".into(),
+                ..proc(100, "python3", GIB, 1)
+            },
+            Process {
+                cgroup: "/user.slice/user-1000.slice/user@1000.service/app.slice/vllm.service"
+                    .into(),
+                ..proc(200, "python3", GIB, 1)
+            },
+        ),
+        (
+            "unit in another slice",
+            "match = { unit = \"ml.slice/vllm.service\" }",
+            Process {
+                cgroup: "/ml.slice/vllm.service".into(),
+                ..proc(100, "python3", GIB, 1)
+            },
+            Process {
+                cgroup: "/system.slice/vllm.service".into(),
                 ..proc(200, "python3", GIB, 1)
             },
         ),
@@ -464,7 +532,13 @@ fn model_membership_by_matcher() {
         ),
     ];
     for (what, matcher, yes, no) in cases {
-        let c = config(&format!("[[model]]\nname = \"m\"\n{matcher}\n"));
+        // A model matched by user is that user's; any other is given uid 1000's processes.
+        let users = if matcher.contains("user") {
+            ""
+        } else {
+            "users = [\"1000\"]\n"
+        };
+        let c = config(&format!("[[model]]\nname = \"m\"\n{matcher}\n{users}"));
         let table = ProcessTable {
             scanned_at: Some(Duration::ZERO),
             processes: vec![yes, no],
@@ -474,6 +548,7 @@ fn model_membership_by_matcher() {
             &table,
             &GpuSnapshot::default(),
             &HashMap::new(),
+            &BTreeMap::new(),
             &mut MatchCache::default(),
         );
         assert_eq!(a.model_of, [Some(0), None], "{what}");
@@ -484,7 +559,7 @@ fn model_membership_by_matcher() {
 #[test]
 fn descendants_belong_to_the_model() {
     let c = config(&format!(
-        "{RAM_FLOORS}[protect]\ncomm = [\"metrics-agent\"]\n[[model]]\nname = \"vllm\"\nmatch = {{ cmdline = \"vllm serve\" }}\n"
+        "{RAM_FLOORS}[protect]\nunits = [\"metrics.service\"]\n[[model]]\nname = \"vllm\"\nmatch = {{ cmdline = \"vllm serve\" }}\nusers = [\"1000\"]\n"
     ));
     let procs = vec![
         Process {
@@ -500,7 +575,10 @@ fn descendants_belong_to_the_model() {
             state: 'Z',
             ..proc(103, "python3", 7 * GIB, 100)
         },
-        proc(104, "metrics-agent", GIB / 2, 100),
+        Process {
+            cgroup: "/system.slice/metrics.service".into(),
+            ..proc(104, "metrics-agent", GIB / 2, 100)
+        },
         proc(200, "other", 5 * GIB, 1),
     ];
     let s = snap(0, Some(3 * GIB), procs);
@@ -535,7 +613,7 @@ fn descendants_belong_to_the_model() {
 
 #[test]
 fn launched_processes_belong_to_their_registered_model() {
-    let c = config("[[model]]\nname = \"vllm\"\nmatch = { comm = \"vllm\" }\n");
+    let c = config("[[model]]\nname = \"vllm\"\nmatch = { comm = \"vllm\" }\nusers = [\"1000\"]\n");
     let procs = vec![
         proc(100, "vllm", GIB, 1),
         proc(101, "worker", GIB, 100),
@@ -547,34 +625,125 @@ fn launched_processes_belong_to_their_registered_model() {
         scanned_at: Some(Duration::ZERO),
         processes: procs,
     };
+    // A launched model belongs to its launcher's uid.
+    let launched = |owner: &str| {
+        let mut m = config(&format!(
+            "[[model]]\nname = \"launched\"\nusers = [\"{owner}\"]\n"
+        ));
+        BTreeMap::from([("launched".to_string(), m.models.remove(0))])
+    };
     let a = attribute(
         &c,
         &table,
         &GpuSnapshot::default(),
         &registered,
+        &launched("1000"),
         &mut MatchCache::default(),
     );
     let names: Vec<&str> = a.models.iter().map(|m| m.name.as_str()).collect();
     assert_eq!(names, ["vllm", "launched"]);
     // Registration beats the config match, and children follow their parent.
     assert_eq!(a.model_of, [Some(0), Some(0), Some(1), Some(1)]);
+    // Processes of another uid never join it (issue #11).
+    let a = attribute(
+        &c,
+        &table,
+        &GpuSnapshot::default(),
+        &registered,
+        &launched("0"),
+        &mut MatchCache::default(),
+    );
+    assert_eq!(a.model_of, [Some(0), Some(0), None, None]);
+}
+
+#[test]
+fn a_model_has_only_processes_of_its_users_whatever_they_are_named() {
+    // Issue #11: a user's process named like the system's server does not join its model; nor
+    // does a child of the server that runs as another user.
+    let c = config("[[model]]\nname = \"vllm\"\nmatch = { cmdline = \"vllm serve\" }\n");
+    let server = Process {
+        uid: 998,
+        cmdline: "python3 -m vllm serve x".into(),
+        ..proc(100, "python3", GIB, 1)
+    };
+    let forged = Process {
+        uid: 1001,
+        cmdline: "python3 -m vllm serve x".into(),
+        ..proc(200, "python3", GIB, 1)
+    };
+    let sandboxed = Process {
+        uid: 1002,
+        ..proc(101, "helper", GIB, 100)
+    };
+    let table = ProcessTable {
+        scanned_at: Some(Duration::ZERO),
+        processes: vec![server, forged, sandboxed],
+    };
+    let a = attribute(
+        &c,
+        &table,
+        &GpuSnapshot::default(),
+        &HashMap::new(),
+        &BTreeMap::new(),
+        &mut MatchCache::default(),
+    );
+    assert_eq!(a.model_of, [Some(0), None, None]);
 }
 
 #[test]
 fn membership_follows_exec() {
     // pid and start time survive exec(): a wrapper scanned before it execs the model server must
     // join the model once it has.
-    let c = config("[[model]]\nname = \"vllm\"\nmatch = { comm = \"vllm\" }\n");
+    let c = config("[[model]]\nname = \"vllm\"\nmatch = { comm = \"vllm\" }\nusers = [\"1000\"]\n");
     let mut cache = MatchCache::default();
     let table = |comm: &str| ProcessTable {
         scanned_at: Some(Duration::ZERO),
         processes: vec![proc(100, comm, GIB, 1)],
     };
     let gpus = GpuSnapshot::default();
-    let before = attribute(&c, &table("sh"), &gpus, &HashMap::new(), &mut cache);
+    let before = attribute(
+        &c,
+        &table("sh"),
+        &gpus,
+        &HashMap::new(),
+        &BTreeMap::new(),
+        &mut cache,
+    );
     assert_eq!(before.model_of, [None]);
-    let after = attribute(&c, &table("vllm"), &gpus, &HashMap::new(), &mut cache);
+    let after = attribute(
+        &c,
+        &table("vllm"),
+        &gpus,
+        &HashMap::new(),
+        &BTreeMap::new(),
+        &mut cache,
+    );
     assert_eq!(after.model_of, [Some(0)]);
+}
+
+#[test]
+fn membership_follows_an_exec_that_keeps_the_name_and_a_setuid() {
+    let c =
+        config("[[model]]\nname = \"vllm\"\nmatch = { cmdline = \"vllm serve\", user = \"0\" }\n");
+    let mut cache = MatchCache::default();
+    let table = |cmdline: &str, uid: u32| ProcessTable {
+        scanned_at: Some(Duration::ZERO),
+        processes: vec![Process {
+            cmdline: cmdline.to_string(),
+            uid,
+            ..proc(100, "python3", GIB, 1)
+        }],
+    };
+    let gpus = GpuSnapshot::default();
+    let mut model_of = |t: &ProcessTable| {
+        attribute(&c, t, &gpus, &HashMap::new(), &BTreeMap::new(), &mut cache).model_of
+    };
+    assert_eq!(model_of(&table("python3 launcher.py", 0)), [None]);
+    // python3 exec'd python3: the same name, another command line.
+    assert_eq!(model_of(&table("python3 -m vllm serve x", 0)), [Some(0)]);
+    // The real uid changed (to another system uid, which the model's users allow): it no longer
+    // matches `user = "0"`.
+    assert_eq!(model_of(&table("python3 -m vllm serve x", 2)), [None]);
 }
 
 #[test]
@@ -666,6 +835,43 @@ fn a_victim_that_exits_on_sigterm_is_not_killed() {
 }
 
 #[test]
+fn far_below_needs_a_second_fresh_sample_before_sigkill() {
+    let c = config(RAM_FLOORS);
+    let a = || vec![proc(100, "trainer", 6 * GIB, 1)];
+    // RAM: each tick reads meminfo afresh. One sample far below: SIGTERM; the next, still far
+    // below: SIGKILL without waiting out term_grace.
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (snap(0, Some(GIB), a()), "terminate [100]", "floor_act"),
+            (snap(10, Some(GIB), a()), "kill [100]", ""),
+        ],
+    );
+    // A GPU: the second tick serves the same NVML sample (sampled_at unchanged), which confirms
+    // nothing; only a later sample does.
+    let c = config(
+        "[gpu]\nmin_free = \"2GiB\"\n[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n",
+    );
+    let g = || vec![gpu(0, 512 * MIB, &[(100, Some(8 * GIB))])];
+    let mut first = gsnap(0, a(), g());
+    first.gpus.sampled_at = Some(Duration::ZERO);
+    let mut same = gsnap(10, a(), g());
+    same.gpus.sampled_at = Some(Duration::ZERO);
+    let mut fresh = gsnap(20, a(), g());
+    fresh.gpus.sampled_at = Some(Duration::from_millis(15));
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (first, "terminate [100]", "floor_act"),
+            (same, "", ""),
+            (fresh, "kill [100]", ""),
+        ],
+    );
+}
+
+#[test]
 fn far_below_skips_sigterm_grace() {
     let c = config(RAM_FLOORS);
     let a = || vec![proc(100, "trainer", 6 * GIB, 1)];
@@ -674,8 +880,10 @@ fn far_below_skips_sigterm_grace() {
         &mut PolicyState::default(),
         vec![
             (snap(0, Some(3 * GIB), a()), "terminate [100]", "floor_act"),
-            (snap(100, Some(GIB), a()), "kill [100]", ""),
-            (snap(200, Some(GIB), a()), "", ""),
+            // Far below (under half the floor) on one sample: confirmed by the next one.
+            (snap(100, Some(GIB), a()), "", ""),
+            (snap(200, Some(GIB), a()), "kill [100]", ""),
+            (snap(300, Some(GIB), a()), "", ""),
         ],
     );
 }
@@ -696,10 +904,11 @@ fn survived_kill_is_reported_and_nobody_else_is_killed() {
         &c,
         &mut PolicyState::default(),
         vec![
-            (snap(0, Some(GIB), ab()), "kill [100]", "floor_act"),
-            (snap(4999, Some(GIB), ab()), "", ""),
-            (snap(5000, Some(GIB), ab()), "", "survived_kill"),
-            (snap(6000, Some(GIB), ab()), "", ""),
+            (snap(0, Some(GIB), ab()), "terminate [100]", "floor_act"),
+            (snap(10, Some(GIB), ab()), "kill [100]", ""),
+            (snap(5009, Some(GIB), ab()), "", ""),
+            (snap(5010, Some(GIB), ab()), "", "survived_kill"),
+            (snap(6010, Some(GIB), ab()), "", ""),
         ],
     );
 }
@@ -941,7 +1150,11 @@ fn swap_floor_acts_only_with_swap() {
     ];
     for (floor, total, free, want_acts, want_events) in cases {
         let c = config(&format!("{RAM_FLOORS}min_swap_free = \"{floor}\"\n"));
-        let mut s = snap(0, Some(16 * GIB), vec![proc(100, "trainer", 6 * GIB, 1)]);
+        let trainer = Process {
+            swap_bytes: Some(2 * GIB),
+            ..proc(100, "trainer", 6 * GIB, 1)
+        };
+        let mut s = snap(0, Some(16 * GIB), vec![trainer]);
         s.host.swap_total_bytes = total;
         s.host.swap_free_bytes = free;
         let plan = once(&c, &s);
@@ -952,6 +1165,50 @@ fn swap_floor_acts_only_with_swap() {
         );
         assert_recheck_lets_it_act(&plan, 16 * GIB);
     }
+}
+
+#[test]
+fn swap_floor_ranks_by_swap_held_and_ram_floor_by_rss() {
+    let c = config(&format!("{RAM_FLOORS}min_swap_free = \"1GiB\"\n"));
+    let procs = || {
+        vec![
+            Process {
+                swap_bytes: Some(64 * MIB),
+                ..proc(100, "big-rss", 12 * GIB, 1)
+            },
+            Process {
+                swap_bytes: Some(3 * GIB),
+                ..proc(200, "big-swap", GIB, 1)
+            },
+            Process {
+                swap_bytes: None,
+                ..proc(300, "unknown-swap", 2 * GIB, 1)
+            },
+        ]
+    };
+    let with_swap = |available: u64| {
+        let mut s = snap(0, Some(available), procs());
+        s.host.swap_total_bytes = Some(8 * GIB);
+        s.host.swap_free_bytes = Some(512 * MIB);
+        s
+    };
+    // MemAvailable fine, swap short: the one holding most swap.
+    let plan = once(&c, &with_swap(16 * GIB));
+    assert_eq!(acts(&plan), "terminate [200]");
+    assert!(
+        plan.actions[0]
+            .reason
+            .detail
+            .contains("largest eligible user of swap: 3.0 GiB"),
+        "{:?}",
+        plan.actions[0].reason
+    );
+    // MemAvailable short too: resident memory decides.
+    assert_eq!(acts(&once(&c, &with_swap(3 * GIB))), "terminate [100]");
+    // SwapFree above SwapTotal is not a reading to act on.
+    let mut bogus = with_swap(16 * GIB);
+    bogus.host.swap_free_bytes = Some(9 * GIB);
+    assert_eq!(acts(&once(&c, &bogus)), "");
 }
 
 #[test]
@@ -1150,7 +1407,7 @@ fn gpu_floor_picks_the_largest_holder_on_that_gpu() {
 #[test]
 fn gpu_budget_is_summed_over_the_model() {
     let c = config(
-        "[[model]]\nname = \"vllm\"\nmatch = { cmdline = \"vllm serve\" }\ngpu_memory = \"10GiB\"\naction = \"kill\"\ngrace = \"0s\"\n",
+        "[[model]]\nname = \"vllm\"\nmatch = { cmdline = \"vllm serve\" }\nusers = [\"1000\"]\ngpu_memory = \"10GiB\"\naction = \"kill\"\ngrace = \"0s\"\n",
     );
     let procs = || {
         vec![
@@ -1344,7 +1601,7 @@ fn stuck_gpu_memory_is_reported_not_killed_around() {
 fn sampling_interval_tightens_near_a_floor() {
     let c = config(RAM_FLOORS);
     let ms = Duration::from_millis;
-    let protected = vec![proc(300, "sshd", 6 * GIB, 1)];
+    let protected = vec![system(proc(300, "sshd", 6 * GIB, 1))];
     let victims = vec![proc(100, "trainer", 6 * GIB, 1)];
     let cases = [
         // available, processes, next_interval, max_scan_age
@@ -1359,7 +1616,8 @@ fn sampling_interval_tightens_near_a_floor() {
         // In the warn band: 2 GiB above min: 250 ms, and scans at least every 100 ms.
         (6 * GIB, &victims, ms(250), ms(100)),
         (4 * GIB + 40 * MIB, &victims, ms(10), ms(100)),
-        (3 * GIB, &victims, ms(10), ms(100)),
+        // Below min: SIGTERM to the trainer, then ticks every 2 ms to watch it.
+        (3 * GIB, &victims, ms(2), ms(100)),
         // Below min with nobody chosen yet: rescan at once.
         (3 * GIB, &protected, ms(10), Duration::ZERO),
     ];
@@ -1407,7 +1665,7 @@ fn a_victim_that_cannot_be_signalled_is_passed_over_for_the_next() {
 
 #[test]
 fn a_model_restarted_after_a_budget_kill_gets_a_new_grace_and_round() {
-    let c = config("[[model]]\nname = \"m\"\nmatch = { comm = \"trainer\" }\nram = \"1GiB\"\naction = \"kill\"\ngrace = \"1s\"\n");
+    let c = config("[[model]]\nname = \"m\"\nmatch = { comm = \"trainer\" }\nusers = [\"1000\"]\nram = \"1GiB\"\naction = \"kill\"\ngrace = \"1s\"\n");
     let mut state = PolicyState::default();
     let old = || vec![proc(100, "trainer", 2 * GIB, 1)];
     let new = || vec![proc(300, "trainer", 2 * GIB, 1)];
@@ -1449,38 +1707,426 @@ fn a_model_restarted_after_a_budget_kill_gets_a_new_grace_and_round() {
     );
 }
 
+/// A victim of 6 GiB (pid 100) whose RSS is `rss`, with a bystander of 4 GiB.
+fn term_victims(rss: u64) -> Vec<Process> {
+    vec![
+        proc(100, "trainer", rss, 1),
+        proc(200, "loader", 4 * GIB, 1),
+    ]
+}
+
+fn verbs(plan: &Plan) -> Vec<&'static str> {
+    plan.actions.iter().map(|a| a.verb.as_str()).collect()
+}
+
 #[test]
-fn a_victim_ignoring_sigterm_is_killed_once_memory_keeps_falling() {
+fn a_victim_that_grows_after_sigterm_is_killed_at_once() {
     let c = config(RAM_FLOORS);
-    let procs = || {
-        vec![
-            proc(100, "trainer", 6 * GIB, 1),
-            proc(200, "loader", 4 * GIB, 1),
-        ]
-    };
     let mut state = PolicyState::default();
-    let verbs = |p: &Plan| {
-        p.actions
-            .iter()
-            .map(|a| a.verb.as_str())
-            .collect::<Vec<_>>()
-    };
-    let at = |ms, avail| snap(ms, Some(avail), procs());
+    let at = |ms, rss| snap(ms, Some(3 * GIB), term_victims(rss));
+    let first = evaluate(&c, &at(0, 6 * GIB), &mut state);
+    assert_eq!(verbs(&first), ["terminate"]);
     assert_eq!(
-        verbs(&evaluate(&c, &at(0, 3 * GIB), &mut state)),
+        first.next_interval,
+        Duration::from_millis(2),
+        "watched closely while it has SIGTERM"
+    );
+    // The first reading after SIGTERM is the baseline: growth before the signal (the table was
+    // older than the signal) is not held against it.
+    assert!(verbs(&evaluate(&c, &at(2, 6 * GIB + 512 * MIB), &mut state)).is_empty());
+    // A little growth is noise (a process shutting down may still touch some memory)...
+    assert!(verbs(&evaluate(&c, &at(4, 6 * GIB + 516 * MIB), &mut state)).is_empty());
+    // ...more than term_max_growth (8 MiB) is a victim ignoring SIGTERM, long before term_grace.
+    let plan = evaluate(&c, &at(6, 6 * GIB + 532 * MIB), &mut state);
+    assert_eq!(verbs(&plan), ["kill"]);
+    let detail = &plan.actions[0].reason.detail;
+    assert!(
+        detail.contains("grew by 20.0 MiB after SIGTERM"),
+        "{detail}"
+    );
+    assert!(verbs(&evaluate(&c, &at(8, 7 * GIB), &mut state)).is_empty());
+}
+
+#[test]
+fn a_victim_shutting_down_keeps_its_grace_while_memory_falls_elsewhere() {
+    let c = config(&format!(
+        "[daemon]\nterm_max_growth = \"1MiB\"\n{RAM_FLOORS}"
+    ));
+    let mut state = PolicyState::default();
+    let at = |ms, avail, rss| snap(ms, Some(avail), term_victims(rss));
+    assert_eq!(
+        verbs(&evaluate(&c, &at(0, 3 * GIB, 6 * GIB), &mut state)),
         ["terminate"]
     );
-    // A little lower is noise (a process shutting down may still touch memory)...
-    assert!(verbs(&evaluate(&c, &at(10, 3 * GIB - 32 * MIB), &mut state)).is_empty());
-    // ...but 64 MiB and more, well before term_grace, is a victim ignoring SIGTERM.
-    let plan = evaluate(&c, &at(20, 3 * GIB - 80 * MIB), &mut state);
+    // Someone else keeps taking memory (still above half the floor) while the victim shrinks:
+    // it is shutting down, it keeps its term_grace.
+    for (ms, avail, rss) in [
+        (2, 3 * GIB - 200 * MIB, 6 * GIB),
+        (500, 2 * GIB + 512 * MIB, 5 * GIB),
+        (999, 2 * GIB + 100 * MIB, 4 * GIB),
+    ] {
+        assert!(
+            verbs(&evaluate(&c, &at(ms, avail, rss), &mut state)).is_empty(),
+            "{ms} ms"
+        );
+    }
+    let plan = evaluate(&c, &at(1000, 2 * GIB + 100 * MIB, 4 * GIB), &mut state);
     assert_eq!(verbs(&plan), ["kill"]);
+    assert!(plan.actions[0].reason.detail.contains("SIGTERM not enough"));
+}
+
+// ---- Faults and bad values (issue #13): an untrusted reading may alert, never act. ----------
+
+/// One GPU floor, RAM floors off, stop as the floor action with a short max_stop.
+const GPU_STOP: &str = "[gpu]\nmin_free = \"2GiB\"\nwarn_free = \"3GiB\"\naction = \"stop\"\n[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n[daemon]\nmax_stop = \"10s\"\nsettle = \"60s\"\n";
+
+#[test]
+fn inconsistent_gpu_readings_are_unknown_and_never_act() {
+    let c = config("[gpu]\nmin_free = \"2GiB\"\n");
+    let procs = || vec![proc(100, "vllm", GIB, 1)];
+    let holds = [(100, Some(8 * GIB))];
+    let used_over_total = Gpu {
+        used_bytes: Some(20 * GIB),
+        free_bytes: Some(0),
+        ..gpu(0, 0, &holds)
+    };
+    let process_over_total = gpu(0, GIB, &[(100, Some(40 * GIB))]);
+    let sum_far_from_total = Gpu {
+        used_bytes: Some(GIB),
+        free_bytes: Some(GIB),
+        ..gpu(0, GIB, &holds)
+    };
+    let free_over_total = Gpu {
+        used_bytes: None,
+        free_bytes: Some(17 * GIB),
+        ..gpu(0, GIB, &holds)
+    };
+    for (name, bad) in [
+        ("used > total", used_over_total),
+        ("process > total", process_over_total),
+        ("used + free far from total", sum_far_from_total),
+        ("free > total", free_over_total),
+    ] {
+        assert!(bad.inconsistency().is_some(), "{name}");
+        let mut state = PolicyState::default();
+        for at in [0, 100, 200] {
+            let plan = evaluate(&c, &gsnap(at, procs(), vec![bad.clone()]), &mut state);
+            assert_eq!(acts(&plan), "", "{name}");
+            if at == 0 {
+                assert_eq!(events(&plan), "reading_unknown", "{name}");
+                assert!(
+                    plan.events[0].message.contains("inconsistent reading"),
+                    "{name}: {:?}",
+                    plan.events[0]
+                );
+            }
+        }
+    }
+    // Within the slack (1/64 of the total) a reading is consistent.
+    let close = Gpu {
+        used_bytes: Some(15 * GIB),
+        free_bytes: Some(GIB - 100 * MIB),
+        ..gpu(0, GIB, &holds)
+    };
+    assert_eq!(close.inconsistency(), None);
+    // A process above the total also makes the GPU's usage unknown for budgets.
+    let c = config(&model(
+        "vllm",
+        "gpu_memory = \"4GiB\"\naction = \"kill\"\ngrace = \"0s\"\n",
+    ));
+    let plan = once(
+        &c,
+        &gsnap(0, procs(), vec![gpu(0, GIB, &[(100, Some(40 * GIB))])]),
+    );
+    assert_eq!(acts(&plan), "");
+}
+
+#[test]
+fn mem_available_above_mem_total_is_unknown() {
+    let c = config(RAM_FLOORS);
+    let mut s = snap(0, Some(GIB), vec![proc(100, "trainer", 6 * GIB, 1)]);
+    s.host.total_bytes = Some(512 * MIB);
+    let plan = once(&c, &s);
+    assert_eq!(
+        (acts(&plan).as_str(), events(&plan).as_str()),
+        ("", "reading_unknown")
+    );
+    assert!(plan.events[0]
+        .message
+        .contains("MemAvailable 1.0 GiB > MemTotal 512.0 MiB"));
+}
+
+#[test]
+fn a_floor_at_or_above_the_total_is_not_enforced() {
+    // What the config checks refuse, should it get through (a GPU seen only later).
+    let c = config("[gpu]\nmin_free = \"20GiB\"\n");
+    let plan = once(
+        &c,
+        &gsnap(
+            0,
+            vec![proc(100, "vllm", GIB, 1)],
+            vec![gpu(0, 8 * GIB, &[(100, Some(8 * GIB))])],
+        ),
+    );
+    assert_eq!(
+        (acts(&plan).as_str(), events(&plan).as_str()),
+        ("", "reading_unknown")
+    );
     assert!(
-        plan.actions[0]
+        plan.events[0].message.contains("at or above the total"),
+        "{:?}",
+        plan.events
+    );
+}
+
+#[test]
+fn a_stopped_victim_is_resumed_at_max_stop_when_its_gpu_is_lost() {
+    let c = config(GPU_STOP);
+    let procs = || vec![proc(100, "vllm", GIB, 1)];
+    let low = || gpu(0, GIB, &[(100, Some(8 * GIB))]);
+    let lost = || Gpu {
+        error: Some("GPU is lost".into()),
+        lost: true,
+        ..low()
+    };
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (gsnap(0, procs(), vec![low()]), "stop [100]", "floor_act"),
+            (gsnap(1000, procs(), vec![lost()]), "", "reading_unknown"),
+            (gsnap(9999, procs(), vec![lost()]), "", ""),
+            // max_stop: resumed, not killed, although the floor was crossed when it was stopped.
+            (gsnap(10000, procs(), vec![lost()]), "resume [100]", ""),
+            (gsnap(20000, procs(), vec![lost()]), "", ""),
+        ],
+    );
+    // The GPU vanishes from NVML's list altogether: the same.
+    let plans = play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (gsnap(0, procs(), vec![low()]), "stop [100]", "floor_act"),
+            (gsnap(1000, procs(), vec![]), "", "reading_unknown"),
+            (gsnap(10000, procs(), vec![]), "resume [100]", ""),
+        ],
+    );
+    assert_eq!(plans[2].actions[0].reason.kind, "max_stop");
+    assert!(
+        plans[2].actions[0]
             .reason
             .detail
-            .contains("memory kept falling"),
-        "{}",
-        plan.actions[0].reason.detail
+            .contains("no longer reported by NVML"),
+        "{:?}",
+        plans[2].actions[0].reason
     );
+}
+
+#[test]
+fn a_stopped_victim_is_resumed_at_max_stop_when_its_gpu_reading_goes_stale() {
+    let c = config(GPU_STOP);
+    let procs = || vec![proc(100, "vllm", GIB, 1)];
+    let s = |at, stale| {
+        let mut s = gsnap(at, procs(), vec![gpu(0, GIB, &[(100, Some(8 * GIB))])]);
+        s.gpus.stale = stale;
+        s
+    };
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (s(0, false), "stop [100]", "floor_act"),
+            (s(1000, true), "", "not_acting_stale"),
+            (s(10000, true), "resume [100]", ""),
+        ],
+    );
+}
+
+#[test]
+fn a_held_process_is_resumed_not_killed_at_max_stop_on_an_unknown_reading() {
+    let c = config(GPU_STOP);
+    let procs = || vec![proc(100, "vllm", GIB, 1)];
+    let holds = [(100, Some(8 * GIB))];
+    let mut state = PolicyState::default();
+    play(
+        &c,
+        &mut state,
+        vec![
+            (
+                gsnap(0, procs(), vec![gpu(0, GIB, &holds)]),
+                "stop [100]",
+                "floor_act",
+            ),
+            // Between the floors: the incident closes, the victim is held.
+            (
+                gsnap(1000, procs(), vec![gpu(0, 5 * GIB / 2, &holds)]),
+                "",
+                "incident_closed",
+            ),
+            (gsnap(2000, procs(), vec![]), "", "reading_unknown"),
+            (gsnap(10000, procs(), vec![]), "resume [100]", ""),
+        ],
+    );
+    assert!(state.held.is_empty());
+    // With a reading that may act and is still below warn, max_stop kills as before.
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (
+                gsnap(0, procs(), vec![gpu(0, GIB, &holds)]),
+                "stop [100]",
+                "floor_act",
+            ),
+            (
+                gsnap(1000, procs(), vec![gpu(0, 5 * GIB / 2, &holds)]),
+                "",
+                "incident_closed",
+            ),
+            (
+                gsnap(10000, procs(), vec![gpu(0, 5 * GIB / 2, &holds)]),
+                "kill [100]",
+                "",
+            ),
+        ],
+    );
+}
+
+#[test]
+fn a_budget_stop_is_resumed_not_killed_at_max_stop_on_a_stale_gpu_reading() {
+    let c = config(&format!(
+        "[daemon]\nmax_stop = \"10s\"\n{}",
+        model(
+            "vllm",
+            "gpu_memory = \"4GiB\"\naction = \"stop\"\ngrace = \"0s\"\n"
+        )
+    ));
+    let procs = || vec![proc(100, "vllm", GIB, 1)];
+    let s = |at, stale| {
+        let mut s = gsnap(at, procs(), vec![gpu(0, 4 * GIB, &[(100, Some(8 * GIB))])]);
+        s.gpus.stale = stale;
+        s
+    };
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (s(0, false), "stop vllm[100]", "budget_exceeded"),
+            (s(5000, true), "", ""),
+            (s(10000, true), "resume vllm[100]", ""),
+            // Still stale: not stopped again.
+            (s(11000, true), "", ""),
+        ],
+    );
+}
+
+/// A weights file mapped whole.
+fn weights_file(inode: u64) -> crate::snapshot::MappedFile {
+    crate::snapshot::MappedFile {
+        path: format!("/models/m/model-{inode}.safetensors"),
+        device: "fd:01".into(),
+        inode,
+        mapped_bytes: 4 * GIB,
+    }
+}
+
+#[test]
+fn spawned_workers_mapping_the_same_weights_on_one_gpu_are_reported_once() {
+    let c = config(&model("server", ""));
+    // A server (matched) and two spawn-started workers: their command lines are the
+    // multiprocessing bootstrap, not the server's, and they are its children.
+    let spawn = "python3 -c from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5, pipe_handle=7) --multiprocessing-fork";
+    let procs = vec![
+        proc(100, "server", GIB, 1),
+        Process {
+            cmdline: spawn.into(),
+            ..proc(101, "python3", GIB, 100)
+        },
+        Process {
+            cmdline: format!("{spawn} x"),
+            ..proc(102, "python3", GIB, 100)
+        },
+    ];
+    let mapped = |pids: &[i32]| {
+        pids.iter()
+            .map(|&p| (p, vec![weights_file(7), weights_file(8)]))
+            .collect()
+    };
+    let step = |at: u64, gpu0: &[(i32, Option<u64>)], gpu1: &[(i32, Option<u64>)]| {
+        let mut s = gsnap(
+            at,
+            procs.clone(),
+            vec![gpu(0, 4 * GIB, gpu0), gpu(1, 8 * GIB, gpu1)],
+        );
+        s.mapped_weights = mapped(&[100, 101, 102]);
+        s
+    };
+    let mut state = PolicyState::default();
+    let plans = play(
+        &c,
+        &mut state,
+        vec![
+            // 100 and 101 on GPU 0 both map model-7 and model-8: one report, not one per file.
+            (
+                step(
+                    0,
+                    &[(100, Some(4 * GIB)), (101, Some(4 * GIB))],
+                    &[(102, Some(4 * GIB))],
+                ),
+                "",
+                "duplicate_load",
+            ),
+            // Still there: not reported again.
+            (
+                step(
+                    100,
+                    &[(100, Some(4 * GIB)), (101, Some(4 * GIB))],
+                    &[(102, Some(4 * GIB))],
+                ),
+                "",
+                "",
+            ),
+            // Tensor-parallel-like: one process per GPU mapping the same files is not waste.
+            (
+                step(200, &[(101, Some(4 * GIB))], &[(102, Some(4 * GIB))]),
+                "",
+                "",
+            ),
+            // A process that maps the weights but holds no GPU memory on GPU 0 is not counted.
+            (
+                step(300, &[(101, Some(4 * GIB)), (100, Some(0))], &[]),
+                "",
+                "",
+            ),
+        ],
+    );
+    let message = &plans[0].events[0].message;
+    assert!(
+        message.starts_with("GPU 0: 2 processes [100, 101] of model 'server' map the same weights (/models/m/model-7.safetensors and 1 more file(s), 4.0 GiB) and hold 8.0 GiB together"),
+        "{message}"
+    );
+    assert_eq!(plans[0].events[0].about.model.as_deref(), Some("server"));
+}
+
+#[test]
+fn identical_commands_already_reported_by_their_weights_are_not_reported_twice() {
+    let c = config("");
+    // Two unrelated processes with one command line, both mapping the same file.
+    let procs = vec![proc(200, "vllm", GIB, 1), proc(201, "vllm", GIB, 1)];
+    let mut s = gsnap(
+        0,
+        procs,
+        vec![gpu(
+            0,
+            4 * GIB,
+            &[(200, Some(4 * GIB)), (201, Some(4 * GIB))],
+        )],
+    );
+    let plan = once(&c, &s);
+    assert_eq!(events(&plan), "duplicate_load");
+    assert!(plan.events[0].message.contains("run the same command"));
+    s.mapped_weights = [(200, vec![weights_file(9)]), (201, vec![weights_file(9)])].into();
+    let plan = once(&c, &s);
+    assert_eq!(events(&plan), "duplicate_load", "{:#?}", plan.events);
+    assert!(plan.events[0].message.contains("map the same weights"));
 }

@@ -1,5 +1,6 @@
 //! Victim choice for a floor: models over their budget first (most over first), then lower
-//! priority, then the largest user of the memory that is short. Protected processes never.
+//! priority, then the largest user of the memory that is short (RSS for RAM, VmSwap for the swap
+//! floor, NVML's per-process figure for a GPU). Protected processes never.
 
 use crate::config::{Candidates, Config};
 use crate::snapshot::{Process, ProcessId, Snapshot};
@@ -20,15 +21,37 @@ pub(super) fn is_protected(config: &Config, snapshot: &Snapshot, p: &Process) ->
         || p.kernel_thread
         || p.pid == snapshot.self_pid
         || p.exited()
-        || config.protect.protects(&p.comm, p.uid, &p.cmdline)
+        || config
+            .protect
+            .protects(&p.comm, p.uid, &p.cmdline, &p.cgroup)
 }
 
-/// Known usage of `resource` by one process (unknown GPU memory counts as none: it never
-/// makes a process a victim).
-pub(super) fn usage(snapshot: &Snapshot, p: &Process, resource: Resource) -> u64 {
-    match resource {
-        Resource::Ram => p.rss_bytes,
-        Resource::Gpu(index) => snapshot
+/// What a floor is short of, and so what its victims are ranked by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Short {
+    /// MemAvailable: resident memory (RSS).
+    Ram,
+    /// SwapFree (MemAvailable above its floor): what each process holds in swap (VmSwap).
+    Swap,
+    Gpu(u32),
+}
+
+impl Short {
+    fn resource(self) -> Resource {
+        match self {
+            Short::Ram | Short::Swap => Resource::Ram,
+            Short::Gpu(i) => Resource::Gpu(i),
+        }
+    }
+}
+
+/// Known usage of what is short by one process (unknown swap or GPU memory counts as none: it
+/// never makes a process a victim).
+pub(super) fn usage(snapshot: &Snapshot, p: &Process, short: Short) -> u64 {
+    match short {
+        Short::Ram => p.rss_bytes,
+        Short::Swap => p.swap_bytes.unwrap_or(0),
+        Short::Gpu(index) => snapshot
             .gpus
             .devices
             .iter()
@@ -88,15 +111,16 @@ pub(super) fn over_budget(
     used.checked_sub(budget).filter(|&over| over > 0)
 }
 
-/// Picks the victim for a floor on `resource`, or `None` if nobody may be touched.
+/// Picks the victim for a floor short of `short`, or `None` if nobody may be touched.
 /// `excluded`: processes that could not be signalled earlier in this incident.
 pub(super) fn choose(
     config: &Config,
     snapshot: &Snapshot,
     state: &PolicyState,
-    resource: Resource,
+    short: Short,
     excluded: &[ProcessId],
 ) -> Option<(Target, u64)> {
+    let resource = short.resource();
     let procs = &snapshot.processes.processes;
     let mut candidates = Vec::new();
     for (m, usage) in state.attribution.models.iter().enumerate() {
@@ -109,7 +133,7 @@ pub(super) fn choose(
             .iter()
             .map(|&i| &procs[i])
             .filter(|p| !is_protected(config, snapshot, p) && !excluded.contains(&p.id()))
-            .map(|p| self::usage(snapshot, p, resource))
+            .map(|p| self::usage(snapshot, p, short))
             .sum();
         if target.members.is_empty() || used == 0 {
             continue;
@@ -133,7 +157,7 @@ pub(super) fn choose(
             if in_model || is_protected(config, snapshot, p) || excluded.contains(&p.id()) {
                 continue;
             }
-            let used = usage(snapshot, p, resource);
+            let used = usage(snapshot, p, short);
             if used == 0 {
                 continue;
             }

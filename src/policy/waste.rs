@@ -1,13 +1,154 @@
-//! Waste worth a warning: the same model (same command line, so the same weights) loaded by
-//! several unrelated processes on one GPU, each holding its own copy.
+//! Waste worth a warning: the same weights held more than once on one GPU. Found first by what
+//! processes map (two processes holding memory on a GPU that map the same weights file, however
+//! they were started: spawn-started workers have command lines of their own), then, for servers
+//! that do not keep their weights mapped, by the same command line in unrelated processes.
+//! Each group is reported once, while it lasts.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use crate::snapshot::Snapshot;
+use crate::snapshot::{MappedFile, Snapshot};
 
 use super::{bytes, event, About, Plan, PolicyState, Resource, Severity};
 
 pub(super) fn duplicate_loads(snapshot: &Snapshot, state: &mut PolicyState, plan: &mut Plan) {
+    let mut seen = Vec::new();
+    let by_weights = duplicate_weights(snapshot, state, plan, &mut seen);
+    duplicate_commands(snapshot, state, plan, &mut seen, &by_weights);
+    state.duplicates_reported.retain(|k| seen.contains(k));
+}
+
+/// Processes on one GPU that map the same weights files.
+#[derive(Debug)]
+struct WeightsGroup {
+    gpu: u32,
+    pids: BTreeSet<i32>,
+    files: Vec<MappedFile>,
+}
+
+/// Groups GPU holders by the weights files they map, per GPU; returns the (GPU, pids) reported
+/// this way so the command-line rule does not report them again.
+fn duplicate_weights(
+    snapshot: &Snapshot,
+    state: &mut PolicyState,
+    plan: &mut Plan,
+    seen: &mut Vec<(u32, String)>,
+) -> Vec<(u32, BTreeSet<i32>)> {
+    let mut found = Vec::new();
+    for group in weights_groups(snapshot) {
+        let key = (
+            group.gpu,
+            format!(
+                "weights {}",
+                group
+                    .files
+                    .iter()
+                    .map(|f| format!("{}:{}", f.device, f.inode))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ),
+        );
+        seen.push(key.clone());
+        found.push((group.gpu, group.pids.clone()));
+        if state.duplicates_reported.contains(&key) {
+            continue;
+        }
+        state.duplicates_reported.push(key);
+        plan.events.push(weights_event(snapshot, state, &group));
+    }
+    found
+}
+
+fn weights_groups(snapshot: &Snapshot) -> Vec<WeightsGroup> {
+    let mut groups = Vec::new();
+    for gpu in &snapshot.gpus.devices {
+        // File -> the pids holding memory on this GPU that map it.
+        let mut holders: BTreeMap<(&str, u64), (BTreeSet<i32>, &MappedFile)> = BTreeMap::new();
+        for (pid, used) in &gpu.processes {
+            let Some(files) = snapshot.mapped_weights.get(pid) else {
+                continue;
+            };
+            if used.is_some_and(|b| b > 0) {
+                for f in files {
+                    holders
+                        .entry(f.key())
+                        .or_insert((BTreeSet::new(), f))
+                        .0
+                        .insert(*pid);
+                }
+            }
+        }
+        // One group per set of pids, with every file they share.
+        let mut by_pids: BTreeMap<BTreeSet<i32>, Vec<MappedFile>> = BTreeMap::new();
+        for (pids, file) in holders.into_values().filter(|(p, _)| p.len() > 1) {
+            by_pids.entry(pids).or_default().push(file.clone());
+        }
+        groups.extend(by_pids.into_iter().map(|(pids, files)| WeightsGroup {
+            gpu: gpu.index,
+            pids,
+            files,
+        }));
+    }
+    groups
+}
+
+fn weights_event(snapshot: &Snapshot, state: &PolicyState, g: &WeightsGroup) -> super::Event {
+    let gpu = snapshot.gpus.devices.iter().find(|d| d.index == g.gpu);
+    let held: u64 = g
+        .pids
+        .iter()
+        .filter_map(|p| gpu.and_then(|d| d.processes.get(p).copied().flatten()))
+        .sum();
+    let models = models_of(snapshot, state, &g.pids);
+    let mapped = g.files.iter().map(|f| f.mapped_bytes).max().unwrap_or(0);
+    let pids: Vec<i32> = g.pids.iter().copied().collect();
+    event(
+        Severity::Warning,
+        "duplicate_load",
+        format!(
+            "GPU {}: {} processes {pids:?}{} map the same weights ({}{}, {}) and hold {} together: the same weights loaded more than once?",
+            g.gpu,
+            pids.len(),
+            if models.is_empty() { String::new() } else { format!(" of model {}", models.join(", ")) },
+            g.files[0].path,
+            if g.files.len() > 1 { format!(" and {} more file(s)", g.files.len() - 1) } else { String::new() },
+            bytes(mapped),
+            bytes(held)
+        ),
+    )
+    .about(About {
+        model: models.first().map(|m| m.trim_matches('\'').to_string()),
+        pid: pids.first().copied(),
+        resource: Some(Resource::Gpu(g.gpu)),
+        ..About::default()
+    })
+}
+
+/// The models (quoted) these processes belong to.
+fn models_of(snapshot: &Snapshot, state: &PolicyState, pids: &BTreeSet<i32>) -> Vec<String> {
+    let a = &state.attribution;
+    let mut names: Vec<String> = snapshot
+        .processes
+        .processes
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| pids.contains(&p.pid))
+        .filter_map(|(i, _)| a.model_of.get(i).copied().flatten())
+        .filter_map(|m| a.models.get(m).map(|m| format!("'{}'", m.name)))
+        .collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// Unrelated processes on one GPU with the same command line (servers that read their weights
+/// into GPU memory and unmap them).
+fn duplicate_commands(
+    snapshot: &Snapshot,
+    state: &mut PolicyState,
+    plan: &mut Plan,
+    seen: &mut Vec<(u32, String)>,
+    by_weights: &[(u32, BTreeSet<i32>)],
+) {
     let procs = &snapshot.processes.processes;
     let by_pid: HashMap<i32, usize> = procs.iter().enumerate().map(|(i, p)| (p.pid, i)).collect();
     let is_ancestor = |ancestor: i32, mut pid: i32| {
@@ -25,7 +166,6 @@ pub(super) fn duplicate_loads(snapshot: &Snapshot, state: &mut PolicyState, plan
         }
         false
     };
-    let mut seen = Vec::new();
     for gpu in &snapshot.gpus.devices {
         let mut groups: BTreeMap<&str, Vec<(i32, u64)>> = BTreeMap::new();
         for (pid, used) in &gpu.processes {
@@ -48,6 +188,12 @@ pub(super) fn duplicate_loads(snapshot: &Snapshot, state: &mut PolicyState, plan
             if holders.len() < 2 || !unrelated {
                 continue;
             }
+            let already = by_weights
+                .iter()
+                .any(|(g, pids)| *g == gpu.index && holders.iter().all(|(p, _)| pids.contains(p)));
+            if already {
+                continue;
+            }
             let key = (gpu.index, cmdline.to_string());
             seen.push(key.clone());
             if state.duplicates_reported.contains(&key) {
@@ -68,5 +214,4 @@ pub(super) fn duplicate_loads(snapshot: &Snapshot, state: &mut PolicyState, plan
             ).about(About { pid: pids.first().copied(), resource: Some(Resource::Gpu(gpu.index)), ..About::default() }));
         }
     }
-    state.duplicates_reported.retain(|k| seen.contains(k));
 }

@@ -1,8 +1,14 @@
 //! Sampling: turns /proc and NVML into a `Snapshot`. Each source sits behind a small trait so the
-//! daemon can be driven by fakes and the policy never touches the OS.
+//! daemon can be driven by fakes and the policy never touches the OS. `procfs.rs` reads /proc,
+//! `scan.rs` keeps the process table current on a thread of its own, `nvml.rs` samples GPUs on
+//! another.
 
+pub mod engine;
 pub mod nvml;
 pub mod procfs;
+pub mod prometheus;
+pub mod scan;
+pub mod weights;
 
 use crate::snapshot::{HostMemory, Process};
 

@@ -4,12 +4,17 @@
 //! a worker thread owns the library: the loop asks for a sample with a non-blocking send and reads
 //! the latest one, which is stale when it is older than the deadline. NVML is loaded at run time:
 //! with no driver the daemon says once why GPU protection is off, guards RAM, and retries.
+//!
+//! NVML's answers are untrusted input: an implausible device or process count is refused before
+//! anything is allocated for it, a GPU that says GPU_IS_LOST or drops out of the device list is
+//! reported as lost (with the uuid it had), and a panic while sampling becomes an unavailable
+//! reading, never a dead sampler or a poisoned lock.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use nvml_wrapper::bitmasks::event::EventTypes;
@@ -19,7 +24,18 @@ use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::struct_wrappers::device::ProcessInfo;
 use nvml_wrapper::Nvml;
 
-use crate::snapshot::{Gpu, GpuSnapshot, GpuStatus};
+use crate::snapshot::{printable, Gpu, GpuSnapshot, GpuStatus};
+
+/// More GPUs than any host has: NVML answering this is not believed (nothing is allocated for it).
+pub const MAX_GPUS: u32 = 256;
+/// More processes on one GPU than any host runs: the list is not read and counts as unknown.
+pub const MAX_GPU_PROCESSES: u32 = 1 << 16;
+
+/// Locks a mutex even if a thread panicked while holding it: what it guards is plain data that
+/// is whole between statements, and the guard must go on.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
 
 /// Xids that mean the GPU or its memory is in trouble (NVIDIA's Xid catalogue: double-bit ECC,
 /// page retirement/row remap failures, fallen off the bus, contained/uncontained errors).
@@ -66,6 +82,8 @@ pub struct NvmlGpuSource {
     last_error: String,
     /// Per-process lists from the last time they were read, reused between process samples.
     last_processes: BTreeMap<u32, (BTreeMap<i32, Option<u64>>, bool)>,
+    /// Every GPU seen healthy, by index: one that goes missing from the list is lost, not gone.
+    seen: BTreeMap<u32, Seen>,
     xids: Arc<Mutex<Vec<XidEvent>>>,
     quit_events: Arc<AtomicBool>,
 }
@@ -79,6 +97,7 @@ impl NvmlGpuSource {
             last_init: None,
             last_error: String::new(),
             last_processes: BTreeMap::new(),
+            seen: BTreeMap::new(),
             xids: Arc::default(),
             quit_events: Arc::default(),
         }
@@ -153,7 +172,7 @@ impl NvmlGpuSource {
                                 _ => continue,
                             };
                             let gpu = data.device.index().ok();
-                            xids.lock().expect("xid lock").push(XidEvent { gpu, xid });
+                            lock(&xids).push(XidEvent { gpu, xid });
                         }
                         Err(NvmlError::Timeout) => {}
                         Err(_) => std::thread::sleep(Duration::from_secs(1)),
@@ -190,6 +209,10 @@ fn describe_init_error(e: &NvmlError) -> String {
 fn merge_processes(lists: &[&[ProcessInfo]]) -> BTreeMap<i32, Option<u64>> {
     let mut out: BTreeMap<i32, Option<u64>> = BTreeMap::new();
     for info in lists.iter().flat_map(|l| l.iter()) {
+        // Garbage from a driver writing another struct layout: no such process can exist.
+        if info.pid == 0 || i32::try_from(info.pid).is_err() {
+            continue;
+        }
         let bytes = match info.used_gpu_memory {
             UsedGpuMemory::Used(b) => Some(b),
             UsedGpuMemory::Unavailable => None,
@@ -204,6 +227,122 @@ fn merge_processes(lists: &[&[ProcessInfo]]) -> BTreeMap<i32, Option<u64>> {
     out
 }
 
+/// What is remembered of a GPU seen healthy, to name it once it is lost.
+#[derive(Clone, Debug)]
+struct Seen {
+    uuid: String,
+    name: String,
+    total_bytes: Option<u64>,
+}
+
+/// A GPU that NVML no longer answers for (GPU_IS_LOST) or no longer lists.
+fn lost_gpu(index: u32, seen: Option<&Seen>, why: String) -> Gpu {
+    Gpu {
+        index,
+        uuid: seen.map(|s| s.uuid.clone()).unwrap_or_default(),
+        name: seen.map(|s| s.name.clone()).unwrap_or_default(),
+        total_bytes: seen.and_then(|s| s.total_bytes),
+        error: Some(why),
+        lost: true,
+        ..Default::default()
+    }
+}
+
+impl NvmlGpuSource {
+    /// Reads one GPU; `processes`: its process lists too.
+    fn read_gpu(&mut self, nvml: &Nvml, index: u32, processes: bool) -> Gpu {
+        let device = match nvml.device_by_index(index) {
+            Ok(d) => d,
+            Err(e) => {
+                let lost = matches!(e, NvmlError::GpuLost);
+                let mut gpu = lost_gpu(index, self.seen.get(&index), e.to_string());
+                gpu.lost = lost;
+                return gpu;
+            }
+        };
+        // The driver's strings go into logs and alerts: made printable like process names.
+        let text = |s: Result<String, NvmlError>| printable(&s.unwrap_or_default()).into_owned();
+        let mut gpu = Gpu {
+            index,
+            uuid: text(device.uuid()),
+            name: text(device.name()),
+            ..Default::default()
+        };
+        // With the process lists, read around the memory figures: if they differ, something
+        // allocated or freed in between, and free memory and per-process figures disagree.
+        let before = processes.then(|| read_process_lists(&device));
+        match device.memory_info() {
+            Ok(m) => {
+                gpu.total_bytes = Some(m.total);
+                gpu.used_bytes = Some(m.used);
+                gpu.free_bytes = Some(m.free);
+                gpu.reserved_bytes = Some(m.reserved);
+            }
+            Err(e) => {
+                gpu.lost = matches!(e, NvmlError::GpuLost);
+                gpu.error = Some(e.to_string());
+            }
+        }
+        gpu.utilization_percent = device.utilization_rates().ok().map(|u| u.gpu);
+        if let Some(before) = before {
+            let after = read_process_lists(&device);
+            gpu.processes_steady = after.1 && after == before;
+            self.last_processes.insert(index, after);
+        }
+        if let Some((list, known)) = self.last_processes.get(&index) {
+            gpu.processes = list.clone();
+            gpu.processes_known = *known && gpu.error.is_none();
+        }
+        if gpu.error.is_none() {
+            self.seen.insert(
+                index,
+                Seen {
+                    uuid: gpu.uuid.clone(),
+                    name: gpu.name.clone(),
+                    total_bytes: gpu.total_bytes,
+                },
+            );
+        }
+        gpu
+    }
+
+    /// GPUs seen before at an index NVML no longer lists (`count` devices now): lost.
+    fn missing_gpus(&self, count: u32) -> Vec<Gpu> {
+        self.seen
+            .range(count..)
+            .map(|(&index, seen)| {
+                lost_gpu(
+                    index,
+                    Some(seen),
+                    format!(
+                        "no longer in NVML's device list ({} GPU(s) listed): fallen off the bus?",
+                        count
+                    ),
+                )
+            })
+            .collect()
+    }
+}
+
+/// Both process lists of one GPU, merged, and whether they could be read. A count beyond
+/// `MAX_GPU_PROCESSES` is refused before nvml-wrapper allocates for it.
+fn read_process_lists(device: &nvml_wrapper::Device) -> (BTreeMap<i32, Option<u64>>, bool) {
+    let plausible = |count: Result<u32, NvmlError>| count.is_ok_and(|n| n <= MAX_GPU_PROCESSES);
+    if !plausible(device.running_compute_processes_count())
+        || !plausible(device.running_graphics_processes_count())
+    {
+        return (BTreeMap::new(), false);
+    }
+    let compute = device.running_compute_processes();
+    let graphics = device.running_graphics_processes();
+    let known = compute.is_ok() && graphics.is_ok();
+    let merged = merge_processes(&[
+        compute.as_deref().unwrap_or_default(),
+        graphics.as_deref().unwrap_or_default(),
+    ]);
+    (merged, known)
+}
+
 impl GpuSource for NvmlGpuSource {
     fn sample(&mut self, processes: bool) -> GpuReading {
         let nvml = match self.init() {
@@ -216,6 +355,14 @@ impl GpuSource for NvmlGpuSource {
             }
         };
         let count = match nvml.device_count() {
+            Ok(n) if n > MAX_GPUS => {
+                return GpuReading {
+                    status: GpuStatus::Unavailable(format!(
+                        "NVML reports {n} GPUs, more than any host has: readings unknown"
+                    )),
+                    ..Default::default()
+                };
+            }
             Ok(n) => n,
             Err(e) => {
                 let why = format!("NVML device count failed: {e}");
@@ -233,47 +380,10 @@ impl GpuSource for NvmlGpuSource {
                 };
             }
         };
-        let mut devices = Vec::with_capacity(count as usize);
-        for index in 0..count {
-            let mut gpu = Gpu {
-                index,
-                ..Default::default()
-            };
-            let device = match nvml.device_by_index(index) {
-                Ok(d) => d,
-                Err(e) => {
-                    gpu.error = Some(e.to_string());
-                    devices.push(gpu);
-                    continue;
-                }
-            };
-            gpu.uuid = device.uuid().unwrap_or_default();
-            gpu.name = device.name().unwrap_or_default();
-            match device.memory_info() {
-                Ok(m) => {
-                    gpu.total_bytes = Some(m.total);
-                    gpu.used_bytes = Some(m.used);
-                    gpu.free_bytes = Some(m.free);
-                }
-                Err(e) => gpu.error = Some(e.to_string()),
-            }
-            gpu.utilization_percent = device.utilization_rates().ok().map(|u| u.gpu);
-            if processes {
-                let compute = device.running_compute_processes();
-                let graphics = device.running_graphics_processes();
-                let known = compute.is_ok() && graphics.is_ok();
-                let merged = merge_processes(&[
-                    compute.as_deref().unwrap_or_default(),
-                    graphics.as_deref().unwrap_or_default(),
-                ]);
-                self.last_processes.insert(index, (merged, known));
-            }
-            if let Some((list, known)) = self.last_processes.get(&index) {
-                gpu.processes = list.clone();
-                gpu.processes_known = *known && gpu.error.is_none();
-            }
-            devices.push(gpu);
-        }
+        let mut devices: Vec<Gpu> = (0..count)
+            .map(|index| self.read_gpu(&nvml, index, processes))
+            .collect();
+        devices.extend(self.missing_gpus(count));
         GpuReading {
             status: GpuStatus::Ok,
             devices,
@@ -282,7 +392,7 @@ impl GpuSource for NvmlGpuSource {
     }
 
     fn take_xids(&mut self) -> Vec<XidEvent> {
-        std::mem::take(&mut *self.xids.lock().expect("xid lock"))
+        std::mem::take(&mut *lock(&self.xids))
     }
 }
 
@@ -297,6 +407,32 @@ struct Latest {
     process_lists_read: u64,
 }
 
+/// One sample; a panic inside (nvml-wrapper, or NVML's answers tripping an assertion) becomes an
+/// unavailable reading, and the sampler goes on with the next request.
+fn sample_or_report_panic(
+    source: &mut dyn GpuSource,
+    processes: bool,
+) -> (GpuReading, Vec<XidEvent>) {
+    let sampled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        (source.sample(processes), source.take_xids())
+    }));
+    sampled.unwrap_or_else(|panic| {
+        let what = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into());
+        tracing::error!(
+            "GPU sampler panicked ({what}); GPU readings unknown until the next sample"
+        );
+        let reading = GpuReading {
+            status: GpuStatus::Unavailable(format!("GPU sampler failed: {what}")),
+            ..Default::default()
+        };
+        (reading, Vec::new())
+    })
+}
+
 /// Runs a `GpuSource` on its own thread; the control loop never waits for it.
 pub struct GpuMonitor {
     /// Wakes the worker; a wake-up sent while one is pending is merged into it.
@@ -305,27 +441,37 @@ pub struct GpuMonitor {
     want_processes: Arc<AtomicBool>,
     latest: Arc<Mutex<Latest>>,
     sample_timeout: Duration,
+    /// Called by the worker after each sample (see `after_each_sample`).
+    after_sample: AfterSample,
 }
+
+type AfterSample = Arc<Mutex<Option<Box<dyn Fn() + Send>>>>;
 
 impl GpuMonitor {
     pub fn start(mut source: Box<dyn GpuSource>, sample_timeout: Duration) -> GpuMonitor {
         let (wake, woken): (SyncSender<()>, Receiver<()>) = sync_channel(1);
         let want_processes = Arc::new(AtomicBool::new(false));
         let latest = Arc::new(Mutex::new(Latest::default()));
-        let (shared, want) = (latest.clone(), want_processes.clone());
+        let after_sample: AfterSample = Arc::default();
+        let (shared, want, after) = (latest.clone(), want_processes.clone(), after_sample.clone());
         std::thread::Builder::new()
             .name("gpu-sampler".into())
             .spawn(move || {
                 while woken.recv().is_ok() {
                     let started = Instant::now();
-                    let reading = source.sample(want.swap(false, Ordering::AcqRel));
-                    let xids = source.take_xids();
-                    let mut latest = shared.lock().expect("gpu lock");
+                    let (reading, xids) =
+                        sample_or_report_panic(source.as_mut(), want.swap(false, Ordering::AcqRel));
+                    let mut latest = lock(&shared);
                     latest.process_lists_read += u64::from(reading.read_processes);
                     latest.reading = reading;
-                    latest.sampled_at = Some(Instant::now());
+                    // When the reading began: what happened before it is in it.
+                    latest.sampled_at = Some(started);
                     latest.took = started.elapsed();
                     latest.xids.extend(xids);
+                    drop(latest);
+                    if let Some(after) = lock(&after).as_ref() {
+                        after();
+                    }
                 }
             })
             .expect("spawn the GPU sampler thread");
@@ -334,7 +480,14 @@ impl GpuMonitor {
             want_processes,
             latest,
             sample_timeout,
+            after_sample,
         }
+    }
+
+    /// `f` runs on the worker after each sample (it must return at once: the daemon uses it to
+    /// wake its loop when a request waits for a fresh reading).
+    pub fn after_each_sample(&self, f: Box<dyn Fn() + Send>) {
+        *lock(&self.after_sample) = Some(f);
     }
 
     /// Asks for a new sample, with the per-process lists if `processes`. Never blocks: if the
@@ -346,6 +499,20 @@ impl GpuMonitor {
         let _ = self.wake.try_send(());
     }
 
+    /// Waits until the worker has answered once (or `timeout` passes); true if it has.
+    pub fn wait_first(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if lock(&self.latest).sampled_at.is_some() {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     /// The latest reading as seen at `now` (daemon clock `at`), with any Xid events since the last
     /// call. `expected_age` is how old a healthy sample may be (the time since the last request).
     pub fn snapshot(
@@ -354,7 +521,7 @@ impl GpuMonitor {
         at: Duration,
         expected_age: Duration,
     ) -> (GpuSnapshot, Vec<XidEvent>, Duration) {
-        let mut latest = self.latest.lock().expect("gpu lock");
+        let mut latest = lock(&self.latest);
         let xids = std::mem::take(&mut latest.xids);
         let age = latest.sampled_at.map(|t| now.saturating_duration_since(t));
         let snapshot = GpuSnapshot {
@@ -365,6 +532,7 @@ impl GpuMonitor {
                 || age.is_none_or(|a| a > expected_age + self.sample_timeout),
             devices: latest.reading.devices.clone(),
             process_lists_read: latest.process_lists_read,
+            processes_fresh: latest.reading.read_processes,
         };
         (snapshot, xids, latest.took)
     }
@@ -373,6 +541,61 @@ impl GpuMonitor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Panics on its first sample, then answers with one GPU.
+    struct PanicsOnce {
+        calls: u32,
+    }
+
+    impl GpuSource for PanicsOnce {
+        fn sample(&mut self, _processes: bool) -> GpuReading {
+            self.calls += 1;
+            if self.calls == 1 {
+                panic!("boom in the sampler");
+            }
+            GpuReading {
+                status: GpuStatus::Ok,
+                devices: vec![Gpu::default()],
+                read_processes: false,
+            }
+        }
+    }
+
+    #[test]
+    fn a_panic_while_sampling_is_an_unavailable_reading_and_the_sampler_goes_on() {
+        let monitor = GpuMonitor::start(Box::new(PanicsOnce { calls: 0 }), Duration::from_secs(5));
+        // The status after the next sample: one request, then wait for a newer reading.
+        let next = |m: &GpuMonitor| {
+            let read = || lock(&m.latest).sampled_at;
+            let before = read();
+            m.request(false);
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while read() == before && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let at = Duration::from_secs(3600);
+            m.snapshot(Instant::now(), at, at).0.status
+        };
+        assert_eq!(
+            next(&monitor),
+            GpuStatus::Unavailable("GPU sampler failed: boom in the sampler".into())
+        );
+        assert_eq!(next(&monitor), GpuStatus::Ok, "the sampler lives on");
+    }
+
+    #[test]
+    fn a_poisoned_lock_still_opens() {
+        let shared = Arc::new(Mutex::new(1));
+        let held = shared.clone();
+        let _ = std::thread::spawn(move || {
+            let _guard = held.lock().unwrap();
+            panic!("poisons the lock");
+        })
+        .join();
+        assert!(shared.is_poisoned());
+        *lock(&shared) += 1;
+        assert_eq!(*lock(&shared), 2);
+    }
 
     #[test]
     fn merges_compute_and_graphics_keeping_unknown() {
@@ -389,6 +612,8 @@ mod tests {
         let graphics = [
             info(1, UsedGpuMemory::Used(50)),
             info(3, UsedGpuMemory::Used(7)),
+            info(0, UsedGpuMemory::Used(9)),
+            info(u32::MAX, UsedGpuMemory::Used(9)),
         ];
         let merged = merge_processes(&[&compute, &graphics]);
         assert_eq!(merged.get(&1), Some(&Some(100)));
@@ -398,5 +623,10 @@ mod tests {
             "unavailable is unknown, not zero"
         );
         assert_eq!(merged.get(&3), Some(&Some(7)));
+        assert_eq!(
+            merged.len(),
+            3,
+            "pids 0 and above i32::MAX are garbage: {merged:?}"
+        );
     }
 }

@@ -27,12 +27,7 @@ pub struct PressureLock {
 
 pub fn memory_pressure_lock() -> PressureLock {
     let in_process = PRESSURE.lock().unwrap_or_else(|e| e.into_inner());
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open("/tmp/gpuguard-memory-pressure.lock")
-        .unwrap();
+    let file = open_shared_lock(Path::new("/tmp/gpuguard-memory-pressure.lock"));
     let machine = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
         .map_err(|(_, e)| e)
         .unwrap();
@@ -40,6 +35,44 @@ pub fn memory_pressure_lock() -> PressureLock {
         _in_process: in_process,
         _machine: machine,
     }
+}
+
+/// Opens (creating if needed) a lock file every user can lock: flock works on a read-only
+/// descriptor, and a new file is made world-readable, so root and non-root runs share it.
+fn open_shared_lock(path: &Path) -> std::fs::File {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    if let Ok(file) = std::fs::File::open(path) {
+        return file;
+    }
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o644)
+        .open(path)
+        .unwrap_or_else(|e| panic!("cannot create {}: {e}", path.display()));
+    let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644));
+    file
+}
+
+/// Fails (never skips) a test that needs root, saying how to run it.
+pub fn require_root() {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "this test needs root (it starts processes as other users): run `scripts/test` as root"
+    );
+}
+
+/// Fails a test that needs a tool, naming the package that has it.
+pub fn require_tool(tool: &str, package: &str) {
+    let found = Command::new("sh")
+        .args(["-c", &format!("command -v {tool}")])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        found,
+        "{tool} is needed for this test: apt-get install {package} (scripts/test installs it)"
+    );
 }
 
 /// A token unique to this test process and call, for command lines and configs.
@@ -238,7 +271,10 @@ impl GuardDaemon {
         )
         .unwrap();
         let mut cmd = Command::new(BIN);
-        cmd.args(["daemon", "--config"]).arg(&config_path);
+        cmd.args(["daemon", "--config"])
+            .arg(&config_path)
+            .arg("--state-dir")
+            .arg(dir.path().join("state"));
         cmd.env("GPUGUARD_LOG", "debug,gpuguard=debug");
         for (k, v) in env {
             cmd.env(k, v);
@@ -317,9 +353,14 @@ fn with_own_socket(config: &str) -> String {
 }
 
 impl GuardDaemon {
-    /// The socket `with_own_socket` gave it (tests that set `[launch] socket` know their own).
+    /// Its socket: `[launch] socket` of its config (`with_own_socket` puts one in its state dir).
     pub fn socket(&self) -> PathBuf {
-        self.state_dir().join("gpuguard.sock")
+        let config = std::fs::read_to_string(&self.config).unwrap_or_default();
+        config
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("socket = \""))
+            .and_then(|rest| rest.strip_suffix('"'))
+            .map_or_else(|| self.state_dir().join("gpuguard.sock"), PathBuf::from)
     }
 }
 
@@ -422,4 +463,173 @@ impl Drop for Family {
         }
         let _ = self.parent.wait();
     }
+}
+
+impl GuardDaemon {
+    /// Every notice in the daemon's event log (`state_dir/events.jsonl`), oldest first.
+    pub fn events(&self) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(self.state_dir().join("events.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+
+    /// Waits for an event of `kind` that `pred` accepts; panics with the log if none comes.
+    pub fn wait_for_event(
+        &self,
+        kind: &str,
+        timeout: Duration,
+        pred: impl Fn(&serde_json::Value) -> bool,
+    ) -> serde_json::Value {
+        let mut found = None;
+        let ok = wait_until(timeout, || {
+            found = self
+                .events()
+                .into_iter()
+                .find(|e| e["event"] == kind && pred(e));
+            found.is_some()
+        });
+        assert!(ok, "no {kind} event; log:\n{}", self.log_text());
+        found.unwrap()
+    }
+
+    /// `gpuguard status --json` from this daemon.
+    pub fn status(&self) -> serde_json::Value {
+        let out = Command::new(BIN)
+            .args(["status", "--json", "--socket"])
+            .arg(self.socket())
+            .output()
+            .unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+}
+
+/// A permit client on the daemon's socket, speaking the protocol as the Python client does.
+pub struct PermitClient {
+    conn: gpuguard::ipc::client::Connection,
+    next_id: u64,
+}
+
+impl PermitClient {
+    /// A connection that has sent nothing yet is idle: the first acquire opens it.
+    pub fn acquire(
+        socket: &Path,
+        request: gpuguard::ipc::AcquireRequest,
+    ) -> (PermitClient, gpuguard::ipc::Response) {
+        let id = request.id;
+        let conn = gpuguard::ipc::client::Connection::open(
+            socket,
+            gpuguard::ipc::Request::Acquire(request),
+        )
+        .unwrap();
+        let mut client = PermitClient {
+            conn,
+            next_id: id + 1,
+        };
+        let answer = client.receive();
+        (client, answer)
+    }
+
+    /// Another acquire on the same connection; returns its answer.
+    pub fn acquire_more(
+        &mut self,
+        mut request: gpuguard::ipc::AcquireRequest,
+    ) -> gpuguard::ipc::Response {
+        request.id = self.next_id;
+        self.next_id += 1;
+        self.conn
+            .send(gpuguard::ipc::Request::Acquire(request))
+            .unwrap();
+        self.receive()
+    }
+
+    pub fn release(&mut self, permit: u64) -> gpuguard::ipc::Response {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.conn
+            .send(gpuguard::ipc::Request::ReleasePermit { id, permit })
+            .unwrap();
+        self.receive()
+    }
+
+    pub fn receive(&mut self) -> gpuguard::ipc::Response {
+        self.conn.receive().expect("an answer from the daemon")
+    }
+}
+
+/// An acquire request for `gpu_bytes` on behalf of `model`, waiting at most `timeout_ms`.
+pub fn acquire(model: &str, gpu_bytes: u64, timeout_ms: u64) -> gpuguard::ipc::AcquireRequest {
+    gpuguard::ipc::AcquireRequest {
+        id: 1,
+        model: Some(model.to_string()),
+        gpu_bytes: Some(gpu_bytes),
+        timeout_ms: Some(timeout_ms),
+        ..Default::default()
+    }
+}
+
+/// The permit number of a `granted` answer; panics with the answer otherwise.
+pub fn granted(answer: &gpuguard::ipc::Response) -> u64 {
+    match answer {
+        gpuguard::ipc::Response::Granted { permit, .. } => *permit,
+        other => panic!("expected a permit, got {other:?}"),
+    }
+}
+
+/// A TCP port free on 127.0.0.1 right now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The body of a GET, or None.
+pub fn get(url: &str) -> Option<String> {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .timeout_global(Some(Duration::from_secs(5)))
+        .build()
+        .into();
+    agent.get(url).call().ok()?.body_mut().read_to_string().ok()
+}
+
+/// `promtool check metrics` on a scrape: it must pass without a word.
+pub fn promtool_check(text: &str) {
+    require_tool("promtool", "prometheus");
+    let mut promtool = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    promtool
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = promtool.wait_with_output().unwrap();
+    assert!(
+        out.status.success() && out.stdout.is_empty() && out.stderr.is_empty(),
+        "promtool check metrics: {}{}\n{text}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// One sample of a scrape: `series` is the name with its labels as the exporter writes them.
+pub fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
 }

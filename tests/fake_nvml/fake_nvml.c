@@ -2,8 +2,9 @@
  * fake_nvml.c - a scripted fake of libnvidia-ml.so.1 for gpuguard's tests.
  *
  * Exports the NVML symbols gpuguard (through the nvml-wrapper crate) uses, with
- * the x86_64 layouts of the real library. Every call re-reads the state file
- * named by $FAKE_NVML_STATE, so a test can change what the "GPUs" report while
+ * the x86_64 layouts of the real library. Every call checks the state file
+ * named by $FAKE_NVML_STATE and parses it again if it has changed (another
+ * inode, size or mtime), so a test can change what the "GPUs" report while
  * a daemon runs (write the file atomically: temp file + rename). The format is
  * documented in README.md next to this file.
  *
@@ -23,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -129,7 +131,11 @@ struct fake_gpu {
     char name[NAME_LEN];
     char uuid[UUID_LEN];
     unsigned long long total, used, reserved;
+    int has_free;            /* `free=` given: reported as is, even if inconsistent */
+    unsigned long long free;
     unsigned int util, memutil, temp;
+    /* `process_count`: what the size query of each list (compute, graphics) claims; 0 = real */
+    unsigned long long claimed[2];
 };
 
 struct fake_proc {
@@ -152,6 +158,8 @@ struct fake_xid {
 struct fake_state {
     char driver_version[VERSION_LEN];
     unsigned int ndev; /* highest declared index + 1 */
+    int has_count;     /* `device_count`: what nvmlDeviceGetCount_v2 claims instead of ndev */
+    unsigned int count;
     struct fake_gpu gpu[MAX_DEVICES];
     unsigned int nproc, nerr, ndelay, nxid;
     struct fake_proc proc[MAX_PROCESSES];
@@ -268,6 +276,10 @@ static const char *parse_device(char **tok, int n)
             bad = parse_u64(v, ~0ULL, &g.used);
         else if (!strcmp(k, "reserved"))
             bad = parse_u64(v, ~0ULL, &g.reserved);
+        else if (!strcmp(k, "free")) {
+            bad = parse_u64(v, ~0ULL, &g.free);
+            g.has_free = 1;
+        }
         else if (!strcmp(k, "util"))
             bad = parse_u32(v, &g.util);
         else if (!strcmp(k, "memutil"))
@@ -279,6 +291,8 @@ static const char *parse_device(char **tok, int n)
         if (bad)
             return "bad device value";
     }
+    g.claimed[0] = g_state.gpu[idx].claimed[0];
+    g.claimed[1] = g_state.gpu[idx].claimed[1];
     g_state.gpu[idx] = g;
     if (idx + 1 > g_state.ndev)
         g_state.ndev = idx + 1;
@@ -305,6 +319,25 @@ static const char *parse_process(char **tok, int n)
     if (g_state.nproc == MAX_PROCESSES)
         return "too many processes";
     g_state.proc[g_state.nproc++] = p;
+    return NULL;
+}
+
+/* process_count GPU N [compute|graphics]: the list's size query claims N processes */
+static const char *parse_process_count(char **tok, int n)
+{
+    unsigned int gpu;
+    unsigned long long count;
+    int graphics = 0;
+
+    if (n < 3 || n > 4)
+        return "expected: process_count GPU N [compute|graphics]";
+    if (parse_u32(tok[1], &gpu) || gpu >= MAX_DEVICES || parse_u64(tok[2], 0xFFFFFFFFULL, &count))
+        return "bad gpu or count";
+    if (n == 4 && !strcmp(tok[3], "graphics"))
+        graphics = 1;
+    else if (n == 4 && strcmp(tok[3], "compute"))
+        return "expected compute or graphics";
+    g_state.gpu[gpu].claimed[graphics] = count;
     return NULL;
 }
 
@@ -373,6 +406,16 @@ static void parse_line(char *line, const char *path, unsigned int lineno)
         why = parse_device(tok, n);
     else if (!strcmp(tok[0], "process"))
         why = parse_process(tok, n);
+    else if (!strcmp(tok[0], "process_count"))
+        why = parse_process_count(tok, n);
+    else if (!strcmp(tok[0], "device_count")) {
+        unsigned int count;
+        why = (n == 2 && !parse_u32(tok[1], &count)) ? NULL : "bad device_count";
+        if (!why) {
+            g_state.has_count = 1;
+            g_state.count = count;
+        }
+    }
     else if (!strcmp(tok[0], "error"))
         why = parse_rule(tok, n, 0);
     else if (!strcmp(tok[0], "delay"))
@@ -385,22 +428,55 @@ static void parse_line(char *line, const char *path, unsigned int lineno)
         debug(path, lineno, why);
 }
 
-/* Re-reads the state file into g_state (lock held). On failure (variable
- * unset, file unreadable) g_state is left as it was and -1 is returned. */
+/* Which file g_state was parsed from: it is parsed again only when the file
+ * changed (another inode, as with temp + rename, or another size or mtime). */
+static struct {
+    int valid;
+    dev_t dev;
+    ino_t ino;
+    off_t size;
+    struct timespec mtime;
+} g_loaded;
+
+static int same_file(const struct stat *st)
+{
+    return g_loaded.valid && st->st_dev == g_loaded.dev && st->st_ino == g_loaded.ino &&
+           st->st_size == g_loaded.size && st->st_mtim.tv_sec == g_loaded.mtime.tv_sec &&
+           st->st_mtim.tv_nsec == g_loaded.mtime.tv_nsec;
+}
+
+/* Re-reads the state file into g_state (lock held) if it changed since it was
+ * last parsed (always with FAKE_NVML_DEBUG). On failure (variable unset, file
+ * unreadable) g_state is left as it was and -1 is returned. */
 static int load_state(void)
 {
     const char *path = getenv("FAKE_NVML_STATE");
     char line[MAX_LINE];
     unsigned int lineno = 0;
+    struct stat st;
     FILE *f;
 
-    if (!path || !*path || !(f = fopen(path, "re")))
+    if (!path || !*path || stat(path, &st) != 0)
         return -1;
+    if (same_file(&st) && !getenv("FAKE_NVML_DEBUG"))
+        return 0;
+    if (!(f = fopen(path, "re")))
+        return -1;
+    if (fstat(fileno(f), &st) == 0) {
+        g_loaded.valid = 1;
+        g_loaded.dev = st.st_dev;
+        g_loaded.ino = st.st_ino;
+        g_loaded.size = st.st_size;
+        g_loaded.mtime = st.st_mtim;
+    }
     memset(g_state.driver_version, 0, sizeof(g_state.driver_version));
     strcpy(g_state.driver_version, "550.54.15");
     g_state.ndev = g_state.nproc = g_state.nerr = g_state.ndelay = g_state.nxid = 0;
-    for (int i = 0; i < MAX_DEVICES; i++)
+    g_state.has_count = 0;
+    for (int i = 0; i < MAX_DEVICES; i++) {
         g_state.gpu[i].present = 0;
+        g_state.gpu[i].claimed[0] = g_state.gpu[i].claimed[1] = 0;
+    }
     while (fgets(line, sizeof(line), f)) {
         lineno++;
         size_t len = strlen(line);
@@ -602,7 +678,7 @@ nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count)
         return rc;
     if (!count)
         return leave(NVML_ERROR_INVALID_ARGUMENT);
-    *count = g_state.ndev;
+    *count = g_state.has_count ? g_state.count : g_state.ndev;
     return leave(NVML_SUCCESS);
 }
 
@@ -611,9 +687,11 @@ nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *dev
     nvmlReturn_t rc = enter(__func__, index < MAX_DEVICES ? (int)index : -1, 1);
     if (rc)
         return rc;
-    if (!device || index >= g_state.ndev)
+    unsigned int listed = g_state.has_count && g_state.count > g_state.ndev ? g_state.count : g_state.ndev;
+    if (!device || index >= listed || index >= MAX_DEVICES)
         return leave(NVML_ERROR_INVALID_ARGUMENT);
-    if (!g_state.gpu[index].present)
+    /* an index the count claims but no `device` line declares: fallen off the bus */
+    if (index >= g_state.ndev || !g_state.gpu[index].present)
         return leave(NVML_ERROR_GPU_IS_LOST);
     *device = &g_handles[index];
     return leave(NVML_SUCCESS);
@@ -667,6 +745,8 @@ nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int len
 
 static unsigned long long free_bytes(const struct fake_gpu *g)
 {
+    if (g->has_free)
+        return g->free;
     unsigned long long taken = g->used + g->reserved;
     if (taken < g->used || taken > g->total) /* overflow, or more than total */
         return 0;
@@ -720,6 +800,11 @@ static nvmlReturn_t processes(const char *fn, nvmlDevice_t device, unsigned int 
     for (unsigned int i = 0; i < g_state.nproc; i++)
         if (g_state.proc[i].gpu == gpu && g_state.proc[i].graphics == graphics)
             needed++;
+    unsigned long long claimed = g->claimed[graphics];
+    if (claimed && *count < claimed) {
+        *count = (unsigned int)claimed; /* what a confused driver claims */
+        return leave(NVML_ERROR_INSUFFICIENT_SIZE);
+    }
     if (*count < needed) {
         *count = needed;
         return leave(NVML_ERROR_INSUFFICIENT_SIZE);
@@ -868,7 +953,7 @@ nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsi
         if (now >= deadline)
             return leave(NVML_ERROR_TIMEOUT);
         pthread_mutex_unlock(&g_lock);
-        sleep_ms(deadline - now < 10 ? deadline - now : 10);
+        sleep_ms(deadline - now < 100 ? deadline - now : 100);
         pthread_mutex_lock(&g_lock);
         load_state(); /* on failure keep the last state and poll on */
     }

@@ -1,0 +1,151 @@
+//! What the daemon does about faults around it: floors that cannot be right on this host
+//! (refused at start and on reload), GPUs that are lost (said once, as an event; the condition,
+//! status and metric come from the snapshot), and what a previous run left held.
+
+use std::time::Duration;
+
+use tracing::warn;
+
+use crate::act::Leftovers;
+use crate::alert::Alerter;
+use crate::config::{Config, ConfigError, GpuTotal, HostTotals};
+use crate::policy::{About, Event, Resource, Severity};
+use crate::sample::ProcSource;
+
+use super::Daemon;
+
+/// At start, how long the GPU floors' check waits for NVML's first answer (loading NVML takes
+/// seconds on some drivers; RAM is not guarded meanwhile, so not longer).
+const FIRST_GPU_ANSWER: Duration = Duration::from_secs(5);
+
+impl Daemon {
+    /// At start: refuses floors that cannot be right on this host. With GPU floors configured,
+    /// GPU totals come from NVML's first answer, waited for at most `FIRST_GPU_ANSWER` (a GPU
+    /// that answers later has such a floor left unenforced by the policy, and a reload then
+    /// refuses it).
+    pub fn check_floors_at_start(&mut self) -> Result<(), ConfigError> {
+        let host = self.procs.host_memory();
+        let g = &self.config.gpu;
+        let gpu_floors = g.warn_free.is_some() || g.min_free.is_some() || !g.devices.is_empty();
+        let gpus = match &self.gpus {
+            Some(monitor) if gpu_floors => {
+                monitor.request(false);
+                monitor.wait_first(FIRST_GPU_ANSWER);
+                let (snapshot, _, _) = monitor.snapshot(
+                    std::time::Instant::now(),
+                    Duration::ZERO,
+                    self.config.gpu.sample_timeout,
+                );
+                snapshot.devices
+            }
+            _ => Vec::new(),
+        };
+        let totals = HostTotals {
+            ram_bytes: host.total_bytes,
+            swap_bytes: host.swap_total_bytes,
+            gpus: gpu_totals(&gpus),
+        };
+        self.config.check_host(&totals, &self.config_path)
+    }
+
+    /// A reloaded config, checked against this host's totals as last sampled; `state_dir`
+    /// stays what the daemon started with (it changes only at restart).
+    pub(super) fn vet_reload(&self, mut config: Config) -> Result<Config, ConfigError> {
+        let s = &self.snapshot;
+        let totals = HostTotals {
+            ram_bytes: s.host.total_bytes,
+            swap_bytes: s.host.swap_total_bytes,
+            gpus: gpu_totals(&s.gpus.devices),
+        };
+        config.check_host(&totals, &self.config_path)?;
+        if config.daemon.state_dir != self.config.daemon.state_dir {
+            warn!(
+                "daemon.state_dir changes only at restart: still {}",
+                self.config.daemon.state_dir.display()
+            );
+            config.daemon.state_dir = self.config.daemon.state_dir.clone();
+        }
+        Ok(config)
+    }
+
+    /// Says once when a GPU is lost (GPU_IS_LOST, or gone from NVML's device list) and when it
+    /// is back. The condition `gpu_lost` (alerts), status and metrics follow the snapshot.
+    pub(super) fn note_lost_gpus(&mut self, events: &mut Vec<Event>) {
+        let devices = &self.snapshot.gpus.devices;
+        for g in devices.iter().filter(|g| g.lost) {
+            if self.lost_gpus.insert(g.index) {
+                events.push(
+                    Event::new(
+                        Severity::Critical,
+                        "gpu_lost",
+                        format!(
+                            "GPU {} ({}) lost: {}; its readings are unknown: nothing is killed for it, and processes held for it are resumed at max_stop",
+                            g.index,
+                            if g.uuid.is_empty() { "uuid unknown" } else { &g.uuid },
+                            g.error.as_deref().unwrap_or("no answer")
+                        ),
+                    )
+                    .about(gpu_about(g.index)),
+                );
+            }
+        }
+        let back: Vec<u32> = self
+            .lost_gpus
+            .iter()
+            .copied()
+            .filter(|&i| devices.iter().any(|g| g.index == i && !g.lost))
+            .collect();
+        for index in back {
+            self.lost_gpus.remove(&index);
+            events.push(
+                Event::new(
+                    Severity::Info,
+                    "gpu_recovered",
+                    format!("GPU {index} answers NVML again"),
+                )
+                .about(gpu_about(index)),
+            );
+        }
+    }
+}
+
+impl Daemon {
+    /// Tells the alert pipeline what a run found left held before the daemon was set up (the
+    /// sweep of the state directory before the config was read).
+    pub fn announce_leftovers(&mut self, leftovers: &Leftovers) {
+        announce_leftovers(&mut self.alerter, leftovers);
+    }
+}
+
+/// Tells the alert pipeline what a previous run left held (a record that could not be read is
+/// critical: processes may still be stopped). The log has it already.
+pub(super) fn announce_leftovers(alerter: &mut Alerter, leftovers: &Leftovers) {
+    if !leftovers.undone.is_empty() {
+        alerter.lifecycle(
+            "leftovers_undone",
+            Severity::Warning,
+            leftovers.undone.join("; "),
+        );
+    }
+    for problem in &leftovers.problems {
+        alerter.lifecycle("state_file_corrupt", Severity::Critical, problem.clone());
+    }
+}
+
+fn gpu_totals(devices: &[crate::snapshot::Gpu]) -> Vec<GpuTotal> {
+    devices
+        .iter()
+        .map(|g| GpuTotal {
+            index: g.index,
+            uuid: g.uuid.clone(),
+            total_bytes: g.total_bytes,
+        })
+        .collect()
+}
+
+fn gpu_about(index: u32) -> About {
+    About {
+        resource: Some(Resource::Gpu(index)),
+        ..About::default()
+    }
+}

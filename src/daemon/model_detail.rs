@@ -1,0 +1,221 @@
+//! What `status` shows about each model beyond its budget: the model server's own limits (from
+//! its metrics URL), which limit the model is at, and its processes one by one with the GPU
+//! memory and weights files each holds.
+
+use std::collections::BTreeMap;
+
+use crate::policy::ModelUsage;
+use crate::snapshot::GpuStatus;
+use crate::status::{EngineRow, ProcessGpu, ProcessRow};
+
+use super::Daemon;
+
+/// A KV cache this full is full (vLLM preempts or queues from here on).
+const KV_FULL: f64 = 0.95;
+/// A model holding this share of its GPUs has preallocated them.
+const RESERVED: f64 = 0.9;
+
+impl Daemon {
+    /// Model name -> metrics URL for every model that has one: its `[[model]]`'s, else the one
+    /// given at launch.
+    pub(super) fn engine_targets(&self) -> BTreeMap<String, String> {
+        let c = &self.config;
+        let launched = |name: &str| {
+            self.state
+                .launched_models
+                .get(name)
+                .and_then(|m| m.metrics_url.clone())
+        };
+        let configured = c.models.iter().filter_map(|m| {
+            let url = m.metrics_url.clone().or_else(|| launched(&m.name))?;
+            Some((m.name.clone(), url))
+        });
+        let launched_only = self
+            .state
+            .launched_models
+            .values()
+            .filter(|m| c.model(&m.name).is_none())
+            .filter_map(|m| Some((m.name.clone(), m.metrics_url.clone()?)));
+        configured.chain(launched_only).collect()
+    }
+
+    /// The latest scrape of each model's engine.
+    pub(super) fn engine_rows(&self) -> BTreeMap<String, EngineRow> {
+        self.engines
+            .readings()
+            .into_iter()
+            .map(|(model, r)| {
+                let mut row = EngineRow {
+                    url: r.url,
+                    age_seconds: r.at.map(|t| t.elapsed().as_secs_f64()),
+                    ..EngineRow::default()
+                };
+                match r.result {
+                    Ok(s) => {
+                        row.state = "ok".into();
+                        row.kv_cache_usage_ratio = s.kv_cache_usage;
+                        row.requests_running = s.requests_running;
+                        row.requests_waiting = s.requests_waiting;
+                        row.preemptions_total = s.preemptions_total;
+                        row.kv_cache_blocks = s.kv_cache_blocks;
+                        row.block_size_tokens = s.block_size_tokens;
+                        row.gpu_memory_utilization = s.gpu_memory_utilization;
+                    }
+                    Err(e) => {
+                        row.state = if r.at.is_some() { "error" } else { "pending" }.into();
+                        row.error = Some(e);
+                    }
+                }
+                (model, row)
+            })
+            .collect()
+    }
+
+    /// The model's GPU memory over the total of the GPUs it holds memory on.
+    pub(super) fn gpu_reserved_ratio(&self, m: &ModelUsage) -> Option<f64> {
+        let gpus = &self.snapshot.gpus;
+        if gpus.status != GpuStatus::Ok || m.gpu_bytes.is_empty() {
+            return None;
+        }
+        let total: u64 = m
+            .gpu_bytes
+            .keys()
+            .map(|i| gpus.devices.iter().find(|g| g.index == *i)?.total_bytes)
+            .sum::<Option<u64>>()?;
+        (total > 0).then(|| m.gpu_total_bytes() as f64 / total as f64)
+    }
+
+    /// The model's live processes: pid, role, RAM, GPU memory per GPU, mapped weights.
+    pub(super) fn process_rows(&self, m: &ModelUsage) -> Vec<ProcessRow> {
+        let s = &self.snapshot;
+        let table = &s.processes.processes;
+        let model_of = &self.state.attribution.model_of;
+        let own = self
+            .state
+            .attribution
+            .models
+            .iter()
+            .position(|u| u.name == m.name);
+        m.members
+            .iter()
+            .filter_map(|&i| table.get(i))
+            .map(|p| {
+                let parent_same = table
+                    .iter()
+                    .position(|q| q.pid == p.ppid)
+                    .is_some_and(|j| model_of.get(j).copied().flatten() == own);
+                let role = if self.state.registered.contains_key(&p.id()) {
+                    "launched"
+                } else if parent_same {
+                    "child"
+                } else {
+                    "matched"
+                };
+                ProcessRow {
+                    pid: p.pid,
+                    ppid: p.ppid,
+                    comm: p.comm.clone(),
+                    role: role.into(),
+                    ram_bytes: p.rss_bytes,
+                    gpus: s
+                        .gpus
+                        .devices
+                        .iter()
+                        .filter_map(|g| {
+                            let bytes = *g.processes.get(&p.pid)?;
+                            Some(ProcessGpu {
+                                gpu: g.index,
+                                bytes,
+                            })
+                        })
+                        .collect(),
+                    weights_files: s
+                        .mapped_weights
+                        .get(&p.pid)
+                        .map(|files| files.iter().map(|f| f.path.clone()).collect())
+                        .unwrap_or_default(),
+                }
+            })
+            .collect()
+    }
+}
+
+/// Which limit a model is at, in words: the engine's (KV cache full, requests queued) when it
+/// reports one, else a GPU taken up front, which says nothing about load.
+pub(super) fn describe_limit(reserved: Option<f64>, engine: Option<&EngineRow>) -> Option<String> {
+    let percent = |r: f64| format!("{:.0}%", r * 100.0);
+    if let Some(e) = engine.filter(|e| e.state == "ok") {
+        let kv = e.kv_cache_usage_ratio;
+        let waiting = e.requests_waiting.unwrap_or(0);
+        return match kv {
+            Some(kv) if kv >= KV_FULL && waiting > 0 => Some(format!(
+                "KV cache {}, {waiting} waiting: the engine is full",
+                percent(kv)
+            )),
+            Some(kv) if kv >= KV_FULL => Some(format!("KV cache {}", percent(kv))),
+            _ if waiting > 0 => Some(format!(
+                "{waiting} waiting with KV cache {}: the engine's max-num-seqs or compute, not memory",
+                kv.map_or("unknown".into(), percent)
+            )),
+            _ => None,
+        };
+    }
+    reserved.filter(|r| *r >= RESERVED).map(|r| {
+        format!(
+            "GPU {} reserved (taken up front; give the model a metrics_url to see its load)",
+            percent(r)
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn engine(kv: f64, running: u64, waiting: u64) -> EngineRow {
+        EngineRow {
+            state: "ok".into(),
+            kv_cache_usage_ratio: Some(kv),
+            requests_running: Some(running),
+            requests_waiting: Some(waiting),
+            ..EngineRow::default()
+        }
+    }
+
+    #[test]
+    fn says_which_limit_is_hit() {
+        let cases = [
+            (Some(0.95), None, Some("GPU 95% reserved (taken up front")),
+            (Some(0.5), None, None),
+            (Some(0.95), Some(engine(0.1, 1, 0)), None),
+            (
+                Some(0.95),
+                Some(engine(1.0, 8, 24)),
+                Some("KV cache 100%, 24 waiting: the engine is full"),
+            ),
+            (Some(0.95), Some(engine(0.97, 8, 0)), Some("KV cache 97%")),
+            (
+                None,
+                Some(engine(0.3, 64, 5)),
+                Some("5 waiting with KV cache 30%: the engine's max-num-seqs"),
+            ),
+        ];
+        for (reserved, e, want) in cases {
+            let got = describe_limit(reserved, e.as_ref());
+            match want {
+                Some(w) => assert!(
+                    got.as_deref().is_some_and(|g| g.starts_with(w)),
+                    "{got:?} / {w}"
+                ),
+                None => assert_eq!(got, None),
+            }
+        }
+        let failed = EngineRow {
+            state: "error".into(),
+            ..EngineRow::default()
+        };
+        assert!(describe_limit(Some(0.95), Some(&failed))
+            .unwrap()
+            .starts_with("GPU 95%"));
+    }
+}

@@ -1,0 +1,299 @@
+//! When the loop asks for a process scan, and what it does with the answer. The scan runs on
+//! its own thread (`sample::scan`); the loop only sends a request, and merges the table that comes
+//! back at its next tick (at once when the policy is waiting for it), so no tick ever waits on
+//! /proc, however many processes there are or however fast they come and go.
+//!
+//! Which processes a round re-reads: the members of every model, the victims watched, launched
+//! processes (every round); near a RAM floor the largest processes; and all of them (a *full*
+//! round) when a floor has been crossed with no victim chosen yet, or near a floor once
+//! MemAvailable has moved by `FULL_SCAN_DRIFT_BYTES` or `FULL_SCAN_MAX_AGE` has passed since the
+//! last full round. A process that is not re-read cannot have grown by more than MemAvailable
+//! fell meanwhile, so the largest ones are known within that margin; for the same reason, while
+//! only the RAM floor asks for fresh tables, a round is skipped altogether as long as
+//! MemAvailable stays within `FULL_SCAN_DRIFT_BYTES` of the last one (memory held near a floor
+//! costs next to nothing).
+
+use std::path::PathBuf;
+use std::sync::mpsc::Sender;
+use std::time::Duration;
+
+use tracing::{debug, error, warn};
+
+use crate::policy::{Level, Resource};
+use crate::sample::procfs::{ProcReader, ReadError};
+use crate::sample::scan::{
+    apply, ScanRequest, ScanResult, ScanThread, Scanner, ROTATION_SCANS, YOUNG,
+};
+use crate::snapshot::Process;
+
+use super::{Daemon, DaemonEvent};
+
+/// Near a floor, a full round once MemAvailable has moved by this much since the last one...
+const FULL_SCAN_DRIFT_BYTES: u64 = 64 << 20;
+/// ...or this long after it.
+const FULL_SCAN_MAX_AGE: Duration = Duration::from_secs(2);
+/// A policy that keeps asking for a fresh table (a floor crossed and no victim found) gets a full
+/// round at most this often.
+const FORCED_FULL_SCAN_EVERY: Duration = Duration::from_millis(100);
+
+/// The scan thread and what the loop knows about it.
+pub(super) struct Scans {
+    proc_root: PathBuf,
+    /// Before `run` starts the thread, the scanner that made the first table.
+    idle: Option<Scanner>,
+    thread: Option<ScanThread>,
+    events: Option<Sender<DaemonEvent>>,
+    in_flight: bool,
+    /// A round that arrived between ticks.
+    ready: Option<ScanResult>,
+    /// When the last round and the last full round were asked for, and MemAvailable then.
+    last_round: Option<(Duration, Option<u64>)>,
+    last_full: Option<(Duration, Option<u64>)>,
+    /// The current table came from a full round.
+    table_full: bool,
+    /// A full round is wanted at the next tick (after a reload).
+    want_full: bool,
+}
+
+impl Scans {
+    /// Makes the first table here and now (before the loop runs, so the first tick has one).
+    pub(super) fn new(proc_root: PathBuf) -> (Scans, Vec<Process>) {
+        let mut scanner = Scanner::new(ProcReader::new(&proc_root));
+        let mut first = scanner.round(ScanRequest {
+            full: true,
+            host_has_swap: true,
+            rotation_period: Duration::from_secs(60),
+            ..ScanRequest::default()
+        });
+        let mut table = Vec::new();
+        apply(&mut table, &mut first);
+        let scans = Scans {
+            proc_root,
+            idle: Some(scanner),
+            thread: None,
+            events: None,
+            in_flight: false,
+            ready: None,
+            last_round: None,
+            last_full: None,
+            table_full: true,
+            want_full: false,
+        };
+        (scans, table)
+    }
+
+    /// Starts the scan thread; its tables come back as `DaemonEvent::Scan`.
+    pub(super) fn start(&mut self, events: Sender<DaemonEvent>) -> std::io::Result<()> {
+        let scanner = self
+            .idle
+            .take()
+            .unwrap_or_else(|| Scanner::new(ProcReader::new(&self.proc_root)));
+        let tx = events.clone();
+        self.thread = Some(ScanThread::spawn(scanner, move |result| {
+            tx.send(DaemonEvent::Scan(Box::new(result))).is_ok()
+        })?);
+        self.events = Some(events);
+        self.in_flight = false;
+        Ok(())
+    }
+
+    /// A table arrived.
+    pub(super) fn arrived(&mut self, result: ScanResult) {
+        self.in_flight = false;
+        self.ready = Some(result);
+    }
+
+    pub(super) fn want_full(&mut self) {
+        self.want_full = true;
+    }
+
+    /// The scan thread died (a panic): say so, and start a new one.
+    fn restart_if_dead(&mut self) {
+        if !self.thread.as_ref().is_some_and(ScanThread::is_finished) {
+            return;
+        }
+        error!("the process scan thread stopped; starting a new one");
+        self.thread = None;
+        if let Some(events) = self.events.take() {
+            if let Err(e) = self.start(events) {
+                error!("cannot start the process scan thread: {e}");
+            }
+        }
+    }
+}
+
+impl Daemon {
+    /// Merges a round that arrived into the table; true if there was one.
+    pub(super) fn merge_scan(&mut self) -> bool {
+        let Some(mut result) = self.scans.ready.take() else {
+            return false;
+        };
+        let s = &result.stats;
+        if let Some(e) = s.list_error {
+            warn!(
+                "cannot list {}: {e}; keeping the previous process table",
+                self.scans.proc_root.display()
+            );
+        }
+        debug!(
+            took_us = s.took.as_micros() as u64,
+            listed = s.listed,
+            new = s.new,
+            refreshed = s.refreshed,
+            execs = s.execs,
+            unreadable = s.unreadable,
+            full = result.full,
+            "scan"
+        );
+        let table = &mut self.snapshot.processes;
+        apply(&mut table.processes, &mut result);
+        table.scanned_at = Some(result.at);
+        if let Some(weights) = result.mapped_weights {
+            self.snapshot.mapped_weights = weights;
+        }
+        self.scans.table_full = result.full;
+        true
+    }
+
+    /// Re-reads the victims the policy waits on, in place (the policy's attribution holds
+    /// indices into the table until the next scan). Gone: marked dead. Unreadable: left as is,
+    /// never taken for gone.
+    pub(super) fn reread_watched(&mut self) {
+        for id in &self.watch {
+            let table = &mut self.snapshot.processes.processes;
+            let Some(p) = table.iter_mut().find(|p| p.id() == *id) else {
+                continue;
+            };
+            match self.procs.vitals(id.pid) {
+                Ok(v) if v.id == *id => {
+                    p.state = v.state;
+                    p.ppid = v.ppid;
+                    p.rss_bytes = v.rss_bytes;
+                    p.swap_bytes = v.swap_bytes;
+                }
+                // Gone, or the pid belongs to another process now.
+                Ok(_) | Err(ReadError::Gone) => {
+                    p.state = 'X';
+                    p.rss_bytes = 0;
+                }
+                Err(_) => {}
+            }
+        }
+    }
+
+    /// At the end of a tick: the round to ask for, if the table is older than the policy wants
+    /// and none is under way (`send_scan` sends it, as the tick's very last step: the scan
+    /// thread it wakes may take the CPU from the loop).
+    pub(super) fn schedule_scan(&mut self, at: Duration) -> Option<ScanRequest> {
+        self.scans.restart_if_dead();
+        if self.scans.in_flight || self.scans.ready.is_some() || self.scans.thread.is_none() {
+            return None;
+        }
+        let age = self
+            .snapshot
+            .processes
+            .scanned_at
+            .map_or(Duration::MAX, |t| at.saturating_sub(t));
+        // A policy that wants a fresh table now gets one full round; then one per
+        // FORCED_FULL_SCAN_EVERY while it keeps asking.
+        let forced = self.max_scan_age.is_zero();
+        let min_age = if forced && self.scans.table_full {
+            FORCED_FULL_SCAN_EVERY
+        } else {
+            self.max_scan_age
+        };
+        if age < min_age && !self.scans.want_full {
+            return None;
+        }
+        let near =
+            |r: &Resource| matches!(self.state.levels.get(r), Some(Level::Warn | Level::Act));
+        let ram_near = near(&Resource::Ram);
+        let available = self.snapshot.host.available_bytes;
+        let drifted = |(t, then): (Duration, Option<u64>)| {
+            at.saturating_sub(t) >= FULL_SCAN_MAX_AGE
+                || match (then, available) {
+                    (Some(a), Some(b)) => a.abs_diff(b) >= FULL_SCAN_DRIFT_BYTES,
+                    _ => true,
+                }
+        };
+        // Only the RAM floor wants fresh tables (no GPU floor near, no budget over, no launch):
+        // nothing can have changed enough to matter while MemAvailable stays where it was.
+        let ram_only = ram_near
+            && !self
+                .state
+                .levels
+                .keys()
+                .any(|r| matches!(r, Resource::Gpu(_)) && near(r))
+            && !self.state.budgets.values().any(|b| b.over_since.is_some())
+            && !self.reservations_busy;
+        let quiet =
+            !forced && !self.scans.want_full && self.scans.last_round.is_some_and(|r| !drifted(r));
+        if ram_only && quiet {
+            return None;
+        }
+        let full = self.scans.want_full
+            || forced
+            || ram_only
+            || (ram_near && self.scans.last_full.is_none_or(drifted));
+        let request = ScanRequest {
+            at,
+            full,
+            largest: ram_near,
+            hot: self.hot_pids(),
+            host_has_swap: self.procs.host_has_swap(),
+            rotation_period: self.config.daemon.scan_interval * ROTATION_SCANS,
+            young: YOUNG,
+            maps: self.gpus.as_ref().map(|_| self.gpu_holders()),
+        };
+        self.scans.last_round = Some((at, available));
+        if full {
+            self.scans.last_full = Some((at, available));
+            self.scans.want_full = false;
+        }
+        Some(request)
+    }
+
+    /// Hands a round to the scan thread.
+    pub(super) fn send_scan(&mut self, request: ScanRequest) {
+        self.scans.in_flight = self
+            .scans
+            .thread
+            .as_ref()
+            .is_some_and(|t| t.request(request));
+    }
+
+    /// Processes NVML lists with GPU memory (their mapped weights files are read with the scan).
+    fn gpu_holders(&self) -> Vec<i32> {
+        let mut pids: Vec<i32> = self
+            .snapshot
+            .gpus
+            .devices
+            .iter()
+            .flat_map(|g| g.processes.iter())
+            .filter(|(_, used)| used.is_some_and(|b| b > 0))
+            .map(|(&pid, _)| pid)
+            .collect();
+        pids.sort_unstable();
+        pids.dedup();
+        pids
+    }
+
+    /// Members of every model, the victims watched, launched processes.
+    fn hot_pids(&self) -> Vec<i32> {
+        let procs = &self.snapshot.processes.processes;
+        let mut hot: Vec<i32> = self.watch.iter().map(|id| id.pid).collect();
+        for model in &self.state.attribution.models {
+            hot.extend(
+                model
+                    .members
+                    .iter()
+                    .filter_map(|&i| procs.get(i))
+                    .map(|p| p.pid),
+            );
+        }
+        hot.extend(self.state.registered.keys().map(|id| id.pid));
+        hot.sort_unstable();
+        hot.dedup();
+        hot
+    }
+}

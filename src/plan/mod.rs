@@ -1,0 +1,617 @@
+//! Capacity planning (`gpuguard plan`): how much GPU memory a model server needs for a model, a
+//! context length and a number of concurrent requests, and which GPUs hold it. Pure arithmetic:
+//! the CLI (`src/cli/plan.rs`) reads the files and the live GPUs.
+//!
+//! The memory of a vLLM-like server on each GPU is `gpu_memory_utilization × total`, spent on the
+//! weights, fixed overheads (CUDA context, CUDA graphs, activations) and the KV cache; what the KV
+//! cache holds is the number of concurrent requests. `arch` reads a model's `config.json`,
+//! `gpus` is the built-in card table.
+
+pub mod arch;
+pub mod gpus;
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::Serialize;
+
+use crate::units::fmt_bytes;
+
+pub use arch::{Architecture, ParamCount};
+
+const GIB: u64 = 1 << 30;
+/// The KV cache is handed out in blocks of this many tokens (vLLM's default block size).
+pub const BLOCK_TOKENS: u64 = 16;
+/// CUDA context, cuBLAS/cuDNN workspaces and allocator slack on every GPU.
+pub const CUDA_CONTEXT_BYTES: u64 = GIB;
+/// NCCL's buffers on every GPU with tensor parallelism.
+pub const NCCL_BYTES: u64 = GIB / 2;
+/// vLLM's captured CUDA graphs on every GPU.
+pub const CUDA_GRAPH_BYTES: u64 = GIB;
+/// Activations when the model gives no width to compute them from.
+pub const FALLBACK_ACTIVATION_BYTES: u64 = 2 * GIB;
+/// The gpuguard budget is the engine's share of each GPU plus this (CUDA graphs are captured
+/// after the KV cache is sized and can land beyond the share).
+pub const BUDGET_MARGIN_BYTES: u64 = GIB;
+/// Host RAM of each server process (the API server, one worker per GPU) besides the weights.
+pub const RAM_PER_PROCESS_BYTES: u64 = 3 * GIB;
+/// Tensor-parallel sizes tried when a model does not fit one GPU.
+const AUTO_TP: [u32; 3] = [2, 4, 8];
+
+/// A weight or KV-cache data type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    Fp32,
+    Bf16,
+    Fp16,
+    Fp8,
+    Int8,
+    Int4,
+}
+
+impl Dtype {
+    /// Bytes per parameter. int4 carries a 16-bit scale and zero point per group of 128
+    /// (AWQ/GPTQ), 4 bytes per 128 parameters.
+    pub fn bytes(self) -> f64 {
+        match self {
+            Dtype::Fp32 => 4.0,
+            Dtype::Bf16 | Dtype::Fp16 => 2.0,
+            Dtype::Fp8 | Dtype::Int8 => 1.0,
+            Dtype::Int4 => 0.5 + 4.0 / 128.0,
+        }
+    }
+
+    /// Quantized checkpoints keep embeddings, the output head and vision towers in 16 bits.
+    pub fn quantized(self) -> bool {
+        matches!(self, Dtype::Fp8 | Dtype::Int8 | Dtype::Int4)
+    }
+
+    /// `torch_dtype` in a config.json.
+    pub fn from_torch(text: &str) -> Option<Dtype> {
+        match text {
+            "float32" => Some(Dtype::Fp32),
+            "bfloat16" => Some(Dtype::Bf16),
+            "float16" => Some(Dtype::Fp16),
+            _ => None,
+        }
+    }
+}
+
+impl FromStr for Dtype {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Dtype, String> {
+        match text.to_ascii_lowercase().as_str() {
+            "fp32" | "float32" => Ok(Dtype::Fp32),
+            "bf16" | "bfloat16" => Ok(Dtype::Bf16),
+            "fp16" | "float16" | "half" => Ok(Dtype::Fp16),
+            "fp8" | "fp8_e4m3" | "fp8_e5m2" => Ok(Dtype::Fp8),
+            "int8" => Ok(Dtype::Int8),
+            "int4" | "awq" | "gptq" => Ok(Dtype::Int4),
+            _ => Err(format!(
+                "'{text}' is not a dtype (use fp32, bf16, fp16, fp8, int8 or int4)"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for Dtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Dtype::Fp32 => "fp32",
+            Dtype::Bf16 => "bf16",
+            Dtype::Fp16 => "fp16",
+            Dtype::Fp8 => "fp8",
+            Dtype::Int8 => "int8",
+            Dtype::Int4 => "int4",
+        })
+    }
+}
+
+/// How the weights' size is known.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Weights {
+    /// The parameter count (from the architecture) in this dtype.
+    Dtype(Dtype),
+    /// Given outright (a quantized checkpoint's size on disk).
+    Bytes(u64),
+}
+
+/// A GPU to plan for: a card from the table, or the GPUs of this host.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GpuChoice {
+    pub name: String,
+    pub total_bytes: u64,
+    /// Free now (this host only).
+    pub free_bytes: Option<u64>,
+    /// How many of them there are (this host), or may be (a card from the table: 8).
+    pub count: u32,
+    /// Read from this host's NVML.
+    pub live: bool,
+}
+
+/// Everything `plan` is asked.
+#[derive(Clone, Debug)]
+pub struct PlanRequest {
+    /// The name for the `[[model]]` block.
+    pub name: String,
+    pub arch: Architecture,
+    pub weights: Weights,
+    pub kv_dtype: Dtype,
+    pub max_model_len: u64,
+    /// Concurrent full-length requests wanted; `None`: how many fit.
+    pub concurrency: Option<u64>,
+    /// Tensor-parallel sizes to show; empty: 1, or the smallest of 2, 4, 8 that fits.
+    pub tp: Vec<u32>,
+    pub gpus: Vec<GpuChoice>,
+    pub gpu_memory_utilization: f64,
+    /// Tokens in one forward pass (vLLM's `--max-num-batched-tokens`): sizes the activations.
+    pub max_num_batched_tokens: u64,
+    /// Sequences sampled at once while vLLM profiles (its `--max-num-seqs` default, 256).
+    pub profile_num_seqs: u64,
+    /// What the architecture reader assumed, printed with the rest.
+    pub notes: Vec<String>,
+}
+
+/// The model's own figures, independent of the GPU.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct ModelFigures {
+    pub name: String,
+    pub model_type: String,
+    pub params: Option<u64>,
+    /// `None` when the size was given with `--weights`.
+    pub weights_dtype: Option<Dtype>,
+    pub weights_bytes: u64,
+    pub kv_dtype: Dtype,
+    pub layers: u64,
+    pub attention_heads: u64,
+    pub kv_heads: u64,
+    pub head_dim: u64,
+    pub sliding_window: Option<u64>,
+    pub sliding_layers: u64,
+    pub max_model_len: u64,
+    /// KV bytes one token adds on every layer (before any window is full).
+    pub kv_bytes_per_token: u64,
+    /// KV bytes of one request at `max_model_len` (windows capped, whole blocks).
+    pub kv_bytes_per_request: u64,
+    /// The naive estimate: every attention head has its own KV and no layer has a window.
+    pub naive_kv_bytes_per_token: u64,
+    pub naive_kv_bytes_per_request: u64,
+    pub concurrency: Option<u64>,
+}
+
+/// One GPU option at one tensor-parallel size. Sizes are per GPU.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct GpuPlan {
+    pub gpu: String,
+    pub live: bool,
+    pub tp: u32,
+    pub gpu_total_bytes: u64,
+    pub gpu_free_bytes: Option<u64>,
+    /// `gpu_memory_utilization × total`.
+    pub usable_bytes: u64,
+    pub weights_bytes: u64,
+    pub activation_bytes: u64,
+    /// CUDA context, NCCL, CUDA graphs and activations.
+    pub overhead_bytes: u64,
+    /// What is left of the usable share for the KV cache (0 if nothing).
+    pub kv_space_bytes: u64,
+    pub kv_bytes_per_request: u64,
+    /// Concurrent full-length requests the KV cache holds.
+    pub max_requests: u64,
+    pub fits: bool,
+    /// Why it does not fit, or what to watch for.
+    pub problem: Option<String>,
+    /// The share of each GPU to give the engine: just enough for `concurrency`, else the cap.
+    pub gpu_memory_utilization: f64,
+    /// vLLM's flags for this option.
+    pub vllm_args: Vec<String>,
+    /// The `[[model]]` budget block for gpuguard's config.
+    pub gpuguard_model: String,
+    /// `gpuguard launch` flags that reserve the same memory.
+    pub launch_args: Vec<String>,
+}
+
+/// The answer: the model's figures, one row per option, the recommended row, every assumption.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct CapacityPlan {
+    pub model: ModelFigures,
+    pub options: Vec<GpuPlan>,
+    /// Index into `options` of the option that fits with the least GPU memory (this host's
+    /// GPUs first).
+    pub recommended: Option<usize>,
+    pub assumptions: Vec<String>,
+}
+
+/// Works out the plan.
+pub fn plan(r: &PlanRequest) -> Result<CapacityPlan, String> {
+    validate(r)?;
+    let a = &r.arch;
+    let (weights_bytes, weights_note) = weights(r)?;
+    let kv_b = r.kv_dtype.bytes() as u64;
+    let per_layer_token = 2 * a.kv_heads * a.head_dim * kv_b;
+    let naive_per_token = a.layers * 2 * a.attention_heads * a.head_dim * kv_b;
+    let model = ModelFigures {
+        name: r.name.clone(),
+        model_type: a.model_type.clone(),
+        params: a.params.map(|p| p.total()),
+        weights_dtype: match r.weights {
+            Weights::Dtype(d) => Some(d),
+            Weights::Bytes(_) => None,
+        },
+        weights_bytes,
+        kv_dtype: r.kv_dtype,
+        layers: a.layers,
+        attention_heads: a.attention_heads,
+        kv_heads: a.kv_heads,
+        head_dim: a.head_dim,
+        sliding_window: a.sliding_window,
+        sliding_layers: a.sliding_layers,
+        max_model_len: r.max_model_len,
+        kv_bytes_per_token: a.layers * per_layer_token,
+        kv_bytes_per_request: kv_per_request(a, r.max_model_len, per_layer_token),
+        naive_kv_bytes_per_token: naive_per_token,
+        naive_kv_bytes_per_request: naive_per_token * r.max_model_len,
+        concurrency: r.concurrency,
+    };
+    let mut options = Vec::new();
+    for gpu in &r.gpus {
+        if r.tp.is_empty() {
+            options.extend(auto_tp(r, &model, gpu));
+        } else {
+            options.extend(r.tp.iter().map(|&tp| option(r, &model, gpu, tp)));
+        }
+    }
+    let recommended = options
+        .iter()
+        .enumerate()
+        .filter(|(_, o)| o.fits)
+        .min_by_key(|(_, o)| (!o.live, o.gpu_total_bytes * u64::from(o.tp)))
+        .map(|(i, _)| i);
+    let mut assumptions = r.notes.clone();
+    assumptions.push(weights_note);
+    assumptions.extend(general_assumptions(r, &model));
+    Ok(CapacityPlan {
+        model,
+        options,
+        recommended,
+        assumptions,
+    })
+}
+
+fn validate(r: &PlanRequest) -> Result<(), String> {
+    if r.max_model_len == 0 {
+        return Err("--max-model-len must be above 0".into());
+    }
+    if !(r.gpu_memory_utilization > 0.0 && r.gpu_memory_utilization <= 1.0) {
+        return Err(format!(
+            "--gpu-memory-utilization '{}' must be above 0 and at most 1",
+            r.gpu_memory_utilization
+        ));
+    }
+    if let Some(max) = r.arch.max_position_embeddings {
+        if r.max_model_len > max {
+            return Err(format!(
+                "--max-model-len {} is above the model's max_position_embeddings ({max})",
+                r.max_model_len
+            ));
+        }
+    }
+    if r.tp.contains(&0) {
+        return Err("--tp sizes must be above 0".into());
+    }
+    if matches!(r.kv_dtype, Dtype::Int8 | Dtype::Int4) {
+        return Err(format!(
+            "--kv-dtype {}: the KV cache is fp32, bf16, fp16 or fp8",
+            r.kv_dtype
+        ));
+    }
+    if r.concurrency == Some(0) {
+        return Err("--concurrency must be above 0".into());
+    }
+    Ok(())
+}
+
+/// The weights in bytes, and how that was worked out.
+fn weights(r: &PlanRequest) -> Result<(u64, String), String> {
+    let dtype = match r.weights {
+        Weights::Bytes(b) => return Ok((b, format!("weights: {} as given", fmt_bytes(b)))),
+        Weights::Dtype(d) => d,
+    };
+    let Some(p) = r.arch.params else {
+        return Err(
+            "the parameter count is unknown (the config lacks hidden_size, intermediate_size or \
+             vocab_size): give --params or --weights"
+                .into(),
+        );
+    };
+    let high = if dtype.quantized() {
+        2.0
+    } else {
+        dtype.bytes()
+    };
+    let bytes = p.layers as f64 * dtype.bytes() + (p.embeddings + p.vision) as f64 * high;
+    let mut note = format!(
+        "weights: {:.3}B parameters ({:.3}B in the layers, {:.3}B embeddings and output head{}) at {} ({} bytes per parameter)",
+        p.total() as f64 / 1e9,
+        p.layers as f64 / 1e9,
+        p.embeddings as f64 / 1e9,
+        if p.vision > 0 { format!(", {:.3}B vision", p.vision as f64 / 1e9) } else { String::new() },
+        dtype,
+        dtype.bytes()
+    );
+    if dtype.quantized() {
+        note += if p.embeddings + p.vision > 0 {
+            "; embeddings, output head and vision tower stay 16-bit"
+        } else {
+            "; all parameters taken as quantized (no breakdown: 16-bit embeddings would add more)"
+        };
+    }
+    Ok((bytes.ceil() as u64, note))
+}
+
+/// KV bytes of one request of `len` tokens: full layers hold every token, sliding-window
+/// layers at most the window plus one block; each layer's tokens fill whole blocks.
+fn kv_per_request(a: &Architecture, len: u64, per_layer_token: u64) -> u64 {
+    let blocks = |tokens: u64| tokens.div_ceil(BLOCK_TOKENS) * BLOCK_TOKENS;
+    let full_layers = a.layers - a.sliding_layers;
+    let window_tokens = a.sliding_window.map_or(len, |w| len.min(w + BLOCK_TOKENS));
+    (full_layers * blocks(len) + a.sliding_layers * blocks(window_tokens)) * per_layer_token
+}
+
+/// KV heads on each GPU: an even share, or one replicated head per GPU when there are fewer
+/// heads than GPUs. `None` when they do not split.
+fn kv_heads_per_gpu(kv_heads: u64, tp: u64) -> Option<u64> {
+    if kv_heads >= tp {
+        (kv_heads % tp == 0).then_some(kv_heads / tp)
+    } else {
+        (tp % kv_heads == 0).then_some(1)
+    }
+}
+
+/// TP 1, and when that does not fit the smallest of 2, 4, 8 that does (as many as there are);
+/// if none does, TP 1 and the largest tried.
+fn auto_tp(r: &PlanRequest, model: &ModelFigures, gpu: &GpuChoice) -> Vec<GpuPlan> {
+    let one = option(r, model, gpu, 1);
+    if one.fits {
+        return vec![one];
+    }
+    let mut last = None;
+    for tp in AUTO_TP.into_iter().filter(|&tp| tp <= gpu.count) {
+        let o = option(r, model, gpu, tp);
+        if o.fits {
+            return vec![one, o];
+        }
+        last = Some(o);
+    }
+    std::iter::once(one).chain(last).collect()
+}
+
+fn option(r: &PlanRequest, model: &ModelFigures, gpu: &GpuChoice, tp: u32) -> GpuPlan {
+    let a = &r.arch;
+    let tp64 = u64::from(tp);
+    let usable = (gpu.total_bytes as f64 * r.gpu_memory_utilization) as u64;
+    let weights = model.weights_bytes.div_ceil(tp64);
+    let activation = activation_bytes(r, tp64);
+    let overhead =
+        CUDA_CONTEXT_BYTES + if tp > 1 { NCCL_BYTES } else { 0 } + CUDA_GRAPH_BYTES + activation;
+    let heads = kv_heads_per_gpu(a.kv_heads, tp64);
+    let kv_request = heads.map_or(0, |h| {
+        kv_per_request(
+            a,
+            r.max_model_len,
+            2 * h * a.head_dim * r.kv_dtype.bytes() as u64,
+        )
+    });
+    let kv_space = usable.saturating_sub(weights + overhead);
+    let max_requests = kv_space.checked_div(kv_request).unwrap_or(0);
+    let wanted = r.concurrency.unwrap_or(1);
+    let problem = if tp > gpu.count {
+        Some(format!("this host has {} of these GPUs", gpu.count))
+    } else if a.attention_heads % tp64 != 0 || heads.is_none() {
+        Some(format!(
+            "{} attention heads and {} KV heads do not split over {tp} GPUs",
+            a.attention_heads, a.kv_heads
+        ))
+    } else if weights + overhead >= usable {
+        Some(format!(
+            "weights {} + overhead {} exceed {:.0}% of {}",
+            fmt_bytes(weights),
+            fmt_bytes(overhead),
+            r.gpu_memory_utilization * 100.0,
+            fmt_bytes(gpu.total_bytes)
+        ))
+    } else if max_requests < wanted {
+        Some(format!(
+            "the KV cache ({}) holds {max_requests} full-length request(s) of {}, {wanted} wanted",
+            fmt_bytes(kv_space),
+            fmt_bytes(kv_request)
+        ))
+    } else {
+        None
+    };
+    let fits = problem.is_none();
+    let utilization = match r.concurrency {
+        Some(n) if fits => {
+            let need = weights + overhead + n * kv_request;
+            ((need as f64 / gpu.total_bytes as f64) * 100.0).ceil() / 100.0
+        }
+        _ => r.gpu_memory_utilization,
+    }
+    .min(r.gpu_memory_utilization);
+    let seqs = r.concurrency.unwrap_or(max_requests).max(1);
+    let problem = problem.or_else(|| {
+        let engine = (gpu.total_bytes as f64 * utilization) as u64;
+        gpu.free_bytes
+            .filter(|free| *free < engine)
+            .map(|free| format!("only {} free now", fmt_bytes(free)))
+    });
+    let mut o = GpuPlan {
+        gpu: gpu.name.clone(),
+        live: gpu.live,
+        tp,
+        gpu_total_bytes: gpu.total_bytes,
+        gpu_free_bytes: gpu.free_bytes,
+        usable_bytes: usable,
+        weights_bytes: weights,
+        activation_bytes: activation,
+        overhead_bytes: overhead,
+        kv_space_bytes: kv_space,
+        kv_bytes_per_request: kv_request,
+        max_requests,
+        fits,
+        problem,
+        gpu_memory_utilization: utilization,
+        vllm_args: Vec::new(),
+        gpuguard_model: String::new(),
+        launch_args: Vec::new(),
+    };
+    o.vllm_args = vllm_args(r, &o, seqs);
+    let (block, launch) = gpuguard_budget(r, model, &o);
+    o.gpuguard_model = block;
+    o.launch_args = launch;
+    o
+}
+
+/// Activations for one forward pass of `max_num_batched_tokens`: per token the hidden state
+/// and residual (4 × hidden) and the MLP's gate/up/activation outputs (4 × its width, split
+/// over TP), in 16 bits; plus fp32 logits and probabilities for the profiled sequences.
+fn activation_bytes(r: &PlanRequest, tp: u64) -> u64 {
+    let a = &r.arch;
+    match (a.hidden_size, a.mlp_width) {
+        (Some(hidden), Some(width)) => {
+            let per_token = (4 * hidden + 4 * width / tp) * 2;
+            let logits = r.profile_num_seqs * a.vocab_size.unwrap_or(0) * 4 * 2;
+            r.max_num_batched_tokens * per_token + logits
+        }
+        _ => FALLBACK_ACTIVATION_BYTES,
+    }
+}
+
+fn vllm_args(r: &PlanRequest, o: &GpuPlan, seqs: u64) -> Vec<String> {
+    let mut args = vec![
+        "--max-model-len".to_string(),
+        r.max_model_len.to_string(),
+        "--gpu-memory-utilization".into(),
+        format!("{:.2}", o.gpu_memory_utilization),
+        "--max-num-seqs".into(),
+        seqs.to_string(),
+        "--max-num-batched-tokens".into(),
+        r.max_num_batched_tokens.to_string(),
+    ];
+    if o.tp > 1 {
+        args.extend(["--tensor-parallel-size".into(), o.tp.to_string()]);
+    }
+    if r.kv_dtype == Dtype::Fp8 {
+        args.extend(["--kv-cache-dtype".into(), "fp8".into()]);
+    }
+    args
+}
+
+/// Whole GiB, rounded up, as the config writes sizes.
+fn gib_ceil(bytes: u64) -> String {
+    format!("{}GiB", bytes.div_ceil(GIB))
+}
+
+/// The `[[model]]` block and the matching `gpuguard launch` flags.
+fn gpuguard_budget(r: &PlanRequest, model: &ModelFigures, o: &GpuPlan) -> (String, Vec<String>) {
+    let engine = (o.gpu_total_bytes as f64 * o.gpu_memory_utilization) as u64;
+    let gpu = gib_ceil((engine + BUDGET_MARGIN_BYTES) * u64::from(o.tp));
+    // The launch reserves what the engine takes, so GPUGUARD_GPU_MEMORY_FRACTION comes out as
+    // the engine's --gpu-memory-utilization.
+    let launch_gpu = format!("{}MiB", (engine * u64::from(o.tp)) >> 20);
+    let ram = gib_ceil(model.weights_bytes + RAM_PER_PROCESS_BYTES * (u64::from(o.tp) + 1));
+    let name = toml::Value::String(r.name.clone());
+    let block = format!(
+        "[[model]]\n\
+         name = {name}\n\
+         # {tp} × {gpu_name} at gpu_memory_utilization {util:.2}; started with\n\
+         # `gpuguard launch --model {raw} ...`, or match a running server:\n\
+         # match = {{ cmdline = \"vllm serve .*{raw}\" }}\n\
+         # run by a user who is not root or a system account? users = [\"NAME\"]\n\
+         gpu_memory = \"{gpu}\"\n\
+         ram = \"{ram}\"\n\
+         action = \"alert\"\n",
+        tp = o.tp,
+        gpu_name = o.gpu,
+        util = o.gpu_memory_utilization,
+        raw = r.name.replace(['\n', '"'], ""),
+    );
+    let mut launch = vec![
+        "--model".to_string(),
+        r.name.clone(),
+        "--gpu-mem".into(),
+        launch_gpu,
+        "--ram".into(),
+        ram,
+    ];
+    if o.tp > 1 {
+        launch.extend(["--gpus".into(), o.tp.to_string()]);
+    }
+    (block, launch)
+}
+
+fn general_assumptions(r: &PlanRequest, m: &ModelFigures) -> Vec<String> {
+    let a = &r.arch;
+    let mut out = vec![format!(
+        "KV cache: per layer and token 2 (K and V) × {} KV heads × head_dim {} × {} byte(s) ({}) = {}; \
+         handed out in blocks of {BLOCK_TOKENS} tokens",
+        a.kv_heads,
+        a.head_dim,
+        r.kv_dtype.bytes(),
+        r.kv_dtype,
+        fmt_bytes(2 * a.kv_heads * a.head_dim * r.kv_dtype.bytes() as u64)
+    )];
+    if let Some(w) = a.sliding_window {
+        out.push(format!(
+            "sliding-window layers ({} of {}) keep at most {w} + {BLOCK_TOKENS} tokens per request \
+             (vLLM's hybrid KV-cache manager; an engine that gives every layer the full length \
+             needs the naive figure)",
+            a.sliding_layers, a.layers
+        ));
+    }
+    out.push(format!(
+        "naive estimate for comparison: all {} attention heads keep KV, no window: {} per request",
+        a.attention_heads,
+        fmt_bytes(m.naive_kv_bytes_per_request)
+    ));
+    out.push(format!(
+        "overhead per GPU: CUDA context and workspaces {}, NCCL {} with tensor parallelism, CUDA graphs {}, \
+         activations for {} batched tokens: tokens × (4 × hidden + 4 × MLP width / TP) × 2 bytes, \
+         plus fp32 logits and probabilities of {} sequences (2 GiB when the config gives no widths)",
+        fmt_bytes(CUDA_CONTEXT_BYTES),
+        fmt_bytes(NCCL_BYTES),
+        fmt_bytes(CUDA_GRAPH_BYTES),
+        r.max_num_batched_tokens,
+        r.profile_num_seqs
+    ));
+    out.push(format!(
+        "the engine takes gpu_memory_utilization ({:.2}) × each GPU's total for weights, overhead \
+         and KV cache; with --concurrency the flags ask for just enough",
+        r.gpu_memory_utilization
+    ));
+    out.push(
+        "tensor parallelism splits the weights and KV heads evenly (KV heads are replicated when \
+         fewer than GPUs)"
+            .into(),
+    );
+    out.push(
+        "a full-length request holds max_model_len tokens; --max-num-seqs is how many of those \
+         fit, so none is ever preempted (raise it when requests are usually shorter)"
+            .into(),
+    );
+    out.push(format!(
+        "gpuguard budget: the engine's share of each GPU + {} (CUDA graphs can land beyond it), \
+         while `gpuguard launch --gpu-mem` reserves the share itself, so \
+         --gpu-memory-utilization $GPUGUARD_GPU_MEMORY_FRACTION gives the engine the same; \
+         RAM: the weights (read through the page cache while loading) + {} per process (API \
+         server and one worker per GPU)",
+        fmt_bytes(BUDGET_MARGIN_BYTES),
+        fmt_bytes(RAM_PER_PROCESS_BYTES)
+    ));
+    out.push("GPU totals are NVML's: the built-in table's, or this host's as read live".into());
+    out
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,360 @@
+//! The arithmetic against values worked out by hand from public architectures' published numbers
+//! (the fixtures in tests/fixtures/plan are their config.json files), and where the naive
+//! estimate (every attention head, no window) is off.
+
+use super::*;
+
+const MIB: u64 = 1 << 20;
+
+fn fixture(name: &str) -> serde_json::Value {
+    let path = format!(
+        "{}/tests/fixtures/plan/{name}.json",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
+}
+
+fn arch(name: &str) -> (Architecture, Vec<String>) {
+    Architecture::from_hf_config(&fixture(name)).unwrap()
+}
+
+fn h100() -> GpuChoice {
+    let g = gpus::find("h100").unwrap();
+    GpuChoice {
+        name: g.name.into(),
+        total_bytes: g.total_bytes(),
+        free_bytes: None,
+        count: 8,
+        live: false,
+    }
+}
+
+fn request(name: &str, max_model_len: u64) -> PlanRequest {
+    let (arch, notes) = arch(name);
+    PlanRequest {
+        name: name.into(),
+        arch,
+        weights: Weights::Dtype(Dtype::Bf16),
+        kv_dtype: Dtype::Bf16,
+        max_model_len,
+        concurrency: None,
+        tp: vec![1],
+        gpus: vec![h100()],
+        gpu_memory_utilization: 0.9,
+        max_num_batched_tokens: 8192,
+        profile_num_seqs: 256,
+        notes,
+    }
+}
+
+#[test]
+fn llama_3_8b_gqa_matches_the_published_counts() {
+    let (a, _) = arch("llama-3-8b");
+    assert_eq!(
+        (a.layers, a.attention_heads, a.kv_heads, a.head_dim),
+        (32, 32, 8, 128)
+    );
+    // 128256 × 4096 twice (untied) + 32 × (q,o 4096² + k,v 4096×1024 + MLP 3×4096×14336 + norms)
+    // + final norm = 8,030,261,248: Meta's "8.03B".
+    assert_eq!(a.params.unwrap().total(), 8_030_261_248);
+    let p = plan(&request("llama-3-8b", 8192)).unwrap();
+    let m = &p.model;
+    assert_eq!(m.weights_bytes, 16_060_522_496);
+    // 32 layers × 2 × 8 KV heads × 128 × 2 bytes = 128 KiB a token, 1 GiB at 8192 tokens.
+    assert_eq!(m.kv_bytes_per_token, 128 << 10);
+    assert_eq!(m.kv_bytes_per_request, 1 << 30);
+    // Counting all 32 heads (no GQA) is 4× too much.
+    assert_eq!(m.naive_kv_bytes_per_request, 4 << 30);
+}
+
+#[test]
+fn llama_3_8b_on_one_h100_holds_53_full_length_requests() {
+    let p = plan(&request("llama-3-8b", 8192)).unwrap();
+    let o = &p.options[0];
+    // 81,559 MiB × 0.9 = 76,968,728,985 bytes for the engine.
+    assert_eq!(o.usable_bytes, 76_968_728_985);
+    // Activations: 8192 × (4×4096 + 4×14336) × 2 + 256 × 128256 × 8 = 1,470,627,840;
+    // + 1 GiB context + 1 GiB CUDA graphs.
+    assert_eq!(o.activation_bytes, 1_470_627_840);
+    assert_eq!(o.overhead_bytes, 1_470_627_840 + (2 << 30));
+    assert_eq!(
+        o.kv_space_bytes,
+        76_968_728_985 - 16_060_522_496 - 3_618_111_488
+    );
+    // 57,290,095,001 / 1 GiB = 53.4; the naive 4 GiB per request would say 13.
+    assert_eq!(o.max_requests, 53);
+    assert_eq!(o.kv_space_bytes / p.model.naive_kv_bytes_per_request, 13);
+    assert!(o.fits);
+    assert!(o
+        .vllm_args
+        .windows(2)
+        .any(|w| w == ["--max-num-seqs", "53"]));
+    assert!(o
+        .vllm_args
+        .windows(2)
+        .any(|w| w == ["--gpu-memory-utilization", "0.90"]));
+}
+
+#[test]
+fn asking_for_a_concurrency_sizes_the_engine_share_and_the_budget() {
+    let mut r = request("llama-3-8b", 8192);
+    r.concurrency = Some(20);
+    let o = plan(&r).unwrap().options.remove(0);
+    // 16,060,522,496 + 3,618,111,488 + 20 GiB = 41,153,438,464 of 85,520,809,984 = 0.4812 -> 0.49.
+    assert_eq!(o.gpu_memory_utilization, 0.49);
+    assert!(o
+        .vllm_args
+        .windows(2)
+        .any(|w| w == ["--max-num-seqs", "20"]));
+    // Budget: 0.49 × 81,559 MiB + 1 GiB = 40.03 GiB -> 41GiB; RAM 14.96 GiB + 2 × 3 GiB -> 21GiB.
+    assert!(
+        o.gpuguard_model.contains("gpu_memory = \"41GiB\""),
+        "{}",
+        o.gpuguard_model
+    );
+    assert!(
+        o.gpuguard_model.contains("ram = \"21GiB\""),
+        "{}",
+        o.gpuguard_model
+    );
+    let parsed: toml::Table = toml::from_str(&o.gpuguard_model).unwrap();
+    assert_eq!(parsed["model"][0]["name"].as_str(), Some("llama-3-8b"));
+    // The launch reserves the engine's share itself (0.49 × 81,559 MiB = 39,963.9 MiB), so the
+    // GPUGUARD_GPU_MEMORY_FRACTION it gets is the flag's 0.49 (to 4 decimals, rounded down).
+    let want = [
+        "--model",
+        "llama-3-8b",
+        "--gpu-mem",
+        "39963MiB",
+        "--ram",
+        "21GiB",
+    ];
+    assert_eq!(o.launch_args, want);
+
+    r.concurrency = Some(54);
+    let o = plan(&r).unwrap().options.remove(0);
+    assert!(!o.fits);
+    assert!(o
+        .problem
+        .unwrap()
+        .contains("holds 53 full-length request(s)"));
+}
+
+#[test]
+fn mistral_sliding_window_caps_every_layer() {
+    let (a, notes) = arch("mistral-7b-v0.1");
+    assert_eq!(a.params.unwrap().total(), 7_241_732_096, "Mistral's 7.24B");
+    assert_eq!((a.sliding_window, a.sliding_layers), (Some(4096), 32));
+    assert!(notes.iter().any(|n| n.contains("every layer")), "{notes:?}");
+    let m = plan(&request("mistral-7b-v0.1", 32768)).unwrap().model;
+    // Each layer keeps 4096 + one 16-token block: 32 × 4112 × 4 KiB = 514 MiB, not the 4 GiB
+    // of 32768 tokens, nor the naive (all heads, no window) 16 GiB.
+    assert_eq!(m.kv_bytes_per_request, 32 * 4112 * 4096);
+    assert_eq!(m.kv_bytes_per_request, 514 * MIB);
+    assert_eq!(m.kv_bytes_per_token * 32768, 4 << 30);
+    assert_eq!(m.naive_kv_bytes_per_request, 16 << 30);
+    // Shorter than the window: no cap applies.
+    let short = plan(&request("mistral-7b-v0.1", 2048)).unwrap().model;
+    assert_eq!(short.kv_bytes_per_request, 256 * MIB);
+}
+
+#[test]
+fn gemma_2_head_dim_and_every_other_layer_windowed() {
+    let (a, _) = arch("gemma-2-9b");
+    // head_dim 256 explicit: 16 heads × 256 = 4096, not hidden_size 3584.
+    assert_eq!(
+        (a.head_dim, a.kv_heads, a.layers, a.sliding_layers),
+        (256, 8, 42, 21)
+    );
+    // Tied embeddings (transformers' default for gemma2): 9.241B, Google's "9.24B".
+    assert_eq!(a.params.unwrap().total(), 9_241_404_928);
+    let mut r = request("gemma-2-9b", 8192);
+    // Saved as float32: the plan is for what the engine loads (here bf16 as asked).
+    assert_eq!(r.arch.saved_dtype, Some(Dtype::Fp32));
+    r.weights = Weights::Dtype(Dtype::Bf16);
+    let m = plan(&r).unwrap().model;
+    // 21 global layers × 8192 + 21 windowed × 4112 tokens, × 2 × 8 × 256 × 2 bytes.
+    assert_eq!(m.kv_bytes_per_request, (21 * 8192 + 21 * 4112) * 8192);
+    assert_eq!(m.kv_bytes_per_request, 2_116_681_728);
+    // Naive: 42 layers × 16 heads × 256, no window: 5.25 GiB, 2.66× too much.
+    assert_eq!(m.naive_kv_bytes_per_request, 42 * 2 * 16 * 256 * 2 * 8192);
+    // hidden_size-based (2 × layers × hidden): 4.6 GiB, also wrong.
+    assert_ne!(m.kv_bytes_per_token, 2 * 42 * 3584 * 2);
+}
+
+#[test]
+fn gemma_3_multimodal_reads_text_config_and_counts_the_vision_tower() {
+    let (a, notes) = arch("gemma-3-4b-it");
+    assert_eq!(a.model_type, "gemma3_text");
+    assert_eq!((a.layers, a.kv_heads, a.head_dim), (34, 4, 256));
+    // 5 of every 6 layers windowed (1024 tokens): 34 - 34/6 = 29.
+    assert_eq!((a.sliding_window, a.sliding_layers), (Some(1024), 29));
+    // vocab_size and max_position_embeddings are transformers' defaults, and said so.
+    assert_eq!(a.vocab_size, Some(262_208));
+    assert_eq!(a.max_position_embeddings, Some(131_072));
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.contains("vocab_size not in the config")),
+        "{notes:?}"
+    );
+    let p = a.params.unwrap();
+    // Text: 262208 × 2560 (tied) + 34 layers = 3.880B; vision (SigLIP 27 × 1152) = 0.420B:
+    // 4.30B, Google's "4B" card says 4.3B.
+    assert_eq!(p.embeddings + p.layers, 3_880_071_680);
+    assert_eq!(p.vision, 419_815_152);
+    let m = plan(&request("gemma-3-4b-it", 131_072)).unwrap().model;
+    // 5 global layers × 131072 + 29 windowed × 1040 tokens, × 2 × 4 × 256 × 2 bytes = 2.6 GiB;
+    // the naive figure (8 heads, no window) is 34 GiB, 13× too much.
+    assert_eq!(m.kv_bytes_per_request, (5 * 131_072 + 29 * 1040) * 4096);
+    assert_eq!(m.naive_kv_bytes_per_request, 34 << 30);
+    assert_eq!(m.weights_bytes, 4_299_886_832 * 2);
+}
+
+#[test]
+fn mixtral_counts_every_expert_for_weights() {
+    let (a, _) = arch("mixtral-8x7b");
+    assert_eq!(a.params.unwrap().total(), 46_702_792_704, "Mistral's 46.7B");
+    assert_eq!(a.sliding_window, None, "sliding_window: null");
+    // 93 GB of bf16 weights: one 80 GB card never holds it; the plan goes to TP 2.
+    let mut r = request("mixtral-8x7b", 32768);
+    r.tp = Vec::new();
+    let p = plan(&r).unwrap();
+    assert_eq!(p.options.len(), 2);
+    assert!(!p.options[0].fits);
+    assert!(p.options[0]
+        .problem
+        .as_ref()
+        .unwrap()
+        .contains("exceed 90%"));
+    assert_eq!((p.options[1].tp, p.options[1].fits), (2, true));
+    assert_eq!(p.recommended, Some(1));
+    assert!(p.options[1]
+        .vllm_args
+        .windows(2)
+        .any(|w| w == ["--tensor-parallel-size", "2"]));
+}
+
+#[test]
+fn quantized_weights_keep_embeddings_in_16_bits() {
+    let mut r = request("llama-3-8b", 8192);
+    r.weights = Weights::Dtype(Dtype::Int4);
+    let p = plan(&r).unwrap();
+    let layers = 8_030_261_248u64 - 2 * 128_256 * 4096;
+    let want = layers as f64 * (0.5 + 4.0 / 128.0) + (2 * 128_256 * 4096) as f64 * 2.0;
+    assert_eq!(p.model.weights_bytes, want.ceil() as u64);
+    assert!(p.assumptions.iter().any(|a| a.contains("stay 16-bit")));
+}
+
+#[test]
+fn fp8_kv_cache_halves_the_kv_and_adds_the_flag() {
+    let mut r = request("llama-3-8b", 8192);
+    r.kv_dtype = Dtype::Fp8;
+    let p = plan(&r).unwrap();
+    assert_eq!(p.model.kv_bytes_per_request, 512 * MIB);
+    assert!(p.options[0]
+        .vllm_args
+        .ends_with(&["--kv-cache-dtype".into(), "fp8".into()]));
+}
+
+#[test]
+fn tensor_parallel_splits_weights_and_kv_heads_or_replicates_them() {
+    let mut r = request("llama-3-8b", 8192);
+    r.tp = vec![2, 3, 16];
+    let p = plan(&r).unwrap();
+    let (two, three, sixteen) = (&p.options[0], &p.options[1], &p.options[2]);
+    assert_eq!(two.weights_bytes, 16_060_522_496 / 2);
+    assert_eq!(two.kv_bytes_per_request, 512 * MIB);
+    assert!(three
+        .problem
+        .as_ref()
+        .unwrap()
+        .contains("do not split over 3"));
+    assert!(!three.fits);
+    // 8 KV heads over 16 GPUs: one (replicated) head each, so 1/8 of the KV, not 1/16.
+    assert_eq!(sixteen.kv_bytes_per_request, 128 * MIB);
+    assert!(sixteen.problem.as_ref().unwrap().contains("has 8 of these"));
+}
+
+#[test]
+fn this_hosts_free_memory_is_checked() {
+    let mut r = request("llama-3-8b", 8192);
+    r.gpus = vec![GpuChoice {
+        free_bytes: Some(30 << 30),
+        live: true,
+        count: 1,
+        ..h100()
+    }];
+    let o = plan(&r).unwrap().options.remove(0);
+    assert!(o.fits);
+    assert_eq!(o.problem.as_deref(), Some("only 30.0 GiB free now"));
+}
+
+#[test]
+fn explicit_numbers_and_given_weights_need_no_config() {
+    let a = Architecture {
+        model_type: "custom".into(),
+        layers: 40,
+        attention_heads: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        ..Default::default()
+    };
+    let mut r = request("llama-3-8b", 4096);
+    r.arch = a;
+    r.weights = Weights::Bytes(24 << 30);
+    let p = plan(&r).unwrap();
+    // 40 × 2 × 8 × 128 × 2 = 160 KiB a token, 640 MiB at 4096.
+    assert_eq!(p.model.kv_bytes_per_request, 640 * MIB);
+    assert_eq!(p.options[0].activation_bytes, FALLBACK_ACTIVATION_BYTES);
+    r.weights = Weights::Dtype(Dtype::Fp16);
+    assert!(plan(&r).unwrap_err().contains("give --params or --weights"));
+}
+
+#[test]
+fn bad_inputs_are_refused_with_the_value() {
+    let mut r = request("llama-3-8b", 16384);
+    assert!(plan(&r)
+        .unwrap_err()
+        .contains("16384 is above the model's max_position_embeddings (8192)"));
+    r.max_model_len = 8192;
+    r.gpu_memory_utilization = 1.5;
+    assert!(plan(&r).unwrap_err().contains("'1.5'"));
+    let err = Architecture::from_hf_config(
+        &serde_json::json!({"model_type": "x", "num_hidden_layers": "many"}),
+    )
+    .unwrap_err();
+    assert_eq!(err, "num_hidden_layers: '\"many\"' is not a whole number");
+    let err = Architecture::from_hf_config(&serde_json::json!({"model_type": "x"})).unwrap_err();
+    assert!(err.contains("num_hidden_layers is missing"), "{err}");
+    assert!(err.contains("--layers"), "{err}");
+    let err = Architecture::from_hf_config(
+        &serde_json::json!({"kv_lora_rank": 512, "num_hidden_layers": 61}),
+    )
+    .unwrap_err();
+    assert!(err.contains("multi-head latent attention"), "{err}");
+}
+
+#[test]
+fn layer_types_list_which_layers_are_windowed() {
+    let mut config = fixture("llama-3-8b");
+    config["sliding_window"] = 4096.into();
+    let types: Vec<&str> = (0..32)
+        .map(|i| {
+            if i % 4 == 3 {
+                "full_attention"
+            } else {
+                "sliding_attention"
+            }
+        })
+        .collect();
+    config["layer_types"] = serde_json::json!(types);
+    let (a, _) = Architecture::from_hf_config(&config).unwrap();
+    assert_eq!(a.sliding_layers, 24);
+    config["use_sliding_window"] = false.into();
+    let (a, notes) = Architecture::from_hf_config(&config).unwrap();
+    assert_eq!((a.sliding_window, a.sliding_layers), (None, 0));
+    assert!(notes
+        .iter()
+        .any(|n| n.contains("use_sliding_window = false")));
+}

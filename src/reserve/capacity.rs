@@ -1,0 +1,147 @@
+//! What the reservation table knows of the host: published by the daemon loop after every tick
+//! from the snapshot and the policy's attribution, read by every admission in between (the socket
+//! thread admits permits without waiting for the loop).
+
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{Hash, Hasher};
+use std::time::Duration;
+
+use crate::config::Config;
+use crate::policy::{Level, PolicyState, Resource};
+use crate::snapshot::{GpuStatus, ProcessId, Snapshot};
+
+/// The host as admission sees it.
+#[derive(Clone, Debug, Default)]
+pub struct Capacity {
+    pub gpus: Vec<GpuCapacity>,
+    pub ram: RamCapacity,
+    /// Launches wait while this is set (a warn floor is crossed), and this says why.
+    pub launch_pause: Option<String>,
+    /// Each model's current use.
+    pub models: HashMap<String, ModelUse>,
+    /// The model each process belongs to (a permit that names none takes its caller's).
+    pub member_of: HashMap<ProcessId, String>,
+    /// The per-process GPU figures were read in the same NVML pass as `free`: a model's use and
+    /// the GPU's free memory can be set against each other (see `Account::gpu_promised`).
+    pub gpu_consistent: bool,
+    /// When the GPU reading was taken (daemon clock).
+    pub gpu_sampled_at: Option<Duration>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GpuCapacity {
+    pub index: u32,
+    pub uuid: String,
+    pub total: Option<u64>,
+    pub free: Option<u64>,
+    /// The floor admission keeps free: the warn floor, else the act floor, else 0.
+    pub floor: u64,
+    /// False while the GPU's reading is unknown, stale or inconsistent: nothing is placed on it.
+    pub usable: bool,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RamCapacity {
+    pub total: Option<u64>,
+    pub available: Option<u64>,
+    pub floor: u64,
+}
+
+/// A model's use as the latest scan and GPU process lists saw it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ModelUse {
+    pub gpu_bytes: BTreeMap<u32, u64>,
+    /// Some member's GPU use is unavailable: `gpu_bytes` is a lower bound.
+    pub gpu_unknown: bool,
+    pub ram_bytes: u64,
+    /// Changes whenever the set of member processes changes.
+    pub members: u64,
+}
+
+impl ModelUse {
+    pub fn gpu_total_bytes(&self) -> u64 {
+        self.gpu_bytes.values().sum()
+    }
+}
+
+impl Capacity {
+    /// The capacity after a tick: floors resolved against totals, each model's use.
+    pub fn from_tick(config: &Config, snapshot: &Snapshot, state: &PolicyState) -> Capacity {
+        let g = &snapshot.gpus;
+        let gpus_usable = g.status == GpuStatus::Ok && !g.stale;
+        let gpus = g
+            .devices
+            .iter()
+            .map(|d| {
+                let (warn, min) = config.gpu.floor_bytes(d.index, &d.uuid, d.total_bytes);
+                GpuCapacity {
+                    index: d.index,
+                    uuid: d.uuid.clone(),
+                    total: d.total_bytes,
+                    free: d.free_bytes,
+                    floor: warn.or(min).unwrap_or(0),
+                    // Lost, failing or inconsistent (used > total...): nothing is placed on it.
+                    usable: gpus_usable
+                        && d.untrusted().is_none()
+                        && d.free_bytes.is_some()
+                        && d.total_bytes.is_some(),
+                }
+            })
+            .collect();
+        let host = &snapshot.host;
+        let (warn, min) = config.ram.floor_bytes(host.total_bytes);
+        let ram = RamCapacity {
+            total: host.total_bytes,
+            available: host.available_bytes,
+            floor: warn.or(min).unwrap_or(0),
+        };
+        let launch_pause = state
+            .levels
+            .iter()
+            .find(|(_, l)| matches!(l, Level::Warn | Level::Act))
+            .map(|(r, _)| match r {
+                Resource::Ram | Resource::Gpu(_) => {
+                    format!("{r} is below its warn floor; launches pause until it recovers")
+                }
+            });
+        let procs = &snapshot.processes.processes;
+        let mut models = HashMap::new();
+        let mut member_of = HashMap::new();
+        for usage in &state.attribution.models {
+            let mut members = std::collections::hash_map::DefaultHasher::new();
+            for &i in &usage.members {
+                if let Some(p) = procs.get(i) {
+                    p.id().hash(&mut members);
+                    member_of.insert(p.id(), usage.name.clone());
+                }
+            }
+            models.insert(
+                usage.name.clone(),
+                ModelUse {
+                    gpu_bytes: usage.gpu_bytes.clone(),
+                    gpu_unknown: usage.gpu_unknown,
+                    ram_bytes: usage.rss_bytes,
+                    members: members.finish(),
+                },
+            );
+        }
+        Capacity {
+            gpus,
+            ram,
+            launch_pause,
+            models,
+            member_of,
+            gpu_consistent: g.processes_fresh && g.devices.iter().all(|d| d.processes_steady),
+            gpu_sampled_at: g.sampled_at,
+        }
+    }
+
+    pub fn gpu(&self, index: u32) -> Option<&GpuCapacity> {
+        self.gpus.iter().find(|g| g.index == index)
+    }
+
+    /// The largest GPU's memory (a `%` GPU size is a share of it).
+    pub fn largest_gpu_bytes(&self) -> Option<u64> {
+        self.gpus.iter().filter_map(|g| g.total).max()
+    }
+}

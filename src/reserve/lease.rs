@@ -1,0 +1,234 @@
+//! What a launch adds to a reservation: the lease of an admitted model server, which holds the
+//! launch lock until the server is ready (its ready URL answers, or its memory grew and stayed
+//! flat for `settle`, or `gpuguard release`, or the ready timeout), the environment the server is
+//! started with, and the poller of its ready URL (which stops when the lease stops loading).
+
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::units::fmt_bytes;
+
+/// Memory counts as "flat" while it moves by less than this between ticks.
+const FLAT_BYTES: u64 = 64 << 20;
+/// Memory counts as "grown" once the model holds this much more than when it was admitted.
+const GROWN_BYTES: u64 = 64 << 20;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LeaseState {
+    /// Holds the launch lock and its memory reservation.
+    Loading,
+    /// Loaded: the model's memory is its own; the lease only keeps its process in the model.
+    Ready,
+}
+
+pub struct Lease {
+    pub model: String,
+    /// The launched process (it `exec`s the server: same pid), pinned when it connected.
+    pub pidfd: Arc<OwnedFd>,
+    pub state: LeaseState,
+    pub ready_timeout: Duration,
+    /// Whether it is judged by GPU memory (it declared some) or by RAM.
+    pub by_gpu: bool,
+    pub command: String,
+    ready_url: Option<ReadyUrl>,
+    usage_at_admission: u64,
+    last_usage: u64,
+    stable_since: Duration,
+}
+
+/// What a new lease is made of.
+pub struct NewLease {
+    pub model: String,
+    pub pidfd: Arc<OwnedFd>,
+    pub ready_timeout: Duration,
+    pub by_gpu: bool,
+    pub command: String,
+    pub ready_url: Option<String>,
+}
+
+impl Lease {
+    /// A lease admitted at `now`, when its model used `usage` (GPU or RAM, as it is judged).
+    pub fn new(spec: NewLease, usage: u64, now: Duration) -> Lease {
+        Lease {
+            model: spec.model,
+            pidfd: spec.pidfd,
+            state: LeaseState::Loading,
+            ready_timeout: spec.ready_timeout,
+            by_gpu: spec.by_gpu,
+            command: spec.command,
+            ready_url: spec.ready_url.map(ReadyUrl::start),
+            usage_at_admission: usage,
+            last_usage: usage,
+            stable_since: now,
+        }
+    }
+
+    /// Ready now? Returns how it became so (`not ready ...` when the timeout decided).
+    /// `usage` is the model's GPU (or RAM) use now, `admitted_at` when the lease began.
+    pub fn readiness(
+        &mut self,
+        usage: u64,
+        now: Duration,
+        admitted_at: Duration,
+        settle: Duration,
+    ) -> Option<String> {
+        if self.ready_url.as_ref().is_some_and(ReadyUrl::answered) {
+            return Some("ready URL answered".into());
+        }
+        if usage.abs_diff(self.last_usage) > FLAT_BYTES {
+            self.last_usage = usage;
+            self.stable_since = now;
+        }
+        let grown = usage.saturating_sub(self.usage_at_admission);
+        if self.ready_url.is_none()
+            && grown >= GROWN_BYTES
+            && now.saturating_sub(self.stable_since) >= settle
+        {
+            let what = if self.by_gpu { "GPU memory" } else { "RAM" };
+            return Some(format!(
+                "{what} grew by {} and stayed flat for {}",
+                fmt_bytes(grown),
+                humantime::format_duration(settle)
+            ));
+        }
+        if now.saturating_sub(admitted_at) >= self.ready_timeout {
+            return Some(format!(
+                "not ready after ready_timeout {}",
+                humantime::format_duration(self.ready_timeout)
+            ));
+        }
+        None
+    }
+
+    /// Loaded (or given up on): the lock and the reservation end, the URL poller stops.
+    pub fn set_ready(&mut self) {
+        self.state = LeaseState::Ready;
+        self.ready_url = None;
+    }
+}
+
+/// Polls a readiness URL on a thread of its own until it answers 2xx or is dropped.
+struct ReadyUrl {
+    answered: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+}
+
+impl ReadyUrl {
+    fn start(url: String) -> ReadyUrl {
+        let answered = Arc::new(AtomicBool::new(false));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (flag, quit) = (answered.clone(), stop.clone());
+        let agent = crate::http::agent(Duration::from_secs(2));
+        let spawned = std::thread::Builder::new()
+            .name("ready-url".into())
+            .spawn(move || {
+                while !quit.load(Ordering::Relaxed) {
+                    if let Ok(response) = agent.get(&url).call() {
+                        if response.status().is_success() {
+                            flag.store(true, Ordering::Relaxed);
+                            return;
+                        }
+                    }
+                    std::thread::sleep(Duration::from_millis(250));
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!("cannot poll a ready URL: {e}");
+        }
+        ReadyUrl { answered, stop }
+    }
+
+    fn answered(&self) -> bool {
+        self.answered.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for ReadyUrl {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Whether a ready-URL poller thread runs for this lease (tests count them through status).
+impl Lease {
+    pub fn polling(&self) -> bool {
+        self.ready_url.is_some()
+    }
+}
+
+/// The ready URL of a known model server, from its command line, when the launch named none:
+/// vLLM (`vllm serve`, `vllm.entrypoints`), SGLang (`sglang.launch_server`) and TGI
+/// (`text-generation-launcher`) answer `GET /health` once loaded, KV cache allocated.
+pub fn guess_ready_url(command: &[String]) -> Option<String> {
+    let joined = command.join(" ");
+    let (default_port, known) = if joined.contains("vllm serve")
+        || joined.contains("vllm.entrypoints")
+        || command
+            .first()
+            .is_some_and(|c| c.ends_with("/vllm") || c == "vllm")
+            && command.get(1).is_some_and(|a| a == "serve")
+    {
+        (8000, true)
+    } else if joined.contains("sglang.launch_server") {
+        (30000, true)
+    } else if command
+        .first()
+        .is_some_and(|c| c.ends_with("text-generation-launcher"))
+    {
+        (80, true)
+    } else {
+        (0, false)
+    };
+    if !known {
+        return None;
+    }
+    let value = |flag: &str| {
+        command.iter().enumerate().find_map(|(i, a)| {
+            a.strip_prefix(&format!("{flag}="))
+                .map(str::to_string)
+                .or_else(|| (a == flag).then(|| command.get(i + 1).cloned()).flatten())
+        })
+    };
+    let port: u16 = value("--port")
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(default_port);
+    // A server bound to all interfaces answers on loopback too.
+    let host = match value("--host").as_deref() {
+        None | Some("0.0.0.0") | Some("::") | Some("") => "127.0.0.1".to_string(),
+        Some(h) if h.contains(':') => format!("[{h}]"),
+        Some(h) => h.to_string(),
+    };
+    Some(format!("http://{host}:{port}/health"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(text: &str) -> Vec<String> {
+        text.split_whitespace().map(str::to_string).collect()
+    }
+
+    #[test]
+    fn known_servers_get_their_health_url() {
+        assert_eq!(
+            guess_ready_url(&args(
+                "/opt/vllm/bin/vllm serve Qwen/Qwen2.5-32B --port 8001"
+            )),
+            Some("http://127.0.0.1:8001/health".into())
+        );
+        assert_eq!(
+            guess_ready_url(&args(
+                "python3 -m vllm.entrypoints.openai.api_server --host=10.0.0.5"
+            )),
+            Some("http://10.0.0.5:8000/health".into())
+        );
+        assert_eq!(
+            guess_ready_url(&args("python -m sglang.launch_server --model-path x")),
+            Some("http://127.0.0.1:30000/health".into())
+        );
+        assert_eq!(guess_ready_url(&args("python3 train.py --port 9")), None);
+    }
+}

@@ -1,0 +1,2008 @@
+//! Reservations: a launch lease and a request permit are one thing. Each is an amount of GPU
+//! memory (on GPUs it is placed on, like launches) and/or host RAM, reserved against live free
+//! memory minus the floors minus every other outstanding reservation, owned by a client whose
+//! identity was pinned when it connected, and ended by release, by the owner's death or closed
+//! connection, or by a TTL. One admission function (`policy::admission::place`) decides both.
+//!
+//! The table lives behind a mutex shared by the socket thread (which admits and releases permits
+//! at once, without waiting for the control loop) and the control loop (which publishes the
+//! capacity after every tick, watches launched servers load, and takes the events and the
+//! registrations the table wants applied). Every method is short and does no I/O but sending on
+//! a client's reply channel; time comes in as the daemon clock (`now`).
+//!
+//! Bounds: connections per uid and in all, launches per uid, permits held and waiting per uid,
+//! waiting requests per pool, the TTL and timeout of each request, the length of every string.
+//! Whatever local users send, the table's size stays proportional to those caps.
+
+pub mod account;
+pub mod capacity;
+pub mod lease;
+
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::mpsc::Sender;
+use tokio::sync::Notify;
+
+use crate::config::{Config, ModelAction, ModelConfig, User, Users};
+use crate::ipc::peer::Peer;
+use crate::ipc::{
+    check_model_name, check_url, AcquireRequest, Free, LaunchRequest, Needed, RefusalReason,
+    Response,
+};
+use crate::policy::admission::{place, Demand, Fit, GpuRoom, RamRoom, Shortfall};
+use crate::policy::{About, Event, Severity};
+use crate::snapshot::ProcessId;
+use crate::status::{LeaseRow, PermitPoolRow, QueuedRow};
+use crate::units::{fmt_bytes, Amount};
+
+use account::{Account, SAMPLES_FOR_DEFAULT};
+pub use capacity::Capacity;
+use lease::{Lease, LeaseState, NewLease};
+
+/// A connection to the socket, numbered by the server.
+pub type ConnId = u64;
+
+/// A pool of reservations: a model's, or (`None`) the host-wide pool of permits of no model.
+pub type Pool = Option<String>;
+
+/// Events kept between two ticks of the loop; beyond it they are counted, not kept.
+const MAX_EVENTS: usize = 256;
+/// Sizes above this are nonsense on any host (a petabyte of GPU memory).
+const MAX_BYTES: u64 = 1 << 50;
+/// Words and bytes of a launch command kept for status and logs.
+const MAX_COMMAND_WORDS: usize = 64;
+const MAX_COMMAND_BYTES: usize = 4096;
+
+struct Conn {
+    uid: u32,
+    /// When it connected: its GPU admissions wait for a reading taken after that.
+    since: Duration,
+    peer: Option<Peer>,
+    reply: Option<Sender<Response>>,
+    /// Woken when answers pile up unread: the server then closes the connection.
+    overflow: Arc<Notify>,
+    permits: usize,
+    waiting: usize,
+}
+
+#[derive(Default)]
+struct UidUse {
+    connections: usize,
+    /// Permits held plus permit requests waiting.
+    permits: usize,
+    /// Launches waiting or loading.
+    launches: usize,
+}
+
+/// A request waiting for memory.
+struct Waiter {
+    conn: ConnId,
+    /// The client's number for it (launches: 0).
+    id: u64,
+    peer: Peer,
+    pool: Pool,
+    demand: Demand,
+    arrived: Duration,
+    deadline: Duration,
+    /// A GPU demand is decided on a reading taken after this (its connection's start).
+    fresh_after: Duration,
+    wanted: Wanted,
+    /// Why it is waiting, last time it was looked at.
+    waiting_for: String,
+    /// A launch was told it is queued (once).
+    told: bool,
+}
+
+enum Wanted {
+    Permit { ttl: Duration },
+    Launch(Box<LaunchWait>),
+}
+
+struct LaunchWait {
+    request: LaunchRequest,
+    pidfd: Arc<OwnedFd>,
+    ready_timeout: Duration,
+    queue_timeout: Duration,
+}
+
+/// Something granted.
+struct Holding {
+    pool: Pool,
+    peer: Peer,
+    gpus: Vec<u32>,
+    gpu_bytes_per_gpu: u64,
+    ram_bytes: u64,
+    granted_at: Duration,
+    kind: Held,
+}
+
+enum Held {
+    Permit { conn: ConnId, expires_at: Duration },
+    Lease(Box<Lease>),
+}
+
+impl Holding {
+    /// Whether it still reserves memory (a lease stops when its model is ready).
+    fn reserving(&self) -> bool {
+        match &self.kind {
+            Held::Permit { .. } => true,
+            Held::Lease(l) => l.state == LeaseState::Loading,
+        }
+    }
+}
+
+/// What the loop applies after a tick.
+#[derive(Default)]
+pub struct TickReport {
+    pub events: Vec<Event>,
+    /// Launched processes and the model each belongs to (the whole set, not a change).
+    pub registered: HashMap<ProcessId, String>,
+    /// Launched models that have no `[[model]]`: their budgets come from the launch.
+    pub launched_models: Vec<ModelConfig>,
+}
+
+/// What `status` shows of the table.
+#[derive(Default)]
+pub struct Rows {
+    pub queue: Vec<QueuedRow>,
+    pub leases: Vec<LeaseRow>,
+    pub permits: Vec<PermitPoolRow>,
+}
+
+/// Counts the metrics read (per pool, since start).
+#[derive(Clone, Debug, Default)]
+pub struct PoolFigures {
+    pub pool: String,
+    pub held: usize,
+    pub waiting: usize,
+    pub reserved_gpu_bytes: u64,
+    pub reserved_ram_bytes: u64,
+    pub granted: u64,
+    pub refused: u64,
+    pub expired: u64,
+    pub observed_p50_bytes: Option<u64>,
+    pub observed_p95_bytes: Option<u64>,
+}
+
+/// A launched model with no `[[model]]`: who launched it and what it declared.
+struct Launched {
+    owner: u32,
+    need: Demand,
+    /// The engine's metrics URL given at launch.
+    metrics_url: Option<String>,
+}
+
+pub struct Reservations {
+    config: Config,
+    capacity: Capacity,
+    pools: BTreeMap<Pool, Account>,
+    /// Permit requests waiting, per pool, first come first served.
+    waiting: BTreeMap<Pool, VecDeque<Waiter>>,
+    launch_queue: VecDeque<Waiter>,
+    holdings: HashMap<u64, Holding>,
+    conns: HashMap<ConnId, Conn>,
+    uids: HashMap<u32, UidUse>,
+    launched: BTreeMap<String, Launched>,
+    next_id: u64,
+    events: Vec<Event>,
+    events_dropped: u64,
+}
+
+fn model_label(pool: &Pool) -> String {
+    pool.clone().unwrap_or_else(|| "(host)".into())
+}
+
+fn ms(d: Duration) -> u64 {
+    d.as_millis().min(u64::MAX as u128) as u64
+}
+
+impl Reservations {
+    pub fn new(config: Config) -> Reservations {
+        Reservations {
+            config,
+            capacity: Capacity::default(),
+            pools: BTreeMap::new(),
+            waiting: BTreeMap::new(),
+            launch_queue: VecDeque::new(),
+            holdings: HashMap::new(),
+            conns: HashMap::new(),
+            uids: HashMap::new(),
+            launched: BTreeMap::new(),
+            next_id: 0,
+            events: Vec::new(),
+            events_dropped: 0,
+        }
+    }
+
+    /// A reloaded config: new limits, users and sizes apply to new requests.
+    pub fn configure(&mut self, config: Config) {
+        self.config = config;
+    }
+
+    fn event(&mut self, e: Event) {
+        if self.events.len() < MAX_EVENTS {
+            self.events.push(e);
+        } else {
+            self.events_dropped += 1;
+        }
+    }
+
+    fn new_id(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    // --- connections ---------------------------------------------------------------------------
+
+    /// A new connection from `uid`: refused when it would pass a connection cap.
+    pub fn connect(&mut self, conn: ConnId, uid: u32, now: Duration) -> Result<(), String> {
+        let c = &self.config.clients;
+        if self.conns.len() >= c.max_connections {
+            return Err(format!(
+                "{} connections open (clients.max_connections)",
+                self.conns.len()
+            ));
+        }
+        let used = self.uids.entry(uid).or_default();
+        if used.connections >= c.max_connections_per_uid {
+            return Err(format!(
+                "uid {uid} has {} connections open (clients.max_connections_per_uid)",
+                used.connections
+            ));
+        }
+        used.connections += 1;
+        self.conns.insert(
+            conn,
+            Conn {
+                uid,
+                since: now,
+                peer: None,
+                reply: None,
+                overflow: Arc::new(Notify::new()),
+                permits: 0,
+                waiting: 0,
+            },
+        );
+        Ok(())
+    }
+
+    /// The connection's pinned identity and where its answers go. Returns what wakes when the
+    /// client leaves its answers unread (the connection must then be closed).
+    pub fn attach(&mut self, conn: ConnId, peer: Peer, reply: Sender<Response>) -> Arc<Notify> {
+        match self.conns.get_mut(&conn) {
+            Some(c) => {
+                c.peer = Some(peer);
+                c.reply = Some(reply);
+                c.overflow.clone()
+            }
+            None => Arc::new(Notify::new()),
+        }
+    }
+
+    /// How long a connection that holds nothing may stay silent.
+    pub fn idle_timeout(&self) -> Duration {
+        self.config.clients.idle_timeout
+    }
+
+    /// True while the connection holds a permit or waits for something: it is not idle.
+    pub fn engaged(&self, conn: ConnId) -> bool {
+        self.conns
+            .get(&conn)
+            .is_some_and(|c| c.permits > 0 || c.waiting > 0)
+            || self.launch_queue.iter().any(|w| w.conn == conn)
+    }
+
+    /// The connection closed: its permits end, its requests stop waiting.
+    pub fn disconnect(&mut self, conn: ConnId, now: Duration) {
+        let Some(c) = self.conns.remove(&conn) else {
+            return;
+        };
+        if let Some(used) = self.uids.get_mut(&c.uid) {
+            used.connections = used.connections.saturating_sub(1);
+        }
+        let held: Vec<u64> = self
+            .holdings
+            .iter()
+            .filter(|(_, h)| matches!(h.kind, Held::Permit { conn: hc, .. } if hc == conn))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in held {
+            self.end_permit(id, now);
+        }
+        for queue in self.waiting.values_mut() {
+            queue.retain(|w| w.conn != conn);
+        }
+        let mut gone = Vec::new();
+        self.launch_queue.retain(|w| {
+            let keep = w.conn != conn;
+            if !keep {
+                gone.push((w.peer, model_label(&w.pool)));
+            }
+            keep
+        });
+        for (peer, model) in gone {
+            self.uid_use(peer.uid).launches = self.uid_use(peer.uid).launches.saturating_sub(1);
+            tracing::info!(
+                "launch of model '{model}' by pid {} left the queue (caller hung up)",
+                peer.pid
+            );
+        }
+        self.recount_waiting(c.uid);
+        self.admit_waiting(now);
+    }
+
+    fn uid_use(&mut self, uid: u32) -> &mut UidUse {
+        self.uids.entry(uid).or_default()
+    }
+
+    /// Recounts one uid's waiting permit requests (after waiters were dropped wholesale).
+    fn recount_waiting(&mut self, uid: u32) {
+        let waiting: usize = self
+            .waiting
+            .values()
+            .flatten()
+            .filter(|w| w.peer.uid == uid)
+            .count();
+        let held = self
+            .holdings
+            .values()
+            .filter(|h| h.peer.uid == uid && matches!(h.kind, Held::Permit { .. }))
+            .count();
+        self.uid_use(uid).permits = waiting + held;
+        self.uids
+            .retain(|_, u| u.connections + u.permits + u.launches > 0);
+    }
+
+    // --- pools and rooms -----------------------------------------------------------------------
+
+    /// A pool's books; a new one starts from the pool's use now (its baseline).
+    fn account(&mut self, pool: &Pool) -> &mut Account {
+        let capacity = &self.capacity;
+        self.pools.entry(pool.clone()).or_insert_with(|| {
+            let mut account = Account::default();
+            account.observe(
+                pool.as_ref().and_then(|n| capacity.models.get(n)),
+                capacity.gpu_consistent,
+            );
+            account
+        })
+    }
+
+    fn model_config(&self, name: &str) -> Option<Cow<'_, ModelConfig>> {
+        self.config.model(name).map(Cow::Borrowed).or_else(|| {
+            self.launched
+                .get(name)
+                .map(|l| Cow::Owned(launched_model_config(name, l)))
+        })
+    }
+
+    /// Who may act for a model (launch it, take its permits), if it exists.
+    fn users_of(&self, name: &str) -> Option<Users> {
+        self.model_config(name).map(|m| m.allowed_users())
+    }
+
+    /// The room for `pool` on every GPU and in RAM.
+    fn rooms(&self, pool: &Pool) -> (Vec<GpuRoom>, RamRoom) {
+        let consistent = self.capacity.gpu_consistent;
+        let own = self.pools.get(pool);
+        let gpus = self
+            .capacity
+            .gpus
+            .iter()
+            .map(|g| {
+                let others: i64 = self
+                    .pools
+                    .iter()
+                    .filter(|(p, _)| *p != pool)
+                    .map(|(_, a)| a.gpu_promised(g.index, consistent).max(0))
+                    .sum();
+                let mine = own.map_or(0, |a| a.gpu_promised(g.index, consistent));
+                let room = (g.usable)
+                    .then(|| g.free.map(|f| f as i64 - g.floor as i64 - others - mine))
+                    .flatten();
+                GpuRoom {
+                    index: g.index,
+                    room,
+                    ceiling: g.total.map(|t| t.saturating_sub(g.floor)),
+                    free: g.free.filter(|_| g.usable),
+                    floor: g.floor,
+                    promised: (others + mine.max(0)) as u64,
+                    preferred: own.is_some_and(|a| a.on_gpu(g.index)),
+                }
+            })
+            .collect();
+        let ram = &self.capacity.ram;
+        let others: i64 = self
+            .pools
+            .iter()
+            .filter(|(p, _)| *p != pool)
+            .map(|(_, a)| a.ram_promised())
+            .sum();
+        let mine = own.map_or(0, |a| a.ram_promised());
+        let ram_room = RamRoom {
+            room: ram
+                .available
+                .map(|a| a as i64 - ram.floor as i64 - others - mine),
+            ceiling: ram.total.map(|t| t.saturating_sub(ram.floor)),
+            available: ram.available,
+            floor: ram.floor,
+            promised: (others + mine) as u64,
+        };
+        (gpus, ram_room)
+    }
+
+    /// Does `demand` fit `pool` now: its model's slots and budget, then the memory.
+    fn fit(&self, pool: &Pool, demand: &Demand, permit: bool) -> Fit {
+        if let Some(name) = pool {
+            if let Some(model) = self.model_config(name) {
+                if let Some(f) = self.budget_fit(name, &model, demand, permit) {
+                    return f;
+                }
+            }
+        }
+        let (gpus, ram) = self.rooms(pool);
+        place(demand, &gpus, &ram)
+    }
+
+    /// `fit`, on a GPU reading taken after `fresh_after` only (the request's connection's
+    /// start): memory a client allocated before it asked (weights it just loaded) is in the
+    /// reading its requests are decided on.
+    fn fit_fresh(&self, pool: &Pool, demand: &Demand, permit: bool, fresh_after: Duration) -> Fit {
+        match self.fit(pool, demand, permit) {
+            Fit::Now { .. } if self.stale_for(demand, fresh_after) => Fit::Later(Shortfall {
+                message: "a GPU reading newer than the request".into(),
+                ..Default::default()
+            }),
+            fit => fit,
+        }
+    }
+
+    fn stale_for(&self, demand: &Demand, fresh_after: Duration) -> bool {
+        demand.gpus_wanted() > 0 && self.capacity.gpu_sampled_at.is_none_or(|t| t < fresh_after)
+    }
+
+    /// True while a request waits only for a GPU reading newer than itself: the loop then has
+    /// one taken at once.
+    pub fn wants_fresh_gpu(&self) -> bool {
+        self.waiting
+            .values()
+            .filter_map(VecDeque::front)
+            .chain(self.launch_queue.front())
+            .any(|w| self.stale_for(&w.demand, w.fresh_after))
+    }
+
+    /// A model's `max_permits` and budget, before the memory: `None` when they allow it.
+    fn budget_fit(
+        &self,
+        name: &str,
+        model: &ModelConfig,
+        demand: &Demand,
+        permit: bool,
+    ) -> Option<Fit> {
+        let account = self.pools.get(&Some(name.to_string()));
+        if permit {
+            if let Some(max) = model.max_permits {
+                let held = account.map_or(0, |a| a.permits_held);
+                if held >= max as usize {
+                    return Some(Fit::Later(Shortfall {
+                        message: format!(
+                            "model '{name}': {held} of max_permits {max} permits held"
+                        ),
+                        ..Default::default()
+                    }));
+                }
+            }
+        }
+        let (ram_budget, gpu_budget) =
+            model.budget_bytes(self.capacity.ram.total, self.capacity.largest_gpu_bytes());
+        let check = |budget: Option<u64>, committed: u64, asked: u64, what: &str| {
+            let budget = budget?;
+            if asked == 0 || committed + asked <= budget {
+                return None;
+            }
+            let shortfall = Shortfall {
+                message: format!(
+                    "model '{name}': {what} {} committed + {} asked > budget {}",
+                    fmt_bytes(committed),
+                    fmt_bytes(asked),
+                    fmt_bytes(budget)
+                ),
+                ..Default::default()
+            };
+            Some(if asked > budget {
+                Fit::Never(shortfall)
+            } else {
+                Fit::Later(shortfall)
+            })
+        };
+        check(
+            gpu_budget,
+            account.map_or(0, Account::gpu_committed),
+            demand.gpu_bytes_total(),
+            "GPU memory",
+        )
+        .or_else(|| {
+            check(
+                ram_budget,
+                account.map_or(0, Account::ram_committed),
+                demand.ram_bytes,
+                "RAM",
+            )
+        })
+    }
+
+    // --- permits -------------------------------------------------------------------------------
+
+    /// A permit request. Answers at once (granted or refused), or `None`: it waits, and its
+    /// answer goes out on the connection's reply channel.
+    pub fn acquire(
+        &mut self,
+        conn: ConnId,
+        request: AcquireRequest,
+        now: Duration,
+    ) -> Option<Response> {
+        let id = request.id;
+        let refuse = |reason, message| Some(Response::refused(Some(id), reason, message));
+        let Some(peer) = self.conns.get(&conn).and_then(|c| c.peer) else {
+            return refuse(RefusalReason::Invalid, "connection not ready".into());
+        };
+        let pool = match self.permit_pool(&peer, request.model.as_deref()) {
+            Ok(pool) => pool,
+            Err((reason, message)) => return refuse(reason, message),
+        };
+        let (demand, ttl, timeout) = match self.permit_demand(&pool, &request) {
+            Ok(d) => d,
+            Err(message) => return refuse(RefusalReason::Invalid, message),
+        };
+        let duplicate = self
+            .waiting
+            .values()
+            .flatten()
+            .any(|w| w.conn == conn && w.id == id);
+        if duplicate {
+            return refuse(
+                RefusalReason::Invalid,
+                format!("request id {id} is already waiting on this connection"),
+            );
+        }
+        let limits = self.config.permits.clone();
+        if self.uid_use(peer.uid).permits >= limits.max_per_uid {
+            let message = format!(
+                "uid {} holds or waits for {} permits (permits.max_per_uid)",
+                peer.uid, limits.max_per_uid
+            );
+            return Some(self.refusal(id, &pool, &demand, RefusalReason::QueueFull, message));
+        }
+        let total: usize = self.uids.values().map(|u| u.permits).sum();
+        if total >= limits.max_total {
+            let message = format!("{total} permits held or waiting (permits.max_total)");
+            return Some(self.refusal(id, &pool, &demand, RefusalReason::QueueFull, message));
+        }
+        let queued = self.waiting.get(&pool).map_or(0, VecDeque::len);
+        let fresh_after = self.conns.get(&conn).map_or(now, |c| c.since);
+        let fit = match self.fit_fresh(&pool, &demand, true, fresh_after) {
+            // First come, first served: nobody overtakes a request of the same pool that waits.
+            Fit::Now { .. } if queued > 0 => Fit::Later(Shortfall {
+                message: format!("{queued} request(s) of this model wait ahead"),
+                ..Default::default()
+            }),
+            fit => fit,
+        };
+        match fit {
+            Fit::Now { gpus } => {
+                self.uid_use(peer.uid).permits += 1;
+                Some(self.grant(conn, id, peer, pool, &demand, gpus, ttl, now, now))
+            }
+            Fit::Never(s) => {
+                let message = format!("{}: can never fit: {}", model_label(&pool), s.message);
+                Some(self.refusal_with(id, &pool, &demand, RefusalReason::TooLarge, message, &s))
+            }
+            Fit::Later(s) => {
+                if queued >= limits.queue {
+                    let reason = if s.message.contains("max_permits") {
+                        RefusalReason::MaxPermits
+                    } else {
+                        RefusalReason::QueueFull
+                    };
+                    let message = format!(
+                        "{}: {queued} requests wait already (permits.queue); {}",
+                        model_label(&pool),
+                        s.message
+                    );
+                    return Some(self.refusal_with(id, &pool, &demand, reason, message, &s));
+                }
+                if let Some(c) = self.conns.get_mut(&conn) {
+                    c.waiting += 1;
+                }
+                self.uid_use(peer.uid).permits += 1;
+                self.waiting
+                    .entry(pool.clone())
+                    .or_default()
+                    .push_back(Waiter {
+                        conn,
+                        id,
+                        peer,
+                        pool,
+                        demand,
+                        arrived: now,
+                        deadline: now + timeout,
+                        fresh_after,
+                        wanted: Wanted::Permit { ttl },
+                        waiting_for: s.message,
+                        told: true,
+                    });
+                None
+            }
+        }
+    }
+
+    /// The pool a permit request belongs to, if the caller may use it.
+    fn permit_pool(
+        &self,
+        peer: &Peer,
+        model: Option<&str>,
+    ) -> Result<Pool, (RefusalReason, String)> {
+        let own = self.capacity.member_of.get(&peer.process()).cloned();
+        let Some(name) = model else {
+            return Ok(own);
+        };
+        check_model_name(name).map_err(|e| (RefusalReason::Invalid, e))?;
+        let Some(users) = self.users_of(name) else {
+            return Err((
+                RefusalReason::Invalid,
+                format!("no model '{name}' (not in the config, not launched)"),
+            ));
+        };
+        if users.may_act(peer.uid) || own.as_deref() == Some(name) {
+            Ok(Some(name.to_string()))
+        } else {
+            Err((
+                RefusalReason::NotAllowed,
+                format!(
+                    "uid {} may not take permits for model '{name}' (not one of its users)",
+                    peer.uid
+                ),
+            ))
+        }
+    }
+
+    /// What a permit request asks for, with its defaults and caps applied.
+    fn permit_demand(
+        &self,
+        pool: &Pool,
+        r: &AcquireRequest,
+    ) -> Result<(Demand, Duration, Duration), String> {
+        let limits = &self.config.permits;
+        let gpu_bytes = match r.gpu_bytes {
+            Some(b) => b,
+            None => self.default_permit_size(pool),
+        };
+        let ram_bytes = r.ram_bytes.unwrap_or(0);
+        if gpu_bytes > MAX_BYTES || ram_bytes > MAX_BYTES {
+            return Err("gpu_bytes and ram_bytes must be below 1 PiB".into());
+        }
+        let ttl = r
+            .ttl_ms
+            .map_or(limits.default_ttl, Duration::from_millis)
+            .min(limits.max_ttl);
+        let timeout = r
+            .timeout_ms
+            .map_or(limits.default_timeout, Duration::from_millis)
+            .min(limits.max_timeout);
+        let demand = Demand {
+            gpu_bytes_per_gpu: gpu_bytes,
+            gpu_count: u32::from(gpu_bytes > 0 || r.gpu.is_some()),
+            pinned: r.gpu.map(|g| vec![g]),
+            ram_bytes,
+        };
+        Ok((demand, ttl, timeout))
+    }
+
+    /// The size of a permit that names none: the pool's observed p95 once known, else its
+    /// model's `permit_gpu_memory`, else 0 (a slot).
+    fn default_permit_size(&self, pool: &Pool) -> u64 {
+        let learner = self.pools.get(pool).map(|a| &a.learner);
+        if let Some(l) = learner.filter(|l| l.samples() >= SAMPLES_FOR_DEFAULT) {
+            if let Some(p95) = l.quantile(0.95) {
+                return p95;
+            }
+        }
+        pool.as_deref()
+            .and_then(|name| self.model_config(name))
+            .and_then(|m| m.permit_gpu_memory)
+            .and_then(|a| a.resolve(self.capacity.largest_gpu_bytes()))
+            .unwrap_or(0)
+    }
+
+    /// Grants a permit (the uid's count already includes it: as a waiter, or just before).
+    #[allow(clippy::too_many_arguments)]
+    fn grant(
+        &mut self,
+        conn: ConnId,
+        id: u64,
+        peer: Peer,
+        pool: Pool,
+        demand: &Demand,
+        gpus: Vec<u32>,
+        ttl: Duration,
+        arrived: Duration,
+        now: Duration,
+    ) -> Response {
+        let permit = self.new_id();
+        let account = self.account(&pool);
+        account.reserve(&gpus, demand.gpu_bytes_per_gpu, demand.ram_bytes);
+        account.permit_granted();
+        account.counts.granted += 1;
+        let waited = now.saturating_sub(arrived);
+        if !waited.is_zero() {
+            account.counts.granted_after_wait += 1;
+        }
+        if let Some(c) = self.conns.get_mut(&conn) {
+            c.permits += 1;
+        }
+        let gpu = gpus.first().copied();
+        self.holdings.insert(
+            permit,
+            Holding {
+                pool: pool.clone(),
+                peer,
+                gpus,
+                gpu_bytes_per_gpu: demand.gpu_bytes_per_gpu,
+                ram_bytes: demand.ram_bytes,
+                granted_at: now,
+                kind: Held::Permit {
+                    conn,
+                    expires_at: now + ttl,
+                },
+            },
+        );
+        if waited >= Duration::from_millis(1) {
+            self.event(
+                Event::new(
+                    Severity::Info,
+                    "permit_granted",
+                    format!(
+                        "permit {permit} for {}: GPU {} RAM {} granted to pid {} after waiting {}",
+                        model_label(&pool),
+                        fmt_bytes(demand.gpu_bytes_per_gpu),
+                        fmt_bytes(demand.ram_bytes),
+                        peer.pid,
+                        humantime::format_duration(Duration::from_millis(ms(waited)))
+                    ),
+                )
+                .about(about(&pool, &peer)),
+            );
+        }
+        Response::Granted {
+            id,
+            permit,
+            gpu,
+            gpu_bytes: demand.gpu_bytes_per_gpu,
+            ram_bytes: demand.ram_bytes,
+            waited_ms: ms(waited),
+            ttl_ms: ms(ttl),
+        }
+    }
+
+    fn refusal(
+        &mut self,
+        id: u64,
+        pool: &Pool,
+        demand: &Demand,
+        reason: RefusalReason,
+        message: String,
+    ) -> Response {
+        let (gpus, ram) = self.rooms(pool);
+        let best = demand
+            .pinned
+            .as_ref()
+            .and_then(|p| p.first())
+            .and_then(|i| gpus.iter().find(|g| g.index == *i))
+            .or_else(|| gpus.iter().max_by_key(|g| g.room));
+        let shortfall = Shortfall {
+            free_gpu_bytes: best.and_then(|g| g.room).map(|r| r.max(0) as u64),
+            free_ram_bytes: ram.room.map(|r| r.max(0) as u64),
+            gpu: best.map(|g| g.index),
+            message: String::new(),
+        };
+        self.refusal_with(id, pool, demand, reason, message, &shortfall)
+    }
+
+    fn refusal_with(
+        &mut self,
+        id: u64,
+        pool: &Pool,
+        demand: &Demand,
+        reason: RefusalReason,
+        message: String,
+        shortfall: &Shortfall,
+    ) -> Response {
+        let account = self.account(pool);
+        account.counts.refused += 1;
+        let retry_after = match reason {
+            RefusalReason::Timeout | RefusalReason::QueueFull | RefusalReason::MaxPermits => {
+                Some(ms(account
+                    .learner
+                    .typical_hold()
+                    .unwrap_or(Duration::from_secs(1))
+                    .clamp(Duration::from_millis(100), Duration::from_secs(60))))
+            }
+            _ => None,
+        };
+        Response::Refused {
+            id: Some(id),
+            reason,
+            message,
+            retry_after_ms: retry_after,
+            needed: Needed {
+                gpu_bytes: demand.gpu_bytes_per_gpu,
+                ram_bytes: demand.ram_bytes,
+                gpu: demand
+                    .pinned
+                    .as_ref()
+                    .and_then(|p| p.first().copied())
+                    .or(shortfall.gpu),
+            },
+            free: Free {
+                gpu_bytes: shortfall.free_gpu_bytes,
+                ram_bytes: shortfall.free_ram_bytes,
+            },
+        }
+    }
+
+    /// The holder gives a permit back.
+    pub fn release_permit(
+        &mut self,
+        conn: ConnId,
+        id: u64,
+        permit: u64,
+        now: Duration,
+    ) -> Response {
+        let owned = self
+            .holdings
+            .get(&permit)
+            .is_some_and(|h| matches!(h.kind, Held::Permit { conn: c, .. } if c == conn));
+        if !owned {
+            return Response::Error {
+                id: Some(id),
+                message: format!("permit {permit} is not held by this connection"),
+            };
+        }
+        self.end_permit(permit, now);
+        self.admit_waiting(now);
+        Response::Released {
+            lease: None,
+            id: Some(id),
+            permit: Some(permit),
+        }
+    }
+
+    /// Ends a permit: its memory is free for others.
+    fn end_permit(&mut self, permit: u64, now: Duration) {
+        let Some(h) = self.holdings.remove(&permit) else {
+            return;
+        };
+        if let Held::Permit { conn, .. } = h.kind {
+            if let Some(c) = self.conns.get_mut(&conn) {
+                c.permits = c.permits.saturating_sub(1);
+            }
+        }
+        let used = self.uid_use(h.peer.uid);
+        used.permits = used.permits.saturating_sub(1);
+        if let Some(a) = self.pools.get_mut(&h.pool) {
+            a.unreserve(&h.gpus, h.gpu_bytes_per_gpu, h.ram_bytes);
+            a.permit_ended(now.saturating_sub(h.granted_at));
+        }
+    }
+
+    /// The client stopped waiting for request `id`.
+    pub fn cancel(&mut self, conn: ConnId, id: u64) -> Option<Response> {
+        let waiter = self.take_waiter(|w| w.conn == conn && w.id == id)?;
+        self.forget_waiter(&waiter);
+        self.waiting.retain(|_, q| !q.is_empty());
+        Some(Response::refused(
+            Some(id),
+            RefusalReason::Cancelled,
+            format!("request {id} cancelled by the client"),
+        ))
+    }
+
+    /// Removes the first waiting permit request that `which` picks.
+    fn take_waiter(&mut self, which: impl Fn(&Waiter) -> bool) -> Option<Waiter> {
+        for queue in self.waiting.values_mut() {
+            if let Some(i) = queue.iter().position(&which) {
+                return queue.remove(i);
+            }
+        }
+        None
+    }
+
+    /// The counters of a permit request that stopped waiting without a permit.
+    fn forget_waiter(&mut self, w: &Waiter) {
+        if let Some(c) = self.conns.get_mut(&w.conn) {
+            c.waiting = c.waiting.saturating_sub(1);
+        }
+        let used = self.uid_use(w.peer.uid);
+        used.permits = used.permits.saturating_sub(1);
+    }
+
+    // --- launches ------------------------------------------------------------------------------
+
+    /// A launch request. Returns the answer to send now: `admitted` or `refused`, `queued` (it
+    /// waits; the final answer follows on the reply channel), or `None` when it only waits for a
+    /// GPU reading newer than itself (then `queued` is sent only if it has to wait for more).
+    pub fn launch(
+        &mut self,
+        conn: ConnId,
+        request: LaunchRequest,
+        pidfd: Arc<OwnedFd>,
+        now: Duration,
+    ) -> Option<Response> {
+        let refuse = |reason, message| Some(Response::refused(None, reason, message));
+        let Some(peer) = self.conns.get(&conn).and_then(|c| c.peer) else {
+            return refuse(RefusalReason::Invalid, "connection not ready".into());
+        };
+        let request = match self.check_launch(&peer, request) {
+            Ok(r) => r,
+            Err((reason, message)) => return refuse(reason, message),
+        };
+        let l = &self.config.launch;
+        let ready_timeout = request
+            .ready_timeout_ms
+            .map_or(l.ready_timeout, Duration::from_millis)
+            .min(l.max_ready_timeout);
+        let queue_timeout = request
+            .queue_timeout_ms
+            .map_or(l.queue_timeout, Duration::from_millis)
+            .min(l.max_queue_timeout);
+        let demand = match self.launch_demand(&request) {
+            Ok(d) => d,
+            Err(message) => return refuse(RefusalReason::Invalid, message),
+        };
+        let pool = Some(request.model.clone());
+        let waiter = Waiter {
+            conn,
+            id: 0,
+            peer,
+            pool,
+            demand,
+            arrived: now,
+            deadline: now + queue_timeout,
+            fresh_after: self.conns.get(&conn).map_or(now, |c| c.since),
+            wanted: Wanted::Launch(Box::new(LaunchWait {
+                request,
+                pidfd,
+                ready_timeout,
+                queue_timeout,
+            })),
+            waiting_for: String::new(),
+            told: true,
+        };
+        self.uid_use(peer.uid).launches += 1;
+        let alone = self.launch_queue.is_empty();
+        match self.launch_fit(&waiter) {
+            Fit::Now { gpus } if alone => Some(self.admit_launch(waiter, gpus, now)),
+            Fit::Never(s) => {
+                self.uid_use(peer.uid).launches -= 1;
+                let Wanted::Launch(l) = &waiter.wanted else {
+                    unreachable!()
+                };
+                refuse(
+                    RefusalReason::TooLarge,
+                    format!(
+                        "model '{}' not started: it can never fit on this host: {}",
+                        l.request.model, s.message
+                    ),
+                )
+            }
+            // Only a GPU reading newer than the request is missing: it comes within a tick.
+            Fit::Later(_) if alone && self.only_stale(&waiter) => {
+                let mut waiter = waiter;
+                waiter.told = false;
+                self.launch_queue.push_back(waiter);
+                None
+            }
+            fit => {
+                let mut waiter = waiter;
+                waiter.waiting_for = match fit {
+                    Fit::Later(s) => s.message,
+                    _ => "its turn: launches ahead of it in the queue".into(),
+                };
+                let answer = self.queued(&waiter, self.launch_queue.len() + 1);
+                self.launch_queue.push_back(waiter);
+                Some(answer)
+            }
+        }
+    }
+
+    /// True if a launch would be admitted now but for a GPU reading older than itself.
+    fn only_stale(&self, w: &Waiter) -> bool {
+        self.stale_for(&w.demand, w.fresh_after)
+            && matches!(self.launch_fit_now(w), Fit::Now { .. })
+    }
+
+    /// The `queued` answer (logged once).
+    fn queued(&self, w: &Waiter, position: usize) -> Response {
+        tracing::info!(
+            "launch of model '{}' by pid {} (uid {}) queued at position {position}: {}",
+            model_label(&w.pool),
+            w.peer.pid,
+            w.peer.uid,
+            w.waiting_for
+        );
+        Response::Queued {
+            position,
+            waiting_for: w.waiting_for.clone(),
+        }
+    }
+
+    /// Bounds and authorizes a launch request.
+    fn check_launch(
+        &mut self,
+        peer: &Peer,
+        mut r: LaunchRequest,
+    ) -> Result<LaunchRequest, (RefusalReason, String)> {
+        let invalid = |e: String| (RefusalReason::Invalid, e);
+        check_model_name(&r.model).map_err(|e| invalid(format!("--model: {e}")))?;
+        if let Some(url) = &r.ready_url {
+            check_url("--ready-url", url).map_err(invalid)?;
+        }
+        if let Some(url) = &r.metrics_url {
+            crate::config::check_metrics_url(url)
+                .map_err(|e| invalid(format!("--metrics-url {e}")))?;
+        }
+        if r.cuda_visible_devices
+            .as_ref()
+            .is_some_and(|v| v.len() > 1024)
+        {
+            return Err(invalid("CUDA_VISIBLE_DEVICES is too long".into()));
+        }
+        r.command.truncate(MAX_COMMAND_WORDS);
+        let mut budget = MAX_COMMAND_BYTES;
+        for word in &mut r.command {
+            let mut keep = budget.min(word.len());
+            while !word.is_char_boundary(keep) {
+                keep -= 1;
+            }
+            word.truncate(keep);
+            budget -= keep;
+        }
+        let name = r.model.clone();
+        let allowed = match (self.config.model(&name), self.launched.get(&name)) {
+            (Some(m), _) => m.allowed_users().may_act(peer.uid),
+            (None, Some(l)) => peer.uid == 0 || l.owner == peer.uid,
+            (None, None) => !self
+                .launch_queue
+                .iter()
+                .any(|w| w.pool.as_deref() == Some(&name) && w.peer.uid != peer.uid),
+        };
+        if !allowed {
+            return Err((
+                RefusalReason::NotAllowed,
+                format!(
+                    "uid {} may not launch model '{name}': it belongs to other users (its [[model]] users, or whoever launched it first)",
+                    peer.uid
+                ),
+            ));
+        }
+        let c = &self.config.clients;
+        let leases_of = |uid: Option<u32>| {
+            self.holdings
+                .values()
+                .filter(|h| matches!(h.kind, Held::Lease(_)) && uid.is_none_or(|u| h.peer.uid == u))
+                .count()
+        };
+        if leases_of(Some(peer.uid)) >= c.max_leases_per_uid || leases_of(None) >= c.max_leases {
+            return Err((
+                RefusalReason::QueueFull,
+                format!(
+                    "too many launched models still running (clients.max_leases_per_uid {}, max_leases {})",
+                    c.max_leases_per_uid, c.max_leases
+                ),
+            ));
+        }
+        let max = self.config.clients.max_launches_per_uid;
+        if self.uid_use(peer.uid).launches >= max {
+            return Err((
+                RefusalReason::QueueFull,
+                format!(
+                    "uid {} has {max} launches waiting or loading (clients.max_launches_per_uid)",
+                    peer.uid
+                ),
+            ));
+        }
+        Ok(r)
+    }
+
+    /// What a launch declares: its flags, else its `[[model]]` budgets.
+    fn launch_demand(&self, r: &LaunchRequest) -> Result<Demand, String> {
+        let (ram_budget, gpu_budget) = self.config.model(&r.model).map_or((None, None), |m| {
+            m.budget_bytes(self.capacity.ram.total, self.capacity.largest_gpu_bytes())
+        });
+        let gpu_bytes = r.gpu_memory_bytes.or(gpu_budget).unwrap_or(0);
+        let ram_bytes = r.ram_bytes.or(ram_budget).unwrap_or(0);
+        if gpu_bytes > MAX_BYTES || ram_bytes > MAX_BYTES {
+            return Err("--gpu-mem and --ram must be below 1 PiB".into());
+        }
+        let pinned = match (r.gpu, &r.cuda_visible_devices) {
+            (Some(index), _) => Some(vec![index]),
+            (None, Some(visible)) if !visible.trim().is_empty() => {
+                Some(parse_visible_devices(visible, &self.capacity)?)
+            }
+            _ => None,
+        };
+        let count = match (&pinned, r.gpus) {
+            (Some(p), _) => p.len() as u32,
+            (None, Some(n)) if n > 64 => return Err("--gpus: at most 64".into()),
+            (None, Some(n)) => n.max(1),
+            (None, None) => u32::from(gpu_bytes > 0),
+        };
+        Ok(Demand {
+            gpu_bytes_per_gpu: gpu_bytes.div_ceil(u64::from(count.max(1))),
+            gpu_count: count,
+            pinned,
+            ram_bytes,
+        })
+    }
+
+    fn loading(&self) -> usize {
+        self.holdings
+            .values()
+            .filter(|h| matches!(&h.kind, Held::Lease(l) if l.state == LeaseState::Loading))
+            .count()
+    }
+
+    /// A launch fits when the lock is free, no warn floor is crossed and its memory fits.
+    fn launch_fit(&self, w: &Waiter) -> Fit {
+        match self.launch_fit_now(w) {
+            Fit::Now { .. } if self.stale_for(&w.demand, w.fresh_after) => Fit::Later(Shortfall {
+                message: "a GPU reading newer than the request".into(),
+                ..Default::default()
+            }),
+            fit => fit,
+        }
+    }
+
+    /// `launch_fit` on the reading there is, however old.
+    fn launch_fit_now(&self, w: &Waiter) -> Fit {
+        let fit = self.fit(&w.pool, &w.demand, false);
+        if matches!(fit, Fit::Never(_)) {
+            return fit;
+        }
+        let max = self.config.launch.max_loading;
+        if self.loading() >= max {
+            return Fit::Later(Shortfall {
+                message: "the launch lock: another model is loading".into(),
+                ..Default::default()
+            });
+        }
+        if let Some(why) = &self.capacity.launch_pause {
+            return Fit::Later(Shortfall {
+                message: why.clone(),
+                ..Default::default()
+            });
+        }
+        fit
+    }
+
+    fn admit_launch(&mut self, w: Waiter, gpus: Vec<u32>, now: Duration) -> Response {
+        let Wanted::Launch(l) = w.wanted else {
+            unreachable!("only launches are admitted here")
+        };
+        let LaunchWait {
+            request,
+            pidfd,
+            ready_timeout,
+            ..
+        } = *l;
+        let lease_id = self.new_id();
+        let model = request.model.clone();
+        let need = &w.demand;
+        let mut env = vec![
+            ("GPUGUARD_MODEL".to_string(), model.clone()),
+            ("GPUGUARD_LEASE".to_string(), lease_id.to_string()),
+            (
+                "GPUGUARD_GPU_MEMORY_BYTES".to_string(),
+                need.gpu_bytes_total().to_string(),
+            ),
+            ("GPUGUARD_RAM_BYTES".to_string(), need.ram_bytes.to_string()),
+        ];
+        if !gpus.is_empty() {
+            let list: Vec<String> = gpus.iter().map(u32::to_string).collect();
+            // NVML numbers GPUs by PCI bus id; make CUDA number them the same way.
+            env.push(("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into()));
+            env.push(("CUDA_VISIBLE_DEVICES".into(), list.join(",")));
+            if let Some(fraction) = self.memory_fraction(&gpus, need.gpu_bytes_per_gpu) {
+                env.push(("GPUGUARD_GPU_MEMORY_FRACTION".into(), fraction));
+            }
+        }
+        let account = self.account(&w.pool);
+        account.reserve(&gpus, need.gpu_bytes_per_gpu, need.ram_bytes);
+        let by_gpu = need.gpu_bytes_per_gpu > 0;
+        let usage = if by_gpu {
+            account.usage().gpu_total_bytes()
+        } else {
+            account.usage().ram_bytes
+        };
+        // Also kept for a configured model launched with a metrics URL (its [[model]] wins
+        // for everything else).
+        if self.config.model(&model).is_none() || request.metrics_url.is_some() {
+            let launched = self.launched.entry(model.clone()).or_insert(Launched {
+                owner: w.peer.uid,
+                need: need.clone(),
+                metrics_url: None,
+            });
+            if request.metrics_url.is_some() {
+                launched.metrics_url = request.metrics_url.clone();
+            }
+        }
+        let ready_url = request
+            .ready_url
+            .clone()
+            .or_else(|| lease::guess_ready_url(&request.command));
+        self.event(
+            Event::new(
+                Severity::Info,
+                "launch_admitted",
+                format!(
+                    "model '{model}' admitted as lease {lease_id} (pid {}, uid {}) on GPU(s) {gpus:?}: GPU {} RAM {}; waited {}{}",
+                    w.peer.pid,
+                    w.peer.uid,
+                    fmt_bytes(need.gpu_bytes_total()),
+                    fmt_bytes(need.ram_bytes),
+                    humantime::format_duration(Duration::from_millis(ms(now.saturating_sub(w.arrived)))),
+                    match (&request.ready_url, &ready_url) {
+                        (None, Some(url)) => format!("; ready when {url} answers (a known server)"),
+                        _ => String::new(),
+                    }
+                ),
+            )
+            .about(about(&w.pool, &w.peer)),
+        );
+        let lease = Lease::new(
+            NewLease {
+                model,
+                pidfd,
+                ready_timeout,
+                by_gpu,
+                command: request.command.join(" "),
+                ready_url,
+            },
+            usage,
+            now,
+        );
+        self.holdings.insert(
+            lease_id,
+            Holding {
+                pool: w.pool,
+                peer: w.peer,
+                gpus: gpus.clone(),
+                gpu_bytes_per_gpu: need.gpu_bytes_per_gpu,
+                ram_bytes: need.ram_bytes,
+                granted_at: now,
+                kind: Held::Lease(Box::new(lease)),
+            },
+        );
+        Response::Admitted {
+            lease: lease_id,
+            gpus,
+            env,
+        }
+    }
+
+    /// The share of its GPUs a launch may take, for `vllm --gpu-memory-utilization`: its
+    /// per-GPU need over the smallest chosen GPU's memory, rounded down.
+    fn memory_fraction(&self, gpus: &[u32], per_gpu: u64) -> Option<String> {
+        let total = gpus
+            .iter()
+            .filter_map(|g| self.capacity.gpu(*g).and_then(|c| c.total))
+            .min()?;
+        if per_gpu == 0 || total == 0 {
+            return None;
+        }
+        let fraction = (per_gpu as f64 / total as f64).min(1.0);
+        Some(format!("{:.4}", (fraction * 10_000.0).floor() / 10_000.0))
+    }
+
+    /// Ends a launch's loading early: its owner or root only.
+    pub fn release_lease(&mut self, peer: Peer, lease: u64, now: Duration) -> Response {
+        let Some(h) = self.holdings.get_mut(&lease) else {
+            return Response::Error {
+                id: None,
+                message: format!("no lease {lease}"),
+            };
+        };
+        if !peer.is_root() && h.peer.uid != peer.uid {
+            return Response::Error {
+                id: None,
+                message: format!(
+                    "lease {lease} belongs to uid {}, not to uid {}",
+                    h.peer.uid, peer.uid
+                ),
+            };
+        }
+        let Held::Lease(l) = &mut h.kind else {
+            return Response::Error {
+                id: None,
+                message: format!("{lease} is a permit, not a lease"),
+            };
+        };
+        let model = l.model.clone();
+        if l.state == LeaseState::Loading {
+            self.lease_ready(lease);
+        }
+        tracing::info!(
+            "lease {lease} of model '{model}' released by uid {}",
+            peer.uid
+        );
+        self.admit_waiting(now);
+        Response::Released {
+            lease: Some(lease),
+            id: None,
+            permit: None,
+        }
+    }
+
+    /// A lease's model is loaded: its memory is now the model's own.
+    fn lease_ready(&mut self, lease: u64) {
+        let Some(h) = self.holdings.get_mut(&lease) else {
+            return;
+        };
+        if let Held::Lease(l) = &mut h.kind {
+            l.set_ready();
+        }
+        let (pool, gpus, per_gpu, ram) = (
+            h.pool.clone(),
+            h.gpus.clone(),
+            h.gpu_bytes_per_gpu,
+            h.ram_bytes,
+        );
+        let uid = h.peer.uid;
+        if let Some(a) = self.pools.get_mut(&pool) {
+            a.unreserve(&gpus, per_gpu, ram);
+            a.rebase_to_usage();
+        }
+        let used = self.uid_use(uid);
+        used.launches = used.launches.saturating_sub(1);
+    }
+
+    // --- time ----------------------------------------------------------------------------------
+
+    /// Requests whose wait is over are refused; permits past their TTL are revoked.
+    pub fn expire(&mut self, now: Duration) {
+        let mut changed = false;
+        let pools: Vec<Pool> = self.waiting.keys().cloned().collect();
+        for pool in pools {
+            while let Some(i) = self
+                .waiting
+                .get(&pool)
+                .and_then(|q| q.iter().position(|w| w.deadline <= now))
+            {
+                let w = self.waiting.get_mut(&pool).and_then(|q| q.remove(i));
+                let Some(w) = w else { break };
+                self.forget_waiter(&w);
+                self.time_out_permit(w, now);
+                changed = true;
+            }
+        }
+        while let Some(i) = self.launch_queue.iter().position(|w| w.deadline <= now) {
+            let w = self.launch_queue.remove(i).expect("index is valid");
+            self.time_out_launch(w);
+            changed = true;
+        }
+        let expired: Vec<u64> = self
+            .holdings
+            .iter()
+            .filter(|(_, h)| matches!(h.kind, Held::Permit { expires_at, .. } if expires_at <= now))
+            .map(|(id, _)| *id)
+            .collect();
+        for permit in expired {
+            self.revoke(permit, now);
+            changed = true;
+        }
+        self.waiting.retain(|_, q| !q.is_empty());
+        if changed {
+            self.admit_waiting(now);
+        }
+    }
+
+    fn time_out_permit(&mut self, w: Waiter, now: Duration) {
+        let fit = self.fit(&w.pool, &w.demand, true);
+        let shortfall = match fit {
+            Fit::Later(s) | Fit::Never(s) => s,
+            Fit::Now { .. } => Shortfall {
+                message: w.waiting_for.clone(),
+                ..Default::default()
+            },
+        };
+        let message = format!(
+            "{}: needs GPU {} RAM {}, not free within {}: {}",
+            model_label(&w.pool),
+            fmt_bytes(w.demand.gpu_bytes_total()),
+            fmt_bytes(w.demand.ram_bytes),
+            humantime::format_duration(Duration::from_millis(ms(now.saturating_sub(w.arrived)))),
+            shortfall.message
+        );
+        let response = self.refusal_with(
+            w.id,
+            &w.pool,
+            &w.demand,
+            RefusalReason::Timeout,
+            message.clone(),
+            &shortfall,
+        );
+        self.event(
+            Event::new(
+                Severity::Warning,
+                "permit_timed_out",
+                format!("permit for pid {} refused: {message}", w.peer.pid),
+            )
+            .about(about(&w.pool, &w.peer)),
+        );
+        self.send(w.conn, response);
+    }
+
+    fn time_out_launch(&mut self, w: Waiter) {
+        let used = self.uid_use(w.peer.uid);
+        used.launches = used.launches.saturating_sub(1);
+        let Wanted::Launch(l) = &w.wanted else {
+            return;
+        };
+        let message = format!(
+            "model '{}' not started: it did not fit within the queue timeout of {}: {}",
+            l.request.model,
+            humantime::format_duration(l.queue_timeout),
+            w.waiting_for
+        );
+        self.event(
+            Event::new(
+                Severity::Warning,
+                "launch_timed_out",
+                format!("{message} (pid {})", w.peer.pid),
+            )
+            .about(about(&w.pool, &w.peer)),
+        );
+        self.send(w.conn, Response::TimedOut { message });
+    }
+
+    fn revoke(&mut self, permit: u64, now: Duration) {
+        let Some(h) = self.holdings.get(&permit) else {
+            return;
+        };
+        let Held::Permit { conn, .. } = h.kind else {
+            return;
+        };
+        let (pool, peer) = (h.pool.clone(), h.peer);
+        let held_for = now.saturating_sub(h.granted_at);
+        self.end_permit(permit, now);
+        if let Some(a) = self.pools.get_mut(&pool) {
+            a.counts.expired += 1;
+        }
+        let message = format!(
+            "permit {permit} of {} held by pid {} for {}, past its TTL: revoked",
+            model_label(&pool),
+            peer.pid,
+            humantime::format_duration(Duration::from_millis(ms(held_for)))
+        );
+        self.event(
+            Event::new(Severity::Warning, "permit_expired", message.clone())
+                .about(about(&pool, &peer)),
+        );
+        self.send(conn, Response::Expired { permit, message });
+    }
+
+    fn send(&self, conn: ConnId, response: Response) {
+        let Some(c) = self.conns.get(&conn) else {
+            return;
+        };
+        if let Some(reply) = &c.reply {
+            if reply.try_send(response).is_err() {
+                // Full: the client does not read its answers. Closing the connection ends
+                // what it holds, so no permit stays granted to someone who never heard of it.
+                c.overflow.notify_one();
+            }
+        }
+    }
+
+    /// Lets in what fits now: the heads of the permit queues, then the head of the launches.
+    pub fn admit_waiting(&mut self, now: Duration) {
+        let pools: Vec<Pool> = self.waiting.keys().cloned().collect();
+        for pool in pools {
+            while let Some(head) = self.waiting.get(&pool).and_then(VecDeque::front) {
+                match self.fit_fresh(&pool, &head.demand, true, head.fresh_after) {
+                    Fit::Now { gpus } => {
+                        let w = self
+                            .waiting
+                            .get_mut(&pool)
+                            .and_then(VecDeque::pop_front)
+                            .expect("head exists");
+                        if let Some(c) = self.conns.get_mut(&w.conn) {
+                            c.waiting = c.waiting.saturating_sub(1);
+                        }
+                        let Wanted::Permit { ttl } = w.wanted else {
+                            continue;
+                        };
+                        let response = self.grant(
+                            w.conn,
+                            w.id,
+                            w.peer,
+                            pool.clone(),
+                            &w.demand,
+                            gpus,
+                            ttl,
+                            w.arrived,
+                            now,
+                        );
+                        self.send(w.conn, response);
+                    }
+                    Fit::Later(s) | Fit::Never(s) => {
+                        if let Some(head) = self.waiting.get_mut(&pool).and_then(|q| q.front_mut())
+                        {
+                            head.waiting_for = s.message;
+                        }
+                        break;
+                    }
+                }
+            }
+        }
+        self.waiting.retain(|_, q| !q.is_empty());
+        while let Some(head) = self.launch_queue.front() {
+            match self.launch_fit(head) {
+                Fit::Now { gpus } => {
+                    let w = self.launch_queue.pop_front().expect("head exists");
+                    let conn = w.conn;
+                    let response = self.admit_launch(w, gpus, now);
+                    self.send(conn, response);
+                }
+                Fit::Later(s) | Fit::Never(s) => {
+                    let stale_only = self.only_stale(head);
+                    let Some(head) = self.launch_queue.front_mut() else {
+                        break;
+                    };
+                    head.waiting_for = s.message;
+                    if !head.told && !stale_only {
+                        // It waits for more than a fresh reading: say so now, once.
+                        head.told = true;
+                        let answer = self.queued(&self.launch_queue[0], 1);
+                        self.send(self.launch_queue[0].conn, answer);
+                    }
+                    break;
+                }
+            }
+        }
+    }
+
+    /// After a tick of the loop: the new capacity, the launched servers' progress, expiries and
+    /// admissions. Returns what the loop must apply.
+    pub fn tick(&mut self, now: Duration, capacity: Capacity) -> TickReport {
+        self.capacity = capacity;
+        for (pool, account) in self.pools.iter_mut() {
+            let usage = pool.as_ref().and_then(|n| self.capacity.models.get(n));
+            account.observe(usage, self.capacity.gpu_consistent);
+        }
+        self.watch_leases(now);
+        self.expire(now);
+        self.admit_waiting(now);
+        self.forget_unused();
+        if self.events_dropped > 0 {
+            let n = std::mem::take(&mut self.events_dropped);
+            self.events.push(Event::new(
+                Severity::Warning,
+                "events_dropped",
+                format!("{n} reservation events were not kept (more than {MAX_EVENTS} between two ticks)"),
+            ));
+        }
+        let registered = self
+            .holdings
+            .values()
+            .filter_map(|h| match &h.kind {
+                Held::Lease(l) => Some((h.peer.process(), l.model.clone())),
+                Held::Permit { .. } => None,
+            })
+            .collect();
+        TickReport {
+            events: std::mem::take(&mut self.events),
+            registered,
+            launched_models: self
+                .launched
+                .iter()
+                .map(|(name, l)| launched_model_config(name, l))
+                .collect(),
+        }
+    }
+
+    /// Leases whose process died, or whose model became ready.
+    fn watch_leases(&mut self, now: Duration) {
+        let settle = self.config.launch.settle;
+        let mut ready = Vec::new();
+        let mut dead = Vec::new();
+        for (id, h) in self.holdings.iter_mut() {
+            let Held::Lease(l) = &mut h.kind else {
+                continue;
+            };
+            if lease_process_gone(l) {
+                dead.push(*id);
+                continue;
+            }
+            if l.state != LeaseState::Loading {
+                continue;
+            }
+            let usage = self.capacity.models.get(&l.model).map_or(0, |u| {
+                if l.by_gpu {
+                    u.gpu_total_bytes()
+                } else {
+                    u.ram_bytes
+                }
+            });
+            if let Some(why) = l.readiness(usage, now, h.granted_at, settle) {
+                ready.push((*id, why));
+            }
+        }
+        for (id, why) in ready {
+            let Some(h) = self.holdings.get(&id) else {
+                continue;
+            };
+            let severity = if why.starts_with("not ready") {
+                Severity::Warning
+            } else {
+                Severity::Info
+            };
+            let (pool, peer) = (h.pool.clone(), h.peer);
+            self.event(
+                Event::new(
+                    severity,
+                    "launch_ready",
+                    format!(
+                        "model '{}' (pid {}): {why}; launch lock released",
+                        model_label(&pool),
+                        peer.pid
+                    ),
+                )
+                .about(about(&pool, &peer)),
+            );
+            self.lease_ready(id);
+        }
+        for id in dead {
+            let Some(h) = self.holdings.get(&id) else {
+                continue;
+            };
+            let loading = h.reserving();
+            let (pool, peer) = (h.pool.clone(), h.peer);
+            if loading {
+                self.lease_ready(id);
+                self.event(
+                    Event::new(
+                        Severity::Warning,
+                        "launch_died",
+                        format!(
+                            "model '{}' (pid {}) exited while loading; launch lock released",
+                            model_label(&pool),
+                            peer.pid
+                        ),
+                    )
+                    .about(about(&pool, &peer)),
+                );
+            }
+            self.holdings.remove(&id);
+        }
+    }
+
+    /// Pools and launched models nothing refers to any more.
+    fn forget_unused(&mut self) {
+        let leased: Vec<String> = self
+            .holdings
+            .values()
+            .filter(|h| matches!(h.kind, Held::Lease(_)))
+            .filter_map(|h| h.pool.clone())
+            .collect();
+        let queued: Vec<String> = self
+            .launch_queue
+            .iter()
+            .filter_map(|w| w.pool.clone())
+            .collect();
+        self.launched
+            .retain(|name, _| leased.contains(name) || queued.contains(name));
+        let waiting: Vec<Pool> = self.waiting.keys().cloned().collect();
+        let models = &self.capacity.models;
+        let config = &self.config;
+        let launched = &self.launched;
+        // The host-wide pool and known models keep their books (their totals and learned
+        // sizes); a launched model's go with it.
+        self.pools.retain(|pool, a| {
+            !a.unused()
+                || waiting.contains(pool)
+                || pool.as_ref().is_none_or(|n| {
+                    models.contains_key(n) || config.model(n).is_some() || launched.contains_key(n)
+                })
+        });
+    }
+
+    // --- views ---------------------------------------------------------------------------------
+
+    /// True while anything is reserved or waiting: the loop then ticks often, with fresh GPU
+    /// process lists.
+    pub fn busy(&self) -> bool {
+        !self.launch_queue.is_empty()
+            || !self.waiting.is_empty()
+            || self.holdings.values().any(Holding::reserving)
+    }
+
+    /// True while anything waits or holds a permit (something may reach its deadline or TTL).
+    pub fn can_expire(&self) -> bool {
+        !self.waiting.is_empty()
+            || !self.launch_queue.is_empty()
+            || self
+                .holdings
+                .values()
+                .any(|h| matches!(h.kind, Held::Permit { .. }))
+    }
+
+    /// True while a launch waits or loads (admission and readiness are looked at every tick).
+    pub fn launching(&self) -> bool {
+        !self.launch_queue.is_empty() || self.loading() > 0
+    }
+
+    /// The table as `status` shows it.
+    pub fn rows(&self, now: Duration) -> Rows {
+        let queue = self
+            .launch_queue
+            .iter()
+            .enumerate()
+            .map(|(i, w)| QueuedRow {
+                position: i + 1,
+                model: model_label(&w.pool),
+                pid: w.peer.pid,
+                uid: w.peer.uid,
+                waiting_seconds: now.saturating_sub(w.arrived).as_secs_f64(),
+                gpu_bytes: w.demand.gpu_bytes_total(),
+                ram_bytes: w.demand.ram_bytes,
+                waiting_for: w.waiting_for.clone(),
+                queue_timeout_seconds: w.deadline.saturating_sub(w.arrived).as_secs_f64(),
+            })
+            .collect();
+        let mut leases: Vec<LeaseRow> = self
+            .holdings
+            .iter()
+            .filter_map(|(id, h)| match &h.kind {
+                Held::Lease(l) => Some(LeaseRow {
+                    lease: *id,
+                    model: l.model.clone(),
+                    pid: h.peer.pid,
+                    uid: h.peer.uid,
+                    gpus: h.gpus.clone(),
+                    state: match l.state {
+                        LeaseState::Loading => "loading",
+                        LeaseState::Ready => "ready",
+                    }
+                    .into(),
+                    seconds: now.saturating_sub(h.granted_at).as_secs_f64(),
+                    gpu_bytes: h.gpu_bytes_per_gpu * h.gpus.len() as u64,
+                    ram_bytes: h.ram_bytes,
+                    polling_ready_url: l.polling(),
+                    ready_timeout_seconds: l.ready_timeout.as_secs_f64(),
+                }),
+                Held::Permit { .. } => None,
+            })
+            .collect();
+        leases.sort_by_key(|l| l.lease);
+        let permits = self
+            .figures()
+            .into_iter()
+            .filter(|f| f.held + f.waiting > 0 || f.granted + f.refused > 0)
+            .map(|f| PermitPoolRow {
+                max_permits: self.config.model(&f.pool).and_then(|m| m.max_permits),
+                model: f.pool,
+                held: f.held,
+                waiting: f.waiting,
+                reserved_gpu_bytes: f.reserved_gpu_bytes,
+                reserved_ram_bytes: f.reserved_ram_bytes,
+                observed_gpu_bytes_p50: f.observed_p50_bytes,
+                observed_gpu_bytes_p95: f.observed_p95_bytes,
+                granted_total: f.granted,
+                refused_total: f.refused,
+                expired_total: f.expired,
+            })
+            .collect();
+        Rows {
+            queue,
+            leases,
+            permits,
+        }
+    }
+
+    /// Per pool figures, for status and metrics.
+    pub fn figures(&self) -> Vec<PoolFigures> {
+        self.pools
+            .iter()
+            .map(|(pool, a)| {
+                let permits =
+                    |h: &&Holding| h.pool == *pool && matches!(h.kind, Held::Permit { .. });
+                let held: Vec<&Holding> = self.holdings.values().filter(permits).collect();
+                PoolFigures {
+                    pool: model_label(pool),
+                    held: held.len(),
+                    waiting: self.waiting.get(pool).map_or(0, VecDeque::len),
+                    reserved_gpu_bytes: held
+                        .iter()
+                        .map(|h| h.gpu_bytes_per_gpu * h.gpus.len() as u64)
+                        .sum(),
+                    reserved_ram_bytes: held.iter().map(|h| h.ram_bytes).sum(),
+                    granted: a.counts.granted,
+                    refused: a.counts.refused,
+                    expired: a.counts.expired,
+                    observed_p50_bytes: a.learner.quantile(0.5),
+                    observed_p95_bytes: a.learner.quantile(0.95),
+                }
+            })
+            .collect()
+    }
+}
+
+/// Whether a lease's process has exited (its pidfd says so).
+fn lease_process_gone(l: &Lease) -> bool {
+    crate::ipc::peer::exited(&l.pidfd)
+}
+
+fn about(pool: &Pool, peer: &Peer) -> About {
+    About {
+        model: pool.clone(),
+        pid: Some(peer.pid),
+        uid: Some(peer.uid),
+        resource: None,
+    }
+}
+
+/// A launched model with no `[[model]]`: its flags are its budgets, it is only alerted on, and
+/// only its launcher's processes belong to it.
+fn launched_model_config(name: &str, l: &Launched) -> ModelConfig {
+    let amount = |b: u64| (b > 0).then_some(Amount::Bytes(b));
+    ModelConfig {
+        name: name.to_string(),
+        matcher: Default::default(),
+        ram: amount(l.need.ram_bytes),
+        gpu_memory: amount(l.need.gpu_bytes_total()),
+        action: ModelAction::Alert,
+        grace: Duration::from_secs(10),
+        priority: 0,
+        users: Some(vec![User {
+            name: l.owner.to_string(),
+            uid: l.owner,
+        }]),
+        max_permits: None,
+        permit_gpu_memory: None,
+        metrics_url: l.metrics_url.clone(),
+    }
+}
+
+/// CUDA_VISIBLE_DEVICES as GPU indices: "0,2", or GPU UUIDs (full or a unique prefix).
+fn parse_visible_devices(text: &str, capacity: &Capacity) -> Result<Vec<u32>, String> {
+    text.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .take(64)
+        .map(|item| {
+            if let Ok(index) = item.parse::<u32>() {
+                return Ok(index);
+            }
+            let found: Vec<u32> = capacity
+                .gpus
+                .iter()
+                .filter(|g| !g.uuid.is_empty() && g.uuid.starts_with(item))
+                .map(|g| g.index)
+                .collect();
+            match found.as_slice() {
+                [one] => Ok(*one),
+                _ => Err(format!(
+                    "CUDA_VISIBLE_DEVICES: '{item}' is not a GPU index or the uuid of exactly one GPU"
+                )),
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reserve::capacity::{GpuCapacity, ModelUse, RamCapacity};
+
+    const GIB: u64 = 1 << 30;
+
+    fn config(text: &str) -> Config {
+        Config::parse(text, std::path::Path::new("t.toml")).unwrap()
+    }
+
+    /// A 16 GiB GPU with 4 GiB used by model "served", a 1 GiB floor.
+    fn capacity(used: u64) -> Capacity {
+        Capacity {
+            gpus: vec![GpuCapacity {
+                index: 0,
+                uuid: "GPU-a".into(),
+                total: Some(16 * GIB),
+                free: Some(16 * GIB - used),
+                floor: GIB,
+                usable: true,
+            }],
+            ram: RamCapacity {
+                total: Some(64 * GIB),
+                available: Some(32 * GIB),
+                floor: GIB,
+            },
+            models: HashMap::from([(
+                "served".to_string(),
+                ModelUse {
+                    gpu_bytes: BTreeMap::from([(0, used)]),
+                    members: 1,
+                    ..Default::default()
+                },
+            )]),
+            gpu_consistent: true,
+            gpu_sampled_at: Some(Duration::ZERO),
+            ..Default::default()
+        }
+    }
+
+    fn table() -> (Reservations, tokio::sync::mpsc::Receiver<Response>) {
+        let mut t = Reservations::new(config(
+            "[[model]]\nname = \"served\"\nmatch = { comm = \"x\" }\n",
+        ));
+        t.tick(Duration::ZERO, capacity(4 * GIB));
+        t.connect(1, 0, Duration::ZERO).unwrap();
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        let peer = Peer {
+            uid: 0,
+            pid: 42,
+            start_time: 1,
+        };
+        t.attach(1, peer, tx);
+        (t, rx)
+    }
+
+    fn ask(gpu_gib: u64, id: u64) -> AcquireRequest {
+        AcquireRequest {
+            id,
+            model: Some("served".into()),
+            gpu_bytes: Some(gpu_gib * GIB),
+            timeout_ms: Some(1000),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn permits_fill_the_room_then_wait_then_time_out_with_what_was_free() {
+        let (mut t, mut rx) = table();
+        let now = Duration::from_secs(1);
+        for id in 1..=3 {
+            assert!(
+                matches!(
+                    t.acquire(1, ask(3, id), now),
+                    Some(Response::Granted { .. })
+                ),
+                "{id}"
+            );
+        }
+        // A tick with the same use keeps the baseline (the permits are not taken yet).
+        t.tick(now, capacity(4 * GIB));
+        assert_eq!(t.acquire(1, ask(3, 4), now), None, "waits");
+        assert!(matches!(
+            t.acquire(1, ask(20, 5), now),
+            Some(Response::Refused {
+                reason: RefusalReason::TooLarge,
+                ..
+            })
+        ));
+        t.expire(now + Duration::from_secs(2));
+        match rx.try_recv().unwrap() {
+            Response::Refused {
+                id, reason, free, ..
+            } => {
+                assert_eq!((id, reason), (Some(4), RefusalReason::Timeout));
+                assert_eq!(free.gpu_bytes, Some(2 * GIB));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}

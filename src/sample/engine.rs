@@ -1,0 +1,267 @@
+//! The model servers' own limits: each model with a metrics URL (its `[[model]] metrics_url`,
+//! or `gpuguard launch --metrics-url`) has its Prometheus endpoint scraped on a thread of its
+//! own, with timeouts, so the control loop never waits for an engine. vLLM's names are read:
+//! KV-cache usage, requests running and waiting, preemptions, and the cache's size.
+//!
+//! The loop hands over the targets and reads the latest readings under a lock that is never
+//! held across a request.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use super::prometheus::{self, Sample};
+
+/// One request (connect, send, read) may take at most this long.
+const TIMEOUT: Duration = Duration::from_secs(2);
+/// The largest answer read (vLLM's, histograms included, is a few hundred KiB).
+const MAX_BODY_BYTES: u64 = 8 << 20;
+
+/// What an engine reported, in the units gpuguard uses. `None`: the engine did not say.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct EngineStats {
+    /// Share of the KV cache in use, 0 to 1 (the fullest engine, with data parallelism).
+    pub kv_cache_usage: Option<f64>,
+    pub requests_running: Option<u64>,
+    pub requests_waiting: Option<u64>,
+    /// Requests preempted since the engine started (their KV cache was taken back).
+    pub preemptions_total: Option<u64>,
+    /// From `vllm:cache_config_info`: the KV cache's blocks, tokens per block, and the share of
+    /// the GPU the engine was told to take.
+    pub kv_cache_blocks: Option<u64>,
+    pub block_size_tokens: Option<u64>,
+    pub gpu_memory_utilization: Option<f64>,
+}
+
+/// vLLM's families (`vllm:gpu_cache_usage_perc` was renamed `vllm:kv_cache_usage_perc` in 0.10).
+const KV_USAGE: [&str; 2] = ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"];
+const RUNNING: &str = "vllm:num_requests_running";
+const WAITING: &str = "vllm:num_requests_waiting";
+const PREEMPTIONS: &str = "vllm:num_preemptions_total";
+const CACHE_INFO: &str = "vllm:cache_config_info";
+
+impl EngineStats {
+    /// Reads vLLM's metrics from a `/metrics` answer; an answer without any is an error.
+    pub fn from_vllm(text: &str) -> Result<EngineStats, String> {
+        let samples = prometheus::parse(text, |n| {
+            KV_USAGE.contains(&n) || [RUNNING, WAITING, PREEMPTIONS, CACHE_INFO].contains(&n)
+        });
+        if samples.is_empty() {
+            return Err(format!(
+                "no vLLM metrics in the answer (looked for {RUNNING}, {WAITING}, {})",
+                KV_USAGE[0]
+            ));
+        }
+        let of = |name: &'static str| samples.iter().filter(move |s| s.name == name);
+        let kv = KV_USAGE
+            .iter()
+            .find_map(|name| max(of(name)))
+            .map(|u| u.clamp(0.0, 1.0));
+        let info = of(CACHE_INFO).next();
+        let info_number = |key: &str| info.and_then(|s| s.label(key)?.parse::<f64>().ok());
+        Ok(EngineStats {
+            kv_cache_usage: kv,
+            requests_running: sum(of(RUNNING)),
+            requests_waiting: sum(of(WAITING)),
+            preemptions_total: sum(of(PREEMPTIONS)),
+            kv_cache_blocks: info_number("num_gpu_blocks").and_then(count),
+            block_size_tokens: info_number("block_size").and_then(count),
+            gpu_memory_utilization: info_number("gpu_memory_utilization")
+                .filter(|u| (0.0..=1.0).contains(u)),
+        })
+    }
+}
+
+/// A count from an untrusted float: whole, finite, not negative.
+fn count(v: f64) -> Option<u64> {
+    (0.0..9.0e15).contains(&v).then_some(v.round() as u64)
+}
+
+/// Summed over the series (engines, models) of one family; `None` if there is none or one is
+/// not a count.
+fn sum<'a>(samples: impl Iterator<Item = &'a Sample>) -> Option<u64> {
+    let counts: Option<Vec<u64>> = samples.map(|s| count(s.value)).collect();
+    counts.filter(|c| !c.is_empty()).map(|c| c.iter().sum())
+}
+
+fn max<'a>(samples: impl Iterator<Item = &'a Sample>) -> Option<f64> {
+    samples
+        .map(|s| s.value)
+        .filter(|v| v.is_finite())
+        .fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.max(v))))
+}
+
+/// The latest scrape of one model's engine.
+#[derive(Clone, Debug)]
+pub struct EngineReading {
+    pub url: String,
+    /// When it was taken (`None`: not yet).
+    pub at: Option<Instant>,
+    pub result: Result<EngineStats, String>,
+}
+
+#[derive(Default)]
+struct Shared {
+    /// Model name -> metrics URL.
+    targets: BTreeMap<String, String>,
+    interval: Duration,
+    readings: BTreeMap<String, EngineReading>,
+    running: bool,
+}
+
+/// Scrapes every target every `interval` on its own thread (started with the first target).
+#[derive(Clone, Default)]
+pub struct EngineScraper {
+    shared: Arc<Mutex<Shared>>,
+}
+
+impl EngineScraper {
+    /// Sets the models to scrape (model name -> URL) and how often.
+    pub fn set_targets(&self, targets: BTreeMap<String, String>, interval: Duration) {
+        let mut s = self.lock();
+        if s.targets == targets && s.interval == interval {
+            return;
+        }
+        s.readings
+            .retain(|model, r| targets.get(model) == Some(&r.url));
+        for (model, url) in &targets {
+            s.readings
+                .entry(model.clone())
+                .or_insert_with(|| EngineReading {
+                    url: url.clone(),
+                    at: None,
+                    result: Err("not scraped yet".into()),
+                });
+        }
+        s.targets = targets;
+        s.interval = interval.max(Duration::from_millis(100));
+        if !s.running && !s.targets.is_empty() {
+            s.running = true;
+            let weak = Arc::downgrade(&self.shared);
+            let spawned = std::thread::Builder::new()
+                .name("engine-metrics".into())
+                .spawn(move || scrape_loop(weak));
+            if let Err(e) = spawned {
+                s.running = false;
+                tracing::warn!("engine metrics: cannot start the scraper thread: {e}");
+            }
+        }
+    }
+
+    /// The latest reading of each target.
+    pub fn readings(&self) -> BTreeMap<String, EngineReading> {
+        self.lock().readings.clone()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Shared> {
+        self.shared.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Until the daemon drops the scraper: scrape every target, store, sleep.
+fn scrape_loop(shared: Weak<Mutex<Shared>>) {
+    let agent = crate::http::agent(TIMEOUT);
+    loop {
+        let Some(strong) = shared.upgrade() else {
+            return;
+        };
+        let (targets, interval) = {
+            let s = strong.lock().unwrap_or_else(|e| e.into_inner());
+            (s.targets.clone(), s.interval)
+        };
+        drop(strong);
+        for (model, url) in targets {
+            let result = scrape(&agent, &url);
+            if let Err(e) = &result {
+                tracing::debug!("engine metrics of model '{model}' ({url}): {e}");
+            }
+            let Some(strong) = shared.upgrade() else {
+                return;
+            };
+            let mut s = strong.lock().unwrap_or_else(|e| e.into_inner());
+            if s.targets.get(&model) == Some(&url) {
+                s.readings.insert(
+                    model,
+                    EngineReading {
+                        url,
+                        at: Some(Instant::now()),
+                        result,
+                    },
+                );
+            }
+        }
+        std::thread::sleep(interval);
+    }
+}
+
+fn scrape(agent: &ureq::Agent, url: &str) -> Result<EngineStats, String> {
+    let mut response = agent
+        .get(url)
+        .call()
+        .map_err(|e| format!("unreachable: {e}"))?;
+    if !response.status().is_success() {
+        return Err(format!("HTTP {}", response.status()));
+    }
+    let text = response
+        .body_mut()
+        .with_config()
+        .limit(MAX_BODY_BYTES)
+        .read_to_string()
+        .map_err(|e| format!("reading the answer: {e}"))?;
+    EngineStats::from_vllm(&text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const VLLM: &str = r#"# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="Qwen/Qwen2.5-7B"} 8.0
+vllm:num_requests_running{engine="1",model_name="Qwen/Qwen2.5-7B"} 7.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="Qwen/Qwen2.5-7B"} 24.0
+vllm:num_requests_waiting{engine="1",model_name="Qwen/Qwen2.5-7B"} 0.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="Qwen/Qwen2.5-7B"} 1.0
+vllm:kv_cache_usage_perc{engine="1",model_name="Qwen/Qwen2.5-7B"} 0.42
+# TYPE vllm:num_preemptions counter
+vllm:num_preemptions_total{engine="0",model_name="Qwen/Qwen2.5-7B"} 3.0
+vllm:num_preemptions_created{engine="0",model_name="Qwen/Qwen2.5-7B"} 1.7e9
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",gpu_memory_utilization="0.95",num_gpu_blocks="27000",num_cpu_blocks="2048"} 1.0
+vllm:e2e_request_latency_seconds_bucket{le="1.0",model_name="Qwen/Qwen2.5-7B"} 12.0
+"#;
+
+    #[test]
+    fn reads_vllm_names_over_engines() {
+        let s = EngineStats::from_vllm(VLLM).unwrap();
+        assert_eq!(s.requests_running, Some(15));
+        assert_eq!(s.requests_waiting, Some(24));
+        assert_eq!(s.kv_cache_usage, Some(1.0), "the fullest engine");
+        assert_eq!(s.preemptions_total, Some(3));
+        assert_eq!(s.kv_cache_blocks, Some(27000));
+        assert_eq!(s.block_size_tokens, Some(16));
+        assert_eq!(s.gpu_memory_utilization, Some(0.95));
+    }
+
+    #[test]
+    fn older_names_and_missing_families() {
+        let s = EngineStats::from_vllm("vllm:gpu_cache_usage_perc 0.5\n").unwrap();
+        assert_eq!(s.kv_cache_usage, Some(0.5));
+        assert_eq!(s.requests_waiting, None, "not reported: unknown, not 0");
+        let err = EngineStats::from_vllm("python_gc_objects_collected_total 3\n").unwrap_err();
+        assert!(err.contains("no vLLM metrics"), "{err}");
+    }
+
+    #[test]
+    fn untrusted_values_do_not_become_counts() {
+        let s = EngineStats::from_vllm(
+            "vllm:num_requests_waiting -4\nvllm:num_requests_running NaN\nvllm:kv_cache_usage_perc 7\n",
+        )
+        .unwrap();
+        assert_eq!(s.requests_waiting, None);
+        assert_eq!(s.requests_running, None);
+        assert_eq!(s.kv_cache_usage, Some(1.0), "clamped");
+    }
+}

@@ -1,0 +1,881 @@
+//! The process table, kept current incrementally on a thread of its own, so the control loop
+//! never waits on /proc and a scan's cost does not grow with idle processes.
+//!
+//! Each round lists /proc (one `getdents` pass) and then reads only what can have changed:
+//! - a new pid: everything (stat, status, command line, cgroup);
+//! - the *hot* pids the loop names (members of models, victims, launches): stat and status;
+//! - processes holding GPU memory: stat (and their mapped weights files when their RSS moved);
+//! - near a floor, the `LARGEST` processes by last known RSS: stat;
+//! - processes first seen less than `young` ago (`YOUNG`, 60 s): stat and status (a launcher script `exec`s the server it
+//!   starts within seconds; its new name and command line must reach the matchers at once);
+//! - a *full* round: the stat of every process (near a floor, when MemAvailable has moved);
+//! - and a rotating share of the rest, so every process is re-read in full at least once per
+//!   `rotation_period` (by default 24 scan intervals, 2 min).
+//!
+//! Every stat read checks for `exec` (a new name or a new address-space layout, see
+//! `ExecMark`) and then reads the command line, cgroup and uid again; a status read refreshes the
+//! real uid (a `setresuid` changes nothing else /proc shows). A pid whose start time changed is a
+//! new process. A read that fails for any reason other than the process being gone keeps what
+//! was known.
+//!
+//! The scanner keeps only what it needs to notice changes (start time, hashes of the layout and
+//! the name, last RSS); a round returns the new processes and the *changes*, which `apply` merges
+//! into the loop's table, so there is one copy of the table, the loop's.
+
+use std::collections::hash_map::RandomState;
+use std::collections::BTreeMap;
+use std::hash::BuildHasher;
+use std::time::{Duration, Instant};
+
+use crate::snapshot::{MappedFile, Process, ProcessId};
+
+use super::procfs::{ProcReader, ReadError};
+
+/// Processes first seen this recently have their stat re-read every round (exec, setuid...).
+pub const YOUNG: Duration = Duration::from_secs(60);
+/// Near a floor, this many of the largest processes are re-read every round.
+pub const LARGEST: usize = 32;
+/// Every process is re-read in full at least once per this many scan intervals.
+pub const ROTATION_SCANS: u32 = 24;
+/// On smaller hosts the rotation still re-reads this many processes per scan interval.
+pub const ROTATION_MIN_PER_SCAN: usize = 32;
+/// The scan thread's nice value: it is background work, and must not preempt the control loop
+/// it has just been woken by.
+const SCAN_NICE: i32 = 5;
+
+/// What the loop asks of one round.
+#[derive(Debug, Default)]
+pub struct ScanRequest {
+    /// The loop's clock when it asked; the result carries it back as its `scanned_at`.
+    pub at: Duration,
+    /// Re-read the stat of every process.
+    pub full: bool,
+    /// Re-read the `LARGEST` processes by last known RSS.
+    pub largest: bool,
+    /// Pids to re-read this round (stat and status).
+    pub hot: Vec<i32>,
+    /// VmSwap is worth reading (the host has swap).
+    pub host_has_swap: bool,
+    /// Every process is re-read in full at least this often.
+    pub rotation_period: Duration,
+    /// Processes first seen less than this ago are re-read (stat and status) every round.
+    pub young: Duration,
+    /// Processes holding GPU memory, whose mapped weights files to read (`None`: GPUs off).
+    pub maps: Option<Vec<i32>>,
+}
+
+/// What one round found: what changed since the previous round.
+#[derive(Debug, Default)]
+pub struct ScanResult {
+    pub at: Duration,
+    pub full: bool,
+    /// Every pid still there, in order (`None` if /proc could not be listed): any other pid in
+    /// the table has exited.
+    pub live: Option<Vec<i32>>,
+    /// Processes not seen before (or pids now used by another process), read in full.
+    pub new: Vec<Process>,
+    /// Known processes read again.
+    pub updates: Vec<Update>,
+    /// The weights files mapped by the processes in the request's `maps`.
+    pub mapped_weights: Option<BTreeMap<i32, Vec<MappedFile>>>,
+    pub stats: ScanStats,
+}
+
+/// What a re-read found (`None`: not read this time, unchanged as far as is known).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Update {
+    pub id: ProcessId,
+    pub state: char,
+    pub ppid: i32,
+    pub rss_bytes: u64,
+    pub swap_bytes: Option<Option<u64>>,
+    pub uid: Option<u32>,
+    /// After an exec (or a new name): the name, command line and cgroup.
+    pub exec: Option<Exec>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Exec {
+    pub comm: String,
+    pub cmdline: String,
+    pub cgroup: String,
+}
+
+/// What one round cost, for the debug log and the benchmarks.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ScanStats {
+    pub listed: usize,
+    /// New pids read in full.
+    pub new: usize,
+    /// Known pids whose stat was read again.
+    pub refreshed: usize,
+    /// Of those, how many had exec'd (or changed their name).
+    pub execs: usize,
+    /// Reads that failed for a reason other than the process being gone (nothing was changed).
+    pub unreadable: usize,
+    /// /proc itself could not be listed: the table is the previous one.
+    pub list_error: Option<ReadError>,
+    pub took: Duration,
+}
+
+/// Merges a round into a table kept in pid order, in place (the new processes are moved in, not
+/// copied; the first table is the first round's `new`).
+pub fn apply(table: &mut Vec<Process>, result: &mut ScanResult) {
+    if let Some(live) = &result.live {
+        table.retain(|p| live.binary_search(&p.pid).is_ok());
+    }
+    for u in result.updates.drain(..) {
+        if let Ok(i) = table.binary_search_by_key(&u.id.pid, |t| t.pid) {
+            if table[i].id() == u.id {
+                update(&mut table[i], u);
+            }
+        }
+    }
+    if table.is_empty() {
+        *table = std::mem::take(&mut result.new);
+        table.sort_unstable_by_key(|p| p.pid);
+        return;
+    }
+    let sorted = table.len();
+    table.reserve(result.new.len());
+    for p in result.new.drain(..) {
+        match table[..sorted].binary_search_by_key(&p.pid, |t| t.pid) {
+            Ok(i) => table[i] = p,
+            Err(_) => table.push(p),
+        }
+    }
+    if table.len() > sorted {
+        table.sort_unstable_by_key(|p| p.pid);
+    }
+}
+
+fn update(p: &mut Process, u: Update) {
+    p.state = u.state;
+    p.ppid = u.ppid;
+    p.rss_bytes = u.rss_bytes;
+    if let Some(swap) = u.swap_bytes {
+        p.swap_bytes = swap;
+    }
+    if let Some(uid) = u.uid {
+        p.uid = uid;
+    }
+    if let Some(exec) = u.exec {
+        p.comm = exec.comm;
+        p.cmdline = exec.cmdline;
+        p.cgroup = exec.cgroup;
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Depth {
+    /// stat (and VmSwap where there is swap).
+    Vitals,
+    /// stat and status (the real uid).
+    Attributes,
+}
+
+/// What the scanner remembers of a process: enough to notice a change.
+struct Entry {
+    start_time: u64,
+    /// Hashes of the address-space layout (`ExecMark`) and of the name.
+    exec: u64,
+    comm: u64,
+    rss_bytes: u64,
+    kernel_thread: bool,
+    /// The round that last read it.
+    round: u64,
+    /// When it was first seen: young processes are read every round.
+    born: Instant,
+}
+
+/// A GPU holder's mapped weights files, and when they were read.
+struct MapsRead {
+    start_time: u64,
+    rss_bytes: u64,
+    at: Instant,
+    files: Vec<MappedFile>,
+}
+
+/// A GPU holder's maps are read again once its RSS has moved by this much.
+const MAPS_RSS_DRIFT_BYTES: u64 = 64 << 20;
+
+/// The incremental process table.
+pub struct Scanner {
+    reader: ProcReader,
+    entries: BTreeMap<i32, Entry>,
+    maps: BTreeMap<i32, MapsRead>,
+    hasher: RandomState,
+    pids: Vec<i32>,
+    todo: Vec<(i32, Depth)>,
+    new: Vec<Process>,
+    updates: Vec<Update>,
+    /// The rotation goes on after this pid.
+    cursor: i32,
+    /// Processes the rotation owes (fractions carried from round to round).
+    credit: f64,
+    last_round: Option<Instant>,
+    round: u64,
+}
+
+impl Scanner {
+    pub fn new(reader: ProcReader) -> Self {
+        Scanner {
+            reader,
+            entries: BTreeMap::new(),
+            maps: BTreeMap::new(),
+            hasher: RandomState::new(),
+            pids: Vec::new(),
+            todo: Vec::new(),
+            new: Vec::new(),
+            updates: Vec::new(),
+            cursor: 0,
+            credit: 0.0,
+            last_round: None,
+            round: 0,
+        }
+    }
+
+    /// One round: list, drop the gone, read the new, re-read what is due.
+    pub fn round(&mut self, request: ScanRequest) -> ScanResult {
+        let started = Instant::now();
+        self.round += 1;
+        let mut stats = ScanStats::default();
+        let swap = request.host_has_swap;
+        let listed = match self.reader.list_pids(&mut self.pids) {
+            Ok(()) => {
+                self.pids.sort_unstable();
+                stats.listed = self.pids.len();
+                let pids = &self.pids;
+                self.entries
+                    .retain(|pid, _| pids.binary_search(pid).is_ok());
+                // The first round's `new` becomes the loop's table: no slack in it.
+                let unknown = self.pids.len() - self.entries.len();
+                self.new.reserve_exact(unknown);
+                for i in 0..self.pids.len() {
+                    let pid = self.pids[i];
+                    if !self.entries.contains_key(&pid) {
+                        self.read_new(pid, swap, &mut stats);
+                    }
+                }
+                true
+            }
+            Err(e) => {
+                stats.list_error = Some(e);
+                false
+            }
+        };
+        self.plan_refresh(&request, started);
+        for i in 0..self.todo.len() {
+            let (pid, depth) = self.todo[i];
+            self.refresh(pid, depth, swap, &mut stats);
+        }
+        self.last_round = Some(started);
+        let mapped_weights = request
+            .maps
+            .as_ref()
+            .map(|pids| self.mapped_weights(pids, request.rotation_period, started));
+        stats.took = started.elapsed();
+        ScanResult {
+            at: request.at,
+            full: request.full,
+            live: listed.then(|| self.entries.keys().copied().collect()),
+            new: std::mem::take(&mut self.new),
+            updates: std::mem::take(&mut self.updates),
+            mapped_weights,
+            stats,
+        }
+    }
+
+    /// The weights files GPU holders map. Read here rather than on the loop (a Python process's
+    /// maps run to thousands of lines), and again only for a new process, one whose RSS moved by
+    /// `MAPS_RSS_DRIFT_BYTES` (weights are loaded or dropped), or once per rotation period.
+    fn mapped_weights(
+        &mut self,
+        pids: &[i32],
+        period: Duration,
+        now: Instant,
+    ) -> BTreeMap<i32, Vec<MappedFile>> {
+        self.maps.retain(|pid, _| pids.binary_search(pid).is_ok());
+        for &pid in pids {
+            let Some(e) = self.entries.get(&pid) else {
+                self.maps.remove(&pid);
+                continue;
+            };
+            let fresh = self.maps.get(&pid).is_some_and(|m| {
+                m.start_time == e.start_time
+                    && m.rss_bytes.abs_diff(e.rss_bytes) < MAPS_RSS_DRIFT_BYTES
+                    && now.saturating_duration_since(m.at) < period
+            });
+            if !fresh {
+                let files = super::weights::read(self.reader.root(), pid);
+                let read = MapsRead {
+                    start_time: e.start_time,
+                    rss_bytes: e.rss_bytes,
+                    at: now,
+                    files,
+                };
+                self.maps.insert(pid, read);
+            }
+        }
+        self.maps
+            .iter()
+            .filter(|(_, m)| !m.files.is_empty())
+            .map(|(&pid, m)| (pid, m.files.clone()))
+            .collect()
+    }
+
+    fn read_new(&mut self, pid: i32, swap: bool, stats: &mut ScanStats) {
+        match self.reader.process(pid, swap) {
+            Ok(read) => {
+                stats.new += 1;
+                let p = read.process;
+                self.entries.insert(
+                    pid,
+                    Entry {
+                        start_time: p.start_time,
+                        exec: self.hasher.hash_one(read.stat.stat.exec),
+                        comm: self.hasher.hash_one(&p.comm),
+                        rss_bytes: p.rss_bytes,
+                        kernel_thread: p.kernel_thread,
+                        round: self.round,
+                        born: Instant::now(),
+                    },
+                );
+                self.new.push(p);
+            }
+            // Exited since the listing: simply not in this table.
+            Err(ReadError::Gone) => self.gone(pid),
+            // Not readable now (no descriptor left...): tried again next round.
+            Err(_) => stats.unreadable += 1,
+        }
+    }
+
+    /// Exited since it was listed: not in `live`, so the loop drops it.
+    fn gone(&mut self, pid: i32) {
+        self.entries.remove(&pid);
+    }
+
+    /// Which known processes to re-read this round, and how deeply; the rotation advances.
+    fn plan_refresh(&mut self, request: &ScanRequest, now: Instant) {
+        self.todo.clear();
+        let round = self.round;
+        let fresh = |e: &Entry| e.round == round;
+        for &pid in &request.hot {
+            if self.entries.get(&pid).is_some_and(|e| !fresh(e)) {
+                self.todo.push((pid, Depth::Attributes));
+            }
+        }
+        // GPU holders: their RSS tells when their mapped weights are worth reading again.
+        for &pid in request.maps.iter().flatten() {
+            if self.entries.get(&pid).is_some_and(|e| !fresh(e)) {
+                self.todo.push((pid, Depth::Vitals));
+            }
+        }
+        for (&pid, e) in &self.entries {
+            if !fresh(e)
+                && !e.kernel_thread
+                && now.saturating_duration_since(e.born) < request.young
+            {
+                self.todo.push((pid, Depth::Attributes));
+            }
+        }
+        if request.full {
+            for (&pid, e) in &self.entries {
+                if !fresh(e) && !e.kernel_thread {
+                    self.todo.push((pid, Depth::Vitals));
+                }
+            }
+        } else if request.largest {
+            let mut by_rss: Vec<(u64, i32)> = self
+                .entries
+                .iter()
+                .filter(|(_, e)| !fresh(e) && e.rss_bytes > 0)
+                .map(|(&pid, e)| (e.rss_bytes, pid))
+                .collect();
+            if by_rss.len() > LARGEST {
+                by_rss.select_nth_unstable_by(LARGEST - 1, |a, b| b.cmp(a));
+                by_rss.truncate(LARGEST);
+            }
+            self.todo
+                .extend(by_rss.into_iter().map(|(_, pid)| (pid, Depth::Vitals)));
+        }
+        self.rotate(request, now);
+        // One read per pid, at the deepest depth asked.
+        self.todo
+            .sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
+        self.todo.dedup_by_key(|t| t.0);
+    }
+
+    /// The rotation's share of this round: the processes after the cursor, enough of them that
+    /// each is re-read once per `rotation_period`.
+    fn rotate(&mut self, request: &ScanRequest, now: Instant) {
+        let elapsed = self
+            .last_round
+            .map_or(Duration::ZERO, |t| now.saturating_duration_since(t));
+        let period = request.rotation_period.as_secs_f64().max(1e-3);
+        let total = self.entries.len();
+        let rate = total.max(ROTATION_MIN_PER_SCAN * ROTATION_SCANS as usize) as f64 / period;
+        self.credit = (self.credit + rate * elapsed.as_secs_f64()).min(total as f64);
+        let due = self.credit.floor() as usize;
+        self.credit -= due as f64;
+        let round = self.round;
+        let after = self.entries.range(self.cursor.saturating_add(1)..);
+        let before = self.entries.range(..=self.cursor);
+        for (&pid, e) in after.chain(before).take(due) {
+            self.cursor = pid;
+            if e.round != round && !e.kernel_thread {
+                self.todo.push((pid, Depth::Attributes));
+            }
+        }
+    }
+
+    /// Re-reads one known process.
+    fn refresh(&mut self, pid: i32, depth: Depth, swap: bool, stats: &mut ScanStats) {
+        let Some(entry) = self.entries.get_mut(&pid) else {
+            return;
+        };
+        let stat = match self.reader.proc_stat(pid) {
+            Ok(s) => s,
+            Err(ReadError::Gone) => return self.gone(pid),
+            Err(_) => {
+                stats.unreadable += 1;
+                return;
+            }
+        };
+        stats.refreshed += 1;
+        entry.round = self.round;
+        if stat.stat.start_time != entry.start_time {
+            // The pid was reused: a new process.
+            self.entries.remove(&pid);
+            return self.read_new(pid, swap, stats);
+        }
+        let vitals = self.reader.vitals_of(&stat, None);
+        entry.rss_bytes = vitals.rss_bytes;
+        let mut update = Update {
+            id: vitals.id,
+            state: vitals.state,
+            ppid: vitals.ppid,
+            rss_bytes: vitals.rss_bytes,
+            swap_bytes: None,
+            uid: None,
+            exec: None,
+        };
+        let s = &stat.stat;
+        let comm = self.hasher.hash_one(&s.comm);
+        let mark = self.hasher.hash_one(s.exec);
+        let exec = comm != entry.comm || mark != entry.exec || !s.exec.known();
+        // Exited (its last known name, command line and owner stay), or nothing more to read.
+        if entry.kernel_thread
+            || matches!(s.state, 'Z' | 'X' | 'x')
+            || !(exec || depth == Depth::Attributes || swap)
+        {
+            return self.updates.push(update);
+        }
+        let status = match self.reader.status(pid, stat.thread) {
+            Ok(status) => status,
+            Err(ReadError::Gone) => return self.gone(pid),
+            Err(_) => {
+                stats.unreadable += 1;
+                return self.updates.push(update);
+            }
+        };
+        if swap {
+            update.swap_bytes = Some(status.swap_bytes);
+        }
+        update.uid = status.uid;
+        if exec {
+            match (
+                self.reader.cmdline(pid, stat.thread),
+                self.reader.cgroup(pid),
+            ) {
+                (Ok(cmdline), Ok(cgroup)) => {
+                    if s.exec.known() {
+                        stats.execs += 1;
+                    }
+                    let entry = self.entries.get_mut(&pid).expect("read above");
+                    entry.exec = mark;
+                    entry.comm = comm;
+                    update.exec = Some(Exec {
+                        comm: s.comm.clone(),
+                        cmdline,
+                        cgroup,
+                    });
+                }
+                (Err(ReadError::Gone), _) | (_, Err(ReadError::Gone)) => return self.gone(pid),
+                // Tried again at the next read: the mark is not updated.
+                _ => stats.unreadable += 1,
+            }
+        }
+        self.updates.push(update);
+    }
+}
+
+/// Runs a `Scanner` on a thread of its own: one round per request, each result handed to
+/// `deliver` (which returns false when nobody listens any more).
+pub struct ScanThread {
+    requests: std::sync::mpsc::Sender<ScanRequest>,
+    handle: std::thread::JoinHandle<()>,
+}
+
+impl ScanThread {
+    pub fn spawn(
+        mut scanner: Scanner,
+        mut deliver: impl FnMut(ScanResult) -> bool + Send + 'static,
+    ) -> std::io::Result<ScanThread> {
+        let (requests, incoming) = std::sync::mpsc::channel::<ScanRequest>();
+        let handle = std::thread::Builder::new()
+            .name("proc-scan".into())
+            .stack_size(256 << 10)
+            .spawn(move || {
+                // SAFETY: setpriority on this thread's own id (Linux nice values are per thread).
+                unsafe {
+                    libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, SCAN_NICE)
+                };
+                while let Ok(request) = incoming.recv() {
+                    if !deliver(scanner.round(request)) {
+                        break;
+                    }
+                }
+            })?;
+        Ok(ScanThread { requests, handle })
+    }
+
+    /// Queues a round; false if the thread is gone.
+    pub fn request(&self, request: ScanRequest) -> bool {
+        self.requests.send(request).is_ok()
+    }
+
+    /// The thread has ended (it panicked: a request in flight will never be answered).
+    pub fn is_finished(&self) -> bool {
+        self.handle.is_finished()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sample::procfs::ProcReader;
+    use std::path::Path;
+
+    const STAT_TAIL: &str = "0 -1 4194304 100 0 0 0 5 3 0 0 20 0 1 0";
+
+    /// A fixture process: what /proc shows of it.
+    struct Fake<'a> {
+        pid: i32,
+        comm: &'a str,
+        start: u64,
+        rss: u64,
+        /// Written into every layout field: a new value is an exec.
+        layout: u64,
+        uid: u32,
+        cmdline: &'a str,
+    }
+
+    fn fake<'a>(pid: i32, comm: &'a str, cmdline: &'a str) -> Fake<'a> {
+        Fake {
+            pid,
+            comm,
+            start: pid as u64 * 10,
+            rss: 5,
+            layout: 7,
+            uid: 1000,
+            cmdline,
+        }
+    }
+
+    fn write_proc(root: &Path, p: &Fake) {
+        let Fake {
+            pid,
+            comm,
+            start,
+            rss,
+            layout,
+            uid,
+            cmdline,
+        } = p;
+        let dir = root.join(pid.to_string());
+        std::fs::create_dir_all(&dir).unwrap();
+        // Fields 23 (vsize) to 52; the layout fields get `layout`.
+        let mut tail = vec!["0".to_string(); 30];
+        tail[1] = rss.to_string(); // 24
+        for i in [3usize, 4, 5, 22, 23, 24, 25, 26, 27, 28] {
+            tail[i] = layout.to_string(); // 26-28, 45-51
+        }
+        std::fs::write(
+            dir.join("stat"),
+            format!(
+                "{pid} ({comm}) S 1 {pid} {pid} {STAT_TAIL} {start} {}\n",
+                tail.join(" ")
+            ),
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join("status"),
+            format!("Name:\t{comm}\nUid:\t{uid}\t0\t0\t0\n"),
+        )
+        .unwrap();
+        std::fs::write(dir.join("cmdline"), cmdline.replace(' ', "\0")).unwrap();
+        std::fs::write(dir.join("cgroup"), "0::/test.slice\n").unwrap();
+    }
+
+    fn request(hot: &[i32]) -> ScanRequest {
+        ScanRequest {
+            hot: hot.to_vec(),
+            rotation_period: Duration::from_secs(3600),
+            ..Default::default()
+        }
+    }
+
+    /// A scanner and the table its changes are applied to, as the daemon keeps it.
+    struct Table {
+        scanner: Scanner,
+        processes: Vec<Process>,
+    }
+
+    impl Table {
+        fn new(root: &Path) -> Table {
+            Table {
+                scanner: Scanner::new(ProcReader::new(root)),
+                processes: Vec::new(),
+            }
+        }
+
+        fn round(&mut self, request: ScanRequest) -> ScanStats {
+            let mut result = self.scanner.round(request);
+            apply(&mut self.processes, &mut result);
+            result.stats
+        }
+
+        fn find(&self, pid: i32) -> &Process {
+            self.processes.iter().find(|p| p.pid == pid).unwrap()
+        }
+    }
+
+    /// Writes a fixture process `pid (comm)` with `cmdline` and [start time, RSS pages, layout,
+    /// uid].
+    fn put(root: &Path, pid: i32, comm: &str, cmdline: &str, numbers: [u64; 4]) {
+        let [start, rss, layout, uid] = numbers;
+        write_proc(
+            root,
+            &Fake {
+                start,
+                rss,
+                layout,
+                uid: uid as u32,
+                ..fake(pid, comm, cmdline)
+            },
+        );
+    }
+
+    #[test]
+    fn new_pids_are_read_and_gone_ones_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        put(dir.path(), 10, "a", "a --x", [100, 5, 7, 1000]);
+        put(dir.path(), 20, "b", "b", [200, 6, 7, 1000]);
+        let mut table = Table::new(dir.path());
+        assert_eq!(table.round(request(&[])).new, 2);
+        assert_eq!(table.find(10).cmdline, "a --x");
+        std::fs::remove_dir_all(dir.path().join("10")).unwrap();
+        put(dir.path(), 30, "c", "c", [300, 6, 7, 1000]);
+        let stats = table.round(request(&[]));
+        let pids: Vec<i32> = table.processes.iter().map(|p| p.pid).collect();
+        assert_eq!(pids, [20, 30]);
+        assert_eq!(
+            (stats.new, stats.refreshed),
+            (1, 0),
+            "the idle one is not re-read"
+        );
+    }
+
+    #[test]
+    fn young_processes_see_exec_and_setuid_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        put(dir.path(), 30, "bash", "bash run.sh", [300, 5, 7, 1000]);
+        let mut table = Table::new(dir.path());
+        let young = || ScanRequest {
+            young: YOUNG,
+            ..request(&[])
+        };
+        table.round(young());
+        // The launcher script execs the server, which then drops to another uid.
+        put(
+            dir.path(),
+            30,
+            "python3",
+            "python3 -m vllm serve",
+            [300, 5, 8, 998],
+        );
+        table.round(young());
+        assert_eq!(table.find(30).cmdline, "python3 -m vllm serve");
+        assert_eq!(table.find(30).uid, 998);
+    }
+
+    #[test]
+    fn hot_pids_see_exec_and_setuid_at_once_the_rest_by_rotation() {
+        let dir = tempfile::tempdir().unwrap();
+        put(
+            dir.path(),
+            10,
+            "python3",
+            "python3 launcher.py",
+            [100, 5, 7, 1000],
+        );
+        put(
+            dir.path(),
+            20,
+            "python3",
+            "python3 other.py",
+            [200, 5, 7, 1000],
+        );
+        let mut table = Table::new(dir.path());
+        table.round(request(&[]));
+        // Both exec with the same name (a new layout), and both change their real uid only.
+        put(
+            dir.path(),
+            10,
+            "python3",
+            "python3 -m vllm serve",
+            [100, 5, 8, 0],
+        );
+        put(
+            dir.path(),
+            20,
+            "python3",
+            "python3 -m vllm serve",
+            [200, 5, 8, 0],
+        );
+        let stats = table.round(request(&[10]));
+        assert_eq!(table.find(10).cmdline, "python3 -m vllm serve");
+        assert_eq!(table.find(10).uid, 0);
+        assert_eq!(stats.execs, 1);
+        assert_eq!(table.find(20).cmdline, "python3 other.py", "not due yet");
+        // A ruid change with no exec: seen by the next read of status.
+        put(
+            dir.path(),
+            10,
+            "python3",
+            "python3 -m vllm serve",
+            [100, 5, 8, 1234],
+        );
+        table.round(request(&[10]));
+        assert_eq!(table.find(10).uid, 1234);
+        // The rotation reaches the other one within its period.
+        let mut rotating = request(&[]);
+        rotating.rotation_period = Duration::from_millis(1);
+        std::thread::sleep(Duration::from_millis(2));
+        table.round(rotating);
+        assert_eq!(table.find(20).cmdline, "python3 -m vllm serve");
+        assert_eq!(table.find(20).uid, 0);
+    }
+
+    #[test]
+    fn full_rounds_refresh_every_rss_and_catch_reused_pids() {
+        let dir = tempfile::tempdir().unwrap();
+        put(dir.path(), 10, "a", "a", [100, 5, 7, 1000]);
+        let mut table = Table::new(dir.path());
+        table.round(request(&[]));
+        put(dir.path(), 10, "a", "a", [100, 50, 7, 1000]);
+        table.round(request(&[]));
+        assert_eq!(table.find(10).rss_bytes, 5 * page(), "idle: not re-read");
+        let full = || ScanRequest {
+            full: true,
+            ..request(&[])
+        };
+        table.round(full());
+        assert_eq!(table.find(10).rss_bytes, 50 * page());
+        // Another process now has pid 10 (another start time).
+        put(dir.path(), 10, "b", "b --new", [999, 1, 9, 1000]);
+        table.round(full());
+        let p = table.find(10);
+        assert_eq!(
+            (p.start_time, p.comm.as_str(), p.cmdline.as_str()),
+            (999, "b", "b --new")
+        );
+        assert_eq!(table.processes.len(), 1);
+    }
+
+    #[test]
+    fn an_unreadable_process_keeps_what_was_known() {
+        let dir = tempfile::tempdir().unwrap();
+        put(dir.path(), 10, "a", "a", [100, 5, 7, 1000]);
+        let mut table = Table::new(dir.path());
+        table.round(request(&[]));
+        // stat becomes a directory: reads fail with EISDIR, not ENOENT.
+        let stat = dir.path().join("10/stat");
+        std::fs::remove_file(&stat).unwrap();
+        std::fs::create_dir(&stat).unwrap();
+        let stats = table.round(request(&[10]));
+        assert_eq!(table.find(10).rss_bytes, 5 * page());
+        assert_eq!(stats.unreadable, 1);
+    }
+
+    #[test]
+    fn largest_are_refreshed_near_a_floor() {
+        let dir = tempfile::tempdir().unwrap();
+        for pid in 1..=(LARGEST as i32 + 10) {
+            put(dir.path(), pid, "p", "p", [pid as u64, pid as u64, 7, 1000]);
+        }
+        let mut table = Table::new(dir.path());
+        table.round(request(&[]));
+        let near = ScanRequest {
+            largest: true,
+            ..request(&[])
+        };
+        assert_eq!(table.round(near).refreshed, LARGEST);
+    }
+
+    #[test]
+    fn changes_merge_into_the_table_in_pid_order() {
+        let p = |pid: i32| Process {
+            pid,
+            start_time: pid as u64,
+            ..Process::default()
+        };
+        let changed = |pid: i32, start_time: u64| Update {
+            id: ProcessId { pid, start_time },
+            state: 'R',
+            ppid: 1,
+            rss_bytes: 42,
+            swap_bytes: None,
+            uid: Some(7),
+            exec: None,
+        };
+        let mut table = Vec::new();
+        let mut first = ScanResult {
+            live: Some(vec![1, 5, 9]),
+            new: vec![p(9), p(1), p(5)],
+            ..ScanResult::default()
+        };
+        apply(&mut table, &mut first);
+        let mut result = ScanResult {
+            live: Some(vec![1, 2, 5, 7, 12]),
+            new: vec![p(12), p(2), p(7)],
+            // An update for another process that had pid 1 is not applied.
+            updates: vec![changed(5, 5), changed(1, 999)],
+            ..ScanResult::default()
+        };
+        apply(&mut table, &mut result);
+        let pids: Vec<i32> = table.iter().map(|p| p.pid).collect();
+        assert_eq!(pids, [1, 2, 5, 7, 12]);
+        assert_eq!(
+            (table[2].rss_bytes, table[2].uid, table[2].state),
+            (42, 7, 'R')
+        );
+        assert_eq!(table[0].rss_bytes, 0);
+        // A pid taken by another process: replaced.
+        let mut reused = ScanResult {
+            live: Some(vec![1, 2, 5, 7, 12]),
+            new: vec![Process {
+                start_time: 77,
+                ..p(7)
+            }],
+            ..ScanResult::default()
+        };
+        apply(&mut table, &mut reused);
+        assert_eq!((table.len(), table[3].start_time), (5, 77));
+    }
+
+    fn page() -> u64 {
+        crate::sample::procfs::page_size()
+    }
+}

@@ -1,0 +1,270 @@
+//! The state directory (`daemon.state_dir`, `/var/lib/gpuguard`): what gpuguard holds stopped or
+//! throttled, and the event log. Root writes there, so the directory is trusted only if it is
+//! gpuguard's own (owned by its user, not writable by group or others; created 0700), and every
+//! file in it is opened relative to the directory's descriptor without following symlinks:
+//! a symlink planted there is set aside and reported, never written through.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use nix::errno::Errno;
+use nix::fcntl::{openat, renameat, AtFlags, OFlag};
+use nix::sys::stat::{fstat, fstatat, Mode};
+use nix::unistd::{unlinkat, UnlinkatFlags};
+
+/// Why a state directory is not used.
+#[derive(Debug, thiserror::Error)]
+#[error("state directory {}: {reason}", path.display())]
+pub struct StateDirError {
+    pub path: PathBuf,
+    pub reason: String,
+}
+
+/// An open, checked state directory.
+#[derive(Debug)]
+pub struct StateDir {
+    path: PathBuf,
+    fd: OwnedFd,
+}
+
+/// Which file a descriptor is: (device, inode).
+pub type FileIdentity = (u64, u64);
+
+impl StateDir {
+    /// Opens the directory, creating it (mode 0700, parents as needed) if it does not exist.
+    pub fn create(path: &Path) -> Result<StateDir, StateDirError> {
+        if !path.exists() {
+            if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+                std::fs::create_dir_all(parent).map_err(|e| error(path, e))?;
+            }
+            match std::fs::DirBuilder::new().mode(0o700).create(path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(error(path, e)),
+            }
+        }
+        StateDir::open(path)
+    }
+
+    /// Opens the directory if it exists (`None` if it does not); never creates it.
+    pub fn open_existing(path: &Path) -> Result<Option<StateDir>, StateDirError> {
+        match std::fs::symlink_metadata(path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            _ => StateDir::open(path).map(Some),
+        }
+    }
+
+    /// Opens and checks: a directory owned by this user, not writable by group or others.
+    fn open(path: &Path) -> Result<StateDir, StateDirError> {
+        let fd = nix::fcntl::open(
+            path,
+            OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| error(path, e))?;
+        let st = fstat(&fd).map_err(|e| error(path, e))?;
+        let me = nix::unistd::geteuid().as_raw();
+        let refuse = |reason: String| {
+            StateDirError {
+            path: path.to_path_buf(),
+            reason: format!("{reason}: refusing to use it (it holds what gpuguard, as root, signals and writes)"),
+        }
+        };
+        if st.st_uid != me {
+            return Err(refuse(format!(
+                "owned by uid {}, not by gpuguard's uid {me}",
+                st.st_uid
+            )));
+        }
+        let mode = st.st_mode & 0o7777;
+        if mode & 0o022 != 0 {
+            return Err(refuse(format!(
+                "writable by group or others (mode {mode:04o}; chmod 700 it)"
+            )));
+        }
+        Ok(StateDir {
+            path: path.to_path_buf(),
+            fd,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The whole content of `name`, or `None` if it does not exist. A symlink is an error
+    /// (`ELOOP`): it is never followed.
+    pub fn read(&self, name: &str) -> std::io::Result<Option<Vec<u8>>> {
+        let flags = OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC | OFlag::O_NONBLOCK;
+        let fd = match openat(&self.fd, name, flags, Mode::empty()) {
+            Ok(fd) => fd,
+            Err(Errno::ENOENT) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        let mut file = File::from(fd);
+        if !file.metadata()?.is_file() {
+            return Err(std::io::Error::other("not a regular file"));
+        }
+        let mut bytes = Vec::new();
+        file.read_to_end(&mut bytes)?;
+        Ok(Some(bytes))
+    }
+
+    /// Replaces `name` with `bytes` at once: written to `name.tmp` (created exclusively, after
+    /// removing whatever a crash or anyone else left under that name), then renamed over it.
+    pub fn write_atomic(&self, name: &str, bytes: &[u8]) -> std::io::Result<()> {
+        let tmp = format!("{name}.tmp");
+        match unlinkat(&self.fd, tmp.as_str(), UnlinkatFlags::NoRemoveDir) {
+            Ok(()) | Err(Errno::ENOENT) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let flags =
+            OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+        let fd = openat(
+            &self.fd,
+            tmp.as_str(),
+            flags,
+            Mode::from_bits_truncate(0o600),
+        )?;
+        File::from(fd).write_all(bytes)?;
+        renameat(&self.fd, tmp.as_str(), &self.fd, name)?;
+        Ok(())
+    }
+
+    /// Opens `name` for appending (created 0600). Something other than a regular file under
+    /// that name (a symlink planted there) is set aside first; returns the file and, if so, why.
+    pub fn open_append(&self, name: &str) -> std::io::Result<(File, Option<String>)> {
+        let mut set_aside = None;
+        if let Some(kind) = self.odd_entry(name)? {
+            let aside = self.set_aside(name, "not-a-file")?;
+            set_aside = Some(format!(
+                "{}/{name} was {kind}: moved to {aside}, never written through",
+                self.path.display()
+            ));
+        }
+        let flags = OFlag::O_WRONLY
+            | OFlag::O_APPEND
+            | OFlag::O_CREAT
+            | OFlag::O_NOFOLLOW
+            | OFlag::O_CLOEXEC;
+        let fd = openat(&self.fd, name, flags, Mode::from_bits_truncate(0o600))?;
+        Ok((File::from(fd), set_aside))
+    }
+
+    /// What `name` is if it exists and is not a regular file ("a symlink", "a directory", ...).
+    fn odd_entry(&self, name: &str) -> std::io::Result<Option<&'static str>> {
+        let st = match fstatat(&self.fd, name, AtFlags::AT_SYMLINK_NOFOLLOW) {
+            Ok(st) => st,
+            Err(Errno::ENOENT) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        Ok(match st.st_mode & libc::S_IFMT {
+            libc::S_IFREG => None,
+            libc::S_IFLNK => Some("a symlink"),
+            libc::S_IFDIR => Some("a directory"),
+            _ => Some("not a regular file"),
+        })
+    }
+
+    /// The (device, inode) of `name` itself (a symlink is not followed), if it exists.
+    pub fn identity(&self, name: &str) -> std::io::Result<Option<FileIdentity>> {
+        match fstatat(&self.fd, name, AtFlags::AT_SYMLINK_NOFOLLOW) {
+            Ok(st) => Ok(Some((st.st_dev, st.st_ino))),
+            Err(Errno::ENOENT) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Renames `from` to `to` within the directory (neither is followed if a symlink).
+    pub fn rename(&self, from: &str, to: &str) -> std::io::Result<()> {
+        renameat(&self.fd, from, &self.fd, to).map_err(Into::into)
+    }
+
+    /// Moves `name` out of the way as `name.<why>-<unix time>` (kept for the operator); returns
+    /// the new name.
+    pub fn set_aside(&self, name: &str, why: &str) -> std::io::Result<String> {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let aside = format!("{name}.{why}-{now}");
+        self.rename(name, &aside)?;
+        Ok(aside)
+    }
+}
+
+/// The identity of an open file.
+pub fn identity_of(file: &File) -> std::io::Result<FileIdentity> {
+    let st = fstat(file.as_fd())?;
+    Ok((st.st_dev, st.st_ino))
+}
+
+fn error(path: &Path, e: impl std::fmt::Display) -> StateDirError {
+    StateDirError {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn created_0700_and_refused_when_group_or_world_writable() {
+        let root = tempfile::tempdir().unwrap();
+        let path = root.path().join("a/state");
+        let dir = StateDir::create(&path).unwrap();
+        let mode = std::fs::metadata(dir.path()).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700);
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = StateDir::create(&path).unwrap_err().to_string();
+        assert!(
+            e.contains("writable by group or others (mode 0777; chmod 700 it)"),
+            "{e}"
+        );
+        assert!(StateDir::open_existing(&root.path().join("none"))
+            .unwrap()
+            .is_none());
+        if nix::unistd::geteuid().is_root() {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o700)).unwrap();
+            let nobody = nix::unistd::Uid::from_raw(65534);
+            nix::unistd::chown(&path, Some(nobody), None).unwrap();
+            let e = StateDir::create(&path).unwrap_err().to_string();
+            assert!(
+                e.contains("owned by uid 65534, not by gpuguard's uid 0"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn symlinks_in_it_are_never_followed() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = StateDir::create(&root.path().join("state")).unwrap();
+        let victim = root.path().join("elsewhere");
+        std::fs::write(&victim, "precious\n").unwrap();
+        std::os::unix::fs::symlink(&victim, dir.path().join("stopped.json")).unwrap();
+        std::os::unix::fs::symlink(&victim, dir.path().join("stopped.json.tmp")).unwrap();
+        std::os::unix::fs::symlink(&victim, dir.path().join("events.jsonl")).unwrap();
+
+        assert!(dir.read("stopped.json").is_err(), "a symlink is not read");
+        dir.write_atomic("stopped.json", b"[]").unwrap();
+        let (mut log, aside) = dir.open_append("events.jsonl").unwrap();
+        log.write_all(b"line\n").unwrap();
+
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious\n");
+        assert_eq!(dir.read("stopped.json").unwrap().unwrap(), b"[]");
+        assert!(aside
+            .unwrap()
+            .contains("was a symlink: moved to events.jsonl.not-a-file-"));
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("events.jsonl")).unwrap(),
+            "line\n"
+        );
+    }
+}

@@ -1,0 +1,794 @@
+//! Faults and bad values never end in a wrong kill or a frozen process (issue #13): each test
+//! injects one fault into the real binary (through the fake libnvidia-ml.so.1, the state
+//! directory, the config, a crash, a hung webhook) with real child processes around, and ends by
+//! checking that no process got a signal it should not have and none is left stopped (state T).
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use serde_json::Value;
+
+use common::*;
+
+const LONG: Duration = Duration::from_secs(20);
+
+/// A daemon config: GPU floors (`gpu`), more `[daemon]` keys, models matched by token.
+fn config(gpu: &str, daemon: &str, models: &[(&str, &str, &str)]) -> String {
+    let mut text = format!(
+        "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"models\"\ninterval = \"200ms\"\n\
+         min_interval = \"10ms\"\nscan_interval = \"200ms\"\nterm_grace = \"300ms\"\n{daemon}\n\
+         [ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n\n\
+         [gpu]\nnvml_library = \"{}\"\nsample_timeout = \"300ms\"\nretry_init = \"300ms\"\n{gpu}\n",
+        FakeNvml::library()
+    );
+    for (name, token, rest) in models {
+        text.push_str(&format!(
+            "\n[[model]]\nname = \"{name}\"\nmatch = {{ cmdline = \"{token}\" }}\n{rest}\n"
+        ));
+    }
+    text
+}
+
+fn start(config: &str, fake: &FakeNvml) -> GuardDaemon {
+    let env = fake.env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    GuardDaemon::start_with_env(config, &env)
+}
+
+/// GPU 0 of 16 GiB with `used` bytes in use, its holders as (pid, bytes).
+fn gpu0(used: u64, holders: &[(u32, u64)]) -> String {
+    let mut s = format!("device 0 uuid=GPU-aaaa total={} used={used}\n", 16 * GIB);
+    for (pid, bytes) in holders {
+        s.push_str(&format!("process 0 {pid} {bytes}\n"));
+    }
+    s
+}
+
+fn idle(token: &str) -> Hog {
+    Hog::start(token, 0, 0, 600)
+}
+
+/// The event log, one JSON object per line.
+fn events(daemon: &GuardDaemon) -> Vec<Value> {
+    std::fs::read_to_string(daemon.state_dir().join("events.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+fn count(daemon: &GuardDaemon, event: &str, summary_has: &str) -> usize {
+    events(daemon)
+        .iter()
+        .filter(|e| {
+            e["event"] == event && e["summary"].as_str().unwrap_or("").contains(summary_has)
+        })
+        .count()
+}
+
+/// Waits until the event log holds `n` events of this kind whose summary contains the text.
+fn wait_count(daemon: &GuardDaemon, event: &str, summary_has: &str, n: usize) {
+    if !wait_until(LONG, || count(daemon, event, summary_has) >= n) {
+        panic!(
+            "never {n} {event:?} events with {summary_has:?}; events:\n{:#?}\nlog:\n{}",
+            events(daemon),
+            daemon.log_text()
+        );
+    }
+}
+
+/// No process was stopped, terminated or killed by this daemon.
+fn assert_no_signal(daemon: &GuardDaemon) {
+    let signalled: Vec<Value> = events(daemon)
+        .into_iter()
+        .filter(|e| {
+            let kind = e["event"].as_str().unwrap_or("");
+            matches!(
+                kind,
+                "process_killed" | "process_stopped" | "process_throttled"
+            ) && e["action"]["outcome"] == "done"
+        })
+        .collect();
+    assert!(signalled.is_empty(), "wrong signals: {signalled:#?}");
+}
+
+/// Alive and not stopped.
+fn assert_running(hog: &mut Hog) {
+    assert!(
+        hog.alive(),
+        "pid {} is gone: {:?}",
+        hog.pid(),
+        hog.child.try_wait()
+    );
+    assert_ne!(
+        proc_state(hog.pid()),
+        Some('T'),
+        "pid {} left stopped",
+        hog.pid()
+    );
+}
+
+fn status_json(daemon: &GuardDaemon) -> Value {
+    let out = Command::new(BIN)
+        .args(["status", "--json", "--socket"])
+        .arg(daemon.socket())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// GET /metrics on the port the daemon logged.
+fn metrics(daemon: &GuardDaemon) -> String {
+    let log = daemon.log_text();
+    let url = log
+        .split("metrics on http://")
+        .nth(1)
+        .and_then(|rest| rest.split("/metrics").next())
+        .expect("metrics address in the log");
+    let mut stream = std::net::TcpStream::connect(url).unwrap();
+    write!(stream, "GET /metrics HTTP/1.0\r\nHost: {url}\r\n\r\n").unwrap();
+    let mut body = String::new();
+    stream.read_to_string(&mut body).unwrap();
+    body
+}
+
+/// Runs `gpuguard daemon` to its exit (for configs it must refuse); returns (code, stderr).
+fn run_to_exit(config: &Path, state_dir: &Path, env: &[(&str, String)]) -> (Option<i32>, String) {
+    let mut cmd = Command::new(BIN);
+    cmd.args(["daemon", "--config"])
+        .arg(config)
+        .arg("--state-dir")
+        .arg(state_dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let status = wait_child(&mut child, LONG);
+    if status.is_none() {
+        let _ = child.kill();
+    }
+    let mut stderr = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    (status.and_then(|s| s.code()), stderr)
+}
+
+#[test]
+fn impossible_gpu_readings_are_unknown_and_never_kill() {
+    let t = token("impossible");
+    let mut hog = idle(&t);
+    let pid = hog.pid();
+    let healthy = gpu0(8 * GIB, &[(pid, 6 * GIB)]);
+    let fake = FakeNvml::new(&healthy);
+    let budget = "gpu_memory = \"8GiB\"\naction = \"kill\"\ngrace = \"0s\"";
+    let daemon = start(
+        &config(
+            "min_free = \"2GiB\"\nwarn_free = \"3GiB\"",
+            "",
+            &[("m", &t, budget)],
+        ),
+        &fake,
+    );
+    daemon.wait_for_log("GPU protection on: 1 GPU(s)", LONG);
+    // Each of these, taken at face value, kills the hog: the first two are far below min_free
+    // with the hog the largest holder, the third puts its model over its 8 GiB budget.
+    let bad = [
+        (
+            format!(
+                "device 0 total={} used={}\nprocess 0 {pid} {}\n",
+                16 * GIB,
+                20 * GIB,
+                6 * GIB
+            ),
+            "used 20.0 GiB > total 16.0 GiB",
+        ),
+        (
+            format!(
+                "device 0 total={} used={} free={}\nprocess 0 {pid} {}\n",
+                16 * GIB,
+                GIB,
+                256 * MIB,
+                6 * GIB
+            ),
+            "is far from total 16.0 GiB",
+        ),
+        (
+            gpu0(8 * GIB, &[(pid, 40 * GIB)]),
+            &format!("pid {pid} holds 40.0 GiB > total 16.0 GiB"),
+        ),
+    ];
+    for (i, (state, why)) in bad.iter().enumerate() {
+        fake.set(state);
+        wait_count(&daemon, "reading_unknown", why, 1);
+        wait_count(&daemon, "reading_unknown", "inconsistent reading", i + 1);
+        fake.set(&healthy);
+        wait_count(&daemon, "floor_cleared", "GPU 0", i + 1);
+    }
+    assert_running(&mut hog);
+    assert_no_signal(&daemon);
+
+    // The guard was armed all along: a consistent reading below the floor does act.
+    fake.set(&gpu0(31 * GIB / 2, &[(pid, 6 * GIB)]));
+    let status = hog
+        .wait(LONG)
+        .expect("a consistent reading below min_free acts");
+    assert!(matches!(status.signal(), Some(15 | 9)), "{status:?}");
+}
+
+/// A victim stopped for GPU 1's floor, then GPU 1 is lost (`lose` changes the fake): it must be
+/// resumed at max_stop, never killed, and the loss must show as an event, in status and metrics.
+fn stopped_victim_outlives_a_lost_gpu(name: &str, lost_state: impl Fn(&str) -> String) {
+    let t = token(name);
+    let mut hog = idle(&t);
+    let pid = hog.pid();
+    let two = |used1: u64| {
+        format!(
+            "{}device 1 uuid=GPU-bbbb total={} used={used1}\nprocess 1 {pid} {}\n",
+            gpu0(GIB, &[]),
+            16 * GIB,
+            6 * GIB
+        )
+    };
+    let fake = FakeNvml::new(&two(8 * GIB));
+    let daemon = start(
+        &format!(
+            "{}\n[metrics]\nlisten = \"127.0.0.1:0\"\n",
+            config(
+                "min_free = \"2GiB\"\nwarn_free = \"3GiB\"\naction = \"stop\"",
+                "max_stop = \"3s\"\nsettle = \"60s\"",
+                &[("m", &t, "")],
+            )
+        ),
+        &fake,
+    );
+    daemon.wait_for_log("GPU protection on: 2 GPU(s)", LONG);
+    fake.set(&two(31 * GIB / 2));
+    assert!(
+        wait_until(LONG, || proc_state(pid) == Some('T')),
+        "not stopped for the floor:\n{}",
+        daemon.log_text()
+    );
+
+    fake.set(&lost_state(&two(31 * GIB / 2)));
+    wait_count(&daemon, "gpu_lost", "GPU 1 (GPU-bbbb) lost", 1);
+    // The report is published every few hundred ms: wait for one from after the loss.
+    assert!(
+        wait_until(LONG, || status_json(&daemon)["gpu_protection"]["state"]
+            == "degraded"),
+        "{:#}",
+        status_json(&daemon)
+    );
+    let status = status_json(&daemon);
+    let row = &status["gpus"][1];
+    assert_eq!(
+        (row["index"].as_u64(), row["lost"].as_bool()),
+        (Some(1), Some(true)),
+        "{status:#}"
+    );
+    assert!(wait_until(LONG, || metrics(&daemon)
+        .contains("gpuguard_gpu_lost{gpu=\"1\",uuid=\"GPU-bbbb\"} 1")));
+    assert!(metrics(&daemon).contains("gpuguard_nvml_state{state=\"degraded\"} 1"));
+
+    // max_stop passes on an unknown reading: resumed, not killed.
+    assert!(
+        wait_until(LONG, || proc_state(pid) != Some('T')),
+        "left stopped:\n{}",
+        daemon.log_text()
+    );
+    wait_count(&daemon, "process_resumed", "max_stop", 1);
+    assert_running(&mut hog);
+    let killed = count(&daemon, "process_killed", "");
+    assert_eq!(killed, 0, "{:#?}", events(&daemon));
+}
+
+#[test]
+fn a_stopped_victim_is_resumed_at_max_stop_when_its_gpu_falls_off_the_bus() {
+    stopped_victim_outlives_a_lost_gpu("bus", |state| format!("{state}error * 15 gpu=1\n"));
+}
+
+#[test]
+fn a_stopped_victim_is_resumed_at_max_stop_when_its_gpu_leaves_the_device_list() {
+    // Only GPU 0 is declared: NVML lists one GPU.
+    stopped_victim_outlives_a_lost_gpu("vanished", |_| gpu0(GIB, &[]));
+}
+
+#[test]
+fn a_daemon_killed_while_holding_processes_resumes_them_before_reading_a_broken_config() {
+    let (ts, tt) = (token("crash-stop"), token("crash-throttle"));
+    let fake = FakeNvml::new("");
+    let over = "ram = \"64MiB\"\ngrace = \"0s\"";
+    let daemon = start(
+        &config(
+            "",
+            "",
+            &[
+                ("stopped", &ts, &format!("{over}\naction = \"stop\"")),
+                ("throttled", &tt, &format!("{over}\naction = \"throttle\"")),
+            ],
+        ),
+        &fake,
+    );
+    let mut stopped = Hog::start(&ts, 0, 128, 600);
+    let mut throttled = Hog::start(&tt, 0, 128, 600);
+    let both_stopped =
+        || proc_state(stopped.pid()) == Some('T') && proc_state(throttled.pid()) == Some('T');
+    // The duty cycle holds the throttled one stopped 80 % of the time: crash the daemon then.
+    assert!(wait_until(LONG, both_stopped), "{}", daemon.log_text());
+    let dir = daemon.crash();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(both_stopped(), "a SIGKILLed daemon resumes nothing itself");
+
+    // Half-edited meanwhile: the restart must refuse the config (exit 2) and still resume both.
+    let config_path = dir.path().join("config.toml");
+    std::fs::write(&config_path, "[ram\nmin_available = ").unwrap();
+    let (code, stderr) = run_to_exit(&config_path, &dir.path().join("state"), &fake.env());
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("TOML syntax error"), "{stderr}");
+    for (hog, why) in [(&stopped, "stop"), (&throttled, "throttle")] {
+        assert!(
+            stderr.contains(&format!(
+                "resumed pid {} (python3) left stopped ({why})",
+                hog.pid()
+            )),
+            "{stderr}"
+        );
+    }
+    assert_running(&mut stopped);
+    assert_running(&mut throttled);
+}
+
+#[test]
+fn floors_that_cannot_be_right_are_refused_by_check_config_at_start_and_on_reload() {
+    let t = token("floors");
+    let mut hog = idle(&t);
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(
+            &p,
+            text.replace("{state_dir}", &path(&dir.path().join("state"))),
+        )
+        .unwrap();
+        p
+    };
+    let model = [("m", t.as_str(), "")];
+
+    // Wrong on any host: check-config says so.
+    for (text, want) in [
+        (
+            "[ram]\nmin_available = \"100%\"\n",
+            "ram.min_available: '100%' is the whole memory",
+        ),
+        (
+            "[[gpu.device]]\ngpu = \"banana\"\nmin_free = \"1GiB\"\n",
+            "gpu.device[0].gpu: 'banana' is not a GPU",
+        ),
+        (
+            "[launch]\nsocket = \"\"\n",
+            "launch.socket: must not be empty",
+        ),
+        (
+            "[daemon]\nstate_dir = \"\"\n",
+            "daemon.state_dir: must not be empty",
+        ),
+    ] {
+        let p = write("bad.toml", text);
+        let out = Command::new(BIN)
+            .arg("check-config")
+            .arg(&p)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{text}: {stderr}");
+        assert!(stderr.contains(want), "{text}: {stderr}");
+    }
+
+    // Wrong on this host only: check-config cannot know, the daemon refuses to start (exit 2).
+    let total = std::fs::read_to_string("/proc/meminfo").unwrap();
+    let total: u64 = total
+        .lines()
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse::<u64>()
+        .unwrap()
+        * 1024;
+    let fake = FakeNvml::new(&format!(
+        "{}device 1 uuid=GPU-bbbb total={} used=0\nprocess 1 {} {}\n",
+        gpu0(GIB, &[]),
+        80 * GIB,
+        hog.pid(),
+        GIB
+    ));
+    let host_cases = [
+        (
+            config("", "", &model).replace(
+                "min_available = \"0%\"",
+                &format!("min_available = {}", total + GIB),
+            ),
+            "ram.min_available: ",
+            "is at or above this host's MemTotal",
+        ),
+        (
+            config("", "", &model)
+                .replace(
+                    "min_available = \"0%\"",
+                    &format!("min_available = {}", total / 50),
+                )
+                .replace("warn_available = \"0%\"", "warn_available = \"1%\""),
+            "ram.warn_available: '1%'",
+            "is below ram.min_available",
+        ),
+        (
+            config(
+                "[[gpu.device]]\ngpu = \"0\"\nmin_free = \"20GiB\"",
+                "",
+                &model,
+            ),
+            "gpu.device[0] '0'.min_free: '20.0 GiB'",
+            "is at or above GPU 0's total (16.0 GiB)",
+        ),
+    ];
+    for (text, key, why) in host_cases {
+        let p = write("host.toml", &text);
+        let ok = Command::new(BIN)
+            .arg("check-config")
+            .arg(&p)
+            .output()
+            .unwrap();
+        assert_eq!(
+            ok.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&ok.stderr)
+        );
+        let (code, stderr) = run_to_exit(&p, &dir.path().join("state"), &fake.env());
+        assert_eq!(code, Some(2), "{text}\n{stderr}");
+        assert!(stderr.contains(key) && stderr.contains(why), "{stderr}");
+    }
+
+    // 20 GiB fits GPU 1 (80 GiB): it runs. A reload that puts 20 GiB on every GPU is refused
+    // (GPU 0 has 16) and the running config stays.
+    let daemon = start(
+        &config(
+            "[[gpu.device]]\ngpu = \"1\"\nmin_free = \"20GiB\"",
+            "",
+            &model,
+        ),
+        &fake,
+    );
+    daemon.wait_for_log("GPU protection on: 2 GPU(s)", LONG);
+    daemon.rewrite_config(&config("min_free = \"20GiB\"", "", &model));
+    daemon.signal(nix::sys::signal::Signal::SIGHUP);
+    daemon.wait_for_log("config reload failed, keeping the previous config", LONG);
+    daemon.wait_for_log(
+        "gpu.min_free: '20.0 GiB' (20.0 GiB) is at or above GPU 0's total",
+        LONG,
+    );
+    let status = status_json(&daemon);
+    assert_eq!(
+        status["gpus"][0]["min_free_bytes"],
+        Value::Null,
+        "{status:#}"
+    );
+    assert_eq!(status["gpus"][1]["min_free_bytes"].as_u64(), Some(20 * GIB));
+    assert_running(&mut hog);
+    assert_no_signal(&daemon);
+}
+
+/// A state directory with a stop in it: a model over its RAM budget with action stop.
+fn stop_config(token: &str) -> String {
+    config(
+        "",
+        "",
+        &[(
+            "m",
+            token,
+            "ram = \"64MiB\"\naction = \"stop\"\ngrace = \"0s\"",
+        )],
+    )
+}
+
+#[test]
+fn a_state_directory_that_is_not_gpuguards_own_is_refused() {
+    let t = token("insecure");
+    let mut hog = idle(&t);
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    std::fs::create_dir(&state).unwrap();
+    let config_path = dir.path().join("config.toml");
+    std::fs::write(
+        &config_path,
+        stop_config(&t).replace("{state_dir}", &path(&state)),
+    )
+    .unwrap();
+    let fake = FakeNvml::new("");
+
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let (code, stderr) = run_to_exit(&config_path, &state, &fake.env());
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains("writable by group or others (mode 0777"),
+        "{stderr}"
+    );
+
+    if nix::unistd::geteuid().is_root() {
+        std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700)).unwrap();
+        nix::unistd::chown(&state, Some(nix::unistd::Uid::from_raw(65534)), None).unwrap();
+        let (code, stderr) = run_to_exit(&config_path, &state, &fake.env());
+        assert_eq!(code, Some(1), "{stderr}");
+        assert!(stderr.contains("owned by uid 65534"), "{stderr}");
+    }
+    assert_running(&mut hog);
+}
+
+#[test]
+fn symlinks_in_the_state_directory_are_never_written_through() {
+    let t = token("symlink");
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    std::fs::create_dir(&state).unwrap();
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let precious: Vec<PathBuf> = (0..2)
+        .map(|i| dir.path().join(format!("precious{i}")))
+        .collect();
+    for (p, name) in precious.iter().zip(["events.jsonl", "stopped.json.tmp"]) {
+        std::fs::write(p, "precious\n").unwrap();
+        std::os::unix::fs::symlink(p, state.join(name)).unwrap();
+    }
+    let fake = FakeNvml::new("");
+    let daemon = {
+        let env = fake.env();
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        GuardDaemon::start_in(dir, &stop_config(&t), &env)
+    };
+    let mut hog = Hog::start(&t, 0, 128, 600);
+    assert!(
+        wait_until(LONG, || proc_state(hog.pid()) == Some('T')),
+        "{}",
+        daemon.log_text()
+    );
+    wait_count(&daemon, "process_stopped", "", 1);
+
+    for p in &precious {
+        assert_eq!(
+            std::fs::read_to_string(p).unwrap(),
+            "precious\n",
+            "{}",
+            p.display()
+        );
+    }
+    let record = std::fs::read_to_string(state.join("stopped.json")).unwrap();
+    assert!(
+        record.contains(&format!("\"pid\": {}", hog.pid())),
+        "{record}"
+    );
+    for name in ["stopped.json", "events.jsonl"] {
+        let meta = std::fs::symlink_metadata(state.join(name)).unwrap();
+        assert!(meta.file_type().is_file(), "{name} is a regular file now");
+    }
+    let aside = std::fs::read_dir(&state)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .any(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with("events.jsonl.not-a-file-")
+        });
+    assert!(aside, "the planted symlink is kept aside for the operator");
+    daemon.wait_for_log("was a symlink: moved to events.jsonl.not-a-file-", LONG);
+
+    let (code, log) = daemon.stop();
+    assert_eq!(code, Some(0), "{log}");
+    assert_running(&mut hog);
+}
+
+#[test]
+fn a_garbage_stop_record_is_kept_aside_and_reported() {
+    let t = token("garbage");
+    let mut hog = idle(&t);
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    std::fs::create_dir(&state).unwrap();
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700)).unwrap();
+    std::fs::write(state.join("stopped.json"), "{ half a rec").unwrap();
+    let fake = FakeNvml::new("");
+    let daemon = {
+        let env = fake.env();
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        GuardDaemon::start_in(dir, &config("", "", &[("m", &t, "")]), &env)
+    };
+    wait_count(
+        &daemon,
+        "state_file_corrupt",
+        "stopped.json is unreadable",
+        1,
+    );
+    let corrupt = events(&daemon)
+        .into_iter()
+        .find(|e| e["event"] == "state_file_corrupt")
+        .unwrap();
+    assert_eq!(corrupt["severity"], "critical");
+    let kept: Vec<String> = std::fs::read_dir(&state)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("stopped.json.corrupt-"))
+        .collect();
+    assert_eq!(kept.len(), 1, "kept aside, not replaced");
+    assert_eq!(
+        std::fs::read_to_string(state.join(&kept[0])).unwrap(),
+        "{ half a rec"
+    );
+    assert!(
+        daemon.log_text().contains("ERROR"),
+        "said loudly: {}",
+        daemon.log_text()
+    );
+    assert_running(&mut hog);
+    assert_no_signal(&daemon);
+}
+
+#[test]
+fn the_event_log_is_opened_again_when_removed_or_rotated_away() {
+    let t = token("evlog");
+    let mut hog = idle(&t);
+    let fake = FakeNvml::new("");
+    let good = config("", "", &[("m", &t, "")]);
+    let daemon = start(&good, &fake);
+    let log = daemon.state_dir().join("events.jsonl");
+    daemon.wait_for_log("GPU protection on: 0 GPU(s)", LONG);
+    wait_count(&daemon, "gpu_ok", "", 1);
+    // A failed reload is an event: it must land in a log that is there.
+    let failed_reload = |n: usize| {
+        daemon.rewrite_config("[ram\n");
+        daemon.signal(nix::sys::signal::Signal::SIGHUP);
+        wait_count(&daemon, "config_reload_failed", "", n);
+    };
+    std::fs::remove_file(&log).unwrap();
+    failed_reload(1);
+    std::fs::rename(&log, daemon.state_dir().join("events.jsonl-rotated")).unwrap();
+    failed_reload(1);
+    let current = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(current.lines().count(), 1, "a fresh file: {current}");
+    assert_running(&mut hog);
+    assert_no_signal(&daemon);
+}
+
+/// A webhook endpoint on 127.0.0.1 that accepts and never answers.
+struct Hung {
+    port: u16,
+}
+
+impl Hung {
+    fn start() -> Hung {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            for stream in listener.incoming().flatten() {
+                held.push(stream);
+            }
+        });
+        Hung { port }
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}/hook", self.port)
+    }
+}
+
+/// How many webhook worker threads the daemon has.
+fn webhook_threads(daemon: &GuardDaemon) -> usize {
+    let tasks = format!("/proc/{}/task", daemon.child.id());
+    std::fs::read_dir(tasks)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.starts_with("webhook-"))
+        })
+        .count()
+}
+
+#[test]
+fn reloads_replace_alert_sinks_without_leaking_workers() {
+    let t = token("sinks");
+    let mut hog = idle(&t);
+    let (a, b) = (Hung::start(), Hung::start());
+    let fake = FakeNvml::new("");
+    let with = |url: &str| {
+        format!(
+            "{}\n[alert]\ntimeout = \"1s\"\nretries = 5\nbackoff = \"1s\"\n[[alert.webhook]]\nurl = \"{url}\"\nmin_severity = \"info\"\n",
+            config("", "", &[("m", &t, "")])
+        )
+    };
+    let daemon = start(&with(&a.url()), &fake);
+    let reloads =
+        |n: usize| wait_until(LONG, || daemon.log_text().matches("reloaded").count() >= n);
+    // The same sink reload after reload: the same worker (stuck behind the hung endpoint).
+    for n in 1..=4 {
+        daemon.signal(nix::sys::signal::Signal::SIGHUP);
+        assert!(reloads(n), "{}", daemon.log_text());
+    }
+    assert_eq!(webhook_threads(&daemon), 1);
+
+    // A changed sink, each time with a notice in flight to a hung endpoint: the old worker gives
+    // up retrying and ends within one request timeout; workers never pile up.
+    for (n, url) in [b.url(), a.url(), b.url(), a.url()].iter().enumerate() {
+        daemon.rewrite_config("[ram\n");
+        daemon.signal(nix::sys::signal::Signal::SIGHUP);
+        wait_count(&daemon, "config_reload_failed", "", n + 1);
+        daemon.rewrite_config(&with(url));
+        daemon.signal(nix::sys::signal::Signal::SIGHUP);
+        assert!(reloads(5 + n), "{}", daemon.log_text());
+    }
+    assert!(
+        wait_until(Duration::from_secs(10), || webhook_threads(&daemon) == 1),
+        "{} webhook workers after 4 sink changes",
+        webhook_threads(&daemon)
+    );
+    assert_running(&mut hog);
+    assert_no_signal(&daemon);
+}
+
+#[test]
+fn implausible_nvml_counts_leave_the_guard_and_its_sampler_running() {
+    let t = token("counts");
+    let mut hog = idle(&t);
+    let pid = hog.pid();
+    let healthy = gpu0(8 * GIB, &[(pid, 6 * GIB)]);
+    let fake = FakeNvml::new(&format!("{healthy}device_count 4294967295\n"));
+    let daemon = start(&config("min_free = \"2GiB\"", "", &[("m", &t, "")]), &fake);
+    daemon.wait_for_log("NVML reports 4294967295 GPUs, more than any host has", LONG);
+    // A process list claiming 4294967290 entries: unknown, not read, and the GPU below its floor
+    // then has no victim to act on.
+    fake.set(&format!(
+        "{}process_count 0 4294967290\n",
+        gpu0(31 * GIB / 2, &[(pid, 6 * GIB)])
+    ));
+    wait_count(
+        &daemon,
+        "no_victim",
+        "GPU 0 free 512.0 MiB < min_free 2.0 GiB",
+        1,
+    );
+    assert_running(&mut hog);
+    assert_no_signal(&daemon);
+    assert!(
+        !daemon.log_text().contains("panicked"),
+        "{}",
+        daemon.log_text()
+    );
+
+    // NVML makes sense again: the same sampler reads it (usage shows up again).
+    fake.set(&healthy);
+    assert!(
+        wait_until(LONG, || {
+            let s = status_json(&daemon);
+            s["gpu_protection"]["state"] == "ok"
+                && s["models"][0]["gpu_bytes"].as_u64() == Some(6 * GIB)
+        }),
+        "{:#}",
+        status_json(&daemon)
+    );
+    assert_running(&mut hog);
+}

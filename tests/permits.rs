@@ -1,0 +1,444 @@
+//! Memory permits through the real daemon and the fake NVML (issue #12): what fits is granted at
+//! once, what does not waits its turn or is refused with what was needed and what was free; a
+//! holder killed with SIGKILL frees its permit at once, one that hangs loses it at its TTL;
+//! `gpuguard permit` wraps a command; permits and a launch compete for the same GPU; slots;
+//! the size a model's permits really take is learned and used for requests that name none.
+//!
+//! The scenario scripts in tests/permits/ (the seed failure: bursts of requests on a 16 GiB card)
+//! run through the Python client in `tests/permits_python.rs`.
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+use gpuguard::ipc::{AcquireRequest, RefusalReason, Response};
+
+/// A 16 GiB GPU whose "server" process holds 4 GiB of weights; a 1 GiB warn floor: 11 GiB room.
+struct Card {
+    fake: FakeNvml,
+    server: Hog,
+    daemon: GuardDaemon,
+}
+
+fn card(model_extra: &str, extra: &str) -> Card {
+    let t = token("served");
+    let server = Hog::start(&t, 0, 0, 600);
+    let fake = FakeNvml::new(&state(16, 4, server.pid(), 4));
+    let config = format!(
+        "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"models\"\ninterval = \"200ms\"\nscan_interval = \"200ms\"\n\
+         [ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n\
+         [gpu]\nnvml_library = \"{}\"\nsample_timeout = \"500ms\"\nwarn_free = \"1GiB\"\n\
+         [launch]\nsocket = \"{{state_dir}}/gpuguard.sock\"\nsettle = \"60s\"\n\
+         [[model]]\nname = \"served\"\nmatch = {{ cmdline = \"{t}\" }}\n{model_extra}\n{extra}\n",
+        FakeNvml::library()
+    );
+    let env = fake.env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let daemon = GuardDaemon::start_with_env(&config, &env);
+    daemon.wait_for_log("GPU protection on", Duration::from_secs(10));
+    // The server is a member of its model, with its weights seen.
+    assert!(wait_until(Duration::from_secs(10), || {
+        daemon.status()["models"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["name"] == "served" && m["gpu_bytes"] == 4 * GIB)
+    }));
+    Card {
+        fake,
+        server,
+        daemon,
+    }
+}
+
+/// The fake NVML state: one GPU of `total` GiB, `pid` holding `held` GiB (all of `used`).
+fn state(total: u64, used: u64, pid: u32, held: u64) -> String {
+    format!(
+        "device 0 uuid=GPU-aaaa total={} used={}\nprocess 0 {pid} {}\n",
+        total * GIB,
+        used * GIB,
+        held * GIB
+    )
+}
+
+fn pool<'a>(status: &'a serde_json::Value, model: &str) -> Option<&'a serde_json::Value> {
+    status["permits"]
+        .as_array()?
+        .iter()
+        .find(|p| p["model"] == model)
+}
+
+#[test]
+fn what_fits_is_granted_at_once_and_what_does_not_waits_or_is_refused_with_needed_and_free() {
+    let port = free_port();
+    let c = card("", &format!("[metrics]\nlisten = \"127.0.0.1:{port}\"\n"));
+    let socket = c.daemon.socket();
+    let (mut a, answer) = PermitClient::acquire(&socket, acquire("served", 3 * GIB, 1000));
+    let mut held = vec![granted(&answer)];
+    for _ in 0..2 {
+        held.push(granted(&a.acquire_more(acquire("served", 3 * GIB, 1000))));
+    }
+    // 9 of the 11 GiB promised: 3 more cannot fit now; the refusal says what was needed and free.
+    match a.acquire_more(acquire("served", 3 * GIB, 300)) {
+        Response::Refused {
+            reason,
+            message,
+            retry_after_ms,
+            needed,
+            free,
+            ..
+        } => {
+            assert_eq!(reason, RefusalReason::Timeout, "{message}");
+            assert_eq!(needed.gpu_bytes, 3 * GIB);
+            assert_eq!(free.gpu_bytes, Some(2 * GIB), "{message}");
+            assert!(retry_after_ms.is_some_and(|ms| ms >= 100), "{message}");
+            assert!(message.contains("needs 3.0 GiB"), "{message}");
+        }
+        other => panic!("expected a timeout refusal, got {other:?}"),
+    }
+    // More than the card can ever give: refused at once, not after the timeout.
+    match a.acquire_more(acquire("served", 20 * GIB, 60_000)) {
+        Response::Refused {
+            reason, message, ..
+        } => {
+            assert_eq!(reason, RefusalReason::TooLarge, "{message}");
+            assert!(message.contains("can never fit"), "{message}");
+        }
+        other => panic!("expected too_large, got {other:?}"),
+    }
+    let status = c.daemon.status();
+    let p = pool(&status, "served").expect("a permits row");
+    assert_eq!(p["held"], 3);
+    assert_eq!(p["reserved_gpu_bytes"], 9 * GIB);
+    assert_eq!(p["refused_total"], 2);
+    // The same in the metrics, which pass promtool.
+    let metrics_url = format!("http://127.0.0.1:{port}/metrics");
+    assert!(wait_until(Duration::from_secs(5), || get(&metrics_url)
+        .is_some_and(|m| sample(
+            &m,
+            "gpuguard_permits_total{model=\"served\",outcome=\"refused\"}"
+        ) == Some(2.0))));
+    let text = get(&metrics_url).unwrap();
+    assert_eq!(
+        sample(&text, "gpuguard_permits_held{model=\"served\"}"),
+        Some(3.0)
+    );
+    assert_eq!(
+        sample(
+            &text,
+            "gpuguard_permit_reserved_bytes{model=\"served\",resource=\"gpu\"}"
+        ),
+        Some((9 * GIB) as f64)
+    );
+    promtool_check(&text);
+
+    // A request that waits is granted, first come first served, when a permit comes back.
+    let socket2 = socket.clone();
+    let waiter = std::thread::spawn(move || {
+        let (b, answer) = PermitClient::acquire(&socket2, acquire("served", 3 * GIB, 20_000));
+        (b, answer)
+    });
+    assert!(wait_until(Duration::from_secs(10), || {
+        pool(&c.daemon.status(), "served").is_some_and(|p| p["waiting"] == 1)
+    }));
+    assert!(matches!(
+        a.release(held.pop().unwrap()),
+        Response::Released { .. }
+    ));
+    let (_b, answer) = waiter.join().unwrap();
+    match answer {
+        Response::Granted { waited_ms, gpu, .. } => {
+            assert!(waited_ms > 0);
+            assert_eq!(gpu, Some(0));
+        }
+        other => panic!("the waiter got {other:?}"),
+    }
+    c.daemon
+        .wait_for_event("permit_granted", Duration::from_secs(5), |e| {
+            e["subject"]["model"] == "served"
+        });
+    drop(c.server);
+}
+
+#[test]
+fn a_killed_holder_frees_its_permit_at_once_and_a_hung_one_loses_it_at_its_ttl() {
+    let c = card("", "");
+    let socket = c.daemon.socket();
+    // `gpuguard permit` holds 8 GiB around a command that sleeps.
+    let t = token("holder");
+    let mut holder = Command::new(BIN)
+        .args(["permit", "--model", "served", "--gpu-mem", "8GiB", "--"])
+        .args([python3(), "-c", "import time; time.sleep(600)", &t])
+        .env("GPUGUARD_SOCKET", &socket)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    assert!(wait_until(Duration::from_secs(10), || {
+        pool(&c.daemon.status(), "served").is_some_and(|p| p["held"] == 1)
+    }));
+    let socket2 = socket.clone();
+    let waiter = std::thread::spawn(move || {
+        PermitClient::acquire(
+            &socket2,
+            AcquireRequest {
+                ttl_ms: Some(1000),
+                ..acquire("served", 8 * GIB, 30_000)
+            },
+        )
+    });
+    assert!(wait_until(Duration::from_secs(10), || {
+        pool(&c.daemon.status(), "served").is_some_and(|p| p["waiting"] == 1)
+    }));
+    // SIGKILL: no release is ever sent; the kernel closes its socket, the daemon ends its permit.
+    let command_pid = children_of(holder.id());
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+    let (mut hung, answer) = waiter.join().unwrap();
+    let permit = granted(&answer);
+    for pid in command_pid {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+
+    // This holder never releases: at its TTL (1 s) the permit is revoked and it is told so.
+    let socket3 = socket.clone();
+    let next = std::thread::spawn(move || {
+        PermitClient::acquire(&socket3, acquire("served", 8 * GIB, 30_000))
+    });
+    match hung.receive() {
+        Response::Expired { permit: p, message } => {
+            assert_eq!(p, permit);
+            assert!(message.contains("past its TTL"), "{message}");
+        }
+        other => panic!("expected the permit to expire, got {other:?}"),
+    }
+    let (_next, answer) = next.join().unwrap();
+    granted(&answer);
+    c.daemon
+        .wait_for_event("permit_expired", Duration::from_secs(5), |e| {
+            e["subject"]["model"] == "served"
+        });
+    let status = c.daemon.status();
+    assert_eq!(pool(&status, "served").unwrap()["expired_total"], 1);
+}
+
+/// Pids of a process's children (from /proc/PID/task/PID/children).
+fn children_of(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+#[test]
+fn gpuguard_permit_runs_the_command_with_its_permit_and_exits_75_when_none_comes() {
+    let c = card("", "");
+    let run = |args: &[&str]| {
+        let out = Command::new(BIN)
+            .arg("permit")
+            .args(args)
+            .env("GPUGUARD_SOCKET", c.daemon.socket())
+            .env_remove("CUDA_VISIBLE_DEVICES")
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    // The command runs with its permit, and its exit status is the permit's.
+    let (code, out, _) = run(&[
+        "--model",
+        "served",
+        "--gpu-mem",
+        "3GiB",
+        "--",
+        "sh",
+        "-c",
+        "echo gpu=$GPUGUARD_PERMIT_GPU cuda=$CUDA_VISIBLE_DEVICES; exit 7",
+    ]);
+    assert_eq!(code, Some(7));
+    assert_eq!(out.trim(), "gpu=0 cuda=0");
+    // Never fits: 75 at once, the command never ran.
+    let (code, out, err) = run(&[
+        "--model",
+        "served",
+        "--gpu-mem",
+        "20GiB",
+        "--",
+        "echo",
+        "ran",
+    ]);
+    assert_eq!(code, Some(75), "{err}");
+    assert!(out.is_empty());
+    assert!(err.contains("can never fit"), "{err}");
+    // Does not fit in time: 75 after the timeout, saying what was needed and free.
+    let (_hold, answer) =
+        PermitClient::acquire(&c.daemon.socket(), acquire("served", 8 * GIB, 1000));
+    granted(&answer);
+    let (code, out, err) = run(&[
+        "--model",
+        "served",
+        "--gpu-mem",
+        "4GiB",
+        "--timeout",
+        "300ms",
+        "--",
+        "echo",
+        "ran",
+    ]);
+    assert_eq!(code, Some(75), "{err}");
+    assert!(out.is_empty());
+    assert!(err.contains("needs GPU 4.0 GiB"), "{err}");
+    assert!(err.contains("try again in"), "{err}");
+    // A model that does not exist is refused (77).
+    let (code, _, err) = run(&["--model", "nope", "--", "true"]);
+    assert_eq!(code, Some(77), "{err}");
+}
+
+#[test]
+fn permits_and_a_launch_compete_for_the_same_gpu() {
+    let c = card("", "");
+    let socket = c.daemon.socket();
+    let (mut a, answer) = PermitClient::acquire(&socket, acquire("served", 8 * GIB, 1000));
+    let permit = granted(&answer);
+    // A launch of 6 GiB does not fit beside the permit: it waits, saying why.
+    let t = token("loader");
+    let mut launch = Command::new(BIN)
+        .args([
+            "launch",
+            "--model",
+            "other",
+            "--gpu-mem",
+            "6GiB",
+            "--queue-timeout",
+            "30s",
+            "--",
+        ])
+        .args([python3(), "-c", "import time; time.sleep(600)", &t])
+        .env("GPUGUARD_SOCKET", &socket)
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            c.daemon.status()["queue"].as_array().is_some_and(|q| {
+                q.iter().any(|r| {
+                    r["model"] == "other"
+                        && r["waiting_for"]
+                            .as_str()
+                            .unwrap_or("")
+                            .contains("GPU 0: room 3.0 GiB")
+                })
+            })
+        }),
+        "{}",
+        c.daemon.status()["queue"]
+    );
+    // The permit ends: the launch is admitted and reserves its 6 GiB while it loads...
+    a.release(permit);
+    assert!(wait_until(Duration::from_secs(10), || {
+        c.daemon.status()["leases"].as_array().is_some_and(|l| {
+            l.iter()
+                .any(|r| r["model"] == "other" && r["state"] == "loading")
+        })
+    }));
+    // ...which permits may not take.
+    match a.acquire_more(acquire("served", 6 * GIB, 300)) {
+        Response::Refused { reason, free, .. } => {
+            assert_eq!(reason, RefusalReason::Timeout);
+            assert_eq!(free.gpu_bytes, Some(5 * GIB));
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    granted(&a.acquire_more(acquire("served", 5 * GIB, 300)));
+    let _ = launch.kill();
+    let _ = launch.wait();
+}
+
+#[test]
+fn max_permits_limits_slots_and_releasing_one_lets_the_next_in() {
+    let c = card("max_permits = 2\n", "");
+    let socket = c.daemon.socket();
+    let slot = |timeout| AcquireRequest {
+        gpu_bytes: Some(0),
+        ..acquire("served", 0, timeout)
+    };
+    let (mut a, answer) = PermitClient::acquire(&socket, slot(1000));
+    let first = granted(&answer);
+    granted(&a.acquire_more(slot(1000)));
+    match a.acquire_more(slot(200)) {
+        Response::Refused {
+            reason, message, ..
+        } => {
+            assert_eq!(reason, RefusalReason::Timeout);
+            assert!(message.contains("max_permits 2"), "{message}");
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    let socket2 = socket.clone();
+    let waiter = std::thread::spawn(move || PermitClient::acquire(&socket2, slot(20_000)));
+    assert!(wait_until(Duration::from_secs(10), || {
+        pool(&c.daemon.status(), "served").is_some_and(|p| p["waiting"] == 1)
+    }));
+    a.release(first);
+    let (_b, answer) = waiter.join().unwrap();
+    granted(&answer);
+    assert_eq!(
+        pool(&c.daemon.status(), "served").unwrap()["max_permits"],
+        2
+    );
+}
+
+#[test]
+fn the_size_a_permit_really_takes_is_learned_and_used_when_none_is_given() {
+    // The model's permits are guessed at 1 GiB, but each request really takes 3 GiB.
+    let c = card("permit_gpu_memory = \"1GiB\"\n", "");
+    let socket = c.daemon.socket();
+    let (mut a, answer) = PermitClient::acquire(&socket, acquire("served", 0, 1000));
+    match &answer {
+        Response::Granted { gpu_bytes, .. } => assert_eq!(*gpu_bytes, 0),
+        other => panic!("{other:?}"),
+    }
+    let model_gpu = |daemon: &GuardDaemon| {
+        daemon.status()["models"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["name"] == "served")
+            .map(|m| m["gpu_bytes"].clone())
+    };
+    a.release(granted(&answer));
+    let no_size = || AcquireRequest {
+        gpu_bytes: None,
+        ..acquire("served", 0, 2000)
+    };
+    for _ in 0..8 {
+        let answer = a.acquire_more(no_size());
+        let permit = granted(&answer);
+        // The request runs: the server grows by 3 GiB, and the daemon sees it while it is held.
+        c.fake.set(&state(16, 7, c.server.pid(), 7));
+        assert!(wait_until(Duration::from_secs(10), || model_gpu(&c.daemon)
+            == Some((7 * GIB).into())));
+        a.release(permit);
+        c.fake.set(&state(16, 4, c.server.pid(), 4));
+        assert!(wait_until(Duration::from_secs(10), || model_gpu(&c.daemon)
+            == Some((4 * GIB).into())));
+    }
+    let status = c.daemon.status();
+    let p = pool(&status, "served").unwrap();
+    assert_eq!(p["observed_gpu_bytes_p50"], 3 * GIB, "{p}");
+    assert_eq!(p["observed_gpu_bytes_p95"], 3 * GIB, "{p}");
+    // Now a request that names no size gets the observed p95, not the configured guess.
+    match a.acquire_more(no_size()) {
+        Response::Granted { gpu_bytes, .. } => assert_eq!(gpu_bytes, 3 * GIB),
+        other => panic!("{other:?}"),
+    }
+}

@@ -1,0 +1,276 @@
+//! `gpuguard plan` through the binary: the table and JSON for published architectures (the
+//! fixtures' config.json files), bad input exiting 2 with the file and key, explicit numbers
+//! without a config, and "this host" read from the running daemon or from NVML directly (the
+//! fake libnvidia-ml.so.1).
+
+mod common;
+
+use std::process::Command;
+
+use common::*;
+use serde_json::Value;
+
+fn fixture(name: &str) -> String {
+    format!(
+        "{}/tests/fixtures/plan/{name}.json",
+        env!("CARGO_MANIFEST_DIR")
+    )
+}
+
+fn run(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+    let out = Command::new(BIN)
+        .arg("plan")
+        .args(args)
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn json(args: &[&str], env: &[(&str, &str)]) -> Value {
+    let (code, out, err) = run(&[args, &["--json"]].concat(), env);
+    assert_eq!(code, 0, "{err}");
+    serde_json::from_str(&out).unwrap()
+}
+
+#[test]
+fn llama_3_8b_on_an_h100_table_says_how_many_fit_flags_budget_and_assumptions() {
+    let (code, out, err) = run(&[&fixture("llama-3-8b"), "--gpu", "h100"], &[]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("Model llama-3-8b (llama): 8.03B parameters, weights 15.0 GiB (bf16)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("1.0 GiB per 8192-token request (naive, all 32 heads and no window: 4.0 GiB)"),
+        "{out}"
+    );
+    assert!(out.contains("H100 80GB"), "{out}");
+    assert!(
+        out.contains("--max-model-len 8192 --gpu-memory-utilization 0.90 --max-num-seqs 53"),
+        "{out}"
+    );
+    assert!(out.contains("[[model]]\nname = \"llama-3-8b\"\n"), "{out}");
+    assert!(
+        out.contains("Assumptions:\n  - weights dtype bf16: the config's torch_dtype"),
+        "{out}"
+    );
+    assert!(out.contains("CUDA graphs 1.0 GiB"), "{out}");
+}
+
+#[test]
+fn json_for_a_sliding_window_model_shows_the_window_against_the_naive_figure() {
+    let p = json(
+        &[
+            &fixture("mistral-7b-v0.1"),
+            "--gpu",
+            "l4,a100-80",
+            "--concurrency",
+            "16",
+        ],
+        &[],
+    );
+    let m = &p["model"];
+    assert_eq!(m["params"], 7_241_732_096u64);
+    assert_eq!(m["max_model_len"], 32768);
+    assert_eq!(m["kv_bytes_per_request"], 514u64 << 20);
+    assert_eq!(m["naive_kv_bytes_per_request"], 16u64 << 30);
+    let options = p["options"].as_array().unwrap();
+    // L4: weights 13.5 GiB + overhead leave about 3 GiB: 5 requests of 514 MiB, 16 wanted; TP 2
+    // (2 × 24 GB) fits.
+    assert_eq!(options[0]["gpu"], "L4 24GB");
+    assert_eq!(options[0]["fits"], false);
+    assert_eq!(
+        (options[1]["tp"].as_u64(), options[1]["fits"].as_bool()),
+        (Some(2), Some(true))
+    );
+    assert_eq!(options[2]["gpu"], "A100 80GB");
+    assert_eq!(options[2]["fits"], true);
+    assert_eq!(p["recommended"], 1);
+    assert!(p["assumptions"].as_array().unwrap().iter().any(|a| a
+        .as_str()
+        .unwrap()
+        .contains("sliding_window 4096 on every layer")));
+}
+
+#[test]
+fn multimodal_text_config_and_the_vision_tower_through_the_binary() {
+    let p = json(
+        &[
+            &fixture("gemma-3-4b-it"),
+            "--gpu",
+            "l4",
+            "--max-model-len",
+            "8192",
+        ],
+        &[],
+    );
+    assert_eq!(p["model"]["model_type"], "gemma3_text");
+    assert_eq!(p["model"]["params"], 4_299_886_832u64);
+    assert_eq!(p["model"]["sliding_layers"], 29);
+    // 5 global layers × 8192 + 29 windowed × 1040 tokens, × 4 KiB.
+    assert_eq!(
+        p["model"]["kv_bytes_per_request"],
+        (5 * 8192 + 29 * 1040) * 4096
+    );
+}
+
+#[test]
+fn bad_input_exits_2_naming_the_file_key_and_value() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("config.json");
+    std::fs::write(
+        &bad,
+        r#"{"model_type": "llama", "num_hidden_layers": "many"}"#,
+    )
+    .unwrap();
+    let bad = bad.to_string_lossy().into_owned();
+    let not_json = dir.path().join("x.json");
+    std::fs::write(&not_json, "{").unwrap();
+    let not_json = not_json.to_string_lossy().into_owned();
+    let llama = fixture("llama-3-8b");
+    let cases: Vec<(Vec<&str>, String)> = vec![
+        (
+            vec![&bad],
+            format!("{bad}: num_hidden_layers: '\"many\"' is not a whole number"),
+        ),
+        (vec![&not_json], format!("{not_json}: not JSON")),
+        (
+            vec!["/nonexistent/config.json"],
+            "/nonexistent/config.json: cannot read".into(),
+        ),
+        (
+            vec![&llama, "--gpu", "h1000"],
+            "--gpu 'h1000' is not in the table (t4, ".into(),
+        ),
+        (
+            vec![&llama, "--max-model-len", "100000"],
+            "--max-model-len 100000 is above the model's max_position_embeddings (8192)".into(),
+        ),
+        (
+            vec![&llama, "--kv-dtype", "int4"],
+            "the KV cache is fp32, bf16, fp16 or fp8".into(),
+        ),
+        (
+            vec![&llama, "--dtype", "fp6"],
+            "'fp6' is not a dtype".into(),
+        ),
+        (
+            vec![],
+            "give a config.json, or --layers, --kv-heads and --head-dim".into(),
+        ),
+    ];
+    for (args, want) in cases {
+        let (code, _, err) = run(&args, &[]);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains(&want), "{args:?}: got {err:?}, want {want:?}");
+    }
+}
+
+#[test]
+fn explicit_numbers_without_a_config() {
+    // A 12B model in fp16 at 4096 tokens, 50 concurrent requests: which GPUs?
+    let p = json(
+        &[
+            "--layers",
+            "40",
+            "--kv-heads",
+            "8",
+            "--head-dim",
+            "128",
+            "--params",
+            "12.2B",
+            "--dtype",
+            "fp16",
+            "--max-model-len",
+            "4096",
+            "--concurrency",
+            "50",
+            "--name",
+            "nemo",
+        ],
+        &[],
+    );
+    // 40 × 2 × 8 × 128 × 2 bytes = 160 KiB a token; 640 MiB a request; 24.4 GB of weights.
+    assert_eq!(p["model"]["kv_bytes_per_request"], 640u64 << 20);
+    assert_eq!(p["model"]["weights_bytes"], 24_400_000_000u64);
+    let fits: Vec<&str> = p["options"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|o| o["fits"] == true && o["tp"] == 1)
+        .map(|o| o["gpu"].as_str().unwrap())
+        .collect();
+    // 24.4 GB + 4 GB overhead + 50 × 640 MiB = 62 GB: only the 80 GB and larger cards, alone.
+    assert_eq!(
+        fits,
+        ["H100 80GB", "A100 80GB", "H100 NVL 94GB", "H200 141GB"]
+    );
+}
+
+const TWO_CARDS: &str = "device 0 name=\"Fake L4\" total=24146608128 used=4294967296\ndevice 1 name=\"Fake L4\" total=24146608128 used=1073741824\n";
+
+#[test]
+fn this_host_read_through_nvml_when_no_daemon_runs() {
+    let fake = FakeNvml::new(TWO_CARDS);
+    let state = path(&fake.state);
+    let dir = tempfile::tempdir().unwrap();
+    let socket = path(&dir.path().join("none.sock"));
+    let p = json(
+        &[
+            &fixture("llama-3-8b"),
+            "--gpu",
+            "host",
+            "--socket",
+            &socket,
+            "--nvml-library",
+            &FakeNvml::library(),
+        ],
+        &[("FAKE_NVML_STATE", &state)],
+    );
+    let o = &p["options"][0];
+    assert_eq!(o["gpu"], "host: Fake L4");
+    assert_eq!(o["live"], true);
+    assert_eq!(o["gpu_total_bytes"], 24_146_608_128u64);
+    // The tighter of the two: 22.5 GiB - 4 GiB used.
+    assert_eq!(o["gpu_free_bytes"], 24_146_608_128u64 - (4 << 30));
+}
+
+#[test]
+fn this_host_asked_from_the_running_daemon() {
+    let fake = FakeNvml::new(TWO_CARDS);
+    let config = format!(
+        "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"models\"\n[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n[gpu]\nnvml_library = \"{}\"\n",
+        FakeNvml::library()
+    );
+    let env = fake.env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let daemon = GuardDaemon::start_with_env(&config, &env);
+    daemon.wait_for_log(
+        "GPU protection on: 2 GPU(s)",
+        std::time::Duration::from_secs(10),
+    );
+    // No NVML for the CLI itself: the answer can only come from the daemon.
+    let p = json(
+        &[
+            &fixture("mistral-7b-v0.1"),
+            "--gpu",
+            "host",
+            "--socket",
+            &path(&daemon.socket()),
+            "--nvml-library",
+            "/nonexistent/libnvidia-ml.so.1",
+            "--max-model-len",
+            "8192",
+        ],
+        &[],
+    );
+    let o = &p["options"][0];
+    assert_eq!(o["gpu"], "host: Fake L4");
+    assert_eq!(o["fits"], true);
+    assert_eq!(p["recommended"], 0);
+}

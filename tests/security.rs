@@ -1,0 +1,677 @@
+//! Issue #11: no local user can steer, blind or evade the guard. The real daemon runs as root;
+//! the attacker is a throw-away unprivileged user this test creates (and removes), entered with
+//! `setpriv`. Each test plays one kind of attack and asserts the guard still acts on the right
+//! process and never on the wrong one.
+//!
+//! Safety: floors relative to MemAvailable at the start, `candidates = "models"` with models that
+//! match only this test's processes (the attacker's included: they are the test's too), signals
+//! only to processes the test started. The sockets live in a world-traversable temporary
+//! directory so the attacker can reach them.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use common::*;
+
+/// A user created for one test, removed (with anything it still runs) when dropped.
+struct Attacker {
+    name: String,
+    uid: u32,
+}
+
+impl Attacker {
+    fn create() -> Attacker {
+        require_root();
+        require_tool("useradd", "passwd");
+        require_tool("setpriv", "util-linux");
+        static N: AtomicU32 = AtomicU32::new(0);
+        let name = format!(
+            "ggatk{}x{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        );
+        let out = Command::new("useradd")
+            .args(["--no-create-home", "--shell", "/usr/sbin/nologin", &name])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "useradd: {out:?}");
+        let uid = nix::unistd::User::from_name(&name)
+            .unwrap()
+            .expect("the user just created")
+            .uid
+            .as_raw();
+        assert!(uid >= 1000, "an ordinary user, not a system account: {uid}");
+        Attacker { name, uid }
+    }
+
+    /// `program ARGS` run as this user (its own uid and group, no supplementary groups).
+    fn command(&self, program: &str) -> Command {
+        let mut cmd = Command::new("setpriv");
+        cmd.args([
+            &format!("--reuid={}", self.uid),
+            &format!("--regid={}", self.uid),
+            "--clear-groups",
+            "--",
+            program,
+        ]);
+        cmd
+    }
+
+    /// A python script run as this user (the system python: a root-only pyenv is out of reach).
+    fn python(&self, script: &str) -> Command {
+        let mut cmd = self.command(attacker_python());
+        cmd.args(["-c", script]);
+        cmd
+    }
+}
+
+impl Drop for Attacker {
+    fn drop(&mut self) {
+        // Only this user's processes: it was created for this test.
+        let _ = Command::new("pkill")
+            .args(["-KILL", "-U", &self.name])
+            .status();
+        let _ = Command::new("userdel").arg(&self.name).status();
+    }
+}
+
+fn attacker_python() -> &'static str {
+    if Path::new("/usr/bin/python3").exists() {
+        "/usr/bin/python3"
+    } else {
+        python3()
+    }
+}
+
+/// A daemon whose socket is reachable by other users.
+struct Guard {
+    daemon: GuardDaemon,
+    socket: PathBuf,
+    _shared: tempfile::TempDir,
+}
+
+fn guard(ram: &str, rest: &str) -> Guard {
+    let shared = tempfile::Builder::new()
+        .prefix("gpuguard-sec")
+        .tempdir_in("/tmp")
+        .unwrap();
+    std::fs::set_permissions(
+        shared.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let socket = shared.path().join("gpuguard.sock");
+    let daemon = GuardDaemon::start(&format!(
+        "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"models\"\ninterval = \"500ms\"\nmin_interval = \"10ms\"\nscan_interval = \"200ms\"\nterm_grace = \"500ms\"\n\
+         [gpu]\nenabled = false\n[ram]\n{ram}\n[launch]\nsocket = \"{}\"\n{rest}\n",
+        socket.display()
+    ));
+    // The first tick has published what the host has (admission needs it).
+    assert!(wait_until(Duration::from_secs(10), || daemon.status()
+        ["memory"]["available_bytes"]
+        .is_u64()));
+    Guard {
+        daemon,
+        socket,
+        _shared: shared,
+    }
+}
+
+/// Floors about 1 GiB below what is available now.
+fn floors_below_now() -> String {
+    let min = mem_available() - GIB;
+    format!(
+        "min_available = {min}\nwarn_available = {}\n",
+        min + 256 * MIB
+    )
+}
+
+fn model(name: &str, token: &str, rest: &str) -> String {
+    format!("\n[[model]]\nname = \"{name}\"\nmatch = {{ cmdline = \"{token}\" }}\n{rest}\n")
+}
+
+/// Open file descriptors of a process.
+fn fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+/// CPU time (user + system) of a process, in clock ticks.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..]
+        .split_whitespace()
+        .collect();
+    fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+}
+
+/// Resident memory of a process, from /proc/PID/status.
+fn vm_rss(pid: u32) -> u64 {
+    rss_bytes(pid)
+}
+
+/// Keeps `count` connections open to a unix socket (or a TCP port), each sending `line` (if
+/// any): every half second the ones the other end closed are opened again. After the first
+/// second it prints how many it opened, how many are open and silent, answered, or closed.
+const HOLD_CONNECTIONS_PY: &str = r#"
+import socket, sys, time
+target, count, line = sys.argv[1], int(sys.argv[2]), sys.argv[3].encode()
+def connect():
+    try:
+        if target.startswith("tcp:"):
+            s = socket.create_connection(("127.0.0.1", int(target[4:])))
+        else:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(target)
+        if line:
+            s.sendall(line + b"\n")
+        s.setblocking(False)
+        return s
+    except OSError:
+        return None
+def state(s):
+    try:
+        return "answered" if s.recv(1, socket.MSG_PEEK) else "closed"
+    except BlockingIOError:
+        return "silent"
+    except OSError:
+        return "closed"
+conns = [connect() for _ in range(count)]
+time.sleep(1)
+states = [state(s) if s else "failed" for s in conns]
+print(len(conns), *(states.count(k) for k in ("silent", "answered", "closed", "failed")), flush=True)
+while True:
+    time.sleep(0.5)
+    for i, s in enumerate(conns):
+        if s is None or state(s) != "silent":
+            if s:
+                s.close()
+            conns[i] = connect()
+"#;
+
+/// The counts HOLD_CONNECTIONS_PY prints: opened, silent, answered, closed, failed.
+fn read_counts(child: &mut Child) -> Vec<usize> {
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    line.split_whitespace()
+        .map(|n| n.parse().unwrap())
+        .collect()
+}
+
+/// A python hog that names itself (prctl PR_SET_NAME) and allocates until MemAvailable is
+/// below `stop_below`, then holds it.
+const NAMED_HOG_PY: &str = r#"
+import ctypes, sys, time
+name, token, stop_below, rate = sys.argv[1].encode(), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name), 0, 0, 0)
+def available():
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+chunks = []
+while available() > stop_below and len(chunks) < 4096:
+    chunks.append(b"\x01" * (16 << 20))
+    time.sleep(16 / rate)
+print("full", flush=True)
+time.sleep(600)
+"#;
+
+#[test]
+fn a_thousand_connections_neither_blind_the_guard_nor_spin_it() {
+    let _lock = memory_pressure_lock();
+    let attacker = Attacker::create();
+    let (hog_t, sentinel_t) = (token("blind-hog"), token("blind-sentinel"));
+    let port = free_port();
+    let g = guard(
+        &floors_below_now(),
+        &format!(
+            "[metrics]\nlisten = \"127.0.0.1:{port}\"\n{}{}",
+            model("hog", &hog_t, ""),
+            model("sentinel", &sentinel_t, "")
+        ),
+    );
+    let pid = g.daemon.child.id();
+    let fds_before = fds(pid);
+    // Each connection asks for a launch that never fits and never times out.
+    let launch = r#"{"version":1,"type":"launch","model":"blind","gpu_memory_bytes":1,"queue_timeout_ms":18446744073709551615,"command":["x"]}"#;
+    let mut held = attacker
+        .python(HOLD_CONNECTIONS_PY)
+        .args([&path(&g.socket), "1100", launch])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let counts = read_counts(&mut held);
+    // Launches past the per-uid caps are refused at once (answered); the few that wait stay.
+    assert!(counts[1] <= 64, "{counts:?}");
+    let queued = g.daemon.status()["queue"].as_array().unwrap().len();
+    assert!(queued <= 8, "{queued} launches queued");
+    // Silent connections: at most the per-uid cap stay open.
+    let mut silent = attacker
+        .python(HOLD_CONNECTIONS_PY)
+        .args([&path(&g.socket), "1100", ""])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let counts = read_counts(&mut silent);
+    assert!(counts[1] <= 64, "{counts:?}");
+    let mut idle_tcp = attacker
+        .python(HOLD_CONNECTIONS_PY)
+        .args([&format!("tcp:{port}"), "300", ""])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let counts = read_counts(&mut idle_tcp);
+    assert!(counts[1] <= 32, "metrics connections held open: {counts:?}");
+    let open = fds(pid);
+    // Unix and TCP connections together stay within the caps: per uid 64 connections (a
+    // socket and the pidfd that pins its peer each), metrics 32.
+    assert!(
+        open < fds_before + 2 * 64 + 32 + 16,
+        "the daemon holds {open} descriptors (was {fds_before})"
+    );
+    // Not spinning on refused connections: well under a core over two seconds.
+    let before = cpu_ticks(pid);
+    std::thread::sleep(Duration::from_secs(2));
+    let used = cpu_ticks(pid) - before;
+    assert!(used < 100, "the daemon used {used} ticks in 2 s");
+    // Root can still ask for status while the attacker holds its share.
+    assert_eq!(g.daemon.status()["schema_version"], 2);
+
+    // And the guard still sees the RAM floor and acts on the hog.
+    let sentinel = Hog::start(&sentinel_t, 0, 64, 120);
+    let mut hog = Hog::start(&hog_t, 1024, 2560, 60);
+    let status = hog
+        .wait(Duration::from_secs(60))
+        .expect("the hog was not stopped");
+    assert!(
+        matches!(status.signal(), Some(15) | Some(9)),
+        "{status:?}\n{}",
+        g.daemon.log_text()
+    );
+    drop(sentinel);
+    for mut c in [held, silent, idle_tcp] {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
+#[test]
+fn a_user_cannot_steer_the_guard_at_root_s_server() {
+    let attacker = Attacker::create();
+    let (server_t, canary_t) = (token("root-server"), token("canary"));
+    let server = Hog::start(&server_t, 0, 64, 300);
+    let rss = rss_bytes(server.pid()).max(32 * MIB);
+    // Root's server may grow a little; past that it is stopped.
+    let budget = rss + 128 * MIB;
+    let g = guard(
+        "min_available = \"0%\"\nwarn_available = \"0%\"\n",
+        &format!(
+            "{}{}",
+            model(
+                "rootmodel",
+                &server_t,
+                &format!("ram = {budget}\naction = \"stop\"\ngrace = \"0s\"\n")
+            ),
+            model("canary", &canary_t, "")
+        ),
+    );
+    // (a) Launching under root's model is refused (77), whatever the command.
+    let out = attacker
+        .command(BIN)
+        .args(["launch", "--model", "rootmodel", "--", "/bin/true"])
+        .env("GPUGUARD_SOCKET", &g.socket)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(77), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("may not launch model 'rootmodel'"),
+        "{out:?}"
+    );
+    // ...and so are its permits.
+    let out = attacker
+        .command(BIN)
+        .args(["permit", "--model", "rootmodel", "--", "/bin/true"])
+        .env("GPUGUARD_SOCKET", &g.socket)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(77), "{out:?}");
+
+    // (c) A process of the attacker's whose command line names root's model (its matcher)
+    // and grows past the budget does not join it: root's server is never stopped.
+    let mut forged = attacker
+        .python(&format!(
+            "import time, sys\nx = b'\\x01' * ({budget} * 2)\nprint('full', flush=True)\ntime.sleep(300)"
+        ))
+        .arg(&server_t)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(forged.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    // Proof the guard scanned after the forger filled up: a canary started now is seen.
+    let canary = Hog::start(&canary_t, 0, 0, 300);
+    assert!(wait_until(Duration::from_secs(10), || {
+        g.daemon.status()["models"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["name"] == "canary" && m["pids"] == serde_json::json!([canary.pid()]))
+    }));
+    let status = g.daemon.status();
+    let root_model = status["models"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == "rootmodel")
+        .unwrap()
+        .clone();
+    assert_eq!(root_model["pids"], serde_json::json!([server.pid()]));
+    assert_eq!(root_model["state"], "ok", "{root_model}");
+    assert_ne!(proc_state(server.pid()), Some('T'));
+    assert!(!g.daemon.log_text().contains("stop model 'rootmodel'"));
+    let _ = forged.kill();
+    let _ = forged.wait();
+}
+
+#[test]
+fn a_users_hog_that_calls_itself_sshd_is_chosen_and_roots_sshd_is_not() {
+    let _lock = memory_pressure_lock();
+    let attacker = Attacker::create();
+    let (hog_t, root_t) = (token("fake-sshd"), token("root-sshd"));
+    let floors = floors_below_now();
+    let min: u64 = floors
+        .lines()
+        .next()
+        .unwrap()
+        .trim_start_matches("min_available = ")
+        .parse()
+        .unwrap();
+    let g = guard(
+        &floors,
+        &format!(
+            "{}{}",
+            model(
+                "attacker",
+                &hog_t,
+                &format!("users = [\"{}\"]\n", attacker.name)
+            ),
+            model("root", &root_t, "")
+        ),
+    );
+    // Root's process named sshd holds 768 MiB, more than the attacker's hog will hold when the
+    // floor is crossed: were it not protected, it would be chosen.
+    let stop = mem_available() - 768 * MIB;
+    let mut root_sshd = Command::new(python3())
+        .args([
+            "-c",
+            NAMED_HOG_PY,
+            "sshd",
+            &root_t,
+            &stop.to_string(),
+            "2048",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut full = String::new();
+    BufReader::new(root_sshd.stdout.take().unwrap())
+        .read_line(&mut full)
+        .unwrap();
+    let root_pid = root_sshd.id();
+    // The attacker's hog, also named sshd, takes MemAvailable below the floor.
+    let mut hog = attacker
+        .python(NAMED_HOG_PY)
+        .args(["sshd", &hog_t, &(min - 512 * MIB).to_string(), "512"])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let status = wait_child(&mut hog, Duration::from_secs(60)).expect("the fake sshd survived");
+    assert!(
+        matches!(status.signal(), Some(15) | Some(9)),
+        "{status:?}\n{}",
+        g.daemon.log_text()
+    );
+    assert!(
+        root_sshd.try_wait().unwrap().is_none(),
+        "root's sshd was killed"
+    );
+    assert!(!g.daemon.log_text().contains(&format!("{root_pid}(sshd)")));
+    let _ = root_sshd.kill();
+    let _ = root_sshd.wait();
+}
+
+/// 50 connections, each sending a launch with a 500 kB model name.
+const FLOOD_PY: &str = r#"
+import socket, sys
+line = ('{"version":1,"type":"launch","model":"' + "m" * 500000 + '","command":["x"]}\n').encode()
+for _ in range(50):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(sys.argv[1])
+    try:
+        s.sendall(line)
+        s.recv(65536)
+    except OSError:
+        pass
+    s.close()
+"#;
+
+/// Sends raw protocol lines on one connection; prints each answer line.
+const RAW_PY: &str = r#"
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+f = s.makefile("rwb")
+for line in sys.stdin.buffer:
+    f.write(line); f.flush()
+    print(f.readline().decode().strip(), flush=True)
+"#;
+
+fn raw(attacker: &Attacker, socket: &Path, lines: &[String]) -> Vec<serde_json::Value> {
+    let mut child = attacker
+        .python(RAW_PY)
+        .arg(socket)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    for l in lines {
+        stdin.write_all(l.as_bytes()).unwrap();
+        stdin.write_all(b"\n").unwrap();
+    }
+    drop(stdin);
+    let out = child.wait_with_output().unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or(serde_json::Value::Null))
+        .collect()
+}
+
+#[test]
+fn what_a_user_sends_is_bounded_and_the_daemon_stays_small_and_answers() {
+    let attacker = Attacker::create();
+    let g = guard(
+        "min_available = \"0%\"\nwarn_available = \"0%\"\n",
+        "max_ready_timeout = \"1h\"\n[clients]\nmax_launches_per_uid = 2\nmax_leases_per_uid = 2\n[permits]\nmax_per_uid = 3\n",
+    );
+    let pid = g.daemon.child.id();
+    let rss_before = vm_rss(pid);
+    // 200 launches with 500 kB model names: refused without being kept.
+    let mut flood = Vec::new();
+    for _ in 0..4 {
+        flood.push(attacker.python(FLOOD_PY).arg(&g.socket).spawn().unwrap());
+    }
+    for mut f in flood {
+        assert!(f.wait().unwrap().success());
+    }
+    let answers = raw(
+        &attacker,
+        &g.socket,
+        &[format!(
+            r#"{{"version":1,"type":"launch","model":"{}","command":["x"]}}"#,
+            "m".repeat(200)
+        )],
+    );
+    assert!(
+        answers[0]["message"]
+            .as_str()
+            .unwrap()
+            .contains("1 to 128 characters"),
+        "{answers:?}"
+    );
+    // A launch of 8 EiB, or of more RAM than the host has, is refused at once.
+    for (bytes, reason) in [
+        (9223372036854775807u64, "invalid"),
+        (1u64 << 40, "too_large"),
+    ] {
+        let answers = raw(
+            &attacker,
+            &g.socket,
+            &[format!(
+                r#"{{"version":1,"type":"launch","model":"huge","ram_bytes":{bytes},"command":["x"]}}"#
+            )],
+        );
+        assert_eq!(answers[0]["reason"], reason, "{answers:?}");
+    }
+    // A ready timeout of u64::MAX is capped by the config (1 h).
+    let capped = attacker
+        .command(BIN)
+        .args([
+            "launch",
+            "--model",
+            "capped",
+            "--ready-timeout",
+            "100000000h",
+            "--",
+        ])
+        .args([attacker_python(), "-c", "import time; time.sleep(300)"])
+        .env("GPUGUARD_SOCKET", &g.socket)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    assert!(wait_until(Duration::from_secs(10), || {
+        g.daemon.status()["leases"]
+            .as_array()
+            .is_some_and(|l| l.iter().any(|r| r["model"] == "capped"))
+    }));
+    let leases = g.daemon.status()["leases"].clone();
+    assert_eq!(leases[0]["ready_timeout_seconds"], 3600.0, "{leases}");
+    // A ready URL nobody answers: the poller stops once the lease is released.
+    let polled = attacker
+        .command(BIN)
+        .args([
+            "launch",
+            "--model",
+            "polled",
+            "--ready-url",
+            "http://127.0.0.1:9/health",
+            "--",
+        ])
+        .args([attacker_python(), "-c", "import time; time.sleep(300)"])
+        .env("GPUGUARD_SOCKET", &g.socket)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let lease = |model: &str| {
+        g.daemon.status()["leases"]
+            .as_array()
+            .and_then(|l| l.iter().find(|r| r["model"] == model).cloned())
+    };
+    // The launch lock is one: "polled" waits for "capped"; release both in turn.
+    let release = |model: &str| {
+        let id = lease(model).unwrap()["lease"].as_u64().unwrap();
+        let out = attacker
+            .command(BIN)
+            .args(["release", &id.to_string()])
+            .env("GPUGUARD_SOCKET", &g.socket)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "{out:?}");
+    };
+    release("capped");
+    assert!(wait_until(Duration::from_secs(10), || lease("polled")
+        .is_some_and(|l| l["polling_ready_url"] == true)));
+    release("polled");
+    assert!(wait_until(Duration::from_secs(10), || lease("polled")
+        .is_some_and(
+            |l| l["polling_ready_url"] == false && l["state"] == "ready"
+        )));
+    // Two launched models still run: a third is refused while they do.
+    let out = attacker
+        .command(BIN)
+        .args(["launch", "--model", "third", "--", "/bin/true"])
+        .env("GPUGUARD_SOCKET", &g.socket)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(75), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("max_leases_per_uid"));
+    for mut c in [capped, polled] {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    assert!(wait_until(Duration::from_secs(10), || g.daemon.status()
+        ["leases"]
+        .as_array()
+        .is_some_and(|l| l.is_empty())));
+    // Per-uid caps: the third launch waiting at once is refused, as is the fourth permit.
+    let mut waiting: Vec<Child> = (0..2)
+        .map(|_| {
+            attacker
+                .command(BIN)
+                .args(["launch", "--model", "capped", "--gpu-mem", "1GiB", "--"])
+                .arg("/bin/true")
+                .env("GPUGUARD_SOCKET", &g.socket)
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    assert!(wait_until(Duration::from_secs(10), || g.daemon.status()
+        ["queue"]
+        .as_array()
+        .is_some_and(|q| q.len() == 2)));
+    let out = attacker
+        .command(BIN)
+        .args(["launch", "--model", "capped", "--", "/bin/true"])
+        .env("GPUGUARD_SOCKET", &g.socket)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(75), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("max_launches_per_uid"));
+    let permits: Vec<String> = (1..=4)
+        .map(|id| {
+            format!(r#"{{"version":1,"type":"acquire","id":{id},"gpu_bytes":0,"timeout_ms":0}}"#)
+        })
+        .collect();
+    let answers = raw(&attacker, &g.socket, &permits);
+    assert_eq!(answers[3]["reason"], "queue_full", "{answers:?}");
+
+    // The daemon stayed small and answers everyone, the attacker included.
+    let rss = vm_rss(pid);
+    assert!(
+        rss < rss_before + 32 * MIB,
+        "the daemon grew from {rss_before} to {rss} bytes"
+    );
+    let out = attacker
+        .command(BIN)
+        .args(["status", "--json"])
+        .env("GPUGUARD_SOCKET", &g.socket)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    for mut c in waiting.drain(..) {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
