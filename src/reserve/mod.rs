@@ -1878,9 +1878,12 @@ fn launched_model_config(name: &str, l: &Launched) -> ModelConfig {
     }
 }
 
-/// CUDA_VISIBLE_DEVICES as GPU indices: "0,2", or GPU UUIDs (full or a unique prefix).
+/// CUDA_VISIBLE_DEVICES as GPU indices: "0,2", or GPU UUIDs (full or a unique prefix). A GPU
+/// named twice is refused: the demand is split over the list, so "0,0" would otherwise be
+/// admitted against half the memory it needs on GPU 0.
 fn parse_visible_devices(text: &str, capacity: &Capacity) -> Result<Vec<u32>, String> {
-    text.split(',')
+    let indices = text
+        .split(',')
         .map(str::trim)
         .filter(|s| !s.is_empty())
         .take(64)
@@ -1901,7 +1904,13 @@ fn parse_visible_devices(text: &str, capacity: &Capacity) -> Result<Vec<u32>, St
                 )),
             }
         })
-        .collect()
+        .collect::<Result<Vec<u32>, String>>()?;
+    for (i, index) in indices.iter().enumerate() {
+        if indices[..i].contains(index) {
+            return Err(format!("CUDA_VISIBLE_DEVICES: GPU {index} is named twice"));
+        }
+    }
+    Ok(indices)
 }
 
 #[cfg(test)]
@@ -1969,6 +1978,21 @@ mod tests {
             timeout_ms: Some(1000),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn cuda_visible_devices_naming_a_gpu_twice_is_refused_not_half_reserved() {
+        let mut two = capacity(0);
+        let mut second = two.gpus[0].clone();
+        second.index = 1;
+        second.uuid = "GPU-b".into();
+        two.gpus.push(second);
+        assert_eq!(parse_visible_devices("1, 0", &two), Ok(vec![1, 0]));
+        assert_eq!(parse_visible_devices("GPU-b,0", &two), Ok(vec![1, 0]));
+        let err = parse_visible_devices("0,0", &two).unwrap_err();
+        assert!(err.contains("GPU 0 is named twice"), "{err}");
+        let err = parse_visible_devices("GPU-a,0", &two).unwrap_err();
+        assert!(err.contains("GPU 0 is named twice"), "{err}");
     }
 
     #[test]
