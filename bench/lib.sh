@@ -8,6 +8,8 @@ EARLYOOM=${EARLYOOM:-$(command -v earlyoom || echo /usr/bin/earlyoom)}
 HOG="$BUILD_DIR/gg_bench_hog"       # its comm is "gg_bench_hog": the only thing any agent may pick
 SAMPLER="$BUILD_DIR/sampler"
 STORM="$BUILD_DIR/gg_bench_storm"    # fork storm (bench/storm.c)
+# Background permit load (benches/permits.rs with PERMIT_LOAD_SOCKET): built by build_permit_load.
+PERMIT_LOAD="$BUILD_DIR/permit_load"
 LOCK=/tmp/gpuguard-memory-pressure.lock  # shared with the project's memory-pressure tests
 GIB=$((1 << 30))
 MIB=$((1 << 20))
@@ -63,6 +65,7 @@ start_background() {
     local i
     case $1 in
     none) ;;
+    permits) ;; # started against the agent's own socket by reaction-one.sh (gpuguard only)
     idle1000 | storm)
         for ((i = 0; i < 1000; i++)); do sleep 100000 & BACKGROUND_PIDS+=($!); done
         if [[ $1 == storm ]]; then
@@ -77,4 +80,17 @@ start_background() {
 stop_background() {
     kill_pids "${BACKGROUND_PIDS[@]}"
     BACKGROUND_PIDS=()
+}
+
+# The permit load generator (benches/permits.rs), copied to $PERMIT_LOAD.
+build_permit_load() {
+    local exe
+    exe=$(cd "$REPO_DIR" && cargo bench --bench permits --no-run --message-format=json 2>/dev/null |
+        python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "permits":
+        print(m["executable"])')
+    [[ -x $exe ]] || { echo "could not build benches/permits.rs" >&2; return 1; }
+    mkdir -p "$BUILD_DIR" && cp "$exe" "$PERMIT_LOAD"
 }

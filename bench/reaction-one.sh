@@ -6,7 +6,9 @@
 # AGENT: gpuguard | earlyoom (SIGTERM at the floor, SIGKILL at half of it: its default)
 #        | earlyoom-kill (-M FLOOR,FLOOR: SIGKILL at the floor)
 # RATE: hog fill rate in bytes/s, 0 = as fast as it can.  HOG: term | ignore-term.
-# BACKGROUND: the label of what reaction.sh runs beside it (none, idle1000, storm), for the CSV.
+# BACKGROUND: the label of what reaction.sh runs beside it (none, idle1000, storm, permits), for
+# the CSV. permits (gpuguard only): 64 clients asking the agent's socket for 20 000 RAM permits/s
+# from before the hog starts until it ends (benches/permits.rs, PERMIT_LOAD_SOCKET).
 # The floor is MemAvailable at start minus 1.5 GiB; the hog stops by itself 1 GiB below the floor.
 # Appends one CSV line to OUT_CSV (see analyze.py). Must run under the flock (run via reaction.sh).
 set -euo pipefail
@@ -14,10 +16,10 @@ source "$(dirname "$0")/lib.sh"
 agent=$1 rate=$2 hogkind=$3 out=$4 background=${5:-none}
 
 work=$(mktemp -d /tmp/gg-bench-reaction.XXXXXX)
-agent_pid= sampler_pid= hog_pid=
+agent_pid= sampler_pid= hog_pid= load_pid=
 # BENCH_KEEP=DIR keeps each run's samples and agent log under DIR.
 cleanup() {
-    kill_pids "$hog_pid" "$agent_pid" "$sampler_pid"
+    kill_pids "$hog_pid" "$load_pid" "$agent_pid" "$sampler_pid"
     if [[ -n ${BENCH_KEEP:-} ]]; then mkdir -p "$BENCH_KEEP" && cp -r "$work" "$BENCH_KEEP/"; fi
     rm -rf "$work"
 }
@@ -67,6 +69,12 @@ earlyoom | earlyoom-kill)
     ;;
 *) echo "unknown agent $agent" >&2; exit 2 ;;
 esac
+if [[ $background == permits ]]; then
+    [[ $agent == gpuguard ]] || { echo "background permits: gpuguard only" >&2; exit 2; }
+    PERMIT_LOAD_SOCKET="$work/gpuguard.sock" PERMIT_SECONDS=60 "$PERMIT_LOAD" 2>"$work/load.log" &
+    load_pid=$!
+    sleep 1     # the load at full rate before the hog starts
+fi
 sleep 0.2   # first tick / scan
 
 hog_args=(--rate "$rate" --cap "$cap" --hold 2 --status "$work/hog.status")
@@ -79,7 +87,13 @@ hog_pid=$!
 hog_rc=0
 wait "$hog_pid" || hog_rc=$?
 hog_pid=
-# The hog is gone: stop the agent at once so it can never pick anything else.
+# The hog is gone: stop the load and the agent at once so it can never pick anything else.
+if [[ -n $load_pid ]]; then
+    kill -TERM "$load_pid" 2>/dev/null || true
+    wait "$load_pid" 2>/dev/null || true
+    load_pid=
+    cat "$work/load.log" >&2
+fi
 kill -TERM "$agent_pid" 2>/dev/null || true
 wait "$agent_pid" 2>/dev/null || true
 agent_pid=

@@ -4,7 +4,9 @@
 #   bench/reaction.sh [RESULTS_DIR]      (env: RUNS=5, AGENTS, RATES, HOGS, BACKGROUNDS)
 #
 # For every background (none: the host as it is; idle1000: 1000 idle processes; storm: those
-# plus a fork storm of up to 400 short-lived processes at once, see lib.sh), run index, hog kind
+# plus a fork storm of up to 400 short-lived processes at once, see lib.sh; permits: 20 000
+# permits/s on gpuguard's own socket, gpuguard only, BACKGROUNDS="none permits" AGENTS=gpuguard),
+# run index, hog kind
 # (term, ignore-term) and rate (1 GiB/s, max), each agent gets one run (interleaved, so drift on
 # a shared host hits all agents alike); each run holds the memory-pressure flock for its whole
 # duration (see reaction-one.sh, which also warms the memory up first: on a VM, memory handed
@@ -21,6 +23,7 @@ HOGS=${HOGS:-term ignore-term}
 BACKGROUNDS=${BACKGROUNDS:-none idle1000 storm}
 [[ -x $GPUGUARD ]] || { echo "build gpuguard first: cargo build --release (CARGO_TARGET_DIR=$CARGO_TARGET_DIR)" >&2; exit 1; }
 [[ -x $HOG && -x $SAMPLER && -x $STORM ]] || build_tools
+[[ " $BACKGROUNDS " != *" permits "* ]] || build_permit_load
 trap stop_background EXIT
 trap 'exit 130' INT TERM
 

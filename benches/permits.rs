@@ -396,6 +396,88 @@ fn run_open_loop(d: &Daemon, clients: usize, rate: f64, window: Duration) -> Out
     }
 }
 
+/// `PERMIT_LOAD_SOCKET=PATH`: background load for the reaction benchmark (bench/reaction.sh,
+/// background `permits`): 64 threads paced to 20 000 RAM permits/s (1 MiB each, no wait) against
+/// a daemon someone else started, for `PERMIT_SECONDS` or until killed. Under the RAM floor the
+/// daemon refuses them: the load goes on all the same. SIGTERM ends it; it prints one summary
+/// line to stderr.
+fn load(socket: &Path) {
+    use std::io::{BufRead, Write};
+    let seconds: u64 = std::env::var("PERMIT_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(60);
+    let stop = Arc::new(AtomicBool::new(false));
+    signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone()).unwrap();
+    let clients = 64;
+    let period = Duration::from_secs_f64(clients as f64 / 20_000.0);
+    let end = Instant::now() + Duration::from_secs(seconds);
+    let began = Instant::now();
+    let handles: Vec<_> = (0..clients)
+        .map(|i| {
+            let (socket, stop) = (socket.to_path_buf(), stop.clone());
+            std::thread::spawn(move || {
+                let Ok(stream) = UnixStream::connect(&socket) else {
+                    return (0, 0);
+                };
+                let mut read = std::io::BufReader::new(stream.try_clone().unwrap());
+                let mut write = stream;
+                let (mut granted, mut refused, mut line) = (0u64, 0u64, String::new());
+                let mut due = began + period * i as u32 / clients as u32;
+                for id in (1u64..).step_by(2) {
+                    let now = Instant::now();
+                    if now >= end || stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    if due > now {
+                        std::thread::sleep(due - now);
+                    }
+                    due += period;
+                    let ask = format!(
+                        "{{\"version\":1,\"type\":\"acquire\",\"id\":{id},\"ram_bytes\":1048576,\"gpu_bytes\":0,\"timeout_ms\":0}}\n"
+                    );
+                    line.clear();
+                    if write.write_all(ask.as_bytes()).is_err() || read.read_line(&mut line).is_err()
+                    {
+                        break;
+                    }
+                    let Some(permit) = line
+                        .split("\"permit\":")
+                        .nth(1)
+                        .and_then(|rest| rest.split([',', '}']).next())
+                        .and_then(|n| n.parse::<u64>().ok())
+                    else {
+                        refused += 1;
+                        continue;
+                    };
+                    granted += 1;
+                    let release = format!(
+                        "{{\"version\":1,\"type\":\"release_permit\",\"id\":{},\"permit\":{permit}}}\n",
+                        id + 1
+                    );
+                    line.clear();
+                    if write.write_all(release.as_bytes()).is_err()
+                        || read.read_line(&mut line).is_err()
+                    {
+                        break;
+                    }
+                }
+                (granted, refused)
+            })
+        })
+        .collect();
+    let (granted, refused) = handles
+        .into_iter()
+        .map(|h| h.join().unwrap_or((0, 0)))
+        .fold((0, 0), |(g, r), (a, b)| (g + a, r + b));
+    let secs = began.elapsed().as_secs_f64();
+    eprintln!(
+        "permit load: {:.0} granted/s, {:.0} refused/s over {secs:.1} s",
+        granted as f64 / secs,
+        refused as f64 / secs
+    );
+}
+
 fn quantile(sorted: &[f64], q: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
@@ -415,6 +497,9 @@ enum Pacing {
 
 fn main() {
     // `cargo bench` passes --bench; a filter argument is not used.
+    if let Ok(socket) = std::env::var("PERMIT_LOAD_SOCKET") {
+        return load(Path::new(&socket));
+    }
     let d = daemon();
     let window = Duration::from_secs(
         std::env::var("PERMIT_SECONDS")
