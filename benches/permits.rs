@@ -58,8 +58,10 @@ fn daemon() -> Daemon {
         ),
     )
     .unwrap();
-    let child = Command::new(BIN)
-        .args(["daemon", "--config"])
+    // PERMIT_DAEMON_NICE: the daemon's niceness (default 0).
+    let nice = std::env::var("PERMIT_DAEMON_NICE").unwrap_or_else(|_| "0".into());
+    let child = Command::new("nice")
+        .args(["-n", &nice, BIN, "daemon", "--config"])
         .arg(&config)
         .env("FAKE_NVML_STATE", &state)
         .env("GPUGUARD_LOG", "warn")
