@@ -58,6 +58,9 @@ pub trait ProcessControl: Send + Sync {
     fn send(&self, id: ProcessId, sig: Sig) -> Result<(), SignalError>;
     /// True if this exact process is in the stopped state.
     fn is_stopped(&self, id: ProcessId) -> bool;
+    /// Runs the signal path's checks once on gpuguard itself, signalling nothing, so their
+    /// code is resident before an emergency needs it (`daemon/warm.rs`).
+    fn warm_up(&self) {}
 }
 
 /// What became of one action.

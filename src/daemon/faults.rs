@@ -10,7 +10,6 @@ use crate::act::Leftovers;
 use crate::alert::Alerter;
 use crate::config::{Config, ConfigError, GpuTotal, HostTotals};
 use crate::policy::{About, Event, Resource, Severity};
-use crate::sample::ProcSource;
 
 use super::Daemon;
 

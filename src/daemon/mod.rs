@@ -3,6 +3,10 @@
 //! `alerts.rs` feeds the alert pipeline and metrics, `report.rs` builds what operators see,
 //! `scanning.rs` schedules the process scans (on a thread of their own), `warm.rs` runs the kill
 //! path once at start, `systemd.rs` speaks sd_notify.
+//!
+//! The loop reads and acts only through its `Sources` (a /proc source, a process-table source, a
+//! GPU source, a process control): `Sources::real` in the binary, fakes in `tests.rs`, which
+//! drive whole ticks in process with the clock in hand (`tick_at`).
 
 use std::collections::{BTreeSet, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
@@ -16,7 +20,7 @@ use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use tracing::{debug, error, info, warn};
 
 use crate::act::signal::{self_test, PidfdControl};
-use crate::act::{Executor, Outcome};
+use crate::act::{Executor, Outcome, ProcessControl};
 use crate::alert::Alerter;
 use crate::config::Config;
 use crate::ipc::server::Shared;
@@ -24,8 +28,9 @@ use crate::metrics::Metrics;
 use crate::policy::{evaluate, About, Event, Level, PolicyState, Resource, Severity, Target};
 use crate::reserve::{Capacity, Reservations};
 use crate::sample::engine::EngineScraper;
-use crate::sample::nvml::{GpuMonitor, NvmlGpuSource};
-use crate::sample::scan::ScanResult;
+use crate::sample::nvml::{GpuMonitor, GpuSource, NvmlGpuSource};
+use crate::sample::procfs::ProcReader;
+use crate::sample::scan::{ScanResult, Scanner};
 use crate::sample::{ProcSource, ProcfsSource};
 use crate::snapshot::{GpuStatus, ProcessId, Snapshot};
 use crate::state_dir::StateDir;
@@ -37,9 +42,54 @@ mod model_detail;
 mod report;
 mod scanning;
 mod systemd;
+#[cfg(test)]
+mod tests;
 mod warm;
 
+pub use scanning::MakeTables;
 use systemd::Systemd;
+
+/// What the loop reads and acts through: the real ones (`Sources::real`) in the binary, fakes in
+/// the in-process tick tests (`tests.rs`).
+pub struct Sources {
+    /// Host memory every tick, and the loop's own re-reads of the victims it waits on.
+    pub procs: Box<dyn ProcSource>,
+    /// Makes the process-table source (the first at start, another if the scan thread dies).
+    pub tables: MakeTables,
+    /// GPU readings (`None`: GPU protection disabled by the config).
+    pub gpus: Option<Box<dyn GpuSource>>,
+    /// Signals processes identified by pid + start time.
+    pub control: Arc<dyn ProcessControl>,
+    /// The cgroup v2 tree throttles write to.
+    pub cgroup_root: PathBuf,
+    /// /proc, where the socket reads its peers' start times.
+    pub proc_root: PathBuf,
+    /// Sample and scan on the loop's own thread, at the tick that asks, instead of on threads of
+    /// their own: ticks are then deterministic (tests).
+    pub inline: bool,
+}
+
+impl Sources {
+    /// /proc, NVML (when `[gpu] enabled`), pidfd signals, the cgroup tree: what the binary runs.
+    pub fn real(config: &Config, roots: &Roots) -> Sources {
+        let proc_root = roots.proc.clone();
+        let scan_root = proc_root.clone();
+        Sources {
+            procs: Box::new(ProcfsSource::new(&proc_root)),
+            tables: Box::new(move || Box::new(Scanner::new(ProcReader::new(&scan_root)))),
+            gpus: config.gpu.enabled.then(|| {
+                Box::new(NvmlGpuSource::new(
+                    config.gpu.nvml_library.clone(),
+                    config.gpu.retry_init,
+                )) as Box<dyn GpuSource>
+            }),
+            control: Arc::new(PidfdControl::new(&proc_root)),
+            cgroup_root: roots.cgroup.clone(),
+            proc_root,
+            inline: false,
+        }
+    }
+}
 
 /// Where the daemon looks at the system; tests and fixtures may point these elsewhere.
 #[derive(Clone, Debug)]
@@ -61,7 +111,7 @@ pub struct Daemon {
     config_path: PathBuf,
     config: Config,
     /// Host memory every tick, and the loop's own reads of single processes.
-    procs: ProcfsSource,
+    procs: Box<dyn ProcSource>,
     scans: scanning::Scans,
     gpus: Option<GpuMonitor>,
     executor: Executor,
@@ -118,19 +168,39 @@ const PERMIT_TICK: Duration = Duration::from_millis(200);
 const STATUS_REFRESH: Duration = Duration::from_millis(250);
 
 impl Daemon {
-    /// Sets the daemon up: state directory, leftovers from a crash, NVML worker.
+    /// Sets the daemon up on the real system: /proc, NVML, pidfd signals (`Sources::real`).
     pub fn new(config_path: &Path, config: Config, roots: Roots) -> anyhow::Result<Daemon> {
         one_malloc_arena();
-        let control = Arc::new(PidfdControl::new(&roots.proc));
-        warm::warm_up(&control);
+        let sources = Sources::real(&config, &roots);
+        Daemon::with_sources(config_path, config, sources)
+    }
+
+    /// Sets the daemon up on the given sources: state directory, leftovers from a crash, NVML
+    /// worker, the first process table.
+    pub fn with_sources(
+        config_path: &Path,
+        config: Config,
+        sources: Sources,
+    ) -> anyhow::Result<Daemon> {
+        let Sources {
+            procs,
+            tables,
+            gpus,
+            control,
+            cgroup_root,
+            proc_root,
+            inline,
+        } = sources;
+        warm::warm_up(control.as_ref());
         let dir = Arc::new(StateDir::create(&config.daemon.state_dir)?);
-        let (executor, leftovers) = Executor::new(control, dir, &roots.cgroup);
+        let (executor, leftovers) = Executor::new(control, dir, &cgroup_root);
         leftovers.log();
-        let gpus = config.gpu.enabled.then(|| {
-            let source = NvmlGpuSource::new(config.gpu.nvml_library.clone(), config.gpu.retry_init);
-            GpuMonitor::start(Box::new(source), config.gpu.sample_timeout)
+        let timeout = config.gpu.sample_timeout;
+        let gpus = gpus.map(|source| match inline {
+            true => GpuMonitor::inline(source, timeout),
+            false => GpuMonitor::start(source, timeout),
         });
-        let (scans, processes) = scanning::Scans::new(roots.proc.clone());
+        let (scans, processes) = scanning::Scans::new(tables, inline);
         let snapshot = Snapshot {
             self_pid: std::process::id() as i32,
             processes: crate::snapshot::ProcessTable {
@@ -156,7 +226,7 @@ impl Daemon {
         let shared = Arc::new(Shared::new(
             Reservations::new(config.clone()),
             Instant::now(),
-            roots.proc.clone(),
+            proc_root,
             Box::new(move || {
                 let _ = wake.send(DaemonEvent::Wake);
             }),
@@ -164,7 +234,7 @@ impl Daemon {
         Ok(Daemon {
             config_path: config_path.to_path_buf(),
             config,
-            procs: ProcfsSource::new(&roots.proc),
+            procs,
             scans,
             gpus,
             executor,
@@ -280,8 +350,12 @@ impl Daemon {
 
     /// One pass of the pipeline; returns how long to sleep.
     fn tick(&mut self, since_last: Duration) -> Duration {
-        let now = Instant::now();
-        let at = now.duration_since(self.started);
+        self.tick_at(Instant::now(), since_last)
+    }
+
+    /// One pass of the pipeline as at `now` (tests drive the clock); returns how long to sleep.
+    fn tick_at(&mut self, now: Instant, since_last: Duration) -> Duration {
+        let at = now.saturating_duration_since(self.started);
         self.snapshot.at = at;
         self.snapshot.host = self.procs.host_memory();
 

@@ -667,22 +667,21 @@ impl ProcfsSource {
         }
     }
 
-    pub fn root(&self) -> &Path {
-        self.reader.root()
+    /// Every process on the host, read in full (a process that exits mid-scan is skipped).
+    pub fn scan(&mut self) -> Vec<Process> {
+        let mut pids = Vec::new();
+        if self.reader.list_pids(&mut pids).is_err() {
+            return Vec::new();
+        }
+        pids.into_iter().filter_map(|pid| self.read(pid)).collect()
     }
 
-    /// Why host memory is unknown, while it is.
-    pub fn host_error(&self) -> Option<&str> {
-        self.host.error()
-    }
-
-    pub fn host_has_swap(&self) -> bool {
-        self.host_has_swap
-    }
-
-    /// State and memory of one process; `Err(Gone)` only when it has exited.
-    pub fn vitals(&mut self, pid: i32) -> Result<Vitals, ReadError> {
-        self.reader.vitals(pid, self.host_has_swap)
+    /// One process, or `None` if it is gone.
+    pub fn read(&mut self, pid: i32) -> Option<Process> {
+        self.reader
+            .process(pid, self.host_has_swap)
+            .ok()
+            .map(|r| r.process)
     }
 }
 
@@ -693,19 +692,16 @@ impl ProcSource for ProcfsSource {
         host
     }
 
-    fn scan(&mut self) -> Vec<Process> {
-        let mut pids = Vec::new();
-        if self.reader.list_pids(&mut pids).is_err() {
-            return Vec::new();
-        }
-        pids.into_iter().filter_map(|pid| self.read(pid)).collect()
+    fn host_error(&self) -> Option<&str> {
+        self.host.error()
     }
 
-    fn read(&mut self, pid: i32) -> Option<Process> {
-        self.reader
-            .process(pid, self.host_has_swap)
-            .ok()
-            .map(|r| r.process)
+    fn host_has_swap(&self) -> bool {
+        self.host_has_swap
+    }
+
+    fn vitals(&mut self, pid: i32) -> Result<Vitals, ReadError> {
+        self.reader.vitals(pid, self.host_has_swap)
     }
 }
 
