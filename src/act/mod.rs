@@ -63,16 +63,7 @@ pub trait ProcessControl: Send + Sync {
     fn warm_up(&self) {}
 }
 
-/// What became of one action.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Outcome {
-    Done,
-    /// Observe mode: logged, nothing signalled.
-    Observed,
-    /// Not needed any more (memory recovered, the target is gone).
-    Skipped(String),
-    Failed(String),
-}
+pub use crate::policy::Outcome;
 
 pub struct Executor {
     control: Arc<dyn ProcessControl>,

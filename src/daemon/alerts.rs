@@ -264,12 +264,7 @@ impl Daemon {
                 .models
                 .iter()
                 .find(|m| &m.name == name)
-                .map(|m| {
-                    m.members
-                        .iter()
-                        .map(|&i| s.processes.processes[i].pid)
-                        .collect()
-                })
+                .map(|m| m.members.iter().map(|id| id.pid).collect())
                 .unwrap_or_default();
             let first = pids
                 .first()

@@ -20,7 +20,7 @@ use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use tracing::{debug, error, info, warn};
 
 use crate::act::signal::{self_test, PidfdControl};
-use crate::act::{Executor, Outcome, ProcessControl};
+use crate::act::{Executor, ProcessControl};
 use crate::alert::Alerter;
 use crate::config::Config;
 use crate::ipc::server::Shared;
@@ -420,7 +420,8 @@ impl Daemon {
             let subject = self.event_subject(&e.about);
             self.alerter.event(e, subject);
         }
-        for action in &plan.actions {
+        let mut outcomes = Vec::with_capacity(plan.actions.len());
+        for action in plan.actions {
             let cgroup = own_cgroup(&self.snapshot, &action.target);
             let procs = &mut self.procs;
             let mut reread = |r: Resource| match r {
@@ -429,16 +430,14 @@ impl Daemon {
             };
             let outcome = self.executor.execute(
                 self.config.daemon.mode,
-                action,
+                &action,
                 cgroup.as_deref(),
                 &mut reread,
             );
-            if matches!(outcome, Outcome::Skipped(_) | Outcome::Failed(_)) {
-                self.state
-                    .action_not_done(action, matches!(outcome, Outcome::Failed(_)));
-            }
-            self.record_action(action, &outcome);
+            self.record_action(&action, &outcome);
+            outcomes.push((action, outcome));
         }
+        self.state.apply(&outcomes);
         self.max_scan_age = plan.max_scan_age;
         self.watch = plan.watch;
         let conditions = self.conditions();

@@ -116,11 +116,7 @@ impl Daemon {
                         "launch"
                     }
                     .into(),
-                    pids: m
-                        .members
-                        .iter()
-                        .map(|&i| s.processes.processes[i].pid)
-                        .collect(),
+                    pids: m.members.iter().map(|id| id.pid).collect(),
                     ram_bytes: m.rss_bytes,
                     ram_budget_bytes: ram_budget,
                     gpu_bytes,

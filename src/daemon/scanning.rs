@@ -170,8 +170,8 @@ impl Daemon {
         true
     }
 
-    /// Re-reads the victims the policy waits on, in place (the policy's attribution holds
-    /// indices into the table until the next scan). Gone: marked dead. Unreadable: left as is,
+    /// Re-reads the victims the policy waits on. Gone (or the pid reused): marked dead, so the
+    /// policy sees it exited before the next scan drops it. Unreadable: left as is,
     /// never taken for gone.
     pub(super) fn reread_watched(&mut self) {
         for id in &self.watch {
@@ -300,16 +300,9 @@ impl Daemon {
 
     /// Members of every model, the victims watched, launched processes.
     fn hot_pids(&self) -> Vec<i32> {
-        let procs = &self.snapshot.processes.processes;
         let mut hot: Vec<i32> = self.watch.iter().map(|id| id.pid).collect();
         for model in &self.state.attribution.models {
-            hot.extend(
-                model
-                    .members
-                    .iter()
-                    .filter_map(|&i| procs.get(i))
-                    .map(|p| p.pid),
-            );
+            hot.extend(model.members.iter().map(|id| id.pid));
         }
         hot.extend(self.state.registered.keys().map(|id| id.pid));
         hot.sort_unstable();

@@ -223,6 +223,17 @@ pub struct Plan {
     pub watch: Vec<ProcessId>,
 }
 
+/// What became of one action (the executor's answer, fed back with `PolicyState::apply`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Done,
+    /// Observe mode: logged, nothing signalled.
+    Observed,
+    /// Not needed any more (memory recovered, the target is gone).
+    Skipped(String),
+    Failed(String),
+}
+
 /// Where an enforcement against one target stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -342,10 +353,21 @@ impl PolicyState {
         self.attributed = None;
     }
 
-    /// The executor did not act on a target (gone, memory recovered, or `failed`: not
-    /// permitted...): forget the stage the policy optimistically entered, so the next tick
-    /// decides afresh; a target that could not be signalled is not chosen again in that incident.
-    pub fn action_not_done(&mut self, action: &Action, failed: bool) {
+    /// What became of this tick's actions: the only way the policy learns what the executor did.
+    /// An action not carried out (the target gone, memory recovered, or failed: not
+    /// permitted...) undoes the stage its plan entered, so the next tick decides afresh; a target
+    /// that could not be signalled is not chosen again in that incident.
+    pub fn apply(&mut self, outcomes: &[(Action, Outcome)]) {
+        for (action, outcome) in outcomes {
+            match outcome {
+                Outcome::Done | Outcome::Observed => {}
+                Outcome::Skipped(_) => self.not_done(action, false),
+                Outcome::Failed(_) => self.not_done(action, true),
+            }
+        }
+    }
+
+    fn not_done(&mut self, action: &Action, failed: bool) {
         for incident in self.incidents.values_mut() {
             if incident.victim.as_ref() == Some(&action.target) {
                 incident.victim = None;

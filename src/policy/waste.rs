@@ -130,9 +130,8 @@ fn models_of(snapshot: &Snapshot, state: &PolicyState, pids: &BTreeSet<i32>) -> 
         .processes
         .processes
         .iter()
-        .enumerate()
-        .filter(|(_, p)| pids.contains(&p.pid))
-        .filter_map(|(i, _)| a.model_of.get(i).copied().flatten())
+        .filter(|p| pids.contains(&p.pid))
+        .filter_map(|p| a.model_of(p.id()))
         .filter_map(|m| a.models.get(m).map(|m| format!("'{}'", m.name)))
         .collect();
     names.sort();
