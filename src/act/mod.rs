@@ -197,7 +197,7 @@ impl Executor {
         if mode == Mode::Observe && !matches!(action.verb, Verb::Resume | Verb::Unthrottle) {
             info!(
                 verb,
-                reason = action.reason.kind,
+                reason = action.reason.kind.as_str(),
                 "observe mode: would {verb} {target}: {why}"
             );
             return Outcome::Observed;
@@ -260,10 +260,14 @@ impl Executor {
             _ => {}
         }
         match &outcome {
-            Outcome::Done => info!(verb, reason = action.reason.kind, "{verb} {target}: {why}"),
+            Outcome::Done => info!(
+                verb,
+                reason = action.reason.kind.as_str(),
+                "{verb} {target}: {why}"
+            ),
             Outcome::Failed(e) => warn!(
                 verb,
-                reason = action.reason.kind,
+                reason = action.reason.kind.as_str(),
                 "failed to {verb} {target}: {e} (wanted because: {why})"
             ),
             Outcome::Skipped(e) => info!(verb, "not going to {verb} {target}: {e}"),
@@ -352,7 +356,7 @@ mod tests {
                 }],
             },
             reason: Reason {
-                kind: "ram_budget",
+                kind: crate::policy::ReasonKind::RamBudget,
                 detail: "over".into(),
             },
             recheck: None,

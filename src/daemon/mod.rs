@@ -24,8 +24,9 @@ use crate::act::{Executor, ProcessControl};
 use crate::alert::Alerter;
 use crate::config::Config;
 use crate::ipc::server::Shared;
+use crate::kinds::EventKind;
 use crate::metrics::Metrics;
-use crate::policy::{evaluate, About, Event, Level, PolicyState, Resource, Severity, Target};
+use crate::policy::{evaluate, About, Event, PolicyState, Resource, Severity, Target};
 use crate::reserve::{Capacity, Reservations};
 use crate::sample::engine::EngineScraper;
 use crate::sample::nvml::{GpuMonitor, GpuSource, NvmlGpuSource};
@@ -320,7 +321,7 @@ impl Daemon {
                         nix::sys::signal::Signal::try_from(signal).map_or("signal", |s| s.as_str());
                     info!("{name}: resuming held processes and stopping");
                     self.alerter.lifecycle(
-                        "daemon_stopping",
+                        EventKind::DaemonStopping,
                         Severity::Warning,
                         format!(
                             "gpuguard stopping ({name}): memory is not guarded until it starts again"
@@ -374,9 +375,9 @@ impl Daemon {
                     .gpu
                     .map_or("unknown GPU".to_string(), |g| format!("GPU {g}"));
                 let (severity, kind) = if x.critical() {
-                    (Severity::Critical, "xid_critical")
+                    (Severity::Critical, EventKind::XidCritical)
                 } else {
-                    (Severity::Warning, "xid")
+                    (Severity::Warning, EventKind::Xid)
                 };
                 let about = About {
                     resource: x.gpu.map(Resource::Gpu),
@@ -510,7 +511,7 @@ impl Daemon {
         let event = match &status {
             GpuStatus::Ok => Event::new(
                 Severity::Info,
-                "gpu_ok",
+                EventKind::GpuOk,
                 format!(
                     "GPU protection on: {} GPU(s) seen through NVML",
                     self.snapshot.gpus.devices.len()
@@ -518,7 +519,7 @@ impl Daemon {
             ),
             GpuStatus::Unavailable(why) => Event::new(
                 Severity::Warning,
-                "gpu_unavailable",
+                EventKind::GpuUnavailable,
                 format!(
                     "GPU protection is off: {why}; guarding host RAM only, retrying NVML every {}",
                     humantime::format_duration(self.config.gpu.retry_init)
@@ -526,7 +527,7 @@ impl Daemon {
             ),
             GpuStatus::Off => Event::new(
                 Severity::Info,
-                "gpu_off",
+                EventKind::GpuOff,
                 "GPU protection disabled by config ([gpu] enabled = false)".into(),
             ),
         };
@@ -568,8 +569,11 @@ impl Daemon {
                     let message =
                         format!("config reload failed, keeping the previous config: {e:#}");
                     error!("{message}");
-                    self.alerter
-                        .lifecycle("config_reload_failed", Severity::Warning, message);
+                    self.alerter.lifecycle(
+                        EventKind::ConfigReloadFailed,
+                        Severity::Warning,
+                        message,
+                    );
                     return;
                 }
                 self.shared.table().configure(config.clone());
@@ -583,7 +587,7 @@ impl Daemon {
                 let message = format!("config reload failed, keeping the previous config: {e}");
                 error!("{message}");
                 self.alerter
-                    .lifecycle("config_reload_failed", Severity::Warning, message);
+                    .lifecycle(EventKind::ConfigReloadFailed, Severity::Warning, message);
             }
         }
     }
@@ -614,7 +618,7 @@ impl Daemon {
         );
         info!("{message}");
         self.alerter
-            .lifecycle("daemon_started", Severity::Info, message);
+            .lifecycle(EventKind::DaemonStarted, Severity::Info, message);
     }
 }
 
@@ -639,16 +643,6 @@ fn own_cgroup(snapshot: &Snapshot, target: &Target) -> Option<String> {
     (first != "/" && !first.is_empty() && groups.all(|g| g == first)).then_some(first)
 }
 
-fn level_name(level: Option<Level>) -> String {
-    match level {
-        None | Some(Level::Ok) => "ok",
-        Some(Level::Unknown) => "unknown",
-        Some(Level::Warn) => "warn",
-        Some(Level::Act) => "act",
-    }
-    .into()
-}
-
 fn unix_now() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -657,8 +651,8 @@ fn unix_now() -> u64 {
 
 fn log_event(e: &Event) {
     match e.severity {
-        Severity::Critical => error!(event = e.kind, "{}", e.message),
-        Severity::Warning => warn!(event = e.kind, "{}", e.message),
-        Severity::Info => info!(event = e.kind, "{}", e.message),
+        Severity::Critical => error!(event = e.kind.as_str(), "{}", e.message),
+        Severity::Warning => warn!(event = e.kind.as_str(), "{}", e.message),
+        Severity::Info => info!(event = e.kind.as_str(), "{}", e.message),
     }
 }

@@ -2,6 +2,7 @@
 //! action (alert, throttle, stop, kill); once back under budget, a throttle or stop is lifted.
 
 use crate::config::{Config, Mode, ModelAction, ModelConfig};
+use crate::kinds::{EventKind, ReasonKind};
 use crate::snapshot::Snapshot;
 
 use super::victim::model_target;
@@ -69,12 +70,16 @@ pub(super) fn evaluate_budgets(
             continue;
         }
         let why = format!("model '{}' over budget: {}", model.name, over.join("; "));
-        let kind = if ram_over { "ram_budget" } else { "gpu_budget" };
+        let kind = if ram_over {
+            ReasonKind::RamBudget
+        } else {
+            ReasonKind::GpuBudget
+        };
         let over_since = *budget.over_since.get_or_insert_with(|| {
             plan.events.push(
                 event(
                     Severity::Warning,
-                    "budget_exceeded",
+                    EventKind::BudgetExceeded,
                     format!(
                         "{why}; action {} after grace {}",
                         model.action,
@@ -115,7 +120,7 @@ pub(super) fn evaluate_budgets(
                     None => plan.events.push(
                         event(
                             Severity::Critical,
-                            "budget_enforced",
+                            EventKind::BudgetEnforced,
                             format!("{detail} (alert only)"),
                         )
                         .about(about_model(&model.name)),
@@ -152,7 +157,7 @@ pub(super) fn evaluate_budgets(
                 plan.actions.push(action(
                     Verb::Resume,
                     &target,
-                    "max_stop",
+                    ReasonKind::MaxStop,
                     format!(
                         "{why}; stopped for {} (max_stop) but the GPU reading is stale: resumed, never killed on it",
                         humantime::format_duration(d.max_stop)
@@ -165,7 +170,7 @@ pub(super) fn evaluate_budgets(
                 plan.actions.push(action(
                     Verb::Kill,
                     &target,
-                    "max_stop",
+                    ReasonKind::MaxStop,
                     format!(
                         "{why}; stopped for {} (max_stop)",
                         humantime::format_duration(d.max_stop)
@@ -197,7 +202,7 @@ fn lift(budget: &mut BudgetState, name: &str, plan: &mut Plan) {
         plan.events.push(
             event(
                 Severity::Info,
-                "budget_cleared",
+                EventKind::BudgetCleared,
                 format!("model '{name}' back under budget"),
             )
             .about(about_model(name)),
@@ -207,14 +212,14 @@ fn lift(budget: &mut BudgetState, name: &str, plan: &mut Plan) {
         Some((Stage::Stopped, _, target)) => plan.actions.push(action(
             Verb::Resume,
             &target,
-            "cleared",
+            ReasonKind::Cleared,
             format!("model '{name}' back under budget"),
             None,
         )),
         Some((Stage::Throttled, _, target)) => plan.actions.push(action(
             Verb::Unthrottle,
             &target,
-            "cleared",
+            ReasonKind::Cleared,
             format!("model '{name}' back under budget"),
             None,
         )),

@@ -123,7 +123,7 @@ fn acts(plan: &Plan) -> String {
 fn events(plan: &Plan) -> String {
     plan.events
         .iter()
-        .map(|e| e.kind)
+        .map(|e| e.kind.as_str())
         .collect::<Vec<_>>()
         .join(", ")
 }

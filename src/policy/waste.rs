@@ -6,6 +6,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+use crate::kinds::EventKind;
 use crate::snapshot::{MappedFile, Snapshot};
 
 use super::{bytes, event, About, Plan, PolicyState, Resource, Severity};
@@ -103,7 +104,7 @@ fn weights_event(snapshot: &Snapshot, state: &PolicyState, g: &WeightsGroup) -> 
     let pids: Vec<i32> = g.pids.iter().copied().collect();
     event(
         Severity::Warning,
-        "duplicate_load",
+        EventKind::DuplicateLoad,
         format!(
             "GPU {}: {} processes {pids:?}{} map the same weights ({}{}, {}) and hold {} together: the same weights loaded more than once?",
             g.gpu,
@@ -203,7 +204,7 @@ fn duplicate_commands(
             let total: u64 = holders.iter().map(|h| h.1).sum();
             plan.events.push(event(
                 Severity::Warning,
-                "duplicate_load",
+                EventKind::DuplicateLoad,
                 format!(
                     "GPU {}: {} processes {pids:?} run the same command and hold {} together: the same model loaded more than once? ({cmdline})",
                     gpu.index,
