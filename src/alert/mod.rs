@@ -9,6 +9,12 @@
 //! - *events* (an action taken, a launch admitted or timed out, an Xid, a failed reload, start
 //!   and stop): one notice each.
 //!
+//! One owner per fact: the policy owns what is crossed or over (its levels, incidents and
+//! `BudgetState::over`); its events record each transition in the event log, and the daemon's
+//! conditions (`daemon/alerts.rs`) are the webhooks' view of the same state, read, not worked out
+//! again. So an event kind that a condition reports (`EventKind::is_condition`) goes to the
+//! event log only.
+//!
 //! Nothing here can slow the daemon loop: every sink has its own worker thread fed by a bounded
 //! queue that drops its oldest entry when full (`queue.rs`); HTTP, retries and file writes happen
 //! on those threads.

@@ -250,15 +250,15 @@ impl Daemon {
             });
         }
         for (name, budget) in &self.state.budgets {
-            if budget.over_since.is_none() {
+            // What is over is the policy's finding (`BudgetState::over`), not worked out again.
+            let (Some(_), Some(over)) = (budget.over_since, budget.over) else {
                 continue;
-            }
-            let (ram, ram_budget, gpu, gpu_budget) = self.model_figures(name);
-            let (resource, used, limit) = match (ram_budget, gpu_budget) {
-                (Some(b), _) if ram > b => ("RAM", ram, Some(b)),
-                (_, Some(b)) if gpu > b => ("GPU memory", gpu, Some(b)),
-                _ => ("RAM", ram, ram_budget),
             };
+            let (resource, used, limit) = (
+                over.resource_name(),
+                over.used_bytes,
+                Some(over.budget_bytes),
+            );
             let pids: Vec<i32> = self
                 .state
                 .attribution

@@ -330,6 +330,14 @@ fn a_model_over_its_gpu_budget_is_stopped_then_killed() {
     h.ticks(10, 100 * MS);
     let stopped = [(200, Sig::Stop), (201, Sig::Stop)];
     assert_eq!(h.signals(), stopped, "{:?}", h.actions());
+    // The alert condition reads what the policy found over (GPU, not RAM: no RAM budget).
+    let conditions = h.daemon.conditions();
+    let budget = conditions.iter().find(|c| c.key == "budget:llm").unwrap();
+    assert_eq!(
+        budget.summary,
+        "model 'llm' over budget: GPU memory 30.0 GiB > budget 20.0 GiB"
+    );
+    assert_eq!(budget.subject.pids, [200, 201]);
     // Still over (a stopped process keeps its GPU memory): killed at max_stop, not before.
     h.ticks(15, 100 * MS);
     assert_eq!(h.signals(), stopped, "{:?}", h.actions());

@@ -6,7 +6,9 @@ use crate::kinds::{EventKind, ReasonKind};
 use crate::snapshot::Snapshot;
 
 use super::victim::model_target;
-use super::{action, bytes, event, About, BudgetState, Plan, PolicyState, Severity, Stage, Verb};
+use super::{
+    action, bytes, event, About, BudgetState, Overage, Plan, PolicyState, Severity, Stage, Verb,
+};
 
 pub(super) fn evaluate_budgets(
     config: &Config,
@@ -34,10 +36,14 @@ pub(super) fn evaluate_budgets(
             snapshot.gpus.largest_total_bytes(),
         );
         let mut over = Vec::new();
-        let mut ram_over = false;
+        let mut overage = None;
         if let Some(budget) = ram_budget {
             if usage.rss_bytes > budget {
-                ram_over = true;
+                overage = Some(Overage {
+                    gpu: false,
+                    used_bytes: usage.rss_bytes,
+                    budget_bytes: budget,
+                });
                 over.push(format!(
                     "RAM {} > budget {}",
                     bytes(usage.rss_bytes),
@@ -48,6 +54,11 @@ pub(super) fn evaluate_budgets(
         if let Some(budget) = gpu_budget {
             let used = usage.gpu_total_bytes();
             if used > budget {
+                overage.get_or_insert(Overage {
+                    gpu: true,
+                    used_bytes: used,
+                    budget_bytes: budget,
+                });
                 let per_gpu: Vec<String> = usage
                     .gpu_bytes
                     .iter()
@@ -61,20 +72,16 @@ pub(super) fn evaluate_budgets(
                 ));
             }
         }
-        // GPU figures from a stale sample may alert, never act.
-        let may_act = ram_over || !snapshot.gpus.stale;
         let budget = state.budgets.entry(model.name.clone()).or_default();
-
-        if over.is_empty() {
+        budget.over = overage;
+        let Some(overage) = overage else {
             lift(budget, &model.name, plan);
             continue;
-        }
-        let why = format!("model '{}' over budget: {}", model.name, over.join("; "));
-        let kind = if ram_over {
-            ReasonKind::RamBudget
-        } else {
-            ReasonKind::GpuBudget
         };
+        // GPU figures from a stale sample may alert, never act.
+        let may_act = !overage.gpu || !snapshot.gpus.stale;
+        let why = format!("model '{}' over budget: {}", model.name, over.join("; "));
+        let kind = overage.reason();
         let over_since = *budget.over_since.get_or_insert_with(|| {
             plan.events.push(
                 event(
@@ -198,6 +205,7 @@ pub(super) fn evaluate_budgets(
 
 /// The model is back under budget (or gone): resume or unthrottle it.
 fn lift(budget: &mut BudgetState, name: &str, plan: &mut Plan) {
+    budget.over = None;
     if budget.over_since.take().is_some() {
         plan.events.push(
             event(

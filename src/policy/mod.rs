@@ -239,8 +239,37 @@ pub struct Incident {
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct BudgetState {
     pub over_since: Option<Duration>,
+    /// What is over, as the last evaluation found it (`None` while under budget): the one
+    /// answer to "which resource is over" that actions, alerts and status read.
+    pub over: Option<Overage>,
     /// The enforcement in force, with the target it was applied to.
     pub enforced: Option<(Stage, Duration, Target)>,
+}
+
+/// The resource a model is over its budget on (RAM first when both are), and by how much.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Overage {
+    /// GPU memory (summed over the model's GPUs); else RAM.
+    pub gpu: bool,
+    pub used_bytes: u64,
+    pub budget_bytes: u64,
+}
+
+impl Overage {
+    pub fn reason(&self) -> ReasonKind {
+        match self.gpu {
+            true => ReasonKind::GpuBudget,
+            false => ReasonKind::RamBudget,
+        }
+    }
+
+    /// "RAM" or "GPU memory".
+    pub fn resource_name(&self) -> &'static str {
+        match self.gpu {
+            true => "GPU memory",
+            false => "RAM",
+        }
+    }
 }
 
 /// A process gpuguard stopped for a floor whose incident has closed: resumed when that resource is
