@@ -53,7 +53,6 @@ pub struct HostMemory {
     pub swap_free_bytes: Option<u64>,
     /// PSI memory `some avg10`, percent; `None` where the kernel has no PSI.
     pub psi_some_avg10: Option<f64>,
-    pub psi_full_avg10: Option<f64>,
 }
 
 impl HostMemory {

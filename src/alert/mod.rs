@@ -337,10 +337,6 @@ impl Alerter {
         })
     }
 
-    pub fn host(&self) -> &str {
-        &self.host
-    }
-
     fn notice(&self, event: EventKind, severity: Severity, summary: String) -> Notice {
         let now = SystemTime::now();
         Notice {

@@ -4,6 +4,33 @@
 //! `scanning.rs` schedules the process scans (on a thread of their own), `warm.rs` runs the kill
 //! path once at start, `systemd.rs` speaks sd_notify.
 //!
+//! # Threads
+//!
+//! Each thread owns its own state; they talk to the loop through channels and a few locks, never
+//! by waiting on each other's I/O.
+//! - *the control loop* (the thread that calls `run`): owns `Daemon` (config, snapshot, policy
+//!   state, executor, alerter). Ends on SIGTERM/SIGINT, lets go of what it holds
+//!   (`Executor::shutdown`) and shuts the others down.
+//! - `signals`: turns SIGHUP/SIGTERM/SIGINT into `DaemonEvent::Signal`; ends when `run` closes
+//!   its handle.
+//! - `proc-scan` (`sample::scan::ScanThread`): owns the incremental scanner, answers each request
+//!   with a `DaemonEvent::Scan`; ends when the loop drops its sender (restarted if it panics).
+//! - `gpu-sampler` (`sample::nvml::GpuMonitor`): owns the `GpuSource` (NVML) and publishes the
+//!   latest reading under a lock; ends when the monitor is dropped. NVML's Xid listener
+//!   (`nvml-events`) belongs to it and stops with it.
+//! - `ipc` (a current-thread tokio runtime): the socket; shares the reservation table and the
+//!   status report with the loop (`ipc::server::Shared`), wakes it with `DaemonEvent::Wake`;
+//!   ends with the process.
+//! - `metrics` (when `[metrics] listen` is set): serves the registry the loop updates; ends with
+//!   the process.
+//! - `engine-metrics`: scrapes the model servers' metrics URLs (started when there are any);
+//!   ends when the scraper is dropped.
+//! - one worker per alert sink and `event-log`: fed by bounded queues; `Alerter::shutdown` gives
+//!   them a grace to drain, then they end.
+//! - `reaper` (`act::signal`): `process_mrelease` after SIGKILL, off the loop; `throttle`: the
+//!   SIGSTOP/SIGCONT duty cycle while a process is throttled that way, ended by
+//!   `Executor::shutdown`.
+//!
 //! The loop reads and acts only through its `Sources` (a /proc source, a process-table source, a
 //! GPU source, a process control): `Sources::real` in the binary, fakes in `tests.rs`, which
 //! drive whole ticks in process with the clock in hand (`tick_at`).

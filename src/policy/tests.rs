@@ -61,7 +61,6 @@ fn snap(at_ms: u64, available: Option<u64>, procs: Vec<Process>) -> Snapshot {
             swap_total_bytes: Some(0),
             swap_free_bytes: Some(0),
             psi_some_avg10: None,
-            psi_full_avg10: None,
         },
         processes: ProcessTable {
             scanned_at: Some(at),

@@ -213,16 +213,14 @@ pub fn parse_meminfo(text: &str, host: &mut HostMemory) {
     }
 }
 
-/// `some avg10` and `full avg10` from /proc/pressure/memory.
+/// `some avg10` from /proc/pressure/memory (the `full` line is not used).
 pub fn parse_psi(text: &str, host: &mut HostMemory) {
     for line in text.lines() {
         let mut words = line.split_ascii_whitespace();
-        let slot = match words.next() {
-            Some("some") => &mut host.psi_some_avg10,
-            Some("full") => &mut host.psi_full_avg10,
-            _ => continue,
-        };
-        *slot = words
+        if words.next() != Some("some") {
+            continue;
+        }
+        host.psi_some_avg10 = words
             .find_map(|w| w.strip_prefix("avg10="))
             .and_then(|v| v.parse::<f64>().ok())
             .filter(|v| v.is_finite());
@@ -795,10 +793,9 @@ mod tests {
             &mut host,
         );
         assert_eq!(host.psi_some_avg10, Some(1.5));
-        assert_eq!(host.psi_full_avg10, Some(0.25));
         let mut host = HostMemory::default();
         parse_psi("some avg10=nan\nfull garbage\n", &mut host);
-        assert_eq!((host.psi_some_avg10, host.psi_full_avg10), (None, None));
+        assert_eq!(host.psi_some_avg10, None);
     }
 
     #[test]
