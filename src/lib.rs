@@ -13,6 +13,7 @@ pub mod config;
 pub mod daemon;
 pub mod http;
 pub mod ipc;
+pub mod kinds;
 pub mod metrics;
 pub mod plan;
 pub mod policy;

@@ -23,6 +23,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::kinds::{EventKind, Severity};
 use crate::status::StatusReport;
 
 type FGauge = Gauge<f64, AtomicU64>;
@@ -647,11 +648,11 @@ impl Metrics {
             .inc();
     }
 
-    pub fn count_event(&self, kind: &str, severity: &str) {
+    pub fn count_event(&self, kind: EventKind, severity: Severity) {
         self.events
             .get_or_create(&EventLabels {
-                kind: kind.into(),
-                severity: severity.into(),
+                kind: kind.as_str().into(),
+                severity: severity.as_str().into(),
             })
             .inc();
     }

@@ -53,7 +53,6 @@ pub struct HostMemory {
     pub swap_free_bytes: Option<u64>,
     /// PSI memory `some avg10`, percent; `None` where the kernel has no PSI.
     pub psi_some_avg10: Option<f64>,
-    pub psi_full_avg10: Option<f64>,
 }
 
 impl HostMemory {
@@ -117,9 +116,9 @@ impl Process {
     }
 }
 
-/// One process scan. Its order is fixed until the next scan (the policy's attribution indexes
-/// it): between scans, entries are only updated in place, and a process that is gone is marked
-/// `X` rather than removed.
+/// One process scan, in pid order (the scan keeps it so). Between scans the loop re-reads the
+/// victims it waits on in place, and marks one that is gone `X`. Everything that refers to a
+/// process holds its `ProcessId` (pid + start time), never its position here.
 #[derive(Clone, Debug, Default)]
 pub struct ProcessTable {
     /// When the scan ran (daemon clock); `None` before the first scan.
@@ -129,7 +128,11 @@ pub struct ProcessTable {
 
 impl ProcessTable {
     pub fn get(&self, id: ProcessId) -> Option<&Process> {
-        self.processes.iter().find(|p| p.id() == id)
+        // In pid order from a scan; a table made by hand (tests) may not be.
+        match self.processes.binary_search_by_key(&id.pid, |p| p.pid) {
+            Ok(i) if self.processes[i].id() == id => Some(&self.processes[i]),
+            _ => self.processes.iter().find(|p| p.id() == id),
+        }
     }
 
     /// True if the process is still there and has not exited.

@@ -562,7 +562,6 @@ fn snapshot() -> impl Strategy<Value = Snapshot> {
                 swap_total_bytes: swap_total,
                 swap_free_bytes: swap_free,
                 psi_some_avg10: psi,
-                psi_full_avg10: None,
             }
         });
     (
@@ -633,7 +632,7 @@ fn policy_config() -> impl Strategy<Value = Config> {
 /// a kill at max_stop "... and RAM is still below" or "... and GPU i is still below".
 fn floor_resource(action: &Action) -> Option<String> {
     let detail = &action.reason.detail;
-    let text = match action.reason.kind {
+    let text = match action.reason.kind.as_str() {
         "ram_floor" | "gpu_floor" => detail.as_str(),
         "max_stop" => detail.split(" and ").nth(1)?,
         _ => return None,

@@ -58,18 +58,12 @@ pub trait ProcessControl: Send + Sync {
     fn send(&self, id: ProcessId, sig: Sig) -> Result<(), SignalError>;
     /// True if this exact process is in the stopped state.
     fn is_stopped(&self, id: ProcessId) -> bool;
+    /// Runs the signal path's checks once on gpuguard itself, signalling nothing, so their
+    /// code is resident before an emergency needs it (`daemon/warm.rs`).
+    fn warm_up(&self) {}
 }
 
-/// What became of one action.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Outcome {
-    Done,
-    /// Observe mode: logged, nothing signalled.
-    Observed,
-    /// Not needed any more (memory recovered, the target is gone).
-    Skipped(String),
-    Failed(String),
-}
+pub use crate::policy::Outcome;
 
 pub struct Executor {
     control: Arc<dyn ProcessControl>,
@@ -203,7 +197,7 @@ impl Executor {
         if mode == Mode::Observe && !matches!(action.verb, Verb::Resume | Verb::Unthrottle) {
             info!(
                 verb,
-                reason = action.reason.kind,
+                reason = action.reason.kind.as_str(),
                 "observe mode: would {verb} {target}: {why}"
             );
             return Outcome::Observed;
@@ -266,10 +260,14 @@ impl Executor {
             _ => {}
         }
         match &outcome {
-            Outcome::Done => info!(verb, reason = action.reason.kind, "{verb} {target}: {why}"),
+            Outcome::Done => info!(
+                verb,
+                reason = action.reason.kind.as_str(),
+                "{verb} {target}: {why}"
+            ),
             Outcome::Failed(e) => warn!(
                 verb,
-                reason = action.reason.kind,
+                reason = action.reason.kind.as_str(),
                 "failed to {verb} {target}: {e} (wanted because: {why})"
             ),
             Outcome::Skipped(e) => info!(verb, "not going to {verb} {target}: {e}"),
@@ -358,7 +356,7 @@ mod tests {
                 }],
             },
             reason: Reason {
-                kind: "ram_budget",
+                kind: crate::policy::ReasonKind::RamBudget,
                 detail: "over".into(),
             },
             recheck: None,

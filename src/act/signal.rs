@@ -79,19 +79,6 @@ impl PidfdControl {
         }
     }
 
-    /// Runs the verification path once on this process (its code resident before it is
-    /// needed; see `daemon::warm`). Signals nothing.
-    pub fn warm_up(&self) {
-        let me = std::process::id() as i32;
-        let start_time = lock(&self.reader).proc_stat(me).map(|s| s.stat.start_time);
-        if let Ok(start_time) = start_time {
-            let _ = self.open_verified(ProcessId {
-                pid: me,
-                start_time,
-            });
-        }
-    }
-
     fn open_verified(&self, id: ProcessId) -> Result<OwnedFd, SignalError> {
         let pid = Pid::from_raw(id.pid).ok_or(SignalError::Gone)?;
         let fd = self
@@ -156,6 +143,19 @@ fn start_reaper() -> Option<Sender<OwnedFd>> {
 }
 
 impl ProcessControl for PidfdControl {
+    /// Runs the verification path once on this process (its code resident before it is
+    /// needed; see `daemon::warm`). Signals nothing.
+    fn warm_up(&self) {
+        let me = std::process::id() as i32;
+        let start_time = lock(&self.reader).proc_stat(me).map(|s| s.stat.start_time);
+        if let Ok(start_time) = start_time {
+            let _ = self.open_verified(ProcessId {
+                pid: me,
+                start_time,
+            });
+        }
+    }
+
     fn send(&self, id: ProcessId, sig: Sig) -> Result<(), SignalError> {
         let result = self.open_verified(id).and_then(|fd| match sig {
             Sig::Stop => send(&fd, Signal::STOP),

@@ -9,6 +9,12 @@
 //! - *events* (an action taken, a launch admitted or timed out, an Xid, a failed reload, start
 //!   and stop): one notice each.
 //!
+//! One owner per fact: the policy owns what is crossed or over (its levels, incidents and
+//! `BudgetState::over`); its events record each transition in the event log, and the daemon's
+//! conditions (`daemon/alerts.rs`) are the webhooks' view of the same state, read, not worked out
+//! again. So an event kind that a condition reports (`EventKind::is_condition`) goes to the
+//! event log only.
+//!
 //! Nothing here can slow the daemon loop: every sink has its own worker thread fed by a bounded
 //! queue that drops its oldest entry when full (`queue.rs`); HTTP, retries and file writes happen
 //! on those threads.
@@ -25,7 +31,7 @@ use serde::Serialize;
 
 use crate::config::Config;
 use crate::metrics::Metrics;
-use crate::policy::{Event, Severity};
+use crate::policy::{Event, EventKind, Severity};
 use queue::Queue;
 
 /// Alertmanager forgets an alert that is not re-posted: active ones are refreshed this often
@@ -33,28 +39,6 @@ use queue::Queue;
 pub const ALERTMANAGER_REFRESH: Duration = Duration::from_secs(60);
 /// On shutdown, how long queued notices (the "stopping" one included) may take to go out.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
-
-/// Event kinds that the conditions already report (fired, repeated, resolved): these go to the
-/// event log, not a second time to the webhooks.
-const CONDITION_KINDS: &[&str] = &[
-    "floor_warn",
-    "floor_act",
-    "floor_cleared",
-    "budget_exceeded",
-    "budget_cleared",
-    "gpu_ok",
-    "gpu_unavailable",
-    "gpu_lost",
-    "gpu_recovered",
-];
-
-pub fn severity_name(s: Severity) -> &'static str {
-    match s {
-        Severity::Info => "info",
-        Severity::Warning => "warning",
-        Severity::Critical => "critical",
-    }
-}
 
 /// Who or what a notice is about. Every field is optional: each event fills what it knows.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
@@ -110,7 +94,6 @@ pub struct Notice {
     pub host: String,
     /// The event kind: floor_warn, process_killed, launch_admitted, ...
     pub event: String,
-    #[serde(serialize_with = "ser_severity")]
     pub severity: Severity,
     pub status: Status,
     /// "condition" (fires, repeats, resolves) or "event" (one notice).
@@ -134,10 +117,6 @@ pub struct Notice {
     /// Ends an Alertmanager alert whose severity changed; webhooks skip it (they get the new one).
     #[serde(skip)]
     pub superseded: bool,
-}
-
-fn ser_severity<S: serde::Serializer>(s: &Severity, ser: S) -> Result<S::Ok, S::Error> {
-    ser.serialize_str(severity_name(*s))
 }
 
 fn ser_time<S: serde::Serializer>(t: &SystemTime, ser: S) -> Result<S::Ok, S::Error> {
@@ -184,7 +163,7 @@ impl Notice {
     }
 
     fn severity_upper(&self) -> String {
-        severity_name(self.severity).to_uppercase()
+        self.severity.as_str().to_uppercase()
     }
 }
 
@@ -192,7 +171,7 @@ impl Notice {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Condition {
     pub key: String,
-    pub event: &'static str,
+    pub event: EventKind,
     pub severity: Severity,
     pub summary: String,
     pub subject: Subject,
@@ -358,11 +337,7 @@ impl Alerter {
         })
     }
 
-    pub fn host(&self) -> &str {
-        &self.host
-    }
-
-    fn notice(&self, event: &str, severity: Severity, summary: String) -> Notice {
+    fn notice(&self, event: EventKind, severity: Severity, summary: String) -> Notice {
         let now = SystemTime::now();
         Notice {
             host: self.host.clone(),
@@ -403,18 +378,18 @@ impl Alerter {
 
     /// An event from the policy, the launch queue or the GPU sampler.
     pub fn event(&mut self, e: &Event, subject: Subject) {
-        self.metrics.count_event(e.kind, severity_name(e.severity));
+        self.metrics.count_event(e.kind, e.severity);
         let mut notice = self.notice(e.kind, e.severity, e.message.clone());
         notice.subject = subject;
         // Conditions report these (with repeats and a resolved notice).
-        let to_webhooks = !CONDITION_KINDS.contains(&e.kind);
+        let to_webhooks = !e.kind.is_condition();
         self.send(notice, to_webhooks);
     }
 
     /// An action and what became of it.
     pub fn action(
         &mut self,
-        event: &'static str,
+        event: EventKind,
         severity: Severity,
         summary: String,
         subject: Subject,
@@ -434,8 +409,8 @@ impl Alerter {
     }
 
     /// The daemon's own life: started, stopping, config reload failed.
-    pub fn lifecycle(&mut self, event: &'static str, severity: Severity, summary: String) {
-        self.metrics.count_event(event, severity_name(severity));
+    pub fn lifecycle(&mut self, event: EventKind, severity: Severity, summary: String) {
+        self.metrics.count_event(event, severity);
         let notice = self.notice(event, severity, summary);
         self.send(notice, true);
     }
@@ -582,7 +557,7 @@ mod tests {
         (a, queue)
     }
 
-    fn floor(severity: Severity, event: &'static str) -> Condition {
+    fn floor(severity: Severity, event: EventKind) -> Condition {
         Condition {
             key: "floor:RAM".into(),
             event,
@@ -606,7 +581,7 @@ mod tests {
     fn conditions_fire_once_repeat_escalate_and_resolve() {
         let (mut a, q) = alerter(Duration::from_secs(10));
         let t0 = Instant::now();
-        let warn = floor(Severity::Warning, "floor_warn");
+        let warn = floor(Severity::Warning, EventKind::FloorWarn);
         a.conditions(t0, vec![warn.clone()]);
         a.conditions(t0 + Duration::from_secs(1), vec![warn.clone()]);
         assert_eq!(
@@ -617,7 +592,7 @@ mod tests {
         assert_eq!(drain(&q), vec![("floor_warn".into(), Status::Firing, true)]);
         a.conditions(
             t0 + Duration::from_secs(12),
-            vec![floor(Severity::Critical, "floor_act")],
+            vec![floor(Severity::Critical, EventKind::FloorAct)],
         );
         // The superseded end goes to Alertmanager sinks only.
         assert_eq!(drain(&q), vec![("floor_act".into(), Status::Firing, false)]);
@@ -634,8 +609,8 @@ mod tests {
     fn condition_kind_events_are_not_sent_twice() {
         let (mut a, q) = alerter(Duration::from_secs(10));
         let e = |kind| Event::new(Severity::Warning, kind, "m".into());
-        a.event(&e("floor_warn"), Subject::default());
-        a.event(&e("xid"), Subject::default());
+        a.event(&e(EventKind::FloorWarn), Subject::default());
+        a.event(&e(EventKind::Xid), Subject::default());
         assert_eq!(drain(&q), vec![("xid".into(), Status::Firing, false)]);
     }
 }

@@ -17,7 +17,7 @@ use sha2::Sha256;
 use tracing::{debug, warn};
 
 use super::queue::Queue;
-use super::{severity_name, Notice, Status, ALERTMANAGER_REFRESH};
+use super::{Notice, Status, ALERTMANAGER_REFRESH};
 use crate::config::{AlertConfig, WebhookConfig, WebhookFormat};
 use crate::metrics::SinkCounters;
 
@@ -289,7 +289,7 @@ fn alertmanager_body(n: &Notice) -> Value {
     labels.insert("alertname".into(), json!(n.event));
     labels.insert("host".into(), json!(n.host));
     labels.insert("instance".into(), json!(n.host));
-    labels.insert("severity".into(), json!(severity_name(n.severity)));
+    labels.insert("severity".into(), json!(n.severity.as_str()));
     labels.insert("key".into(), json!(n.key));
     labels.insert("job".into(), json!("gpuguard"));
     if let Some(model) = &n.subject.model {

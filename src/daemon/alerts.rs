@@ -3,6 +3,7 @@
 
 use crate::act::Outcome;
 use crate::alert::{ActionInfo, Condition, Subject};
+use crate::kinds::{EventKind, ReasonKind};
 use crate::policy::{About, Action, Level, Resource, Severity, Stage, Target, Verb};
 use crate::snapshot::GpuStatus;
 use crate::status::ActionRow;
@@ -26,7 +27,7 @@ impl Daemon {
             at_unix: unix_now(),
             verb: action.verb.as_str().into(),
             target: action.target.to_string(),
-            reason_kind: action.reason.kind.into(),
+            reason_kind: action.reason.kind.to_string(),
             reason: action.reason.detail.clone(),
             outcome,
         });
@@ -35,11 +36,11 @@ impl Daemon {
     /// Tells the alert pipeline (and the metrics) about an action and its outcome.
     fn alert_action(&mut self, action: &Action, outcome: &str, failed: bool) {
         let (event, severity) = match action.verb {
-            Verb::Kill | Verb::Terminate => ("process_killed", Severity::Critical),
-            Verb::Stop => ("process_stopped", Severity::Warning),
-            Verb::Throttle => ("process_throttled", Severity::Warning),
-            Verb::Resume => ("process_resumed", Severity::Info),
-            Verb::Unthrottle => ("process_unthrottled", Severity::Info),
+            Verb::Kill | Verb::Terminate => (EventKind::ProcessKilled, Severity::Critical),
+            Verb::Stop => (EventKind::ProcessStopped, Severity::Warning),
+            Verb::Throttle => (EventKind::ProcessThrottled, Severity::Warning),
+            Verb::Resume => (EventKind::ProcessResumed, Severity::Info),
+            Verb::Unthrottle => (EventKind::ProcessUnthrottled, Severity::Info),
         };
         let severity = if failed {
             Severity::Critical
@@ -66,7 +67,7 @@ impl Daemon {
         if let Some(model) = &action.target.model {
             let (ram, ram_budget, gpu, gpu_budget) = self.model_figures(model);
             (subject.usage_bytes, subject.budget_bytes) = match action.reason.kind {
-                "gpu_budget" | "gpu_floor" => (Some(gpu), gpu_budget),
+                ReasonKind::GpuBudget | ReasonKind::GpuFloor => (Some(gpu), gpu_budget),
                 _ => (Some(ram), ram_budget),
             };
         } else if action.reason.kind == "ram_floor" {
@@ -90,7 +91,7 @@ impl Daemon {
             subject,
             ActionInfo {
                 verb: action.verb.as_str().into(),
-                reason: action.reason.kind.into(),
+                reason: action.reason.kind.to_string(),
                 detail: action.reason.detail.clone(),
                 outcome: outcome.into(),
             },
@@ -179,7 +180,7 @@ impl Daemon {
             .to_string();
         Condition {
             key: "floor_unreadable:RAM".into(),
-            event: "floor_unreadable",
+            event: EventKind::FloorUnreadable,
             severity: Severity::Critical,
             summary: format!("RAM floor cannot be read ({why}): host memory is not guarded"),
             subject: Subject {
@@ -197,8 +198,8 @@ impl Daemon {
         let mut out = Vec::new();
         for (resource, level) in &self.state.levels {
             let (event, severity) = match level {
-                Level::Warn => ("floor_warn", Severity::Warning),
-                Level::Act => ("floor_act", Severity::Critical),
+                Level::Warn => (EventKind::FloorWarn, Severity::Warning),
+                Level::Act => (EventKind::FloorAct, Severity::Critical),
                 Level::Unknown if *resource == Resource::Ram => {
                     out.push(self.ram_unreadable());
                     continue;
@@ -249,34 +250,29 @@ impl Daemon {
             });
         }
         for (name, budget) in &self.state.budgets {
-            if budget.over_since.is_none() {
+            // What is over is the policy's finding (`BudgetState::over`), not worked out again.
+            let (Some(_), Some(over)) = (budget.over_since, budget.over) else {
                 continue;
-            }
-            let (ram, ram_budget, gpu, gpu_budget) = self.model_figures(name);
-            let (resource, used, limit) = match (ram_budget, gpu_budget) {
-                (Some(b), _) if ram > b => ("RAM", ram, Some(b)),
-                (_, Some(b)) if gpu > b => ("GPU memory", gpu, Some(b)),
-                _ => ("RAM", ram, ram_budget),
             };
+            let (resource, used, limit) = (
+                over.resource_name(),
+                over.used_bytes,
+                Some(over.budget_bytes),
+            );
             let pids: Vec<i32> = self
                 .state
                 .attribution
                 .models
                 .iter()
                 .find(|m| &m.name == name)
-                .map(|m| {
-                    m.members
-                        .iter()
-                        .map(|&i| s.processes.processes[i].pid)
-                        .collect()
-                })
+                .map(|m| m.members.iter().map(|id| id.pid).collect())
                 .unwrap_or_default();
             let first = pids
                 .first()
                 .and_then(|pid| s.processes.processes.iter().find(|p| p.pid == *pid));
             out.push(Condition {
                 key: format!("budget:{name}"),
-                event: "budget_exceeded",
+                event: EventKind::BudgetExceeded,
                 severity: Severity::Warning,
                 summary: format!(
                     "model '{name}' over budget: {resource} {} > budget {}",
@@ -301,7 +297,7 @@ impl Daemon {
             if let Some(error) = &g.error {
                 out.push(Condition {
                     key: format!("gpu_lost:{}", g.index),
-                    event: "gpu_lost",
+                    event: EventKind::GpuLost,
                     severity: Severity::Critical,
                     summary: format!("GPU {} ({}): {error}", g.index, g.uuid),
                     subject: Subject {
@@ -314,7 +310,7 @@ impl Daemon {
         if let (true, GpuStatus::Unavailable(why)) = (self.gpu_seen_ok, &self.gpu_status) {
             out.push(Condition {
                 key: "gpu_lost:nvml".into(),
-                event: "gpu_lost",
+                event: EventKind::GpuLost,
                 severity: Severity::Critical,
                 summary: format!("GPU protection is off: {why}"),
                 subject: Subject::default(),
@@ -332,7 +328,7 @@ impl Daemon {
             subject.resource = Some(resource.to_string());
             out.push(Condition {
                 key: format!("kill_ineffective:{resource}"),
-                event: "kill_ineffective",
+                event: EventKind::KillIneffective,
                 severity: Severity::Critical,
                 summary: format!(
                     "{} was killed but {resource} did not come back (stuck in the kernel or driver); not killing more for {resource}",

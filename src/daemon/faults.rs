@@ -9,8 +9,8 @@ use tracing::warn;
 use crate::act::Leftovers;
 use crate::alert::Alerter;
 use crate::config::{Config, ConfigError, GpuTotal, HostTotals};
+use crate::kinds::EventKind;
 use crate::policy::{About, Event, Resource, Severity};
-use crate::sample::ProcSource;
 
 use super::Daemon;
 
@@ -77,7 +77,7 @@ impl Daemon {
                 events.push(
                     Event::new(
                         Severity::Critical,
-                        "gpu_lost",
+                        EventKind::GpuLost,
                         format!(
                             "GPU {} ({}) lost: {}; its readings are unknown: nothing is killed for it, and processes held for it are resumed at max_stop",
                             g.index,
@@ -100,7 +100,7 @@ impl Daemon {
             events.push(
                 Event::new(
                     Severity::Info,
-                    "gpu_recovered",
+                    EventKind::GpuRecovered,
                     format!("GPU {index} answers NVML again"),
                 )
                 .about(gpu_about(index)),
@@ -122,13 +122,17 @@ impl Daemon {
 pub(super) fn announce_leftovers(alerter: &mut Alerter, leftovers: &Leftovers) {
     if !leftovers.undone.is_empty() {
         alerter.lifecycle(
-            "leftovers_undone",
+            EventKind::LeftoversUndone,
             Severity::Warning,
             leftovers.undone.join("; "),
         );
     }
     for problem in &leftovers.problems {
-        alerter.lifecycle("state_file_corrupt", Severity::Critical, problem.clone());
+        alerter.lifecycle(
+            EventKind::StateFileCorrupt,
+            Severity::Critical,
+            problem.clone(),
+        );
     }
 }
 

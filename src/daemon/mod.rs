@@ -3,6 +3,37 @@
 //! `alerts.rs` feeds the alert pipeline and metrics, `report.rs` builds what operators see,
 //! `scanning.rs` schedules the process scans (on a thread of their own), `warm.rs` runs the kill
 //! path once at start, `systemd.rs` speaks sd_notify.
+//!
+//! # Threads
+//!
+//! Each thread owns its own state; they talk to the loop through channels and a few locks, never
+//! by waiting on each other's I/O.
+//! - *the control loop* (the thread that calls `run`): owns `Daemon` (config, snapshot, policy
+//!   state, executor, alerter). Ends on SIGTERM/SIGINT, lets go of what it holds
+//!   (`Executor::shutdown`) and shuts the others down.
+//! - `signals`: turns SIGHUP/SIGTERM/SIGINT into `DaemonEvent::Signal`; ends when `run` closes
+//!   its handle.
+//! - `proc-scan` (`sample::scan::ScanThread`): owns the incremental scanner, answers each request
+//!   with a `DaemonEvent::Scan`; ends when the loop drops its sender (restarted if it panics).
+//! - `gpu-sampler` (`sample::nvml::GpuMonitor`): owns the `GpuSource` (NVML) and publishes the
+//!   latest reading under a lock; ends when the monitor is dropped. NVML's Xid listener
+//!   (`nvml-events`) belongs to it and stops with it.
+//! - `ipc` (a current-thread tokio runtime): the socket; shares the reservation table and the
+//!   status report with the loop (`ipc::server::Shared`), wakes it with `DaemonEvent::Wake`;
+//!   ends with the process.
+//! - `metrics` (when `[metrics] listen` is set): serves the registry the loop updates; ends with
+//!   the process.
+//! - `engine-metrics`: scrapes the model servers' metrics URLs (started when there are any);
+//!   ends when the scraper is dropped.
+//! - one worker per alert sink and `event-log`: fed by bounded queues; `Alerter::shutdown` gives
+//!   them a grace to drain, then they end.
+//! - `reaper` (`act::signal`): `process_mrelease` after SIGKILL, off the loop; `throttle`: the
+//!   SIGSTOP/SIGCONT duty cycle while a process is throttled that way, ended by
+//!   `Executor::shutdown`.
+//!
+//! The loop reads and acts only through its `Sources` (a /proc source, a process-table source, a
+//! GPU source, a process control): `Sources::real` in the binary, fakes in `tests.rs`, which
+//! drive whole ticks in process with the clock in hand (`tick_at`).
 
 use std::collections::{BTreeSet, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
@@ -16,16 +47,18 @@ use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use tracing::{debug, error, info, warn};
 
 use crate::act::signal::{self_test, PidfdControl};
-use crate::act::{Executor, Outcome};
+use crate::act::{Executor, ProcessControl};
 use crate::alert::Alerter;
 use crate::config::Config;
 use crate::ipc::server::Shared;
+use crate::kinds::EventKind;
 use crate::metrics::Metrics;
-use crate::policy::{evaluate, About, Event, Level, PolicyState, Resource, Severity, Target};
+use crate::policy::{evaluate, About, Event, PolicyState, Resource, Severity, Target};
 use crate::reserve::{Capacity, Reservations};
 use crate::sample::engine::EngineScraper;
-use crate::sample::nvml::{GpuMonitor, NvmlGpuSource};
-use crate::sample::scan::ScanResult;
+use crate::sample::nvml::{GpuMonitor, GpuSource, NvmlGpuSource};
+use crate::sample::procfs::ProcReader;
+use crate::sample::scan::{ScanResult, Scanner};
 use crate::sample::{ProcSource, ProcfsSource};
 use crate::snapshot::{GpuStatus, ProcessId, Snapshot};
 use crate::state_dir::StateDir;
@@ -37,9 +70,54 @@ mod model_detail;
 mod report;
 mod scanning;
 mod systemd;
+#[cfg(test)]
+mod tests;
 mod warm;
 
+pub use scanning::MakeTables;
 use systemd::Systemd;
+
+/// What the loop reads and acts through: the real ones (`Sources::real`) in the binary, fakes in
+/// the in-process tick tests (`tests.rs`).
+pub struct Sources {
+    /// Host memory every tick, and the loop's own re-reads of the victims it waits on.
+    pub procs: Box<dyn ProcSource>,
+    /// Makes the process-table source (the first at start, another if the scan thread dies).
+    pub tables: MakeTables,
+    /// GPU readings (`None`: GPU protection disabled by the config).
+    pub gpus: Option<Box<dyn GpuSource>>,
+    /// Signals processes identified by pid + start time.
+    pub control: Arc<dyn ProcessControl>,
+    /// The cgroup v2 tree throttles write to.
+    pub cgroup_root: PathBuf,
+    /// /proc, where the socket reads its peers' start times.
+    pub proc_root: PathBuf,
+    /// Sample and scan on the loop's own thread, at the tick that asks, instead of on threads of
+    /// their own: ticks are then deterministic (tests).
+    pub inline: bool,
+}
+
+impl Sources {
+    /// /proc, NVML (when `[gpu] enabled`), pidfd signals, the cgroup tree: what the binary runs.
+    pub fn real(config: &Config, roots: &Roots) -> Sources {
+        let proc_root = roots.proc.clone();
+        let scan_root = proc_root.clone();
+        Sources {
+            procs: Box::new(ProcfsSource::new(&proc_root)),
+            tables: Box::new(move || Box::new(Scanner::new(ProcReader::new(&scan_root)))),
+            gpus: config.gpu.enabled.then(|| {
+                Box::new(NvmlGpuSource::new(
+                    config.gpu.nvml_library.clone(),
+                    config.gpu.retry_init,
+                )) as Box<dyn GpuSource>
+            }),
+            control: Arc::new(PidfdControl::new(&proc_root)),
+            cgroup_root: roots.cgroup.clone(),
+            proc_root,
+            inline: false,
+        }
+    }
+}
 
 /// Where the daemon looks at the system; tests and fixtures may point these elsewhere.
 #[derive(Clone, Debug)]
@@ -61,7 +139,7 @@ pub struct Daemon {
     config_path: PathBuf,
     config: Config,
     /// Host memory every tick, and the loop's own reads of single processes.
-    procs: ProcfsSource,
+    procs: Box<dyn ProcSource>,
     scans: scanning::Scans,
     gpus: Option<GpuMonitor>,
     executor: Executor,
@@ -118,19 +196,39 @@ const PERMIT_TICK: Duration = Duration::from_millis(200);
 const STATUS_REFRESH: Duration = Duration::from_millis(250);
 
 impl Daemon {
-    /// Sets the daemon up: state directory, leftovers from a crash, NVML worker.
+    /// Sets the daemon up on the real system: /proc, NVML, pidfd signals (`Sources::real`).
     pub fn new(config_path: &Path, config: Config, roots: Roots) -> anyhow::Result<Daemon> {
         one_malloc_arena();
-        let control = Arc::new(PidfdControl::new(&roots.proc));
-        warm::warm_up(&control);
+        let sources = Sources::real(&config, &roots);
+        Daemon::with_sources(config_path, config, sources)
+    }
+
+    /// Sets the daemon up on the given sources: state directory, leftovers from a crash, NVML
+    /// worker, the first process table.
+    pub fn with_sources(
+        config_path: &Path,
+        config: Config,
+        sources: Sources,
+    ) -> anyhow::Result<Daemon> {
+        let Sources {
+            procs,
+            tables,
+            gpus,
+            control,
+            cgroup_root,
+            proc_root,
+            inline,
+        } = sources;
+        warm::warm_up(control.as_ref());
         let dir = Arc::new(StateDir::create(&config.daemon.state_dir)?);
-        let (executor, leftovers) = Executor::new(control, dir, &roots.cgroup);
+        let (executor, leftovers) = Executor::new(control, dir, &cgroup_root);
         leftovers.log();
-        let gpus = config.gpu.enabled.then(|| {
-            let source = NvmlGpuSource::new(config.gpu.nvml_library.clone(), config.gpu.retry_init);
-            GpuMonitor::start(Box::new(source), config.gpu.sample_timeout)
+        let timeout = config.gpu.sample_timeout;
+        let gpus = gpus.map(|source| match inline {
+            true => GpuMonitor::inline(source, timeout),
+            false => GpuMonitor::start(source, timeout),
         });
-        let (scans, processes) = scanning::Scans::new(roots.proc.clone());
+        let (scans, processes) = scanning::Scans::new(tables, inline);
         let snapshot = Snapshot {
             self_pid: std::process::id() as i32,
             processes: crate::snapshot::ProcessTable {
@@ -156,7 +254,7 @@ impl Daemon {
         let shared = Arc::new(Shared::new(
             Reservations::new(config.clone()),
             Instant::now(),
-            roots.proc.clone(),
+            proc_root,
             Box::new(move || {
                 let _ = wake.send(DaemonEvent::Wake);
             }),
@@ -164,7 +262,7 @@ impl Daemon {
         Ok(Daemon {
             config_path: config_path.to_path_buf(),
             config,
-            procs: ProcfsSource::new(&roots.proc),
+            procs,
             scans,
             gpus,
             executor,
@@ -250,7 +348,7 @@ impl Daemon {
                         nix::sys::signal::Signal::try_from(signal).map_or("signal", |s| s.as_str());
                     info!("{name}: resuming held processes and stopping");
                     self.alerter.lifecycle(
-                        "daemon_stopping",
+                        EventKind::DaemonStopping,
                         Severity::Warning,
                         format!(
                             "gpuguard stopping ({name}): memory is not guarded until it starts again"
@@ -280,8 +378,12 @@ impl Daemon {
 
     /// One pass of the pipeline; returns how long to sleep.
     fn tick(&mut self, since_last: Duration) -> Duration {
-        let now = Instant::now();
-        let at = now.duration_since(self.started);
+        self.tick_at(Instant::now(), since_last)
+    }
+
+    /// One pass of the pipeline as at `now` (tests drive the clock); returns how long to sleep.
+    fn tick_at(&mut self, now: Instant, since_last: Duration) -> Duration {
+        let at = now.saturating_duration_since(self.started);
         self.snapshot.at = at;
         self.snapshot.host = self.procs.host_memory();
 
@@ -300,9 +402,9 @@ impl Daemon {
                     .gpu
                     .map_or("unknown GPU".to_string(), |g| format!("GPU {g}"));
                 let (severity, kind) = if x.critical() {
-                    (Severity::Critical, "xid_critical")
+                    (Severity::Critical, EventKind::XidCritical)
                 } else {
-                    (Severity::Warning, "xid")
+                    (Severity::Warning, EventKind::Xid)
                 };
                 let about = About {
                     resource: x.gpu.map(Resource::Gpu),
@@ -346,7 +448,8 @@ impl Daemon {
             let subject = self.event_subject(&e.about);
             self.alerter.event(e, subject);
         }
-        for action in &plan.actions {
+        let mut outcomes = Vec::with_capacity(plan.actions.len());
+        for action in plan.actions {
             let cgroup = own_cgroup(&self.snapshot, &action.target);
             let procs = &mut self.procs;
             let mut reread = |r: Resource| match r {
@@ -355,16 +458,14 @@ impl Daemon {
             };
             let outcome = self.executor.execute(
                 self.config.daemon.mode,
-                action,
+                &action,
                 cgroup.as_deref(),
                 &mut reread,
             );
-            if matches!(outcome, Outcome::Skipped(_) | Outcome::Failed(_)) {
-                self.state
-                    .action_not_done(action, matches!(outcome, Outcome::Failed(_)));
-            }
-            self.record_action(action, &outcome);
+            self.record_action(&action, &outcome);
+            outcomes.push((action, outcome));
         }
+        self.state.apply(&outcomes);
         self.max_scan_age = plan.max_scan_age;
         self.watch = plan.watch;
         let conditions = self.conditions();
@@ -437,7 +538,7 @@ impl Daemon {
         let event = match &status {
             GpuStatus::Ok => Event::new(
                 Severity::Info,
-                "gpu_ok",
+                EventKind::GpuOk,
                 format!(
                     "GPU protection on: {} GPU(s) seen through NVML",
                     self.snapshot.gpus.devices.len()
@@ -445,7 +546,7 @@ impl Daemon {
             ),
             GpuStatus::Unavailable(why) => Event::new(
                 Severity::Warning,
-                "gpu_unavailable",
+                EventKind::GpuUnavailable,
                 format!(
                     "GPU protection is off: {why}; guarding host RAM only, retrying NVML every {}",
                     humantime::format_duration(self.config.gpu.retry_init)
@@ -453,7 +554,7 @@ impl Daemon {
             ),
             GpuStatus::Off => Event::new(
                 Severity::Info,
-                "gpu_off",
+                EventKind::GpuOff,
                 "GPU protection disabled by config ([gpu] enabled = false)".into(),
             ),
         };
@@ -495,8 +596,11 @@ impl Daemon {
                     let message =
                         format!("config reload failed, keeping the previous config: {e:#}");
                     error!("{message}");
-                    self.alerter
-                        .lifecycle("config_reload_failed", Severity::Warning, message);
+                    self.alerter.lifecycle(
+                        EventKind::ConfigReloadFailed,
+                        Severity::Warning,
+                        message,
+                    );
                     return;
                 }
                 self.shared.table().configure(config.clone());
@@ -510,7 +614,7 @@ impl Daemon {
                 let message = format!("config reload failed, keeping the previous config: {e}");
                 error!("{message}");
                 self.alerter
-                    .lifecycle("config_reload_failed", Severity::Warning, message);
+                    .lifecycle(EventKind::ConfigReloadFailed, Severity::Warning, message);
             }
         }
     }
@@ -541,7 +645,7 @@ impl Daemon {
         );
         info!("{message}");
         self.alerter
-            .lifecycle("daemon_started", Severity::Info, message);
+            .lifecycle(EventKind::DaemonStarted, Severity::Info, message);
     }
 }
 
@@ -566,16 +670,6 @@ fn own_cgroup(snapshot: &Snapshot, target: &Target) -> Option<String> {
     (first != "/" && !first.is_empty() && groups.all(|g| g == first)).then_some(first)
 }
 
-fn level_name(level: Option<Level>) -> String {
-    match level {
-        None | Some(Level::Ok) => "ok",
-        Some(Level::Unknown) => "unknown",
-        Some(Level::Warn) => "warn",
-        Some(Level::Act) => "act",
-    }
-    .into()
-}
-
 fn unix_now() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -584,8 +678,8 @@ fn unix_now() -> u64 {
 
 fn log_event(e: &Event) {
     match e.severity {
-        Severity::Critical => error!(event = e.kind, "{}", e.message),
-        Severity::Warning => warn!(event = e.kind, "{}", e.message),
-        Severity::Info => info!(event = e.kind, "{}", e.message),
+        Severity::Critical => error!(event = e.kind.as_str(), "{}", e.message),
+        Severity::Warning => warn!(event = e.kind.as_str(), "{}", e.message),
+        Severity::Info => info!(event = e.kind.as_str(), "{}", e.message),
     }
 }

@@ -89,7 +89,7 @@ impl Daemon {
     pub(super) fn process_rows(&self, m: &ModelUsage) -> Vec<ProcessRow> {
         let s = &self.snapshot;
         let table = &s.processes.processes;
-        let model_of = &self.state.attribution.model_of;
+        let attribution = &self.state.attribution;
         let own = self
             .state
             .attribution
@@ -98,12 +98,12 @@ impl Daemon {
             .position(|u| u.name == m.name);
         m.members
             .iter()
-            .filter_map(|&i| table.get(i))
+            .filter_map(|&id| s.processes.get(id))
             .map(|p| {
                 let parent_same = table
                     .iter()
-                    .position(|q| q.pid == p.ppid)
-                    .is_some_and(|j| model_of.get(j).copied().flatten() == own);
+                    .find(|q| q.pid == p.ppid)
+                    .is_some_and(|q| attribution.model_of(q.id()) == own);
                 let role = if self.state.registered.contains_key(&p.id()) {
                     "launched"
                 } else if parent_same {

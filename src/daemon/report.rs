@@ -6,14 +6,17 @@ use crate::status::{
     GpuProtection, GpuRow, HeldRow, MemoryStatus, ModelRow, StatusReport, STATUS_SCHEMA_VERSION,
 };
 
-use super::{level_name, Daemon};
+use super::Daemon;
 
 impl Daemon {
     /// The status report for `gpuguard status`.
     pub(super) fn status(&self) -> StatusReport {
         let s = &self.snapshot;
         let c = &self.config;
-        let level = |r: Resource| level_name(self.state.levels.get(&r).copied());
+        let level = |r: Resource| {
+            let level = self.state.levels.get(&r).copied().unwrap_or_default();
+            level.to_string()
+        };
         let (ram_warn, ram_min) = c.ram.floor_bytes(s.host.total_bytes);
         let memory = MemoryStatus {
             total_bytes: s.host.total_bytes,
@@ -102,7 +105,7 @@ impl Daemon {
                 let budget = self.state.budgets.get(&m.name);
                 let state = match budget {
                     Some(b) => match &b.enforced {
-                        Some((stage, _, _)) => format!("{stage:?}").to_lowercase(),
+                        Some((stage, _, _)) => stage.to_string(),
                         None if b.over_since.is_some() => "over_budget".into(),
                         None => "ok".into(),
                     },
@@ -116,11 +119,7 @@ impl Daemon {
                         "launch"
                     }
                     .into(),
-                    pids: m
-                        .members
-                        .iter()
-                        .map(|&i| s.processes.processes[i].pid)
-                        .collect(),
+                    pids: m.members.iter().map(|id| id.pid).collect(),
                     ram_bytes: m.rss_bytes,
                     ram_budget_bytes: ram_budget,
                     gpu_bytes,

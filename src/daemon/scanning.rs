@@ -13,17 +13,15 @@
 //! MemAvailable stays within `FULL_SCAN_DRIFT_BYTES` of the last one (memory held near a floor
 //! costs next to nothing).
 
-use std::path::PathBuf;
 use std::sync::mpsc::Sender;
 use std::time::Duration;
 
 use tracing::{debug, error, warn};
 
 use crate::policy::{Level, Resource};
-use crate::sample::procfs::{ProcReader, ReadError};
-use crate::sample::scan::{
-    apply, ScanRequest, ScanResult, ScanThread, Scanner, ROTATION_SCANS, YOUNG,
-};
+use crate::sample::procfs::ReadError;
+use crate::sample::scan::{apply, ScanRequest, ScanResult, ScanThread, ROTATION_SCANS, YOUNG};
+use crate::sample::TableSource;
 use crate::snapshot::Process;
 
 use super::{Daemon, DaemonEvent};
@@ -36,11 +34,19 @@ const FULL_SCAN_MAX_AGE: Duration = Duration::from_secs(2);
 /// round at most this often.
 const FORCED_FULL_SCAN_EVERY: Duration = Duration::from_millis(100);
 
+/// Makes a process-table source: the first at start, another if the scan thread dies.
+pub type MakeTables = Box<dyn Fn() -> Box<dyn TableSource> + Send>;
+
 /// The scan thread and what the loop knows about it.
 pub(super) struct Scans {
-    proc_root: PathBuf,
-    /// Before `run` starts the thread, the scanner that made the first table.
-    idle: Option<Scanner>,
+    make: MakeTables,
+    /// Rounds run on the loop's own thread, at the start of the tick after the one that asked, as
+    /// if the thread had answered meanwhile (in-process tests).
+    inline: bool,
+    /// Inline: the round asked for, run when the next tick merges.
+    pending: Option<ScanRequest>,
+    /// Before `run` starts the thread (or always, inline), the source that made the first table.
+    idle: Option<Box<dyn TableSource>>,
     thread: Option<ScanThread>,
     events: Option<Sender<DaemonEvent>>,
     in_flight: bool,
@@ -57,9 +63,9 @@ pub(super) struct Scans {
 
 impl Scans {
     /// Makes the first table here and now (before the loop runs, so the first tick has one).
-    pub(super) fn new(proc_root: PathBuf) -> (Scans, Vec<Process>) {
-        let mut scanner = Scanner::new(ProcReader::new(&proc_root));
-        let mut first = scanner.round(ScanRequest {
+    pub(super) fn new(make: MakeTables, inline: bool) -> (Scans, Vec<Process>) {
+        let mut source = make();
+        let mut first = source.round(ScanRequest {
             full: true,
             host_has_swap: true,
             rotation_period: Duration::from_secs(60),
@@ -68,8 +74,10 @@ impl Scans {
         let mut table = Vec::new();
         apply(&mut table, &mut first);
         let scans = Scans {
-            proc_root,
-            idle: Some(scanner),
+            make,
+            inline,
+            pending: None,
+            idle: Some(source),
             thread: None,
             events: None,
             in_flight: false,
@@ -82,14 +90,15 @@ impl Scans {
         (scans, table)
     }
 
-    /// Starts the scan thread; its tables come back as `DaemonEvent::Scan`.
+    /// Starts the scan thread; its tables come back as `DaemonEvent::Scan`. Inline: nothing to
+    /// start.
     pub(super) fn start(&mut self, events: Sender<DaemonEvent>) -> std::io::Result<()> {
-        let scanner = self
-            .idle
-            .take()
-            .unwrap_or_else(|| Scanner::new(ProcReader::new(&self.proc_root)));
+        if self.inline {
+            return Ok(());
+        }
+        let source = self.idle.take().unwrap_or_else(|| (self.make)());
         let tx = events.clone();
-        self.thread = Some(ScanThread::spawn(scanner, move |result| {
+        self.thread = Some(ScanThread::spawn(source, move |result| {
             tx.send(DaemonEvent::Scan(Box::new(result))).is_ok()
         })?);
         self.events = Some(events);
@@ -105,6 +114,11 @@ impl Scans {
 
     pub(super) fn want_full(&mut self) {
         self.want_full = true;
+    }
+
+    /// A round can be asked for: the thread runs (or rounds run inline).
+    fn running(&self) -> bool {
+        self.thread.is_some() || (self.inline && self.idle.is_some())
     }
 
     /// The scan thread died (a panic): say so, and start a new one.
@@ -125,15 +139,16 @@ impl Scans {
 impl Daemon {
     /// Merges a round that arrived into the table; true if there was one.
     pub(super) fn merge_scan(&mut self) -> bool {
+        if let (Some(request), Some(source)) = (self.scans.pending.take(), &mut self.scans.idle) {
+            self.scans.ready = Some(source.round(request));
+            self.scans.in_flight = false;
+        }
         let Some(mut result) = self.scans.ready.take() else {
             return false;
         };
         let s = &result.stats;
         if let Some(e) = s.list_error {
-            warn!(
-                "cannot list {}: {e}; keeping the previous process table",
-                self.scans.proc_root.display()
-            );
+            warn!("cannot list the processes in /proc: {e}; keeping the previous process table");
         }
         debug!(
             took_us = s.took.as_micros() as u64,
@@ -155,8 +170,8 @@ impl Daemon {
         true
     }
 
-    /// Re-reads the victims the policy waits on, in place (the policy's attribution holds
-    /// indices into the table until the next scan). Gone: marked dead. Unreadable: left as is,
+    /// Re-reads the victims the policy waits on. Gone (or the pid reused): marked dead, so the
+    /// policy sees it exited before the next scan drops it. Unreadable: left as is,
     /// never taken for gone.
     pub(super) fn reread_watched(&mut self) {
         for id in &self.watch {
@@ -186,7 +201,7 @@ impl Daemon {
     /// thread it wakes may take the CPU from the loop).
     pub(super) fn schedule_scan(&mut self, at: Duration) -> Option<ScanRequest> {
         self.scans.restart_if_dead();
-        if self.scans.in_flight || self.scans.ready.is_some() || self.scans.thread.is_none() {
+        if self.scans.in_flight || self.scans.ready.is_some() || !self.scans.running() {
             return None;
         }
         let age = self
@@ -253,8 +268,13 @@ impl Daemon {
         Some(request)
     }
 
-    /// Hands a round to the scan thread.
+    /// Hands a round to the scan thread (inline: keeps it for the next tick to run).
     pub(super) fn send_scan(&mut self, request: ScanRequest) {
+        if self.scans.inline {
+            self.scans.pending = Some(request);
+            self.scans.in_flight = true;
+            return;
+        }
         self.scans.in_flight = self
             .scans
             .thread
@@ -280,16 +300,9 @@ impl Daemon {
 
     /// Members of every model, the victims watched, launched processes.
     fn hot_pids(&self) -> Vec<i32> {
-        let procs = &self.snapshot.processes.processes;
         let mut hot: Vec<i32> = self.watch.iter().map(|id| id.pid).collect();
         for model in &self.state.attribution.models {
-            hot.extend(
-                model
-                    .members
-                    .iter()
-                    .filter_map(|&i| procs.get(i))
-                    .map(|p| p.pid),
-            );
+            hot.extend(model.members.iter().map(|id| id.pid));
         }
         hot.extend(self.state.registered.keys().map(|id| id.pid));
         hot.sort_unstable();

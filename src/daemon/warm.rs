@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use crate::act::signal::PidfdControl;
+use crate::act::ProcessControl;
 use crate::config::Config;
 use crate::policy::{evaluate, PolicyState};
 use crate::snapshot::{HostMemory, Process, ProcessTable, Snapshot};
@@ -19,7 +19,7 @@ const CONFIG: &str = "[ram]\nwarn_available = \"8GiB\"\nmin_available = \"4GiB\"
     [[model]]\nname = \"warm\"\nmatch = { comm = \"warm\" }\nram = \"1GiB\"\n";
 
 /// A floor incident from start to end, then the signal path's checks on this process.
-pub(super) fn warm_up(control: &PidfdControl) {
+pub(super) fn warm_up(control: &dyn ProcessControl) {
     std::hint::black_box(floor_incident());
     control.warm_up();
 }
@@ -75,7 +75,6 @@ fn snapshot(ms: u64, available: u64, rss: u64, state: char) -> Snapshot {
             swap_total_bytes: Some(0),
             swap_free_bytes: Some(0),
             psi_some_avg10: None,
-            psi_full_avg10: None,
         },
         processes: ProcessTable {
             scanned_at: Some(at),

@@ -2,10 +2,13 @@
 //! action (alert, throttle, stop, kill); once back under budget, a throttle or stop is lifted.
 
 use crate::config::{Config, Mode, ModelAction, ModelConfig};
+use crate::kinds::{EventKind, ReasonKind};
 use crate::snapshot::Snapshot;
 
 use super::victim::model_target;
-use super::{action, bytes, event, About, BudgetState, Plan, PolicyState, Severity, Stage, Verb};
+use super::{
+    action, bytes, event, About, BudgetState, Overage, Plan, PolicyState, Severity, Stage, Verb,
+};
 
 pub(super) fn evaluate_budgets(
     config: &Config,
@@ -33,10 +36,14 @@ pub(super) fn evaluate_budgets(
             snapshot.gpus.largest_total_bytes(),
         );
         let mut over = Vec::new();
-        let mut ram_over = false;
+        let mut overage = None;
         if let Some(budget) = ram_budget {
             if usage.rss_bytes > budget {
-                ram_over = true;
+                overage = Some(Overage {
+                    gpu: false,
+                    used_bytes: usage.rss_bytes,
+                    budget_bytes: budget,
+                });
                 over.push(format!(
                     "RAM {} > budget {}",
                     bytes(usage.rss_bytes),
@@ -47,6 +54,11 @@ pub(super) fn evaluate_budgets(
         if let Some(budget) = gpu_budget {
             let used = usage.gpu_total_bytes();
             if used > budget {
+                overage.get_or_insert(Overage {
+                    gpu: true,
+                    used_bytes: used,
+                    budget_bytes: budget,
+                });
                 let per_gpu: Vec<String> = usage
                     .gpu_bytes
                     .iter()
@@ -60,21 +72,21 @@ pub(super) fn evaluate_budgets(
                 ));
             }
         }
-        // GPU figures from a stale sample may alert, never act.
-        let may_act = ram_over || !snapshot.gpus.stale;
         let budget = state.budgets.entry(model.name.clone()).or_default();
-
-        if over.is_empty() {
+        budget.over = overage;
+        let Some(overage) = overage else {
             lift(budget, &model.name, plan);
             continue;
-        }
+        };
+        // GPU figures from a stale sample may alert, never act.
+        let may_act = !overage.gpu || !snapshot.gpus.stale;
         let why = format!("model '{}' over budget: {}", model.name, over.join("; "));
-        let kind = if ram_over { "ram_budget" } else { "gpu_budget" };
+        let kind = overage.reason();
         let over_since = *budget.over_since.get_or_insert_with(|| {
             plan.events.push(
                 event(
                     Severity::Warning,
-                    "budget_exceeded",
+                    EventKind::BudgetExceeded,
                     format!(
                         "{why}; action {} after grace {}",
                         model.action,
@@ -115,7 +127,7 @@ pub(super) fn evaluate_budgets(
                     None => plan.events.push(
                         event(
                             Severity::Critical,
-                            "budget_enforced",
+                            EventKind::BudgetEnforced,
                             format!("{detail} (alert only)"),
                         )
                         .about(about_model(&model.name)),
@@ -152,7 +164,7 @@ pub(super) fn evaluate_budgets(
                 plan.actions.push(action(
                     Verb::Resume,
                     &target,
-                    "max_stop",
+                    ReasonKind::MaxStop,
                     format!(
                         "{why}; stopped for {} (max_stop) but the GPU reading is stale: resumed, never killed on it",
                         humantime::format_duration(d.max_stop)
@@ -165,7 +177,7 @@ pub(super) fn evaluate_budgets(
                 plan.actions.push(action(
                     Verb::Kill,
                     &target,
-                    "max_stop",
+                    ReasonKind::MaxStop,
                     format!(
                         "{why}; stopped for {} (max_stop)",
                         humantime::format_duration(d.max_stop)
@@ -193,11 +205,12 @@ pub(super) fn evaluate_budgets(
 
 /// The model is back under budget (or gone): resume or unthrottle it.
 fn lift(budget: &mut BudgetState, name: &str, plan: &mut Plan) {
+    budget.over = None;
     if budget.over_since.take().is_some() {
         plan.events.push(
             event(
                 Severity::Info,
-                "budget_cleared",
+                EventKind::BudgetCleared,
                 format!("model '{name}' back under budget"),
             )
             .about(about_model(name)),
@@ -207,14 +220,14 @@ fn lift(budget: &mut BudgetState, name: &str, plan: &mut Plan) {
         Some((Stage::Stopped, _, target)) => plan.actions.push(action(
             Verb::Resume,
             &target,
-            "cleared",
+            ReasonKind::Cleared,
             format!("model '{name}' back under budget"),
             None,
         )),
         Some((Stage::Throttled, _, target)) => plan.actions.push(action(
             Verb::Unthrottle,
             &target,
-            "cleared",
+            ReasonKind::Cleared,
             format!("model '{name}' back under budget"),
             None,
         )),

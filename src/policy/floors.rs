@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use crate::config::{Config, FloorAction, Mode};
+use crate::kinds::{EventKind, ReasonKind};
 use crate::snapshot::Snapshot;
 
 use super::victim::{self, Short};
@@ -95,10 +96,10 @@ impl Reading {
         }
     }
 
-    fn kind(&self) -> &'static str {
+    fn kind(&self) -> ReasonKind {
         match self.resource {
-            Resource::Ram => "ram_floor",
-            Resource::Gpu(_) => "gpu_floor",
+            Resource::Ram => ReasonKind::RamFloor,
+            Resource::Gpu(_) => ReasonKind::GpuFloor,
         }
     }
 }
@@ -255,19 +256,19 @@ fn evaluate_floor_inner(
         match level {
             Level::Unknown => plan.events.push(event(
                 Severity::Warning,
-                "reading_unknown",
+                EventKind::ReadingUnknown,
                 format!("{text}: not acting on {resource} until it reads again"),
             )),
             Level::Warn if previous < Some(Level::Warn) => {
                 plan.events
-                    .push(event(Severity::Warning, "floor_warn", text))
+                    .push(event(Severity::Warning, EventKind::FloorWarn, text))
             }
             Level::Act => plan
                 .events
-                .push(event(Severity::Critical, "floor_act", text)),
+                .push(event(Severity::Critical, EventKind::FloorAct, text)),
             Level::Ok if previous.is_some() => {
                 plan.events
-                    .push(event(Severity::Info, "floor_cleared", text))
+                    .push(event(Severity::Info, EventKind::FloorCleared, text))
             }
             _ => {}
         }
@@ -291,7 +292,7 @@ fn evaluate_floor_inner(
             if incident.victim.is_some() {
                 plan.events.push(event(
                     Severity::Info,
-                    "incident_closed",
+                    EventKind::IncidentClosed,
                     format!("{resource} back above its act floor ({}); incident over after {} victim(s)", reading.describe(), incident.victims_done + 1),
                 ));
             }
@@ -317,7 +318,7 @@ fn evaluate_floor_inner(
             incident.stale_reported = true;
             plan.events.push(event(
                 Severity::Warning,
-                "not_acting_stale",
+                EventKind::NotActingStale,
                 format!(
                     "{}: the reading is stale, alerting only",
                     reading.describe()
@@ -396,7 +397,7 @@ fn evaluate_floor_inner(
             incident.stage_since = now;
             plan.events.push(event(
                 Severity::Critical,
-                "survived_kill",
+                EventKind::SurvivedKill,
                 format!("{victim} is still there {} after SIGKILL (uninterruptible, stuck in the driver?); not killing more for {resource}", humantime::format_duration(since)),
             ));
         }
@@ -415,7 +416,7 @@ fn evaluate_floor_inner(
                 incident.stage_since = now;
                 plan.events.push(event(
                     Severity::Critical,
-                    "stuck_memory",
+                    EventKind::StuckMemory,
                     format!(
                         "{victim} exited {} ago but {resource} still lists pid(s) {stuck:?} holding memory ({why}): memory stuck in the driver; not killing more for {resource}",
                         humantime::format_duration(since)
@@ -472,7 +473,7 @@ fn end_stop_at_max_stop(
     plan.actions.push(action(
         Verb::Resume,
         &victim,
-        "max_stop",
+        ReasonKind::MaxStop,
         format!(
             "stopped for {} (max_stop) while {}: resumed, never killed on a reading that cannot be trusted",
             humantime::format_duration(max_stop),
@@ -599,7 +600,7 @@ fn choose_next(
             incident.no_victim_reported = true;
             plan.events.push(event(
                 Severity::Critical,
-                "no_victim",
+                EventKind::NoVictim,
                 format!(
                     "{why}; no process may be acted on (all protected or outside the candidates)"
                 ),
@@ -638,7 +639,7 @@ fn choose_next(
         )),
         None => plan.events.push(event(
             Severity::Critical,
-            "floor_victim",
+            EventKind::FloorVictim,
             format!("{detail}would act on {target} (action = \"alert\")"),
         )),
     }
@@ -665,7 +666,7 @@ pub(super) fn release_held(
             plan.actions.push(action(
                 Verb::Resume,
                 &held.target,
-                "cleared",
+                ReasonKind::Cleared,
                 format!("{} is back above its warn floor", held.resource),
                 None,
             ));
@@ -683,7 +684,7 @@ pub(super) fn release_held(
             plan.actions.push(action(
                 Verb::Resume,
                 &held.target,
-                "max_stop",
+                ReasonKind::MaxStop,
                 format!(
                     "stopped for {} (max_stop) while {why}: resumed, never killed on a reading that cannot be trusted",
                     humantime::format_duration(max_stop),
@@ -696,7 +697,7 @@ pub(super) fn release_held(
             plan.actions.push(action(
                 Verb::Kill,
                 &held.target,
-                "max_stop",
+                ReasonKind::MaxStop,
                 format!(
                     "stopped for {} (max_stop) and {} is still below its warn floor",
                     humantime::format_duration(max_stop),

@@ -24,6 +24,7 @@ use crate::config::{Config, ModelConfig};
 use crate::snapshot::{ProcessId, Snapshot};
 use crate::units::fmt_bytes;
 
+pub use crate::kinds::{EventKind, Level, ReasonKind, Severity};
 pub use models::{attribute, Attribution, MatchCache, ModelUsage};
 
 /// The memory a floor or budget is about.
@@ -43,45 +44,20 @@ impl fmt::Display for Resource {
     }
 }
 
-/// How close a resource is to its floors.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Level {
-    /// The reading is missing (not zero): may alert, never act.
-    Unknown,
-    #[default]
-    Ok,
-    Warn,
-    Act,
-}
-
-/// A signal-level step taken against a target.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Verb {
-    /// Slow the target's growth (cgroup limits or a SIGSTOP/SIGCONT duty cycle).
-    Throttle,
-    Unthrottle,
-    /// SIGSTOP.
-    Stop,
-    /// SIGCONT.
-    Resume,
-    /// SIGTERM (then SIGCONT, so a stopped process can act on it).
-    Terminate,
-    /// SIGKILL, then reap its memory with process_mrelease.
-    Kill,
-}
-
-impl Verb {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Verb::Throttle => "throttle",
-            Verb::Unthrottle => "unthrottle",
-            Verb::Stop => "stop",
-            Verb::Resume => "resume",
-            Verb::Terminate => "terminate",
-            Verb::Kill => "kill",
-        }
+crate::kinds::named! {
+    /// A signal-level step taken against a target.
+    pub enum Verb {
+        /// Slow the target's growth (cgroup limits or a SIGSTOP/SIGCONT duty cycle).
+        Throttle = "throttle",
+        Unthrottle = "unthrottle",
+        /// SIGSTOP.
+        Stop = "stop",
+        /// SIGCONT.
+        Resume = "resume",
+        /// SIGTERM (then SIGCONT, so a stopped process can act on it).
+        Terminate = "terminate",
+        /// SIGKILL, then reap its memory with process_mrelease.
+        Kill = "kill",
     }
 }
 
@@ -127,8 +103,7 @@ impl fmt::Display for Target {
 /// Why something was done, for logs, alerts and metrics.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Reason {
-    /// Stable label: `ram_floor`, `gpu_floor`, `ram_budget`, `gpu_budget`, `max_stop`, `cleared`.
-    pub kind: &'static str,
+    pub kind: ReasonKind,
     /// Self-contained, human: "RAM available 1.2 GiB < min_available 2.0 GiB".
     pub detail: String,
 }
@@ -148,32 +123,18 @@ pub struct Action {
     pub recheck: Option<Recheck>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Severity {
-    Info,
-    Warning,
-    Critical,
-}
-
 /// Something worth telling an operator that is not itself a signal.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Event {
     pub severity: Severity,
-    /// Stable label: `floor_warn`, `floor_act`, `floor_cleared`, `floor_victim`, `no_victim`,
-    /// `incident_closed`, `budget_exceeded`, `budget_enforced`, `budget_cleared`,
-    /// `reading_unknown`, `stuck_memory`, `survived_kill`, `not_acting_stale`,
-    /// `duplicate_load`; the daemon adds `xid`, `xid_critical`, `gpu_ok`, `gpu_unavailable`,
-    /// `gpu_off`, and the launch queue `launch_admitted`, `launch_ready`, `launch_died`,
-    /// `launch_timed_out`.
-    pub kind: &'static str,
+    pub kind: EventKind,
     pub message: String,
     /// Who or what it is about, for alert bodies.
     pub about: About,
 }
 
 impl Event {
-    pub fn new(severity: Severity, kind: &'static str, message: String) -> Event {
+    pub fn new(severity: Severity, kind: EventKind, message: String) -> Event {
         Event {
             severity,
             kind,
@@ -223,19 +184,30 @@ pub struct Plan {
     pub watch: Vec<ProcessId>,
 }
 
-/// Where an enforcement against one target stands.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Stage {
-    Alerted,
-    Throttled,
-    Stopped,
-    Terminated,
-    Killed,
-    /// The victim is gone; waiting to see the memory come back.
-    Gone,
-    /// The victim is gone but its memory is not (or it survived SIGKILL): no more kills here.
-    Stuck,
+/// What became of one action (the executor's answer, fed back with `PolicyState::apply`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Done,
+    /// Observe mode: logged, nothing signalled.
+    Observed,
+    /// Not needed any more (memory recovered, the target is gone).
+    Skipped(String),
+    Failed(String),
+}
+
+crate::kinds::named! {
+    /// Where an enforcement against one target stands.
+    pub enum Stage {
+        Alerted = "alerted",
+        Throttled = "throttled",
+        Stopped = "stopped",
+        Terminated = "terminated",
+        Killed = "killed",
+        /// The victim is gone; waiting to see the memory come back.
+        Gone = "gone",
+        /// The victim is gone but its memory is not (or it survived SIGKILL): no more kills here.
+        Stuck = "stuck",
+    }
 }
 
 /// A floor crossed to `Act`: one victim at a time.
@@ -267,8 +239,37 @@ pub struct Incident {
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct BudgetState {
     pub over_since: Option<Duration>,
+    /// What is over, as the last evaluation found it (`None` while under budget): the one
+    /// answer to "which resource is over" that actions, alerts and status read.
+    pub over: Option<Overage>,
     /// The enforcement in force, with the target it was applied to.
     pub enforced: Option<(Stage, Duration, Target)>,
+}
+
+/// The resource a model is over its budget on (RAM first when both are), and by how much.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Overage {
+    /// GPU memory (summed over the model's GPUs); else RAM.
+    pub gpu: bool,
+    pub used_bytes: u64,
+    pub budget_bytes: u64,
+}
+
+impl Overage {
+    pub fn reason(&self) -> ReasonKind {
+        match self.gpu {
+            true => ReasonKind::GpuBudget,
+            false => ReasonKind::RamBudget,
+        }
+    }
+
+    /// "RAM" or "GPU memory".
+    pub fn resource_name(&self) -> &'static str {
+        match self.gpu {
+            true => "GPU memory",
+            false => "RAM",
+        }
+    }
 }
 
 /// A process gpuguard stopped for a floor whose incident has closed: resumed when that resource is
@@ -342,10 +343,21 @@ impl PolicyState {
         self.attributed = None;
     }
 
-    /// The executor did not act on a target (gone, memory recovered, or `failed`: not
-    /// permitted...): forget the stage the policy optimistically entered, so the next tick
-    /// decides afresh; a target that could not be signalled is not chosen again in that incident.
-    pub fn action_not_done(&mut self, action: &Action, failed: bool) {
+    /// What became of this tick's actions: the only way the policy learns what the executor did.
+    /// An action not carried out (the target gone, memory recovered, or failed: not
+    /// permitted...) undoes the stage its plan entered, so the next tick decides afresh; a target
+    /// that could not be signalled is not chosen again in that incident.
+    pub fn apply(&mut self, outcomes: &[(Action, Outcome)]) {
+        for (action, outcome) in outcomes {
+            match outcome {
+                Outcome::Done | Outcome::Observed => {}
+                Outcome::Skipped(_) => self.not_done(action, false),
+                Outcome::Failed(_) => self.not_done(action, true),
+            }
+        }
+    }
+
+    fn not_done(&mut self, action: &Action, failed: bool) {
         for incident in self.incidents.values_mut() {
             if incident.victim.as_ref() == Some(&action.target) {
                 incident.victim = None;
@@ -499,7 +511,7 @@ fn watched(state: &PolicyState) -> Vec<ProcessId> {
 fn action(
     verb: Verb,
     target: &Target,
-    kind: &'static str,
+    kind: ReasonKind,
     detail: String,
     recheck: Option<Recheck>,
 ) -> Action {
@@ -511,7 +523,7 @@ fn action(
     }
 }
 
-fn event(severity: Severity, kind: &'static str, message: String) -> Event {
+fn event(severity: Severity, kind: EventKind, message: String) -> Event {
     Event::new(severity, kind, message)
 }
 

@@ -20,16 +20,23 @@ use crate::snapshot::{GpuSnapshot, ProcessId, ProcessTable};
 /// The models seen in one process table.
 #[derive(Clone, Debug, Default)]
 pub struct Attribution {
-    /// For each process in the table (same index), the model it belongs to (index into `models`).
-    pub model_of: Vec<Option<usize>>,
+    /// The model (index into `models`) of each process that belongs to one, live or not.
+    pub model_of: HashMap<ProcessId, usize>,
     pub models: Vec<ModelUsage>,
+}
+
+impl Attribution {
+    /// The model (index into `models`) this process belongs to, if any.
+    pub fn model_of(&self, id: ProcessId) -> Option<usize> {
+        self.model_of.get(&id).copied()
+    }
 }
 
 #[derive(Clone, Debug, Default)]
 pub struct ModelUsage {
     pub name: String,
-    /// Indices into the process table of live members.
-    pub members: Vec<usize>,
+    /// The live members, in pid order.
+    pub members: Vec<ProcessId>,
     pub rss_bytes: u64,
     /// Known GPU memory per GPU index.
     pub gpu_bytes: BTreeMap<u32, u64>,
@@ -153,19 +160,24 @@ pub fn attribute(
         .collect();
     let mut member_by_pid = HashMap::new();
     // A descendant of another uid (a sandboxed worker, a setuid helper) is not the model's.
-    let model_of: Vec<Option<usize>> = model_of
+    let model_of: HashMap<ProcessId, usize> = model_of
         .into_iter()
         .zip(procs)
-        .map(|(m, p)| m.filter(|&m| users[m].member(p.uid)))
+        .filter_map(|(m, p)| m.filter(|&m| users[m].member(p.uid)).map(|m| (p.id(), m)))
         .collect();
-    for (i, p) in procs.iter().enumerate() {
-        let Some(m) = model_of[i] else { continue };
+    for p in procs {
+        let Some(&m) = model_of.get(&p.id()) else {
+            continue;
+        };
         if p.exited() {
             continue;
         }
-        models[m].members.push(i);
+        models[m].members.push(p.id());
         models[m].rss_bytes += p.rss_bytes;
         member_by_pid.insert(p.pid, m);
+    }
+    for m in &mut models {
+        m.members.sort_unstable();
     }
     for gpu in &gpus.devices {
         // A GPU whose figures contradict themselves (or that is lost) tells nothing about usage.

@@ -61,7 +61,6 @@ fn snap(at_ms: u64, available: Option<u64>, procs: Vec<Process>) -> Snapshot {
             swap_total_bytes: Some(0),
             swap_free_bytes: Some(0),
             psi_some_avg10: None,
-            psi_full_avg10: None,
         },
         processes: ProcessTable {
             scanned_at: Some(at),
@@ -123,7 +122,7 @@ fn acts(plan: &Plan) -> String {
 fn events(plan: &Plan) -> String {
     plan.events
         .iter()
-        .map(|e| e.kind)
+        .map(|e| e.kind.as_str())
         .collect::<Vec<_>>()
         .join(", ")
 }
@@ -551,8 +550,8 @@ fn model_membership_by_matcher() {
             &BTreeMap::new(),
             &mut MatchCache::default(),
         );
-        assert_eq!(a.model_of, [Some(0), None], "{what}");
-        assert_eq!(a.models[0].members, [0], "{what}");
+        assert_eq!(rows(&a, &table), [Some(0), None], "{what}");
+        assert_eq!(member_rows(&a.models[0].members, &table), [0], "{what}");
     }
 }
 
@@ -587,11 +586,11 @@ fn descendants_belong_to_the_model() {
 
     let usage = &state.attribution.models[0];
     assert_eq!(
-        state.attribution.model_of,
+        rows(&state.attribution, &s.processes),
         [Some(0), Some(0), Some(0), Some(0), Some(0), None]
     );
     // Live members only (the zombie has none of its memory any more), RSS summed over them.
-    assert_eq!(usage.members, [0, 1, 2, 4]);
+    assert_eq!(member_rows(&usage.members, &s.processes), [0, 1, 2, 4]);
     assert_eq!(usage.rss_bytes, 6 * GIB + GIB / 2);
     // The parent alone (2 GiB) is smaller than `other` (5 GiB); with its children (6 GiB) it is not.
     // The target is every live member that may be signalled.
@@ -643,7 +642,7 @@ fn launched_processes_belong_to_their_registered_model() {
     let names: Vec<&str> = a.models.iter().map(|m| m.name.as_str()).collect();
     assert_eq!(names, ["vllm", "launched"]);
     // Registration beats the config match, and children follow their parent.
-    assert_eq!(a.model_of, [Some(0), Some(0), Some(1), Some(1)]);
+    assert_eq!(rows(&a, &table), [Some(0), Some(0), Some(1), Some(1)]);
     // Processes of another uid never join it (issue #11).
     let a = attribute(
         &c,
@@ -653,7 +652,7 @@ fn launched_processes_belong_to_their_registered_model() {
         &launched("0"),
         &mut MatchCache::default(),
     );
-    assert_eq!(a.model_of, [Some(0), Some(0), None, None]);
+    assert_eq!(rows(&a, &table), [Some(0), Some(0), None, None]);
 }
 
 #[test]
@@ -687,7 +686,7 @@ fn a_model_has_only_processes_of_its_users_whatever_they_are_named() {
         &BTreeMap::new(),
         &mut MatchCache::default(),
     );
-    assert_eq!(a.model_of, [Some(0), None, None]);
+    assert_eq!(rows(&a, &table), [Some(0), None, None]);
 }
 
 #[test]
@@ -709,7 +708,7 @@ fn membership_follows_exec() {
         &BTreeMap::new(),
         &mut cache,
     );
-    assert_eq!(before.model_of, [None]);
+    assert_eq!(rows(&before, &table("sh")), [None]);
     let after = attribute(
         &c,
         &table("vllm"),
@@ -718,7 +717,7 @@ fn membership_follows_exec() {
         &BTreeMap::new(),
         &mut cache,
     );
-    assert_eq!(after.model_of, [Some(0)]);
+    assert_eq!(rows(&after, &table("vllm")), [Some(0)]);
 }
 
 #[test]
@@ -736,7 +735,8 @@ fn membership_follows_an_exec_that_keeps_the_name_and_a_setuid() {
     };
     let gpus = GpuSnapshot::default();
     let mut model_of = |t: &ProcessTable| {
-        attribute(&c, t, &gpus, &HashMap::new(), &BTreeMap::new(), &mut cache).model_of
+        let a = attribute(&c, t, &gpus, &HashMap::new(), &BTreeMap::new(), &mut cache);
+        rows(&a, t)
     };
     assert_eq!(model_of(&table("python3 launcher.py", 0)), [None]);
     // python3 exec'd python3: the same name, another command line.
@@ -1654,7 +1654,8 @@ fn a_victim_that_cannot_be_signalled_is_passed_over_for_the_next() {
     let first = evaluate(&c, &snap(0, Some(GIB), procs()), &mut state);
     assert_eq!(first.actions[0].target.members[0].id.pid, 100);
     // The executor reports EPERM for pid 100.
-    state.action_not_done(&first.actions[0], true);
+    let refused = Outcome::Failed("permission denied".into());
+    state.apply(&[(first.actions[0].clone(), refused)]);
     let second = evaluate(&c, &snap(10, Some(GIB), procs()), &mut state);
     assert_eq!(second.actions.len(), 1, "{:?}", second.actions);
     assert_eq!(
@@ -2129,4 +2130,37 @@ fn identical_commands_already_reported_by_their_weights_are_not_reported_twice()
     let plan = once(&c, &s);
     assert_eq!(events(&plan), "duplicate_load", "{:#?}", plan.events);
     assert!(plan.events[0].message.contains("map the same weights"));
+}
+
+/// The model of each process of `table`, in the table's order.
+fn rows(a: &Attribution, table: &ProcessTable) -> Vec<Option<usize>> {
+    table.processes.iter().map(|p| a.model_of(p.id())).collect()
+}
+
+/// Where each member sits in `table`.
+fn member_rows(members: &[ProcessId], table: &ProcessTable) -> Vec<usize> {
+    members
+        .iter()
+        .filter_map(|id| table.processes.iter().position(|p| p.id() == *id))
+        .collect()
+}
+
+/// The package test's index panic: membership read against a table that changed since it was
+/// worked out (same scan, processes gone and come) is by identity, so nothing indexes past the
+/// table and nobody else is targeted.
+#[test]
+fn membership_is_by_identity_not_by_position_in_the_table() {
+    let c = config(&format!("{RAM_FLOORS}{}", model("vllm", "")));
+    let mut state = PolicyState::default();
+    let table = vec![
+        proc(50, "idle", GIB, 1),
+        proc(100, "vllm", 2 * GIB, 1),
+        proc(101, "worker", GIB, 100),
+    ];
+    evaluate(&c, &snap(0, Some(32 * GIB), table), &mut state);
+    // Same scan time (the attribution is kept), fewer and other processes.
+    let mut changed = snap(0, Some(GIB), vec![proc(101, "worker", GIB, 100)]);
+    changed.at = Duration::from_millis(10);
+    let plan = evaluate(&c, &changed, &mut state);
+    assert_eq!(acts(&plan), "terminate vllm[101]");
 }

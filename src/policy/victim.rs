@@ -77,13 +77,12 @@ pub(super) fn model_target(
     model: usize,
 ) -> Target {
     let usage = &state.attribution.models[model];
-    let procs = &snapshot.processes.processes;
     Target {
         model: Some(usage.name.clone()),
         members: usage
             .members
             .iter()
-            .map(|&i| &procs[i])
+            .filter_map(|&id| snapshot.processes.get(id))
             .filter(|p| !is_protected(config, snapshot, p))
             .map(member)
             .collect(),
@@ -131,7 +130,7 @@ pub(super) fn choose(
         let used: u64 = usage
             .members
             .iter()
-            .map(|&i| &procs[i])
+            .filter_map(|&id| snapshot.processes.get(id))
             .filter(|p| !is_protected(config, snapshot, p) && !excluded.contains(&p.id()))
             .map(|p| self::usage(snapshot, p, short))
             .sum();
@@ -146,14 +145,8 @@ pub(super) fn choose(
         });
     }
     if config.daemon.candidates == Candidates::Any {
-        for (i, p) in procs.iter().enumerate() {
-            let in_model = state
-                .attribution
-                .model_of
-                .get(i)
-                .copied()
-                .flatten()
-                .is_some();
+        for p in procs {
+            let in_model = state.attribution.model_of(p.id()).is_some();
             if in_model || is_protected(config, snapshot, p) || excluded.contains(&p.id()) {
                 continue;
             }

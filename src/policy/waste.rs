@@ -6,6 +6,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+use crate::kinds::EventKind;
 use crate::snapshot::{MappedFile, Snapshot};
 
 use super::{bytes, event, About, Plan, PolicyState, Resource, Severity};
@@ -103,7 +104,7 @@ fn weights_event(snapshot: &Snapshot, state: &PolicyState, g: &WeightsGroup) -> 
     let pids: Vec<i32> = g.pids.iter().copied().collect();
     event(
         Severity::Warning,
-        "duplicate_load",
+        EventKind::DuplicateLoad,
         format!(
             "GPU {}: {} processes {pids:?}{} map the same weights ({}{}, {}) and hold {} together: the same weights loaded more than once?",
             g.gpu,
@@ -130,9 +131,8 @@ fn models_of(snapshot: &Snapshot, state: &PolicyState, pids: &BTreeSet<i32>) -> 
         .processes
         .processes
         .iter()
-        .enumerate()
-        .filter(|(_, p)| pids.contains(&p.pid))
-        .filter_map(|(i, _)| a.model_of.get(i).copied().flatten())
+        .filter(|p| pids.contains(&p.pid))
+        .filter_map(|p| a.model_of(p.id()))
         .filter_map(|m| a.models.get(m).map(|m| format!("'{}'", m.name)))
         .collect();
     names.sort();
@@ -204,7 +204,7 @@ fn duplicate_commands(
             let total: u64 = holders.iter().map(|h| h.1).sum();
             plan.events.push(event(
                 Severity::Warning,
-                "duplicate_load",
+                EventKind::DuplicateLoad,
                 format!(
                     "GPU {}: {} processes {pids:?} run the same command and hold {} together: the same model loaded more than once? ({cmdline})",
                     gpu.index,

@@ -104,16 +104,13 @@ impl Capacity {
                     format!("{r} is below its warn floor; launches pause until it recovers")
                 }
             });
-        let procs = &snapshot.processes.processes;
         let mut models = HashMap::new();
         let mut member_of = HashMap::new();
         for usage in &state.attribution.models {
             let mut members = std::collections::hash_map::DefaultHasher::new();
-            for &i in &usage.members {
-                if let Some(p) = procs.get(i) {
-                    p.id().hash(&mut members);
-                    member_of.insert(p.id(), usage.name.clone());
-                }
+            for &id in &usage.members {
+                id.hash(&mut members);
+                member_of.insert(id, usage.name.clone());
             }
             models.insert(
                 usage.name.clone(),

@@ -33,6 +33,7 @@ use crate::ipc::{
     check_model_name, check_url, AcquireRequest, Free, LaunchRequest, Needed, RefusalReason,
     Response,
 };
+use crate::kinds::EventKind;
 use crate::policy::admission::{place, Demand, Fit, GpuRoom, RamRoom, Shortfall};
 use crate::policy::{About, Event, Severity};
 use crate::snapshot::ProcessId;
@@ -764,7 +765,7 @@ impl Reservations {
             self.event(
                 Event::new(
                     Severity::Info,
-                    "permit_granted",
+                    EventKind::PermitGranted,
                     format!(
                         "permit {permit} for {}: GPU {} RAM {} granted to pid {} after waiting {}",
                         model_label(&pool),
@@ -1247,7 +1248,7 @@ impl Reservations {
         self.event(
             Event::new(
                 Severity::Info,
-                "launch_admitted",
+                EventKind::LaunchAdmitted,
                 format!(
                     "model '{model}' admitted as lease {lease_id} (pid {}, uid {}) on GPU(s) {gpus:?}: GPU {} RAM {}; waited {}{}",
                     w.peer.pid,
@@ -1438,7 +1439,7 @@ impl Reservations {
         self.event(
             Event::new(
                 Severity::Warning,
-                "permit_timed_out",
+                EventKind::PermitTimedOut,
                 format!("permit for pid {} refused: {message}", w.peer.pid),
             )
             .about(about(&w.pool, &w.peer)),
@@ -1461,7 +1462,7 @@ impl Reservations {
         self.event(
             Event::new(
                 Severity::Warning,
-                "launch_timed_out",
+                EventKind::LaunchTimedOut,
                 format!("{message} (pid {})", w.peer.pid),
             )
             .about(about(&w.pool, &w.peer)),
@@ -1489,7 +1490,7 @@ impl Reservations {
             humantime::format_duration(Duration::from_millis(ms(held_for)))
         );
         self.event(
-            Event::new(Severity::Warning, "permit_expired", message.clone())
+            Event::new(Severity::Warning, EventKind::PermitExpired, message.clone())
                 .about(about(&pool, &peer)),
         );
         self.send(conn, Response::Expired { permit, message });
@@ -1592,7 +1593,7 @@ impl Reservations {
             let n = std::mem::take(&mut self.events_dropped);
             self.events.push(Event::new(
                 Severity::Warning,
-                "events_dropped",
+                EventKind::EventsDropped,
                 format!("{n} reservation events were not kept (more than {MAX_EVENTS} between two ticks)"),
             ));
         }
@@ -1655,7 +1656,7 @@ impl Reservations {
             self.event(
                 Event::new(
                     severity,
-                    "launch_ready",
+                    EventKind::LaunchReady,
                     format!(
                         "model '{}' (pid {}): {why}; launch lock released",
                         model_label(&pool),
@@ -1677,7 +1678,7 @@ impl Reservations {
                 self.event(
                     Event::new(
                         Severity::Warning,
-                        "launch_died",
+                        EventKind::LaunchDied,
                         format!(
                             "model '{}' (pid {}) exited while loading; launch lock released",
                             model_label(&pool),

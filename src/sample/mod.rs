@@ -1,7 +1,7 @@
-//! Sampling: turns /proc and NVML into a `Snapshot`. Each source sits behind a small trait so the
-//! daemon can be driven by fakes and the policy never touches the OS. `procfs.rs` reads /proc,
-//! `scan.rs` keeps the process table current on a thread of its own, `nvml.rs` samples GPUs on
-//! another.
+//! Sampling: turns /proc and NVML into a `Snapshot`. Each source sits behind a small trait
+//! (`ProcSource`, `TableSource`, `nvml::GpuSource`) so the daemon can be driven by fakes
+//! (`daemon/tests.rs`) and the policy never touches the OS. `procfs.rs` reads /proc, `scan.rs`
+//! keeps the process table current on a thread of its own, `nvml.rs` samples GPUs on another.
 
 pub mod engine;
 pub mod nvml;
@@ -10,16 +10,27 @@ pub mod prometheus;
 pub mod scan;
 pub mod weights;
 
-use crate::snapshot::{HostMemory, Process};
+use crate::snapshot::HostMemory;
 
 pub use self::procfs::ProcfsSource;
+use self::procfs::{ReadError, Vitals};
+use self::scan::{ScanRequest, ScanResult};
 
-/// Host memory and processes.
-pub trait ProcSource {
+/// Host memory, and the few processes the loop reads itself (the victims it waits on). The
+/// process table comes from a `TableSource`.
+pub trait ProcSource: Send {
     /// MemTotal/MemAvailable/swap/PSI: cheap, read every tick.
     fn host_memory(&mut self) -> HostMemory;
-    /// Every process on the host (a process that exits mid-scan is skipped).
-    fn scan(&mut self) -> Vec<Process>;
-    /// One process, or `None` if it is gone.
-    fn read(&mut self, pid: i32) -> Option<Process>;
+    /// Why host memory is unknown, while it is.
+    fn host_error(&self) -> Option<&str>;
+    /// The host has swap (as of the last `host_memory`): VmSwap is worth reading.
+    fn host_has_swap(&self) -> bool;
+    /// State and memory of one process; `Err(Gone)` only when it has exited.
+    fn vitals(&mut self, pid: i32) -> Result<Vitals, ReadError>;
+}
+
+/// Rounds of the process table: what changed since the previous round (`scan::Scanner` over
+/// /proc; the daemon runs it on a thread of its own).
+pub trait TableSource: Send {
+    fn round(&mut self, request: ScanRequest) -> ScanResult;
 }

@@ -435,8 +435,7 @@ fn sample_or_report_panic(
 
 /// Runs a `GpuSource` on its own thread; the control loop never waits for it.
 pub struct GpuMonitor {
-    /// Wakes the worker; a wake-up sent while one is pending is merged into it.
-    wake: SyncSender<()>,
+    worker: Worker,
     /// Sticky until the worker takes it, so a request for process lists is never lost.
     want_processes: Arc<AtomicBool>,
     latest: Arc<Mutex<Latest>>,
@@ -445,7 +444,43 @@ pub struct GpuMonitor {
     after_sample: AfterSample,
 }
 
+/// Who samples.
+enum Worker {
+    /// The sampler thread; a wake-up sent while one is pending is merged into it.
+    Thread(SyncSender<()>),
+    /// The caller, in `snapshot`, when a sample was requested since the last one: whole ticks
+    /// driven in process by tests (`daemon/tests.rs`) see the sample they asked for, taken at
+    /// the tick's own time.
+    Inline {
+        source: Mutex<Box<dyn GpuSource>>,
+        requested: AtomicBool,
+    },
+}
+
 type AfterSample = Arc<Mutex<Option<Box<dyn Fn() + Send>>>>;
+
+/// Takes one sample from `source` and makes it the latest, stamped `started`.
+fn sample_into(
+    source: &mut dyn GpuSource,
+    want: &AtomicBool,
+    latest: &Mutex<Latest>,
+    after: &AfterSample,
+    started: Instant,
+) {
+    let began = Instant::now();
+    let (reading, xids) = sample_or_report_panic(source, want.swap(false, Ordering::AcqRel));
+    let mut latest = lock(latest);
+    latest.process_lists_read += u64::from(reading.read_processes);
+    latest.reading = reading;
+    // When the reading began: what happened before it is in it.
+    latest.sampled_at = Some(started);
+    latest.took = began.elapsed();
+    latest.xids.extend(xids);
+    drop(latest);
+    if let Some(after) = lock(after).as_ref() {
+        after();
+    }
+}
 
 impl GpuMonitor {
     pub fn start(mut source: Box<dyn GpuSource>, sample_timeout: Duration) -> GpuMonitor {
@@ -458,29 +493,30 @@ impl GpuMonitor {
             .name("gpu-sampler".into())
             .spawn(move || {
                 while woken.recv().is_ok() {
-                    let started = Instant::now();
-                    let (reading, xids) =
-                        sample_or_report_panic(source.as_mut(), want.swap(false, Ordering::AcqRel));
-                    let mut latest = lock(&shared);
-                    latest.process_lists_read += u64::from(reading.read_processes);
-                    latest.reading = reading;
-                    // When the reading began: what happened before it is in it.
-                    latest.sampled_at = Some(started);
-                    latest.took = started.elapsed();
-                    latest.xids.extend(xids);
-                    drop(latest);
-                    if let Some(after) = lock(&after).as_ref() {
-                        after();
-                    }
+                    sample_into(source.as_mut(), &want, &shared, &after, Instant::now());
                 }
             })
             .expect("spawn the GPU sampler thread");
         GpuMonitor {
-            wake,
+            worker: Worker::Thread(wake),
             want_processes,
             latest,
             sample_timeout,
             after_sample,
+        }
+    }
+
+    /// No thread: a requested sample is taken by the next `snapshot`, stamped with its `now`.
+    pub fn inline(source: Box<dyn GpuSource>, sample_timeout: Duration) -> GpuMonitor {
+        GpuMonitor {
+            worker: Worker::Inline {
+                source: Mutex::new(source),
+                requested: AtomicBool::new(false),
+            },
+            want_processes: Arc::default(),
+            latest: Arc::default(),
+            sample_timeout,
+            after_sample: Arc::default(),
         }
     }
 
@@ -496,7 +532,12 @@ impl GpuMonitor {
         if processes {
             self.want_processes.store(true, Ordering::Release);
         }
-        let _ = self.wake.try_send(());
+        match &self.worker {
+            Worker::Thread(wake) => {
+                let _ = wake.try_send(());
+            }
+            Worker::Inline { requested, .. } => requested.store(true, Ordering::Release),
+        }
     }
 
     /// Waits until the worker has answered once (or `timeout` passes); true if it has.
@@ -505,6 +546,10 @@ impl GpuMonitor {
         loop {
             if lock(&self.latest).sampled_at.is_some() {
                 return true;
+            }
+            if let Worker::Inline { requested, .. } = &self.worker {
+                // The next `snapshot` takes it.
+                return requested.load(Ordering::Acquire);
             }
             if Instant::now() >= deadline {
                 return false;
@@ -521,6 +566,13 @@ impl GpuMonitor {
         at: Duration,
         expected_age: Duration,
     ) -> (GpuSnapshot, Vec<XidEvent>, Duration) {
+        if let Worker::Inline { source, requested } = &self.worker {
+            if requested.swap(false, Ordering::AcqRel) {
+                let mut source = lock(source);
+                let (want, after) = (&self.want_processes, &self.after_sample);
+                sample_into(source.as_mut(), want, &self.latest, after, now);
+            }
+        }
         let mut latest = lock(&self.latest);
         let xids = std::mem::take(&mut latest.xids);
         let age = latest.sampled_at.map(|t| now.saturating_duration_since(t));

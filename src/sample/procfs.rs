@@ -213,16 +213,14 @@ pub fn parse_meminfo(text: &str, host: &mut HostMemory) {
     }
 }
 
-/// `some avg10` and `full avg10` from /proc/pressure/memory.
+/// `some avg10` from /proc/pressure/memory (the `full` line is not used).
 pub fn parse_psi(text: &str, host: &mut HostMemory) {
     for line in text.lines() {
         let mut words = line.split_ascii_whitespace();
-        let slot = match words.next() {
-            Some("some") => &mut host.psi_some_avg10,
-            Some("full") => &mut host.psi_full_avg10,
-            _ => continue,
-        };
-        *slot = words
+        if words.next() != Some("some") {
+            continue;
+        }
+        host.psi_some_avg10 = words
             .find_map(|w| w.strip_prefix("avg10="))
             .and_then(|v| v.parse::<f64>().ok())
             .filter(|v| v.is_finite());
@@ -667,22 +665,21 @@ impl ProcfsSource {
         }
     }
 
-    pub fn root(&self) -> &Path {
-        self.reader.root()
+    /// Every process on the host, read in full (a process that exits mid-scan is skipped).
+    pub fn scan(&mut self) -> Vec<Process> {
+        let mut pids = Vec::new();
+        if self.reader.list_pids(&mut pids).is_err() {
+            return Vec::new();
+        }
+        pids.into_iter().filter_map(|pid| self.read(pid)).collect()
     }
 
-    /// Why host memory is unknown, while it is.
-    pub fn host_error(&self) -> Option<&str> {
-        self.host.error()
-    }
-
-    pub fn host_has_swap(&self) -> bool {
-        self.host_has_swap
-    }
-
-    /// State and memory of one process; `Err(Gone)` only when it has exited.
-    pub fn vitals(&mut self, pid: i32) -> Result<Vitals, ReadError> {
-        self.reader.vitals(pid, self.host_has_swap)
+    /// One process, or `None` if it is gone.
+    pub fn read(&mut self, pid: i32) -> Option<Process> {
+        self.reader
+            .process(pid, self.host_has_swap)
+            .ok()
+            .map(|r| r.process)
     }
 }
 
@@ -693,19 +690,16 @@ impl ProcSource for ProcfsSource {
         host
     }
 
-    fn scan(&mut self) -> Vec<Process> {
-        let mut pids = Vec::new();
-        if self.reader.list_pids(&mut pids).is_err() {
-            return Vec::new();
-        }
-        pids.into_iter().filter_map(|pid| self.read(pid)).collect()
+    fn host_error(&self) -> Option<&str> {
+        self.host.error()
     }
 
-    fn read(&mut self, pid: i32) -> Option<Process> {
-        self.reader
-            .process(pid, self.host_has_swap)
-            .ok()
-            .map(|r| r.process)
+    fn host_has_swap(&self) -> bool {
+        self.host_has_swap
+    }
+
+    fn vitals(&mut self, pid: i32) -> Result<Vitals, ReadError> {
+        self.reader.vitals(pid, self.host_has_swap)
     }
 }
 
@@ -799,10 +793,9 @@ mod tests {
             &mut host,
         );
         assert_eq!(host.psi_some_avg10, Some(1.5));
-        assert_eq!(host.psi_full_avg10, Some(0.25));
         let mut host = HostMemory::default();
         parse_psi("some avg10=nan\nfull garbage\n", &mut host);
-        assert_eq!((host.psi_some_avg10, host.psi_full_avg10), (None, None));
+        assert_eq!(host.psi_some_avg10, None);
     }
 
     #[test]

@@ -510,16 +510,22 @@ impl Scanner {
     }
 }
 
-/// Runs a `Scanner` on a thread of its own: one round per request, each result handed to
+/// Runs a `TableSource` (a `Scanner`) on a thread of its own: one round per request, each result handed to
 /// `deliver` (which returns false when nobody listens any more).
 pub struct ScanThread {
     requests: std::sync::mpsc::Sender<ScanRequest>,
     handle: std::thread::JoinHandle<()>,
 }
 
+impl super::TableSource for Scanner {
+    fn round(&mut self, request: ScanRequest) -> ScanResult {
+        Scanner::round(self, request)
+    }
+}
+
 impl ScanThread {
     pub fn spawn(
-        mut scanner: Scanner,
+        mut scanner: Box<dyn super::TableSource>,
         mut deliver: impl FnMut(ScanResult) -> bool + Send + 'static,
     ) -> std::io::Result<ScanThread> {
         let (requests, incoming) = std::sync::mpsc::channel::<ScanRequest>();

@@ -1,0 +1,465 @@
+//! Whole ticks of the loop, in process: a fake /proc (host memory and the process table), a fake
+//! GPU source and a fake process control that records every signal, with the daemon's clock
+//! driven by the test. What the binary tests cannot pin down: the exact signals sent, tick by
+//! tick, while processes come, go and exit between the scan and the action.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use crate::act::{ProcessControl, Sig, SignalError};
+use crate::config::Config;
+use crate::sample::nvml::{GpuReading, GpuSource};
+use crate::sample::procfs::{ReadError, Vitals};
+use crate::sample::scan::{ScanRequest, ScanResult};
+use crate::sample::{ProcSource, TableSource};
+use crate::snapshot::{Gpu, GpuStatus, HostMemory, Process, ProcessId};
+
+use super::{Daemon, Sources};
+
+const GIB: u64 = 1 << 30;
+const MIB: u64 = 1 << 20;
+
+/// The fake host: what /proc and NVML say, and every signal that reached a process.
+#[derive(Default)]
+struct World {
+    host: HostMemory,
+    procs: BTreeMap<i32, Process>,
+    /// GPU memory per pid on GPU 0 (`None`: no GPU).
+    gpu: Option<BTreeMap<i32, u64>>,
+    /// Signals delivered, in order.
+    signals: Vec<(ProcessId, Sig)>,
+    /// Pids that exit just before the next signal reaches them (after the scan, before the act).
+    exit_before_signal: Vec<i32>,
+    /// Pids that exit on SIGTERM (the others ignore it); SIGKILL always ends a process.
+    exit_on_term: Vec<i32>,
+}
+
+type Shared = Arc<Mutex<World>>;
+
+fn world(shared: &Shared) -> MutexGuard<'_, World> {
+    shared.lock().unwrap()
+}
+
+impl World {
+    fn exit(&mut self, pid: i32) {
+        if let Some(p) = self.procs.remove(&pid) {
+            if let Some(a) = self.host.available_bytes.as_mut() {
+                *a += p.rss_bytes;
+            }
+        }
+        if let Some(gpu) = self.gpu.as_mut() {
+            gpu.remove(&pid);
+        }
+    }
+
+    fn spawn(&mut self, pid: i32, comm: &str, rss_bytes: u64) {
+        self.procs.insert(pid, process(pid, comm, rss_bytes));
+    }
+}
+
+fn process(pid: i32, comm: &str, rss_bytes: u64) -> Process {
+    Process {
+        pid,
+        // Start times differ from pids, so a reused pid is a new process.
+        start_time: 1000 + pid as u64,
+        ppid: 1,
+        uid: 0,
+        state: 'S',
+        comm: comm.into(),
+        cmdline: comm.into(),
+        cgroup: "/".into(),
+        rss_bytes,
+        swap_bytes: None,
+        kernel_thread: false,
+    }
+}
+
+struct FakeProc(Shared);
+
+impl ProcSource for FakeProc {
+    fn host_memory(&mut self) -> HostMemory {
+        world(&self.0).host
+    }
+    fn host_error(&self) -> Option<&str> {
+        None
+    }
+    fn host_has_swap(&self) -> bool {
+        false
+    }
+    fn vitals(&mut self, pid: i32) -> Result<Vitals, ReadError> {
+        let w = world(&self.0);
+        let p = w.procs.get(&pid).ok_or(ReadError::Gone)?;
+        Ok(Vitals {
+            id: p.id(),
+            state: p.state,
+            ppid: p.ppid,
+            rss_bytes: p.rss_bytes,
+            swap_bytes: p.swap_bytes,
+        })
+    }
+}
+
+/// Every round reads every process in full: the table becomes the world's.
+struct FakeTables(Shared);
+
+impl TableSource for FakeTables {
+    fn round(&mut self, request: ScanRequest) -> ScanResult {
+        let w = world(&self.0);
+        ScanResult {
+            at: request.at,
+            full: request.full,
+            live: Some(w.procs.keys().copied().collect()),
+            new: w.procs.values().cloned().collect(),
+            ..ScanResult::default()
+        }
+    }
+}
+
+struct FakeGpu(Shared);
+
+impl GpuSource for FakeGpu {
+    fn sample(&mut self, _processes: bool) -> GpuReading {
+        let w = world(&self.0);
+        let Some(used) = &w.gpu else {
+            return GpuReading {
+                status: GpuStatus::Unavailable("no GPU".into()),
+                ..GpuReading::default()
+            };
+        };
+        let total = 80 * GIB;
+        let used_bytes: u64 = used.values().sum();
+        GpuReading {
+            status: GpuStatus::Ok,
+            devices: vec![Gpu {
+                index: 0,
+                uuid: "GPU-fake".into(),
+                name: "Fake".into(),
+                total_bytes: Some(total),
+                used_bytes: Some(used_bytes),
+                free_bytes: Some(total - used_bytes),
+                reserved_bytes: Some(0),
+                processes: used.iter().map(|(&pid, &b)| (pid, Some(b))).collect(),
+                processes_known: true,
+                processes_steady: true,
+                ..Gpu::default()
+            }],
+            read_processes: true,
+        }
+    }
+}
+
+/// Signals the world's processes: records what reached whom, and plays its effect.
+struct FakeControl(Shared);
+
+impl ProcessControl for FakeControl {
+    fn send(&self, id: ProcessId, sig: Sig) -> Result<(), SignalError> {
+        let mut w = world(&self.0);
+        if let Some(i) = w.exit_before_signal.iter().position(|&p| p == id.pid) {
+            w.exit_before_signal.remove(i);
+            w.exit(id.pid);
+        }
+        let Some(p) = w.procs.get_mut(&id.pid) else {
+            return Err(SignalError::Gone);
+        };
+        if p.start_time != id.start_time {
+            return Err(SignalError::Replaced);
+        }
+        match sig {
+            Sig::Stop => p.state = 'T',
+            Sig::Cont => p.state = 'S',
+            Sig::Term | Sig::Kill => {}
+        }
+        w.signals.push((id, sig));
+        if sig == Sig::Kill || (sig == Sig::Term && w.exit_on_term.contains(&id.pid)) {
+            w.exit(id.pid);
+        }
+        Ok(())
+    }
+
+    fn is_stopped(&self, id: ProcessId) -> bool {
+        let w = world(&self.0);
+        w.procs
+            .get(&id.pid)
+            .is_some_and(|p| p.id() == id && p.state == 'T')
+    }
+}
+
+/// A daemon on the fake world, its state directory, and the clock the test drives.
+struct Harness {
+    daemon: Daemon,
+    world: Shared,
+    at: Duration,
+    _dir: tempfile::TempDir,
+}
+
+impl Harness {
+    /// `config` is the config file's text after `[daemon]`'s state directory.
+    fn new(world_now: World, config: &str) -> Harness {
+        let dir = tempfile::tempdir().unwrap();
+        let text = format!(
+            "[daemon]\nstate_dir = \"{}\"\n{config}",
+            dir.path().join("state").display()
+        );
+        let path = dir.path().join("config.toml");
+        let config = Config::parse(&text, &path).unwrap();
+        let gpu = world_now.gpu.is_some();
+        let shared: Shared = Arc::new(Mutex::new(world_now));
+        let tables = shared.clone();
+        let sources = Sources {
+            procs: Box::new(FakeProc(shared.clone())),
+            tables: Box::new(move || Box::new(FakeTables(tables.clone()))),
+            gpus: gpu.then(|| Box::new(FakeGpu(shared.clone())) as Box<dyn GpuSource>),
+            control: Arc::new(FakeControl(shared.clone())),
+            cgroup_root: dir.path().join("cgroup"),
+            proc_root: dir.path().join("proc"),
+            inline: true,
+        };
+        let mut daemon = Daemon::with_sources(&path, config, sources).unwrap();
+        // The fake pids are not the test's own.
+        daemon.snapshot.self_pid = i32::MAX;
+        Harness {
+            daemon,
+            world: shared,
+            at: Duration::ZERO,
+            _dir: dir,
+        }
+    }
+
+    /// One tick, `step` after the last.
+    fn tick(&mut self, step: Duration) {
+        self.at += step;
+        let now = self.daemon.started + self.at;
+        self.daemon.tick_at(now, step);
+    }
+
+    fn ticks(&mut self, n: usize, step: Duration) {
+        for _ in 0..n {
+            self.tick(step);
+        }
+    }
+
+    fn world(&self) -> MutexGuard<'_, World> {
+        world(&self.world)
+    }
+
+    /// The signals delivered so far, as (pid, signal).
+    fn signals(&self) -> Vec<(i32, Sig)> {
+        self.world()
+            .signals
+            .iter()
+            .map(|(id, sig)| (id.pid, *sig))
+            .collect()
+    }
+
+    /// The recorded actions, as "verb pid...: outcome".
+    fn actions(&self) -> Vec<String> {
+        self.daemon
+            .recent_actions
+            .iter()
+            .map(|a| format!("{} {}: {}", a.verb, a.target, a.outcome))
+            .collect()
+    }
+}
+
+fn host(total: u64, available: u64) -> HostMemory {
+    HostMemory {
+        total_bytes: Some(total),
+        available_bytes: Some(available),
+        swap_total_bytes: Some(0),
+        swap_free_bytes: Some(0),
+        ..HostMemory::default()
+    }
+}
+
+const MS: Duration = Duration::from_millis(1);
+
+/// (a) RAM below `min_available`: the largest unprotected process gets the configured action
+/// (`stop`), and only it; the protected one (sshd, root's) is passed over although it is larger.
+#[test]
+fn ram_below_the_floor_stops_the_largest_unprotected_process() {
+    let mut w = World {
+        host: host(64 * GIB, 2 * GIB),
+        ..World::default()
+    };
+    w.spawn(100, "sshd", 20 * GIB);
+    w.spawn(200, "hog", 12 * GIB);
+    w.spawn(300, "small", 3 * GIB);
+    let mut h = Harness::new(
+        w,
+        "[ram]\nwarn_available = \"8GiB\"\nmin_available = \"4GiB\"\naction = \"stop\"\n\
+         [gpu]\nenabled = false\n",
+    );
+    h.tick(MS);
+    assert_eq!(h.signals(), [(200, Sig::Stop)], "{:?}", h.actions());
+    assert_eq!(h.world().procs[&200].state, 'T');
+    // One victim per incident: further ticks below the floor do not pick another at once.
+    h.ticks(3, 10 * MS);
+    assert_eq!(h.signals(), [(200, Sig::Stop)], "{:?}", h.actions());
+    // The held process is on record for the next start and for `status`.
+    let held: Vec<i32> = h.daemon.executor.held().iter().map(|p| p.pid).collect();
+    assert_eq!(held, [200]);
+}
+
+/// (b) A model over its GPU budget: SIGSTOP after `grace`, SIGKILL at `max_stop`, to the model's
+/// processes only, each step once.
+#[test]
+fn a_model_over_its_gpu_budget_is_stopped_then_killed() {
+    let mut w = World {
+        host: host(64 * GIB, 40 * GIB),
+        gpu: Some(BTreeMap::new()),
+        ..World::default()
+    };
+    w.spawn(100, "other", 4 * GIB);
+    w.spawn(200, "vllm", 2 * GIB);
+    w.spawn(201, "vllm-worker", GIB);
+    w.procs.get_mut(&201).unwrap().ppid = 200;
+    let gpu = w.gpu.as_mut().unwrap();
+    gpu.insert(100, 10 * GIB);
+    gpu.insert(201, 30 * GIB);
+    let mut h = Harness::new(
+        w,
+        "max_stop = \"2s\"\n\
+         [gpu]\nenabled = true\n\
+         [[model]]\nname = \"llm\"\nmatch = { comm = \"vllm\" }\ngpu_memory = \"20GiB\"\n\
+         action = \"stop\"\ngrace = \"1s\"\n",
+    );
+    // The GPU is sampled from the second tick on; the budget's grace starts there.
+    h.ticks(3, 100 * MS);
+    assert_eq!(h.signals(), []);
+    h.ticks(10, 100 * MS);
+    let stopped = [(200, Sig::Stop), (201, Sig::Stop)];
+    assert_eq!(h.signals(), stopped, "{:?}", h.actions());
+    // The alert condition reads what the policy found over (GPU, not RAM: no RAM budget).
+    let conditions = h.daemon.conditions();
+    let budget = conditions.iter().find(|c| c.key == "budget:llm").unwrap();
+    assert_eq!(
+        budget.summary,
+        "model 'llm' over budget: GPU memory 30.0 GiB > budget 20.0 GiB"
+    );
+    assert_eq!(budget.subject.pids, [200, 201]);
+    // Still over (a stopped process keeps its GPU memory): killed at max_stop, not before.
+    h.ticks(15, 100 * MS);
+    assert_eq!(h.signals(), stopped, "{:?}", h.actions());
+    h.ticks(10, 100 * MS);
+    let killed = [
+        (200, Sig::Stop),
+        (201, Sig::Stop),
+        (200, Sig::Kill),
+        (201, Sig::Kill),
+    ];
+    assert_eq!(h.signals(), killed, "{:?}", h.actions());
+    assert!(
+        h.world().procs.contains_key(&100),
+        "the other process stays"
+    );
+    h.ticks(5, 100 * MS);
+    assert_eq!(h.signals(), killed, "nothing more once the model is gone");
+}
+
+/// (c) The victim exits between the scan that chose it and the signal: no panic, nothing sent
+/// to anyone else that tick, the action is recorded as skipped, and the next tick goes on from
+/// a consistent state: the victim is known gone and the next largest process is chosen.
+#[test]
+fn a_victim_that_exits_before_the_signal_is_skipped_and_the_next_one_chosen() {
+    let mut w = World {
+        host: host(64 * GIB, 2 * GIB),
+        ..World::default()
+    };
+    w.spawn(200, "hog", 12 * GIB);
+    w.spawn(300, "second", 6 * GIB);
+    w.spawn(400, "small", GIB);
+    w.exit_before_signal.push(200);
+    let mut h = Harness::new(
+        w,
+        "term_grace = \"1s\"\n\
+         [ram]\nwarn_available = \"8GiB\"\nmin_available = \"4GiB\"\naction = \"kill\"\n\
+         [gpu]\nenabled = false\n",
+    );
+    h.tick(MS);
+    assert_eq!(h.signals(), [], "{:?}", h.actions());
+    assert_eq!(
+        h.actions(),
+        ["terminate pid 200(hog): skipped: target has exited"]
+    );
+    // The host is still short (something else took what the victim gave back).
+    h.world().host.available_bytes = Some(2 * GIB);
+    h.tick(MS);
+    assert_eq!(h.signals(), [(300, Sig::Term)], "{:?}", h.actions());
+    // SIGTERM ignored: SIGKILL after term_grace, to the same process.
+    h.ticks(12, 100 * MS);
+    assert_eq!(
+        h.signals(),
+        [(300, Sig::Term), (300, Sig::Kill)],
+        "{:?}",
+        h.actions()
+    );
+    assert!(!h.world().procs.contains_key(&200));
+}
+
+/// (d) Processes vanish and appear between ticks (shifting every index in the process table):
+/// the victim being escalated and the model being stopped stay who they were.
+#[test]
+fn a_changing_process_table_does_not_shift_who_is_targeted() {
+    let mut w = World {
+        host: host(64 * GIB, 2 * GIB),
+        ..World::default()
+    };
+    for pid in [10, 20, 30] {
+        w.spawn(pid, "idle", 10 * MIB);
+    }
+    w.spawn(500, "hog", 12 * GIB);
+    w.spawn(600, "llm", 400 * MIB);
+    w.spawn(700, "other", 2 * GIB);
+    let mut h = Harness::new(
+        w,
+        "term_grace = \"1s\"\n\
+         [ram]\nwarn_available = \"8GiB\"\nmin_available = \"4GiB\"\naction = \"kill\"\n\
+         [gpu]\nenabled = false\n\
+         [[model]]\nname = \"llm\"\nmatch = { comm = \"llm\" }\nram = \"512MiB\"\n\
+         action = \"stop\"\ngrace = \"500ms\"\n",
+    );
+    h.tick(MS);
+    assert_eq!(h.signals(), [(500, Sig::Term)], "{:?}", h.actions());
+    // Lower pids go, new ones come (larger than the victim, too): every index moves.
+    {
+        let mut w = h.world();
+        for pid in [10, 20, 30] {
+            w.exit(pid);
+        }
+        w.spawn(5, "new", 20 * MIB);
+        w.spawn(550, "bigger", 16 * GIB);
+        w.spawn(650, "llm", 400 * MIB);
+        // MemAvailable moved (a new table is read once it has), not far below the floor.
+        w.host.available_bytes = Some(2 * GIB + 128 * MIB);
+    }
+    h.ticks(6, 100 * MS);
+    {
+        let mut w = h.world();
+        w.exit(5);
+        w.spawn(1, "init", MIB);
+        w.spawn(2, "kthreadd", 0);
+        w.host.available_bytes = Some(2 * GIB);
+    }
+    // The model went over its budget when its second process came (grace 500 ms): stopped. The
+    // victim ignored SIGTERM: SIGKILL after term_grace, which gives its memory back and ends
+    // the incident.
+    h.ticks(6, 100 * MS);
+    assert_eq!(
+        h.actions(),
+        [
+            "terminate pid 500(hog): done",
+            "stop model 'llm' pids [600(llm), 650(llm)]: done",
+            "kill pid 500(hog): done",
+        ]
+    );
+    assert_eq!(
+        h.signals(),
+        [
+            (500, Sig::Term),
+            (600, Sig::Stop),
+            (650, Sig::Stop),
+            (500, Sig::Kill)
+        ]
+    );
+}

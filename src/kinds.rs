@@ -1,0 +1,187 @@
+//! The names of what happens: event kinds, why an action was taken, severities and levels. Each
+//! is an enum whose one spelling (written once, in `named!`) is its serde name, its `Display`
+//! and its `as_str` (the event log's `event`, the webhooks' `event`, the metrics' labels), so
+//! no module writes these names by hand.
+
+use std::fmt;
+
+use serde::Serialize;
+
+/// An enum of unit variants, each with its one name.
+macro_rules! named {
+    (
+        $(#[$meta:meta])*
+        pub enum $name:ident {
+            $( $(#[$vmeta:meta])* $variant:ident = $text:literal, )*
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+        pub enum $name {
+            $( $(#[$vmeta])* #[serde(rename = $text)] $variant, )*
+        }
+
+        impl $name {
+            /// Every variant, in declaration order.
+            pub const ALL: &'static [$name] = &[$($name::$variant),*];
+
+            pub const fn as_str(self) -> &'static str {
+                match self {
+                    $($name::$variant => $text,)*
+                }
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        /// Compares by name (tests and callers that hold the written form).
+        impl PartialEq<&str> for $name {
+            fn eq(&self, other: &&str) -> bool {
+                self.as_str() == *other
+            }
+        }
+    };
+}
+
+pub(crate) use named;
+
+named! {
+    /// What an event or a condition is about.
+    pub enum EventKind {
+        // Floors (the policy).
+        FloorWarn = "floor_warn",
+        FloorAct = "floor_act",
+        FloorCleared = "floor_cleared",
+        FloorUnreadable = "floor_unreadable",
+        /// A floor action chosen with the action `alert` (a victim named, not signalled).
+        FloorVictim = "floor_victim",
+        NoVictim = "no_victim",
+        IncidentClosed = "incident_closed",
+        ReadingUnknown = "reading_unknown",
+        StuckMemory = "stuck_memory",
+        SurvivedKill = "survived_kill",
+        KillIneffective = "kill_ineffective",
+        NotActingStale = "not_acting_stale",
+        // Budgets (the policy).
+        BudgetExceeded = "budget_exceeded",
+        BudgetEnforced = "budget_enforced",
+        BudgetCleared = "budget_cleared",
+        DuplicateLoad = "duplicate_load",
+        // GPUs (the daemon).
+        Xid = "xid",
+        XidCritical = "xid_critical",
+        GpuOk = "gpu_ok",
+        GpuUnavailable = "gpu_unavailable",
+        GpuOff = "gpu_off",
+        GpuLost = "gpu_lost",
+        GpuRecovered = "gpu_recovered",
+        // Actions (the executor's outcomes).
+        ProcessKilled = "process_killed",
+        ProcessStopped = "process_stopped",
+        ProcessThrottled = "process_throttled",
+        ProcessResumed = "process_resumed",
+        ProcessUnthrottled = "process_unthrottled",
+        // Reservations.
+        LaunchAdmitted = "launch_admitted",
+        LaunchReady = "launch_ready",
+        LaunchDied = "launch_died",
+        LaunchTimedOut = "launch_timed_out",
+        PermitGranted = "permit_granted",
+        PermitTimedOut = "permit_timed_out",
+        PermitExpired = "permit_expired",
+        // The daemon itself.
+        DaemonStarted = "daemon_started",
+        DaemonStopping = "daemon_stopping",
+        ConfigReloadFailed = "config_reload_failed",
+        LeftoversUndone = "leftovers_undone",
+        StateFileCorrupt = "state_file_corrupt",
+        EventsDropped = "events_dropped",
+    }
+}
+
+impl EventKind {
+    /// Kinds that conditions already report (fired, repeated, resolved): such events go to the
+    /// event log, not a second time to the webhooks.
+    pub fn is_condition(self) -> bool {
+        use EventKind::*;
+        matches!(
+            self,
+            FloorWarn
+                | FloorAct
+                | FloorCleared
+                | BudgetExceeded
+                | BudgetCleared
+                | GpuOk
+                | GpuUnavailable
+                | GpuLost
+                | GpuRecovered
+        )
+    }
+}
+
+named! {
+    /// Why an action was taken.
+    pub enum ReasonKind {
+        RamFloor = "ram_floor",
+        GpuFloor = "gpu_floor",
+        RamBudget = "ram_budget",
+        GpuBudget = "gpu_budget",
+        MaxStop = "max_stop",
+        /// Back under budget, or the floor recovered.
+        Cleared = "cleared",
+    }
+}
+
+impl ReasonKind {
+    /// The action is about GPU memory (its usage figures are GPU figures).
+    pub fn is_gpu(self) -> bool {
+        matches!(self, ReasonKind::GpuFloor | ReasonKind::GpuBudget)
+    }
+}
+
+named! {
+    pub enum Severity {
+        Info = "info",
+        Warning = "warning",
+        Critical = "critical",
+    }
+}
+
+named! {
+    /// How close a resource is to its floors.
+    #[derive(Default)]
+    pub enum Level {
+        /// The reading is missing (not zero): may alert, never act.
+        Unknown = "unknown",
+        #[default]
+        Ok = "ok",
+        Warn = "warn",
+        Act = "act",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The serde name, `Display` and `as_str` are one spelling.
+    #[test]
+    fn every_name_serializes_as_it_displays() {
+        fn check<T: Serialize + fmt::Display>(all: &[T]) {
+            for v in all {
+                let json = serde_json::to_string(v).unwrap();
+                assert_eq!(json, format!("\"{v}\""));
+            }
+        }
+        check(EventKind::ALL);
+        check(ReasonKind::ALL);
+        check(Severity::ALL);
+        check(Level::ALL);
+        check(crate::policy::Verb::ALL);
+        check(crate::policy::Stage::ALL);
+    }
+}
