@@ -123,6 +123,20 @@ pub struct PermitsConfig {
     pub max_per_uid: usize,
     /// Permits held plus requests waiting, all users together.
     pub max_total: usize,
+    /// Who may take permits from the host-wide pool (a request that names no model, from a
+    /// process in none): default root and the system accounts. Anyone else takes them under a
+    /// model they belong to, bounded by its budget.
+    pub users: Option<Vec<User>>,
+}
+
+impl PermitsConfig {
+    /// Who may take permits from the host-wide pool.
+    pub fn host_pool_users(&self) -> Users {
+        match &self.users {
+            Some(list) => Users::Only(list.iter().map(|u| u.uid).collect()),
+            None => Users::System,
+        }
+    }
 }
 
 impl Default for PermitsConfig {
@@ -135,6 +149,7 @@ impl Default for PermitsConfig {
             queue: 256,
             max_per_uid: 1024,
             max_total: 4096,
+            users: None,
         }
     }
 }
@@ -726,12 +741,54 @@ impl Users {
 /// A model server's metrics URL must be plain `http://` on a loopback address (the daemon is
 /// root and fetches it; a URL from a client must not reach anywhere else).
 pub fn check_metrics_url(url: &str) -> Result<(), String> {
+    let host = url_host(url, &["http"], "the engine's metrics on this host")?;
+    let loopback = host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    if !loopback {
+        return Err(format!(
+            "'{url}' must be on a loopback address (127.0.0.1, [::1] or localhost)"
+        ));
+    }
+    Ok(())
+}
+
+/// A launched server's ready URL must be on this host: `localhost`, a loopback address or an
+/// address of one of this host's interfaces (the daemon is root and polls it; a URL from a
+/// client must not make it probe other hosts). Redirects are never followed (`http::agent`).
+pub fn check_ready_url(url: &str) -> Result<(), String> {
+    let host = url_host(
+        url,
+        &["http", "https"],
+        "the server's health endpoint on this host",
+    )?;
+    if host.eq_ignore_ascii_case("localhost") {
+        return Ok(());
+    }
+    let Ok(ip) = host.parse::<std::net::IpAddr>() else {
+        return Err(format!(
+            "'{url}' must name localhost or an IP address of this host, not a host name"
+        ));
+    };
+    if ip.is_loopback() || local_addresses().contains(&ip) {
+        Ok(())
+    } else {
+        Err(format!("'{url}': {ip} is not an address of this host"))
+    }
+}
+
+/// The host of an absolute URL with one of `schemes` and no credentials.
+fn url_host(url: &str, schemes: &[&str], what: &str) -> Result<String, String> {
     let bad = |why: &str| Err(format!("'{url}' {why}"));
     let Ok(uri) = url.parse::<ureq::http::Uri>() else {
         return bad("is not a URL");
     };
-    if uri.scheme_str() != Some("http") {
-        return bad("must be an http:// URL (the engine's metrics on this host)");
+    if !uri.scheme_str().is_some_and(|s| schemes.contains(&s)) {
+        return bad(&format!(
+            "must be an {}:// URL ({what})",
+            schemes.join(":// or ")
+        ));
     }
     let Some(authority) = uri.authority() else {
         return bad("has no host");
@@ -743,14 +800,22 @@ pub fn check_metrics_url(url: &str) -> Result<(), String> {
         .host()
         .trim_start_matches('[')
         .trim_end_matches(']');
-    let loopback = host.eq_ignore_ascii_case("localhost")
-        || host
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback());
-    if !loopback {
-        return bad("must be on a loopback address (127.0.0.1, [::1] or localhost)");
-    }
-    Ok(())
+    Ok(host.to_string())
+}
+
+/// The IP addresses of this host's interfaces.
+fn local_addresses() -> Vec<std::net::IpAddr> {
+    let Ok(addresses) = nix::ifaddrs::getifaddrs() else {
+        return Vec::new();
+    };
+    addresses
+        .filter_map(|a| a.address)
+        .filter_map(|a| {
+            a.as_sockaddr_in()
+                .map(|v4| std::net::IpAddr::V4(v4.ip()))
+                .or_else(|| a.as_sockaddr_in6().map(|v6| std::net::IpAddr::V6(v6.ip())))
+        })
+        .collect()
 }
 
 impl ModelConfig {
@@ -1559,6 +1624,33 @@ mod tests {
             "",
         ] {
             assert!(check_metrics_url(url).is_err(), "{url}");
+        }
+    }
+
+    #[test]
+    fn ready_urls_must_be_on_this_host() {
+        for url in [
+            "http://127.0.0.1:8000/health",
+            "https://localhost:8443/health",
+            "http://[::1]:8000/health",
+        ] {
+            assert_eq!(check_ready_url(url), Ok(()), "{url}");
+        }
+        if let Some(ip) = local_addresses().into_iter().find(|ip| !ip.is_loopback()) {
+            let url = match ip {
+                std::net::IpAddr::V4(v4) => format!("http://{v4}:8000/health"),
+                std::net::IpAddr::V6(v6) => format!("http://[{v6}]:8000/health"),
+            };
+            assert_eq!(check_ready_url(&url), Ok(()), "{url}");
+        }
+        for url in [
+            "http://192.0.2.7/health",
+            "http://169.254.169.254/computeMetadata/v1/",
+            "http://metadata.google.internal/",
+            "http://user@127.0.0.1/",
+            "ftp://127.0.0.1/",
+        ] {
+            assert!(check_ready_url(url).is_err(), "{url}");
         }
     }
 

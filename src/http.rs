@@ -6,11 +6,15 @@ use std::time::Duration;
 
 use ureq::tls::{RootCerts, TlsConfig};
 
-/// An agent whose requests take at most `timeout` and report HTTP errors as statuses.
+/// An agent whose requests take at most `timeout`, report HTTP errors (and redirects) as
+/// statuses and follow no redirect.
 pub fn agent(timeout: Duration) -> ureq::Agent {
     ureq::Agent::config_builder()
         .timeout_global(Some(timeout))
         .http_status_as_error(false)
+        // A redirect would take a request where its URL's checks did not look (a loopback
+        // metrics or ready URL redirecting elsewhere): never followed.
+        .max_redirects(0)
         .user_agent(concat!("gpuguard/", env!("CARGO_PKG_VERSION")))
         .tls_config(
             TlsConfig::builder()
@@ -19,4 +23,42 @@ pub fn agent(timeout: Duration) -> ureq::Agent {
         )
         .build()
         .into()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+
+    /// A redirect comes back as what it is: the request is not sent on to its Location.
+    #[test]
+    fn redirects_are_not_followed() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let server = std::thread::spawn(move || {
+            let mut served = 0;
+            listener.set_nonblocking(false).unwrap();
+            // The first request gets a redirect to a second path on the same listener; a
+            // follower would come back for it.
+            for stream in listener.incoming().take(1) {
+                let mut stream = stream.unwrap();
+                let mut buf = [0u8; 4096];
+                let _ = stream.read(&mut buf);
+                served += 1;
+                let _ = stream.write_all(
+                    format!(
+                        "HTTP/1.1 302 Found\r\nLocation: http://127.0.0.1:{port}/elsewhere\r\n\
+                         Content-Length: 0\r\nConnection: close\r\n\r\n"
+                    )
+                    .as_bytes(),
+                );
+            }
+            served
+        });
+        let response = super::agent(std::time::Duration::from_secs(5))
+            .get(&format!("http://127.0.0.1:{port}/health"))
+            .call()
+            .unwrap();
+        assert_eq!(response.status(), 302);
+        assert_eq!(server.join().unwrap(), 1);
+    }
 }

@@ -91,6 +91,8 @@ const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// Answers waiting for a client that does not read; beyond it the connection is closed (so a
 /// connection holds at most this many answers of at most ~1 KiB, beside its 16 KiB request).
 const REPLY_QUEUE: usize = 64;
+/// How long one write of answers may wait for the client to read.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often waits and TTLs are checked.
 const EXPIRY_TICK: Duration = Duration::from_millis(20);
 
@@ -228,7 +230,7 @@ async fn serve(
     let (tx, rx) = channel(REPLY_QUEUE);
     let overflow = shared.table().attach(conn, peer, tx.clone());
     let (read, write) = stream.into_split();
-    let writer = tokio::spawn(write_answers(write, rx));
+    let mut writer = tokio::spawn(write_answers(write, rx));
     let idle = shared.table().idle_timeout();
     let mut reader = BufReader::new(read);
     let mut first = true;
@@ -306,10 +308,17 @@ async fn serve(
             break;
         }
     }
-    // Ends what the connection held, then lets the writer finish and close.
-    shared.table().disconnect(conn, shared.now());
+    // Ends what the connection held, then lets the writer finish and close. The connection
+    // stays counted against the caps until the caller's `disconnect`, after the writer is done:
+    // a client that stops reading cannot hold descriptors outside the caps.
+    shared.table().hang_up(conn, shared.now());
     drop(tx);
-    let _ = writer.await;
+    if tokio::time::timeout(WRITE_TIMEOUT, &mut writer)
+        .await
+        .is_err()
+    {
+        writer.abort();
+    }
     Ok(())
 }
 
@@ -331,8 +340,10 @@ async fn write_answers(mut write: tokio::net::unix::OwnedWriteHalf, mut rx: Rece
             buf.push(b'\n');
             next = if last { None } else { rx.try_recv().ok() };
         }
-        if write.write_all(&buf).await.is_err() || last {
-            break;
+        // A client that does not read its answers is closed, not waited for.
+        match tokio::time::timeout(WRITE_TIMEOUT, write.write_all(&buf)).await {
+            Ok(Ok(())) if !last => {}
+            _ => break,
         }
         buf.clear();
     }

@@ -200,7 +200,10 @@ pub fn guess_ready_url(command: &[String]) -> Option<String> {
         Some(h) if h.contains(':') => format!("[{h}]"),
         Some(h) => h.to_string(),
     };
-    Some(format!("http://{host}:{port}/health"))
+    // Only a host this host answers on (a client's command line must not aim the daemon's
+    // polling anywhere else, nor carry newlines into its logs).
+    let url = format!("http://{host}:{port}/health");
+    crate::config::check_ready_url(&url).ok().map(|()| url)
 }
 
 #[cfg(test)]
@@ -221,10 +224,28 @@ mod tests {
         );
         assert_eq!(
             guess_ready_url(&args(
-                "python3 -m vllm.entrypoints.openai.api_server --host=10.0.0.5"
+                "python3 -m vllm.entrypoints.openai.api_server --host=127.0.0.2"
             )),
-            Some("http://10.0.0.5:8000/health".into())
+            Some("http://127.0.0.2:8000/health".into())
         );
+        // Not an address of this host, or not an address at all: no guess.
+        for host in [
+            "192.0.2.7",
+            "metadata.google.internal",
+            "127.0.0.1\nERROR x",
+        ] {
+            assert_eq!(
+                guess_ready_url(&[
+                    "vllm".into(),
+                    "serve".into(),
+                    "m".into(),
+                    "--host".into(),
+                    host.into()
+                ]),
+                None,
+                "{host:?}"
+            );
+        }
         assert_eq!(
             guess_ready_url(&args("python -m sglang.launch_server --model-path x")),
             Some("http://127.0.0.1:30000/health".into())

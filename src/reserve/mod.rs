@@ -299,12 +299,24 @@ impl Reservations {
 
     /// The connection closed: its permits end, its requests stop waiting.
     pub fn disconnect(&mut self, conn: ConnId, now: Duration) {
+        self.hang_up(conn, now);
         let Some(c) = self.conns.remove(&conn) else {
             return;
         };
         if let Some(used) = self.uids.get_mut(&c.uid) {
             used.connections = used.connections.saturating_sub(1);
         }
+    }
+
+    /// Ends what a connection holds and waits for (its caller hung up, or is being closed), but
+    /// keeps it counted against the connection caps until `disconnect`: its descriptor lives
+    /// on while its last answers are written.
+    pub fn hang_up(&mut self, conn: ConnId, now: Duration) {
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return;
+        };
+        c.reply = None;
+        let uid = c.uid;
         let held: Vec<u64> = self
             .holdings
             .iter()
@@ -332,7 +344,7 @@ impl Reservations {
                 peer.pid
             );
         }
-        self.recount_waiting(c.uid);
+        self.recount_waiting(uid);
         self.admit_waiting(now);
     }
 
@@ -500,17 +512,29 @@ impl Reservations {
         }
         let (ram_budget, gpu_budget) =
             model.budget_bytes(self.capacity.ram.total, self.capacity.largest_gpu_bytes());
+        // A launched model (no `[[model]]`) gives permits only out of what it declared: one
+        // that declared nothing has no budget, and its permits must not be unbounded.
+        let launched = permit && self.config.model(name).is_none();
         let check = |budget: Option<u64>, committed: u64, asked: u64, what: &str| {
-            let budget = budget?;
+            let budget = if launched {
+                budget.unwrap_or(0)
+            } else {
+                budget?
+            };
             if asked == 0 || committed + asked <= budget {
                 return None;
             }
             let shortfall = Shortfall {
                 message: format!(
-                    "model '{name}': {what} {} committed + {} asked > budget {}",
+                    "model '{name}': {what} {} committed + {} asked > budget {}{}",
                     fmt_bytes(committed),
                     fmt_bytes(asked),
-                    fmt_bytes(budget)
+                    fmt_bytes(budget),
+                    if launched {
+                        " (a launched model's permits come out of the memory its launch declared)"
+                    } else {
+                        ""
+                    }
                 ),
                 ..Default::default()
             };
@@ -649,6 +673,16 @@ impl Reservations {
     ) -> Result<Pool, (RefusalReason, String)> {
         let own = self.capacity.member_of.get(&peer.process()).cloned();
         let Some(name) = model else {
+            if own.is_none() && !self.config.permits.host_pool_users().may_act(peer.uid) {
+                return Err((
+                    RefusalReason::NotAllowed,
+                    format!(
+                        "uid {} may not take permits from the host-wide pool (permits.users): \
+                         name a model you are a user of",
+                        peer.uid
+                    ),
+                ));
+            }
             return Ok(own);
         };
         check_model_name(name).map_err(|e| (RefusalReason::Invalid, e))?;
@@ -1051,6 +1085,7 @@ impl Reservations {
         check_model_name(&r.model).map_err(|e| invalid(format!("--model: {e}")))?;
         if let Some(url) = &r.ready_url {
             check_url("--ready-url", url).map_err(invalid)?;
+            crate::config::check_ready_url(url).map_err(|e| invalid(format!("--ready-url {e}")))?;
         }
         if let Some(url) = &r.metrics_url {
             crate::config::check_metrics_url(url)
@@ -1979,6 +2014,88 @@ mod tests {
             timeout_ms: Some(1000),
             ..Default::default()
         }
+    }
+
+    /// `table()` with `config_text` and a caller of `uid` on connection 1.
+    fn table_for(
+        config_text: &str,
+        uid: u32,
+    ) -> (Reservations, tokio::sync::mpsc::Receiver<Response>) {
+        let mut t = Reservations::new(config(config_text));
+        t.tick(Duration::ZERO, capacity(4 * GIB));
+        t.connect(1, uid, Duration::ZERO).unwrap();
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        let peer = Peer {
+            uid,
+            pid: std::process::id() as i32,
+            start_time: 1,
+        };
+        t.attach(1, peer, tx);
+        (t, rx)
+    }
+
+    fn refusal(answer: Option<Response>) -> (RefusalReason, String) {
+        match answer {
+            Some(Response::Refused {
+                reason, message, ..
+            }) => (reason, message),
+            other => panic!("not refused: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_host_wide_pool_is_for_its_users_only() {
+        let host = |id| AcquireRequest {
+            id,
+            gpu_bytes: Some(GIB),
+            timeout_ms: Some(0),
+            ..Default::default()
+        };
+        let (mut t, _rx) = table_for("", 1001);
+        let (reason, message) = refusal(t.acquire(1, host(1), Duration::ZERO));
+        assert_eq!(reason, RefusalReason::NotAllowed);
+        assert!(message.contains("host-wide pool"), "{message}");
+        let (mut t, _rx) = table_for("", 999);
+        assert!(matches!(
+            t.acquire(1, host(1), Duration::ZERO),
+            Some(Response::Granted { .. })
+        ));
+        let (mut t, _rx) = table_for("[permits]\nusers = [\"1001\"]\n", 1001);
+        assert!(matches!(
+            t.acquire(1, host(1), Duration::ZERO),
+            Some(Response::Granted { .. })
+        ));
+    }
+
+    #[test]
+    fn a_launched_model_gives_permits_only_out_of_what_it_declared() {
+        let (mut t, _rx) = table_for("", 1001);
+        let own = rustix::process::pidfd_open(
+            rustix::process::getpid(),
+            rustix::process::PidfdFlags::empty(),
+        )
+        .unwrap();
+        let launch = |gpu: Option<u64>| LaunchRequest {
+            model: "mine".into(),
+            gpu_memory_bytes: gpu,
+            command: vec!["x".into()],
+            ..Default::default()
+        };
+        let answer = t.launch(1, launch(None), Arc::new(own), Duration::ZERO);
+        assert!(
+            matches!(answer, Some(Response::Admitted { .. })),
+            "{answer:?}"
+        );
+        let ask = AcquireRequest {
+            id: 1,
+            model: Some("mine".into()),
+            gpu_bytes: Some(GIB),
+            timeout_ms: Some(0),
+            ..Default::default()
+        };
+        let (reason, message) = refusal(t.acquire(1, ask, Duration::ZERO));
+        assert_eq!(reason, RefusalReason::TooLarge, "{message}");
+        assert!(message.contains("its launch declared"), "{message}");
     }
 
     #[test]
