@@ -675,3 +675,140 @@ fn what_a_user_sends_is_bounded_and_the_daemon_stays_small_and_answers() {
         let _ = c.wait();
     }
 }
+
+/// Stalls connections to the daemon's socket (argv: socket, count, model, ram_bytes): each one
+/// first asks for `count_waits` permits that wait (they time out together 3 s later, answered
+/// through the daemon's reply queue), then sends requests answered at once until the daemon can
+/// no longer write to it (its receive queue stops growing), and never reads. Prints "stalled N"
+/// once all are set up, then holds them (and tries 10 more connections every second, printing
+/// how many stayed open).
+const STALL_PY: &str = r#"
+import fcntl, json, socket, struct, sys, termios, time
+path, count, model, ram = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+def inq(s):
+    return struct.unpack("i", fcntl.ioctl(s, termios.FIONREAD, b"\0\0\0\0"))[0]
+def send(s, m):
+    s.sendall((json.dumps(m) + "\n").encode())
+def stall():
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    for i in range(100):
+        send(s, {"version": 1, "type": "acquire", "id": 100000 + i, "model": model,
+                 "ram_bytes": ram, "timeout_ms": 3000})
+    last, stable, n = -1, 0, 0
+    while stable < 20 and n < 5000:
+        send(s, {"version": 1, "type": "acquire", "id": n, "model": "x" * 128})
+        n += 1
+        time.sleep(0.001)
+        q = inq(s)
+        stable, last = (stable + 1, last) if q == last else (0, q)
+    return s
+held = []
+for _ in range(count):
+    try:
+        held.append(stall())
+    except OSError:
+        pass
+print("stalled", len(held), flush=True)
+began = time.time()
+def closed_by_daemon(s):
+    # Past the daemon's write timeout: drain what it wrote; b"" means it closed its end.
+    s.setblocking(False)
+    try:
+        while True:
+            data = s.recv(65536)
+            if not data:
+                return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+while True:
+    probes = []
+    for _ in range(10):
+        try:
+            p = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            p.connect(path)
+            probes.append(p)
+        except OSError:
+            pass
+    time.sleep(0.5)
+    open_ = 0
+    for p in probes:
+        p.setblocking(False)
+        try:
+            open_ += 0 if p.recv(1) == b"" else 1
+        except BlockingIOError:
+            open_ += 1
+        except OSError:
+            pass
+        p.close()
+    closed = sum(closed_by_daemon(s) for s in held) if time.time() - began > 12 else -1
+    print("probe", open_, closed, len(held), flush=True)
+    time.sleep(0.5)
+"#;
+
+#[test]
+fn connections_that_stop_reading_stay_counted_and_are_closed() {
+    let attacker = Attacker::create();
+    let total = std::fs::read_to_string("/proc/meminfo")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches(" kB").parse::<u64>().ok())
+        .unwrap()
+        * 1024;
+    // More RAM than is free now (so the permits wait) but less than the machine has.
+    let ask = (mem_available() + total) / 2;
+    let cap = 8;
+    let g = guard(
+        "min_available = \"0%\"\nwarn_available = \"0%\"\n",
+        &format!(
+            "[clients]\nmax_connections_per_uid = {cap}\n{}",
+            model(
+                "stall",
+                &token("stall"),
+                &format!("users = [\"{}\"]\nram = \"{}\"", attacker.name, total)
+            )
+        ),
+    );
+    let pid = g.daemon.child.id();
+    let before = fds(pid);
+    let mut stall = attacker
+        .python(STALL_PY)
+        .args([&path(&g.socket), "20", "stall", &ask.to_string()])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(stall.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    assert!(first.starts_with("stalled"), "{first}");
+    // While the attacker holds its stalled connections and keeps opening more, the daemon holds
+    // at most the per-uid cap (a socket and a pidfd each), and it closes the stalled ones once
+    // their answers have waited 5 s to be read (the attacker sees them closed 12 s in).
+    let mut closed = None;
+    for _ in 0..30 {
+        let probe = lines.next().unwrap().unwrap();
+        let fields: Vec<i64> = probe
+            .split_whitespace()
+            .skip(1)
+            .map(|n| n.parse().unwrap())
+            .collect();
+        let open = fds(pid);
+        assert!(
+            open <= before + 2 * cap + 8,
+            "the daemon holds {open} descriptors (was {before}; cap {cap} connections)"
+        );
+        if fields[1] >= 0 {
+            closed = Some((fields[1], fields[2]));
+            break;
+        }
+    }
+    let (closed, held) = closed.expect("the attacker reported nothing");
+    assert!(held >= 1, "no connection stalled");
+    assert_eq!(closed, held, "stalled connections the daemon did not close");
+    // Root is still served.
+    assert_eq!(g.daemon.status()["schema_version"], 2);
+    let _ = stall.kill();
+    let _ = stall.wait();
+}

@@ -244,6 +244,8 @@ async fn serve(
                 tracing::debug!(conn, "socket client leaves its answers unread: closing");
                 break;
             }
+            // The writer gave up on a client that does not read (WRITE_TIMEOUT).
+            () = tx.closed() => break,
         };
         let line = match read {
             Err(_) if first => {
