@@ -1018,7 +1018,8 @@ impl Reservations {
             told: true,
         };
         self.uid_use(peer.uid).launches += 1;
-        let alone = self.launch_queue.is_empty();
+        let slot = self.queue_slot(peer.uid);
+        let alone = slot == 0;
         match self.launch_fit(&waiter) {
             Fit::Now { gpus } if alone => Some(self.admit_launch(waiter, gpus, now)),
             Fit::Never(s) => {
@@ -1038,7 +1039,7 @@ impl Reservations {
             Fit::Later(_) if alone && self.only_stale(&waiter) => {
                 let mut waiter = waiter;
                 waiter.told = false;
-                self.launch_queue.push_back(waiter);
+                self.launch_queue.insert(slot, waiter);
                 None
             }
             fit => {
@@ -1047,8 +1048,8 @@ impl Reservations {
                     Fit::Later(s) => s.message,
                     _ => "its turn: launches ahead of it in the queue".into(),
                 };
-                let answer = self.queued(&waiter, self.launch_queue.len() + 1);
-                self.launch_queue.push_back(waiter);
+                let answer = self.queued(&waiter, slot + 1);
+                self.launch_queue.insert(slot, waiter);
                 Some(answer)
             }
         }
@@ -1185,11 +1186,29 @@ impl Reservations {
         })
     }
 
-    fn loading(&self) -> usize {
+    /// Models loading that hold the launch lock against a launch by `uid`: all of them, but for
+    /// root and system accounts only their own class's (a user's launch that loads for hours, or
+    /// never, must not keep the host's own servers from starting; memory admission still counts
+    /// it).
+    fn loading_against(&self, uid: u32) -> usize {
         self.holdings
             .values()
             .filter(|h| matches!(&h.kind, Held::Lease(l) if l.state == LeaseState::Loading))
+            .filter(|h| !privileged(uid) || privileged(h.peer.uid))
             .count()
+    }
+
+    /// Where a launch by `uid` joins the queue: root's and system accounts' launches go ahead of
+    /// users' (first come, first served within each), so no user can hold them back.
+    fn queue_slot(&self, uid: u32) -> usize {
+        if privileged(uid) {
+            self.launch_queue
+                .iter()
+                .take_while(|w| privileged(w.peer.uid))
+                .count()
+        } else {
+            self.launch_queue.len()
+        }
     }
 
     /// A launch fits when the lock is free, no warn floor is crossed and its memory fits.
@@ -1210,7 +1229,7 @@ impl Reservations {
             return fit;
         }
         let max = self.config.launch.max_loading;
-        if self.loading() >= max {
+        if self.loading_against(w.peer.uid) >= max {
             return Fit::Later(Shortfall {
                 message: "the launch lock: another model is loading".into(),
                 ..Default::default()
@@ -1779,7 +1798,7 @@ impl Reservations {
 
     /// True while a launch waits or loads (admission and readiness are looked at every tick).
     pub fn launching(&self) -> bool {
-        !self.launch_queue.is_empty() || self.loading() > 0
+        !self.launch_queue.is_empty() || self.loading_against(u32::MAX) > 0 // any uid: all of them
     }
 
     /// The table as `status` shows it.
@@ -1890,6 +1909,11 @@ fn about(pool: &Pool, peer: &Peer) -> About {
         uid: Some(peer.uid),
         resource: None,
     }
+}
+
+/// Root or a system account: what users cannot become.
+fn privileged(uid: u32) -> bool {
+    uid < crate::config::FIRST_USER_UID
 }
 
 /// A launched model with no `[[model]]`: its flags are its budgets, it is only alerted on, and
@@ -2096,6 +2120,61 @@ mod tests {
         let (reason, message) = refusal(t.acquire(1, ask, Duration::ZERO));
         assert_eq!(reason, RefusalReason::TooLarge, "{message}");
         assert!(message.contains("its launch declared"), "{message}");
+    }
+
+    #[test]
+    fn a_users_launch_never_holds_back_the_hosts_own() {
+        let (mut t, _rx) = table_for("", 1001);
+        let mut replies = Vec::new();
+        let mut join = |t: &mut Reservations, conn: ConnId, uid: u32| {
+            t.connect(conn, uid, Duration::ZERO).unwrap();
+            let (tx, rx) = tokio::sync::mpsc::channel(16);
+            replies.push(rx);
+            let peer = Peer {
+                uid,
+                pid: std::process::id() as i32,
+                start_time: 1,
+            };
+            t.attach(conn, peer, tx);
+        };
+        join(&mut t, 2, 1001);
+        join(&mut t, 3, 0);
+        join(&mut t, 4, 999);
+        let mut launch = |t: &mut Reservations, conn: ConnId, model: &str| {
+            let own = rustix::process::pidfd_open(
+                rustix::process::getpid(),
+                rustix::process::PidfdFlags::empty(),
+            )
+            .unwrap();
+            let request = LaunchRequest {
+                model: model.into(),
+                command: vec!["x".into()],
+                ..Default::default()
+            };
+            t.launch(conn, request, Arc::new(own), Duration::ZERO)
+        };
+        // A user's launch takes the lock and loads (for hours, say)...
+        assert!(matches!(
+            launch(&mut t, 1, "mine"),
+            Some(Response::Admitted { .. })
+        ));
+        // ...another user's waits for it...
+        assert!(matches!(
+            launch(&mut t, 2, "theirs"),
+            Some(Response::Queued { position: 1, .. })
+        ));
+        // ...but root's is not held back by it,
+        assert!(matches!(
+            launch(&mut t, 3, "host"),
+            Some(Response::Admitted { .. })
+        ));
+        // and a system account's, waiting for root's to load, goes ahead of the user's.
+        assert!(matches!(
+            launch(&mut t, 4, "system"),
+            Some(Response::Queued { position: 1, .. })
+        ));
+        assert_eq!(t.launch_queue[0].peer.uid, 999);
+        assert_eq!(t.launch_queue[1].peer.uid, 1001);
     }
 
     #[test]
