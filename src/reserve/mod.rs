@@ -2140,7 +2140,7 @@ mod tests {
         join(&mut t, 2, 1001);
         join(&mut t, 3, 0);
         join(&mut t, 4, 999);
-        let mut launch = |t: &mut Reservations, conn: ConnId, model: &str| {
+        let launch = |t: &mut Reservations, conn: ConnId, model: &str| {
             let own = rustix::process::pidfd_open(
                 rustix::process::getpid(),
                 rustix::process::PidfdFlags::empty(),
