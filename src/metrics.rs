@@ -116,6 +116,7 @@ pub struct Metrics {
     engine_preemptions: Family<NameLabels, Gauge>,
     actions: Family<ActionLabels, Counter>,
     events: Family<EventLabels, Counter>,
+    events_suppressed: Counter,
     queue_length: Gauge,
     leases: Family<StateLabels, Gauge>,
     held: Gauge,
@@ -289,6 +290,11 @@ impl Metrics {
                 "Events reported, by kind and severity",
                 Family::default()
             ),
+            events_suppressed: reg!(
+                "gpuguard_events_suppressed",
+                "Events clients caused past the per-uid rate limit (20 per uid per minute): counted here and summed up in one events_suppressed event per uid and minute, not reported one by one",
+                Counter::default()
+            ),
             queue_length: reg!(
                 "gpuguard_launch_queue_length",
                 "Launches waiting in the queue",
@@ -331,7 +337,7 @@ impl Metrics {
             ),
             alerts_dropped: reg!(
                 "gpuguard_alerts_dropped",
-                "Notifications dropped because the sink's queue was full (oldest first), per sink",
+                "Notifications dropped because the sink's queue was full (the oldest of the lowest severity first; never a critical one for a lower one), per sink",
                 Family::default()
             ),
             permits: PermitFamilies {
@@ -655,6 +661,11 @@ impl Metrics {
                 severity: severity.as_str().into(),
             })
             .inc();
+    }
+
+    /// Client-caused events the per-uid rate limit kept out.
+    pub fn count_suppressed(&self, n: u64) {
+        self.events_suppressed.inc_by(n);
     }
 
     /// The counters of one alert sink (created at 0 so they show before the first alert).

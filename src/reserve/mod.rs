@@ -27,6 +27,7 @@ use std::time::Duration;
 use tokio::sync::mpsc::Sender;
 use tokio::sync::Notify;
 
+use crate::alert::limit::PerUid;
 use crate::config::{Config, ModelAction, ModelConfig, User, Users};
 use crate::ipc::peer::Peer;
 use crate::ipc::{
@@ -144,6 +145,8 @@ pub struct TickReport {
     pub registered: HashMap<ProcessId, String>,
     /// Launched models that have no `[[model]]`: their budgets come from the launch.
     pub launched_models: Vec<ModelConfig>,
+    /// Client-caused events suppressed by the per-uid rate limit since the last tick.
+    pub events_suppressed: u64,
 }
 
 /// What `status` shows of the table.
@@ -191,6 +194,8 @@ pub struct Reservations {
     next_id: u64,
     events: Vec<Event>,
     events_dropped: u64,
+    /// The per-uid rate limit on the events clients cause.
+    event_limit: PerUid,
 }
 
 fn model_label(pool: &Pool) -> String {
@@ -216,6 +221,7 @@ impl Reservations {
             next_id: 0,
             events: Vec::new(),
             events_dropped: 0,
+            event_limit: PerUid::default(),
         }
     }
 
@@ -224,7 +230,15 @@ impl Reservations {
         self.config = config;
     }
 
+    /// Keeps an event for the next tick. Every event here is caused by a client (it names the
+    /// client's uid): past the uid's share of the rate limit it is counted, not kept, so one
+    /// user's request loop cannot flood the event log and the webhooks.
     fn event(&mut self, e: Event) {
+        if let Some(uid) = e.about.uid {
+            if !self.event_limit.admit(uid, e.kind, e.severity) {
+                return;
+            }
+        }
         if self.events.len() < MAX_EVENTS {
             self.events.push(e);
         } else {
@@ -1437,8 +1451,10 @@ impl Reservations {
             &shortfall,
         );
         self.event(
+            // Info: a client's own request not granted in time (its answer says so); not news
+            // for the operator, and a client can cause thousands a second.
             Event::new(
-                Severity::Warning,
+                Severity::Info,
                 EventKind::PermitTimedOut,
                 format!("permit for pid {} refused: {message}", w.peer.pid),
             )
@@ -1460,8 +1476,9 @@ impl Reservations {
             w.waiting_for
         );
         self.event(
+            // Info: the client hears of it; a client's loop could make many.
             Event::new(
-                Severity::Warning,
+                Severity::Info,
                 EventKind::LaunchTimedOut,
                 format!("{message} (pid {})", w.peer.pid),
             )
@@ -1490,7 +1507,8 @@ impl Reservations {
             humantime::format_duration(Duration::from_millis(ms(held_for)))
         );
         self.event(
-            Event::new(Severity::Warning, EventKind::PermitExpired, message.clone())
+            // Info: the holder's own permit ended (it is told); client-caused.
+            Event::new(Severity::Info, EventKind::PermitExpired, message.clone())
                 .about(about(&pool, &peer)),
         );
         self.send(conn, Response::Expired { permit, message });
@@ -1589,6 +1607,8 @@ impl Reservations {
         self.expire(now);
         self.admit_waiting(now);
         self.forget_unused();
+        let summaries = self.event_limit.roll(now);
+        self.events.extend(summaries);
         if self.events_dropped > 0 {
             let n = std::mem::take(&mut self.events_dropped);
             self.events.push(Event::new(
@@ -1607,6 +1627,7 @@ impl Reservations {
             .collect();
         TickReport {
             events: std::mem::take(&mut self.events),
+            events_suppressed: self.event_limit.take_suppressed(),
             registered,
             launched_models: self
                 .launched
@@ -1647,6 +1668,8 @@ impl Reservations {
             let Some(h) = self.holdings.get(&id) else {
                 continue;
             };
+            // A model that overran its ready timeout held the launch lock all that while: a
+            // warning. Ready in time is news for no one but the launcher.
             let severity = if why.starts_with("not ready") {
                 Severity::Warning
             } else {
@@ -1675,9 +1698,11 @@ impl Reservations {
             let (pool, peer) = (h.pool.clone(), h.peer);
             if loading {
                 self.lease_ready(id);
+                // Info: the launching client's own process exited (it can do so in a loop);
+                // a kill by the guard has its own critical event.
                 self.event(
                     Event::new(
-                        Severity::Warning,
+                        Severity::Info,
                         EventKind::LaunchDied,
                         format!(
                             "model '{}' (pid {}) exited while loading; launch lock released",
