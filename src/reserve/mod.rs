@@ -2006,6 +2006,75 @@ mod tests {
         }
     }
 
+    /// Red-team finding 5: one user's request loop made thousands of warning events a second.
+    /// They are info, at most `limit::PER_UID` per uid and window are kept (so they cannot crowd
+    /// another user's events out of the table's per-tick cap), the rest are counted and summed up
+    /// once the window ends.
+    #[test]
+    fn one_uids_flood_of_timeouts_is_rate_limited_and_does_not_crowd_out_another_uids_events() {
+        use crate::alert::limit::{PER_UID, WINDOW};
+        let mut t = Reservations::new(config(
+            "[[model]]\nname = \"served\"\nmatch = { comm = \"x\" }\nusers = [\"1001\", \"1002\"]\n",
+        ));
+        t.tick(Duration::ZERO, capacity(4 * GIB));
+        let mut replies = Vec::new();
+        for (conn, uid) in [(1, 1001), (2, 1002)] {
+            t.connect(conn, uid, Duration::ZERO).unwrap();
+            let (tx, rx) = tokio::sync::mpsc::channel(4096);
+            let peer = Peer {
+                uid,
+                pid: uid as i32,
+                start_time: 1,
+            };
+            t.attach(conn, peer, tx);
+            replies.push(rx);
+        }
+        let now = Duration::from_secs(1);
+        // 1001: 1000 requests that can never be granted in time, in batches (its waiting cap).
+        for batch in 0..10 {
+            for id in 0..100 {
+                assert_eq!(t.acquire(1, ask(14, batch * 100 + id + 1), now), None);
+            }
+            t.expire(now + Duration::from_secs(2));
+        }
+        // 1002: one of its own, which times out too.
+        assert_eq!(t.acquire(2, ask(14, 1), now), None);
+        t.expire(now + Duration::from_secs(2));
+        let report = t.tick(now + Duration::from_secs(2), capacity(4 * GIB));
+        let of = |uid| {
+            report
+                .events
+                .iter()
+                .filter(move |e| e.about.uid == Some(uid) && e.kind == EventKind::PermitTimedOut)
+        };
+        assert_eq!(of(1001).count(), PER_UID as usize);
+        assert_eq!(of(1002).count(), 1, "the other uid's event is kept");
+        assert!(of(1001)
+            .chain(of(1002))
+            .all(|e| e.severity == Severity::Info));
+        assert_eq!(report.events_suppressed, 1000 - PER_UID as u64);
+        assert!(report
+            .events
+            .iter()
+            .all(|e| e.kind != EventKind::EventsDropped));
+        // The window ends: one summary, for the uid that had events suppressed.
+        let report = t.tick(WINDOW + Duration::from_secs(1), capacity(4 * GIB));
+        let summaries: Vec<&Event> = report
+            .events
+            .iter()
+            .filter(|e| e.kind == EventKind::EventsSuppressed)
+            .collect();
+        assert_eq!(summaries.len(), 1, "{summaries:?}");
+        assert_eq!(summaries[0].about.uid, Some(1001));
+        assert!(
+            summaries[0]
+                .message
+                .contains("980 more events (permit_timed_out)"),
+            "{}",
+            summaries[0].message
+        );
+    }
+
     #[test]
     fn cuda_visible_devices_naming_a_gpu_twice_is_refused_not_half_reserved() {
         let mut two = capacity(0);
