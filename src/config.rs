@@ -1053,6 +1053,13 @@ impl Config {
             if m.name.trim().is_empty() {
                 return Err((format!("model[{i}].name"), "must not be empty".into()));
             }
+            if m.name.starts_with('(') {
+                return Err((
+                    format!("{key}.name"),
+                    "must not start with '(' (reserved for the daemon's own labels such as '(host)')"
+                        .into(),
+                ));
+            }
             if !names.insert(m.name.as_str()) {
                 return Err((
                     format!("{key}.name"),
@@ -1452,6 +1459,10 @@ mod tests {
             (
                 "[[model]]\nname = \"a\"\n[[model]]\nname = \"a\"\n",
                 "model[1] 'a'.name: 'a' is used by another",
+            ),
+            (
+                "[[model]]\nname = \"(host)\"\n",
+                "model[0] '(host)'.name: must not start with '('",
             ),
             ("[ram\n", "TOML syntax error"),
             (

@@ -100,6 +100,8 @@ named! {
         LeftoversUndone = "leftovers_undone",
         StateFileCorrupt = "state_file_corrupt",
         EventsDropped = "events_dropped",
+        /// One uid's client-caused events past the per-uid rate limit, summed up once a window.
+        EventsSuppressed = "events_suppressed",
     }
 }
 

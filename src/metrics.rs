@@ -116,6 +116,7 @@ pub struct Metrics {
     engine_preemptions: Family<NameLabels, Gauge>,
     actions: Family<ActionLabels, Counter>,
     events: Family<EventLabels, Counter>,
+    events_suppressed: Counter,
     queue_length: Gauge,
     leases: Family<StateLabels, Gauge>,
     held: Gauge,
@@ -289,6 +290,11 @@ impl Metrics {
                 "Events reported, by kind and severity",
                 Family::default()
             ),
+            events_suppressed: reg!(
+                "gpuguard_events_suppressed",
+                "Events clients caused past the per-uid rate limit (20 per uid per minute): counted here and summed up in one events_suppressed event per uid and minute, not reported one by one",
+                Counter::default()
+            ),
             queue_length: reg!(
                 "gpuguard_launch_queue_length",
                 "Launches waiting in the queue",
@@ -331,7 +337,7 @@ impl Metrics {
             ),
             alerts_dropped: reg!(
                 "gpuguard_alerts_dropped",
-                "Notifications dropped because the sink's queue was full (oldest first), per sink",
+                "Notifications dropped because the sink's queue was full (the oldest of the lowest severity first; never a critical one for a lower one), per sink",
                 Family::default()
             ),
             permits: PermitFamilies {
@@ -657,6 +663,11 @@ impl Metrics {
             .inc();
     }
 
+    /// Client-caused events the per-uid rate limit kept out.
+    pub fn count_suppressed(&self, n: u64) {
+        self.events_suppressed.inc_by(n);
+    }
+
     /// The counters of one alert sink (created at 0 so they show before the first alert).
     pub fn sink(&self, sink: &str, format: &str) -> SinkCounters {
         let labels = SinkLabels {
@@ -767,14 +778,76 @@ fn to_text_format(om: &str) -> String {
     out
 }
 
-/// How long a scraper may take to send its request.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a scraper may take to send its request headers: Prometheus sends them at once, so a
+/// connection still silent after this is closed.
+const HEADER_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long writing the answer may take.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_REQUEST_BYTES: usize = 8192;
 
-/// Binds `address` and serves `/metrics` on a new thread until the process exits.
-/// Scrapes served at once; more connections are closed as they arrive.
+/// Connections served at once. When all are taken, a new one closes the oldest that has not
+/// sent its whole request yet (idle connections cannot keep scrapes out); only when every slot
+/// is answering a request is the new one closed.
 const MAX_CONNECTIONS: usize = 32;
 
+/// The open connections, by arrival: `Some` (the way to close it) while a connection still reads
+/// its request, `None` once it is being answered.
+#[derive(Default)]
+struct Slots {
+    open: std::collections::BTreeMap<u64, Option<tokio::sync::oneshot::Sender<()>>>,
+    next: u64,
+}
+
+impl Slots {
+    /// A slot for a new connection (its number and what closes it), closing the oldest
+    /// connection still reading its request when all are taken; None when every slot is busy
+    /// answering.
+    fn take(&mut self, max: usize) -> Option<(u64, tokio::sync::oneshot::Receiver<()>)> {
+        if self.open.len() >= max {
+            let oldest = self
+                .open
+                .iter()
+                .find(|(_, r)| r.is_some())
+                .map(|(id, _)| *id)?;
+            if let Some(Some(close)) = self.open.remove(&oldest) {
+                let _ = close.send(());
+            }
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.next += 1;
+        self.open.insert(self.next, Some(tx));
+        Some((self.next, rx))
+    }
+}
+
+/// A connection's slot: given back when the connection ends (unless it was closed to make room,
+/// which gave it back already).
+struct Slot {
+    slots: Arc<Mutex<Slots>>,
+    id: u64,
+}
+
+impl Slot {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Slots> {
+        self.slots.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The request is in: the connection may no longer be closed to make room.
+    fn answering(&self) {
+        if let Some(entry) = self.lock().open.get_mut(&self.id) {
+            *entry = None;
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let id = self.id;
+        self.lock().open.remove(&id);
+    }
+}
+
+/// Binds `address` and serves `/metrics` on a new thread until the process exits.
 pub fn serve(address: SocketAddr, metrics: Metrics) -> anyhow::Result<SocketAddr> {
     let listener = std::net::TcpListener::bind(address)
         .with_context(|| format!("metrics: cannot listen on {address}"))?;
@@ -795,24 +868,31 @@ pub fn serve(address: SocketAddr, metrics: Metrics) -> anyhow::Result<SocketAddr
                     Ok(l) => l,
                     Err(e) => return tracing::error!("metrics server: {e}"),
                 };
-                let open = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+                let slots = Arc::new(Mutex::new(Slots::default()));
                 loop {
                     let Ok((stream, _)) = listener.accept().await else {
                         // Out of file descriptors: wait rather than spin.
                         tokio::time::sleep(Duration::from_millis(50)).await;
                         continue;
                     };
-                    // Over the cap the connection is closed at once: idle scrapers cannot use
-                    // up the daemon's file descriptors.
-                    let Ok(slot) = open.clone().try_acquire_owned() else {
+                    // Over the cap the oldest idle connection makes room; if every slot is
+                    // answering, the new connection is closed at once: idle scrapers can
+                    // neither use up the daemon's file descriptors nor keep scrapes out.
+                    let taken = slots
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .take(MAX_CONNECTIONS);
+                    let Some((id, closed)) = taken else {
                         drop(stream);
                         continue;
                     };
+                    let slot = Slot {
+                        slots: slots.clone(),
+                        id,
+                    };
                     let metrics = metrics.clone();
                     tokio::spawn(async move {
-                        let _ =
-                            tokio::time::timeout(REQUEST_TIMEOUT, answer(stream, &metrics)).await;
-                        drop(slot);
+                        let _ = connection(stream, slot, closed, &metrics).await;
                     });
                 }
             });
@@ -820,18 +900,48 @@ pub fn serve(address: SocketAddr, metrics: Metrics) -> anyhow::Result<SocketAddr
     Ok(bound)
 }
 
-/// One request, one response, then close.
-async fn answer(mut stream: tokio::net::TcpStream, metrics: &Metrics) -> std::io::Result<()> {
+/// One connection: its request within `HEADER_TIMEOUT` (or until it is closed to make room),
+/// then its answer within `ANSWER_TIMEOUT`.
+async fn connection(
+    mut stream: tokio::net::TcpStream,
+    slot: Slot,
+    closed: tokio::sync::oneshot::Receiver<()>,
+    metrics: &Metrics,
+) -> std::io::Result<()> {
+    let request = tokio::select! {
+        _ = closed => return Ok(()),
+        read = tokio::time::timeout(HEADER_TIMEOUT, read_request(&mut stream)) => match read {
+            Ok(Ok(Some(request))) => request,
+            _ => return Ok(()),
+        },
+    };
+    slot.answering();
+    let _ = tokio::time::timeout(ANSWER_TIMEOUT, answer(stream, &request, metrics)).await;
+    drop(slot);
+    Ok(())
+}
+
+/// The request head, up to its blank line; None if the peer closed or sent too much first.
+async fn read_request(stream: &mut tokio::net::TcpStream) -> std::io::Result<Option<Vec<u8>>> {
     let mut request = Vec::new();
     let mut buf = [0u8; 1024];
     while !request.windows(4).any(|w| w == b"\r\n\r\n") {
         let n = stream.read(&mut buf).await?;
         if n == 0 || request.len() + n > MAX_REQUEST_BYTES {
-            return Ok(());
+            return Ok(None);
         }
         request.extend_from_slice(&buf[..n]);
     }
-    let request = String::from_utf8_lossy(&request);
+    Ok(Some(request))
+}
+
+/// One response, then close.
+async fn answer(
+    mut stream: tokio::net::TcpStream,
+    request: &[u8],
+    metrics: &Metrics,
+) -> std::io::Result<()> {
+    let request = String::from_utf8_lossy(request);
     let mut lines = request.lines();
     let first = lines.next().unwrap_or("");
     let mut parts = first.split_whitespace();
@@ -881,6 +991,85 @@ async fn answer(mut stream: tokio::net::TcpStream, metrics: &Metrics) -> std::io
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn scrape(port: u16) -> String {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut answer = String::new();
+        let _ = s.read_to_string(&mut answer);
+        answer
+    }
+
+    /// Red-team finding 8: any local user could hold every slot with connections that send
+    /// nothing. Now the oldest of those makes room for a new one, and each is closed after
+    /// `HEADER_TIMEOUT` anyway.
+    #[test]
+    fn idle_connections_holding_every_slot_do_not_keep_a_scrape_out() {
+        let m = Metrics::new();
+        m.count_action("kill", "ram_floor", "done");
+        let port = serve("127.0.0.1:0".parse().unwrap(), m).unwrap().port();
+        let idle: Vec<std::net::TcpStream> = (0..40)
+            .map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).unwrap())
+            .collect();
+        std::thread::sleep(Duration::from_millis(100));
+        for _ in 0..3 {
+            let started = std::time::Instant::now();
+            let answer = scrape(port);
+            assert!(answer.starts_with("HTTP/1.1 200 OK"), "{answer:?}");
+            assert!(answer.contains("gpuguard_actions_total"), "{answer}");
+            assert!(
+                started.elapsed() < HEADER_TIMEOUT,
+                "{:?}",
+                started.elapsed()
+            );
+        }
+        drop(idle);
+    }
+
+    #[test]
+    fn a_connection_that_sends_no_request_is_closed_after_the_header_deadline() {
+        use std::io::Read;
+        let port = serve("127.0.0.1:0".parse().unwrap(), Metrics::new())
+            .unwrap()
+            .port();
+        let mut idle = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        idle.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let started = std::time::Instant::now();
+        let mut buf = [0u8; 16];
+        assert_eq!(idle.read(&mut buf).unwrap_or(0), 0, "closed, not answered");
+        let took = started.elapsed();
+        assert!(
+            took >= HEADER_TIMEOUT - Duration::from_millis(100)
+                && took < HEADER_TIMEOUT + Duration::from_secs(2),
+            "{took:?}"
+        );
+    }
+
+    #[test]
+    fn a_full_table_closes_the_oldest_reader_never_one_being_answered() {
+        let mut slots = Slots::default();
+        let (a, mut a_closed) = slots.take(2).unwrap();
+        let (b, mut b_closed) = slots.take(2).unwrap();
+        // a is being answered: b, the oldest still reading, makes room for c.
+        *slots.open.get_mut(&a).unwrap() = None;
+        let (c, _c_closed) = slots.take(2).unwrap();
+        assert!(b_closed.try_recv().is_ok(), "b told to close");
+        assert!(
+            a_closed
+                .try_recv()
+                .is_err_and(|e| e == tokio::sync::oneshot::error::TryRecvError::Closed),
+            "a was not told to close"
+        );
+        assert_eq!(slots.open.keys().copied().collect::<Vec<_>>(), vec![a, c]);
+        assert!(!slots.open.contains_key(&b));
+        // Both answering: a new connection finds no room.
+        *slots.open.get_mut(&c).unwrap() = None;
+        assert!(slots.take(2).is_none());
+    }
 
     #[test]
     fn text_format_names_counters_with_total_and_drops_eof() {

@@ -1,8 +1,9 @@
 //! Webhook alerts from the real daemon to real HTTP receivers on 127.0.0.1: a signed kill alert,
 //! retries after 503 and 429 (Retry-After) delivering once, deduplication with repeats and a
 //! resolved notice, a real Alertmanager (Debian's `prometheus-alertmanager`, started here on
-//! loopback) showing an alert and then its resolution, the event log, and a webhook that never
-//! answers not slowing the guard down.
+//! loopback) showing an alert and then its resolution, the event log, a webhook that never
+//! answers not slowing the guard down, and a flood of client-caused events not pushing a kill
+//! alert out of a slow webhook's queue or the kill's record out of the logs.
 //!
 //! The Alertmanager test needs `prometheus-alertmanager` on the PATH (.ci/run installs it): it
 //! fails, not skips, without it.
@@ -28,6 +29,8 @@ enum Reply {
     TooMany(u64),
     /// Accept, read, never answer.
     Hang,
+    /// 200 after this many milliseconds (a slow endpoint: the sink's queue fills up).
+    Slow(u64),
 }
 
 #[derive(Clone, Debug)]
@@ -81,6 +84,10 @@ impl Receiver {
                 r.lock().unwrap().push(request);
                 let head = match reply {
                     Reply::Status(code) => format!("HTTP/1.1 {code} X\r\n"),
+                    Reply::Slow(ms) => {
+                        std::thread::sleep(Duration::from_millis(ms));
+                        "HTTP/1.1 200 OK\r\n".to_string()
+                    }
                     Reply::TooMany(after) => {
                         format!("HTTP/1.1 429 Too Many Requests\r\nRetry-After: {after}\r\n")
                     }
@@ -683,4 +690,136 @@ fn webhook_behind_a_private_ca_is_trusted_through_the_system_store() {
     untrusted.wait_for_log("certificate", Duration::from_secs(20));
     let _ = receiver.kill();
     let _ = receiver.wait();
+}
+
+/// Red-team finding 5: a client's request loop (permits that time out, thousands a second) made
+/// warning events that pushed the critical kill alert out of a slow webhook's full queue and
+/// rotated the kill's record out of events.jsonl. Now those events are info, at most 20 per uid
+/// per minute are kept (the rest are counted), a full queue drops info before anything critical,
+/// and actions.jsonl keeps the actions and critical notices that clients cannot cause.
+#[test]
+fn a_flood_of_timed_out_permits_does_not_push_a_kill_alert_out() {
+    use gpuguard::ipc::{client::Connection, AcquireRequest, RefusalReason, Request, Response};
+    let receiver = Receiver::start(|_| Reply::Slow(300));
+    let port = free_port();
+    let t = token("flooded");
+    let config = base_config(&format!(
+        "[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n[launch]\nsocket = \"{{state_dir}}/gpuguard.sock\"\n\
+         [metrics]\nlisten = \"127.0.0.1:{port}\"\n\
+         [alert]\nqueue = 4\n[[alert.webhook]]\nurl = \"{}\"\nmin_severity = \"info\"\n{}",
+        receiver.url(),
+        model("greedy", &t, "ram = \"32MiB\"\naction = \"kill\"\ngrace = \"0s\"")
+    ));
+    let daemon = GuardDaemon::start(&config);
+    // More RAM than is free, less than the host has: each request waits, then times out.
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap();
+    let total_kib: u64 = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    let request = |id| AcquireRequest {
+        id,
+        ram_bytes: Some(total_kib * 1024 - 16 * MIB),
+        gpu_bytes: Some(0),
+        timeout_ms: Some(1),
+        ..Default::default()
+    };
+    let mut conn = Connection::open(&daemon.socket(), Request::Acquire(request(0))).unwrap();
+    let mut timed_out = 0u64;
+    let mut pending = 1u64;
+    let mut next = 1u64;
+    let mut hog = None;
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(6) || hog.is_none() {
+        // Batches of 16 requests in flight on the one connection.
+        while pending < 16 {
+            conn.send(Request::Acquire(request(next))).unwrap();
+            next += 1;
+            pending += 1;
+        }
+        match conn.receive().expect("an answer") {
+            Response::Refused {
+                reason, message, ..
+            } => {
+                assert_eq!(reason, RefusalReason::Timeout, "{message}");
+                timed_out += 1;
+            }
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+        pending -= 1;
+        // A second into the flood, a real incident: a model over its budget, killed.
+        if hog.is_none() && started.elapsed() > Duration::from_secs(1) {
+            hog = Some(Hog::start(&t, 0, 128, 60));
+        }
+    }
+    let mut hog = hog.unwrap();
+    eprintln!("{timed_out} permits timed out");
+    assert!(
+        timed_out >= 200,
+        "only {timed_out} timeouts: not a flood\n{}",
+        daemon.log_text()
+    );
+    hog.wait(Duration::from_secs(10))
+        .unwrap_or_else(|| panic!("over-budget model not killed:\n{}", daemon.log_text()));
+    let kill = wait_for(&receiver, |n| n["event"] == "process_killed").unwrap_or_else(|| {
+        panic!(
+            "the kill alert was pushed out: {:?}\n{}",
+            receiver
+                .notices()
+                .iter()
+                .map(|n| n["event"].to_string())
+                .collect::<Vec<_>>(),
+            daemon.log_text()
+        )
+    });
+    assert_eq!(kill.json()["severity"], "critical");
+    let flood: Vec<Value> = receiver
+        .notices()
+        .into_iter()
+        .filter(|n| n["event"] == "permit_timed_out")
+        .collect();
+    assert!(
+        flood.len() <= 20,
+        "{} permit_timed_out notices",
+        flood.len()
+    );
+    assert!(flood.iter().all(|n| n["severity"] == "info"), "{flood:?}");
+    // The event log has at most the uid's share of the flood, and the kill; actions.jsonl has the
+    // kill and none of the flood.
+    let lines = |name: &str| -> Vec<Value> {
+        std::fs::read_to_string(daemon.state_dir().join(name))
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    assert!(wait_until(Duration::from_secs(5), || lines(
+        "actions.jsonl"
+    )
+    .iter()
+    .any(|n| n["event"] == "process_killed")));
+    assert!(lines("actions.jsonl")
+        .iter()
+        .all(|n| n["event"] != "permit_timed_out"));
+    let events = lines("events.jsonl");
+    let logged = events
+        .iter()
+        .filter(|n| n["event"] == "permit_timed_out")
+        .count();
+    assert!(
+        (1..=20).contains(&logged),
+        "{logged} permit_timed_out lines in events.jsonl"
+    );
+    assert!(events.iter().any(|n| n["event"] == "process_killed"));
+    // The rest were counted.
+    let metrics = get(&format!("http://127.0.0.1:{port}/metrics")).unwrap();
+    let suppressed = sample(&metrics, "gpuguard_events_suppressed_total").unwrap_or(0.0);
+    assert!(
+        suppressed >= (timed_out - 20) as f64,
+        "{suppressed} suppressed of {timed_out}"
+    );
+    drop(conn);
+    let (code, _) = daemon.stop();
+    assert_eq!(code, Some(0));
 }

@@ -1,6 +1,9 @@
 //! The event log: one JSON object per line in `state_dir/events.jsonl`, written by its own
 //! thread. At `event_log_max_size` the file is rotated to `events.jsonl.1` (the previous `.1` is
-//! dropped), so the log never takes more than twice that. The file is opened in the checked state
+//! dropped), so the log never takes more than twice that. The same writer keeps
+//! `state_dir/actions.jsonl`: only the actions taken and the critical notices, which clients
+//! cannot cause, so requests sent in a loop (which fill `events.jsonl`) cannot rotate the
+//! record of a kill away. The file is opened in the checked state
 //! directory without following symlinks (one planted there is set aside), and opened again when
 //! it has been removed or rotated away (by an operator, by logrotate) since the last line.
 
@@ -18,10 +21,14 @@ use crate::metrics::SinkCounters;
 use crate::state_dir::{identity_of, FileIdentity, StateDir};
 
 pub const FILE_NAME: &str = "events.jsonl";
-const ROTATED: &str = "events.jsonl.1";
+/// Actions and critical notices only.
+pub const ACTIONS_FILE_NAME: &str = "actions.jsonl";
 
 struct EventLog {
     dir: StateDir,
+    /// The file's name in `dir`; rotated to `name.1`.
+    name: &'static str,
+    rotated: String,
     /// The open file and which file it is, to notice it being removed or renamed.
     file: Option<(File, FileIdentity)>,
     size: u64,
@@ -31,6 +38,7 @@ struct EventLog {
 
 pub fn start(
     state_dir: &Path,
+    name: &'static str,
     max_bytes: u64,
     queue: Arc<Queue<Notice>>,
     counters: SinkCounters,
@@ -38,6 +46,8 @@ pub fn start(
     let dir = StateDir::create(state_dir)?;
     let mut log = EventLog {
         dir,
+        name,
+        rotated: format!("{name}.1"),
         file: None,
         size: 0,
         max_bytes,
@@ -46,7 +56,7 @@ pub fn start(
     log.open()
         .with_context(|| format!("event log {}", log.path()))?;
     std::thread::Builder::new()
-        .name("event-log".into())
+        .name(format!("log-{name}"))
         .spawn(move || {
             while let Some(notice) = queue.pop() {
                 match log.write(&notice) {
@@ -70,11 +80,11 @@ pub fn start(
 
 impl EventLog {
     fn path(&self) -> String {
-        self.dir.path().join(FILE_NAME).display().to_string()
+        self.dir.path().join(self.name).display().to_string()
     }
 
     fn open(&mut self) -> std::io::Result<()> {
-        let (file, set_aside) = self.dir.open_append(FILE_NAME)?;
+        let (file, set_aside) = self.dir.open_append(self.name)?;
         if let Some(why) = set_aside {
             warn!("event log: {why}");
         }
@@ -87,7 +97,7 @@ impl EventLog {
     /// True if the name no longer leads to the file held open (removed, renamed, replaced).
     fn moved_away(&self) -> std::io::Result<bool> {
         match &self.file {
-            Some((_, held)) => Ok(self.dir.identity(FILE_NAME)? != Some(*held)),
+            Some((_, held)) => Ok(self.dir.identity(self.name)? != Some(*held)),
             None => Ok(false),
         }
     }
@@ -100,7 +110,7 @@ impl EventLog {
         }
         if self.file.is_some() && self.size > 0 && self.size + line.len() as u64 > self.max_bytes {
             self.file = None;
-            self.dir.rename(FILE_NAME, ROTATED)?;
+            self.dir.rename(self.name, &self.rotated)?;
         }
         if self.file.is_none() {
             self.open()?;
@@ -141,7 +151,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let counters = SinkCounters::default();
         let queue = Arc::new(Queue::new(1000, counters.dropped.clone()));
-        start(dir.path(), 4096, queue.clone(), counters.clone()).unwrap();
+        start(dir.path(), FILE_NAME, 4096, queue.clone(), counters.clone()).unwrap();
         for i in 0..50 {
             queue.push(notice(i));
         }
@@ -162,7 +172,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let counters = SinkCounters::default();
         let queue = Arc::new(Queue::new(1000, counters.dropped.clone()));
-        start(dir.path(), 1 << 20, queue.clone(), counters.clone()).unwrap();
+        start(
+            dir.path(),
+            FILE_NAME,
+            1 << 20,
+            queue.clone(),
+            counters.clone(),
+        )
+        .unwrap();
         let log = dir.path().join(FILE_NAME);
         let written = |n: u64| {
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);

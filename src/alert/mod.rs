@@ -16,10 +16,11 @@
 //! event log only.
 //!
 //! Nothing here can slow the daemon loop: every sink has its own worker thread fed by a bounded
-//! queue that drops its oldest entry when full (`queue.rs`); HTTP, retries and file writes happen
-//! on those threads.
+//! queue that, when full, drops the oldest notice of the lowest severity and never a critical one
+//! for a lower one (`queue.rs`); HTTP, retries and file writes happen on those threads.
 
 mod eventlog;
+pub mod limit;
 pub mod queue;
 pub mod webhook;
 
@@ -142,6 +143,15 @@ impl queue::Weigh for Notice {
             + s.pids.len() * 4
             + action
     }
+
+    /// A full queue drops info before warning, and never a critical notice for a lower one.
+    fn rank(&self) -> u8 {
+        match self.severity {
+            Severity::Info => 0,
+            Severity::Warning => 1,
+            Severity::Critical => 2,
+        }
+    }
 }
 
 impl Notice {
@@ -199,6 +209,8 @@ enum SinkSpec {
     Webhook(webhook::Spec),
     EventLog {
         state_dir: std::path::PathBuf,
+        /// `events.jsonl`, or `actions.jsonl` (actions and critical notices only).
+        name: &'static str,
         max_bytes: u64,
         queue: usize,
     },
@@ -220,6 +232,8 @@ pub struct Alerter {
     repeat_interval: Duration,
     sinks: Vec<SinkHandle>,
     event_log: Option<SinkHandle>,
+    /// `actions.jsonl`: what clients cannot cause, so their traffic cannot rotate it away.
+    actions_log: Option<SinkHandle>,
     active: BTreeMap<String, Active>,
     metrics: Metrics,
 }
@@ -235,6 +249,7 @@ impl Alerter {
             repeat_interval: config.alert.repeat_interval,
             sinks: Vec::new(),
             event_log: None,
+            actions_log: None,
             active: BTreeMap::new(),
             metrics: metrics.clone(),
         };
@@ -256,16 +271,22 @@ impl Alerter {
                 w.min_severity,
             ));
         }
-        let event_log = a.event_log.then(|| SinkSpec::EventLog {
-            state_dir: config.daemon.state_dir.clone(),
-            max_bytes: match a.event_log_max_size {
-                crate::units::Amount::Bytes(b) => b,
-                crate::units::Amount::Percent(_) => 16 << 20,
-            },
-            queue: a.queue,
-        });
+        let log = |name| {
+            a.event_log.then(|| SinkSpec::EventLog {
+                state_dir: config.daemon.state_dir.clone(),
+                name,
+                max_bytes: match a.event_log_max_size {
+                    crate::units::Amount::Bytes(b) => b,
+                    crate::units::Amount::Percent(_) => 16 << 20,
+                },
+                queue: a.queue,
+            })
+        };
+        let event_log = log(eventlog::FILE_NAME);
+        let actions_log = log(eventlog::ACTIONS_FILE_NAME);
         let mut old: Vec<SinkHandle> = std::mem::take(&mut self.sinks);
         old.extend(self.event_log.take());
+        old.extend(self.actions_log.take());
         let mut reuse = |spec: &SinkSpec| {
             old.iter()
                 .position(|h| h.spec == *spec)
@@ -279,18 +300,23 @@ impl Alerter {
             };
             sinks.push(handle);
         }
-        let event_log = match event_log {
-            Some(spec) => Some(match reuse(&spec) {
-                Some(handle) => handle,
-                None => self.start_event_log(spec)?,
-            }),
-            None => None,
-        };
+        let mut logs = Vec::new();
+        for spec in [event_log, actions_log] {
+            logs.push(match spec {
+                Some(spec) => Some(match reuse(&spec) {
+                    Some(handle) => handle,
+                    None => self.start_event_log(spec)?,
+                }),
+                None => None,
+            });
+        }
         for retired in old {
             retired.queue.abandon();
         }
+        let actions_log = logs.pop().flatten();
         self.sinks = sinks;
-        self.event_log = event_log;
+        self.event_log = logs.pop().flatten();
+        self.actions_log = actions_log;
         self.repeat_interval = a.repeat_interval;
         Ok(())
     }
@@ -320,15 +346,20 @@ impl Alerter {
     fn start_event_log(&self, spec: SinkSpec) -> anyhow::Result<SinkHandle> {
         let SinkSpec::EventLog {
             state_dir,
+            name,
             max_bytes,
             queue,
         } = &spec
         else {
             anyhow::bail!("not the event log");
         };
-        let counters = self.metrics.sink("event_log", "jsonl");
+        let label = match *name {
+            eventlog::ACTIONS_FILE_NAME => "actions_log",
+            _ => "event_log",
+        };
+        let counters = self.metrics.sink(label, "jsonl");
         let queue = Arc::new(Queue::new(*queue, counters.dropped.clone()));
-        eventlog::start(state_dir, *max_bytes, queue.clone(), counters)?;
+        eventlog::start(state_dir, name, *max_bytes, queue.clone(), counters)?;
         Ok(SinkHandle {
             queue,
             alertmanager: false,
@@ -359,9 +390,14 @@ impl Alerter {
 
     /// Hands a notice to the sinks that take it.
     fn send(&self, notice: Notice, to_webhooks: bool) {
-        if let Some(log) = &self.event_log {
-            if !notice.refresh && !notice.superseded && !notice.repeat {
+        if !notice.refresh && !notice.superseded && !notice.repeat {
+            if let Some(log) = &self.event_log {
                 log.queue.push(notice.clone());
+            }
+            if let Some(log) = &self.actions_log {
+                if notice.action.is_some() || notice.severity == Severity::Critical {
+                    log.queue.push(notice.clone());
+                }
             }
         }
         if !to_webhooks {
@@ -527,7 +563,12 @@ impl Alerter {
     /// Gives the queued notices (the "stopping" one too) a short while to go out.
     pub fn shutdown(self) {
         let deadline = Instant::now() + SHUTDOWN_GRACE;
-        for sink in self.sinks.iter().chain(&self.event_log) {
+        for sink in self
+            .sinks
+            .iter()
+            .chain(&self.event_log)
+            .chain(&self.actions_log)
+        {
             sink.queue.close();
             sink.queue.drain(deadline);
         }
@@ -551,6 +592,7 @@ mod tests {
                 spec: SinkSpec::None,
             }],
             event_log: None,
+            actions_log: None,
             active: BTreeMap::new(),
             metrics,
         };
@@ -603,6 +645,72 @@ mod tests {
         );
         a.conditions(t0 + Duration::from_secs(14), vec![]);
         assert!(drain(&q).is_empty());
+    }
+
+    /// Red-team finding 5: client traffic rotated the record of a kill out of events.jsonl.
+    /// actions.jsonl takes only what clients cannot cause: actions and critical notices.
+    #[test]
+    fn the_actions_log_takes_actions_and_critical_notices_only() {
+        let (mut a, _) = alerter(Duration::from_secs(10));
+        let log = || {
+            let queue = Arc::new(Queue::new(100, Default::default()));
+            let handle = SinkHandle {
+                queue: queue.clone(),
+                alertmanager: false,
+                min_severity: Severity::Info,
+                spec: SinkSpec::None,
+            };
+            (queue, handle)
+        };
+        let (events, handle) = log();
+        a.event_log = Some(handle);
+        let (actions, handle) = log();
+        a.actions_log = Some(handle);
+        let e = |severity, kind| Event::new(severity, kind, "m".into());
+        a.event(
+            &e(Severity::Info, EventKind::PermitTimedOut),
+            Subject::default(),
+        );
+        a.event(&e(Severity::Warning, EventKind::Xid), Subject::default());
+        a.event(
+            &e(Severity::Critical, EventKind::XidCritical),
+            Subject::default(),
+        );
+        a.action(
+            EventKind::ProcessResumed,
+            Severity::Info,
+            "resumed".into(),
+            Subject::default(),
+            ActionInfo {
+                verb: "resume".into(),
+                reason: "cleared".into(),
+                detail: String::new(),
+                outcome: "done".into(),
+            },
+        );
+        a.conditions(
+            Instant::now(),
+            vec![floor(Severity::Critical, EventKind::FloorAct)],
+        );
+        let firing = |e: &str| (e.to_string(), Status::Firing, false);
+        assert_eq!(
+            drain(&actions),
+            vec![
+                firing("xid_critical"),
+                firing("process_resumed"),
+                firing("floor_act")
+            ]
+        );
+        assert_eq!(
+            drain(&events),
+            vec![
+                firing("permit_timed_out"),
+                firing("xid"),
+                firing("xid_critical"),
+                firing("process_resumed"),
+                firing("floor_act")
+            ]
+        );
     }
 
     #[test]

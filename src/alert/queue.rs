@@ -1,6 +1,8 @@
 //! A bounded queue between the daemon loop and one sink's worker thread. Pushing never waits for
-//! the worker: when the queue is full the oldest entry is dropped (and counted), so a sink that
-//! hangs costs the loop one short, uncontended lock per notification and nothing more. A sink
+//! the worker: when the queue is full an entry is dropped (and counted): the oldest of the lowest
+//! rank (severity) queued, or the new one itself when everything queued ranks above it, so a
+//! flood of info or warning notices never pushes a critical one out. A sink that hangs costs the
+//! loop one short, uncontended lock per notification and nothing more. A sink
 //! replaced by a reload is *abandoned*: its queue is emptied and its worker stops retrying, so
 //! it ends within one request's timeout instead of lingering behind a hung endpoint.
 
@@ -13,6 +15,11 @@ use prometheus_client::metrics::counter::Counter;
 /// What an entry weighs in memory, roughly, in bytes: the queue is bounded by it too.
 pub trait Weigh {
     fn weight(&self) -> usize;
+
+    /// What it is worth keeping when the queue is full (higher: kept longer).
+    fn rank(&self) -> u8 {
+        0
+    }
 }
 
 /// Bytes of entries one queue holds at most (beside its count): a burst of notices about
@@ -61,15 +68,31 @@ impl<T: Weigh> Queue<T> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Adds an entry; returns true if the oldest one was dropped to make room.
+    /// Adds an entry; returns true if an entry (a queued one, or this one) was dropped because
+    /// the queue was full. What goes is the oldest entry of the lowest rank queued, as long as
+    /// that rank is not above the new entry's; otherwise the new entry is dropped: a full queue
+    /// never gives up an entry for one of lower rank.
     pub fn push(&self, item: T) -> bool {
         let mut inner = self.lock();
         let weight = item.weight();
+        let rank = item.rank();
         let mut dropped = false;
         while !inner.items.is_empty()
             && (inner.items.len() >= self.capacity || inner.bytes + weight > MAX_QUEUE_BYTES)
         {
-            if let Some(old) = inner.items.pop_front() {
+            // The oldest of the lowest rank, if it does not rank above the new entry.
+            let victim = inner
+                .items
+                .iter()
+                .enumerate()
+                .min_by_key(|(i, e)| (e.rank(), *i))
+                .filter(|(_, e)| e.rank() <= rank)
+                .map(|(i, _)| i);
+            let Some(at) = victim else {
+                self.dropped.inc();
+                return true;
+            };
+            if let Some(old) = inner.items.remove(at) {
                 inner.bytes -= old.weight();
             }
             self.dropped.inc();
@@ -178,6 +201,55 @@ mod tests {
         fn weight(&self) -> usize {
             *self as usize
         }
+    }
+
+    /// (rank, tag): weighs nothing, ranks by its first field.
+    #[derive(Debug, PartialEq)]
+    struct Ranked(u8, &'static str);
+
+    impl Weigh for Ranked {
+        fn weight(&self) -> usize {
+            0
+        }
+        fn rank(&self) -> u8 {
+            self.0
+        }
+    }
+
+    fn contents(q: &Queue<Ranked>) -> Vec<&'static str> {
+        q.lock().items.iter().map(|r| r.1).collect()
+    }
+
+    /// Red-team finding 5: a flood of low-severity notices pushed real critical alerts out of a
+    /// full queue. The lowest rank goes first (its oldest entry), and a full queue never gives
+    /// up an entry for one of lower rank.
+    #[test]
+    fn a_full_queue_drops_the_lowest_rank_first_and_never_a_higher_one_for_a_lower() {
+        let dropped = Counter::default();
+        let q = Queue::new(3, dropped.clone());
+        q.push(Ranked(2, "crit1"));
+        q.push(Ranked(0, "info1"));
+        q.push(Ranked(1, "warn1"));
+        // Full: a new warning pushes out the info, not the older critical.
+        assert!(q.push(Ranked(1, "warn2")));
+        assert_eq!(contents(&q), vec!["crit1", "warn1", "warn2"]);
+        // An info finds nothing of its rank or below: it is the one dropped.
+        assert!(q.push(Ranked(0, "info2")));
+        assert_eq!(contents(&q), vec!["crit1", "warn1", "warn2"]);
+        // A critical pushes out the oldest warning.
+        assert!(q.push(Ranked(2, "crit2")));
+        assert_eq!(contents(&q), vec!["crit1", "warn2", "crit2"]);
+        // A flood of warnings keeps the criticals, and the newest warning.
+        for _ in 0..100 {
+            q.push(Ranked(1, "flood"));
+        }
+        assert_eq!(contents(&q), vec!["crit1", "crit2", "flood"]);
+        assert!(q.push(Ranked(2, "crit3")));
+        assert_eq!(contents(&q), vec!["crit1", "crit2", "crit3"]);
+        // All critical: a new critical drops the oldest one (nothing is worth more).
+        assert!(q.push(Ranked(2, "crit4")));
+        assert_eq!(contents(&q), vec!["crit2", "crit3", "crit4"]);
+        assert_eq!(dropped.get(), 105);
     }
 
     #[test]

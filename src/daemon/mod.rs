@@ -443,6 +443,7 @@ impl Daemon {
         self.state
             .set_launches(report.registered, report.launched_models);
         events.extend(report.events);
+        self.metrics.count_suppressed(report.events_suppressed);
         for e in events.iter().chain(&plan.events) {
             log_event(e);
             let subject = self.event_subject(&e.about);

@@ -213,8 +213,15 @@ impl Response {
 }
 
 /// A model name a client may use: 1 to `MAX_MODEL_NAME` printable ASCII characters, no spaces
-/// or quotes (it ends up in logs, alerts, metrics labels and status tables).
+/// or quotes (it ends up in logs, alerts, metrics labels and status tables), not starting with
+/// `(`: names in parentheses are the daemon's own labels (`(host)`, the host-wide permit pool),
+/// which a client must not impersonate.
 pub fn check_model_name(name: &str) -> Result<(), String> {
+    if name.starts_with('(') {
+        return Err(format!(
+            "a model name may not start with '(' (reserved for the daemon's own labels such as '(host)'; got {name:?})"
+        ));
+    }
     if name.is_empty() || name.len() > MAX_MODEL_NAME {
         return Err(format!(
             "a model name has 1 to {MAX_MODEL_NAME} characters (got {})",
@@ -258,6 +265,18 @@ mod tests {
         }
         assert!(check_model_name(&"x".repeat(MAX_MODEL_NAME)).is_ok());
         assert!(check_model_name(&"x".repeat(MAX_MODEL_NAME + 1)).is_err());
+    }
+
+    /// `(host)` is how status and the metrics name the host-wide permit pool: no client model
+    /// may take that name, or any other in parentheses.
+    #[test]
+    fn names_in_parentheses_are_reserved() {
+        for bad in ["(host)", "(", "(x", "()"] {
+            let e = check_model_name(bad).unwrap_err();
+            assert!(e.contains("may not start with '('"), "{bad:?}: {e}");
+        }
+        assert!(check_model_name("host").is_ok());
+        assert!(check_model_name("a(host)").is_ok());
     }
 
     #[test]

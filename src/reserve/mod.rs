@@ -27,6 +27,7 @@ use std::time::Duration;
 use tokio::sync::mpsc::Sender;
 use tokio::sync::Notify;
 
+use crate::alert::limit::PerUid;
 use crate::config::{Config, ModelAction, ModelConfig, User, Users};
 use crate::ipc::peer::Peer;
 use crate::ipc::{
@@ -144,6 +145,8 @@ pub struct TickReport {
     pub registered: HashMap<ProcessId, String>,
     /// Launched models that have no `[[model]]`: their budgets come from the launch.
     pub launched_models: Vec<ModelConfig>,
+    /// Client-caused events suppressed by the per-uid rate limit since the last tick.
+    pub events_suppressed: u64,
 }
 
 /// What `status` shows of the table.
@@ -191,6 +194,8 @@ pub struct Reservations {
     next_id: u64,
     events: Vec<Event>,
     events_dropped: u64,
+    /// The per-uid rate limit on the events clients cause.
+    event_limit: PerUid,
 }
 
 fn model_label(pool: &Pool) -> String {
@@ -216,6 +221,7 @@ impl Reservations {
             next_id: 0,
             events: Vec::new(),
             events_dropped: 0,
+            event_limit: PerUid::default(),
         }
     }
 
@@ -224,7 +230,15 @@ impl Reservations {
         self.config = config;
     }
 
+    /// Keeps an event for the next tick. Every event here is caused by a client (it names the
+    /// client's uid): past the uid's share of the rate limit it is counted, not kept, so one
+    /// user's request loop cannot flood the event log and the webhooks.
     fn event(&mut self, e: Event) {
+        if let Some(uid) = e.about.uid {
+            if !self.event_limit.admit(uid, e.kind, e.severity) {
+                return;
+            }
+        }
         if self.events.len() < MAX_EVENTS {
             self.events.push(e);
         } else {
@@ -1491,8 +1505,10 @@ impl Reservations {
             &shortfall,
         );
         self.event(
+            // Info: a client's own request not granted in time (its answer says so); not news
+            // for the operator, and a client can cause thousands a second.
             Event::new(
-                Severity::Warning,
+                Severity::Info,
                 EventKind::PermitTimedOut,
                 format!("permit for pid {} refused: {message}", w.peer.pid),
             )
@@ -1514,8 +1530,9 @@ impl Reservations {
             w.waiting_for
         );
         self.event(
+            // Info: the client hears of it; a client's loop could make many.
             Event::new(
-                Severity::Warning,
+                Severity::Info,
                 EventKind::LaunchTimedOut,
                 format!("{message} (pid {})", w.peer.pid),
             )
@@ -1544,7 +1561,8 @@ impl Reservations {
             humantime::format_duration(Duration::from_millis(ms(held_for)))
         );
         self.event(
-            Event::new(Severity::Warning, EventKind::PermitExpired, message.clone())
+            // Info: the holder's own permit ended (it is told); client-caused.
+            Event::new(Severity::Info, EventKind::PermitExpired, message.clone())
                 .about(about(&pool, &peer)),
         );
         self.send(conn, Response::Expired { permit, message });
@@ -1643,6 +1661,8 @@ impl Reservations {
         self.expire(now);
         self.admit_waiting(now);
         self.forget_unused();
+        let summaries = self.event_limit.roll(now);
+        self.events.extend(summaries);
         if self.events_dropped > 0 {
             let n = std::mem::take(&mut self.events_dropped);
             self.events.push(Event::new(
@@ -1661,6 +1681,7 @@ impl Reservations {
             .collect();
         TickReport {
             events: std::mem::take(&mut self.events),
+            events_suppressed: self.event_limit.take_suppressed(),
             registered,
             launched_models: self
                 .launched
@@ -1701,6 +1722,8 @@ impl Reservations {
             let Some(h) = self.holdings.get(&id) else {
                 continue;
             };
+            // A model that overran its ready timeout held the launch lock all that while: a
+            // warning. Ready in time is news for no one but the launcher.
             let severity = if why.starts_with("not ready") {
                 Severity::Warning
             } else {
@@ -1729,9 +1752,11 @@ impl Reservations {
             let (pool, peer) = (h.pool.clone(), h.peer);
             if loading {
                 self.lease_ready(id);
+                // Info: the launching client's own process exited (it can do so in a loop);
+                // a kill by the guard has its own critical event.
                 self.event(
                     Event::new(
-                        Severity::Warning,
+                        Severity::Info,
                         EventKind::LaunchDied,
                         format!(
                             "model '{}' (pid {}) exited while loading; launch lock released",
@@ -2175,6 +2200,75 @@ mod tests {
         ));
         assert_eq!(t.launch_queue[0].peer.uid, 999);
         assert_eq!(t.launch_queue[1].peer.uid, 1001);
+    }
+
+    /// Red-team finding 5: one user's request loop made thousands of warning events a second.
+    /// They are info, at most `limit::PER_UID` per uid and window are kept (so they cannot crowd
+    /// another user's events out of the table's per-tick cap), the rest are counted and summed up
+    /// once the window ends.
+    #[test]
+    fn one_uids_flood_of_timeouts_is_rate_limited_and_does_not_crowd_out_another_uids_events() {
+        use crate::alert::limit::{PER_UID, WINDOW};
+        let mut t = Reservations::new(config(
+            "[[model]]\nname = \"served\"\nmatch = { comm = \"x\" }\nusers = [\"1001\", \"1002\"]\n",
+        ));
+        t.tick(Duration::ZERO, capacity(4 * GIB));
+        let mut replies = Vec::new();
+        for (conn, uid) in [(1, 1001), (2, 1002)] {
+            t.connect(conn, uid, Duration::ZERO).unwrap();
+            let (tx, rx) = tokio::sync::mpsc::channel(4096);
+            let peer = Peer {
+                uid,
+                pid: uid as i32,
+                start_time: 1,
+            };
+            t.attach(conn, peer, tx);
+            replies.push(rx);
+        }
+        let now = Duration::from_secs(1);
+        // 1001: 1000 requests that can never be granted in time, in batches (its waiting cap).
+        for batch in 0..10 {
+            for id in 0..100 {
+                assert_eq!(t.acquire(1, ask(14, batch * 100 + id + 1), now), None);
+            }
+            t.expire(now + Duration::from_secs(2));
+        }
+        // 1002: one of its own, which times out too.
+        assert_eq!(t.acquire(2, ask(14, 1), now), None);
+        t.expire(now + Duration::from_secs(2));
+        let report = t.tick(now + Duration::from_secs(2), capacity(4 * GIB));
+        let of = |uid| {
+            report
+                .events
+                .iter()
+                .filter(move |e| e.about.uid == Some(uid) && e.kind == EventKind::PermitTimedOut)
+        };
+        assert_eq!(of(1001).count(), PER_UID as usize);
+        assert_eq!(of(1002).count(), 1, "the other uid's event is kept");
+        assert!(of(1001)
+            .chain(of(1002))
+            .all(|e| e.severity == Severity::Info));
+        assert_eq!(report.events_suppressed, 1000 - PER_UID as u64);
+        assert!(report
+            .events
+            .iter()
+            .all(|e| e.kind != EventKind::EventsDropped));
+        // The window ends: one summary, for the uid that had events suppressed.
+        let report = t.tick(WINDOW + Duration::from_secs(1), capacity(4 * GIB));
+        let summaries: Vec<&Event> = report
+            .events
+            .iter()
+            .filter(|e| e.kind == EventKind::EventsSuppressed)
+            .collect();
+        assert_eq!(summaries.len(), 1, "{summaries:?}");
+        assert_eq!(summaries[0].about.uid, Some(1001));
+        assert!(
+            summaries[0]
+                .message
+                .contains("980 more events (permit_timed_out)"),
+            "{}",
+            summaries[0].message
+        );
     }
 
     #[test]
