@@ -10,8 +10,8 @@ use crate::snapshot::Snapshot;
 
 use super::victim::{self, Short};
 use super::{
-    action, bytes, event, About, Held, Incident, Level, Plan, PolicyState, Recheck, Resource,
-    Severity, Stage, Target, Verb,
+    action, bytes, event, About, FloorVictim, Held, Incident, Level, Plan, PolicyState, Recheck,
+    Resource, Severity, Stage, Target, Verb,
 };
 
 /// One resource's reading against its floors.
@@ -32,6 +32,8 @@ pub(super) struct Reading {
     pub sampled_at: Option<Duration>,
     /// What victims are ranked by.
     pub short: Short,
+    /// RAM: `Shmem` (tmpfs, shared memory), for messages and the unattributable-shortfall rule.
+    pub shmem: Option<u64>,
 }
 
 impl Reading {
@@ -80,7 +82,19 @@ impl Reading {
             text.push_str("; ");
             text.push_str(because);
         }
+        if let (Some(shmem), Level::Warn | Level::Act) = (self.shmem, self.level()) {
+            text.push_str(&format!("; Shmem (tmpfs, shared memory) {}", bytes(shmem)));
+        }
         text
+    }
+
+    /// Above the warn floor by MemAvailable (or the act floor where there is no warn floor).
+    fn above_warn(&self) -> bool {
+        match (self.available, self.warn.or(self.min)) {
+            (Some(a), Some(w)) => a >= w,
+            (Some(_), None) => true,
+            (None, _) => false,
+        }
     }
 
     /// What the executor reads again just before acting: MemAvailable, when it being below
@@ -136,6 +150,7 @@ pub(super) fn readings(config: &Config, snapshot: &Snapshot, tracked: &[Resource
             action: config.gpu.action,
             sampled_at: snapshot.gpus.sampled_at,
             short: Short::Gpu(gpu.index),
+            shmem: None,
         });
     }
     // A GPU the policy was watching that NVML no longer lists: unknown, never "fine".
@@ -156,6 +171,7 @@ pub(super) fn readings(config: &Config, snapshot: &Snapshot, tracked: &[Resource
                 action: config.gpu.action,
                 sampled_at: None,
                 short: Short::Gpu(index),
+                shmem: None,
             });
         }
     }
@@ -224,6 +240,7 @@ fn ram_reading(config: &Config, snapshot: &Snapshot) -> Reading {
         } else {
             Short::Ram
         },
+        shmem: host.shmem_bytes,
     }
 }
 
@@ -251,6 +268,9 @@ fn evaluate_floor_inner(
     let resource = reading.resource;
     let level = reading.level();
     let previous = state.levels.insert(resource, level);
+    if resource == Resource::Ram && reading.above_warn() {
+        state.shmem_baseline = reading.shmem;
+    }
     if previous != Some(level) {
         let text = reading.describe();
         match level {
@@ -312,6 +332,7 @@ fn evaluate_floor_inner(
         available_at_stage: None,
         far_below_at: None,
         term_baseline: None,
+        shmem_reported: false,
     });
     if !reading.may_act {
         if !incident.stale_reported {
@@ -587,14 +608,47 @@ fn choose_next(
     plan: &mut Plan,
 ) {
     let resource = reading.resource;
+    let now = snapshot.at;
+    let why = reading.describe();
+    let (max_victims, window) = brake_limits(config, resource);
+    let signals = reading.action != FloorAction::Alert;
+    if signals && max_victims > 0 {
+        let recent = state.floor_victims.entry(resource).or_default();
+        recent.retain(|v| now.saturating_sub(v.at) < window);
+        if recent.len() >= max_victims as usize {
+            if state.braked.insert(resource) {
+                let first = recent.iter().map(|v| v.at).min().unwrap_or(now);
+                let left = (first + window).saturating_sub(now);
+                let shmem = match reading.shmem {
+                    Some(b) if resource == Resource::Ram => format!(
+                        "; Shmem is {} (tmpfs files, shared memory: no process holds it and no kill gives it back)",
+                        bytes(b)
+                    ),
+                    _ => String::new(),
+                };
+                plan.events.push(event(
+                    Severity::Critical,
+                    EventKind::FloorBrake,
+                    format!(
+                        "{why}; {} victim(s) acted on for {resource} within {} did not keep it above its act floor: not acting on {resource} for {} (brake: max_victims {} per victim_window){shmem}",
+                        recent.len(),
+                        humantime::format_duration(window),
+                        humantime::format_duration(round_secs(left)),
+                        max_victims,
+                    ),
+                ));
+            }
+            return;
+        }
+    }
     let excluded = state
         .incidents
         .get(&resource)
         .map(|i| i.excluded.clone())
         .unwrap_or_default();
     let chosen = victim::choose(config, snapshot, state, reading.short, &excluded);
+    let shmem_growth = shmem_shortfall(reading, state.shmem_baseline);
     let incident = state.incidents.get_mut(&resource).expect("incident exists");
-    let why = reading.describe();
     let Some((target, used)) = chosen else {
         if !incident.no_victim_reported {
             incident.no_victim_reported = true;
@@ -612,7 +666,36 @@ fn choose_next(
         Short::Swap => "swap".to_string(),
         _ => resource.to_string(),
     };
-    let detail = format!("{why}; largest eligible user of {what}: {} ", bytes(used));
+    let mut detail = format!("{why}; largest eligible user of {what}: {} ", bytes(used));
+    if let Some((growth, shortfall)) = shmem_growth {
+        // More of the shortfall is new Shmem than is missing: no process holds it. Act only on
+        // a victim whose own memory alone lifts RAM back above the floor.
+        let enough = used > shortfall;
+        if !incident.shmem_reported {
+            incident.shmem_reported = true;
+            plan.events.push(event(
+                Severity::Critical,
+                EventKind::ShmemShortfall,
+                format!(
+                    "{why}; Shmem grew by {} since RAM was last above its warn floor, more than the shortfall of {}: memory in tmpfs files or shared memory that no process holds (look in /dev/shm and other tmpfs mounts); {}",
+                    bytes(growth),
+                    bytes(shortfall),
+                    if enough {
+                        format!("acting on {target} only because its own {} alone lifts RAM above the floor", bytes(used))
+                    } else {
+                        format!("not acting: the first eligible candidate, {target}, holds {} of its own, not enough to lift RAM above the floor", bytes(used))
+                    }
+                ),
+            ));
+        }
+        if !enough {
+            return;
+        }
+        detail.push_str(&format!(
+            "(enough alone to lift RAM above the floor; Shmem grew by {}) ",
+            bytes(growth)
+        ));
+    }
     let verb = match reading.action {
         FloorAction::Alert => None,
         FloorAction::Stop => Some(Verb::Stop),
@@ -629,6 +712,17 @@ fn choose_next(
     incident.available_at_stage = reading.available;
     incident.victim = Some(target.clone());
     let recheck = reading.recheck();
+    if verb.is_some() {
+        state
+            .floor_victims
+            .entry(resource)
+            .or_default()
+            .push(FloorVictim {
+                at: now,
+                target: target.clone(),
+                done: false,
+            });
+    }
     match verb {
         Some(verb) => plan.actions.push(action(
             verb,
@@ -642,6 +736,69 @@ fn choose_next(
             EventKind::FloorVictim,
             format!("{detail}would act on {target} (action = \"alert\")"),
         )),
+    }
+}
+
+/// The brake of a floor: (max victims, within this window).
+fn brake_limits(config: &Config, resource: Resource) -> (u32, Duration) {
+    match resource {
+        Resource::Ram => (config.ram.max_victims, config.ram.victim_window),
+        Resource::Gpu(_) => (config.gpu.max_victims, config.gpu.victim_window),
+    }
+}
+
+fn round_secs(d: Duration) -> Duration {
+    Duration::from_secs(d.as_secs() + u64::from(d.subsec_nanos() > 0))
+}
+
+/// RAM below its act floor by MemAvailable, and `Shmem` grown by more than the shortfall since
+/// RAM was last above its warn floor: (growth, shortfall).
+fn shmem_shortfall(reading: &Reading, baseline: Option<u64>) -> Option<(u64, u64)> {
+    if reading.resource != Resource::Ram || reading.short != Short::Ram {
+        return None;
+    }
+    let (Some(available), Some(min), Some(now), Some(base)) =
+        (reading.available, reading.min, reading.shmem, baseline)
+    else {
+        return None;
+    };
+    let shortfall = min.checked_sub(available).filter(|&s| s > 0)?;
+    let growth = now.saturating_sub(base);
+    (growth > shortfall).then_some((growth, shortfall))
+}
+
+/// Brakes whose window has passed: the floor may act again (said once, as info).
+pub(super) fn release_brakes(
+    config: &Config,
+    snapshot: &Snapshot,
+    state: &mut PolicyState,
+    plan: &mut Plan,
+) {
+    let now = snapshot.at;
+    let braked: Vec<Resource> = state.braked.iter().copied().collect();
+    for resource in braked {
+        let (max_victims, window) = brake_limits(config, resource);
+        let recent = state.floor_victims.entry(resource).or_default();
+        recent.retain(|v| now.saturating_sub(v.at) < window);
+        if max_victims > 0 && recent.len() >= max_victims as usize {
+            continue;
+        }
+        state.braked.remove(&resource);
+        plan.events.push(
+            event(
+                Severity::Info,
+                EventKind::FloorBrake,
+                format!(
+                    "{resource}: brake released ({} victim(s) within the last {}): the floor may act again",
+                    recent.len(),
+                    humantime::format_duration(window)
+                ),
+            )
+            .about(About {
+                resource: Some(resource),
+                ..About::default()
+            }),
+        );
     }
 }
 
