@@ -1427,6 +1427,18 @@ mod tests {
                 "gpu.warn_free: '100%' is the whole memory",
             ),
             (
+                "[ram]\nvictim_window = \"0s\"\n",
+                "ram.victim_window: '0s' would never hold the brake",
+            ),
+            (
+                "[gpu]\nvictim_window = \"0s\"\n",
+                "gpu.victim_window: '0s'",
+            ),
+            (
+                "[ram]\nmax_victims = -1\n",
+                "ram.max_victims",
+            ),
+            (
                 "[ram]\nmin_swap_free = \"100%\"\n",
                 "ram.min_swap_free: '100%'",
             ),
