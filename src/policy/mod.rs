@@ -477,8 +477,13 @@ pub fn evaluate(config: &Config, snapshot: &Snapshot, state: &mut PolicyState) -
         .incidents
         .values()
         .any(|i| i.victim.is_some() && i.stage == Stage::Terminated);
-    if state.incidents.values().any(|i| i.victim.is_none()) {
-        // A floor is crossed and nobody is chosen yet: look at fresh processes next tick.
+    if state
+        .incidents
+        .iter()
+        .any(|(r, i)| i.victim.is_none() && !state.braked.contains(r))
+    {
+        // A floor is crossed and nobody is chosen yet: look at fresh processes next tick. (A
+        // floor whose brake holds chooses nobody until its window passes: no rush.)
         plan.max_scan_age = Duration::ZERO;
     }
     if state.budgets.values().any(|b| b.over_since.is_some()) {

@@ -2231,6 +2231,8 @@ fn the_brake_caps_a_cascade_across_re_crossings_and_releases_after_the_window() 
         "{}",
         brake.message
     );
+    // While braked, no rush to rescan for a victim it will not take.
+    assert_eq!(plans[5].max_scan_age, NEAR_FLOOR_SCAN_AGE);
     let released = &plans[9].events[0];
     assert_eq!(released.severity, Severity::Info);
     assert!(
