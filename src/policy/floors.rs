@@ -1,6 +1,14 @@
 //! Floors: host RAM (MemAvailable, swap, PSI) and each GPU's free memory. Crossing the act floor
 //! opens an incident that acts on one victim at a time and escalates; the incident closes when
 //! the resource is back above the floor.
+//!
+//! Two rules keep a floor from killing everything for memory no process holds (a tmpfs file
+//! whose writer has exited: each kill lifts RAM a little, the incident closes, the next crossing
+//! opens another). The brake: a floor acts on at most `max_victims` victims per `victim_window`,
+//! counted across incidents (`PolicyState::floor_victims`), then stops and says so once
+//! (`floor_brake`). And RAM short while `Shmem` grew by more than the shortfall since RAM was
+//! last above its warn floor (`PolicyState::shmem_baseline`) is alerted (`shmem_shortfall`) and
+//! acted on only with a victim whose own memory alone lifts RAM back above the floor.
 
 use std::time::Duration;
 
