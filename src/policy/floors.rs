@@ -8,7 +8,7 @@
 //! counted across incidents (`PolicyState::floor_victims`), then stops and says so once
 //! (`floor_brake`). And RAM short while `Shmem` grew by more than the shortfall since RAM was
 //! last above its warn floor (`PolicyState::shmem_baseline`) is alerted (`shmem_shortfall`) and
-//! acted on only with a victim whose own memory alone lifts RAM back above the floor.
+//! acted on only with a victim whose own memory alone lifts RAM back above its warn floor.
 
 use std::time::Duration;
 
@@ -675,10 +675,17 @@ fn choose_next(
         _ => resource.to_string(),
     };
     let mut detail = format!("{why}; largest eligible user of {what}: {} ", bytes(used));
-    if let Some((growth, shortfall)) = shmem_growth {
+    if let Some(ShmemGrowth {
+        growth,
+        shortfall,
+        to_warn,
+    }) = shmem_growth
+    {
         // More of the shortfall is new Shmem than is missing: no process holds it. Act only on
-        // a victim whose own memory alone lifts RAM back above the floor.
-        let enough = used > shortfall;
+        // a victim whose own memory alone lifts RAM back above the warn floor: a tmpfs write
+        // still under way crosses the act floor by a few bytes first, and killing for that
+        // would only buy the next few bytes.
+        let enough = used > to_warn;
         if !incident.shmem_reported {
             incident.shmem_reported = true;
             plan.events.push(event(
@@ -689,9 +696,9 @@ fn choose_next(
                     bytes(growth),
                     bytes(shortfall),
                     if enough {
-                        format!("acting on {target} only because its own {} alone lifts RAM above the floor", bytes(used))
+                        format!("acting on {target} only because its own {} alone lifts RAM above the warn floor", bytes(used))
                     } else {
-                        format!("not acting: the first eligible candidate, {target}, holds {} of its own, not enough to lift RAM above the floor", bytes(used))
+                        format!("not acting: the first eligible candidate, {target}, holds {} of its own, not enough to lift RAM above the warn floor ({} short of it)", bytes(used), bytes(to_warn))
                     }
                 ),
             ));
@@ -700,7 +707,7 @@ fn choose_next(
             return;
         }
         detail.push_str(&format!(
-            "(enough alone to lift RAM above the floor; Shmem grew by {}) ",
+            "(enough alone to lift RAM above the warn floor; Shmem grew by {}) ",
             bytes(growth)
         ));
     }
@@ -759,9 +766,19 @@ fn round_secs(d: Duration) -> Duration {
     Duration::from_secs(d.as_secs() + u64::from(d.subsec_nanos() > 0))
 }
 
+/// RAM short of its act floor mostly by memory no process holds.
+struct ShmemGrowth {
+    /// How much `Shmem` grew since RAM was last above its warn floor.
+    growth: u64,
+    /// `min_available` - MemAvailable.
+    shortfall: u64,
+    /// What a victim must give back to lift RAM above the warn floor (the act floor if none).
+    to_warn: u64,
+}
+
 /// RAM below its act floor by MemAvailable, and `Shmem` grown by more than the shortfall since
-/// RAM was last above its warn floor: (growth, shortfall).
-fn shmem_shortfall(reading: &Reading, baseline: Option<u64>) -> Option<(u64, u64)> {
+/// RAM was last above its warn floor.
+fn shmem_shortfall(reading: &Reading, baseline: Option<u64>) -> Option<ShmemGrowth> {
     if reading.resource != Resource::Ram || reading.short != Short::Ram {
         return None;
     }
@@ -772,7 +789,16 @@ fn shmem_shortfall(reading: &Reading, baseline: Option<u64>) -> Option<(u64, u64
     };
     let shortfall = min.checked_sub(available).filter(|&s| s > 0)?;
     let growth = now.saturating_sub(base);
-    (growth > shortfall).then_some((growth, shortfall))
+    let to_warn = reading
+        .warn
+        .unwrap_or(min)
+        .max(min)
+        .saturating_sub(available);
+    (growth > shortfall).then_some(ShmemGrowth {
+        growth,
+        shortfall,
+        to_warn,
+    })
 }
 
 /// Brakes whose window has passed: the floor may act again (said once, as info).

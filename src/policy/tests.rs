@@ -2304,7 +2304,7 @@ fn max_victims_zero_turns_the_brake_off() {
 /// RAM falls under the act floor while Shmem grew by more than the shortfall since RAM was last
 /// above its warn floor: the missing memory is in tmpfs or shared memory that no process holds.
 /// A critical `shmem_shortfall` names it and nobody is killed for it, except a candidate whose
-/// own memory alone lifts RAM back above the floor. The floor alert says how much is Shmem.
+/// own memory alone lifts RAM back above the warn floor. The floor alert says how much is Shmem.
 #[test]
 fn shmem_growth_beyond_the_shortfall_alerts_and_does_not_kill() {
     let c = config(RAM_FLOORS);
@@ -2344,9 +2344,19 @@ fn shmem_growth_beyond_the_shortfall_alerts_and_does_not_kill() {
         "{}",
         shm.message
     );
-    // A candidate whose own memory alone would lift RAM above the floor may still be acted on.
-    let mut big = small();
-    big.push(proc(300, "big", 2 * GIB, 1));
+    // 2 GiB would lift RAM above the act floor (1 GiB short), not above the warn floor (5 GiB
+    // short): a tmpfs write still under way would take that back. Not acted on.
+    let mut mid = small();
+    mid.push(proc(300, "mid", 2 * GIB, 1));
+    let plan = evaluate(
+        &c,
+        &with_shmem(snap(250, Some(3 * GIB), mid.clone()), 4 * GIB + GIB / 2),
+        &mut state,
+    );
+    assert_eq!((acts(&plan).as_str(), events(&plan).as_str()), ("", ""));
+    // A candidate whose own memory alone lifts RAM above the warn floor may still be acted on.
+    let mut big = mid;
+    big.push(proc(400, "big", 6 * GIB, 1));
     let plan = evaluate(
         &c,
         &with_shmem(snap(300, Some(3 * GIB), big), 4 * GIB + GIB / 2),
@@ -2354,7 +2364,7 @@ fn shmem_growth_beyond_the_shortfall_alerts_and_does_not_kill() {
     );
     assert_eq!(
         (acts(&plan).as_str(), events(&plan).as_str()),
-        ("terminate [300]", "")
+        ("terminate [400]", "")
     );
     assert!(
         plan.actions[0].reason.detail.contains("enough alone"),
