@@ -276,8 +276,13 @@ fn evaluate_floor_inner(
     let resource = reading.resource;
     let level = reading.level();
     let previous = state.levels.insert(resource, level);
-    if resource == Resource::Ram && reading.above_warn() {
-        state.shmem_baseline = reading.shmem;
+    if resource == Resource::Ram {
+        state.shmem_baseline = match (reading.shmem, state.shmem_baseline) {
+            (Some(now), _) if reading.above_warn() => Some((now, now)),
+            (Some(now), Some((base, peak))) => Some((base, peak.max(now))),
+            (None, _) if reading.above_warn() => None,
+            (_, kept) => kept,
+        };
     }
     if previous != Some(level) {
         let text = reading.describe();
@@ -768,7 +773,7 @@ fn round_secs(d: Duration) -> Duration {
 
 /// RAM short of its act floor mostly by memory no process holds.
 struct ShmemGrowth {
-    /// How much `Shmem` grew since RAM was last above its warn floor.
+    /// How much `Shmem` grew since RAM was last above its warn floor (to its peak since).
     growth: u64,
     /// `min_available` - MemAvailable.
     shortfall: u64,
@@ -777,18 +782,18 @@ struct ShmemGrowth {
 }
 
 /// RAM below its act floor by MemAvailable, and `Shmem` grown by more than the shortfall since
-/// RAM was last above its warn floor.
-fn shmem_shortfall(reading: &Reading, baseline: Option<u64>) -> Option<ShmemGrowth> {
+/// RAM was last above its warn floor (to its highest since then).
+fn shmem_shortfall(reading: &Reading, baseline: Option<(u64, u64)>) -> Option<ShmemGrowth> {
     if reading.resource != Resource::Ram || reading.short != Short::Ram {
         return None;
     }
-    let (Some(available), Some(min), Some(now), Some(base)) =
-        (reading.available, reading.min, reading.shmem, baseline)
+    let (Some(available), Some(min), Some((base, peak))) =
+        (reading.available, reading.min, baseline)
     else {
         return None;
     };
     let shortfall = min.checked_sub(available).filter(|&s| s > 0)?;
-    let growth = now.saturating_sub(base);
+    let growth = peak.saturating_sub(base);
     let to_warn = reading
         .warn
         .unwrap_or(min)

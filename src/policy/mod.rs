@@ -315,9 +315,11 @@ pub struct PolicyState {
     pub floor_victims: BTreeMap<Resource, Vec<FloorVictim>>,
     /// Floors whose brake holds (reported once; released when the window has passed).
     pub braked: BTreeSet<Resource>,
-    /// `Shmem` when RAM was last above its warn floor: growth since then that is more than the
-    /// shortfall is memory no process holds.
-    pub shmem_baseline: Option<u64>,
+    /// `Shmem` when RAM was last above its warn floor, and the most it has been since: growth
+    /// (peak - baseline) that is more than the shortfall is memory no process holds. The peak,
+    /// not the latest reading: while a tmpfs file is being removed, `Shmem` falls before
+    /// MemAvailable rises, and that moment must not look like a shortfall of processes.
+    pub shmem_baseline: Option<(u64, u64)>,
 }
 
 impl PolicyState {

@@ -2354,6 +2354,14 @@ fn shmem_growth_beyond_the_shortfall_alerts_and_does_not_kill() {
         &mut state,
     );
     assert_eq!((acts(&plan).as_str(), events(&plan).as_str()), ("", ""));
+    // The file is being removed: Shmem falls before MemAvailable rises. Still the same
+    // shortfall of memory no process held (Shmem's peak counts): nobody is signalled.
+    let plan = evaluate(
+        &c,
+        &with_shmem(snap(280, Some(3 * GIB), mid.clone()), GIB + GIB / 2),
+        &mut state,
+    );
+    assert_eq!((acts(&plan).as_str(), events(&plan).as_str()), ("", ""));
     // A candidate whose own memory alone lifts RAM above the warn floor may still be acted on.
     let mut big = mid;
     big.push(proc(400, "big", 6 * GIB, 1));
