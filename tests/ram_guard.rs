@@ -514,3 +514,43 @@ fn a_tmpfs_file_under_the_floor_is_alerted_and_kills_nobody() {
         "{log}"
     );
 }
+
+/// The brake on the real binary: RAM is under the act floor for memory none of the candidates
+/// holds (here the floor is set above what is available; an attacker's tmpfs file written
+/// before the daemon looked is the same), so each kill gives back too little. Of five servers,
+/// exactly `max_victims` (3, the default) are signalled, then a critical `floor_brake`; the
+/// other two live on.
+#[test]
+fn a_cascade_stops_at_max_victims() {
+    let _lock = memory_pressure_lock();
+    let tokens: Vec<String> = (0..5).map(|i| token(&format!("cascade{i}"))).collect();
+    let names = ["c0", "c1", "c2", "c3", "c4"];
+    let models: Vec<(&str, &str, &str)> = names
+        .iter()
+        .zip(&tokens)
+        .map(|(n, t)| (*n, t.as_str(), ""))
+        .collect();
+    let mut servers: Vec<Hog> = tokens.iter().map(|t| Hog::start(t, 0, 32, 60)).collect();
+    std::thread::sleep(Duration::from_secs(1));
+    let min = mem_available() + GIB;
+    let floors = format!(
+        "min_available = {min}\nwarn_available = {}\n",
+        min + 256 * MIB
+    );
+    let daemon = GuardDaemon::start(&config("", &floors, &models));
+    daemon.wait_for_log("event=\"floor_brake\"", Duration::from_secs(30));
+    std::thread::sleep(Duration::from_secs(2));
+    let (code, log) = daemon.stop();
+    assert_eq!(code, Some(0), "{log}");
+    let signalled = names
+        .iter()
+        .filter(|n| log.contains(&format!("terminate model '{n}'")))
+        .count();
+    assert_eq!(signalled, 3, "{log}");
+    let alive = servers.iter_mut().map(|s| s.alive()).filter(|&a| a).count();
+    assert_eq!(alive, 2, "{log}");
+    assert!(
+        log.contains("3 victim(s) acted on for RAM within 5m"),
+        "{log}"
+    );
+}
