@@ -439,6 +439,12 @@ pub struct RamConfig {
     /// warns; with MemAvailable below `warn_available` it acts.
     pub psi_some_avg10: Option<f64>,
     pub action: FloorAction,
+    /// The brake on cascades: at most this many victims for the RAM floor within
+    /// `victim_window`, counted across incidents; then it stops acting and alerts
+    /// (`floor_brake`) until the window has passed. 0 turns the brake off.
+    pub max_victims: u32,
+    #[serde(with = "duration")]
+    pub victim_window: Duration,
 }
 
 impl Default for RamConfig {
@@ -449,9 +455,15 @@ impl Default for RamConfig {
             min_swap_free: None,
             psi_some_avg10: None,
             action: FloorAction::Kill,
+            max_victims: DEFAULT_MAX_VICTIMS,
+            victim_window: DEFAULT_VICTIM_WINDOW,
         }
     }
 }
+
+/// Victims a floor may act on within `victim_window` before its brake holds it (RAM and GPU).
+pub const DEFAULT_MAX_VICTIMS: u32 = 3;
+pub const DEFAULT_VICTIM_WINDOW: Duration = Duration::from_secs(300);
 
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -477,6 +489,10 @@ pub struct GpuConfig {
     /// Per-GPU overrides of the floors.
     #[serde(rename = "device")]
     pub devices: Vec<GpuOverride>,
+    /// The brake on cascades, per GPU: as `[ram] max_victims` / `victim_window`.
+    pub max_victims: u32,
+    #[serde(with = "duration")]
+    pub victim_window: Duration,
 }
 
 impl Default for GpuConfig {
@@ -491,6 +507,8 @@ impl Default for GpuConfig {
             retry_init: Duration::from_secs(60),
             release_timeout: Duration::from_secs(10),
             devices: Vec::new(),
+            max_victims: DEFAULT_MAX_VICTIMS,
+            victim_window: DEFAULT_VICTIM_WINDOW,
         }
     }
 }
@@ -1007,6 +1025,17 @@ impl Config {
         }
         self.validate_floors()?;
         self.validate_paths()?;
+        for (key, max, window) in [
+            ("ram", self.ram.max_victims, self.ram.victim_window),
+            ("gpu", self.gpu.max_victims, self.gpu.victim_window),
+        ] {
+            if max > 0 && window.is_zero() {
+                return Err((
+                    format!("{key}.victim_window"),
+                    "'0s' would never hold the brake; give a duration such as \"5m\" (or max_victims = 0 to turn the brake off)".into(),
+                ));
+            }
+        }
         if let Some(psi) = self.ram.psi_some_avg10 {
             if !(0.0..=100.0).contains(&psi) {
                 return Err((
@@ -1472,6 +1501,18 @@ mod tests {
             (
                 "[gpu]\nwarn_free = \"100%\"\n",
                 "gpu.warn_free: '100%' is the whole memory",
+            ),
+            (
+                "[ram]\nvictim_window = \"0s\"\n",
+                "ram.victim_window: '0s' would never hold the brake",
+            ),
+            (
+                "[gpu]\nvictim_window = \"0s\"\n",
+                "gpu.victim_window: '0s'",
+            ),
+            (
+                "[ram]\nmax_victims = -1\n",
+                "ram.max_victims",
             ),
             (
                 "[ram]\nmin_swap_free = \"100%\"\n",

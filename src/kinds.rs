@@ -66,6 +66,12 @@ named! {
         SurvivedKill = "survived_kill",
         KillIneffective = "kill_ineffective",
         NotActingStale = "not_acting_stale",
+        /// A floor acted on `max_victims` victims within `victim_window` and is still short:
+        /// it stops acting until the window has passed (info when it releases).
+        FloorBrake = "floor_brake",
+        /// RAM is short by less than Shmem grew: memory in tmpfs or shared memory that no
+        /// process holds, which no kill gives back.
+        ShmemShortfall = "shmem_shortfall",
         // Budgets (the policy).
         BudgetExceeded = "budget_exceeded",
         BudgetEnforced = "budget_enforced",

@@ -105,6 +105,7 @@ pub struct Metrics {
     host_floor: Family<FloorLabels, Gauge>,
     swap_total: Gauge,
     swap_free: Gauge,
+    host_shmem: Gauge,
     psi_some: FGauge,
     model_usage: Family<ModelLabels, Gauge>,
     model_budget: Family<ModelLabels, Gauge>,
@@ -233,6 +234,11 @@ impl Metrics {
             swap_free: reg!(
                 "gpuguard_swap_free_bytes",
                 "Swap free (SwapFree)",
+                Gauge::default()
+            ),
+            host_shmem: reg!(
+                "gpuguard_host_memory_shmem_bytes",
+                "Shared memory and tmpfs (Shmem): counted out of MemAvailable, held by no process",
                 Gauge::default()
             ),
             psi_some: reg!(
@@ -395,6 +401,7 @@ impl Metrics {
         set(&self.host_available, m.available_bytes);
         set(&self.swap_total, m.swap_total_bytes);
         set(&self.swap_free, m.swap_free_bytes);
+        set(&self.host_shmem, m.shmem_bytes);
         if let Some(p) = m.psi_some_avg10 {
             self.psi_some.set(p / 100.0);
         }

@@ -53,6 +53,10 @@ pub struct HostMemory {
     pub swap_free_bytes: Option<u64>,
     /// PSI memory `some avg10`, percent; `None` where the kernel has no PSI.
     pub psi_some_avg10: Option<f64>,
+    /// `Shmem`: tmpfs files (`/dev/shm`, a tmpfs `/tmp`), shared memory and memfds. It lowers
+    /// MemAvailable, but no process needs to hold it: a file left in tmpfs by a process that has
+    /// exited is in no process's RSS, and killing processes does not give it back.
+    pub shmem_bytes: Option<u64>,
 }
 
 impl HostMemory {

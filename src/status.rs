@@ -37,6 +37,9 @@ pub struct MemoryStatus {
     pub swap_total_bytes: Option<u64>,
     pub swap_free_bytes: Option<u64>,
     pub psi_some_avg10: Option<f64>,
+    /// `Shmem` (tmpfs, shared memory): counted out of MemAvailable, held by no process.
+    #[serde(default)]
+    pub shmem_bytes: Option<u64>,
     pub warn_available_bytes: Option<u64>,
     pub min_available_bytes: Option<u64>,
     /// "ok", "warn", "act" or "unknown".

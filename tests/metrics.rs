@@ -123,6 +123,8 @@ fn metrics_pass_promtool_and_show_the_host() {
     );
     assert!(sample(&text, "gpuguard_host_memory_available_bytes").unwrap() > 0.0);
     assert!(sample(&text, "gpuguard_swap_free_bytes").is_some());
+    // Shmem (tmpfs, shared memory) from the host's /proc/meminfo.
+    assert!(sample(&text, "gpuguard_host_memory_shmem_bytes").is_some());
     assert_eq!(
         sample(
             &text,

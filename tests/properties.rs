@@ -562,6 +562,7 @@ fn snapshot() -> impl Strategy<Value = Snapshot> {
                 swap_total_bytes: swap_total,
                 swap_free_bytes: swap_free,
                 psi_some_avg10: psi,
+                shmem_bytes: None,
             }
         });
     (

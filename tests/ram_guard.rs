@@ -424,3 +424,133 @@ fn model_over_ram_budget_with_action_kill_is_killed_and_the_daemon_lives_on() {
         "{log}"
     );
 }
+
+/// A file in /dev/shm, removed when dropped (whatever the test's outcome).
+struct ShmFile(std::path::PathBuf);
+
+impl ShmFile {
+    /// Writes `bytes` into a new tmpfs file: memory counted out of MemAvailable (as `Shmem`)
+    /// that no process holds once the writer is done.
+    fn write(name: &str, bytes: u64) -> ShmFile {
+        use std::io::Write;
+        let path = std::path::PathBuf::from(format!("/dev/shm/{name}"));
+        let file = ShmFile(path.clone());
+        let mut f = std::fs::File::create(&path).unwrap();
+        let chunk = vec![1u8; 16 << 20];
+        let mut written = 0;
+        while written < bytes {
+            f.write_all(&chunk).unwrap();
+            written += chunk.len() as u64;
+        }
+        file
+    }
+}
+
+impl Drop for ShmFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Red-team finding 1 on the real binary: a tmpfs file takes RAM about 1.5 GiB under the act
+/// floor and its writer is done (no process holds that memory). Shmem grew by more than the
+/// shortfall since RAM was last above its warn floor: a critical `shmem_shortfall` names it, and
+/// none of the servers is signalled (none alone would lift RAM above the warn floor). Status
+/// shows Shmem.
+#[test]
+fn a_tmpfs_file_under_the_floor_is_alerted_and_kills_nobody() {
+    let _lock = memory_pressure_lock();
+    let tokens: Vec<String> = (0..3).map(|i| token(&format!("shm-server{i}"))).collect();
+    let names = ["s0", "s1", "s2"];
+    let models: Vec<(&str, &str, &str)> = names
+        .iter()
+        .zip(&tokens)
+        .map(|(n, t)| (*n, t.as_str(), ""))
+        .collect();
+    // A wide gap between the floors (1 GiB), so that what other work on the machine takes
+    // meanwhile does not hide how much of the drop is Shmem.
+    let now = mem_available();
+    let floors = format!(
+        "min_available = {}\nwarn_available = {}\n",
+        now - 3 * GIB / 2,
+        now - GIB / 2
+    );
+    let daemon = GuardDaemon::start(&config("", &floors, &models));
+    let mut servers: Vec<Hog> = tokens.iter().map(|t| Hog::start(t, 0, 32, 60)).collect();
+    // The servers are resident and RAM is above the warn floor: the daemon has seen Shmem there.
+    std::thread::sleep(Duration::from_secs(2));
+    // About 1.5 GiB under the act floor, all of it in a file no process holds.
+    let shm = ShmFile::write(&token("shm"), 3 * GIB);
+    daemon.wait_for_log("event=\"shmem_shortfall\"", Duration::from_secs(20));
+    std::thread::sleep(Duration::from_secs(2));
+    let out = std::process::Command::new(BIN)
+        .args(["status", "--json"])
+        .env("GPUGUARD_SOCKET", daemon.socket())
+        .output()
+        .unwrap();
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let shmem = status["memory"]["shmem_bytes"].as_u64().unwrap_or(0);
+    assert!(shmem >= 3 * GIB, "status: {}", status["memory"]);
+    // Removing the file (Shmem falls before MemAvailable comes back) does not kill either.
+    drop(shm);
+    wait_until(Duration::from_secs(20), || {
+        daemon.log_text().contains("event=\"floor_cleared\"")
+    });
+    for (server, name) in servers.iter_mut().zip(names) {
+        assert!(
+            server.alive(),
+            "server {name} was signalled for memory no process holds:\n{}",
+            daemon.log_text()
+        );
+    }
+    let (code, log) = daemon.stop();
+    assert_eq!(code, Some(0), "{log}");
+    assert!(
+        log.contains("Shmem grew by") && log.contains("not acting"),
+        "{log}"
+    );
+    assert!(
+        !log.contains("terminate model") && !log.contains("kill model"),
+        "{log}"
+    );
+}
+
+/// The brake on the real binary: RAM is under the act floor for memory none of the candidates
+/// holds (here the floor is set above what is available; an attacker's tmpfs file written
+/// before the daemon looked is the same), so each kill gives back too little. Of five servers,
+/// exactly `max_victims` (3, the default) are signalled, then a critical `floor_brake`; the
+/// other two live on.
+#[test]
+fn a_cascade_stops_at_max_victims() {
+    let _lock = memory_pressure_lock();
+    let tokens: Vec<String> = (0..5).map(|i| token(&format!("cascade{i}"))).collect();
+    let names = ["c0", "c1", "c2", "c3", "c4"];
+    let models: Vec<(&str, &str, &str)> = names
+        .iter()
+        .zip(&tokens)
+        .map(|(n, t)| (*n, t.as_str(), ""))
+        .collect();
+    let mut servers: Vec<Hog> = tokens.iter().map(|t| Hog::start(t, 0, 32, 60)).collect();
+    std::thread::sleep(Duration::from_secs(1));
+    let min = mem_available() + GIB;
+    let floors = format!(
+        "min_available = {min}\nwarn_available = {}\n",
+        min + 256 * MIB
+    );
+    let daemon = GuardDaemon::start(&config("", &floors, &models));
+    daemon.wait_for_log("event=\"floor_brake\"", Duration::from_secs(30));
+    std::thread::sleep(Duration::from_secs(2));
+    let (code, log) = daemon.stop();
+    assert_eq!(code, Some(0), "{log}");
+    let signalled = names
+        .iter()
+        .filter(|n| log.contains(&format!("terminate model '{n}'")))
+        .count();
+    assert_eq!(signalled, 3, "{log}");
+    let alive = servers.iter_mut().map(|s| s.alive()).filter(|&a| a).count();
+    assert_eq!(alive, 2, "{log}");
+    assert!(
+        log.contains("3 victim(s) acted on for RAM within 5m"),
+        "{log}"
+    );
+}

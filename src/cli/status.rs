@@ -79,12 +79,13 @@ pub fn render(r: &StatusReport) -> String {
     );
     let m = &r.memory;
     out += &format!(
-        "Host memory: available {} of {} (warn {}, min {}) [{}]; swap free {} of {}; PSI some avg10 {}\n\n",
+        "Host memory: available {} of {} (warn {}, min {}) [{}]; shmem/tmpfs {}; swap free {} of {}; PSI some avg10 {}\n\n",
         bytes(m.available_bytes),
         bytes(m.total_bytes),
         bytes(m.warn_available_bytes),
         bytes(m.min_available_bytes),
         m.level,
+        bytes(m.shmem_bytes),
         bytes(m.swap_free_bytes),
         bytes(m.swap_total_bytes),
         m.psi_some_avg10.map_or("n/a".into(), |p| format!("{p:.1}%")),

@@ -233,6 +233,12 @@ impl Daemon {
                 show(warn),
                 show(min)
             );
+            if let (Resource::Ram, Some(shmem)) = (resource, s.host.shmem_bytes) {
+                summary += &format!(
+                    ", Shmem (tmpfs, shared memory) {}",
+                    crate::units::fmt_bytes(shmem)
+                );
+            }
             if let (Resource::Ram, Some(psi)) = (resource, s.host.psi_some_avg10) {
                 summary += &format!(", PSI some avg10 {psi:.1}%");
             }

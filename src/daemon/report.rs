@@ -24,6 +24,7 @@ impl Daemon {
             swap_total_bytes: s.host.swap_total_bytes,
             swap_free_bytes: s.host.swap_free_bytes,
             psi_some_avg10: s.host.psi_some_avg10,
+            shmem_bytes: s.host.shmem_bytes,
             warn_available_bytes: ram_warn,
             min_available_bytes: ram_min,
             level: level(Resource::Ram),

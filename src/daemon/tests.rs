@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use crate::act::{ProcessControl, Sig, SignalError};
 use crate::config::Config;
+use crate::policy::Resource;
 use crate::sample::nvml::{GpuReading, GpuSource};
 use crate::sample::procfs::{ReadError, Vitals};
 use crate::sample::scan::{ScanRequest, ScanResult};
@@ -462,4 +463,99 @@ fn a_changing_process_table_does_not_shift_who_is_targeted() {
             (500, Sig::Kill)
         ]
     );
+}
+
+/// The event log's lines that contain `kind`, waited for (the alert worker writes them).
+fn logged(h: &Harness, kind: &str) -> Vec<String> {
+    let log = h._dir.path().join("state").join("events.jsonl");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let lines: Vec<String> = text
+            .lines()
+            .filter(|l| l.contains(kind))
+            .map(String::from)
+            .collect();
+        if !lines.is_empty() || std::time::Instant::now() > deadline {
+            return lines;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// (e) The red-team cascade, tick by tick: RAM is under the act floor for memory no process
+/// holds (a tmpfs file whose writer exited), each victim gives back a little, and the floor
+/// would take every process in turn. With the default brake (3 victims per 5 minutes) exactly
+/// three get SIGTERM, then a critical `floor_brake` that names Shmem, and nobody else.
+#[test]
+fn a_tmpfs_shortfall_kills_at_most_max_victims_then_the_brake_holds() {
+    let mut w = World {
+        host: HostMemory {
+            shmem_bytes: Some(20 * GIB),
+            ..host(64 * GIB, 2 * GIB)
+        },
+        ..World::default()
+    };
+    for (i, pid) in [100, 200, 300, 400, 500].into_iter().enumerate() {
+        w.spawn(pid, "server", (500 - 50 * i as u64) * MIB);
+        w.exit_on_term.push(pid);
+    }
+    let mut h = Harness::new(
+        w,
+        "[ram]\nwarn_available = \"8GiB\"\nmin_available = \"4GiB\"\naction = \"kill\"\n\
+         [gpu]\nenabled = false\n",
+    );
+    h.ticks(40, 10 * MS);
+    assert_eq!(
+        h.signals(),
+        [(100, Sig::Term), (200, Sig::Term), (300, Sig::Term)],
+        "{:?}",
+        h.actions()
+    );
+    assert!(h.daemon.state.braked.contains(&Resource::Ram));
+    let brake = logged(&h, "floor_brake");
+    assert_eq!(brake.len(), 1, "{brake:?}");
+    assert!(
+        brake[0].contains("critical") && brake[0].contains("Shmem is 20.0 GiB"),
+        "{}",
+        brake[0]
+    );
+    // Still short a minute later: still braked, nobody else signalled.
+    h.ticks(60, Duration::from_secs(1));
+    assert_eq!(h.signals().len(), 3, "{:?}", h.actions());
+    assert!(h.world().procs.contains_key(&400) && h.world().procs.contains_key(&500));
+}
+
+/// (f) RAM was above its warn floor; then 3.5 GiB appear in Shmem and RAM falls 1 GiB under
+/// the act floor: a `shmem_shortfall` alert, and no process is signalled (none of them alone
+/// holds enough to lift RAM above the floor).
+#[test]
+fn shmem_growth_past_the_floor_alerts_and_signals_nobody() {
+    let mut w = World {
+        host: HostMemory {
+            shmem_bytes: Some(GIB),
+            ..host(64 * GIB, 16 * GIB)
+        },
+        ..World::default()
+    };
+    w.spawn(100, "server", 800 * MIB);
+    w.spawn(200, "worker", 600 * MIB);
+    let mut h = Harness::new(
+        w,
+        "[ram]\nwarn_available = \"8GiB\"\nmin_available = \"4GiB\"\naction = \"kill\"\n\
+         [gpu]\nenabled = false\n",
+    );
+    h.ticks(3, 10 * MS);
+    {
+        let mut w = h.world();
+        w.host.shmem_bytes = Some(4 * GIB + GIB / 2);
+        w.host.available_bytes = Some(3 * GIB);
+    }
+    h.ticks(20, 10 * MS);
+    assert_eq!(h.signals(), [], "{:?}", h.actions());
+    let lines = logged(&h, "shmem_shortfall");
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(lines[0].contains("Shmem grew by 3.5 GiB"), "{}", lines[0]);
+    let status = h.daemon.status();
+    assert_eq!(status.memory.shmem_bytes, Some(4 * GIB + GIB / 2));
 }

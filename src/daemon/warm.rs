@@ -75,6 +75,7 @@ fn snapshot(ms: u64, available: u64, rss: u64, state: char) -> Snapshot {
             swap_total_bytes: Some(0),
             swap_free_bytes: Some(0),
             psi_some_avg10: None,
+            shmem_bytes: None,
         },
         processes: ProcessTable {
             scanned_at: Some(at),

@@ -1,6 +1,14 @@
 //! Floors: host RAM (MemAvailable, swap, PSI) and each GPU's free memory. Crossing the act floor
 //! opens an incident that acts on one victim at a time and escalates; the incident closes when
 //! the resource is back above the floor.
+//!
+//! Two rules keep a floor from killing everything for memory no process holds (a tmpfs file
+//! whose writer has exited: each kill lifts RAM a little, the incident closes, the next crossing
+//! opens another). The brake: a floor acts on at most `max_victims` victims per `victim_window`,
+//! counted across incidents (`PolicyState::floor_victims`), then stops and says so once
+//! (`floor_brake`). And RAM short while `Shmem` grew by more than the shortfall since RAM was
+//! last above its warn floor (`PolicyState::shmem_baseline`) is alerted (`shmem_shortfall`) and
+//! acted on only with a victim whose own memory alone lifts RAM back above its warn floor.
 
 use std::time::Duration;
 
@@ -10,8 +18,8 @@ use crate::snapshot::Snapshot;
 
 use super::victim::{self, Short};
 use super::{
-    action, bytes, event, About, Held, Incident, Level, Plan, PolicyState, Recheck, Resource,
-    Severity, Stage, Target, Verb,
+    action, bytes, event, About, FloorVictim, Held, Incident, Level, Plan, PolicyState, Recheck,
+    Resource, Severity, Stage, Target, Verb,
 };
 
 /// One resource's reading against its floors.
@@ -32,6 +40,8 @@ pub(super) struct Reading {
     pub sampled_at: Option<Duration>,
     /// What victims are ranked by.
     pub short: Short,
+    /// RAM: `Shmem` (tmpfs, shared memory), for messages and the unattributable-shortfall rule.
+    pub shmem: Option<u64>,
 }
 
 impl Reading {
@@ -80,7 +90,19 @@ impl Reading {
             text.push_str("; ");
             text.push_str(because);
         }
+        if let (Some(shmem), Level::Warn | Level::Act) = (self.shmem, self.level()) {
+            text.push_str(&format!("; Shmem (tmpfs, shared memory) {}", bytes(shmem)));
+        }
         text
+    }
+
+    /// Above the warn floor by MemAvailable (or the act floor where there is no warn floor).
+    fn above_warn(&self) -> bool {
+        match (self.available, self.warn.or(self.min)) {
+            (Some(a), Some(w)) => a >= w,
+            (Some(_), None) => true,
+            (None, _) => false,
+        }
     }
 
     /// What the executor reads again just before acting: MemAvailable, when it being below
@@ -136,6 +158,7 @@ pub(super) fn readings(config: &Config, snapshot: &Snapshot, tracked: &[Resource
             action: config.gpu.action,
             sampled_at: snapshot.gpus.sampled_at,
             short: Short::Gpu(gpu.index),
+            shmem: None,
         });
     }
     // A GPU the policy was watching that NVML no longer lists: unknown, never "fine".
@@ -156,6 +179,7 @@ pub(super) fn readings(config: &Config, snapshot: &Snapshot, tracked: &[Resource
                 action: config.gpu.action,
                 sampled_at: None,
                 short: Short::Gpu(index),
+                shmem: None,
             });
         }
     }
@@ -224,6 +248,7 @@ fn ram_reading(config: &Config, snapshot: &Snapshot) -> Reading {
         } else {
             Short::Ram
         },
+        shmem: host.shmem_bytes,
     }
 }
 
@@ -251,6 +276,14 @@ fn evaluate_floor_inner(
     let resource = reading.resource;
     let level = reading.level();
     let previous = state.levels.insert(resource, level);
+    if resource == Resource::Ram {
+        state.shmem_baseline = match (reading.shmem, state.shmem_baseline) {
+            (Some(now), _) if reading.above_warn() => Some((now, now)),
+            (Some(now), Some((base, peak))) => Some((base, peak.max(now))),
+            (None, _) if reading.above_warn() => None,
+            (_, kept) => kept,
+        };
+    }
     if previous != Some(level) {
         let text = reading.describe();
         match level {
@@ -312,6 +345,7 @@ fn evaluate_floor_inner(
         available_at_stage: None,
         far_below_at: None,
         term_baseline: None,
+        shmem_reported: false,
     });
     if !reading.may_act {
         if !incident.stale_reported {
@@ -587,14 +621,47 @@ fn choose_next(
     plan: &mut Plan,
 ) {
     let resource = reading.resource;
+    let now = snapshot.at;
+    let why = reading.describe();
+    let (max_victims, window) = brake_limits(config, resource);
+    let signals = reading.action != FloorAction::Alert;
+    if signals && max_victims > 0 {
+        let recent = state.floor_victims.entry(resource).or_default();
+        recent.retain(|v| now.saturating_sub(v.at) < window);
+        if recent.len() >= max_victims as usize {
+            if state.braked.insert(resource) {
+                let first = recent.iter().map(|v| v.at).min().unwrap_or(now);
+                let left = (first + window).saturating_sub(now);
+                let shmem = match reading.shmem {
+                    Some(b) if resource == Resource::Ram => format!(
+                        "; Shmem is {} (tmpfs files, shared memory: no process holds it and no kill gives it back)",
+                        bytes(b)
+                    ),
+                    _ => String::new(),
+                };
+                plan.events.push(event(
+                    Severity::Critical,
+                    EventKind::FloorBrake,
+                    format!(
+                        "{why}; {} victim(s) acted on for {resource} within {} did not keep it above its act floor: not acting on {resource} for {} (brake: max_victims {} per victim_window){shmem}",
+                        recent.len(),
+                        humantime::format_duration(window),
+                        humantime::format_duration(round_secs(left)),
+                        max_victims,
+                    ),
+                ));
+            }
+            return;
+        }
+    }
     let excluded = state
         .incidents
         .get(&resource)
         .map(|i| i.excluded.clone())
         .unwrap_or_default();
     let chosen = victim::choose(config, snapshot, state, reading.short, &excluded);
+    let shmem_growth = shmem_shortfall(reading, state.shmem_baseline);
     let incident = state.incidents.get_mut(&resource).expect("incident exists");
-    let why = reading.describe();
     let Some((target, used)) = chosen else {
         if !incident.no_victim_reported {
             incident.no_victim_reported = true;
@@ -612,7 +679,43 @@ fn choose_next(
         Short::Swap => "swap".to_string(),
         _ => resource.to_string(),
     };
-    let detail = format!("{why}; largest eligible user of {what}: {} ", bytes(used));
+    let mut detail = format!("{why}; largest eligible user of {what}: {} ", bytes(used));
+    if let Some(ShmemGrowth {
+        growth,
+        shortfall,
+        to_warn,
+    }) = shmem_growth
+    {
+        // More of the shortfall is new Shmem than is missing: no process holds it. Act only on
+        // a victim whose own memory alone lifts RAM back above the warn floor: a tmpfs write
+        // still under way crosses the act floor by a few bytes first, and killing for that
+        // would only buy the next few bytes.
+        let enough = used > to_warn;
+        if !incident.shmem_reported {
+            incident.shmem_reported = true;
+            plan.events.push(event(
+                Severity::Critical,
+                EventKind::ShmemShortfall,
+                format!(
+                    "{why}; Shmem grew by {} since RAM was last above its warn floor, more than the shortfall of {}: memory in tmpfs files or shared memory that no process holds (look in /dev/shm and other tmpfs mounts); {}",
+                    bytes(growth),
+                    bytes(shortfall),
+                    if enough {
+                        format!("acting on {target} only because its own {} alone lifts RAM above the warn floor", bytes(used))
+                    } else {
+                        format!("not acting: the first eligible candidate, {target}, holds {} of its own, not enough to lift RAM above the warn floor ({} short of it)", bytes(used), bytes(to_warn))
+                    }
+                ),
+            ));
+        }
+        if !enough {
+            return;
+        }
+        detail.push_str(&format!(
+            "(enough alone to lift RAM above the warn floor; Shmem grew by {}) ",
+            bytes(growth)
+        ));
+    }
     let verb = match reading.action {
         FloorAction::Alert => None,
         FloorAction::Stop => Some(Verb::Stop),
@@ -629,6 +732,17 @@ fn choose_next(
     incident.available_at_stage = reading.available;
     incident.victim = Some(target.clone());
     let recheck = reading.recheck();
+    if verb.is_some() {
+        state
+            .floor_victims
+            .entry(resource)
+            .or_default()
+            .push(FloorVictim {
+                at: now,
+                target: target.clone(),
+                done: false,
+            });
+    }
     match verb {
         Some(verb) => plan.actions.push(action(
             verb,
@@ -642,6 +756,88 @@ fn choose_next(
             EventKind::FloorVictim,
             format!("{detail}would act on {target} (action = \"alert\")"),
         )),
+    }
+}
+
+/// The brake of a floor: (max victims, within this window).
+fn brake_limits(config: &Config, resource: Resource) -> (u32, Duration) {
+    match resource {
+        Resource::Ram => (config.ram.max_victims, config.ram.victim_window),
+        Resource::Gpu(_) => (config.gpu.max_victims, config.gpu.victim_window),
+    }
+}
+
+fn round_secs(d: Duration) -> Duration {
+    Duration::from_secs(d.as_secs() + u64::from(d.subsec_nanos() > 0))
+}
+
+/// RAM short of its act floor mostly by memory no process holds.
+struct ShmemGrowth {
+    /// How much `Shmem` grew since RAM was last above its warn floor (to its peak since).
+    growth: u64,
+    /// `min_available` - MemAvailable.
+    shortfall: u64,
+    /// What a victim must give back to lift RAM above the warn floor (the act floor if none).
+    to_warn: u64,
+}
+
+/// RAM below its act floor by MemAvailable, and `Shmem` grown by more than the shortfall since
+/// RAM was last above its warn floor (to its highest since then).
+fn shmem_shortfall(reading: &Reading, baseline: Option<(u64, u64)>) -> Option<ShmemGrowth> {
+    if reading.resource != Resource::Ram || reading.short != Short::Ram {
+        return None;
+    }
+    let (Some(available), Some(min), Some((base, peak))) =
+        (reading.available, reading.min, baseline)
+    else {
+        return None;
+    };
+    let shortfall = min.checked_sub(available).filter(|&s| s > 0)?;
+    let growth = peak.saturating_sub(base);
+    let to_warn = reading
+        .warn
+        .unwrap_or(min)
+        .max(min)
+        .saturating_sub(available);
+    (growth > shortfall).then_some(ShmemGrowth {
+        growth,
+        shortfall,
+        to_warn,
+    })
+}
+
+/// Brakes whose window has passed: the floor may act again (said once, as info).
+pub(super) fn release_brakes(
+    config: &Config,
+    snapshot: &Snapshot,
+    state: &mut PolicyState,
+    plan: &mut Plan,
+) {
+    let now = snapshot.at;
+    let braked: Vec<Resource> = state.braked.iter().copied().collect();
+    for resource in braked {
+        let (max_victims, window) = brake_limits(config, resource);
+        let recent = state.floor_victims.entry(resource).or_default();
+        recent.retain(|v| now.saturating_sub(v.at) < window);
+        if max_victims > 0 && recent.len() >= max_victims as usize {
+            continue;
+        }
+        state.braked.remove(&resource);
+        plan.events.push(
+            event(
+                Severity::Info,
+                EventKind::FloorBrake,
+                format!(
+                    "{resource}: brake released ({} victim(s) within the last {}): the floor may act again",
+                    recent.len(),
+                    humantime::format_duration(window)
+                ),
+            )
+            .about(About {
+                resource: Some(resource),
+                ..About::default()
+            }),
+        );
     }
 }
 

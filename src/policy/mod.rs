@@ -14,7 +14,7 @@ mod waste;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::time::Duration;
 
@@ -233,6 +233,18 @@ pub struct Incident {
     /// After SIGTERM: the victim's own memory at the first reading after the signal, with the
     /// `stage_since` of the SIGTERM it belongs to.
     pub term_baseline: Option<(Duration, u64)>,
+    /// Reported that the shortfall is Shmem growth no process holds (to say it once).
+    pub shmem_reported: bool,
+}
+
+/// A victim a floor acted on: what the brake on cascades counts, across incidents.
+#[derive(Clone, Debug, Serialize)]
+pub struct FloorVictim {
+    pub at: Duration,
+    pub target: Target,
+    /// The executor carried out (or, in observe mode, logged) the first action on it; until
+    /// then an action skipped or failed takes it off the count.
+    pub done: bool,
 }
 
 /// A model's budget state.
@@ -299,6 +311,15 @@ pub struct PolicyState {
     attributed: Option<(Option<Duration>, u64)>,
     /// (GPU, command line) pairs already reported as loaded more than once.
     duplicates_reported: Vec<(u32, String)>,
+    /// Per floor, the victims acted on within its `victim_window` (the brake on cascades).
+    pub floor_victims: BTreeMap<Resource, Vec<FloorVictim>>,
+    /// Floors whose brake holds (reported once; released when the window has passed).
+    pub braked: BTreeSet<Resource>,
+    /// `Shmem` when RAM was last above its warn floor, and the most it has been since: growth
+    /// (peak - baseline) that is more than the shortfall is memory no process holds. The peak,
+    /// not the latest reading: while a tmpfs file is being removed, `Shmem` falls before
+    /// MemAvailable rises, and that moment must not look like a shortfall of processes.
+    pub shmem_baseline: Option<(u64, u64)>,
 }
 
 impl PolicyState {
@@ -350,7 +371,13 @@ impl PolicyState {
     pub fn apply(&mut self, outcomes: &[(Action, Outcome)]) {
         for (action, outcome) in outcomes {
             match outcome {
-                Outcome::Done | Outcome::Observed => {}
+                Outcome::Done | Outcome::Observed => {
+                    for v in self.floor_victims.values_mut().flatten() {
+                        if v.target == action.target {
+                            v.done = true;
+                        }
+                    }
+                }
                 Outcome::Skipped(_) => self.not_done(action, false),
                 Outcome::Failed(_) => self.not_done(action, true),
             }
@@ -358,6 +385,10 @@ impl PolicyState {
     }
 
     fn not_done(&mut self, action: &Action, failed: bool) {
+        // A victim never signalled does not count towards the brake.
+        for victims in self.floor_victims.values_mut() {
+            victims.retain(|v| v.done || v.target != action.target);
+        }
         for incident in self.incidents.values_mut() {
             if incident.victim.as_ref() == Some(&action.target) {
                 incident.victim = None;
@@ -407,6 +438,8 @@ pub fn evaluate(config: &Config, snapshot: &Snapshot, state: &mut PolicyState) -
         state.attributed = Some(inputs);
         waste::duplicate_loads(snapshot, state, &mut plan);
     }
+    // Before the floors: a floor whose brake's window has passed may choose a victim this tick.
+    floors::release_brakes(config, snapshot, state, &mut plan);
     let readings = floors::readings(config, snapshot, &state.tracked_resources());
     for reading in &readings {
         floors::evaluate_floor(config, snapshot, state, reading, &mut plan);
@@ -446,8 +479,13 @@ pub fn evaluate(config: &Config, snapshot: &Snapshot, state: &mut PolicyState) -
         .incidents
         .values()
         .any(|i| i.victim.is_some() && i.stage == Stage::Terminated);
-    if state.incidents.values().any(|i| i.victim.is_none()) {
-        // A floor is crossed and nobody is chosen yet: look at fresh processes next tick.
+    if state
+        .incidents
+        .iter()
+        .any(|(r, i)| i.victim.is_none() && !state.braked.contains(r))
+    {
+        // A floor is crossed and nobody is chosen yet: look at fresh processes next tick. (A
+        // floor whose brake holds chooses nobody until its window passes: no rush.)
         plan.max_scan_age = Duration::ZERO;
     }
     if state.budgets.values().any(|b| b.over_since.is_some()) {

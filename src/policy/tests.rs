@@ -61,6 +61,7 @@ fn snap(at_ms: u64, available: Option<u64>, procs: Vec<Process>) -> Snapshot {
             swap_total_bytes: Some(0),
             swap_free_bytes: Some(0),
             psi_some_avg10: None,
+            shmem_bytes: None,
         },
         processes: ProcessTable {
             scanned_at: Some(at),
@@ -2163,4 +2164,287 @@ fn membership_is_by_identity_not_by_position_in_the_table() {
     changed.at = Duration::from_millis(10);
     let plan = evaluate(&c, &changed, &mut state);
     assert_eq!(acts(&plan), "terminate vllm[101]");
+}
+
+/// `snapshot` with `Shmem` (tmpfs, shared memory) at `shmem` bytes.
+fn with_shmem(mut snapshot: Snapshot, shmem: u64) -> Snapshot {
+    snapshot.host.shmem_bytes = Some(shmem);
+    snapshot
+}
+
+/// The red-team cascade: memory no process holds (a tmpfs file whose writer has exited) keeps
+/// RAM under the floor; each kill lifts it a little, the incident closes, the next crossing
+/// opens another. The brake counts victims across incidents: at `max_victims` within
+/// `victim_window` it stops acting and says so once (critical, naming Shmem), whatever the
+/// re-crossings; acting resumes (info event) once the window has passed.
+#[test]
+fn the_brake_caps_a_cascade_across_re_crossings_and_releases_after_the_window() {
+    let c = config(&format!(
+        "{RAM_FLOORS}max_victims = 2\nvictim_window = \"1m\"\n"
+    ));
+    let all = [
+        proc(100, "a", 800 * MIB, 1),
+        proc(200, "b", 600 * MIB, 1),
+        proc(300, "c", 400 * MIB, 1),
+        proc(400, "d", 200 * MIB, 1),
+    ];
+    let from =
+        |pid: i32| -> Vec<Process> { all.iter().filter(|p| p.pid >= pid).cloned().collect() };
+    let low = Some(3 * GIB);
+    let lifted = Some(5 * GIB);
+    // Shmem does not move (written before the daemon looked): only the brake stops the cascade.
+    let s = |at, available, procs| with_shmem(snap(at, available, procs), 10 * GIB);
+    let mut state = PolicyState::default();
+    let plans = play(
+        &c,
+        &mut state,
+        vec![
+            (s(0, low, from(100)), "terminate [100]", "floor_act"),
+            // Its death lifts RAM above the act floor: the incident is over after one victim...
+            (s(100, lifted, from(200)), "", "incident_closed"),
+            // ...and the next crossing is a new incident, which may act again: a second victim.
+            (s(200, low, from(200)), "terminate [200]", "floor_act"),
+            (s(300, lifted, from(300)), "", "incident_closed"),
+            // A third crossing within the window: the brake holds, said once.
+            (s(400, low, from(300)), "", "floor_act, floor_brake"),
+            (s(500, low, from(300)), "", ""),
+            // Recovering and crossing again does not reset the count.
+            (s(600, lifted, from(300)), "", ""),
+            (s(700, low, from(300)), "", "floor_act"),
+            (s(59_999, low, from(300)), "", ""),
+            // The first victim is a window old: the brake releases and the floor acts again.
+            (s(60_000, low, from(300)), "terminate [300]", "floor_brake"),
+            // It is gone, RAM still short: two within the window again (200 at 200 ms, 300 at
+            // 60 s), so the brake holds anew rather than taking 400.
+            (s(60_100, low, from(400)), "", ""),
+            (s(60_150, low, from(400)), "", "floor_brake"),
+        ],
+    );
+    let brake = &plans[4].events[1];
+    assert_eq!(brake.severity, Severity::Critical);
+    assert!(
+        brake
+            .message
+            .contains("2 victim(s) acted on for RAM within 1m")
+            && brake.message.contains("Shmem is 10.0 GiB")
+            && brake.message.contains("no kill gives it back"),
+        "{}",
+        brake.message
+    );
+    // While braked, no rush to rescan for a victim it will not take.
+    assert_eq!(plans[5].max_scan_age, NEAR_FLOOR_SCAN_AGE);
+    let released = &plans[9].events[0];
+    assert_eq!(released.severity, Severity::Info);
+    assert!(
+        released.message.contains("brake released"),
+        "{}",
+        released.message
+    );
+    assert_eq!(plans[11].events[0].severity, Severity::Critical);
+    assert!(state.braked.contains(&Resource::Ram));
+}
+
+/// An action the executor skipped (the victim had gone, RAM recovered) or could not carry out
+/// signalled nobody: it does not count towards the brake. One carried out does.
+#[test]
+fn only_victims_actually_acted_on_count_towards_the_brake() {
+    let c = config(&format!("{RAM_FLOORS}max_victims = 1\n"));
+    let procs = || vec![proc(100, "a", 800 * MIB, 1), proc(200, "b", 600 * MIB, 1)];
+    let mut state = PolicyState::default();
+    let plan = evaluate(&c, &snap(0, Some(3 * GIB), procs()), &mut state);
+    assert_eq!(acts(&plan), "terminate [100]");
+    let skipped: Vec<_> = plan
+        .actions
+        .iter()
+        .map(|a| (a.clone(), Outcome::Skipped("target has exited".into())))
+        .collect();
+    state.apply(&skipped);
+    assert!(state.floor_victims[&Resource::Ram].is_empty());
+    let plan = evaluate(&c, &snap(100, Some(3 * GIB), procs()), &mut state);
+    assert_eq!(
+        acts(&plan),
+        "terminate [100]",
+        "not braked: nothing was signalled"
+    );
+    let done: Vec<_> = plan
+        .actions
+        .iter()
+        .map(|a| (a.clone(), Outcome::Done))
+        .collect();
+    state.apply(&done);
+    assert_eq!(state.floor_victims[&Resource::Ram].len(), 1);
+    let gone = vec![proc(200, "b", 600 * MIB, 1)];
+    evaluate(&c, &snap(200, Some(3 * GIB), gone.clone()), &mut state);
+    let plan = evaluate(&c, &snap(300, Some(3 * GIB), gone), &mut state);
+    assert_eq!(
+        (acts(&plan).as_str(), events(&plan).as_str()),
+        ("", "floor_brake")
+    );
+}
+
+/// `max_victims = 0` turns the brake off: the cascade runs as before.
+#[test]
+fn max_victims_zero_turns_the_brake_off() {
+    let c = config(&format!("{RAM_FLOORS}max_victims = 0\n"));
+    let mut state = PolicyState::default();
+    for (i, pid) in [100, 200, 300, 400].into_iter().enumerate() {
+        let at = i as u64 * 200;
+        let procs: Vec<Process> = [100, 200, 300, 400]
+            .into_iter()
+            .filter(|&p| p >= pid)
+            .map(|p| proc(p, "x", (1000 - p as u64) * MIB, 1))
+            .collect();
+        let plan = evaluate(&c, &snap(at, Some(3 * GIB), procs.clone()), &mut state);
+        assert_eq!(acts(&plan), format!("terminate [{pid}]"));
+        let rest: Vec<Process> = procs.into_iter().filter(|p| p.pid != pid).collect();
+        evaluate(&c, &snap(at + 100, Some(5 * GIB), rest), &mut state);
+    }
+}
+
+/// RAM falls under the act floor while Shmem grew by more than the shortfall since RAM was last
+/// above its warn floor: the missing memory is in tmpfs or shared memory that no process holds.
+/// A critical `shmem_shortfall` names it and nobody is killed for it, except a candidate whose
+/// own memory alone lifts RAM back above the warn floor. The floor alert says how much is Shmem.
+#[test]
+fn shmem_growth_beyond_the_shortfall_alerts_and_does_not_kill() {
+    let c = config(RAM_FLOORS);
+    let small = || vec![proc(100, "a", 800 * MIB, 1), proc(200, "b", 600 * MIB, 1)];
+    let mut state = PolicyState::default();
+    let plans = play(
+        &c,
+        &mut state,
+        vec![
+            // Above the warn floor: Shmem 1 GiB is the baseline.
+            (with_shmem(snap(0, Some(16 * GIB), small()), GIB), "", ""),
+            // 3.5 GiB written to /dev/shm by a process since gone: 1 GiB short of the act floor.
+            (
+                with_shmem(snap(100, Some(3 * GIB), small()), 4 * GIB + GIB / 2),
+                "",
+                "floor_act, shmem_shortfall",
+            ),
+            (
+                with_shmem(snap(200, Some(3 * GIB), small()), 4 * GIB + GIB / 2),
+                "",
+                "",
+            ),
+        ],
+    );
+    let act = &plans[1].events[0];
+    assert!(
+        act.message.contains("Shmem (tmpfs, shared memory) 4.5 GiB"),
+        "{}",
+        act.message
+    );
+    let shm = &plans[1].events[1];
+    assert_eq!(shm.severity, Severity::Critical);
+    assert!(
+        shm.message.contains("Shmem grew by 3.5 GiB")
+            && shm.message.contains("shortfall of 1.0 GiB")
+            && shm.message.contains("not acting"),
+        "{}",
+        shm.message
+    );
+    // 2 GiB would lift RAM above the act floor (1 GiB short), not above the warn floor (5 GiB
+    // short): a tmpfs write still under way would take that back. Not acted on.
+    let mut mid = small();
+    mid.push(proc(300, "mid", 2 * GIB, 1));
+    let plan = evaluate(
+        &c,
+        &with_shmem(snap(250, Some(3 * GIB), mid.clone()), 4 * GIB + GIB / 2),
+        &mut state,
+    );
+    assert_eq!((acts(&plan).as_str(), events(&plan).as_str()), ("", ""));
+    // The file is being removed: Shmem falls before MemAvailable rises. Still the same
+    // shortfall of memory no process held (Shmem's peak counts): nobody is signalled.
+    let plan = evaluate(
+        &c,
+        &with_shmem(snap(280, Some(3 * GIB), mid.clone()), GIB + GIB / 2),
+        &mut state,
+    );
+    assert_eq!((acts(&plan).as_str(), events(&plan).as_str()), ("", ""));
+    // A candidate whose own memory alone lifts RAM above the warn floor may still be acted on.
+    let mut big = mid;
+    big.push(proc(400, "big", 6 * GIB, 1));
+    let plan = evaluate(
+        &c,
+        &with_shmem(snap(300, Some(3 * GIB), big), 4 * GIB + GIB / 2),
+        &mut state,
+    );
+    assert_eq!(
+        (acts(&plan).as_str(), events(&plan).as_str()),
+        ("terminate [400]", "")
+    );
+    assert!(
+        plan.actions[0].reason.detail.contains("enough alone"),
+        "{}",
+        plan.actions[0].reason.detail
+    );
+}
+
+/// Shmem that grew by less than the shortfall leaves the floor acting as before; so does a
+/// Shmem baseline that is unknown (RAM was never seen above its warn floor).
+#[test]
+fn shmem_growth_within_the_shortfall_does_not_hold_the_floor() {
+    let c = config(RAM_FLOORS);
+    let procs = || vec![proc(100, "a", 800 * MIB, 1)];
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (with_shmem(snap(0, Some(16 * GIB), procs()), GIB), "", ""),
+            (
+                with_shmem(snap(100, Some(3 * GIB), procs()), GIB + GIB / 2),
+                "terminate [100]",
+                "floor_act",
+            ),
+        ],
+    );
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![(
+            with_shmem(snap(0, Some(3 * GIB), procs()), 8 * GIB),
+            "terminate [100]",
+            "floor_act",
+        )],
+    );
+}
+
+/// The GPU floor shares the brake (`[gpu] max_victims`, per GPU): with 1, a second victim on
+/// the same GPU within the window is not taken; another GPU has its own count.
+#[test]
+fn the_gpu_floor_has_the_same_brake_per_gpu() {
+    let c = config("[gpu]\nmin_free = \"2GiB\"\nmax_victims = 1\n");
+    let low = 3 * GIB / 2;
+    let ok = 3 * GIB;
+    let s = |at, free0, holders: &[(i32, Option<u64>)], free1| {
+        let procs = [100, 200, 300]
+            .into_iter()
+            .filter(|&p| p == 300 || holders.iter().any(|h| h.0 == p))
+            .map(|p| proc(p, &format!("p{p}"), GIB, 1))
+            .collect();
+        gsnap(
+            at,
+            procs,
+            vec![
+                gpu(0, free0, holders),
+                gpu(1, free1, &[(300, Some(8 * GIB))]),
+            ],
+        )
+    };
+    let both = [(100, Some(8 * GIB)), (200, Some(4 * GIB))];
+    let second = [(200, Some(4 * GIB))];
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (s(0, low, &both, ok), "terminate [100]", "floor_act"),
+            (s(100, low, &second, ok), "", ""),
+            (
+                s(200, low, &second, low),
+                "terminate [300]",
+                "floor_brake, floor_act",
+            ),
+        ],
+    );
 }

@@ -187,7 +187,7 @@ pub fn parse_status(text: &[u8]) -> Status {
     status
 }
 
-/// The four /proc/meminfo fields the guard needs. (procfs's `Meminfo` parses every field into a
+/// The five /proc/meminfo fields the guard needs. (procfs's `Meminfo` parses every field into a
 /// map and fails as a whole if one it expects is missing; this is the hot path, and a missing
 /// field must leave only that reading unknown.)
 pub fn parse_meminfo(text: &str, host: &mut HostMemory) {
@@ -200,6 +200,7 @@ pub fn parse_meminfo(text: &str, host: &mut HostMemory) {
             "MemAvailable" => &mut host.available_bytes,
             "SwapTotal" => &mut host.swap_total_bytes,
             "SwapFree" => &mut host.swap_free_bytes,
+            "Shmem" => &mut host.shmem_bytes,
             _ => continue,
         };
         let mut parts = rest.split_whitespace();
@@ -712,7 +713,7 @@ mod tests {
         let root = dir.path();
         std::fs::write(
             root.join("meminfo"),
-            "MemTotal:       24683656 kB\nMemFree:        1000 kB\nMemAvailable:   2048 kB\nSwapTotal:      0 kB\nSwapFree:       0 kB\n",
+            "MemTotal:       24683656 kB\nMemFree:        1000 kB\nMemAvailable:   2048 kB\nSwapTotal:      0 kB\nSwapFree:       0 kB\nShmem:          512 kB\n",
         )
         .unwrap();
         // A hostile name: parentheses and spaces inside comm.
@@ -751,6 +752,11 @@ mod tests {
         let host = reader.read();
         assert_eq!(host.total_bytes, Some(24683656 * 1024));
         assert_eq!(host.available_bytes, Some(2048 * 1024));
+        assert_eq!(
+            host.shmem_bytes,
+            Some(512 * 1024),
+            "Shmem: tmpfs and shared memory"
+        );
         assert_eq!(
             host.psi_some_avg10, None,
             "no pressure file: unknown, not zero"
