@@ -197,8 +197,9 @@ pub struct Gpu {
     pub processes: BTreeMap<i32, Option<u64>>,
     /// False if the process list could not be read this time (the map above is then empty).
     pub processes_known: bool,
-    /// The lists were read just before and just after the memory figures and were the same:
-    /// this GPU's free memory and its processes' figures describe one moment.
+    /// The lists were read just before and just after the memory figures, were the same, and
+    /// held no more than the card's used memory: this GPU's free memory and its processes'
+    /// figures describe one moment.
     pub processes_steady: bool,
 }
 

@@ -55,4 +55,25 @@ fn process_lists_that_change_around_the_memory_reading_are_not_steady() {
     // Without the lists, nothing is claimed steady.
     let reading = source.sample(false);
     assert!(!reading.devices[0].processes_steady);
+
+    // A-B-A: 7 GiB listed before, 4 GiB in use while the memory figures are read (a request
+    // finished), 7 GiB listed after (another started). The lists agree, but they hold more
+    // than the card had in use at that moment: not steady either.
+    let slow = "delay nvmlDeviceGetMemoryInfo_v2 300\ndelay nvmlDeviceGetUtilizationRates 300\n";
+    write(&format!("{}{slow}", one(7)));
+    let (state3, dir3) = (state.clone(), dir.path().to_path_buf());
+    let changer = std::thread::spawn(move || {
+        for (at_ms, used) in [(150, 4), (300, 7)] {
+            std::thread::sleep(Duration::from_millis(at_ms));
+            let tmp = dir3.join("state.tmp3");
+            std::fs::write(&tmp, format!("{}{slow}", one(used))).unwrap();
+            std::fs::rename(&tmp, &state3).unwrap();
+        }
+    });
+    let reading = source.sample(true);
+    changer.join().unwrap();
+    let gpu = &reading.devices[0];
+    assert_eq!(gpu.used_bytes, Some(4 * GIB), "{gpu:?}");
+    assert_eq!(gpu.processes.get(&4242), Some(&Some(7 * GIB)), "{gpu:?}");
+    assert!(!gpu.processes_steady, "{gpu:?}");
 }

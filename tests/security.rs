@@ -501,9 +501,14 @@ fn raw(attacker: &Attacker, socket: &Path, lines: &[String]) -> Vec<serde_json::
 #[test]
 fn what_a_user_sends_is_bounded_and_the_daemon_stays_small_and_answers() {
     let attacker = Attacker::create();
+    // The attacker may use the host-wide permit pool here, to meet its per-uid cap.
     let g = guard(
         "min_available = \"0%\"\nwarn_available = \"0%\"\n",
-        "max_ready_timeout = \"1h\"\n[clients]\nmax_launches_per_uid = 2\nmax_leases_per_uid = 2\n[permits]\nmax_per_uid = 3\n",
+        &format!(
+            "max_ready_timeout = \"1h\"\n[clients]\nmax_launches_per_uid = 2\nmax_leases_per_uid = 2\n\
+             [permits]\nmax_per_uid = 3\nusers = [\"{}\"]\n",
+            attacker.name
+        ),
     );
     let pid = g.daemon.child.id();
     let rss_before = vm_rss(pid);

@@ -286,7 +286,12 @@ impl NvmlGpuSource {
         gpu.utilization_percent = device.utilization_rates().ok().map(|u| u.gpu);
         if let Some(before) = before {
             let after = read_process_lists(&device);
-            gpu.processes_steady = after.1 && after == before;
+            // The same lists around the memory figures, and no more memory in them than the
+            // card had in use: a process that freed memory and another that took as much in
+            // between leave the lists alike (A-B-A) while `used` saw the moment between.
+            let listed: u64 = after.0.values().map(|b| b.unwrap_or(0)).sum();
+            gpu.processes_steady =
+                after.1 && after == before && gpu.used_bytes.is_some_and(|used| listed <= used);
             self.last_processes.insert(index, after);
         }
         if let Some((list, known)) = self.last_processes.get(&index) {
