@@ -516,23 +516,25 @@ fn time_to_kill(extra_alert: &str) -> Duration {
     took
 }
 
+/// A webhook that accepts and never answers (60 s timeout) must not hold the guard: the kill
+/// comes while the first notice still hangs. Bounded by the webhook's timeout, not by another
+/// timing (a guard that waited for the webhook even once would take over 60 s).
 #[test]
 fn a_webhook_that_never_answers_does_not_slow_the_guard() {
     let _lock = memory_pressure_lock();
-    let plain = time_to_kill("");
     let hanging = Receiver::start(|_| Reply::Hang);
     let with_hook = time_to_kill(&format!(
         "[alert]\ntimeout = \"60s\"\nqueue = 4\n[[alert.webhook]]\nurl = \"{}\"\nmin_severity = \"info\"\n",
         hanging.url()
     ));
-    eprintln!("time to kill: {plain:?} without a webhook, {with_hook:?} with one that hangs");
+    eprintln!("time to kill with a webhook that hangs: {with_hook:?}");
     assert!(
         *hanging.accepted.lock().unwrap() >= 1,
         "the webhook was never called"
     );
     assert!(
-        with_hook < plain * 2 + Duration::from_secs(1),
-        "with a hanging webhook the kill took {with_hook:?}, without {plain:?}"
+        with_hook < Duration::from_secs(30),
+        "with a hanging webhook the kill took {with_hook:?}"
     );
 }
 
