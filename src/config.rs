@@ -124,18 +124,15 @@ pub struct PermitsConfig {
     /// Permits held plus requests waiting, all users together.
     pub max_total: usize,
     /// Who may take permits from the host-wide pool (a request that names no model, from a
-    /// process in none): default root and the system accounts. Anyone else takes them under a
+    /// process in none), beside root (the default: root only). Anyone else takes them under a
     /// model they belong to, bounded by its budget.
     pub users: Option<Vec<User>>,
 }
 
 impl PermitsConfig {
-    /// Who may take permits from the host-wide pool.
+    /// Who may take permits from the host-wide pool (root always may: `Users::may_act`).
     pub fn host_pool_users(&self) -> Users {
-        match &self.users {
-            Some(list) => Users::Only(list.iter().map(|u| u.uid).collect()),
-            None => Users::System,
-        }
+        Users::Only(self.users.iter().flatten().map(|u| u.uid).collect())
     }
 }
 

@@ -1201,9 +1201,8 @@ impl Reservations {
     }
 
     /// Models loading that hold the launch lock against a launch by `uid`: all of them, but for
-    /// root and system accounts only their own class's (a user's launch that loads for hours, or
-    /// never, must not keep the host's own servers from starting; memory admission still counts
-    /// it).
+    /// root only root's (another user's launch that loads for hours, or never, must not keep the
+    /// host's own servers from starting; memory admission still counts it).
     fn loading_against(&self, uid: u32) -> usize {
         self.holdings
             .values()
@@ -1212,8 +1211,8 @@ impl Reservations {
             .count()
     }
 
-    /// Where a launch by `uid` joins the queue: root's and system accounts' launches go ahead of
-    /// users' (first come, first served within each), so no user can hold them back.
+    /// Where a launch by `uid` joins the queue: root's launches go ahead of everyone else's (first
+    /// come, first served within each), so no user can hold them back.
     fn queue_slot(&self, uid: u32) -> usize {
         if privileged(uid) {
             self.launch_queue
@@ -1936,9 +1935,10 @@ fn about(pool: &Pool, peer: &Peer) -> About {
     }
 }
 
-/// Root or a system account: what users cannot become.
+/// Root: its launches go first. (Not the system accounts: a model server's own account, `vllm`
+/// say, runs code it downloaded.)
 fn privileged(uid: u32) -> bool {
-    uid < crate::config::FIRST_USER_UID
+    uid == 0
 }
 
 /// A launched model with no `[[model]]`: its flags are its budgets, it is only alerted on, and
@@ -2104,7 +2104,13 @@ mod tests {
         let (reason, message) = refusal(t.acquire(1, host(1), Duration::ZERO));
         assert_eq!(reason, RefusalReason::NotAllowed);
         assert!(message.contains("host-wide pool"), "{message}");
+        // A system account neither (it may run a model server's downloaded code); root may.
         let (mut t, _rx) = table_for("", 999);
+        assert_eq!(
+            refusal(t.acquire(1, host(1), Duration::ZERO)).0,
+            RefusalReason::NotAllowed
+        );
+        let (mut t, _rx) = table_for("", 0);
         assert!(matches!(
             t.acquire(1, host(1), Duration::ZERO),
             Some(Response::Granted { .. })
@@ -2162,9 +2168,9 @@ mod tests {
             };
             t.attach(conn, peer, tx);
         };
-        join(&mut t, 2, 1001);
+        join(&mut t, 2, 999);
         join(&mut t, 3, 0);
-        join(&mut t, 4, 999);
+        join(&mut t, 4, 0);
         let launch = |t: &mut Reservations, conn: ConnId, model: &str| {
             let own = rustix::process::pidfd_open(
                 rustix::process::getpid(),
@@ -2183,7 +2189,7 @@ mod tests {
             launch(&mut t, 1, "mine"),
             Some(Response::Admitted { .. })
         ));
-        // ...another user's waits for it...
+        // ...another account's (a system account is no different) waits for it...
         assert!(matches!(
             launch(&mut t, 2, "theirs"),
             Some(Response::Queued { position: 1, .. })
@@ -2193,13 +2199,13 @@ mod tests {
             launch(&mut t, 3, "host"),
             Some(Response::Admitted { .. })
         ));
-        // and a system account's, waiting for root's to load, goes ahead of the user's.
+        // and root's next, waiting for root's first to load, goes ahead of the others.
         assert!(matches!(
-            launch(&mut t, 4, "system"),
+            launch(&mut t, 4, "host2"),
             Some(Response::Queued { position: 1, .. })
         ));
-        assert_eq!(t.launch_queue[0].peer.uid, 999);
-        assert_eq!(t.launch_queue[1].peer.uid, 1001);
+        assert_eq!(t.launch_queue[0].peer.uid, 0);
+        assert_eq!(t.launch_queue[1].peer.uid, 999);
     }
 
     /// Red-team finding 5: one user's request loop made thousands of warning events a second.
