@@ -85,6 +85,9 @@ pub struct ClientsConfig {
     /// A connection that holds nothing and sends nothing for this long is closed.
     #[serde(with = "duration")]
     pub idle_timeout: Duration,
+    /// What one uid other than root may hold reserved at once (loading launches and permits):
+    /// a size or a share of all GPU memory (and, separately, of RAM). `None`: no cap.
+    pub max_reserved_per_uid: Option<Amount>,
 }
 
 impl Default for ClientsConfig {
@@ -96,6 +99,7 @@ impl Default for ClientsConfig {
             max_leases_per_uid: 32,
             max_leases: 256,
             idle_timeout: Duration::from_secs(60),
+            max_reserved_per_uid: None,
         }
     }
 }

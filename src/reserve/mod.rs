@@ -463,7 +463,10 @@ impl Reservations {
     }
 
     /// Does `demand` fit `pool` now: its model's slots and budget, then the memory.
-    fn fit(&self, pool: &Pool, demand: &Demand, permit: bool) -> Fit {
+    fn fit(&self, uid: u32, pool: &Pool, demand: &Demand, permit: bool) -> Fit {
+        if let Some(f) = self.uid_cap_fit(uid, demand) {
+            return f;
+        }
         if let Some(name) = pool {
             if let Some(model) = self.model_config(name) {
                 if let Some(f) = self.budget_fit(name, &model, demand, permit) {
@@ -478,8 +481,15 @@ impl Reservations {
     /// `fit`, on a GPU reading taken after `fresh_after` only (the request's connection's
     /// start): memory a client allocated before it asked (weights it just loaded) is in the
     /// reading its requests are decided on.
-    fn fit_fresh(&self, pool: &Pool, demand: &Demand, permit: bool, fresh_after: Duration) -> Fit {
-        match self.fit(pool, demand, permit) {
+    fn fit_fresh(
+        &self,
+        uid: u32,
+        pool: &Pool,
+        demand: &Demand,
+        permit: bool,
+        fresh_after: Duration,
+    ) -> Fit {
+        match self.fit(uid, pool, demand, permit) {
             Fit::Now { .. } if self.stale_for(demand, fresh_after) => Fit::Later(Shortfall {
                 message: "a GPU reading newer than the request".into(),
                 ..Default::default()
@@ -500,6 +510,54 @@ impl Reservations {
             .filter_map(VecDeque::front)
             .chain(self.launch_queue.front())
             .any(|w| self.stale_for(&w.demand, w.fresh_after))
+    }
+
+    /// `[clients] max_reserved_per_uid`: what a uid other than root holds reserved (loading
+    /// launches and permits) plus `demand`, against the cap: `None` when within it.
+    fn uid_cap_fit(&self, uid: u32, demand: &Demand) -> Option<Fit> {
+        let cap = self.config.clients.max_reserved_per_uid?;
+        if uid == 0 {
+            return None;
+        }
+        let (gpu_held, ram_held) = self
+            .holdings
+            .values()
+            .filter(|h| h.peer.uid == uid && h.reserving())
+            .fold((0u64, 0u64), |(g, r), h| {
+                (
+                    g + h.gpu_bytes_per_gpu * h.gpus.len() as u64,
+                    r + h.ram_bytes,
+                )
+            });
+        let gpu_total = self
+            .capacity
+            .gpus
+            .iter()
+            .map(|g| g.total)
+            .sum::<Option<u64>>()
+            .filter(|&t| t > 0);
+        let check = |held: u64, asked: u64, total: Option<u64>, what: &str| {
+            let limit = cap.resolve(total)?;
+            if asked == 0 || held + asked <= limit {
+                return None;
+            }
+            let shortfall = Shortfall {
+                message: format!(
+                    "uid {uid}: {what} {} reserved + {} asked > {} (clients.max_reserved_per_uid)",
+                    fmt_bytes(held),
+                    fmt_bytes(asked),
+                    fmt_bytes(limit)
+                ),
+                ..Default::default()
+            };
+            Some(if asked > limit {
+                Fit::Never(shortfall)
+            } else {
+                Fit::Later(shortfall)
+            })
+        };
+        check(gpu_held, demand.gpu_bytes_total(), gpu_total, "GPU memory")
+            .or_else(|| check(ram_held, demand.ram_bytes, self.capacity.ram.total, "RAM"))
     }
 
     /// A model's `max_permits` and budget, before the memory: `None` when they allow it.
@@ -623,7 +681,7 @@ impl Reservations {
         }
         let queued = self.waiting.get(&pool).map_or(0, VecDeque::len);
         let fresh_after = self.conns.get(&conn).map_or(now, |c| c.since);
-        let fit = match self.fit_fresh(&pool, &demand, true, fresh_after) {
+        let fit = match self.fit_fresh(peer.uid, &pool, &demand, true, fresh_after) {
             // First come, first served: nobody overtakes a request of the same pool that waits.
             Fit::Now { .. } if queued > 0 => Fit::Later(Shortfall {
                 message: format!("{queued} request(s) of this model wait ahead"),
@@ -1237,7 +1295,7 @@ impl Reservations {
 
     /// `launch_fit` on the reading there is, however old.
     fn launch_fit_now(&self, w: &Waiter) -> Fit {
-        let fit = self.fit(&w.pool, &w.demand, false);
+        let fit = self.fit(w.peer.uid, &w.pool, &w.demand, false);
         if matches!(fit, Fit::Never(_)) {
             return fit;
         }
@@ -1479,7 +1537,7 @@ impl Reservations {
     }
 
     fn time_out_permit(&mut self, w: Waiter, now: Duration) {
-        let fit = self.fit(&w.pool, &w.demand, true);
+        let fit = self.fit(w.peer.uid, &w.pool, &w.demand, true);
         let shortfall = match fit {
             Fit::Later(s) | Fit::Never(s) => s,
             Fit::Now { .. } => Shortfall {
@@ -1585,7 +1643,7 @@ impl Reservations {
         let pools: Vec<Pool> = self.waiting.keys().cloned().collect();
         for pool in pools {
             while let Some(head) = self.waiting.get(&pool).and_then(VecDeque::front) {
-                match self.fit_fresh(&pool, &head.demand, true, head.fresh_after) {
+                match self.fit_fresh(head.peer.uid, &pool, &head.demand, true, head.fresh_after) {
                     Fit::Now { gpus } => {
                         let w = self
                             .waiting
@@ -2120,6 +2178,41 @@ mod tests {
             t.acquire(1, host(1), Duration::ZERO),
             Some(Response::Granted { .. })
         ));
+    }
+
+    #[test]
+    fn a_uid_holds_at_most_its_share_reserved_and_root_is_not_capped() {
+        let text = "[clients]\nmax_reserved_per_uid = \"50%\"\n[[model]]\nname = \"m\"\n\
+                    match = { comm = \"x\" }\nusers = [\"1001\"]\n";
+        let ask = |id, gib| AcquireRequest {
+            id,
+            model: Some("m".into()),
+            gpu_bytes: Some(gib * GIB),
+            timeout_ms: Some(0),
+            ..Default::default()
+        };
+        // Half of the 16 GiB card: 8 GiB.
+        let (mut t, mut rx) = table_for(text, 1001);
+        assert!(matches!(
+            t.acquire(1, ask(1, 6), Duration::ZERO),
+            Some(Response::Granted { .. })
+        ));
+        // More than the share would ever allow: refused at once.
+        let (reason, message) = refusal(t.acquire(1, ask(3, 9), Duration::ZERO));
+        assert_eq!(reason, RefusalReason::TooLarge, "{message}");
+        assert!(message.contains("max_reserved_per_uid"), "{message}");
+        // Within the share but not beside what it holds: it waits, and times out saying why.
+        assert_eq!(t.acquire(1, ask(2, 3), Duration::ZERO), None);
+        t.expire(Duration::from_secs(1));
+        let (_, message) = refusal(rx.try_recv().ok());
+        assert!(message.contains("max_reserved_per_uid"), "{message}");
+        let (mut t, _rx) = table_for(text, 0);
+        for id in 1..=2 {
+            assert!(matches!(
+                t.acquire(1, ask(id, 5), Duration::ZERO),
+                Some(Response::Granted { .. })
+            ));
+        }
     }
 
     #[test]
