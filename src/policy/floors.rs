@@ -4,11 +4,24 @@
 //!
 //! Two rules keep a floor from killing everything for memory no process holds (a tmpfs file
 //! whose writer has exited: each kill lifts RAM a little, the incident closes, the next crossing
-//! opens another). The brake: a floor acts on at most `max_victims` victims per `victim_window`,
-//! counted across incidents (`PolicyState::floor_victims`), then stops and says so once
-//! (`floor_brake`). And RAM short while `Shmem` grew by more than the shortfall since RAM was
-//! last above its warn floor (`PolicyState::shmem_baseline`) is alerted (`shmem_shortfall`) and
-//! acted on only with a victim whose own memory alone lifts RAM back above its warn floor.
+//! opens another).
+//!
+//! The brake: a floor acts on at most `max_victims` victims per `victim_window`, counted across
+//! incidents (`PolicyState::floor_victims`), then stops and says so once (critical
+//! `floor_brake`). Only victims that did not help count: the resource reading `Ok` (above its
+//! warn floor, nothing else saying warn) while the brake does not hold forgets the victims before
+//! it, so kills that gave memory back (a hog's, or an attacker's own sacrificial processes) never
+//! use the brake up, while kills that free nothing useful (the tmpfs cascade) do. Once it holds,
+//! it releases (info `floor_brake`) only when the resource reads `Ok` again (the incident really
+//! ended) *and* fewer than `max_victims` of its victims are within the window: never on time
+//! alone while the resource is still short.
+//!
+//! The Shmem rule: RAM short while `Shmem` grew since RAM was last above its warn floor
+//! (`PolicyState::shmem_baseline`) is alerted (`shmem_shortfall`), and the floor acts only on a
+//! victim that could plausibly fix it. Growth that explains the whole shortfall: only a victim
+//! whose own memory alone lifts RAM back above its warn floor. Growth that explains part of it:
+//! only a victim whose own memory is at least the part it does not explain (shortfall - growth)
+//! and lifts RAM back above its act floor. No growth: the floor acts as usual.
 
 use std::time::Duration;
 
@@ -625,6 +638,11 @@ fn choose_next(
     let why = reading.describe();
     let (max_victims, window) = brake_limits(config, resource);
     let signals = reading.action != FloorAction::Alert;
+    // A brake that holds releases only in `release_brakes` (back above the warn floor), never
+    // here on time alone.
+    if signals && max_victims > 0 && state.braked.contains(&resource) {
+        return;
+    }
     if signals && max_victims > 0 {
         let recent = state.floor_victims.entry(resource).or_default();
         recent.retain(|v| now.saturating_sub(v.at) < window);
@@ -643,7 +661,7 @@ fn choose_next(
                     Severity::Critical,
                     EventKind::FloorBrake,
                     format!(
-                        "{why}; {} victim(s) acted on for {resource} within {} did not keep it above its act floor: not acting on {resource} for {} (brake: max_victims {} per victim_window){shmem}",
+                        "{why}; {} victim(s) acted on for {resource} within {} did not bring it back above its warn floor: not acting on {resource} until it is back above its warn floor, and for at least {} (brake: max_victims {} per victim_window){shmem}",
                         recent.len(),
                         humantime::format_duration(window),
                         humantime::format_duration(round_secs(left)),
@@ -686,35 +704,67 @@ fn choose_next(
         to_warn,
     }) = shmem_growth
     {
-        // More of the shortfall is new Shmem than is missing: no process holds it. Act only on
-        // a victim whose own memory alone lifts RAM back above the warn floor: a tmpfs write
-        // still under way crosses the act floor by a few bytes first, and killing for that
-        // would only buy the next few bytes.
-        let enough = used > to_warn;
+        let unexplained = shortfall.saturating_sub(growth);
+        let (enough, verdict) = if unexplained == 0 {
+            // All of the shortfall is new Shmem: no process holds it. Act only on a victim whose
+            // own memory alone lifts RAM back above the warn floor: a tmpfs write still under
+            // way crosses the act floor by a few bytes first, and killing for that would only
+            // buy the next few bytes.
+            let enough = used > to_warn;
+            let verdict = if enough {
+                format!("acting on {target} only because its own {} alone lifts RAM above the warn floor", bytes(used))
+            } else {
+                format!("not acting: the first eligible candidate, {target}, holds {} of its own, not enough to lift RAM above the warn floor ({} short of it)", bytes(used), bytes(to_warn))
+            };
+            (enough, verdict)
+        } else {
+            // Part of it is new Shmem, which no kill gives back: judge only the rest. A victim
+            // holding less than that rest is not what caused it (something outside the
+            // candidates is), and one that cannot lift RAM above the act floor buys nothing.
+            let covers = used >= unexplained;
+            let lifts = used > shortfall;
+            let verdict = match (covers, lifts) {
+                (true, true) => format!("acting on {target} only because its own {} is at least the {} Shmem does not explain and lifts RAM above the act floor", bytes(used), bytes(unexplained)),
+                (false, _) => format!("not acting: the first eligible candidate, {target}, holds {} of its own, less than the {} Shmem growth does not explain (the rest is held outside the candidates, or by nobody)", bytes(used), bytes(unexplained)),
+                (true, false) => format!("not acting: the first eligible candidate, {target}, holds {} of its own, not enough to lift RAM above the act floor ({} short of it)", bytes(used), bytes(shortfall)),
+            };
+            (covers && lifts, verdict)
+        };
         if !incident.shmem_reported {
             incident.shmem_reported = true;
+            let explains = if unexplained == 0 {
+                format!("more than the shortfall of {}", bytes(shortfall))
+            } else {
+                format!(
+                    "explaining that much of the shortfall of {} ({} unexplained)",
+                    bytes(shortfall),
+                    bytes(unexplained)
+                )
+            };
             plan.events.push(event(
                 Severity::Critical,
                 EventKind::ShmemShortfall,
                 format!(
-                    "{why}; Shmem grew by {} since RAM was last above its warn floor, more than the shortfall of {}: memory in tmpfs files or shared memory that no process holds (look in /dev/shm and other tmpfs mounts); {}",
+                    "{why}; Shmem grew by {} since RAM was last above its warn floor, {explains}: memory in tmpfs files or shared memory that no process holds (look in /dev/shm and other tmpfs mounts); {verdict}",
                     bytes(growth),
-                    bytes(shortfall),
-                    if enough {
-                        format!("acting on {target} only because its own {} alone lifts RAM above the warn floor", bytes(used))
-                    } else {
-                        format!("not acting: the first eligible candidate, {target}, holds {} of its own, not enough to lift RAM above the warn floor ({} short of it)", bytes(used), bytes(to_warn))
-                    }
                 ),
             ));
         }
         if !enough {
             return;
         }
-        detail.push_str(&format!(
-            "(enough alone to lift RAM above the warn floor; Shmem grew by {}) ",
-            bytes(growth)
-        ));
+        if unexplained == 0 {
+            detail.push_str(&format!(
+                "(enough alone to lift RAM above the warn floor; Shmem grew by {}) ",
+                bytes(growth)
+            ));
+        } else {
+            detail.push_str(&format!(
+                "(at least the {} Shmem growth of {} does not explain, and enough to lift RAM above the act floor) ",
+                bytes(unexplained),
+                bytes(growth)
+            ));
+        }
     }
     let verb = match reading.action {
         FloorAction::Alert => None,
@@ -771,7 +821,7 @@ fn round_secs(d: Duration) -> Duration {
     Duration::from_secs(d.as_secs() + u64::from(d.subsec_nanos() > 0))
 }
 
-/// RAM short of its act floor mostly by memory no process holds.
+/// RAM short of its act floor while `Shmem` grew: memory no process holds explains some of it.
 struct ShmemGrowth {
     /// How much `Shmem` grew since RAM was last above its warn floor (to its peak since).
     growth: u64,
@@ -781,8 +831,8 @@ struct ShmemGrowth {
     to_warn: u64,
 }
 
-/// RAM below its act floor by MemAvailable, and `Shmem` grown by more than the shortfall since
-/// RAM was last above its warn floor (to its highest since then).
+/// RAM below its act floor by MemAvailable, and `Shmem` grown since RAM was last above its warn
+/// floor (to its highest since then).
 fn shmem_shortfall(reading: &Reading, baseline: Option<(u64, u64)>) -> Option<ShmemGrowth> {
     if reading.resource != Resource::Ram || reading.short != Short::Ram {
         return None;
@@ -799,45 +849,56 @@ fn shmem_shortfall(reading: &Reading, baseline: Option<(u64, u64)>) -> Option<Sh
         .unwrap_or(min)
         .max(min)
         .saturating_sub(available);
-    (growth > shortfall).then_some(ShmemGrowth {
+    (growth > 0).then_some(ShmemGrowth {
         growth,
         shortfall,
         to_warn,
     })
 }
 
-/// Brakes whose window has passed: the floor may act again (said once, as info).
+/// The brake's bookkeeping, before the floors choose: a resource that reads `Ok` (back above its
+/// warn floor) forgets the victims before it (they helped: they do not count), and a brake that
+/// holds is released (said once, as info) only on an `Ok` reading with fewer than `max_victims`
+/// victims left within the window (or with the brake turned off).
 pub(super) fn release_brakes(
     config: &Config,
     snapshot: &Snapshot,
     state: &mut PolicyState,
+    readings: &[Reading],
     plan: &mut Plan,
 ) {
     let now = snapshot.at;
-    let braked: Vec<Resource> = state.braked.iter().copied().collect();
-    for resource in braked {
+    for reading in readings {
+        let resource = reading.resource;
         let (max_victims, window) = brake_limits(config, resource);
+        let ok = reading.level() == Level::Ok;
         let recent = state.floor_victims.entry(resource).or_default();
         recent.retain(|v| now.saturating_sub(v.at) < window);
-        if max_victims > 0 && recent.len() >= max_victims as usize {
-            continue;
+        if state.braked.contains(&resource) {
+            if max_victims > 0 && (!ok || recent.len() >= max_victims as usize) {
+                continue;
+            }
+            state.braked.remove(&resource);
+            plan.events.push(
+                event(
+                    Severity::Info,
+                    EventKind::FloorBrake,
+                    format!(
+                        "{resource}: brake released ({}; {} victim(s) within the last {}): the floor may act again",
+                        reading.describe(),
+                        recent.len(),
+                        humantime::format_duration(window)
+                    ),
+                )
+                .about(About {
+                    resource: Some(resource),
+                    ..About::default()
+                }),
+            );
         }
-        state.braked.remove(&resource);
-        plan.events.push(
-            event(
-                Severity::Info,
-                EventKind::FloorBrake,
-                format!(
-                    "{resource}: brake released ({} victim(s) within the last {}): the floor may act again",
-                    recent.len(),
-                    humantime::format_duration(window)
-                ),
-            )
-            .about(About {
-                resource: Some(resource),
-                ..About::default()
-            }),
-        );
+        if ok {
+            recent.clear();
+        }
     }
 }
 

@@ -311,9 +311,11 @@ pub struct PolicyState {
     attributed: Option<(Option<Duration>, u64)>,
     /// (GPU, command line) pairs already reported as loaded more than once.
     duplicates_reported: Vec<(u32, String)>,
-    /// Per floor, the victims acted on within its `victim_window` (the brake on cascades).
+    /// Per floor, the victims acted on within its `victim_window` since the resource last read
+    /// `Ok` outside a brake (the brake on cascades counts them: victims that helped do not).
     pub floor_victims: BTreeMap<Resource, Vec<FloorVictim>>,
-    /// Floors whose brake holds (reported once; released when the window has passed).
+    /// Floors whose brake holds (reported once; released when the resource reads `Ok` again and
+    /// fewer than `max_victims` of its victims are within the window).
     pub braked: BTreeSet<Resource>,
     /// `Shmem` when RAM was last above its warn floor, and the most it has been since: growth
     /// (peak - baseline) that is more than the shortfall is memory no process holds. The peak,
@@ -438,9 +440,10 @@ pub fn evaluate(config: &Config, snapshot: &Snapshot, state: &mut PolicyState) -
         state.attributed = Some(inputs);
         waste::duplicate_loads(snapshot, state, &mut plan);
     }
-    // Before the floors: a floor whose brake's window has passed may choose a victim this tick.
-    floors::release_brakes(config, snapshot, state, &mut plan);
     let readings = floors::readings(config, snapshot, &state.tracked_resources());
+    // Before the floors: a floor back above its warn floor forgets the victims that helped, and
+    // one whose brake may release may choose a victim this tick.
+    floors::release_brakes(config, snapshot, state, &readings, &mut plan);
     for reading in &readings {
         floors::evaluate_floor(config, snapshot, state, reading, &mut plan);
     }
@@ -485,7 +488,7 @@ pub fn evaluate(config: &Config, snapshot: &Snapshot, state: &mut PolicyState) -
         .any(|(r, i)| i.victim.is_none() && !state.braked.contains(r))
     {
         // A floor is crossed and nobody is chosen yet: look at fresh processes next tick. (A
-        // floor whose brake holds chooses nobody until its window passes: no rush.)
+        // floor whose brake holds chooses nobody while it is still short: no rush.)
         plan.max_scan_age = Duration::ZERO;
     }
     if state.budgets.values().any(|b| b.over_since.is_some()) {
