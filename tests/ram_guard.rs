@@ -531,6 +531,12 @@ fn a_cascade_stops_at_max_victims() {
         .map(|(n, t)| (*n, t.as_str(), ""))
         .collect();
     let mut servers: Vec<Hog> = tokens.iter().map(|t| Hog::start(t, 0, 32, 60)).collect();
+    // Ballast in no model (never a candidate): 2 GiB less available, so that a floor 1 GiB above
+    // what is available stays below MemTotal on an idle host too.
+    let available = mem_available();
+    let _ballast = Hog::start(&token("cascade-ballast"), 0, 2048, 60);
+    assert!(wait_until(Duration::from_secs(20), || mem_available()
+        < available - GIB - GIB / 2));
     std::thread::sleep(Duration::from_secs(1));
     let min = mem_available() + GIB;
     let floors = format!(

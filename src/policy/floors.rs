@@ -21,7 +21,9 @@
 //! victim that could plausibly fix it. Growth that explains the whole shortfall: only a victim
 //! whose own memory alone lifts RAM back above its warn floor. Growth that explains part of it:
 //! only a victim whose own memory is at least the part it does not explain (shortfall - growth)
-//! and lifts RAM back above its act floor. No growth: the floor acts as usual.
+//! and lifts RAM back above its act floor. No growth, or growth too small to matter (under
+//! 64 MiB or a quarter of the shortfall: servers' own shared memory moves by that much): the floor
+//! acts as usual.
 
 use std::time::Duration;
 
@@ -849,12 +851,18 @@ fn shmem_shortfall(reading: &Reading, baseline: Option<(u64, u64)>) -> Option<Sh
         .unwrap_or(min)
         .max(min)
         .saturating_sub(available);
-    (growth > 0).then_some(ShmemGrowth {
+    // Model servers' own shared memory moves by a few MiB all the time: only growth that could
+    // matter (at least SHMEM_GROWTH_MIN and a quarter of the shortfall) makes the rule apply, so
+    // a hog split over processes smaller than the shortfall is still acted on.
+    (growth >= SHMEM_GROWTH_MIN && growth >= shortfall / 4).then_some(ShmemGrowth {
         growth,
         shortfall,
         to_warn,
     })
 }
+
+/// The least `Shmem` growth the Shmem rule takes for a cause of a RAM shortfall.
+const SHMEM_GROWTH_MIN: u64 = 64 << 20;
 
 /// The brake's bookkeeping, before the floors choose: a resource that reads `Ok` (back above its
 /// warn floor) forgets the victims before it (they helped: they do not count), and a brake that

@@ -2454,6 +2454,27 @@ fn no_shmem_growth_leaves_the_floor_acting_as_before() {
     );
 }
 
+/// Servers' own shared memory moves by a few MiB: growth that small does not make the Shmem rule
+/// apply, so a hog split over processes each smaller than the shortfall is still acted on.
+#[test]
+fn shmem_noise_does_not_spare_a_hog_split_over_small_processes() {
+    let c = config(RAM_FLOORS);
+    // RAM 1 GiB short of the act floor; each piece of the hog holds 800 MiB; Shmem +8 MiB.
+    let procs = || vec![proc(100, "a", 800 * MIB, 1), proc(101, "a", 700 * MIB, 1)];
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (with_shmem(snap(0, Some(16 * GIB), procs()), GIB), "", ""),
+            (
+                with_shmem(snap(100, Some(3 * GIB), procs()), GIB + 8 * MIB),
+                "terminate [100]",
+                "floor_act",
+            ),
+        ],
+    );
+}
+
 /// Shmem growth that explains part of the shortfall: only the rest (shortfall - growth) is
 /// judged. A victim acts only if its own memory is at least that rest (it plausibly caused it)
 /// and lifts RAM above the act floor; otherwise `shmem_shortfall` and nobody is signalled.
