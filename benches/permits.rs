@@ -58,10 +58,12 @@ fn daemon() -> Daemon {
         ),
     )
     .unwrap();
-    // PERMIT_DAEMON_NICE: the daemon's niceness (default 0).
+    // PERMIT_DAEMON_NICE: the daemon's niceness (default 0); PERMIT_DAEMON_CPUS: the CPUs it
+    // may run on (taskset list, default all).
     let nice = std::env::var("PERMIT_DAEMON_NICE").unwrap_or_else(|_| "0".into());
-    let child = Command::new("nice")
-        .args(["-n", &nice, BIN, "daemon", "--config"])
+    let cpus = std::env::var("PERMIT_DAEMON_CPUS").unwrap_or_else(|_| "0-1023".into());
+    let child = Command::new("taskset")
+        .args(["-c", &cpus, "nice", "-n", &nice, BIN, "daemon", "--config"])
         .arg(&config)
         .env("FAKE_NVML_STATE", &state)
         .env("GPUGUARD_LOG", "warn")
