@@ -1116,8 +1116,10 @@ impl Reservations {
             }
             fit => {
                 let mut waiter = waiter;
+                // Behind others it waits for its turn first (what it waits for at the head is
+                // said once it gets there).
                 waiter.waiting_for = match fit {
-                    Fit::Later(s) => s.message,
+                    Fit::Later(s) if alone => s.message,
                     _ => "its turn: launches ahead of it in the queue".into(),
                 };
                 let answer = self.queued(&waiter, slot + 1);
@@ -2264,6 +2266,7 @@ mod tests {
         join(&mut t, 2, 999);
         join(&mut t, 3, 0);
         join(&mut t, 4, 0);
+        join(&mut t, 5, 1002);
         let launch = |t: &mut Reservations, conn: ConnId, model: &str| {
             let own = rustix::process::pidfd_open(
                 rustix::process::getpid(),
@@ -2299,6 +2302,17 @@ mod tests {
         ));
         assert_eq!(t.launch_queue[0].peer.uid, 0);
         assert_eq!(t.launch_queue[1].peer.uid, 999);
+        // Behind others, a launch says it waits for its turn (not for what the head waits for).
+        match launch(&mut t, 5, "late") {
+            Some(Response::Queued {
+                position,
+                waiting_for,
+            }) => {
+                assert_eq!(position, 3);
+                assert!(waiting_for.starts_with("its turn"), "{waiting_for}");
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     /// Red-team finding 5: one user's request loop made thousands of warning events a second.
