@@ -779,7 +779,17 @@ fn implausible_nvml_counts_leave_the_guard_and_its_sampler_running() {
         daemon.log_text()
     );
 
-    // NVML makes sense again: the same sampler reads it (usage shows up again).
+    // NVML makes sense again: the same sampler reads it (usage shows up again). Memory first,
+    // then the lists: a pass that read the old free figure and the new list would be a real
+    // shortfall, far below the floor for a second sample, with a victim.
+    fake.set(&format!("{healthy}process_count 0 4294967290\n"));
+    assert!(
+        wait_until(LONG, || status_json(&daemon)["gpus"][0]["free_bytes"]
+            .as_u64()
+            >= Some(2 * GIB)),
+        "{:#}",
+        status_json(&daemon)
+    );
     fake.set(&healthy);
     assert!(
         wait_until(LONG, || {

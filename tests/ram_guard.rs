@@ -531,14 +531,16 @@ fn a_cascade_stops_at_max_victims() {
         .map(|(n, t)| (*n, t.as_str(), ""))
         .collect();
     let mut servers: Vec<Hog> = tokens.iter().map(|t| Hog::start(t, 0, 32, 60)).collect();
-    // Ballast in no model (never a candidate): 2 GiB less available, so that a floor 1 GiB above
-    // what is available stays below MemTotal on an idle host too.
-    let available = mem_available();
-    let _ballast = Hog::start(&token("cascade-ballast"), 0, 2048, 60);
-    assert!(wait_until(Duration::from_secs(20), || mem_available()
-        < available - GIB - GIB / 2));
+    // Ballast in no model (never a candidate): 2 GiB in use, so that a floor above what is
+    // available stays below MemTotal on an idle host too. (Its own RSS says when it is there:
+    // MemAvailable alone also moves with memory earlier tests are still giving back.)
+    let ballast = Hog::start(&token("cascade-ballast"), 0, 2048, 60);
+    assert!(wait_until(Duration::from_secs(20), || rss_bytes(
+        ballast.pid()
+    ) >= 2047 * MIB));
     std::thread::sleep(Duration::from_secs(1));
-    let min = mem_available() + GIB;
+    // No kill of a 32 MiB server can lift RAM above these floors; both stay below MemTotal.
+    let min = (mem_available() + GIB).min(mem_total() - GIB);
     let floors = format!(
         "min_available = {min}\nwarn_available = {}\n",
         min + 256 * MIB

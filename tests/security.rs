@@ -756,13 +756,7 @@ while True:
 #[test]
 fn connections_that_stop_reading_stay_counted_and_are_closed() {
     let attacker = Attacker::create();
-    let total = std::fs::read_to_string("/proc/meminfo")
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix("MemTotal:"))
-        .and_then(|v| v.trim().trim_end_matches(" kB").parse::<u64>().ok())
-        .unwrap()
-        * 1024;
+    let total = mem_total();
     // More RAM than is free now (so the permits wait) but less than the machine has.
     let ask = (mem_available() + total) / 2;
     let cap = 8;

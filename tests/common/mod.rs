@@ -85,6 +85,22 @@ pub fn token(name: &str) -> String {
     )
 }
 
+/// MemTotal, in bytes.
+pub fn mem_total() -> u64 {
+    meminfo_bytes("MemTotal:")
+}
+
+fn meminfo_bytes(key: &str) -> u64 {
+    let text = std::fs::read_to_string("/proc/meminfo").unwrap();
+    let kib: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {key} in /proc/meminfo"));
+    kib * 1024
+}
+
 pub fn mem_available() -> u64 {
     let text = std::fs::read_to_string("/proc/meminfo").unwrap();
     let line = text
