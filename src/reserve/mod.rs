@@ -538,22 +538,13 @@ impl Reservations {
             .filter(|&t| t > 0);
         let check = |held: u64, asked: u64, total: Option<u64>, what: &str| {
             let limit = cap.resolve(total)?;
-            if asked == 0 || held + asked <= limit {
-                return None;
-            }
-            let shortfall = Shortfall {
-                message: format!(
+            limit_fit(held, asked, limit, || {
+                format!(
                     "uid {uid}: {what} {} reserved + {} asked > {} (clients.max_reserved_per_uid)",
                     fmt_bytes(held),
                     fmt_bytes(asked),
                     fmt_bytes(limit)
-                ),
-                ..Default::default()
-            };
-            Some(if asked > limit {
-                Fit::Never(shortfall)
-            } else {
-                Fit::Later(shortfall)
+                )
             })
         };
         check(gpu_held, demand.gpu_bytes_total(), gpu_total, "GPU memory")
@@ -593,11 +584,8 @@ impl Reservations {
             } else {
                 budget?
             };
-            if asked == 0 || committed + asked <= budget {
-                return None;
-            }
-            let shortfall = Shortfall {
-                message: format!(
+            limit_fit(committed, asked, budget, || {
+                format!(
                     "model '{name}': {what} {} committed + {} asked > budget {}{}",
                     fmt_bytes(committed),
                     fmt_bytes(asked),
@@ -607,13 +595,7 @@ impl Reservations {
                     } else {
                         ""
                     }
-                ),
-                ..Default::default()
-            };
-            Some(if asked > budget {
-                Fit::Never(shortfall)
-            } else {
-                Fit::Later(shortfall)
+                )
             })
         };
         check(
@@ -1993,6 +1975,23 @@ fn about(pool: &Pool, peer: &Peer) -> About {
         uid: Some(peer.uid),
         resource: None,
     }
+}
+
+/// `asked` beside `held` against `limit`: `None` when it fits, `Later` when it may once some of
+/// `held` is given back, `Never` when it alone is over.
+fn limit_fit(held: u64, asked: u64, limit: u64, message: impl FnOnce() -> String) -> Option<Fit> {
+    if asked == 0 || held + asked <= limit {
+        return None;
+    }
+    let shortfall = Shortfall {
+        message: message(),
+        ..Default::default()
+    };
+    Some(if asked > limit {
+        Fit::Never(shortfall)
+    } else {
+        Fit::Later(shortfall)
+    })
 }
 
 /// Root: its launches go first. (Not the system accounts: a model server's own account, `vllm`
