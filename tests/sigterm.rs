@@ -1,6 +1,7 @@
 //! After SIGTERM at a floor, through the real binary on real processes: a victim that ignores
 //! SIGTERM and keeps growing is SIGKILLed long before `term_grace` runs out, while a server that
-//! handles SIGTERM (stops growing, cleans up, exits) is left to exit cleanly.
+//! handles SIGTERM (stops growing, cleans up, exits) is left to exit cleanly. And the daemon's
+//! own SIGTERM during its startup stops it cleanly.
 //!
 //! Floors are about 1 GiB below the MemAvailable seen at the start of each test; the processes
 //! stop by themselves a little beyond.
@@ -116,4 +117,53 @@ fn a_server_that_handles_sigterm_is_left_to_exit_cleanly() {
     );
     assert!(log.contains("terminate model 'grower'"), "{log}");
     assert!(!log.contains("kill model 'grower'"), "{log}");
+}
+
+/// The daemon's own SIGTERM during startup (systemd stopping it as it starts, the package
+/// test's host run): its handlers are in place before it logs anything, so the signal waits for
+/// the loop, which stops cleanly (exit 0), instead of killing it half started (exit 143).
+#[test]
+fn a_sigterm_during_startup_waits_for_the_loop_and_exits_cleanly() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[daemon]\nstate_dir = \"{}\"\nmode = \"observe\"\n[gpu]\nenabled = false\n\
+             [launch]\nsocket = \"{}\"\n",
+            dir.path().join("state").display(),
+            dir.path().join("gpuguard.sock").display()
+        ),
+    )
+    .unwrap();
+    let mut child = Command::new(BIN)
+        .args(["daemon", "--lock-memory", "--config"])
+        .arg(&config)
+        .env("GPUGUARD_LOG", "info")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    // Its first line ("memory locked", or why not) comes early in startup.
+    let first = lines.next().unwrap().unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let rest = std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<_>>());
+    let status = wait_child(&mut child, Duration::from_secs(20)).expect("still running");
+    let rest = rest.join().unwrap();
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "{status:?}\n{first}\n{}",
+        rest.join("\n")
+    );
+    assert!(
+        rest.iter().any(|l| l.contains("gpuguard stopped")),
+        "{first}\n{}",
+        rest.join("\n")
+    );
 }

@@ -187,6 +187,14 @@ fn release(socket: &std::path::Path, lease: u64) -> u8 {
 /// or if its floors cannot be right on this host), then the guard starts.
 fn run_daemon(path: PathBuf, lock: bool, state_dir: Option<PathBuf>) -> u8 {
     init_logging();
+    // First: a SIGTERM from here on waits for the loop, which stops cleanly.
+    let signals = match Daemon::signals() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("gpuguard: {e:#}");
+            return exit::FAILURE;
+        }
+    };
     let swept = state_dir
         .clone()
         .unwrap_or_else(|| DaemonConfig::default().state_dir);
@@ -223,7 +231,7 @@ fn run_daemon(path: PathBuf, lock: bool, state_dir: Option<PathBuf>) -> u8 {
         eprintln!("gpuguard: {e}");
         return exit::CONFIG;
     }
-    match daemon.run() {
+    match daemon.run(signals) {
         Ok(()) => exit::OK,
         Err(e) => {
             eprintln!("gpuguard: {e:#}");

@@ -44,6 +44,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+use signal_hook::iterator::Signals;
 use tracing::{debug, error, info, warn};
 
 use crate::act::signal::{self_test, PidfdControl};
@@ -289,11 +290,15 @@ impl Daemon {
         })
     }
 
-    /// Runs until SIGTERM or SIGINT.
-    pub fn run(mut self) -> anyhow::Result<()> {
+    /// The signals the daemon handles, registered as early as the caller can (a SIGTERM that
+    /// comes during startup then waits for `run` instead of killing the process half started).
+    pub fn signals() -> anyhow::Result<Signals> {
+        Signals::new([SIGHUP, SIGTERM, SIGINT]).context("installing signal handlers")
+    }
+
+    /// Runs until SIGTERM or SIGINT (from `signals`, which may already hold some).
+    pub fn run(mut self, mut signals: Signals) -> anyhow::Result<()> {
         let tx = self.events_tx.clone();
-        let mut signals = signal_hook::iterator::Signals::new([SIGHUP, SIGTERM, SIGINT])
-            .context("installing signal handlers")?;
         let signal_thread = signals.handle();
         let signal_tx = tx.clone();
         std::thread::Builder::new()
