@@ -241,13 +241,21 @@ impl Executor {
                 ids.iter().for_each(|id| self.held.remove(*id));
                 Outcome::Done
             }
-            Verb::Stop => self.signal_all(target, Sig::Stop),
+            Verb::Stop => {
+                // Recorded before the signal (write-ahead): a crash between the two must not
+                // leave a stopped process that no record lets the next start resume.
+                self.hold(target, "stop");
+                let outcome = self.signal_all(target, Sig::Stop);
+                if outcome != Outcome::Done {
+                    ids.iter().for_each(|id| self.held.remove(*id));
+                }
+                outcome
+            }
             Verb::Resume => self.signal_all(target, Sig::Cont),
             Verb::Terminate => self.signal_all(target, Sig::Term),
             Verb::Kill => self.signal_all(target, Sig::Kill),
         };
         match action.verb {
-            Verb::Stop if outcome == Outcome::Done => self.hold(target, "stop"),
             Verb::Resume | Verb::Terminate | Verb::Kill => {
                 if let Some(kind) = self.throttled.remove(&ids) {
                     self.throttler.unthrottle(&ids, &kind);
@@ -415,5 +423,48 @@ mod tests {
         );
         assert!(undone.contains("memory.high 4096 -> max"), "{undone}");
         assert_eq!(control.0.lock().unwrap().last(), Some(&(20, Sig::Cont)));
+    }
+
+    /// Reads the record on disk at the moment each signal is sent.
+    struct SeesRecord(std::path::PathBuf, Mutex<Vec<(Sig, String)>>);
+
+    impl ProcessControl for SeesRecord {
+        fn send(&self, _: ProcessId, sig: Sig) -> Result<(), SignalError> {
+            let record = std::fs::read_to_string(self.0.join(held::FILE_NAME)).unwrap_or_default();
+            self.1.lock().unwrap().push((sig, record));
+            if sig == Sig::Stop && self.1.lock().unwrap().len() > 1 {
+                return Err(SignalError::Gone);
+            }
+            Ok(())
+        }
+        fn is_stopped(&self, _: ProcessId) -> bool {
+            false
+        }
+    }
+
+    /// A crash right after SIGSTOP must not leave a stopped process no record names: the record
+    /// is written first, and taken back if the signal did nothing.
+    #[test]
+    fn a_stop_is_recorded_before_the_signal_and_undone_when_it_fails() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = Arc::new(StateDir::create(&root.path().join("state")).unwrap());
+        let control = Arc::new(SeesRecord(dir.path().to_path_buf(), Mutex::default()));
+        let (mut executor, _) = Executor::new(control.clone(), dir.clone(), root.path());
+        let mut no_read = |_| None;
+        let stop = executor.execute(Mode::Enforce, &action(Verb::Stop, 20), None, &mut no_read);
+        assert_eq!(stop, Outcome::Done);
+        let seen = control.1.lock().unwrap()[0].1.clone();
+        assert!(
+            seen.contains("\"pid\": 20"),
+            "record when SIGSTOP was sent: {seen:?}"
+        );
+        // The second stop finds the process gone: nothing stays recorded for it.
+        let gone = executor.execute(Mode::Enforce, &action(Verb::Stop, 21), None, &mut no_read);
+        assert!(matches!(gone, Outcome::Skipped(_)), "{gone:?}");
+        let record = std::fs::read_to_string(dir.path().join(held::FILE_NAME)).unwrap();
+        assert!(
+            record.contains("\"pid\": 20") && !record.contains("\"pid\": 21"),
+            "{record}"
+        );
     }
 }
