@@ -126,12 +126,7 @@ impl Client {
         ))
         .await;
         let answer = self.answer().await;
-        let permit: u64 = answer
-            .split("\"permit\":")
-            .nth(1)
-            .and_then(|rest| rest.split([',', '}']).next())
-            .and_then(|n| n.parse().ok())
-            .unwrap_or_else(|| panic!("not granted: {answer}"));
+        let permit = permit_of(answer).unwrap_or_else(|| panic!("not granted: {answer}"));
         self.next += 1;
         let id = self.next;
         self.send(format!(
@@ -249,13 +244,7 @@ impl BlockingClient {
         .unwrap();
         self.line.clear();
         self.read.read_line(&mut self.line).unwrap();
-        let permit: u64 = self
-            .line
-            .split("\"permit\":")
-            .nth(1)
-            .and_then(|rest| rest.split([',', '}']).next())
-            .and_then(|n| n.parse().ok())
-            .unwrap_or_else(|| panic!("not granted: {}", self.line));
+        let permit = permit_of(&self.line).unwrap_or_else(|| panic!("not granted: {}", self.line));
         writeln!(
             self.write,
             r#"{{"version":1,"type":"release_permit","id":{},"permit":{permit}}}"#,
@@ -445,12 +434,7 @@ fn load(socket: &Path) {
                     {
                         break;
                     }
-                    let Some(permit) = line
-                        .split("\"permit\":")
-                        .nth(1)
-                        .and_then(|rest| rest.split([',', '}']).next())
-                        .and_then(|n| n.parse::<u64>().ok())
-                    else {
+                    let Some(permit) = permit_of(&line) else {
                         refused += 1;
                         continue;
                     };
@@ -480,6 +464,16 @@ fn load(socket: &Path) {
         granted as f64 / secs,
         refused as f64 / secs
     );
+}
+
+/// The permit number of a `granted` answer (a plain scan: the bench measures the daemon, not
+/// a JSON parser).
+fn permit_of(answer: &str) -> Option<u64> {
+    answer
+        .split("\"permit\":")
+        .nth(1)
+        .and_then(|rest| rest.split([',', '}']).next())
+        .and_then(|n| n.parse().ok())
 }
 
 fn quantile(sorted: &[f64], q: f64) -> f64 {

@@ -97,21 +97,6 @@ fn vllm(running: u32, waiting: u32, kv: f64, preemptions: u32) -> String {
     )
 }
 
-fn status_json(daemon: &GuardDaemon) -> Value {
-    let out = Command::new(BIN)
-        .args(["status", "--json", "--socket"])
-        .arg(daemon.socket())
-        .output()
-        .unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
 fn model(report: &Value, name: &str) -> Value {
     report["models"]
         .as_array()
@@ -125,7 +110,7 @@ fn wait_engine(daemon: &GuardDaemon, engine: &FakeEngine, name: &str, running: u
     let after = engine.scrapes.load(Ordering::SeqCst);
     let mut last = Value::Null;
     let seen = wait_until(Duration::from_secs(20), || {
-        last = model(&status_json(daemon), name);
+        last = model(&daemon.status(), name);
         engine.scrapes.load(Ordering::SeqCst) > after
             && last["engine"]["requests_running"] == running
     });
@@ -178,7 +163,7 @@ fn kv_cache_full_and_gpu_reserved_are_different_states() {
 
     daemon.wait_for_log("GPU protection on: 1 GPU(s)", Duration::from_secs(10));
     assert!(wait_until(Duration::from_secs(10), || model(
-        &status_json(&daemon),
+        &daemon.status(),
         "qwen"
     )["gpu_bytes"]
         == held));
@@ -243,34 +228,14 @@ fn kv_cache_full_and_gpu_reserved_are_different_states() {
             "{series} missing:\n{metrics}"
         );
     }
-    require_tool("promtool", "prometheus");
-    let mut check = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    check
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(metrics.as_bytes())
-        .unwrap();
-    let out = check.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "promtool: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    promtool_check(&metrics);
 
     // The engine goes away: its row says so, and the limit falls back to what memory shows.
     drop(engine);
     let mut m = Value::Null;
     assert!(
         wait_until(Duration::from_secs(20), || {
-            m = model(&status_json(&daemon), "qwen");
+            m = model(&daemon.status(), "qwen");
             m["engine"]["state"] == "error"
         }),
         "{m:#}"

@@ -114,20 +114,6 @@ fn assert_running(hog: &mut Hog) {
     );
 }
 
-fn status_json(daemon: &GuardDaemon) -> Value {
-    let out = Command::new(BIN)
-        .args(["status", "--json", "--socket"])
-        .arg(daemon.socket())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
 /// GET /metrics on the port the daemon logged.
 fn metrics(daemon: &GuardDaemon) -> String {
     let log = daemon.log_text();
@@ -270,12 +256,12 @@ fn stopped_victim_outlives_a_lost_gpu(name: &str, lost_state: impl Fn(&str) -> S
     wait_count(&daemon, "gpu_lost", "GPU 1 (GPU-bbbb) lost", 1);
     // The report is published every few hundred ms: wait for one from after the loss.
     assert!(
-        wait_until(LONG, || status_json(&daemon)["gpu_protection"]["state"]
+        wait_until(LONG, || daemon.status()["gpu_protection"]["state"]
             == "degraded"),
         "{:#}",
-        status_json(&daemon)
+        daemon.status()
     );
-    let status = status_json(&daemon);
+    let status = daemon.status();
     let row = &status["gpus"][1];
     assert_eq!(
         (row["index"].as_u64(), row["lost"].as_bool()),
@@ -484,7 +470,7 @@ fn floors_that_cannot_be_right_are_refused_by_check_config_at_start_and_on_reloa
         "gpu.min_free: '20.0 GiB' (20.0 GiB) is at or above GPU 0's total",
         LONG,
     );
-    let status = status_json(&daemon);
+    let status = daemon.status();
     assert_eq!(
         status["gpus"][0]["min_free_bytes"],
         Value::Null,
@@ -784,21 +770,20 @@ fn implausible_nvml_counts_leave_the_guard_and_its_sampler_running() {
     // shortfall, far below the floor for a second sample, with a victim.
     fake.set(&format!("{healthy}process_count 0 4294967290\n"));
     assert!(
-        wait_until(LONG, || status_json(&daemon)["gpus"][0]["free_bytes"]
-            .as_u64()
+        wait_until(LONG, || daemon.status()["gpus"][0]["free_bytes"].as_u64()
             >= Some(2 * GIB)),
         "{:#}",
-        status_json(&daemon)
+        daemon.status()
     );
     fake.set(&healthy);
     assert!(
         wait_until(LONG, || {
-            let s = status_json(&daemon);
+            let s = daemon.status();
             s["gpu_protection"]["state"] == "ok"
                 && s["models"][0]["gpu_bytes"].as_u64() == Some(6 * GIB)
         }),
         "{:#}",
-        status_json(&daemon)
+        daemon.status()
     );
     assert_running(&mut hog);
 }

@@ -24,24 +24,9 @@ fn config(ram: &str, models: &str) -> String {
     )
 }
 
-fn status_json(daemon: &GuardDaemon) -> Value {
-    let out = Command::new(BIN)
-        .args(["status", "--json", "--socket"])
-        .arg(daemon.socket())
-        .output()
-        .unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
 /// The pids `status` lists for model `name`.
 fn model_pids(daemon: &GuardDaemon, name: &str) -> Vec<i64> {
-    let report = status_json(daemon);
+    let report = daemon.status();
     report["models"]
         .as_array()
         .and_then(|models| models.iter().find(|m| m["name"] == name))
@@ -56,7 +41,7 @@ fn wait_for_member(daemon: &GuardDaemon, model: &str, pid: u32) {
     }) {
         panic!(
             "pid {pid} never listed in model '{model}': {}\n{}",
-            status_json(daemon)["models"],
+            daemon.status()["models"],
             daemon.log_text()
         );
     }

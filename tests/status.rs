@@ -42,21 +42,6 @@ fn launch(daemon: &GuardDaemon, model: &str, token: &str) -> Launch {
     )
 }
 
-fn status_json(daemon: &GuardDaemon) -> Value {
-    let out = Command::new(BIN)
-        .args(["status", "--json", "--socket"])
-        .arg(daemon.socket())
-        .output()
-        .unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
 fn model<'a>(report: &'a Value, name: &str) -> Option<&'a Value> {
     report["models"]
         .as_array()?
@@ -100,7 +85,7 @@ fn status_shows_every_section_consistent_with_the_scenario() {
     let (loading_t, queued_t) = (token("loading"), token("queued"));
     let _loading = launch(&daemon, "loading", &loading_t);
     assert!(
-        wait_until(Duration::from_secs(10), || status_json(&daemon)["leases"]
+        wait_until(Duration::from_secs(10), || daemon.status()["leases"]
             .as_array()
             .is_some_and(|l| !l.is_empty())),
         "no lease:\n{}",
@@ -108,7 +93,7 @@ fn status_shows_every_section_consistent_with_the_scenario() {
     );
     let _queued = launch(&daemon, "queued", &queued_t);
     assert!(
-        wait_until(Duration::from_secs(10), || status_json(&daemon)["queue"]
+        wait_until(Duration::from_secs(10), || daemon.status()["queue"]
             .as_array()
             .is_some_and(|q| !q.is_empty())),
         "nothing queued:\n{}",
@@ -116,10 +101,10 @@ fn status_shows_every_section_consistent_with_the_scenario() {
     );
     // Wait for a scan that sees the served model's pid with its GPU memory.
     assert!(wait_until(Duration::from_secs(5), || {
-        model(&status_json(&daemon), "served").is_some_and(|m| m["gpu_bytes"] == 5 * GIB)
+        model(&daemon.status(), "served").is_some_and(|m| m["gpu_bytes"] == 5 * GIB)
     }));
 
-    let r = status_json(&daemon);
+    let r = daemon.status();
     assert_eq!(r["schema_version"], 2);
     assert_eq!(r["mode"], "enforce");
     assert!(r["hostname"].as_str().is_some_and(|h| !h.is_empty()));
@@ -250,13 +235,13 @@ fn without_nvml_model_gpu_use_is_unknown_and_watch_into_a_pipe_is_plain() {
     let daemon = GuardDaemon::start(&config);
     daemon.wait_for_log("GPU protection is off", Duration::from_secs(10));
     assert!(wait_until(Duration::from_secs(10), || model(
-        &status_json(&daemon),
+        &daemon.status(),
         "m"
     )
     .is_some_and(|m| m["pids"]
         .as_array()
         .is_some_and(|p| !p.is_empty()))));
-    let r = status_json(&daemon);
+    let r = daemon.status();
     let m = model(&r, "m").unwrap();
     assert_eq!(m["gpu_bytes"], Value::Null, "{m}");
     assert_eq!(m["gpu_headroom_bytes"], Value::Null, "{m}");

@@ -332,25 +332,30 @@ impl Executor {
     }
 }
 
+/// Records signals instead of sending them (tests); says `stopped` of every process.
+#[cfg(test)]
+#[derive(Default)]
+pub(crate) struct Recorder {
+    pub signals: std::sync::Mutex<Vec<(i32, Sig)>>,
+    pub stopped: bool,
+}
+
+#[cfg(test)]
+impl ProcessControl for Recorder {
+    fn send(&self, id: ProcessId, sig: Sig) -> Result<(), SignalError> {
+        self.signals.lock().unwrap().push((id.pid, sig));
+        Ok(())
+    }
+    fn is_stopped(&self, _: ProcessId) -> bool {
+        self.stopped
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::policy::{Member, Reason};
     use std::sync::Mutex;
-
-    /// Records signals; says every process is stopped.
-    #[derive(Default)]
-    struct Recorder(Mutex<Vec<(i32, Sig)>>);
-
-    impl ProcessControl for Recorder {
-        fn send(&self, id: ProcessId, sig: Sig) -> Result<(), SignalError> {
-            self.0.lock().unwrap().push((id.pid, sig));
-            Ok(())
-        }
-        fn is_stopped(&self, _: ProcessId) -> bool {
-            true
-        }
-    }
 
     fn action(verb: Verb, pid: i32) -> Action {
         Action {
@@ -386,7 +391,10 @@ mod tests {
             std::fs::write(unit.join(file), text).unwrap();
         }
         let dir = Arc::new(StateDir::create(&root.path().join("state")).unwrap());
-        let control = Arc::new(Recorder::default());
+        let control = Arc::new(Recorder {
+            stopped: true,
+            ..Recorder::default()
+        });
         let (mut executor, leftovers) = Executor::new(control.clone(), dir.clone(), &cgroups);
         assert!(leftovers.undone.is_empty() && leftovers.problems.is_empty());
         let mut no_read = |_| None;
@@ -422,7 +430,10 @@ mod tests {
             "{undone}"
         );
         assert!(undone.contains("memory.high 4096 -> max"), "{undone}");
-        assert_eq!(control.0.lock().unwrap().last(), Some(&(20, Sig::Cont)));
+        assert_eq!(
+            control.signals.lock().unwrap().last(),
+            Some(&(20, Sig::Cont))
+        );
     }
 
     /// Reads the record on disk at the moment each signal is sent.

@@ -248,21 +248,7 @@ fn read_trimmed(dir: &Path, file: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::act::SignalError;
-
-    /// Records signals instead of sending them.
-    #[derive(Default)]
-    struct Recorder(Mutex<Vec<(i32, Sig)>>);
-
-    impl ProcessControl for Recorder {
-        fn send(&self, id: ProcessId, sig: Sig) -> Result<(), SignalError> {
-            self.0.lock().unwrap().push((id.pid, sig));
-            Ok(())
-        }
-        fn is_stopped(&self, _: ProcessId) -> bool {
-            false
-        }
-    }
+    use crate::act::Recorder;
 
     fn cgroup(root: &Path, name: &str, procs: &str) -> PathBuf {
         let dir = root.join(name);
@@ -304,7 +290,7 @@ mod tests {
             "max 100000"
         );
         assert!(
-            recorder.0.lock().unwrap().is_empty(),
+            recorder.signals.lock().unwrap().is_empty(),
             "no signals for a cgroup throttle"
         );
     }
@@ -360,7 +346,7 @@ mod tests {
         std::thread::sleep(PERIOD * 3);
         t.unthrottle(&[id(10)], &kind);
         t.shutdown();
-        let sent = recorder.0.lock().unwrap().clone();
+        let sent = recorder.signals.lock().unwrap().clone();
         assert!(sent.contains(&(10, Sig::Stop)), "{sent:?}");
         assert_eq!(
             sent.last(),

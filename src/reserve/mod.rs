@@ -128,12 +128,14 @@ enum Held {
 }
 
 impl Holding {
+    /// A launch whose model is still loading (it holds the launch lock).
+    fn loading(&self) -> bool {
+        matches!(&self.kind, Held::Lease(l) if l.state == LeaseState::Loading)
+    }
+
     /// Whether it still reserves memory (a lease stops when its model is ready).
     fn reserving(&self) -> bool {
-        match &self.kind {
-            Held::Permit { .. } => true,
-            Held::Lease(l) => l.state == LeaseState::Loading,
-        }
+        matches!(self.kind, Held::Permit { .. }) || self.loading()
     }
 }
 
@@ -1248,7 +1250,7 @@ impl Reservations {
     fn loading_against(&self, uid: u32) -> usize {
         self.holdings
             .values()
-            .filter(|h| matches!(&h.kind, Held::Lease(l) if l.state == LeaseState::Loading))
+            .filter(|h| h.loading())
             .filter(|h| !privileged(uid) || privileged(h.peer.uid))
             .count()
     }
@@ -1864,7 +1866,7 @@ impl Reservations {
 
     /// True while a launch waits or loads (admission and readiness are looked at every tick).
     pub fn launching(&self) -> bool {
-        !self.launch_queue.is_empty() || self.loading_against(u32::MAX) > 0 // any uid: all of them
+        !self.launch_queue.is_empty() || self.holdings.values().any(Holding::loading)
     }
 
     /// The table as `status` shows it.
