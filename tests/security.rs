@@ -810,4 +810,63 @@ fn connections_that_stop_reading_stay_counted_and_are_closed() {
     assert_eq!(g.daemon.status()["schema_version"], 2);
     let _ = stall.kill();
     let _ = stall.wait();
+
+    // The same user, through the real CLI and protocol: no permit from the host-wide pool
+    // (root's), and no ready URL off this host for the root daemon to poll.
+    let answers = raw(
+        &attacker,
+        &g.socket,
+        &[r#"{"version":1,"type":"acquire","id":1,"ram_bytes":1048576,"timeout_ms":0}"#.into()],
+    );
+    assert_eq!(answers[0]["reason"], "not_allowed", "{answers:?}");
+    let out = attacker
+        .command(BIN)
+        .args([
+            "launch",
+            "--model",
+            "far",
+            "--ready-url",
+            "http://192.0.2.7/health",
+        ])
+        .args(["--", "/bin/true"])
+        .env("GPUGUARD_SOCKET", &g.socket)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("is not an address of this host"),
+        "{out:?}"
+    );
+}
+
+/// A user's launch that loads for hours (or never) holds the launch lock against other users,
+/// not against root: root's launch starts at once, through the real CLI.
+#[test]
+fn a_users_loading_launch_does_not_hold_roots_back() {
+    let attacker = Attacker::create();
+    let g = guard(
+        "min_available = \"0%\"\nwarn_available = \"0%\"\n",
+        "ready_timeout = \"1h\"\n",
+    );
+    let mut user = attacker
+        .command(BIN)
+        .args(["launch", "--model", "slow", "--", "/bin/sleep", "60"])
+        .env("GPUGUARD_SOCKET", &g.socket)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    assert!(wait_until(Duration::from_secs(10), || {
+        g.daemon.status()["leases"]
+            .as_array()
+            .is_some_and(|l| l.iter().any(|r| r["model"] == "slow"))
+    }));
+    let out = Command::new(BIN)
+        .args(["launch", "--model", "roots", "--queue-timeout", "5s"])
+        .args(["--", "/bin/true"])
+        .env("GPUGUARD_SOCKET", &g.socket)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let _ = user.kill();
+    let _ = user.wait();
 }
