@@ -59,7 +59,11 @@ fn hog_below_the_floor_is_killed_and_the_sentinel_survives() {
         "hog should die of SIGTERM/SIGKILL, got {status:?}\n{}",
         daemon.log_text()
     );
-    assert!(sentinel.alive(), "the sentinel must survive");
+    assert!(
+        sentinel.alive(),
+        "the sentinel must survive\n{}",
+        daemon.log_text()
+    );
     let log = daemon.log_text();
     assert!(
         log.contains(&format!("model 'hog' pids [{}(python3)]", hog.pid())),
