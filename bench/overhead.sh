@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # overhead.sh: what each agent costs while nothing happens (and while memory sits near a floor).
 #
-#   bench/overhead.sh [RESULTS_DIR]      (env: SECONDS_PER_CASE=60)
+#   bench/overhead.sh [RESULTS_DIR]      (env: SECONDS_PER_CASE=60, BASELINE=path/to/gpuguard)
+#
+# BASELINE: another gpuguard binary (say, main before a change) run beside this one in every
+# case, in the same window, so the two are compared under the same noise.
 #
 # Cases, each over SECONDS_PER_CASE after a 3 s warm-up, agents side by side in the same window:
 #   idle          gpuguard and earlyoom, no memory pressure
@@ -69,17 +72,32 @@ measure() {
     agents=()
 }
 
+# start_gpuguard NAME CONFIG [ARGS...]: this gpuguard, and the baseline beside it (own config copy).
+start_gpuguard() {
+    local name=$1 config=$2
+    shift 2
+    "$GPUGUARD" daemon --config "$config" "$@" 2>"$work/$name.log" &
+    agents+=($!)
+    names+=(gpuguard)
+    if [[ -n ${BASELINE:-} ]]; then
+        sed "s|state-|base-state-|; s|sock-|base-sock-|" "$config" >"$config.base"
+        "$BASELINE" daemon --config "$config.base" "$@" 2>"$work/$name-baseline.log" &
+        agents+=($!)
+        names+=(gpuguard-baseline)
+    fi
+}
+
 start_pair() { # [$1 min bytes, $2 warn bytes]: floors near the memory in use; default 5 %/10 %
     gpuguard_config "$work/gg.toml" $'[gpu]\nenabled = false' "${1:-}" "${2:-}"
-    "$GPUGUARD" daemon --config "$work/gg.toml" 2>"$work/gg.log" &
-    agents=($!)
+    agents=() names=()
+    start_gpuguard gg "$work/gg.toml"
     if [[ -n ${1:-} ]]; then
         "$EARLYOOM" -M "$(($1 / 1024))" -s 100 -r 0 --dryrun >"$work/eo.log" 2>&1 &
     else
         "$EARLYOOM" -m 5 -s 100 -r 0 --dryrun >"$work/eo.log" 2>&1 &
     fi
     agents+=($!)
-    names=(gpuguard earlyoom)
+    names+=(earlyoom)
 }
 
 {
@@ -125,19 +143,16 @@ nvml_library = \"$BUILD_DIR/libnvidia-ml.so.1\"
 warn_free = \"4GiB\"
 min_free = \"2GiB\""
 gpuguard_config "$work/gg-gpu.toml" "$gpu_toml"
-FAKE_NVML_STATE="$work/nvml.state" "$GPUGUARD" daemon --config "$work/gg-gpu.toml" 2>"$work/gg-gpu.log" &
-agents=($!)
-names=(gpuguard)
+agents=() names=()
+FAKE_NVML_STATE="$work/nvml.state" start_gpuguard gg-gpu "$work/gg-gpu.toml"
 measure "8 fake GPUs x 16 procs, 1000 procs"
 if ! grep -q "GPU protection on: 8 GPU" "$work/gg-gpu.log"; then
     echo "WARNING: gpuguard did not report 8 GPUs:" >&2; cat "$work/gg-gpu.log" >&2
 fi
 
 gpuguard_config "$work/gg-lock.toml" "$gpu_toml"
-FAKE_NVML_STATE="$work/nvml.state" "$GPUGUARD" daemon --config "$work/gg-lock.toml" --lock-memory \
-    2>"$work/gg-lock.log" &
-agents=($!)
-names=(gpuguard)
+agents=() names=()
+FAKE_NVML_STATE="$work/nvml.state" start_gpuguard gg-lock "$work/gg-lock.toml" --lock-memory
 measure "--lock-memory, 8 fake GPUs x 16 procs, 1000 procs"
 grep -q "memory locked" "$work/gg-lock.log" || { echo "WARNING: memory not locked:" >&2; cat "$work/gg-lock.log" >&2; }
 cp "$work"/*.log "$out/" 2>/dev/null || true

@@ -200,7 +200,7 @@ say "boot it with systemd-nspawn"
 # lets the container's systemd apply LimitMEMLOCK=infinity and OOMScoreAdjust=-1000 (nspawn can
 # only pass it on if this host has it: sandboxes often withhold it); CAP_IPC_LOCK lifts nspawn's
 # own seccomp ban on mlockall(). The service gets neither: it locks its memory under
-# LimitMEMLOCK=infinity with CAP_KILL alone.
+# LimitMEMLOCK=infinity with CAP_KILL and CAP_NET_ADMIN alone.
 CAPS=CAP_IPC_LOCK
 FULL_INIT=no
 if (((16#$(awk '/^CapBnd:/ {print $2}' /proc/self/status) >> 24) & 1)); then
@@ -284,7 +284,13 @@ say "the running daemon"
 PID=$(prop MainPID)
 STATUS=$(in_guest cat "/proc/$PID/status")
 grep -E '^(CapEff|CapBnd|NoNewPrivs|Seccomp|VmLck):' <<<"$STATUS" | sed 's/^/   /'
-grep -qE '^CapEff:[[:space:]]+0000000000000020$' <<<"$STATUS" || fail "CapEff is not CAP_KILL alone"
+# CAP_KILL (bit 5) and CAP_NET_ADMIN (bit 12, the kernel's process events) and nothing else.
+grep -qE '^CapEff:[[:space:]]+0000000000001020$' <<<"$STATUS" ||
+    fail "CapEff is not CAP_KILL and CAP_NET_ADMIN alone"
+# The kernel ignores process-event listeners in a container's PID namespace: the guard must say
+# so and go on with its scan rotation.
+journal | grep -q 'process events off' ||
+    fail "no 'process events off' in the journal: $(journal | grep 'process events')"
 grep -qE '^Seccomp:[[:space:]]+2$' <<<"$STATUS" || fail "no seccomp filter"
 LOCKED_KB=$(awk '/^VmLck:/ {print $2}' <<<"$STATUS")
 OOM_ADJ=$(in_guest cat "/proc/$PID/oom_score_adj")
@@ -310,7 +316,7 @@ cgroup_mount() { in_guest awk '$5 == "/sys/fs/cgroup" {print $6; exit}' "/proc/$
 [ "$(cgroup_mount "$PID")" = "$(cgroup_mount 1)" ] ||
     fail "/sys/fs/cgroup is '$(cgroup_mount "$PID")' for gpuguard, '$(cgroup_mount 1)' for init"
 journal | grep -q 'systemd watchdog armed' || fail "no 'systemd watchdog armed' in the journal"
-echo "   CAP_KILL only, seccomp on, ${LOCKED_KB} kB locked, oom_score_adj $OOM_ADJ, watchdog armed"
+echo "   CAP_KILL and CAP_NET_ADMIN only, seccomp on, ${LOCKED_KB} kB locked, oom_score_adj $OOM_ADJ, watchdog armed"
 
 say "gpuguard status answers, for root and for another user"
 in_guest gpuguard status | sed 's/^/   /'

@@ -412,7 +412,7 @@ mod tests {
             ("RuntimeDirectory", "gpuguard"),
             ("RuntimeDirectoryMode", "0755"),
             ("StateDirectory", "gpuguard"),
-            ("CapabilityBoundingSet", "CAP_KILL"),
+            ("CapabilityBoundingSet", "CAP_KILL CAP_NET_ADMIN"),
             ("SystemCallErrorNumber", "EPERM"),
         ] {
             assert_eq!(get(key), [value], "{key}");

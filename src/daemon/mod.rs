@@ -58,8 +58,7 @@ use crate::policy::{evaluate, About, Event, PolicyState, Resource, Severity, Tar
 use crate::reserve::{Capacity, Reservations};
 use crate::sample::engine::EngineScraper;
 use crate::sample::nvml::{GpuMonitor, GpuSource, NvmlGpuSource};
-use crate::sample::procfs::ProcReader;
-use crate::sample::scan::{ScanResult, Scanner};
+use crate::sample::scan::ScanResult;
 use crate::sample::{ProcSource, ProcfsSource};
 use crate::snapshot::{GpuStatus, ProcessId, Snapshot};
 use crate::state_dir::StateDir;
@@ -102,10 +101,9 @@ impl Sources {
     /// /proc, NVML (when `[gpu] enabled`), pidfd signals, the cgroup tree: what the binary runs.
     pub fn real(config: &Config, roots: &Roots) -> Sources {
         let proc_root = roots.proc.clone();
-        let scan_root = proc_root.clone();
         Sources {
             procs: Box::new(ProcfsSource::new(&proc_root)),
-            tables: Box::new(move || Box::new(Scanner::new(ProcReader::new(&scan_root)))),
+            tables: scanning::real_tables(&proc_root),
             gpus: config.gpu.enabled.then(|| {
                 Box::new(NvmlGpuSource::new(
                     config.gpu.nvml_library.clone(),

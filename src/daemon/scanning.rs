@@ -13,14 +13,18 @@
 //! MemAvailable stays within `FULL_SCAN_DRIFT_BYTES` of the last one (memory held near a floor
 //! costs next to nothing).
 
+use std::path::Path;
 use std::sync::mpsc::Sender;
 use std::time::Duration;
 
-use tracing::{debug, error, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::policy::{Level, Resource};
-use crate::sample::procfs::ReadError;
-use crate::sample::scan::{apply, ScanRequest, ScanResult, ScanThread, ROTATION_SCANS, YOUNG};
+use crate::sample::proc_events::ProcEvents;
+use crate::sample::procfs::{ProcReader, ReadError};
+use crate::sample::scan::{
+    apply, ScanRequest, ScanResult, ScanThread, Scanner, ROTATION_SCANS, YOUNG,
+};
 use crate::sample::TableSource;
 use crate::snapshot::Process;
 
@@ -36,6 +40,37 @@ const FORCED_FULL_SCAN_EVERY: Duration = Duration::from_millis(100);
 
 /// Makes a process-table source: the first at start, another if the scan thread dies.
 pub type MakeTables = Box<dyn Fn() -> Box<dyn TableSource> + Send>;
+
+/// Scanners of the real /proc, told about execs and uid changes by the kernel where it will
+/// (`sample::proc_events`: root with CAP_NET_ADMIN on the host); another root (a test fixture)
+/// gets none.
+pub(super) fn real_tables(proc_root: &Path) -> MakeTables {
+    let root = proc_root.to_path_buf();
+    Box::new(move || {
+        let events = if root == Path::new("/proc") {
+            match ProcEvents::open() {
+                Ok(events) => {
+                    info!(
+                        filtered = events.filtered(),
+                        "process events on: an exec or a uid change is seen at the next scan"
+                    );
+                    Some(events)
+                }
+                Err(e) => {
+                    info!(
+                        "process events off ({e}): an exec or a uid change of a process older \
+                         than {} s is seen when the scan rotation reaches it",
+                        YOUNG.as_secs()
+                    );
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        Box::new(Scanner::with_events(ProcReader::new(&root), events))
+    })
+}
 
 /// The scan thread and what the loop knows about it.
 pub(super) struct Scans {
@@ -156,6 +191,9 @@ impl Daemon {
             new = s.new,
             refreshed = s.refreshed,
             execs = s.execs,
+            events = s.events,
+            event_pids = s.event_pids,
+            events_lost = s.events_lost,
             unreadable = s.unreadable,
             full = result.full,
             "scan"

@@ -5,6 +5,7 @@
 
 pub mod engine;
 pub mod nvml;
+pub mod proc_events;
 pub mod procfs;
 pub mod prometheus;
 pub mod scan;

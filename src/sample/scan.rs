@@ -6,11 +6,16 @@
 //! - the *hot* pids the loop names (members of models, victims, launches): stat and status;
 //! - processes holding GPU memory: stat (and their mapped weights files when their RSS moved);
 //! - near a floor, the `LARGEST` processes by last known RSS: stat;
-//! - processes first seen less than `young` ago (`YOUNG`, 60 s): stat and status (a launcher script `exec`s the server it
-//!   starts within seconds; its new name and command line must reach the matchers at once);
+//! - the processes the kernel said `exec`ed, changed uid/gid or renamed themselves since the last
+//!   round (`proc_events`: the proc connector, when the daemon may listen to it): stat, status,
+//!   and after an exec the command line and cgroup, whatever the layout says;
+//! - without those events, processes first seen less than `young` ago (`YOUNG`, 60 s): stat and
+//!   status (a launcher script `exec`s the server it starts within seconds; its new name and
+//!   command line must reach the matchers at once);
 //! - a *full* round: the stat of every process (near a floor, when MemAvailable has moved);
 //! - and a rotating share of the rest, so every process is re-read in full at least once per
-//!   `rotation_period` (by default 24 scan intervals, 2 min).
+//!   `rotation_period` (by default 24 scan intervals, 2 min; `EVENTS_ROTATION_FACTOR` times that
+//!   while events arrive, since then the rotation only refreshes memory figures).
 //!
 //! Every stat read checks for `exec` (a new name or a new address-space layout, see
 //! `ExecMark`) and then reads the command line, cgroup and uid again; a status read refreshes the
@@ -29,6 +34,7 @@ use std::time::{Duration, Instant};
 
 use crate::snapshot::{MappedFile, Process, ProcessId};
 
+use super::proc_events::ProcEvents;
 use super::procfs::{ProcReader, ReadError};
 
 /// Processes first seen this recently have their stat re-read every round (exec, setuid...).
@@ -39,6 +45,9 @@ pub const LARGEST: usize = 32;
 pub const ROTATION_SCANS: u32 = 24;
 /// On smaller hosts the rotation still re-reads this many processes per scan interval.
 pub const ROTATION_MIN_PER_SCAN: usize = 32;
+/// While the kernel reports execs and uid changes, the rotation (which then only refreshes memory
+/// figures of idle processes) is this many times slower.
+pub const EVENTS_ROTATION_FACTOR: u32 = 5;
 /// The scan thread's nice value: it is background work, and must not preempt the control loop
 /// it has just been woken by.
 const SCAN_NICE: i32 = 5;
@@ -115,6 +124,12 @@ pub struct ScanStats {
     pub unreadable: usize,
     /// /proc itself could not be listed: the table is the previous one.
     pub list_error: Option<ReadError>,
+    /// Process events are live (`proc_events`).
+    pub events: bool,
+    /// Processes the events named this round.
+    pub event_pids: usize,
+    /// Events were lost: every process was re-read.
+    pub events_lost: bool,
     pub took: Duration,
 }
 
@@ -172,6 +187,8 @@ enum Depth {
     Vitals,
     /// stat and status (the real uid).
     Attributes,
+    /// stat, status, command line and cgroup: the kernel said it `exec`ed.
+    Exec,
 }
 
 /// What the scanner remembers of a process: enough to notice a change.
@@ -202,6 +219,9 @@ const MAPS_RSS_DRIFT_BYTES: u64 = 64 << 20;
 /// The incremental process table.
 pub struct Scanner {
     reader: ProcReader,
+    /// The kernel's exec/uid/comm events (`None`: not available; the rotation and the young
+    /// re-reads find changes instead).
+    events: Option<ProcEvents>,
     entries: BTreeMap<i32, Entry>,
     maps: BTreeMap<i32, MapsRead>,
     hasher: RandomState,
@@ -219,8 +239,14 @@ pub struct Scanner {
 
 impl Scanner {
     pub fn new(reader: ProcReader) -> Self {
+        Self::with_events(reader, None)
+    }
+
+    /// A scanner told about execs and uid changes by the kernel.
+    pub fn with_events(reader: ProcReader, events: Option<ProcEvents>) -> Self {
         Scanner {
             reader,
+            events,
             entries: BTreeMap::new(),
             maps: BTreeMap::new(),
             hasher: RandomState::new(),
@@ -264,7 +290,7 @@ impl Scanner {
                 false
             }
         };
-        self.plan_refresh(&request, started);
+        self.plan_refresh(&request, started, &mut stats);
         for i in 0..self.todo.len() {
             let (pid, depth) = self.todo[i];
             self.refresh(pid, depth, swap, &mut stats);
@@ -356,10 +382,30 @@ impl Scanner {
     }
 
     /// Which known processes to re-read this round, and how deeply; the rotation advances.
-    fn plan_refresh(&mut self, request: &ScanRequest, now: Instant) {
+    fn plan_refresh(&mut self, request: &ScanRequest, now: Instant, stats: &mut ScanStats) {
         self.todo.clear();
         let round = self.round;
         let fresh = |e: &Entry| e.round == round;
+        let events = self.events.as_ref().map(ProcEvents::take);
+        stats.events = events.is_some();
+        if let Some(events) = &events {
+            stats.event_pids = events.execs.len() + events.changed.len();
+            stats.events_lost = events.lost;
+            let named = (events.execs.iter().map(|&pid| (pid, Depth::Exec)))
+                .chain(events.changed.iter().map(|&pid| (pid, Depth::Attributes)));
+            for (pid, depth) in named {
+                if self.entries.get(&pid).is_some_and(|e| !fresh(e)) {
+                    self.todo.push((pid, depth));
+                }
+            }
+            if events.lost {
+                for (&pid, e) in &self.entries {
+                    if !fresh(e) && !e.kernel_thread {
+                        self.todo.push((pid, Depth::Attributes));
+                    }
+                }
+            }
+        }
         for &pid in &request.hot {
             if self.entries.get(&pid).is_some_and(|e| !fresh(e)) {
                 self.todo.push((pid, Depth::Attributes));
@@ -371,7 +417,8 @@ impl Scanner {
                 self.todo.push((pid, Depth::Vitals));
             }
         }
-        for (&pid, e) in &self.entries {
+        // Without events, a young process is re-read until an exec is unlikely.
+        for (&pid, e) in self.entries.iter().filter(|_| events.is_none()) {
             if !fresh(e)
                 && !e.kernel_thread
                 && now.saturating_duration_since(e.born) < request.young
@@ -412,7 +459,12 @@ impl Scanner {
         let elapsed = self
             .last_round
             .map_or(Duration::ZERO, |t| now.saturating_duration_since(t));
-        let period = request.rotation_period.as_secs_f64().max(1e-3);
+        let factor = if self.events.is_some() {
+            EVENTS_ROTATION_FACTOR
+        } else {
+            1
+        };
+        let period = (request.rotation_period * factor).as_secs_f64().max(1e-3);
         let total = self.entries.len();
         let rate = total.max(ROTATION_MIN_PER_SCAN * ROTATION_SCANS as usize) as f64 / period;
         self.credit = (self.credit + rate * elapsed.as_secs_f64()).min(total as f64);
@@ -463,11 +515,12 @@ impl Scanner {
         let s = &stat.stat;
         let comm = self.hasher.hash_one(&s.comm);
         let mark = self.hasher.hash_one(s.exec);
-        let exec = comm != entry.comm || mark != entry.exec || !s.exec.known();
+        let exec =
+            depth == Depth::Exec || comm != entry.comm || mark != entry.exec || !s.exec.known();
         // Exited (its last known name, command line and owner stay), or nothing more to read.
         if entry.kernel_thread
             || matches!(s.state, 'Z' | 'X' | 'x')
-            || !(exec || depth == Depth::Attributes || swap)
+            || !(exec || depth >= Depth::Attributes || swap)
         {
             return self.updates.push(update);
         }
@@ -883,5 +936,100 @@ mod tests {
 
     fn page() -> u64 {
         crate::sample::procfs::page_size()
+    }
+
+    /// A real child that `exec`s and another that calls `setuid`, both older than `young` (0
+    /// here) and outside the rotation (an hour): the kernel's events make the very next round
+    /// read their new name, command line and uid; a scanner without events does not. Needs root
+    /// on the host (CAP_NET_ADMIN), as the daemon does.
+    #[test]
+    fn an_exec_or_setuid_reaches_the_next_round_through_process_events() {
+        use crate::sample::proc_events::ProcEvents;
+        use std::io::Write;
+        use std::process::{Command, Stdio};
+        if !rustix::process::geteuid().is_root() {
+            eprintln!("skipped: needs root");
+            return;
+        }
+        let script = "import os, sys\nif sys.stdin.readline() == 'uid\\n':\n    os.setuid(65534)\n\
+                      else:\n    os.execv('/bin/sleep', ['sleep', '31'])\nsys.stdin.readline()\n";
+        let spawn = || {
+            // The interpreter itself, not a wrapper script that execs it (pyenv's shims).
+            let python = ["/usr/bin/python3", "python3"]
+                .into_iter()
+                .find(|p| Path::new(p).exists() || !p.starts_with('/'))
+                .unwrap();
+            Command::new(python)
+                .args(["-c", script])
+                .stdin(Stdio::piped())
+                .spawn()
+                .unwrap()
+        };
+        let request = || ScanRequest {
+            rotation_period: Duration::from_secs(3600),
+            young: Duration::ZERO,
+            ..Default::default()
+        };
+        let read = |pid: u32, file: &str| {
+            std::fs::read_to_string(format!("/proc/{pid}/{file}")).unwrap_or_default()
+        };
+        let wait_until = |done: &dyn Fn() -> bool| {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while !done() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            assert!(done(), "the child did not get there");
+        };
+        let events = ProcEvents::open().expect("root on the host gets process events");
+        for with_events in [true, false] {
+            let mut scanner = if with_events {
+                Scanner::with_events(ProcReader::new("/proc"), Some(ProcEvents::open().unwrap()))
+            } else {
+                Scanner::new(ProcReader::new("/proc"))
+            };
+            let (mut execs, mut setuid) = (spawn(), spawn());
+            let (e, u) = (execs.id(), setuid.id());
+            // Python has started (its own exec is behind it) before the first round.
+            wait_until(&|| {
+                [e, u]
+                    .iter()
+                    .all(|&p| read(p, "comm").starts_with("python"))
+            });
+            let first = scanner.round(request());
+            assert!(first
+                .new
+                .iter()
+                .any(|p| p.pid == e as i32 && p.comm.starts_with("python")));
+            execs.stdin.as_mut().unwrap().write_all(b"exec\n").unwrap();
+            setuid.stdin.as_mut().unwrap().write_all(b"uid\n").unwrap();
+            wait_until(&|| read(e, "comm") == "sleep\n");
+            wait_until(&|| {
+                read(u, "status")
+                    .lines()
+                    .any(|l| l.starts_with("Uid:\t65534"))
+            });
+            let next = scanner.round(request());
+            let of = |pid: u32| next.updates.iter().find(|u| u.id.pid == pid as i32);
+            let exec = of(e).and_then(|u| u.exec.clone());
+            let uid = of(u).and_then(|u| u.uid);
+            if with_events {
+                let exec = exec.expect("the exec reached the next round");
+                assert_eq!(
+                    (exec.comm.as_str(), exec.cmdline.as_str()),
+                    ("sleep", "sleep 31")
+                );
+                assert_eq!(uid, Some(65534), "the setuid reached the next round");
+                assert!(next.stats.events && next.stats.event_pids >= 2);
+            } else {
+                // Without events the rotation (an hour here) would find them later.
+                assert_eq!((exec, uid), (None, None));
+                assert!(!next.stats.events);
+            }
+            for mut child in [execs, setuid] {
+                child.kill().unwrap();
+                child.wait().unwrap();
+            }
+        }
+        drop(events);
     }
 }
