@@ -20,7 +20,7 @@ pub(super) fn evaluate_budgets(
         return;
     }
     let now = snapshot.at;
-    let models: Vec<ModelConfig> = super::budgeted_models(config, state).cloned().collect();
+    let models: Vec<ModelConfig> = state.models(config).iter().cloned().collect();
     for model in &models {
         let Some(index) = state
             .attribution

@@ -25,7 +25,7 @@ use crate::snapshot::{ProcessId, Snapshot};
 use crate::units::fmt_bytes;
 
 pub use crate::kinds::{EventKind, Level, ReasonKind, Severity};
-pub use models::{attribute, Attribution, MatchCache, ModelUsage};
+pub use models::{attribute, Attribution, MatchCache, ModelUsage, ModelsInForce};
 
 /// The memory a floor or budget is about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
@@ -303,7 +303,7 @@ pub struct PolicyState {
     /// Processes registered by `gpuguard launch` as members of a model.
     pub registered: HashMap<ProcessId, String>,
     /// Budgets of launched models that have no `[[model]]` in the config (from `launch` flags).
-    pub launched_models: BTreeMap<String, ModelConfig>,
+    launched_models: BTreeMap<String, ModelConfig>,
     pub match_cache: MatchCache,
     /// The attribution of the latest scan (for status and metrics).
     pub attribution: Attribution,
@@ -344,6 +344,11 @@ impl PolicyState {
             self.attributed = None;
         }
         self.launched_models = launched;
+    }
+
+    /// The models in force: the config's, then those launched without a `[[model]]`.
+    pub fn models<'a>(&'a self, config: &'a Config) -> ModelsInForce<'a> {
+        ModelsInForce::new(config, &self.launched_models)
     }
 
     /// Resources with an incident, a level or a held process: they keep getting a reading.
@@ -511,22 +516,7 @@ pub fn model_config<'a>(
     state: &'a PolicyState,
     name: &str,
 ) -> Option<&'a ModelConfig> {
-    config
-        .model(name)
-        .or_else(|| state.launched_models.get(name))
-}
-
-/// Every model with a config: the `[[model]]`s, then launched-only ones.
-fn budgeted_models<'a>(
-    config: &'a Config,
-    state: &'a PolicyState,
-) -> impl Iterator<Item = &'a ModelConfig> {
-    config.models.iter().chain(
-        state
-            .launched_models
-            .values()
-            .filter(|m| config.model(&m.name).is_none()),
-    )
+    state.models(config).get(name)
 }
 
 /// Victims whose exit or state we wait for.
