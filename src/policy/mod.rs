@@ -255,7 +255,26 @@ pub struct BudgetState {
     /// answer to "which resource is over" that actions, alerts and status read.
     pub over: Option<Overage>,
     /// The enforcement in force, with the target it was applied to.
-    pub enforced: Option<(Stage, Duration, Target)>,
+    pub enforced: Option<Enforcement>,
+}
+
+/// A budget's action in force against a model.
+#[derive(Clone, Debug, Serialize)]
+pub struct Enforcement {
+    pub stage: Stage,
+    /// When the stage began.
+    pub since: Duration,
+    pub target: Target,
+}
+
+impl Enforcement {
+    fn killed(at: Duration, target: Target) -> Enforcement {
+        Enforcement {
+            stage: Stage::Killed,
+            since: at,
+            target,
+        }
+    }
 }
 
 /// The resource a model is over its budget on (RAM first when both are), and by how much.
@@ -529,7 +548,7 @@ fn watched(state: &PolicyState) -> Vec<ProcessId> {
             state
                 .budgets
                 .values()
-                .filter_map(|b| b.enforced.as_ref().map(|e| &e.2)),
+                .filter_map(|b| b.enforced.as_ref().map(|e| &e.target)),
         )
         .chain(state.held.iter().map(|h| &h.target))
         .flat_map(|t| t.ids())
