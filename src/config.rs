@@ -11,7 +11,7 @@ use std::time::Duration;
 use regex::Regex;
 use serde::{Deserialize, Deserializer, Serialize};
 
-use crate::policy::Severity;
+use crate::kinds::Severity;
 use crate::units::{duration, fmt_bytes, Amount};
 
 /// A config that could not be loaded: which file, which key, what is wrong with the value.

@@ -1,12 +1,18 @@
 //! Acting on the plan: signals through pidfds, throttles, and the records (in the state
 //! directory) of what is held stopped or throttled. Honours observe mode, and reads memory again
 //! just before a floor action. `undo_leftovers` lets go of whatever a previous run left held.
+//!
+//! Who owns what is held: the `HeldRecord` (`stopped.json`) is the one record of the processes
+//! gpuguard keeps stopped (SIGSTOP or a duty cycle), written before the signal; the `Throttler`'s
+//! table is the one record of the throttles in force (cgroup ones persisted as `throttled.json`).
+//! The policy's `PolicyState::held` is not a record of signals: it is the floor's decision about
+//! a closed incident's stopped victim (which resource releases it, since when), kept in observe
+//! mode too, and it learns whether the stop happened only from outcomes.
 
 pub mod held;
 pub mod signal;
 pub mod throttle;
 
-use std::collections::HashMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -68,9 +74,10 @@ pub use crate::policy::Outcome;
 pub struct Executor {
     control: Arc<dyn ProcessControl>,
     dir: Arc<StateDir>,
+    /// What is held stopped (SIGSTOP or a duty cycle), written ahead of the signal.
     held: HeldRecord,
+    /// What is throttled, and how.
     throttler: Throttler,
-    throttled: HashMap<Vec<ProcessId>, ThrottleKind>,
 }
 
 /// What a previous gpuguard run left held, and what became of it.
@@ -154,7 +161,6 @@ impl Executor {
             dir,
             held,
             throttler,
-            throttled: HashMap::new(),
         };
         (executor, leftovers)
     }
@@ -165,14 +171,7 @@ impl Executor {
 
     /// Records the cgroup throttles in force, so a crash never leaves one behind.
     fn save_throttles(&self) {
-        let cgroups: Vec<&CgroupThrottle> = self
-            .throttled
-            .values()
-            .filter_map(|k| match k {
-                ThrottleKind::Cgroup(c) => Some(c),
-                ThrottleKind::DutyCycle => None,
-            })
-            .collect();
+        let cgroups = self.throttler.cgroup_throttles();
         if let Err(e) = write_record(&self.dir, throttle::FILE_NAME, &cgroups) {
             tracing::error!(
                 "cannot write {}/{}: {e}; a crash now would leave cgroup throttles in place",
@@ -222,20 +221,13 @@ impl Executor {
                 if kind == ThrottleKind::DutyCycle {
                     self.hold(target, "throttle");
                 }
-                let cgroup = matches!(kind, ThrottleKind::Cgroup(_));
-                self.throttled.insert(ids.clone(), kind);
-                if cgroup {
+                if matches!(kind, ThrottleKind::Cgroup(_)) {
                     self.save_throttles();
                 }
                 Outcome::Done
             }
             Verb::Unthrottle => {
-                let kind = self
-                    .throttled
-                    .remove(&ids)
-                    .unwrap_or(ThrottleKind::DutyCycle);
-                self.throttler.unthrottle(&ids, &kind);
-                if matches!(kind, ThrottleKind::Cgroup(_)) {
+                if let Some(ThrottleKind::Cgroup(_)) = self.throttler.unthrottle(&ids) {
                     self.save_throttles();
                 }
                 ids.iter().for_each(|id| self.held.remove(*id));
@@ -257,9 +249,8 @@ impl Executor {
         };
         match action.verb {
             Verb::Resume | Verb::Terminate | Verb::Kill => {
-                if let Some(kind) = self.throttled.remove(&ids) {
-                    self.throttler.unthrottle(&ids, &kind);
-                    if matches!(kind, ThrottleKind::Cgroup(_)) {
+                if self.throttler.is_throttled(&ids) {
+                    if let Some(ThrottleKind::Cgroup(_)) = self.throttler.unthrottle(&ids) {
                         self.save_throttles();
                     }
                 }
@@ -319,9 +310,6 @@ impl Executor {
     /// Lets everything go: ends throttles and resumes every process held stopped.
     pub fn shutdown(&mut self) {
         self.throttler.shutdown();
-        for (ids, kind) in std::mem::take(&mut self.throttled) {
-            self.throttler.unthrottle(&ids, &kind);
-        }
         self.save_throttles();
         for p in self.held.resume_all(self.control.as_ref()) {
             info!(

@@ -9,6 +9,7 @@
 //! (`throttled.json`, with the old values and the ones gpuguard wrote) and undone at the next start
 //! after a crash; duty-cycled processes are in the held record (`held.rs`) and resumed.
 
+use std::collections::HashMap;
 use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -56,10 +57,14 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// The throttles in force, by target (its processes): the one record of who is throttled and
+/// how. The duty-cycle thread reads it too.
+type Table = HashMap<Vec<ProcessId>, ThrottleKind>;
+
 pub struct Throttler {
     control: Arc<dyn ProcessControl>,
     cgroup_root: PathBuf,
-    cycled: Arc<Mutex<Vec<ProcessId>>>,
+    throttled: Arc<Mutex<Table>>,
     quit: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
@@ -69,45 +74,59 @@ impl Throttler {
         Throttler {
             control,
             cgroup_root: cgroup_root.into(),
-            cycled: Arc::default(),
+            throttled: Arc::default(),
             quit: Arc::default(),
             thread: None,
         }
     }
 
-    /// Throttles these processes (members of one target, all sharing `cgroup` if it is theirs alone).
+    /// Throttles these processes (members of one target, all sharing `cgroup` if it is theirs
+    /// alone) and records how.
     pub fn throttle(&mut self, ids: &[ProcessId], cgroup: Option<&str>) -> ThrottleKind {
-        if let Some(kind) = cgroup.and_then(|cg| self.try_cgroup(ids, cg)) {
-            return kind;
+        let kind = cgroup
+            .and_then(|cg| self.try_cgroup(ids, cg))
+            .unwrap_or(ThrottleKind::DutyCycle);
+        lock(&self.throttled).insert(ids.to_vec(), kind.clone());
+        if kind == ThrottleKind::DutyCycle {
+            self.ensure_thread();
         }
-        let mut cycled = lock(&self.cycled);
-        for id in ids {
-            if !cycled.contains(id) {
-                cycled.push(*id);
-            }
-        }
-        drop(cycled);
-        self.ensure_thread();
-        ThrottleKind::DutyCycle
+        kind
     }
 
-    /// Lifts a throttle and lets the processes run.
-    pub fn unthrottle(&mut self, ids: &[ProcessId], kind: &ThrottleKind) {
-        match kind {
-            ThrottleKind::Cgroup(c) => {
-                let _ = std::fs::write(c.dir.join("memory.high"), &c.old_memory_high);
-                if let (Some(old), Some(_)) = (&c.old_cpu_max, &c.set_cpu_max) {
-                    let _ = std::fs::write(c.dir.join("cpu.max"), old);
-                }
+    /// Whether this target is throttled.
+    pub fn is_throttled(&self, ids: &[ProcessId]) -> bool {
+        lock(&self.throttled).contains_key(ids)
+    }
+
+    /// The cgroup throttles in force (what `throttled.json` records).
+    pub fn cgroup_throttles(&self) -> Vec<CgroupThrottle> {
+        lock(&self.throttled)
+            .values()
+            .filter_map(|k| match k {
+                ThrottleKind::Cgroup(c) => Some(c.clone()),
+                ThrottleKind::DutyCycle => None,
+            })
+            .collect()
+    }
+
+    /// Lifts a target's throttle and lets its processes run; one not on record is taken for a
+    /// duty cycle (SIGCONT). Returns how it was throttled, if it was.
+    pub fn unthrottle(&mut self, ids: &[ProcessId]) -> Option<ThrottleKind> {
+        // Removed and SIGCONTed under the lock: the thread never sends a stale SIGSTOP after.
+        let mut table = lock(&self.throttled);
+        let kind = table.remove(ids);
+        match &kind {
+            Some(ThrottleKind::Cgroup(c)) => {
+                drop(table);
+                lift_cgroup(c);
             }
-            ThrottleKind::DutyCycle => {
-                let mut cycled = lock(&self.cycled);
-                cycled.retain(|id| !ids.contains(id));
+            Some(ThrottleKind::DutyCycle) | None => {
                 for id in ids {
                     let _ = self.control.send(*id, Sig::Cont);
                 }
             }
         }
+        kind
     }
 
     /// Pins memory.high and cpu.max of a cgroup that holds these processes and nothing else.
@@ -146,8 +165,11 @@ impl Throttler {
         if self.thread.is_some() {
             return;
         }
-        let (control, cycled, quit) =
-            (self.control.clone(), self.cycled.clone(), self.quit.clone());
+        let (control, throttled, quit) = (
+            self.control.clone(),
+            self.throttled.clone(),
+            self.quit.clone(),
+        );
         let spawned = std::thread::Builder::new()
             .name("throttle".into())
             .spawn(move || {
@@ -156,8 +178,9 @@ impl Throttler {
                     // pids and SIGCONTs them under the same lock) is never followed by a stale
                     // SIGSTOP from here.
                     let stopped = {
-                        let cycled = lock(&cycled);
-                        for id in cycled.iter() {
+                        let table = lock(&throttled);
+                        let cycled = duty_cycled(&table);
+                        for id in &cycled {
                             let _ = control.send(*id, Sig::Stop);
                         }
                         !cycled.is_empty()
@@ -167,8 +190,8 @@ impl Throttler {
                         continue;
                     }
                     std::thread::sleep(PERIOD - RUN);
-                    for id in lock(&cycled).iter() {
-                        let _ = control.send(*id, Sig::Cont);
+                    for id in duty_cycled(&lock(&throttled)) {
+                        let _ = control.send(id, Sig::Cont);
                     }
                     std::thread::sleep(RUN);
                 }
@@ -179,15 +202,43 @@ impl Throttler {
         }
     }
 
-    /// Stops the duty cycle and resumes everything it held.
+    /// Stops the duty cycle and lifts every throttle: duty-cycled processes resumed, cgroup
+    /// limits put back.
     pub fn shutdown(&mut self) {
         self.quit.store(true, Ordering::Relaxed);
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
-        for id in std::mem::take(&mut *lock(&self.cycled)) {
-            let _ = self.control.send(id, Sig::Cont);
+        for (ids, kind) in std::mem::take(&mut *lock(&self.throttled)) {
+            match kind {
+                ThrottleKind::Cgroup(c) => lift_cgroup(&c),
+                ThrottleKind::DutyCycle => {
+                    for id in ids {
+                        let _ = self.control.send(id, Sig::Cont);
+                    }
+                }
+            }
         }
+    }
+}
+
+/// The processes of the duty-cycled targets.
+fn duty_cycled(table: &Table) -> Vec<ProcessId> {
+    let mut ids: Vec<ProcessId> = table
+        .iter()
+        .filter(|(_, k)| **k == ThrottleKind::DutyCycle)
+        .flat_map(|(ids, _)| ids.iter().copied())
+        .collect();
+    ids.sort();
+    ids.dedup();
+    ids
+}
+
+/// Puts a cgroup's limits back as gpuguard found them.
+fn lift_cgroup(c: &CgroupThrottle) {
+    let _ = std::fs::write(c.dir.join("memory.high"), &c.old_memory_high);
+    if let (Some(old), Some(_)) = (&c.old_cpu_max, &c.set_cpu_max) {
+        let _ = std::fs::write(c.dir.join("cpu.max"), old);
     }
 }
 
@@ -280,7 +331,7 @@ mod tests {
             std::fs::read_to_string(dir.join("cpu.max")).unwrap(),
             "20000 100000"
         );
-        t.unthrottle(&[id(10), id(11)], &kind);
+        assert_eq!(t.unthrottle(&[id(10), id(11)]), Some(kind));
         assert_eq!(
             std::fs::read_to_string(dir.join("memory.high")).unwrap(),
             "max"
@@ -344,7 +395,7 @@ mod tests {
             "pid 99 is not ours: the cgroup is shared"
         );
         std::thread::sleep(PERIOD * 3);
-        t.unthrottle(&[id(10)], &kind);
+        assert_eq!(t.unthrottle(&[id(10)]), Some(kind));
         t.shutdown();
         let sent = recorder.signals.lock().unwrap().clone();
         assert!(sent.contains(&(10, Sig::Stop)), "{sent:?}");

@@ -19,24 +19,11 @@ impl Daemon {
     /// Model name -> metrics URL for every model that has one: its `[[model]]`'s, else the one
     /// given at launch.
     pub(super) fn engine_targets(&self) -> BTreeMap<String, String> {
-        let c = &self.config;
-        let launched = |name: &str| {
-            self.state
-                .launched_models
-                .get(name)
-                .and_then(|m| m.metrics_url.clone())
-        };
-        let configured = c.models.iter().filter_map(|m| {
-            let url = m.metrics_url.clone().or_else(|| launched(&m.name))?;
-            Some((m.name.clone(), url))
-        });
-        let launched_only = self
-            .state
-            .launched_models
-            .values()
-            .filter(|m| c.model(&m.name).is_none())
-            .filter_map(|m| Some((m.name.clone(), m.metrics_url.clone()?)));
-        configured.chain(launched_only).collect()
+        let models = self.state.models(&self.config);
+        models
+            .iter()
+            .filter_map(|m| Some((m.name.clone(), models.metrics_url(&m.name)?.to_string())))
+            .collect()
     }
 
     /// The latest scrape of each model's engine.

@@ -106,7 +106,7 @@ impl Daemon {
                 let budget = self.state.budgets.get(&m.name);
                 let state = match budget {
                     Some(b) => match &b.enforced {
-                        Some((stage, _, _)) => stage.to_string(),
+                        Some(e) => e.stage.to_string(),
                         None if b.over_since.is_some() => "over_budget".into(),
                         None => "ok".into(),
                     },

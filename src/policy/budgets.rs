@@ -3,12 +3,24 @@
 
 use crate::config::{Config, Mode, ModelAction, ModelConfig};
 use crate::kinds::{EventKind, ReasonKind};
+use std::time::Duration;
+
 use crate::snapshot::Snapshot;
 
 use super::victim::model_target;
 use super::{
-    action, bytes, event, About, BudgetState, Overage, Plan, PolicyState, Severity, Stage, Verb,
+    action, bytes, event, About, BudgetState, Enforcement, ModelUsage, Overage, Plan, PolicyState,
+    Severity, Stage, Target, Verb,
 };
+
+/// A model over its budget this tick, as the transitions below need it.
+struct Over {
+    /// "model 'm' over budget: RAM 3 GiB > budget 2 GiB".
+    why: String,
+    kind: ReasonKind,
+    /// GPU figures from a stale sample may alert, never act.
+    may_act: bool,
+}
 
 pub(super) fn evaluate_budgets(
     config: &Config,
@@ -20,7 +32,7 @@ pub(super) fn evaluate_budgets(
         return;
     }
     let now = snapshot.at;
-    let models: Vec<ModelConfig> = super::budgeted_models(config, state).cloned().collect();
+    let models: Vec<ModelConfig> = state.models(config).iter().cloned().collect();
     for model in &models {
         let Some(index) = state
             .attribution
@@ -30,65 +42,26 @@ pub(super) fn evaluate_budgets(
         else {
             continue;
         };
-        let usage = &state.attribution.models[index];
-        let (ram_budget, gpu_budget) = model.budget_bytes(
-            snapshot.host.total_bytes,
-            snapshot.gpus.largest_total_bytes(),
-        );
-        let mut over = Vec::new();
-        let mut overage = None;
-        if let Some(budget) = ram_budget {
-            if usage.rss_bytes > budget {
-                overage = Some(Overage {
-                    gpu: false,
-                    used_bytes: usage.rss_bytes,
-                    budget_bytes: budget,
-                });
-                over.push(format!(
-                    "RAM {} > budget {}",
-                    bytes(usage.rss_bytes),
-                    bytes(budget)
-                ));
-            }
-        }
-        if let Some(budget) = gpu_budget {
-            let used = usage.gpu_total_bytes();
-            if used > budget {
-                overage.get_or_insert(Overage {
-                    gpu: true,
-                    used_bytes: used,
-                    budget_bytes: budget,
-                });
-                let per_gpu: Vec<String> = usage
-                    .gpu_bytes
-                    .iter()
-                    .map(|(i, b)| format!("GPU {i}: {}", bytes(*b)))
-                    .collect();
-                over.push(format!(
-                    "GPU memory {} > budget {} ({})",
-                    bytes(used),
-                    bytes(budget),
-                    per_gpu.join(", ")
-                ));
-            }
-        }
+        let (overage, over) = measure(model, &state.attribution.models[index], snapshot);
         let budget = state.budgets.entry(model.name.clone()).or_default();
         budget.over = overage;
         let Some(overage) = overage else {
             lift(budget, &model.name, plan);
             continue;
         };
-        // GPU figures from a stale sample may alert, never act.
-        let may_act = !overage.gpu || !snapshot.gpus.stale;
-        let why = format!("model '{}' over budget: {}", model.name, over.join("; "));
-        let kind = overage.reason();
+        let over = Over {
+            why: format!("model '{}' over budget: {}", model.name, over.join("; ")),
+            kind: overage.reason(),
+            may_act: !overage.gpu || !snapshot.gpus.stale,
+        };
         let over_since = *budget.over_since.get_or_insert_with(|| {
             plan.events.push(
                 event(
                     Severity::Warning,
                     EventKind::BudgetExceeded,
                     format!(
-                        "{why}; action {} after grace {}",
+                        "{}; action {} after grace {}",
+                        over.why,
                         model.action,
                         humantime::format_duration(model.grace)
                     ),
@@ -97,96 +70,12 @@ pub(super) fn evaluate_budgets(
             );
             now
         });
-        let d = &config.daemon;
         match budget.enforced.clone() {
             None if now.saturating_sub(over_since) >= model.grace => {
-                let target = model_target(config, snapshot, state, index);
-                if target.members.is_empty() {
-                    continue;
-                }
-                let verb = match model.action {
-                    ModelAction::Alert => None,
-                    // Not on a stale GPU reading: wait for a fresh one (budget_exceeded has alerted).
-                    _ if !may_act => continue,
-                    ModelAction::Throttle => Some(Verb::Throttle),
-                    ModelAction::Stop => Some(Verb::Stop),
-                    ModelAction::Kill => Some(Verb::Terminate),
-                };
-                let stage = match (verb, config.daemon.mode) {
-                    (None, _) | (_, Mode::Observe) => Stage::Alerted,
-                    (Some(Verb::Throttle), _) => Stage::Throttled,
-                    (Some(Verb::Stop), _) => Stage::Stopped,
-                    _ => Stage::Terminated,
-                };
-                let detail = format!(
-                    "{why} for longer than grace {}",
-                    humantime::format_duration(model.grace)
-                );
-                match verb {
-                    Some(verb) => plan.actions.push(action(verb, &target, kind, detail, None)),
-                    None => plan.events.push(
-                        event(
-                            Severity::Critical,
-                            EventKind::BudgetEnforced,
-                            format!("{detail} (alert only)"),
-                        )
-                        .about(about_model(&model.name)),
-                    ),
-                }
-                state
-                    .budgets
-                    .get_mut(&model.name)
-                    .expect("entry exists")
-                    .enforced = Some((stage, now, target));
+                enforce(config, snapshot, state, model, index, &over, plan);
             }
-            Some((Stage::Terminated, since, target))
-                if now.saturating_sub(since) >= d.term_grace && target.any_alive(snapshot) =>
-            {
-                plan.actions.push(action(
-                    Verb::Kill,
-                    &target,
-                    kind,
-                    format!("{why}; SIGTERM not enough"),
-                    None,
-                ));
-                budget.enforced = Some((Stage::Killed, now, target));
-            }
-            // The enforced processes are gone but the model is still over budget (restarted by
-            // its supervisor): a new round, starting with a new grace.
-            Some((Stage::Terminated | Stage::Killed, _, target)) if !target.any_alive(snapshot) => {
-                budget.enforced = None;
-                budget.over_since = Some(now);
-            }
-            // At max_stop on a stale GPU reading: resumed, never killed on it.
-            Some((Stage::Stopped, since, target))
-                if now.saturating_sub(since) >= d.max_stop && !may_act =>
-            {
-                plan.actions.push(action(
-                    Verb::Resume,
-                    &target,
-                    ReasonKind::MaxStop,
-                    format!(
-                        "{why}; stopped for {} (max_stop) but the GPU reading is stale: resumed, never killed on it",
-                        humantime::format_duration(d.max_stop)
-                    ),
-                    None,
-                ));
-                budget.enforced = None;
-            }
-            Some((Stage::Stopped, since, target)) if now.saturating_sub(since) >= d.max_stop => {
-                plan.actions.push(action(
-                    Verb::Kill,
-                    &target,
-                    ReasonKind::MaxStop,
-                    format!(
-                        "{why}; stopped for {} (max_stop)",
-                        humantime::format_duration(d.max_stop)
-                    ),
-                    None,
-                ));
-                budget.enforced = Some((Stage::Killed, now, target));
-            }
-            _ => {}
+            None => {}
+            Some(enforced) => follow_up(config, snapshot, budget, enforced, &over, plan),
         }
     }
     // Models that left the config or the host: lift what was enforced on them.
@@ -203,6 +92,189 @@ pub(super) fn evaluate_budgets(
         .retain(|name, b| present.contains(name) || b.over_since.is_some());
 }
 
+/// What the model is over (RAM first when both are), and each excess in words.
+fn measure(
+    model: &ModelConfig,
+    usage: &ModelUsage,
+    snapshot: &Snapshot,
+) -> (Option<Overage>, Vec<String>) {
+    let (ram_budget, gpu_budget) = model.budget_bytes(
+        snapshot.host.total_bytes,
+        snapshot.gpus.largest_total_bytes(),
+    );
+    let mut over = Vec::new();
+    let mut overage = None;
+    if let Some(budget) = ram_budget {
+        if usage.rss_bytes > budget {
+            overage = Some(Overage {
+                gpu: false,
+                used_bytes: usage.rss_bytes,
+                budget_bytes: budget,
+            });
+            over.push(format!(
+                "RAM {} > budget {}",
+                bytes(usage.rss_bytes),
+                bytes(budget)
+            ));
+        }
+    }
+    if let Some(budget) = gpu_budget {
+        let used = usage.gpu_total_bytes();
+        if used > budget {
+            overage.get_or_insert(Overage {
+                gpu: true,
+                used_bytes: used,
+                budget_bytes: budget,
+            });
+            let per_gpu: Vec<String> = usage
+                .gpu_bytes
+                .iter()
+                .map(|(i, b)| format!("GPU {i}: {}", bytes(*b)))
+                .collect();
+            over.push(format!(
+                "GPU memory {} > budget {} ({})",
+                bytes(used),
+                bytes(budget),
+                per_gpu.join(", ")
+            ));
+        }
+    }
+    (overage, over)
+}
+
+/// Over budget past its grace: the model's action (alert, throttle, stop, terminate).
+fn enforce(
+    config: &Config,
+    snapshot: &Snapshot,
+    state: &mut PolicyState,
+    model: &ModelConfig,
+    index: usize,
+    over: &Over,
+    plan: &mut Plan,
+) {
+    let target = model_target(config, snapshot, state, index);
+    if target.members.is_empty() {
+        return;
+    }
+    let verb = match model.action {
+        ModelAction::Alert => None,
+        // Not on a stale GPU reading: wait for a fresh one (budget_exceeded has alerted).
+        _ if !over.may_act => return,
+        ModelAction::Throttle => Some(Verb::Throttle),
+        ModelAction::Stop => Some(Verb::Stop),
+        ModelAction::Kill => Some(Verb::Terminate),
+    };
+    let stage = match (verb, config.daemon.mode) {
+        (None, _) | (_, Mode::Observe) => Stage::Alerted,
+        (Some(Verb::Throttle), _) => Stage::Throttled,
+        (Some(Verb::Stop), _) => Stage::Stopped,
+        _ => Stage::Terminated,
+    };
+    let detail = format!(
+        "{} for longer than grace {}",
+        over.why,
+        humantime::format_duration(model.grace)
+    );
+    match verb {
+        Some(verb) => plan
+            .actions
+            .push(action(verb, &target, over.kind, detail, None)),
+        None => plan.events.push(
+            event(
+                Severity::Critical,
+                EventKind::BudgetEnforced,
+                format!("{detail} (alert only)"),
+            )
+            .about(about_model(&model.name)),
+        ),
+    }
+    state
+        .budgets
+        .get_mut(&model.name)
+        .expect("entry exists")
+        .enforced = Some(Enforcement {
+        stage,
+        since: snapshot.at,
+        target,
+    });
+}
+
+/// Still over budget with an enforcement in force: SIGKILL after `term_grace`, a new round once
+/// the enforced processes are gone, the end of a stop at `max_stop`.
+fn follow_up(
+    config: &Config,
+    snapshot: &Snapshot,
+    budget: &mut BudgetState,
+    enforced: Enforcement,
+    over: &Over,
+    plan: &mut Plan,
+) {
+    let now = snapshot.at;
+    let d = &config.daemon;
+    let Enforcement {
+        stage,
+        since,
+        target,
+    } = enforced;
+    let held_for = now.saturating_sub(since);
+    match stage {
+        Stage::Terminated if held_for >= d.term_grace && target.any_alive(snapshot) => {
+            plan.actions.push(action(
+                Verb::Kill,
+                &target,
+                over.kind,
+                format!("{}; SIGTERM not enough", over.why),
+                None,
+            ));
+            budget.enforced = Some(Enforcement::killed(now, target));
+        }
+        // The enforced processes are gone but the model is still over budget (restarted by its
+        // supervisor): a new round, starting with a new grace.
+        Stage::Terminated | Stage::Killed if !target.any_alive(snapshot) => {
+            budget.enforced = None;
+            budget.over_since = Some(now);
+        }
+        Stage::Stopped if held_for >= d.max_stop => {
+            end_stop(config, budget, target, now, over, plan)
+        }
+        _ => {}
+    }
+}
+
+/// Stopped for `max_stop`: killed, or resumed when the GPU reading is stale (never killed on it).
+fn end_stop(
+    config: &Config,
+    budget: &mut BudgetState,
+    target: Target,
+    now: Duration,
+    over: &Over,
+    plan: &mut Plan,
+) {
+    let max_stop = humantime::format_duration(config.daemon.max_stop);
+    if !over.may_act {
+        plan.actions.push(action(
+            Verb::Resume,
+            &target,
+            ReasonKind::MaxStop,
+            format!(
+                "{}; stopped for {max_stop} (max_stop) but the GPU reading is stale: resumed, never killed on it",
+                over.why,
+            ),
+            None,
+        ));
+        budget.enforced = None;
+        return;
+    }
+    plan.actions.push(action(
+        Verb::Kill,
+        &target,
+        ReasonKind::MaxStop,
+        format!("{}; stopped for {max_stop} (max_stop)", over.why),
+        None,
+    ));
+    budget.enforced = Some(Enforcement::killed(now, target));
+}
+
 /// The model is back under budget (or gone): resume or unthrottle it.
 fn lift(budget: &mut BudgetState, name: &str, plan: &mut Plan) {
     budget.over = None;
@@ -216,15 +288,18 @@ fn lift(budget: &mut BudgetState, name: &str, plan: &mut Plan) {
             .about(about_model(name)),
         );
     }
-    match budget.enforced.take() {
-        Some((Stage::Stopped, _, target)) => plan.actions.push(action(
+    let Some(Enforcement { stage, target, .. }) = budget.enforced.take() else {
+        return;
+    };
+    match stage {
+        Stage::Stopped => plan.actions.push(action(
             Verb::Resume,
             &target,
             ReasonKind::Cleared,
             format!("model '{name}' back under budget"),
             None,
         )),
-        Some((Stage::Throttled, _, target)) => plan.actions.push(action(
+        Stage::Throttled => plan.actions.push(action(
             Verb::Unthrottle,
             &target,
             ReasonKind::Cleared,

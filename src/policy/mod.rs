@@ -25,7 +25,7 @@ use crate::snapshot::{ProcessId, Snapshot};
 use crate::units::fmt_bytes;
 
 pub use crate::kinds::{EventKind, Level, ReasonKind, Severity};
-pub use models::{attribute, Attribution, MatchCache, ModelUsage};
+pub use models::{attribute, Attribution, MatchCache, ModelUsage, ModelsInForce};
 
 /// The memory a floor or budget is about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
@@ -255,7 +255,26 @@ pub struct BudgetState {
     /// answer to "which resource is over" that actions, alerts and status read.
     pub over: Option<Overage>,
     /// The enforcement in force, with the target it was applied to.
-    pub enforced: Option<(Stage, Duration, Target)>,
+    pub enforced: Option<Enforcement>,
+}
+
+/// A budget's action in force against a model.
+#[derive(Clone, Debug, Serialize)]
+pub struct Enforcement {
+    pub stage: Stage,
+    /// When the stage began.
+    pub since: Duration,
+    pub target: Target,
+}
+
+impl Enforcement {
+    fn killed(at: Duration, target: Target) -> Enforcement {
+        Enforcement {
+            stage: Stage::Killed,
+            since: at,
+            target,
+        }
+    }
 }
 
 /// The resource a model is over its budget on (RAM first when both are), and by how much.
@@ -303,7 +322,7 @@ pub struct PolicyState {
     /// Processes registered by `gpuguard launch` as members of a model.
     pub registered: HashMap<ProcessId, String>,
     /// Budgets of launched models that have no `[[model]]` in the config (from `launch` flags).
-    pub launched_models: BTreeMap<String, ModelConfig>,
+    launched_models: BTreeMap<String, ModelConfig>,
     pub match_cache: MatchCache,
     /// The attribution of the latest scan (for status and metrics).
     pub attribution: Attribution,
@@ -344,6 +363,11 @@ impl PolicyState {
             self.attributed = None;
         }
         self.launched_models = launched;
+    }
+
+    /// The models in force: the config's, then those launched without a `[[model]]`.
+    pub fn models<'a>(&'a self, config: &'a Config) -> ModelsInForce<'a> {
+        ModelsInForce::new(config, &self.launched_models)
     }
 
     /// Resources with an incident, a level or a held process: they keep getting a reading.
@@ -511,22 +535,7 @@ pub fn model_config<'a>(
     state: &'a PolicyState,
     name: &str,
 ) -> Option<&'a ModelConfig> {
-    config
-        .model(name)
-        .or_else(|| state.launched_models.get(name))
-}
-
-/// Every model with a config: the `[[model]]`s, then launched-only ones.
-fn budgeted_models<'a>(
-    config: &'a Config,
-    state: &'a PolicyState,
-) -> impl Iterator<Item = &'a ModelConfig> {
-    config.models.iter().chain(
-        state
-            .launched_models
-            .values()
-            .filter(|m| config.model(&m.name).is_none()),
-    )
+    state.models(config).get(name)
 }
 
 /// Victims whose exit or state we wait for.
@@ -539,7 +548,7 @@ fn watched(state: &PolicyState) -> Vec<ProcessId> {
             state
                 .budgets
                 .values()
-                .filter_map(|b| b.enforced.as_ref().map(|e| &e.2)),
+                .filter_map(|b| b.enforced.as_ref().map(|e| &e.target)),
         )
         .chain(state.held.iter().map(|h| &h.target))
         .flat_map(|t| t.ids())

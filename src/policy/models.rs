@@ -17,6 +17,43 @@ use std::hash::BuildHasher;
 use crate::config::{Config, ModelConfig, Users};
 use crate::snapshot::{GpuSnapshot, ProcessId, ProcessTable};
 
+/// The models in force: the `[[model]]`s, then the launched models that have none (their budgets
+/// from `gpuguard launch`). The one place the two are merged: the policy, the loop and the
+/// reservation table all look models up through it. A launched model that also has a `[[model]]`
+/// (kept for the metrics URL it was launched with) is that `[[model]]` everywhere else.
+#[derive(Clone, Copy, Debug)]
+pub struct ModelsInForce<'a> {
+    config: &'a Config,
+    launched: &'a BTreeMap<String, ModelConfig>,
+}
+
+impl<'a> ModelsInForce<'a> {
+    pub fn new(config: &'a Config, launched: &'a BTreeMap<String, ModelConfig>) -> Self {
+        ModelsInForce { config, launched }
+    }
+
+    /// A model's config: its `[[model]]`, else what `gpuguard launch` registered for it.
+    pub fn get(&self, name: &str) -> Option<&'a ModelConfig> {
+        self.config.model(name).or_else(|| self.launched.get(name))
+    }
+
+    /// Every model in force: the `[[model]]`s in config order, then launched-only ones by name.
+    pub fn iter(&self) -> impl Iterator<Item = &'a ModelConfig> + 'a {
+        let config = self.config;
+        config.models.iter().chain(
+            self.launched
+                .values()
+                .filter(move |m| config.model(&m.name).is_none()),
+        )
+    }
+
+    /// A model's engine metrics URL: its own, else the one it was launched with.
+    pub fn metrics_url(&self, name: &str) -> Option<&'a str> {
+        let own = self.get(name).and_then(|m| m.metrics_url.as_deref());
+        own.or_else(|| self.launched.get(name)?.metrics_url.as_deref())
+    }
+}
+
 /// The models seen in one process table.
 #[derive(Clone, Debug, Default)]
 pub struct Attribution {
@@ -88,9 +125,8 @@ pub fn attribute(
     let users: Vec<Users> = names
         .iter()
         .map(|n| {
-            config
-                .model(n)
-                .or_else(|| launched.get(n))
+            ModelsInForce::new(config, launched)
+                .get(n)
                 .map_or(Users::System, ModelConfig::allowed_users)
         })
         .collect();

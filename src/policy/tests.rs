@@ -2614,3 +2614,42 @@ fn the_gpu_floor_has_the_same_brake_per_gpu() {
         ],
     );
 }
+
+/// The models in force: a `[[model]]` wins over a launch of the same name (kept only for the
+/// metrics URL it was launched with); launched-only models come after the configured ones.
+#[test]
+fn models_in_force_merge_config_and_launches_in_one_place() {
+    let c = config(&format!(
+        "{}{}",
+        model("a", "ram = \"1GiB\"\n"),
+        model(
+            "b",
+            "ram = \"2GiB\"\nmetrics_url = \"http://127.0.0.1:9/metrics\"\n"
+        )
+    ));
+    let launched = |name: &str, url: Option<&str>| ModelConfig {
+        name: name.to_string(),
+        metrics_url: url.map(str::to_string),
+        ram: None,
+        ..c.models[0].clone()
+    };
+    let mut state = PolicyState::default();
+    state.set_launches(
+        HashMap::new(),
+        vec![
+            launched("a", Some("http://127.0.0.1:1/metrics")),
+            launched("z", Some("http://127.0.0.1:2/metrics")),
+            launched("m", None),
+        ],
+    );
+    let models = state.models(&c);
+    let names: Vec<&str> = models.iter().map(|m| m.name.as_str()).collect();
+    assert_eq!(names, ["a", "b", "m", "z"]);
+    assert!(models.get("a").unwrap().ram.is_some(), "the [[model]] wins");
+    assert_eq!(models.metrics_url("a"), Some("http://127.0.0.1:1/metrics"));
+    assert_eq!(models.metrics_url("b"), Some("http://127.0.0.1:9/metrics"));
+    assert_eq!(models.metrics_url("z"), Some("http://127.0.0.1:2/metrics"));
+    assert_eq!(models.metrics_url("m"), None);
+    assert!(models.get("nope").is_none());
+    assert_eq!(model_config(&c, &state, "z").unwrap().name, "z");
+}

@@ -18,7 +18,6 @@ pub mod account;
 pub mod capacity;
 pub mod lease;
 
-use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
@@ -36,7 +35,7 @@ use crate::ipc::{
 };
 use crate::kinds::EventKind;
 use crate::policy::admission::{place, Demand, Fit, GpuRoom, RamRoom, Shortfall};
-use crate::policy::{About, Event, Severity};
+use crate::policy::{About, Event, ModelsInForce, Severity};
 use crate::snapshot::ProcessId;
 use crate::status::{LeaseRow, PermitPoolRow, QueuedRow};
 use crate::units::{fmt_bytes, Amount};
@@ -174,14 +173,6 @@ pub struct PoolFigures {
     pub observed_p95_bytes: Option<u64>,
 }
 
-/// A launched model with no `[[model]]`: who launched it and what it declared.
-struct Launched {
-    owner: u32,
-    need: Demand,
-    /// The engine's metrics URL given at launch.
-    metrics_url: Option<String>,
-}
-
 pub struct Reservations {
     config: Config,
     capacity: Capacity,
@@ -192,7 +183,9 @@ pub struct Reservations {
     holdings: HashMap<u64, Holding>,
     conns: HashMap<ConnId, Conn>,
     uids: HashMap<u32, UidUse>,
-    launched: BTreeMap<String, Launched>,
+    /// Launched models: those with no `[[model]]` (budgets and owner from the launch), and
+    /// configured ones launched with a metrics URL (kept for that URL alone).
+    launched: BTreeMap<String, ModelConfig>,
     next_id: u64,
     events: Vec<Event>,
     events_dropped: u64,
@@ -401,12 +394,13 @@ impl Reservations {
         })
     }
 
-    fn model_config(&self, name: &str) -> Option<Cow<'_, ModelConfig>> {
-        self.config.model(name).map(Cow::Borrowed).or_else(|| {
-            self.launched
-                .get(name)
-                .map(|l| Cow::Owned(launched_model_config(name, l)))
-        })
+    /// The models in force: the config's, then those launched without a `[[model]]`.
+    fn models(&self) -> ModelsInForce<'_> {
+        ModelsInForce::new(&self.config, &self.launched)
+    }
+
+    fn model_config(&self, name: &str) -> Option<&ModelConfig> {
+        self.models().get(name)
     }
 
     /// Who may act for a model (launch it, take its permits), if it exists.
@@ -471,7 +465,7 @@ impl Reservations {
         }
         if let Some(name) = pool {
             if let Some(model) = self.model_config(name) {
-                if let Some(f) = self.budget_fit(name, &model, demand, permit) {
+                if let Some(f) = self.budget_fit(name, model, demand, permit) {
                     return f;
                 }
             }
@@ -1167,10 +1161,10 @@ impl Reservations {
             budget -= keep;
         }
         let name = r.model.clone();
-        let allowed = match (self.config.model(&name), self.launched.get(&name)) {
-            (Some(m), _) => m.allowed_users().may_act(peer.uid),
-            (None, Some(l)) => peer.uid == 0 || l.owner == peer.uid,
-            (None, None) => !self
+        // A launched model's users are its launcher.
+        let allowed = match self.model_config(&name) {
+            Some(m) => m.allowed_users().may_act(peer.uid),
+            None => !self
                 .launch_queue
                 .iter()
                 .any(|w| w.pool.as_deref() == Some(&name) && w.peer.uid != peer.uid),
@@ -1343,11 +1337,10 @@ impl Reservations {
         // Also kept for a configured model launched with a metrics URL (its [[model]] wins
         // for everything else).
         if self.config.model(&model).is_none() || request.metrics_url.is_some() {
-            let launched = self.launched.entry(model.clone()).or_insert(Launched {
-                owner: w.peer.uid,
-                need: need.clone(),
-                metrics_url: None,
-            });
+            let launched = self
+                .launched
+                .entry(model.clone())
+                .or_insert_with(|| launched_model_config(&model, w.peer.uid, need));
             if request.metrics_url.is_some() {
                 launched.metrics_url = request.metrics_url.clone();
             }
@@ -1726,11 +1719,7 @@ impl Reservations {
             events: std::mem::take(&mut self.events),
             events_suppressed: self.event_limit.take_suppressed(),
             registered,
-            launched_models: self
-                .launched
-                .iter()
-                .map(|(name, l)| launched_model_config(name, l))
-                .collect(),
+            launched_models: self.launched.values().cloned().collect(),
         }
     }
 
@@ -2004,23 +1993,23 @@ fn privileged(uid: u32) -> bool {
 
 /// A launched model with no `[[model]]`: its flags are its budgets, it is only alerted on, and
 /// only its launcher's processes belong to it.
-fn launched_model_config(name: &str, l: &Launched) -> ModelConfig {
+fn launched_model_config(name: &str, owner: u32, need: &Demand) -> ModelConfig {
     let amount = |b: u64| (b > 0).then_some(Amount::Bytes(b));
     ModelConfig {
         name: name.to_string(),
         matcher: Default::default(),
-        ram: amount(l.need.ram_bytes),
-        gpu_memory: amount(l.need.gpu_bytes_total()),
+        ram: amount(need.ram_bytes),
+        gpu_memory: amount(need.gpu_bytes_total()),
         action: ModelAction::Alert,
         grace: Duration::from_secs(10),
         priority: 0,
         users: Some(vec![User {
-            name: l.owner.to_string(),
-            uid: l.owner,
+            name: owner.to_string(),
+            uid: owner,
         }]),
         max_permits: None,
         permit_gpu_memory: None,
-        metrics_url: l.metrics_url.clone(),
+        metrics_url: None,
     }
 }
 
