@@ -24,7 +24,8 @@ use prometheus_client::registry::Registry;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::kinds::{EventKind, Severity};
-use crate::status::StatusReport;
+use crate::status::PermitPoolRow;
+use crate::view::{GpuView, ModelView, RamView, TickView};
 
 type FGauge = Gauge<f64, AtomicU64>;
 
@@ -389,14 +390,26 @@ impl Metrics {
         }
     }
 
-    /// Updates the gauges from a status report (the daemon builds one now and then).
-    pub fn update(&self, r: &StatusReport) {
+    /// Updates the gauges from the tick view (the daemon passes one now and then).
+    pub fn update(&self, v: &TickView) {
+        self.update_host(&v.ram);
+        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        self.update_gpus(&v.gpus, &mut seen);
+        self.update_models(&v.models, &mut seen);
+        self.update_engines(&v.models, &mut seen);
+        drop(seen);
+        self.update_loop(v);
+        self.update_permits(&v.reservations.permits);
+    }
+
+    /// Host memory, swap, PSI and the RAM floors.
+    fn update_host(&self, ram: &RamView) {
         let set = |g: &Gauge, v: Option<u64>| {
             if let Some(v) = v {
                 g.set(v as i64);
             }
         };
-        let m = &r.memory;
+        let m = &ram.memory;
         set(&self.host_total, m.total_bytes);
         set(&self.host_available, m.available_bytes);
         set(&self.swap_total, m.swap_total_bytes);
@@ -406,8 +419,8 @@ impl Metrics {
             self.psi_some.set(p / 100.0);
         }
         for (floor, v) in [
-            ("warn", m.warn_available_bytes),
-            ("min", m.min_available_bytes),
+            ("warn", ram.floors.warn_bytes),
+            ("min", ram.floors.min_bytes),
         ] {
             let labels = FloorLabels {
                 floor: floor.into(),
@@ -416,20 +429,17 @@ impl Metrics {
                 g.set(v as i64);
             });
         }
+    }
 
-        let gpus: HashSet<GpuLabels> = r
-            .gpus
-            .iter()
-            .map(|g| GpuLabels {
-                gpu: g.index.to_string(),
-                uuid: g.uuid.clone(),
-            })
-            .collect();
-        for g in &r.gpus {
-            let labels = GpuLabels {
-                gpu: g.index.to_string(),
-                uuid: g.uuid.clone(),
-            };
+    /// Each GPU's memory, utilisation, lost flag and floors; a GPU gone loses its series.
+    fn update_gpus(&self, gpus: &[GpuView], seen: &mut Seen) {
+        let labels_of = |g: &GpuView| GpuLabels {
+            gpu: g.index.to_string(),
+            uuid: g.uuid.clone(),
+        };
+        let now: HashSet<GpuLabels> = gpus.iter().map(labels_of).collect();
+        for g in gpus {
+            let labels = labels_of(g);
             // A reading that failed is unknown: the series disappears rather than read 0.
             for (family, v) in [
                 (&self.gpu_total, g.total_bytes),
@@ -445,7 +455,7 @@ impl Metrics {
             set_or_remove(&self.gpu_utilization, &labels, utilization, |g, u| {
                 g.set(f64::from(u) / 100.0);
             });
-            for (floor, v) in [("warn", g.warn_free_bytes), ("min", g.min_free_bytes)] {
+            for (floor, v) in [("warn", g.floors.warn_bytes), ("min", g.floors.min_bytes)] {
                 let labels = GpuFloorLabels {
                     gpu: labels.gpu.clone(),
                     uuid: labels.uuid.clone(),
@@ -456,19 +466,17 @@ impl Metrics {
                 });
             }
         }
-        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
         for family in [
             &self.gpu_total,
             &self.gpu_used,
             &self.gpu_free,
             &self.gpu_lost,
         ] {
-            for gone in seen.gpus.difference(&gpus) {
+            for gone in seen.gpus.difference(&now) {
                 family.remove(gone);
             }
         }
-        retain(&self.gpu_utilization, &mut seen.gpus, gpus.clone());
-        let gpu_floors: HashSet<GpuFloorLabels> = gpus
+        let gpu_floors: HashSet<GpuFloorLabels> = now
             .iter()
             .flat_map(|g| {
                 ["warn", "min"].map(|floor| GpuFloorLabels {
@@ -478,12 +486,17 @@ impl Metrics {
                 })
             })
             .collect();
+        retain(&self.gpu_utilization, &mut seen.gpus, now);
         retain(&self.gpu_floor, &mut seen.gpu_floors, gpu_floors);
+    }
 
+    /// Each model's use, budgets and process count; a model gone loses its series.
+    fn update_models(&self, models: &[ModelView], seen: &mut Seen) {
         let mut usage = HashSet::new();
         let mut budgets = HashSet::new();
         let mut names = HashSet::new();
-        for model in &r.models {
+        for model in models {
+            let f = &model.figures;
             let ram = ModelLabels {
                 model: model.name.clone(),
                 resource: "ram".into(),
@@ -492,18 +505,13 @@ impl Metrics {
                 model: model.name.clone(),
                 resource: "gpu".into(),
             };
-            self.model_usage
-                .get_or_create(&ram)
-                .set(model.ram_bytes as i64);
+            self.model_usage.get_or_create(&ram).set(f.ram_bytes as i64);
             // Unknown (no NVML): no series rather than a false 0.
-            if let Some(used) = model.gpu_bytes {
+            if let Some(used) = model.gpu_bytes() {
                 self.model_usage.get_or_create(&gpu).set(used as i64);
                 usage.insert(gpu.clone());
             }
-            for (labels, budget) in [
-                (&ram, model.ram_budget_bytes),
-                (&gpu, model.gpu_budget_bytes),
-            ] {
+            for (labels, budget) in [(&ram, f.ram_budget_bytes), (&gpu, f.gpu_budget_bytes)] {
                 if let Some(b) = budget {
                     self.model_budget.get_or_create(labels).set(b as i64);
                     budgets.insert(labels.clone());
@@ -521,9 +529,11 @@ impl Metrics {
         retain(&self.model_usage, &mut seen.usage, usage);
         retain(&self.model_budget, &mut seen.budgets, budgets);
         retain(&self.model_processes, &mut seen.names, names);
-        self.update_engines(r, &mut seen);
-        drop(seen);
+    }
 
+    /// The launch queue, the leases, the held processes and the GPU protection state.
+    fn update_loop(&self, v: &TickView) {
+        let r = &v.reservations;
         self.queue_length.set(r.queue.len() as i64);
         for state in ["loading", "ready"] {
             self.leases
@@ -532,25 +542,24 @@ impl Metrics {
                 })
                 .set(r.leases.iter().filter(|l| l.state == state).count() as i64);
         }
-        self.held.set(r.held.len() as i64);
+        self.held.set(v.held.len() as i64);
         for state in NVML_STATES {
             self.nvml_state
                 .get_or_create(&StateLabels {
                     state: state.into(),
                 })
-                .set(i64::from(r.gpu_protection.state == state));
+                .set(i64::from(v.gpu_protection.state == state));
         }
-        self.gpu_stale.set(i64::from(r.gpu_protection.stale));
-        self.update_permits(r);
+        self.gpu_stale.set(i64::from(v.gpu_protection.stale));
     }
 
-    fn update_permits(&self, r: &StatusReport) {
+    fn update_permits(&self, permits: &[PermitPoolRow]) {
         let p = &self.permits;
         let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
         let mut names = HashSet::new();
         let mut reserved = HashSet::new();
         let mut quantiles = HashSet::new();
-        for row in &r.permits {
+        for row in permits {
             let name = NameLabels {
                 model: row.model.clone(),
             };
@@ -609,9 +618,9 @@ impl Metrics {
     }
 
     /// The model servers' own figures; a figure the engine did not give has no series.
-    fn update_engines(&self, r: &StatusReport, seen: &mut Seen) {
+    fn update_engines(&self, models: &[ModelView], seen: &mut Seen) {
         let mut engines = HashSet::new();
-        for model in &r.models {
+        for model in models {
             let Some(e) = &model.engine else { continue };
             let labels = NameLabels {
                 model: model.name.clone(),
