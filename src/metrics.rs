@@ -631,15 +631,15 @@ impl Metrics {
             set_or_remove(
                 &self.engine_kv_usage,
                 &labels,
-                e.kv_cache_usage_ratio.filter(|_| ok),
+                e.stats.kv_cache_usage.filter(|_| ok),
                 |g, v| {
                     g.set(v);
                 },
             );
             for (family, v) in [
-                (&self.engine_running, keep(e.requests_running)),
-                (&self.engine_waiting, keep(e.requests_waiting)),
-                (&self.engine_preemptions, keep(e.preemptions_total)),
+                (&self.engine_running, keep(e.stats.requests_running)),
+                (&self.engine_waiting, keep(e.stats.requests_waiting)),
+                (&self.engine_preemptions, keep(e.stats.preemptions_total)),
             ] {
                 set_or_remove(family, &labels, v, |g, v| {
                     g.set(v as i64);

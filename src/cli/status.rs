@@ -261,13 +261,14 @@ fn engine_cell(engine: Option<&EngineRow>) -> String {
         return format!("{}: {}", e.state, e.error.as_deref().unwrap_or(""));
     }
     let count = |v: Option<u64>| v.map_or("?".into(), |v| v.to_string());
+    let s = &e.stats;
     format!(
         "KV {} · {} running · {} waiting · {} preempted",
-        e.kv_cache_usage_ratio
+        s.kv_cache_usage
             .map_or("?".into(), |k| format!("{:.0}%", k * 100.0)),
-        count(e.requests_running),
-        count(e.requests_waiting),
-        count(e.preemptions_total)
+        count(s.requests_running),
+        count(s.requests_waiting),
+        count(s.preemptions_total)
     )
 }
 
@@ -311,11 +312,12 @@ pub fn render_model(m: &ModelRow) -> String {
     );
     if let Some(e) = &m.engine {
         out += &format!("Engine {}: {}\n", e.url, engine_cell(Some(e)));
-        if let (Some(blocks), Some(size)) = (e.kv_cache_blocks, e.block_size_tokens) {
+        let s = &e.stats;
+        if let (Some(blocks), Some(size)) = (s.kv_cache_blocks, s.block_size_tokens) {
             out += &format!(
                 "  KV cache: {blocks} blocks of {size} tokens ({} tokens){}\n",
                 blocks * size,
-                e.gpu_memory_utilization
+                s.gpu_memory_utilization
                     .map_or(String::new(), |u| format!(", gpu_memory_utilization {u}"))
             );
         }
