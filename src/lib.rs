@@ -23,3 +23,4 @@ pub mod snapshot;
 pub mod state_dir;
 pub mod status;
 pub mod units;
+pub mod view;

@@ -20,11 +20,12 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Metric, Registry};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::kinds::{EventKind, Severity};
-use crate::status::StatusReport;
+use crate::status::PermitPoolRow;
+use crate::view::{GpuView, ModelView, RamView, TickView};
 
 type FGauge = Gauge<f64, AtomicU64>;
 
@@ -94,39 +95,13 @@ pub struct VersionLabels {
 #[derive(Clone)]
 pub struct Metrics {
     registry: Arc<Registry>,
-    gpu_total: Family<GpuLabels, Gauge>,
-    gpu_used: Family<GpuLabels, Gauge>,
-    gpu_free: Family<GpuLabels, Gauge>,
-    gpu_utilization: Family<GpuLabels, FGauge>,
-    gpu_lost: Family<GpuLabels, Gauge>,
-    gpu_floor: Family<GpuFloorLabels, Gauge>,
-    host_total: Gauge,
-    host_available: Gauge,
-    host_floor: Family<FloorLabels, Gauge>,
-    swap_total: Gauge,
-    swap_free: Gauge,
-    host_shmem: Gauge,
-    psi_some: FGauge,
-    model_usage: Family<ModelLabels, Gauge>,
-    model_budget: Family<ModelLabels, Gauge>,
-    model_processes: Family<NameLabels, Gauge>,
-    engine_up: Family<NameLabels, Gauge>,
-    engine_kv_usage: Family<NameLabels, FGauge>,
-    engine_running: Family<NameLabels, Gauge>,
-    engine_waiting: Family<NameLabels, Gauge>,
-    engine_preemptions: Family<NameLabels, Gauge>,
-    actions: Family<ActionLabels, Counter>,
-    events: Family<EventLabels, Counter>,
-    events_suppressed: Counter,
-    queue_length: Gauge,
-    leases: Family<StateLabels, Gauge>,
-    held: Gauge,
-    nvml_state: Family<StateLabels, Gauge>,
-    gpu_stale: Gauge,
-    sample_duration: Histogram,
-    alerts_sent: Family<SinkLabels, Counter>,
-    alerts_failed: Family<SinkLabels, Counter>,
-    alerts_dropped: Family<SinkLabels, Counter>,
+    gpu: GpuFamilies,
+    host: HostFamilies,
+    model: ModelFamilies,
+    engine: EngineFamilies,
+    counts: CountFamilies,
+    loop_state: LoopFamilies,
+    alerts: AlertFamilies,
     permits: PermitFamilies,
     seen: Arc<Mutex<Seen>>,
 }
@@ -154,6 +129,364 @@ struct PermitFamilies {
     observed: Family<QuantileLabels, Gauge>,
 }
 
+/// Per GPU, labelled `gpu` and `uuid`.
+#[derive(Clone)]
+struct GpuFamilies {
+    total: Family<GpuLabels, Gauge>,
+    used: Family<GpuLabels, Gauge>,
+    free: Family<GpuLabels, Gauge>,
+    utilization: Family<GpuLabels, FGauge>,
+    lost: Family<GpuLabels, Gauge>,
+    floor: Family<GpuFloorLabels, Gauge>,
+}
+
+impl GpuFamilies {
+    fn register(r: &mut Registry) -> GpuFamilies {
+        GpuFamilies {
+            total: register(
+                r,
+                "gpuguard_gpu_memory_total_bytes",
+                "GPU memory per GPU (NVML)",
+                Family::default(),
+            ),
+            used: register(
+                r,
+                "gpuguard_gpu_memory_used_bytes",
+                "GPU memory in use per GPU (NVML v2 memory info)",
+                Family::default(),
+            ),
+            free: register(
+                r,
+                "gpuguard_gpu_memory_free_bytes",
+                "GPU memory free per GPU (NVML), what the GPU floors are about",
+                Family::default(),
+            ),
+            utilization: register(
+                r,
+                "gpuguard_gpu_utilization_ratio",
+                "GPU utilisation, 0 to 1",
+                Family::default(),
+            ),
+            lost: register(
+                r,
+                "gpuguard_gpu_lost",
+                "1 if the GPU fell off the bus or left NVML's device list (its readings are unknown)",
+                Family::default(),
+            ),
+            floor: register(
+                r,
+                "gpuguard_gpu_memory_floor_bytes",
+                "GPU free-memory floors per GPU: floor=warn (alert) and floor=min (act)",
+                Family::default(),
+            ),
+        }
+    }
+}
+
+/// Host RAM, swap and pressure.
+#[derive(Clone)]
+struct HostFamilies {
+    total: Gauge,
+    available: Gauge,
+    floor: Family<FloorLabels, Gauge>,
+    swap_total: Gauge,
+    swap_free: Gauge,
+    shmem: Gauge,
+    psi_some: FGauge,
+}
+
+impl HostFamilies {
+    fn register(r: &mut Registry) -> HostFamilies {
+        HostFamilies {
+            total: register(
+                r,
+                "gpuguard_host_memory_total_bytes",
+                "Host RAM (MemTotal)",
+                Gauge::default(),
+            ),
+            available: register(
+                r,
+                "gpuguard_host_memory_available_bytes",
+                "Host RAM available (MemAvailable)",
+                Gauge::default(),
+            ),
+            floor: register(
+                r,
+                "gpuguard_host_memory_floor_bytes",
+                "Host MemAvailable floors: floor=warn (alert) and floor=min (act)",
+                Family::default(),
+            ),
+            swap_total: register(
+                r,
+                "gpuguard_swap_total_bytes",
+                "Swap space (SwapTotal)",
+                Gauge::default(),
+            ),
+            swap_free: register(
+                r,
+                "gpuguard_swap_free_bytes",
+                "Swap free (SwapFree)",
+                Gauge::default(),
+            ),
+            shmem: register(
+                r,
+                "gpuguard_host_memory_shmem_bytes",
+                "Shared memory and tmpfs (Shmem): counted out of MemAvailable, held by no process",
+                Gauge::default(),
+            ),
+            psi_some: register(
+                r,
+                "gpuguard_psi_memory_some_avg10_ratio",
+                "Memory pressure stall information, some avg10, as a ratio (0 to 1; /proc gives percent)",
+                Gauge::default(),
+            ),
+        }
+    }
+}
+
+/// Per model: use, budgets, processes.
+#[derive(Clone)]
+struct ModelFamilies {
+    usage: Family<ModelLabels, Gauge>,
+    budget: Family<ModelLabels, Gauge>,
+    processes: Family<NameLabels, Gauge>,
+}
+
+impl ModelFamilies {
+    fn register(r: &mut Registry) -> ModelFamilies {
+        ModelFamilies {
+            usage: register(
+                r,
+                "gpuguard_model_usage_bytes",
+                "Memory used by a model's processes and their descendants: resource=ram (RSS) or gpu",
+                Family::default(),
+            ),
+            budget: register(
+                r,
+                "gpuguard_model_budget_bytes",
+                "A model's budget: resource=ram or gpu",
+                Family::default(),
+            ),
+            processes: register(
+                r,
+                "gpuguard_model_processes",
+                "Processes that make up a model",
+                Family::default(),
+            ),
+        }
+    }
+}
+
+/// Per model: its server's own figures.
+#[derive(Clone)]
+struct EngineFamilies {
+    up: Family<NameLabels, Gauge>,
+    kv_usage: Family<NameLabels, FGauge>,
+    running: Family<NameLabels, Gauge>,
+    waiting: Family<NameLabels, Gauge>,
+    preemptions: Family<NameLabels, Gauge>,
+}
+
+impl EngineFamilies {
+    fn register(r: &mut Registry) -> EngineFamilies {
+        EngineFamilies {
+            up: register(
+                r,
+                "gpuguard_engine_up",
+                "1 if the model server's metrics URL answered with its metrics at the last scrape, 0 if not",
+                Family::default(),
+            ),
+            kv_usage: register(
+                r,
+                "gpuguard_engine_kv_cache_usage_ratio",
+                "Share of the model server's KV cache in use, 0 to 1 (vLLM's kv_cache_usage_perc)",
+                Family::default(),
+            ),
+            running: register(
+                r,
+                "gpuguard_engine_requests_running",
+                "Requests the model server is running (vLLM's num_requests_running)",
+                Family::default(),
+            ),
+            waiting: register(
+                r,
+                "gpuguard_engine_requests_waiting",
+                "Requests waiting in the model server's queue (vLLM's num_requests_waiting)",
+                Family::default(),
+            ),
+            preemptions: register(
+                r,
+                "gpuguard_engine_preemptions",
+                "Requests the model server has preempted since it started, as it last reported (vLLM's num_preemptions_total)",
+                Family::default(),
+            ),
+        }
+    }
+}
+
+/// What happened: actions, events, events suppressed.
+#[derive(Clone)]
+struct CountFamilies {
+    actions: Family<ActionLabels, Counter>,
+    events: Family<EventLabels, Counter>,
+    events_suppressed: Counter,
+}
+
+impl CountFamilies {
+    fn register(r: &mut Registry) -> CountFamilies {
+        CountFamilies {
+            actions: register(
+                r,
+                "gpuguard_actions",
+                "Actions taken, by verb (stop, resume, terminate, kill, throttle...), reason and outcome",
+                Family::default(),
+            ),
+            events: register(
+                r,
+                "gpuguard_events",
+                "Events reported, by kind and severity",
+                Family::default(),
+            ),
+            events_suppressed: register(
+                r,
+                "gpuguard_events_suppressed",
+                "Events clients caused past the per-uid rate limit (20 per uid per minute): counted here and summed up in one events_suppressed event per uid and minute, not reported one by one",
+                Counter::default(),
+            ),
+        }
+    }
+}
+
+/// The loop's own state: launches, held processes, GPU protection, sampling.
+#[derive(Clone)]
+struct LoopFamilies {
+    queue_length: Gauge,
+    leases: Family<StateLabels, Gauge>,
+    held: Gauge,
+    nvml_state: Family<StateLabels, Gauge>,
+    gpu_stale: Gauge,
+    sample_duration: Histogram,
+}
+
+impl LoopFamilies {
+    fn register(r: &mut Registry) -> LoopFamilies {
+        LoopFamilies {
+            queue_length: register(
+                r,
+                "gpuguard_launch_queue_length",
+                "Launches waiting in the queue",
+                Gauge::default(),
+            ),
+            leases: register(
+                r,
+                "gpuguard_launch_leases",
+                "Admitted launches by state (loading holds the launch lock)",
+                Family::default(),
+            ),
+            held: register(
+                r,
+                "gpuguard_held_processes",
+                "Processes gpuguard holds stopped or throttled",
+                Gauge::default(),
+            ),
+            nvml_state: register(
+                r,
+                "gpuguard_nvml_state",
+                "GPU protection state: 1 for the current state (ok, degraded, starting, unavailable, off), 0 for the others",
+                Family::default(),
+            ),
+            gpu_stale: register(
+                r,
+                "gpuguard_gpu_sample_stale",
+                "1 if the latest GPU sample is late (alerts only, no kills)",
+                Gauge::default(),
+            ),
+            sample_duration: register(
+                r,
+                "gpuguard_sample_duration_seconds",
+                "Time to sample host memory, processes and GPUs in one tick",
+                Histogram::new(exponential_buckets(0.000_01, 4.0, 10)),
+            ),
+        }
+    }
+}
+
+/// Per alert sink, labelled `sink` and `format`.
+#[derive(Clone)]
+struct AlertFamilies {
+    sent: Family<SinkLabels, Counter>,
+    failed: Family<SinkLabels, Counter>,
+    dropped: Family<SinkLabels, Counter>,
+}
+
+impl AlertFamilies {
+    fn register(r: &mut Registry) -> AlertFamilies {
+        AlertFamilies {
+            sent: register(
+                r,
+                "gpuguard_alerts_sent",
+                "Notifications delivered, per sink",
+                Family::default(),
+            ),
+            failed: register(
+                r,
+                "gpuguard_alerts_failed",
+                "Notifications given up on after their retries, per sink",
+                Family::default(),
+            ),
+            dropped: register(
+                r,
+                "gpuguard_alerts_dropped",
+                "Notifications dropped because the sink's queue was full (the oldest of the lowest severity first; never a critical one for a lower one), per sink",
+                Family::default(),
+            ),
+        }
+    }
+}
+
+impl PermitFamilies {
+    fn register(r: &mut Registry) -> PermitFamilies {
+        PermitFamilies {
+            held: register(
+                r,
+                "gpuguard_permits_held",
+                "Memory permits held, per model",
+                Family::default(),
+            ),
+            waiting: register(
+                r,
+                "gpuguard_permits_waiting",
+                "Permit requests waiting for memory, per model",
+                Family::default(),
+            ),
+            reserved: register(
+                r,
+                "gpuguard_permit_reserved_bytes",
+                "Memory the permits held reserve, per model: resource=ram or gpu",
+                Family::default(),
+            ),
+            outcomes: register(
+                r,
+                "gpuguard_permits",
+                "Permit requests by outcome (granted, refused, expired), per model",
+                Family::default(),
+            ),
+            observed: register(
+                r,
+                "gpuguard_permit_observed_gpu_bytes",
+                "GPU growth per permit observed while permits were held, per model: quantile=0.5 or 0.95",
+                Family::default(),
+            ),
+        }
+    }
+}
+
+/// Registers `metric` under `name` and returns it (a clone shares the same values).
+fn register<M: Metric + Clone>(r: &mut Registry, name: &str, help: &str, metric: M) -> M {
+    r.register(name, help, metric.clone());
+    metric
+}
+
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
@@ -162,313 +495,136 @@ impl Default for Metrics {
 
 impl Metrics {
     pub fn new() -> Metrics {
+        // Registered in the order they are exported.
         let mut r = Registry::default();
-        macro_rules! reg {
-            ($name:expr, $help:expr, $metric:expr) => {{
-                let m = $metric;
-                r.register($name, $help, m.clone());
-                m
-            }};
-        }
-        let build_info: Family<VersionLabels, Gauge> = reg!(
+        let build_info: Family<VersionLabels, Gauge> = register(
+            &mut r,
             "gpuguard_build_info",
             "gpuguard's version (always 1)",
-            Family::default()
+            Family::default(),
         );
         build_info
             .get_or_create(&VersionLabels {
                 version: env!("CARGO_PKG_VERSION").into(),
             })
             .set(1);
-        let m = Metrics {
-            gpu_total: reg!(
-                "gpuguard_gpu_memory_total_bytes",
-                "GPU memory per GPU (NVML)",
-                Family::default()
-            ),
-            gpu_used: reg!(
-                "gpuguard_gpu_memory_used_bytes",
-                "GPU memory in use per GPU (NVML v2 memory info)",
-                Family::default()
-            ),
-            gpu_free: reg!(
-                "gpuguard_gpu_memory_free_bytes",
-                "GPU memory free per GPU (NVML), what the GPU floors are about",
-                Family::default()
-            ),
-            gpu_utilization: reg!(
-                "gpuguard_gpu_utilization_ratio",
-                "GPU utilisation, 0 to 1",
-                Family::default()
-            ),
-            gpu_lost: reg!(
-                "gpuguard_gpu_lost",
-                "1 if the GPU fell off the bus or left NVML's device list (its readings are unknown)",
-                Family::default()
-            ),
-            gpu_floor: reg!(
-                "gpuguard_gpu_memory_floor_bytes",
-                "GPU free-memory floors per GPU: floor=warn (alert) and floor=min (act)",
-                Family::default()
-            ),
-            host_total: reg!(
-                "gpuguard_host_memory_total_bytes",
-                "Host RAM (MemTotal)",
-                Gauge::default()
-            ),
-            host_available: reg!(
-                "gpuguard_host_memory_available_bytes",
-                "Host RAM available (MemAvailable)",
-                Gauge::default()
-            ),
-            host_floor: reg!(
-                "gpuguard_host_memory_floor_bytes",
-                "Host MemAvailable floors: floor=warn (alert) and floor=min (act)",
-                Family::default()
-            ),
-            swap_total: reg!(
-                "gpuguard_swap_total_bytes",
-                "Swap space (SwapTotal)",
-                Gauge::default()
-            ),
-            swap_free: reg!(
-                "gpuguard_swap_free_bytes",
-                "Swap free (SwapFree)",
-                Gauge::default()
-            ),
-            host_shmem: reg!(
-                "gpuguard_host_memory_shmem_bytes",
-                "Shared memory and tmpfs (Shmem): counted out of MemAvailable, held by no process",
-                Gauge::default()
-            ),
-            psi_some: reg!(
-                "gpuguard_psi_memory_some_avg10_ratio",
-                "Memory pressure stall information, some avg10, as a ratio (0 to 1; /proc gives percent)",
-                Gauge::default()
-            ),
-            model_usage: reg!(
-                "gpuguard_model_usage_bytes",
-                "Memory used by a model's processes and their descendants: resource=ram (RSS) or gpu",
-                Family::default()
-            ),
-            model_budget: reg!(
-                "gpuguard_model_budget_bytes",
-                "A model's budget: resource=ram or gpu",
-                Family::default()
-            ),
-            model_processes: reg!(
-                "gpuguard_model_processes",
-                "Processes that make up a model",
-                Family::default()
-            ),
-            engine_up: reg!(
-                "gpuguard_engine_up",
-                "1 if the model server's metrics URL answered with its metrics at the last scrape, 0 if not",
-                Family::default()
-            ),
-            engine_kv_usage: reg!(
-                "gpuguard_engine_kv_cache_usage_ratio",
-                "Share of the model server's KV cache in use, 0 to 1 (vLLM's kv_cache_usage_perc)",
-                Family::default()
-            ),
-            engine_running: reg!(
-                "gpuguard_engine_requests_running",
-                "Requests the model server is running (vLLM's num_requests_running)",
-                Family::default()
-            ),
-            engine_waiting: reg!(
-                "gpuguard_engine_requests_waiting",
-                "Requests waiting in the model server's queue (vLLM's num_requests_waiting)",
-                Family::default()
-            ),
-            engine_preemptions: reg!(
-                "gpuguard_engine_preemptions",
-                "Requests the model server has preempted since it started, as it last reported (vLLM's num_preemptions_total)",
-                Family::default()
-            ),
-            actions: reg!(
-                "gpuguard_actions",
-                "Actions taken, by verb (stop, resume, terminate, kill, throttle...), reason and outcome",
-                Family::default()
-            ),
-            events: reg!(
-                "gpuguard_events",
-                "Events reported, by kind and severity",
-                Family::default()
-            ),
-            events_suppressed: reg!(
-                "gpuguard_events_suppressed",
-                "Events clients caused past the per-uid rate limit (20 per uid per minute): counted here and summed up in one events_suppressed event per uid and minute, not reported one by one",
-                Counter::default()
-            ),
-            queue_length: reg!(
-                "gpuguard_launch_queue_length",
-                "Launches waiting in the queue",
-                Gauge::default()
-            ),
-            leases: reg!(
-                "gpuguard_launch_leases",
-                "Admitted launches by state (loading holds the launch lock)",
-                Family::default()
-            ),
-            held: reg!(
-                "gpuguard_held_processes",
-                "Processes gpuguard holds stopped or throttled",
-                Gauge::default()
-            ),
-            nvml_state: reg!(
-                "gpuguard_nvml_state",
-                "GPU protection state: 1 for the current state (ok, degraded, starting, unavailable, off), 0 for the others",
-                Family::default()
-            ),
-            gpu_stale: reg!(
-                "gpuguard_gpu_sample_stale",
-                "1 if the latest GPU sample is late (alerts only, no kills)",
-                Gauge::default()
-            ),
-            sample_duration: reg!(
-                "gpuguard_sample_duration_seconds",
-                "Time to sample host memory, processes and GPUs in one tick",
-                Histogram::new(exponential_buckets(0.000_01, 4.0, 10))
-            ),
-            alerts_sent: reg!(
-                "gpuguard_alerts_sent",
-                "Notifications delivered, per sink",
-                Family::default()
-            ),
-            alerts_failed: reg!(
-                "gpuguard_alerts_failed",
-                "Notifications given up on after their retries, per sink",
-                Family::default()
-            ),
-            alerts_dropped: reg!(
-                "gpuguard_alerts_dropped",
-                "Notifications dropped because the sink's queue was full (the oldest of the lowest severity first; never a critical one for a lower one), per sink",
-                Family::default()
-            ),
-            permits: PermitFamilies {
-                held: reg!(
-                    "gpuguard_permits_held",
-                    "Memory permits held, per model",
-                    Family::default()
-                ),
-                waiting: reg!(
-                    "gpuguard_permits_waiting",
-                    "Permit requests waiting for memory, per model",
-                    Family::default()
-                ),
-                reserved: reg!(
-                    "gpuguard_permit_reserved_bytes",
-                    "Memory the permits held reserve, per model: resource=ram or gpu",
-                    Family::default()
-                ),
-                outcomes: reg!(
-                    "gpuguard_permits",
-                    "Permit requests by outcome (granted, refused, expired), per model",
-                    Family::default()
-                ),
-                observed: reg!(
-                    "gpuguard_permit_observed_gpu_bytes",
-                    "GPU growth per permit observed while permits were held, per model: quantile=0.5 or 0.95",
-                    Family::default()
-                ),
-            },
-            registry: Arc::new(Registry::default()),
-            seen: Arc::default(),
-        };
+        let gpu = GpuFamilies::register(&mut r);
+        let host = HostFamilies::register(&mut r);
+        let model = ModelFamilies::register(&mut r);
+        let engine = EngineFamilies::register(&mut r);
+        let counts = CountFamilies::register(&mut r);
+        let loop_state = LoopFamilies::register(&mut r);
         for state in NVML_STATES {
-            m.nvml_state
+            loop_state
+                .nvml_state
                 .get_or_create(&StateLabels {
                     state: state.into(),
                 })
                 .set(0);
         }
+        let alerts = AlertFamilies::register(&mut r);
+        let permits = PermitFamilies::register(&mut r);
         Metrics {
             registry: Arc::new(r),
-            ..m
+            gpu,
+            host,
+            model,
+            engine,
+            counts,
+            loop_state,
+            alerts,
+            permits,
+            seen: Arc::default(),
         }
     }
 
-    /// Updates the gauges from a status report (the daemon builds one now and then).
-    pub fn update(&self, r: &StatusReport) {
+    /// Updates the gauges from the tick view (the daemon passes one now and then).
+    pub fn update(&self, v: &TickView) {
+        self.update_host(&v.ram);
+        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        self.update_gpus(&v.gpus, &mut seen);
+        self.update_models(&v.models, &mut seen);
+        self.update_engines(&v.models, &mut seen);
+        drop(seen);
+        self.update_loop(v);
+        self.update_permits(&v.reservations.permits);
+    }
+
+    /// Host memory, swap, PSI and the RAM floors.
+    fn update_host(&self, ram: &RamView) {
         let set = |g: &Gauge, v: Option<u64>| {
             if let Some(v) = v {
                 g.set(v as i64);
             }
         };
-        let m = &r.memory;
-        set(&self.host_total, m.total_bytes);
-        set(&self.host_available, m.available_bytes);
-        set(&self.swap_total, m.swap_total_bytes);
-        set(&self.swap_free, m.swap_free_bytes);
-        set(&self.host_shmem, m.shmem_bytes);
+        let m = &ram.memory;
+        set(&self.host.total, m.total_bytes);
+        set(&self.host.available, m.available_bytes);
+        set(&self.host.swap_total, m.swap_total_bytes);
+        set(&self.host.swap_free, m.swap_free_bytes);
+        set(&self.host.shmem, m.shmem_bytes);
         if let Some(p) = m.psi_some_avg10 {
-            self.psi_some.set(p / 100.0);
+            self.host.psi_some.set(p / 100.0);
         }
         for (floor, v) in [
-            ("warn", m.warn_available_bytes),
-            ("min", m.min_available_bytes),
+            ("warn", ram.floors.warn_bytes),
+            ("min", ram.floors.min_bytes),
         ] {
             let labels = FloorLabels {
                 floor: floor.into(),
             };
-            set_or_remove(&self.host_floor, &labels, v, |g, v| {
+            set_or_remove(&self.host.floor, &labels, v, |g, v| {
                 g.set(v as i64);
             });
         }
+    }
 
-        let gpus: HashSet<GpuLabels> = r
-            .gpus
-            .iter()
-            .map(|g| GpuLabels {
-                gpu: g.index.to_string(),
-                uuid: g.uuid.clone(),
-            })
-            .collect();
-        for g in &r.gpus {
-            let labels = GpuLabels {
-                gpu: g.index.to_string(),
-                uuid: g.uuid.clone(),
-            };
+    /// Each GPU's memory, utilisation, lost flag and floors; a GPU gone loses its series.
+    fn update_gpus(&self, gpus: &[GpuView], seen: &mut Seen) {
+        let labels_of = |g: &GpuView| GpuLabels {
+            gpu: g.index.to_string(),
+            uuid: g.uuid.clone(),
+        };
+        let now: HashSet<GpuLabels> = gpus.iter().map(labels_of).collect();
+        for g in gpus {
+            let labels = labels_of(g);
             // A reading that failed is unknown: the series disappears rather than read 0.
             for (family, v) in [
-                (&self.gpu_total, g.total_bytes),
-                (&self.gpu_used, g.used_bytes),
-                (&self.gpu_free, g.free_bytes),
+                (&self.gpu.total, g.total_bytes),
+                (&self.gpu.used, g.used_bytes),
+                (&self.gpu.free, g.free_bytes),
             ] {
                 set_or_remove(family, &labels, v.filter(|_| g.error.is_none()), |g, v| {
                     g.set(v as i64);
                 });
             }
-            self.gpu_lost.get_or_create(&labels).set(i64::from(g.lost));
+            self.gpu.lost.get_or_create(&labels).set(i64::from(g.lost));
             let utilization = g.utilization_percent.filter(|_| g.error.is_none());
-            set_or_remove(&self.gpu_utilization, &labels, utilization, |g, u| {
+            set_or_remove(&self.gpu.utilization, &labels, utilization, |g, u| {
                 g.set(f64::from(u) / 100.0);
             });
-            for (floor, v) in [("warn", g.warn_free_bytes), ("min", g.min_free_bytes)] {
+            for (floor, v) in [("warn", g.floors.warn_bytes), ("min", g.floors.min_bytes)] {
                 let labels = GpuFloorLabels {
                     gpu: labels.gpu.clone(),
                     uuid: labels.uuid.clone(),
                     floor: floor.into(),
                 };
-                set_or_remove(&self.gpu_floor, &labels, v, |g, v| {
+                set_or_remove(&self.gpu.floor, &labels, v, |g, v| {
                     g.set(v as i64);
                 });
             }
         }
-        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
         for family in [
-            &self.gpu_total,
-            &self.gpu_used,
-            &self.gpu_free,
-            &self.gpu_lost,
+            &self.gpu.total,
+            &self.gpu.used,
+            &self.gpu.free,
+            &self.gpu.lost,
         ] {
-            for gone in seen.gpus.difference(&gpus) {
+            for gone in seen.gpus.difference(&now) {
                 family.remove(gone);
             }
         }
-        retain(&self.gpu_utilization, &mut seen.gpus, gpus.clone());
-        let gpu_floors: HashSet<GpuFloorLabels> = gpus
+        let gpu_floors: HashSet<GpuFloorLabels> = now
             .iter()
             .flat_map(|g| {
                 ["warn", "min"].map(|floor| GpuFloorLabels {
@@ -478,12 +634,17 @@ impl Metrics {
                 })
             })
             .collect();
-        retain(&self.gpu_floor, &mut seen.gpu_floors, gpu_floors);
+        retain(&self.gpu.utilization, &mut seen.gpus, now);
+        retain(&self.gpu.floor, &mut seen.gpu_floors, gpu_floors);
+    }
 
+    /// Each model's use, budgets and process count; a model gone loses its series.
+    fn update_models(&self, models: &[ModelView], seen: &mut Seen) {
         let mut usage = HashSet::new();
         let mut budgets = HashSet::new();
         let mut names = HashSet::new();
-        for model in &r.models {
+        for model in models {
+            let f = &model.figures;
             let ram = ModelLabels {
                 model: model.name.clone(),
                 resource: "ram".into(),
@@ -492,65 +653,66 @@ impl Metrics {
                 model: model.name.clone(),
                 resource: "gpu".into(),
             };
-            self.model_usage
-                .get_or_create(&ram)
-                .set(model.ram_bytes as i64);
+            self.model.usage.get_or_create(&ram).set(f.ram_bytes as i64);
             // Unknown (no NVML): no series rather than a false 0.
-            if let Some(used) = model.gpu_bytes {
-                self.model_usage.get_or_create(&gpu).set(used as i64);
+            if let Some(used) = model.gpu_bytes() {
+                self.model.usage.get_or_create(&gpu).set(used as i64);
                 usage.insert(gpu.clone());
             }
-            for (labels, budget) in [
-                (&ram, model.ram_budget_bytes),
-                (&gpu, model.gpu_budget_bytes),
-            ] {
+            for (labels, budget) in [(&ram, f.ram_budget_bytes), (&gpu, f.gpu_budget_bytes)] {
                 if let Some(b) = budget {
-                    self.model_budget.get_or_create(labels).set(b as i64);
+                    self.model.budget.get_or_create(labels).set(b as i64);
                     budgets.insert(labels.clone());
                 }
             }
             let name = NameLabels {
                 model: model.name.clone(),
             };
-            self.model_processes
+            self.model
+                .processes
                 .get_or_create(&name)
                 .set(model.pids.len() as i64);
             usage.insert(ram);
             names.insert(name);
         }
-        retain(&self.model_usage, &mut seen.usage, usage);
-        retain(&self.model_budget, &mut seen.budgets, budgets);
-        retain(&self.model_processes, &mut seen.names, names);
-        self.update_engines(r, &mut seen);
-        drop(seen);
+        retain(&self.model.usage, &mut seen.usage, usage);
+        retain(&self.model.budget, &mut seen.budgets, budgets);
+        retain(&self.model.processes, &mut seen.names, names);
+    }
 
-        self.queue_length.set(r.queue.len() as i64);
+    /// The launch queue, the leases, the held processes and the GPU protection state.
+    fn update_loop(&self, v: &TickView) {
+        let r = &v.reservations;
+        self.loop_state.queue_length.set(r.queue.len() as i64);
         for state in ["loading", "ready"] {
-            self.leases
+            self.loop_state
+                .leases
                 .get_or_create(&StateLabels {
                     state: state.into(),
                 })
                 .set(r.leases.iter().filter(|l| l.state == state).count() as i64);
         }
-        self.held.set(r.held.len() as i64);
+        self.loop_state.held.set(v.held.len() as i64);
         for state in NVML_STATES {
-            self.nvml_state
+            self.loop_state
+                .nvml_state
                 .get_or_create(&StateLabels {
                     state: state.into(),
                 })
-                .set(i64::from(r.gpu_protection.state == state));
+                .set(i64::from(v.gpu_protection.state == state));
         }
-        self.gpu_stale.set(i64::from(r.gpu_protection.stale));
-        self.update_permits(r);
+        self.loop_state
+            .gpu_stale
+            .set(i64::from(v.gpu_protection.stale));
     }
 
-    fn update_permits(&self, r: &StatusReport) {
+    fn update_permits(&self, permits: &[PermitPoolRow]) {
         let p = &self.permits;
         let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
         let mut names = HashSet::new();
         let mut reserved = HashSet::new();
         let mut quantiles = HashSet::new();
-        for row in &r.permits {
+        for row in permits {
             let name = NameLabels {
                 model: row.model.clone(),
             };
@@ -609,28 +771,28 @@ impl Metrics {
     }
 
     /// The model servers' own figures; a figure the engine did not give has no series.
-    fn update_engines(&self, r: &StatusReport, seen: &mut Seen) {
+    fn update_engines(&self, models: &[ModelView], seen: &mut Seen) {
         let mut engines = HashSet::new();
-        for model in &r.models {
+        for model in models {
             let Some(e) = &model.engine else { continue };
             let labels = NameLabels {
                 model: model.name.clone(),
             };
             let ok = e.state == "ok";
-            self.engine_up.get_or_create(&labels).set(i64::from(ok));
+            self.engine.up.get_or_create(&labels).set(i64::from(ok));
             let keep = |v: Option<u64>| v.filter(|_| ok);
             set_or_remove(
-                &self.engine_kv_usage,
+                &self.engine.kv_usage,
                 &labels,
-                e.kv_cache_usage_ratio.filter(|_| ok),
+                e.stats.kv_cache_usage.filter(|_| ok),
                 |g, v| {
                     g.set(v);
                 },
             );
             for (family, v) in [
-                (&self.engine_running, keep(e.requests_running)),
-                (&self.engine_waiting, keep(e.requests_waiting)),
-                (&self.engine_preemptions, keep(e.preemptions_total)),
+                (&self.engine.running, keep(e.stats.requests_running)),
+                (&self.engine.waiting, keep(e.stats.requests_waiting)),
+                (&self.engine.preemptions, keep(e.stats.preemptions_total)),
             ] {
                 set_or_remove(family, &labels, v, |g, v| {
                     g.set(v as i64);
@@ -639,20 +801,21 @@ impl Metrics {
             engines.insert(labels);
         }
         for gone in seen.engines.difference(&engines) {
-            self.engine_kv_usage.remove(gone);
-            self.engine_running.remove(gone);
-            self.engine_waiting.remove(gone);
-            self.engine_preemptions.remove(gone);
+            self.engine.kv_usage.remove(gone);
+            self.engine.running.remove(gone);
+            self.engine.waiting.remove(gone);
+            self.engine.preemptions.remove(gone);
         }
-        retain(&self.engine_up, &mut seen.engines, engines);
+        retain(&self.engine.up, &mut seen.engines, engines);
     }
 
     pub fn observe_sample(&self, took: Duration) {
-        self.sample_duration.observe(took.as_secs_f64());
+        self.loop_state.sample_duration.observe(took.as_secs_f64());
     }
 
     pub fn count_action(&self, verb: &str, reason: &str, outcome: &str) {
-        self.actions
+        self.counts
+            .actions
             .get_or_create(&ActionLabels {
                 verb: verb.into(),
                 reason: reason.into(),
@@ -662,7 +825,8 @@ impl Metrics {
     }
 
     pub fn count_event(&self, kind: EventKind, severity: Severity) {
-        self.events
+        self.counts
+            .events
             .get_or_create(&EventLabels {
                 kind: kind.as_str().into(),
                 severity: severity.as_str().into(),
@@ -672,7 +836,7 @@ impl Metrics {
 
     /// Client-caused events the per-uid rate limit kept out.
     pub fn count_suppressed(&self, n: u64) {
-        self.events_suppressed.inc_by(n);
+        self.counts.events_suppressed.inc_by(n);
     }
 
     /// The counters of one alert sink (created at 0 so they show before the first alert).
@@ -682,9 +846,9 @@ impl Metrics {
             format: format.into(),
         };
         SinkCounters {
-            sent: self.alerts_sent.get_or_create_owned(&labels),
-            failed: self.alerts_failed.get_or_create_owned(&labels),
-            dropped: self.alerts_dropped.get_or_create_owned(&labels),
+            sent: self.alerts.sent.get_or_create_owned(&labels),
+            failed: self.alerts.failed.get_or_create_owned(&labels),
+            dropped: self.alerts.dropped.get_or_create_owned(&labels),
         }
     }
 

@@ -3,6 +3,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::sample::engine::EngineStats;
+
 /// Bumped when a field changes meaning or disappears. 2: `models[].gpu_bytes` may be null
 /// (unknown while NVML is unavailable).
 pub const STATUS_SCHEMA_VERSION: u32 = 2;
@@ -118,16 +120,11 @@ pub struct EngineRow {
     pub error: Option<String>,
     /// Seconds since the last scrape (successful or not).
     pub age_seconds: Option<f64>,
-    /// Share of the KV cache in use, 0 to 1.
-    pub kv_cache_usage_ratio: Option<f64>,
-    pub requests_running: Option<u64>,
-    pub requests_waiting: Option<u64>,
-    /// Requests preempted since the engine started (out of KV cache).
-    pub preemptions_total: Option<u64>,
-    pub kv_cache_blocks: Option<u64>,
-    pub block_size_tokens: Option<u64>,
-    /// The share of the GPU the engine was told to take (`--gpu-memory-utilization`).
-    pub gpu_memory_utilization: Option<f64>,
+    /// What the engine reported (all `None` unless `state` is "ok"), its fields inline:
+    /// `kv_cache_usage_ratio`, `requests_running`, `requests_waiting`, `preemptions_total`,
+    /// `kv_cache_blocks`, `block_size_tokens`, `gpu_memory_utilization`.
+    #[serde(flatten)]
+    pub stats: EngineStats,
 }
 
 /// One process of a model.
@@ -226,4 +223,46 @@ pub struct ActionRow {
     pub reason: String,
     /// "done", "observed", "skipped: ..." or "failed: ...".
     pub outcome: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `models[].engine` in `status --json` is the engine's figures inline, under the names and
+    /// in the order the schema has always had.
+    #[test]
+    fn an_engine_row_keeps_its_json_names_and_order() {
+        let row = EngineRow {
+            url: "http://127.0.0.1:8000/metrics".into(),
+            state: "ok".into(),
+            error: None,
+            age_seconds: Some(1.5),
+            stats: EngineStats {
+                kv_cache_usage: Some(0.25),
+                requests_running: Some(8),
+                requests_waiting: Some(2),
+                preemptions_total: Some(3),
+                kv_cache_blocks: Some(27000),
+                block_size_tokens: Some(16),
+                gpu_memory_utilization: Some(0.9),
+            },
+        };
+        let json = serde_json::to_string(&row).unwrap();
+        assert_eq!(
+            json,
+            "{\"url\":\"http://127.0.0.1:8000/metrics\",\"state\":\"ok\",\"error\":null,\
+             \"age_seconds\":1.5,\"kv_cache_usage_ratio\":0.25,\"requests_running\":8,\
+             \"requests_waiting\":2,\"preemptions_total\":3,\"kv_cache_blocks\":27000,\
+             \"block_size_tokens\":16,\"gpu_memory_utilization\":0.9}"
+        );
+        assert_eq!(serde_json::from_str::<EngineRow>(&json).unwrap(), row);
+        let pending = EngineRow {
+            state: "pending".into(),
+            ..EngineRow::default()
+        };
+        let json = serde_json::to_string(&pending).unwrap();
+        assert!(json.contains("\"kv_cache_usage_ratio\":null"), "{json}");
+        assert_eq!(serde_json::from_str::<EngineRow>(&json).unwrap(), pending);
+    }
 }

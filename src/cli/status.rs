@@ -10,7 +10,10 @@ use comfy_table::{Cell, Table};
 use super::exit;
 use crate::ipc::client::ask;
 use crate::ipc::{Request, Response};
-use crate::status::{EngineRow, ModelRow, StatusReport};
+use crate::status::{
+    ActionRow, EngineRow, GpuProtection, GpuRow, HeldRow, LeaseRow, MemoryStatus, ModelRow,
+    QueuedRow, StatusReport,
+};
 use crate::units::fmt_bytes;
 
 pub fn run(socket: &Path, json: bool, watch: Option<Duration>, model: Option<&str>) -> u8 {
@@ -70,15 +73,30 @@ fn table(headers: &[&str]) -> Table {
 
 /// The report as tables, one section each.
 pub fn render(r: &StatusReport) -> String {
-    let mut out = format!(
+    [
+        render_header(r),
+        render_memory(&r.memory),
+        render_gpus(&r.gpu_protection, &r.gpus),
+        render_models(&r.models),
+        render_launches(&r.leases, &r.queue),
+        render_held(&r.held),
+        render_actions(&r.recent_actions),
+    ]
+    .concat()
+}
+
+fn render_header(r: &StatusReport) -> String {
+    format!(
         "gpuguard {} on {} — mode {}, up {}\n\n",
         r.version,
         r.hostname,
         r.mode,
         humantime::format_duration(Duration::from_secs(r.uptime_seconds as u64))
-    );
-    let m = &r.memory;
-    out += &format!(
+    )
+}
+
+fn render_memory(m: &MemoryStatus) -> String {
+    format!(
         "Host memory: available {} of {} (warn {}, min {}) [{}]; shmem/tmpfs {}; swap free {} of {}; PSI some avg10 {}\n\n",
         bytes(m.available_bytes),
         bytes(m.total_bytes),
@@ -89,9 +107,11 @@ pub fn render(r: &StatusReport) -> String {
         bytes(m.swap_free_bytes),
         bytes(m.swap_total_bytes),
         m.psi_some_avg10.map_or("n/a".into(), |p| format!("{p:.1}%")),
-    );
-    let g = &r.gpu_protection;
-    out += &format!(
+    )
+}
+
+fn render_gpus(g: &GpuProtection, gpus: &[GpuRow]) -> String {
+    let mut out = format!(
         "GPUs: protection {}{}{}\n",
         g.state,
         g.reason
@@ -99,147 +119,166 @@ pub fn render(r: &StatusReport) -> String {
             .map_or(String::new(), |r| format!(" ({r})")),
         if g.stale { " [stale]" } else { "" }
     );
-    if !r.gpus.is_empty() {
-        let mut t = table(&[
-            "GPU",
-            "name",
-            "used",
-            "free",
-            "total",
-            "util",
-            "warn/min free",
-            "state",
-        ]);
-        for gpu in &r.gpus {
-            t.add_row(vec![
-                gpu.index.to_string(),
-                gpu.name.clone(),
-                bytes(gpu.used_bytes),
-                bytes(gpu.free_bytes),
-                bytes(gpu.total_bytes),
-                gpu.utilization_percent
-                    .map_or("?".into(), |u| format!("{u}%")),
-                format!(
-                    "{}/{}",
-                    bytes(gpu.warn_free_bytes),
-                    bytes(gpu.min_free_bytes)
-                ),
-                gpu.error.clone().unwrap_or_else(|| gpu.level.clone()),
-            ]);
-        }
-        out += &format!("{t}\n");
+    if gpus.is_empty() {
+        return out;
     }
-    out += "\nModels:\n";
-    if r.models.is_empty() {
+    let mut t = table(&[
+        "GPU",
+        "name",
+        "used",
+        "free",
+        "total",
+        "util",
+        "warn/min free",
+        "state",
+    ]);
+    for gpu in gpus {
+        t.add_row(vec![
+            gpu.index.to_string(),
+            gpu.name.clone(),
+            bytes(gpu.used_bytes),
+            bytes(gpu.free_bytes),
+            bytes(gpu.total_bytes),
+            gpu.utilization_percent
+                .map_or("?".into(), |u| format!("{u}%")),
+            format!(
+                "{}/{}",
+                bytes(gpu.warn_free_bytes),
+                bytes(gpu.min_free_bytes)
+            ),
+            gpu.error.clone().unwrap_or_else(|| gpu.level.clone()),
+        ]);
+    }
+    out += &format!("{t}\n");
+    out
+}
+
+fn render_models(models: &[ModelRow]) -> String {
+    let mut out = "\nModels:\n".to_string();
+    if models.is_empty() {
         out += "  (none running)\n";
-    } else {
-        let mut t = table(&[
-            "model",
-            "pids",
-            "RAM used/budget",
-            "GPU used/budget",
-            "headroom",
-            "engine",
-            "state",
-        ]);
-        for model in &r.models {
-            let headroom = [
-                model
-                    .ram_headroom_bytes
-                    .map(|h| format!("RAM {}", signed(h))),
-                model
-                    .gpu_headroom_bytes
-                    .map(|h| format!("GPU {}", signed(h))),
-            ]
-            .into_iter()
-            .flatten()
+        return out;
+    }
+    let mut t = table(&[
+        "model",
+        "pids",
+        "RAM used/budget",
+        "GPU used/budget",
+        "headroom",
+        "engine",
+        "state",
+    ]);
+    for model in models {
+        t.add_row(model_cells(model));
+    }
+    out += &format!("{t}\n");
+    for model in models {
+        if let Some(limit) = &model.limit {
+            out += &format!("  {}: {limit}\n", model.name);
+        }
+    }
+    out
+}
+
+/// One model's row in the models table.
+fn model_cells(model: &ModelRow) -> Vec<String> {
+    let headroom = [
+        model
+            .ram_headroom_bytes
+            .map(|h| format!("RAM {}", signed(h))),
+        model
+            .gpu_headroom_bytes
+            .map(|h| format!("GPU {}", signed(h))),
+    ]
+    .into_iter()
+    .flatten()
+    .collect::<Vec<_>>()
+    .join(", ");
+    vec![
+        format!("{} ({})", model.name, model.source),
+        model
+            .pids
+            .iter()
+            .map(i32::to_string)
             .collect::<Vec<_>>()
-            .join(", ");
-            t.add_row(vec![
-                format!("{} ({})", model.name, model.source),
-                model
-                    .pids
-                    .iter()
-                    .map(i32::to_string)
-                    .collect::<Vec<_>>()
-                    .join(" "),
-                format!(
-                    "{}/{}",
-                    fmt_bytes(model.ram_bytes),
-                    bytes(model.ram_budget_bytes)
-                ),
-                format!(
-                    "{}{}/{}{}",
-                    bytes(model.gpu_bytes),
-                    if model.gpu_unknown { "+?" } else { "" },
-                    bytes(model.gpu_budget_bytes),
-                    model.gpu_reserved_ratio.map_or(String::new(), |r| format!(
-                        " ({:.0}% of its GPUs)",
-                        r * 100.0
-                    ))
-                ),
-                headroom,
-                engine_cell(model.engine.as_ref()),
-                model.state.clone(),
-            ]);
-        }
-        out += &format!("{t}\n");
-        for model in &r.models {
-            if let Some(limit) = &model.limit {
-                out += &format!("  {}: {limit}\n", model.name);
-            }
-        }
-    }
-    out += "\nLaunch queue:\n";
-    if r.queue.is_empty() && r.leases.is_empty() {
+            .join(" "),
+        format!(
+            "{}/{}",
+            fmt_bytes(model.ram_bytes),
+            bytes(model.ram_budget_bytes)
+        ),
+        format!(
+            "{}{}/{}{}",
+            bytes(model.gpu_bytes),
+            if model.gpu_unknown { "+?" } else { "" },
+            bytes(model.gpu_budget_bytes),
+            model.gpu_reserved_ratio.map_or(String::new(), |r| format!(
+                " ({:.0}% of its GPUs)",
+                r * 100.0
+            ))
+        ),
+        headroom,
+        engine_cell(model.engine.as_ref()),
+        model.state.clone(),
+    ]
+}
+
+fn render_launches(leases: &[LeaseRow], queue: &[QueuedRow]) -> String {
+    let mut out = "\nLaunch queue:\n".to_string();
+    if queue.is_empty() && leases.is_empty() {
         out += "  (empty)\n";
-    } else {
-        let mut t = table(&["", "model", "pid", "uid", "GPU", "RAM", "for", "state"]);
-        for l in &r.leases {
-            t.add_row(vec![
-                format!("lease {}", l.lease),
-                l.model.clone(),
-                l.pid.to_string(),
-                l.uid.to_string(),
-                format!("{} {:?}", fmt_bytes(l.gpu_bytes), l.gpus),
-                fmt_bytes(l.ram_bytes),
-                humantime::format_duration(Duration::from_secs(l.seconds as u64)).to_string(),
-                l.state.clone(),
-            ]);
-        }
-        for q in &r.queue {
-            t.add_row(vec![
-                format!("#{}", q.position),
-                q.model.clone(),
-                q.pid.to_string(),
-                q.uid.to_string(),
-                fmt_bytes(q.gpu_bytes),
-                fmt_bytes(q.ram_bytes),
-                humantime::format_duration(Duration::from_secs(q.waiting_seconds as u64))
-                    .to_string(),
-                format!("waiting for {}", q.waiting_for),
-            ]);
-        }
-        out += &format!("{t}\n");
+        return out;
     }
-    out += "\nHeld stopped by gpuguard:\n";
-    if r.held.is_empty() {
-        out += "  (none)\n";
-    } else {
-        for h in &r.held {
-            out += &format!("  pid {} ({}): {}\n", h.pid, h.comm, h.why);
-        }
+    let mut t = table(&["", "model", "pid", "uid", "GPU", "RAM", "for", "state"]);
+    for l in leases {
+        t.add_row(vec![
+            format!("lease {}", l.lease),
+            l.model.clone(),
+            l.pid.to_string(),
+            l.uid.to_string(),
+            format!("{} {:?}", fmt_bytes(l.gpu_bytes), l.gpus),
+            fmt_bytes(l.ram_bytes),
+            humantime::format_duration(Duration::from_secs(l.seconds as u64)).to_string(),
+            l.state.clone(),
+        ]);
     }
-    out += "\nRecent actions:\n";
-    if r.recent_actions.is_empty() {
+    for q in queue {
+        t.add_row(vec![
+            format!("#{}", q.position),
+            q.model.clone(),
+            q.pid.to_string(),
+            q.uid.to_string(),
+            fmt_bytes(q.gpu_bytes),
+            fmt_bytes(q.ram_bytes),
+            humantime::format_duration(Duration::from_secs(q.waiting_seconds as u64)).to_string(),
+            format!("waiting for {}", q.waiting_for),
+        ]);
+    }
+    out += &format!("{t}\n");
+    out
+}
+
+fn render_held(held: &[HeldRow]) -> String {
+    let mut out = "\nHeld stopped by gpuguard:\n".to_string();
+    if held.is_empty() {
         out += "  (none)\n";
-    } else {
-        for a in r.recent_actions.iter().rev().take(10) {
-            out += &format!(
-                "  {} {} {}: {} [{}]\n",
-                a.at_unix, a.verb, a.target, a.reason, a.outcome
-            );
-        }
+    }
+    for h in held {
+        out += &format!("  pid {} ({}): {}\n", h.pid, h.comm, h.why);
+    }
+    out
+}
+
+fn render_actions(actions: &[ActionRow]) -> String {
+    let mut out = "\nRecent actions:\n".to_string();
+    if actions.is_empty() {
+        out += "  (none)\n";
+    }
+    for a in actions.iter().rev().take(10) {
+        out += &format!(
+            "  {} {} {}: {} [{}]\n",
+            a.at_unix, a.verb, a.target, a.reason, a.outcome
+        );
     }
     out
 }
@@ -261,13 +300,14 @@ fn engine_cell(engine: Option<&EngineRow>) -> String {
         return format!("{}: {}", e.state, e.error.as_deref().unwrap_or(""));
     }
     let count = |v: Option<u64>| v.map_or("?".into(), |v| v.to_string());
+    let s = &e.stats;
     format!(
         "KV {} · {} running · {} waiting · {} preempted",
-        e.kv_cache_usage_ratio
+        s.kv_cache_usage
             .map_or("?".into(), |k| format!("{:.0}%", k * 100.0)),
-        count(e.requests_running),
-        count(e.requests_waiting),
-        count(e.preemptions_total)
+        count(s.requests_running),
+        count(s.requests_waiting),
+        count(s.preemptions_total)
     )
 }
 
@@ -311,11 +351,12 @@ pub fn render_model(m: &ModelRow) -> String {
     );
     if let Some(e) = &m.engine {
         out += &format!("Engine {}: {}\n", e.url, engine_cell(Some(e)));
-        if let (Some(blocks), Some(size)) = (e.kv_cache_blocks, e.block_size_tokens) {
+        let s = &e.stats;
+        if let (Some(blocks), Some(size)) = (s.kv_cache_blocks, s.block_size_tokens) {
             out += &format!(
                 "  KV cache: {blocks} blocks of {size} tokens ({} tokens){}\n",
                 blocks * size,
-                e.gpu_memory_utilization
+                s.gpu_memory_utilization
                     .map_or(String::new(), |u| format!(", gpu_memory_utilization {u}"))
             );
         }

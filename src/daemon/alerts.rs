@@ -1,12 +1,13 @@
 //! What the daemon tells the alert pipeline and the metrics: each action with its outcome and
-//! subject, and the conditions that fire, repeat and resolve.
+//! subject, and the conditions that fire, repeat and resolve (`conditions`, a pure function of
+//! the tick view).
 
 use crate::act::Outcome;
 use crate::alert::{ActionInfo, Condition, Subject};
 use crate::kinds::{EventKind, ReasonKind};
-use crate::policy::{About, Action, Level, Resource, Severity, Stage, Target, Verb};
-use crate::snapshot::GpuStatus;
+use crate::policy::{About, Action, Level, Resource, Severity, Target, Verb};
 use crate::status::ActionRow;
+use crate::view::{Floors, GpuView, ModelFigures, OverBudget, Stuck, TickView};
 
 use super::{unix_now, Daemon, RECENT_ACTIONS};
 
@@ -65,10 +66,12 @@ impl Daemon {
             };
         }
         if let Some(model) = &action.target.model {
-            let (ram, ram_budget, gpu, gpu_budget) = self.model_figures(model);
+            let f = self.model_figures(model);
             (subject.usage_bytes, subject.budget_bytes) = match action.reason.kind {
-                ReasonKind::GpuBudget | ReasonKind::GpuFloor => (Some(gpu), gpu_budget),
-                _ => (Some(ram), ram_budget),
+                ReasonKind::GpuBudget | ReasonKind::GpuFloor => {
+                    (Some(f.gpu_bytes), f.gpu_budget_bytes)
+                }
+                _ => (Some(f.ram_bytes), f.ram_budget_bytes),
             };
         } else if action.reason.kind == "ram_floor" {
             subject.usage_bytes = action
@@ -99,7 +102,7 @@ impl Daemon {
     }
 
     /// Who a target is: its model, its processes, and the first one's pid, uid, name, command.
-    fn target_subject(&self, target: &Target) -> Subject {
+    pub(super) fn target_subject(&self, target: &Target) -> Subject {
         let first = target.members.first();
         let cmdline = first
             .and_then(|m| self.snapshot.processes.get(m.id))
@@ -136,217 +139,241 @@ impl Daemon {
             ..Subject::default()
         };
         if let Some(model) = &about.model {
-            let (ram, ram_budget, gpu, gpu_budget) = self.model_figures(model);
+            let f = self.model_figures(model);
+            let gpu = (Some(f.gpu_bytes), f.gpu_budget_bytes);
             (subject.usage_bytes, subject.budget_bytes) = match about.resource {
-                Some(Resource::Gpu(_)) => (Some(gpu), gpu_budget),
-                _ if ram_budget.is_none() && gpu_budget.is_some() => (Some(gpu), gpu_budget),
-                _ => (Some(ram), ram_budget),
+                Some(Resource::Gpu(_)) => gpu,
+                _ if f.ram_budget_bytes.is_none() && f.gpu_budget_bytes.is_some() => gpu,
+                _ => (Some(f.ram_bytes), f.ram_budget_bytes),
             };
         }
         subject
     }
 
-    /// A model's (RAM budget, GPU budget) in bytes, if it has a config.
-    pub(super) fn model_budgets(&self, name: &str) -> (Option<u64>, Option<u64>) {
+    /// A model's budgets in bytes (its use left at zero), if it has a config.
+    pub(super) fn budget_figures(&self, name: &str) -> ModelFigures {
         let s = &self.snapshot;
-        crate::policy::model_config(&self.config, &self.state, name).map_or((None, None), |c| {
-            c.budget_bytes(s.host.total_bytes, s.gpus.largest_total_bytes())
-        })
+        let (ram_budget_bytes, gpu_budget_bytes) =
+            crate::policy::model_config(&self.config, &self.state, name)
+                .map_or((None, None), |c| {
+                    c.budget_bytes(s.host.total_bytes, s.gpus.largest_total_bytes())
+                });
+        ModelFigures {
+            ram_budget_bytes,
+            gpu_budget_bytes,
+            ..ModelFigures::default()
+        }
     }
 
-    /// A model's (RAM used, RAM budget, GPU used, GPU budget), in bytes.
-    fn model_figures(&self, name: &str) -> (u64, Option<u64>, u64, Option<u64>) {
-        let usage = self
+    /// A model's use and budgets by name (no use if it has no processes).
+    fn model_figures(&self, name: &str) -> ModelFigures {
+        match self
             .state
             .attribution
             .models
             .iter()
-            .find(|m| m.name == name);
-        let (ram_budget, gpu_budget) = self.model_budgets(name);
-        (
-            usage.map_or(0, |m| m.rss_bytes),
-            ram_budget,
-            usage.map_or(0, |m| m.gpu_total_bytes()),
-            gpu_budget,
-        )
-    }
-
-    /// The RAM floor cannot be read: nothing guards host memory until it can.
-    fn ram_unreadable(&self) -> Condition {
-        let why = self
-            .procs
-            .host_error()
-            .unwrap_or("MemAvailable unknown")
-            .to_string();
-        Condition {
-            key: "floor_unreadable:RAM".into(),
-            event: EventKind::FloorUnreadable,
-            severity: Severity::Critical,
-            summary: format!("RAM floor cannot be read ({why}): host memory is not guarded"),
-            subject: Subject {
-                resource: Some(Resource::Ram.to_string()),
-                ..Subject::default()
-            },
+            .find(|m| m.name == name)
+        {
+            Some(usage) => self.usage_figures(usage),
+            None => self.budget_figures(name),
         }
     }
+}
 
-    /// What is wrong right now, for alerts that fire, repeat and resolve: floors crossed or
-    /// unreadable, models over budget, GPUs lost, kills that did not free memory.
-    pub(super) fn conditions(&self) -> Vec<Condition> {
-        let s = &self.snapshot;
-        let c = &self.config;
-        let mut out = Vec::new();
-        for (resource, level) in &self.state.levels {
-            let (event, severity) = match level {
-                Level::Warn => (EventKind::FloorWarn, Severity::Warning),
-                Level::Act => (EventKind::FloorAct, Severity::Critical),
-                Level::Unknown if *resource == Resource::Ram => {
-                    out.push(self.ram_unreadable());
-                    continue;
-                }
-                Level::Ok | Level::Unknown => continue,
-            };
-            let (available, (warn, min)) = match resource {
-                Resource::Ram => (
-                    s.host.available_bytes,
-                    c.ram.floor_bytes(s.host.total_bytes),
-                ),
-                Resource::Gpu(i) => {
-                    let Some(g) = s.gpus.devices.iter().find(|g| g.index == *i) else {
-                        continue;
-                    };
-                    (
-                        g.free_bytes,
-                        c.gpu.floor_bytes(g.index, &g.uuid, g.total_bytes),
-                    )
-                }
-            };
-            let show = |b: Option<u64>| b.map_or("unknown".into(), crate::units::fmt_bytes);
-            let mut summary = format!(
-                "{resource} {} {} (warn floor {}, act floor {})",
-                if *resource == Resource::Ram {
-                    "available"
-                } else {
-                    "free"
-                },
-                show(available),
-                show(warn),
-                show(min)
-            );
-            if let (Resource::Ram, Some(shmem)) = (resource, s.host.shmem_bytes) {
-                summary += &format!(
-                    ", Shmem (tmpfs, shared memory) {}",
-                    crate::units::fmt_bytes(shmem)
-                );
-            }
-            if let (Resource::Ram, Some(psi)) = (resource, s.host.psi_some_avg10) {
-                summary += &format!(", PSI some avg10 {psi:.1}%");
-            }
-            out.push(Condition {
-                key: format!("floor:{resource}"),
-                event,
-                severity,
-                summary,
-                subject: Subject {
-                    resource: Some(resource.to_string()),
-                    available_bytes: available,
-                    floor_bytes: if *level == Level::Act { min } else { warn },
-                    ..Subject::default()
-                },
-            });
-        }
-        for (name, budget) in &self.state.budgets {
-            // What is over is the policy's finding (`BudgetState::over`), not worked out again.
-            let (Some(_), Some(over)) = (budget.over_since, budget.over) else {
-                continue;
-            };
-            let (resource, used, limit) = (
-                over.resource_name(),
-                over.used_bytes,
-                Some(over.budget_bytes),
-            );
-            let pids: Vec<i32> = self
-                .state
-                .attribution
-                .models
-                .iter()
-                .find(|m| &m.name == name)
-                .map(|m| m.members.iter().map(|id| id.pid).collect())
-                .unwrap_or_default();
-            let first = pids
-                .first()
-                .and_then(|pid| s.processes.processes.iter().find(|p| p.pid == *pid));
-            out.push(Condition {
-                key: format!("budget:{name}"),
-                event: EventKind::BudgetExceeded,
-                severity: Severity::Warning,
-                summary: format!(
-                    "model '{name}' over budget: {resource} {} > budget {}",
-                    crate::units::fmt_bytes(used),
-                    limit.map_or("?".into(), crate::units::fmt_bytes)
-                ),
-                subject: Subject {
-                    model: Some(name.clone()),
-                    resource: Some(resource.into()),
-                    pid: first.map(|p| p.pid),
-                    uid: first.map(|p| p.uid),
-                    comm: first.map(|p| p.comm.clone()),
-                    cmdline: first.map(|p| p.cmdline.chars().take(1024).collect()),
-                    pids,
-                    usage_bytes: Some(used),
-                    budget_bytes: limit,
-                    ..Subject::default()
-                },
-            });
-        }
-        for g in &s.gpus.devices {
-            if let Some(error) = &g.error {
-                out.push(Condition {
-                    key: format!("gpu_lost:{}", g.index),
-                    event: EventKind::GpuLost,
-                    severity: Severity::Critical,
-                    summary: format!("GPU {} ({}): {error}", g.index, g.uuid),
-                    subject: Subject {
-                        resource: Some(Resource::Gpu(g.index).to_string()),
-                        ..Subject::default()
-                    },
-                });
-            }
-        }
-        if let (true, GpuStatus::Unavailable(why)) = (self.gpu_seen_ok, &self.gpu_status) {
-            out.push(Condition {
-                key: "gpu_lost:nvml".into(),
+/// What is wrong right now, for alerts that fire, repeat and resolve: floors crossed or
+/// unreadable, models over budget, GPUs lost, kills that did not free memory.
+pub(super) fn conditions(v: &TickView) -> Vec<Condition> {
+    let mut out = floor_conditions(v);
+    out.extend(v.over_budget.iter().map(|o| budget_condition(v, o)));
+    out.extend(gpu_lost_conditions(v));
+    out.extend(v.stuck.iter().map(stuck_condition));
+    out
+}
+
+/// Floors crossed (warn or act), and the RAM floor unreadable; in resource order (RAM, then the
+/// GPUs by index).
+fn floor_conditions(v: &TickView) -> Vec<Condition> {
+    let mut out = Vec::new();
+    let ram = &v.ram;
+    if ram.level == Level::Unknown {
+        out.push(ram_unreadable(ram.error.as_deref()));
+    }
+    let memory = &ram.memory;
+    let mut extra = String::new();
+    if let Some(shmem) = memory.shmem_bytes {
+        extra += &format!(
+            ", Shmem (tmpfs, shared memory) {}",
+            crate::units::fmt_bytes(shmem)
+        );
+    }
+    if let Some(psi) = memory.psi_some_avg10 {
+        extra += &format!(", PSI some avg10 {psi:.1}%");
+    }
+    out.extend(floor_condition(
+        Resource::Ram,
+        ram.level,
+        memory.available_bytes,
+        ram.floors,
+        &extra,
+    ));
+    let mut gpus: Vec<&GpuView> = v.gpus.iter().collect();
+    gpus.sort_by_key(|g| g.index);
+    gpus.dedup_by_key(|g| g.index);
+    for g in gpus {
+        out.extend(floor_condition(
+            Resource::Gpu(g.index),
+            g.level,
+            g.free_bytes,
+            g.floors,
+            "",
+        ));
+    }
+    out
+}
+
+/// A floor crossed: `available` (MemAvailable, or a GPU's free memory) under its warn or act
+/// floor; `extra` is added to the summary.
+fn floor_condition(
+    resource: Resource,
+    level: Level,
+    available: Option<u64>,
+    floors: Floors,
+    extra: &str,
+) -> Option<Condition> {
+    let (event, severity, floor) = match level {
+        Level::Warn => (EventKind::FloorWarn, Severity::Warning, floors.warn_bytes),
+        Level::Act => (EventKind::FloorAct, Severity::Critical, floors.min_bytes),
+        Level::Ok | Level::Unknown => return None,
+    };
+    let show = |b: Option<u64>| b.map_or("unknown".into(), crate::units::fmt_bytes);
+    let summary = format!(
+        "{resource} {} {} (warn floor {}, act floor {}){extra}",
+        if resource == Resource::Ram {
+            "available"
+        } else {
+            "free"
+        },
+        show(available),
+        show(floors.warn_bytes),
+        show(floors.min_bytes)
+    );
+    Some(Condition {
+        key: format!("floor:{resource}"),
+        event,
+        severity,
+        summary,
+        subject: Subject {
+            resource: Some(resource.to_string()),
+            available_bytes: available,
+            floor_bytes: floor,
+            ..Subject::default()
+        },
+    })
+}
+
+/// The RAM floor cannot be read: nothing guards host memory until it can.
+fn ram_unreadable(error: Option<&str>) -> Condition {
+    let why = error.unwrap_or("MemAvailable unknown");
+    Condition {
+        key: "floor_unreadable:RAM".into(),
+        event: EventKind::FloorUnreadable,
+        severity: Severity::Critical,
+        summary: format!("RAM floor cannot be read ({why}): host memory is not guarded"),
+        subject: Subject {
+            resource: Some(Resource::Ram.to_string()),
+            ..Subject::default()
+        },
+    }
+}
+
+/// A model over budget, on the resource the policy found over.
+fn budget_condition(v: &TickView, o: &OverBudget) -> Condition {
+    let name = &o.model;
+    let (resource, used, limit) = (
+        o.over.resource_name(),
+        o.over.used_bytes,
+        o.over.budget_bytes,
+    );
+    let pids = v
+        .models
+        .iter()
+        .find(|m| &m.name == name)
+        .map(|m| m.pids.clone())
+        .unwrap_or_default();
+    let first = o.first.as_ref();
+    Condition {
+        key: format!("budget:{name}"),
+        event: EventKind::BudgetExceeded,
+        severity: Severity::Warning,
+        summary: format!(
+            "model '{name}' over budget: {resource} {} > budget {}",
+            crate::units::fmt_bytes(used),
+            crate::units::fmt_bytes(limit)
+        ),
+        subject: Subject {
+            model: Some(name.clone()),
+            resource: Some(resource.into()),
+            pid: first.map(|p| p.pid),
+            uid: first.map(|p| p.uid),
+            comm: first.map(|p| p.comm.clone()),
+            cmdline: first.map(|p| p.cmdline.clone()),
+            pids,
+            usage_bytes: Some(used),
+            budget_bytes: Some(limit),
+            ..Subject::default()
+        },
+    }
+}
+
+/// GPUs whose reading failed or that are lost, and NVML lost after it had worked.
+fn gpu_lost_conditions(v: &TickView) -> Vec<Condition> {
+    let mut out: Vec<Condition> = v
+        .gpus
+        .iter()
+        .filter_map(|g| {
+            let error = g.error.as_ref()?;
+            Some(Condition {
+                key: format!("gpu_lost:{}", g.index),
                 event: EventKind::GpuLost,
                 severity: Severity::Critical,
-                summary: format!("GPU protection is off: {why}"),
-                subject: Subject::default(),
-            });
-        }
-        for (resource, incident) in &self.state.incidents {
-            if incident.stage != Stage::Stuck {
-                continue;
-            }
-            let mut subject = incident
-                .victim
-                .as_ref()
-                .map(|v| self.target_subject(v))
-                .unwrap_or_default();
-            subject.resource = Some(resource.to_string());
-            out.push(Condition {
-                key: format!("kill_ineffective:{resource}"),
-                event: EventKind::KillIneffective,
-                severity: Severity::Critical,
-                summary: format!(
-                    "{} was killed but {resource} did not come back (stuck in the kernel or driver); not killing more for {resource}",
-                    incident
-                        .victim
-                        .as_ref()
-                        .map_or("the victim".into(), |v| v.to_string())
-                ),
-                subject,
-            });
-        }
-        out
+                summary: format!("GPU {} ({}): {error}", g.index, g.uuid),
+                subject: Subject {
+                    resource: Some(Resource::Gpu(g.index).to_string()),
+                    ..Subject::default()
+                },
+            })
+        })
+        .collect();
+    if let Some(why) = &v.nvml_lost {
+        out.push(Condition {
+            key: "gpu_lost:nvml".into(),
+            event: EventKind::GpuLost,
+            severity: Severity::Critical,
+            summary: format!("GPU protection is off: {why}"),
+            subject: Subject::default(),
+        });
+    }
+    out
+}
+
+/// A floor whose victim was killed and whose memory did not come back.
+fn stuck_condition(stuck: &Stuck) -> Condition {
+    let resource = stuck.resource;
+    let mut subject = stuck
+        .victim
+        .as_ref()
+        .map(|v| v.subject.clone())
+        .unwrap_or_default();
+    subject.resource = Some(resource.to_string());
+    Condition {
+        key: format!("kill_ineffective:{resource}"),
+        event: EventKind::KillIneffective,
+        severity: Severity::Critical,
+        summary: format!(
+            "{} was killed but {resource} did not come back (stuck in the kernel or driver); not killing more for {resource}",
+            stuck.victim.as_ref().map_or("the victim", |v| v.name.as_str())
+        ),
+        subject,
     }
 }
 
@@ -354,8 +381,169 @@ impl Daemon {
 mod tests {
     use std::time::{Duration, Instant};
 
+    use super::conditions;
+    use crate::alert::Subject;
     use crate::config::Config;
     use crate::daemon::{Daemon, Roots};
+    use crate::kinds::{EventKind, Level, Severity};
+    use crate::policy::{Overage, Resource};
+    use crate::snapshot::HostMemory;
+    use crate::view::{
+        Floors, GpuView, ModelView, OverBudget, ProcessInfo, RamView, Stuck, TickView, Victim,
+    };
+
+    const GIB: u64 = 1 << 30;
+
+    fn floors(warn: u64, min: u64) -> Floors {
+        Floors {
+            warn_bytes: Some(warn * GIB),
+            min_bytes: Some(min * GIB),
+        }
+    }
+
+    /// Every kind of condition from a view written by hand: no daemon, no policy run.
+    #[test]
+    fn conditions_are_read_from_the_view() {
+        let view = TickView {
+            ram: RamView {
+                memory: HostMemory {
+                    available_bytes: Some(3 * GIB),
+                    shmem_bytes: Some(GIB),
+                    psi_some_avg10: Some(12.5),
+                    ..HostMemory::default()
+                },
+                floors: floors(8, 4),
+                level: Level::Act,
+                error: None,
+            },
+            // Out of index order, and one fine: conditions come in resource order.
+            gpus: vec![
+                GpuView {
+                    index: 1,
+                    uuid: "GPU-b".into(),
+                    free_bytes: Some(5 * GIB),
+                    floors: floors(6, 2),
+                    level: Level::Warn,
+                    ..GpuView::default()
+                },
+                GpuView {
+                    index: 0,
+                    uuid: "GPU-a".into(),
+                    level: Level::Unknown,
+                    error: Some("GPU is lost".into()),
+                    lost: true,
+                    ..GpuView::default()
+                },
+            ],
+            nvml_lost: Some("NVML gone".into()),
+            models: vec![ModelView {
+                name: "llm".into(),
+                pids: vec![200, 201],
+                ..ModelView::default()
+            }],
+            over_budget: vec![OverBudget {
+                model: "llm".into(),
+                over: Overage {
+                    gpu: true,
+                    used_bytes: 30 * GIB,
+                    budget_bytes: 20 * GIB,
+                },
+                first: Some(ProcessInfo {
+                    pid: 200,
+                    uid: 1000,
+                    comm: "vllm".into(),
+                    cmdline: "vllm serve".into(),
+                }),
+            }],
+            stuck: vec![Stuck {
+                resource: Resource::Ram,
+                victim: Some(Victim {
+                    name: "pid 300 (hog)".into(),
+                    subject: Subject {
+                        pid: Some(300),
+                        ..Subject::default()
+                    },
+                }),
+            }],
+            ..TickView::default()
+        };
+        let got = conditions(&view);
+        let keys: Vec<&str> = got.iter().map(|c| c.key.as_str()).collect();
+        assert_eq!(
+            keys,
+            [
+                "floor:RAM",
+                "floor:GPU 1",
+                "budget:llm",
+                "gpu_lost:0",
+                "gpu_lost:nvml",
+                "kill_ineffective:RAM"
+            ]
+        );
+        let ram = &got[0];
+        assert_eq!(
+            (ram.event, ram.severity),
+            (EventKind::FloorAct, Severity::Critical)
+        );
+        assert_eq!(
+            ram.summary,
+            "RAM available 3.0 GiB (warn floor 8.0 GiB, act floor 4.0 GiB), \
+             Shmem (tmpfs, shared memory) 1.0 GiB, PSI some avg10 12.5%"
+        );
+        assert_eq!(ram.subject.floor_bytes, Some(4 * GIB), "the act floor");
+        assert_eq!(ram.subject.available_bytes, Some(3 * GIB));
+        let gpu = &got[1];
+        assert_eq!(
+            (gpu.event, gpu.severity),
+            (EventKind::FloorWarn, Severity::Warning)
+        );
+        assert_eq!(gpu.subject.floor_bytes, Some(6 * GIB), "the warn floor");
+        assert_eq!(
+            gpu.summary,
+            "GPU 1 free 5.0 GiB (warn floor 6.0 GiB, act floor 2.0 GiB)"
+        );
+        let budget = &got[2];
+        assert_eq!(
+            budget.summary,
+            "model 'llm' over budget: GPU memory 30.0 GiB > budget 20.0 GiB"
+        );
+        assert_eq!(budget.subject.pids, [200, 201]);
+        assert_eq!(budget.subject.pid, Some(200));
+        assert_eq!(budget.subject.cmdline.as_deref(), Some("vllm serve"));
+        assert_eq!(
+            (budget.subject.usage_bytes, budget.subject.budget_bytes),
+            (Some(30 * GIB), Some(20 * GIB))
+        );
+        assert_eq!(got[3].summary, "GPU 0 (GPU-a): GPU is lost");
+        assert_eq!(got[4].summary, "GPU protection is off: NVML gone");
+        let stuck = &got[5];
+        assert!(stuck
+            .summary
+            .starts_with("pid 300 (hog) was killed but RAM"));
+        assert_eq!(stuck.subject.pid, Some(300));
+        assert_eq!(stuck.subject.resource.as_deref(), Some("RAM"));
+    }
+
+    #[test]
+    fn a_quiet_view_has_no_conditions_and_an_unknown_ram_level_is_unreadable() {
+        assert_eq!(conditions(&TickView::default()), []);
+        let view = TickView {
+            ram: RamView {
+                level: Level::Unknown,
+                error: Some("/proc/meminfo has no MemAvailable".into()),
+                ..RamView::default()
+            },
+            ..TickView::default()
+        };
+        let got = conditions(&view);
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert_eq!(got[0].key, "floor_unreadable:RAM");
+        assert_eq!(got[0].severity, Severity::Critical);
+        assert_eq!(
+            got[0].summary,
+            "RAM floor cannot be read (/proc/meminfo has no MemAvailable): host memory is not guarded"
+        );
+    }
 
     /// A /proc whose meminfo has no MemAvailable (a kernel older than 3.14, a broken mount):
     /// the RAM floor cannot be read, which is a critical alert, not a silent "unknown".

@@ -1,8 +1,9 @@
 //! The daemon loop: sample -> evaluate -> execute -> log, at an adaptive interval, with SIGHUP
 //! reload and SIGTERM/SIGINT shutdown that resumes every process gpuguard holds stopped.
-//! `alerts.rs` feeds the alert pipeline and metrics, `report.rs` builds what operators see,
-//! `scanning.rs` schedules the process scans (on a thread of their own), `warm.rs` runs the kill
-//! path once at start, `systemd.rs` speaks sd_notify.
+//! `view.rs` derives the tick view once per tick; from it `alerts.rs` works out the alert
+//! conditions (it also feeds actions to the alert pipeline), `report.rs` what operators see and
+//! `Metrics::update` the gauges. `scanning.rs` schedules the process scans (on a thread of their
+//! own), `warm.rs` runs the kill path once at start, `systemd.rs` speaks sd_notify.
 //!
 //! # Threads
 //!
@@ -63,6 +64,7 @@ use crate::sample::{ProcSource, ProcfsSource};
 use crate::snapshot::{GpuStatus, ProcessId, Snapshot};
 use crate::state_dir::StateDir;
 use crate::status::ActionRow;
+use crate::view::TickView;
 
 mod alerts;
 mod faults;
@@ -72,6 +74,7 @@ mod scanning;
 mod systemd;
 #[cfg(test)]
 mod tests;
+mod view;
 mod warm;
 
 pub use scanning::MakeTables;
@@ -172,6 +175,8 @@ pub struct Daemon {
     lost_gpus: BTreeSet<u32>,
     /// Scrapes the model servers' metrics URLs on a thread of its own.
     engines: EngineScraper,
+    /// What the last tick saw, decided and did (status, metrics and conditions read it).
+    view: TickView,
 }
 
 /// What wakes the loop between ticks.
@@ -285,6 +290,7 @@ impl Daemon {
             gpu_seen_ok: false,
             lost_gpus: BTreeSet::new(),
             engines: EngineScraper::default(),
+            view: TickView::default(),
         })
     }
 
@@ -308,7 +314,8 @@ impl Daemon {
                     }
                 }
             })?;
-        self.shared.publish_status(self.status());
+        self.shared
+            .publish_status(report::status_report(&self.view()));
         self.scans
             .start(self.events_tx.clone())
             .context("starting the process scan thread")?;
@@ -335,7 +342,7 @@ impl Daemon {
             let now = Instant::now();
             if now >= next_tick {
                 let wait = self.tick(now.saturating_duration_since(last_tick));
-                systemd.tick(now, || self.one_line_status());
+                systemd.tick(now, || report::one_line_status(&self.view));
                 last_tick = now;
                 next_tick = now + wait.min(systemd.max_sleep());
             }
@@ -472,8 +479,8 @@ impl Daemon {
         self.state.apply(&outcomes);
         self.max_scan_age = plan.max_scan_age;
         self.watch = plan.watch;
-        let conditions = self.conditions();
-        self.alerter.conditions(now, conditions);
+        self.view = self.view();
+        self.alerter.conditions(now, alerts::conditions(&self.view));
         self.publish(now);
         let (launching, reserving) = {
             let table = self.shared.table();
@@ -521,12 +528,12 @@ impl Daemon {
             return;
         }
         self.status_published = Some(now);
-        let report = self.status();
         if self.metrics_updated.is_some() {
-            self.metrics.update(&report);
+            self.metrics.update(&self.view);
             self.metrics_updated = Some(now);
         }
-        self.shared.publish_status(report);
+        self.shared
+            .publish_status(report::status_report(&self.view));
     }
 
     fn note_gpu_status(&mut self, events: &mut Vec<Event>) {

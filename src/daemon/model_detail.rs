@@ -38,15 +38,9 @@ impl Daemon {
                     ..EngineRow::default()
                 };
                 match r.result {
-                    Ok(s) => {
+                    Ok(stats) => {
                         row.state = "ok".into();
-                        row.kv_cache_usage_ratio = s.kv_cache_usage;
-                        row.requests_running = s.requests_running;
-                        row.requests_waiting = s.requests_waiting;
-                        row.preemptions_total = s.preemptions_total;
-                        row.kv_cache_blocks = s.kv_cache_blocks;
-                        row.block_size_tokens = s.block_size_tokens;
-                        row.gpu_memory_utilization = s.gpu_memory_utilization;
+                        row.stats = stats;
                     }
                     Err(e) => {
                         row.state = if r.at.is_some() { "error" } else { "pending" }.into();
@@ -132,8 +126,8 @@ impl Daemon {
 pub(super) fn describe_limit(reserved: Option<f64>, engine: Option<&EngineRow>) -> Option<String> {
     let percent = |r: f64| format!("{:.0}%", r * 100.0);
     if let Some(e) = engine.filter(|e| e.state == "ok") {
-        let kv = e.kv_cache_usage_ratio;
-        let waiting = e.requests_waiting.unwrap_or(0);
+        let kv = e.stats.kv_cache_usage;
+        let waiting = e.stats.requests_waiting.unwrap_or(0);
         return match kv {
             Some(kv) if kv >= KV_FULL && waiting > 0 => Some(format!(
                 "KV cache {}, {waiting} waiting: the engine is full",
@@ -158,13 +152,17 @@ pub(super) fn describe_limit(reserved: Option<f64>, engine: Option<&EngineRow>) 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sample::engine::EngineStats;
 
     fn engine(kv: f64, running: u64, waiting: u64) -> EngineRow {
         EngineRow {
             state: "ok".into(),
-            kv_cache_usage_ratio: Some(kv),
-            requests_running: Some(running),
-            requests_waiting: Some(waiting),
+            stats: EngineStats {
+                kv_cache_usage: Some(kv),
+                requests_running: Some(running),
+                requests_waiting: Some(waiting),
+                ..EngineStats::default()
+            },
             ..EngineRow::default()
         }
     }

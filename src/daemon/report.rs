@@ -1,200 +1,219 @@
-//! The daemon's own view for operators: the `gpuguard status` report and systemd's STATUS line.
+//! The daemon's own view for operators: the `gpuguard status` report and systemd's STATUS line,
+//! both worked out from the tick view alone.
 
-use crate::policy::Resource;
 use crate::snapshot::GpuStatus;
-use crate::status::{
-    GpuProtection, GpuRow, HeldRow, MemoryStatus, ModelRow, StatusReport, STATUS_SCHEMA_VERSION,
-};
+use crate::status::{GpuRow, MemoryStatus, ModelRow, StatusReport, STATUS_SCHEMA_VERSION};
+use crate::view::{GpuView, ModelView, RamView, TickView};
 
-use super::Daemon;
+/// The status report for `gpuguard status`.
+pub(super) fn status_report(v: &TickView) -> StatusReport {
+    StatusReport {
+        schema_version: STATUS_SCHEMA_VERSION,
+        hostname: v.hostname.clone(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        mode: v.mode.to_string(),
+        uptime_seconds: v.uptime_seconds,
+        memory: memory_status(&v.ram),
+        gpu_protection: v.gpu_protection.clone(),
+        gpus: v.gpus.iter().map(gpu_row).collect(),
+        models: v.models.iter().map(model_row).collect(),
+        queue: v.reservations.queue.clone(),
+        leases: v.reservations.leases.clone(),
+        permits: v.reservations.permits.clone(),
+        held: v.held.clone(),
+        recent_actions: v.recent_actions.clone(),
+    }
+}
 
-impl Daemon {
-    /// The status report for `gpuguard status`.
-    pub(super) fn status(&self) -> StatusReport {
-        let s = &self.snapshot;
-        let c = &self.config;
-        let level = |r: Resource| {
-            let level = self.state.levels.get(&r).copied().unwrap_or_default();
-            level.to_string()
-        };
-        let (ram_warn, ram_min) = c.ram.floor_bytes(s.host.total_bytes);
-        let memory = MemoryStatus {
-            total_bytes: s.host.total_bytes,
-            available_bytes: s.host.available_bytes,
-            swap_total_bytes: s.host.swap_total_bytes,
-            swap_free_bytes: s.host.swap_free_bytes,
-            psi_some_avg10: s.host.psi_some_avg10,
-            shmem_bytes: s.host.shmem_bytes,
-            warn_available_bytes: ram_warn,
-            min_available_bytes: ram_min,
-            level: level(Resource::Ram),
-        };
-        let lost: Vec<String> = s
-            .gpus
-            .devices
-            .iter()
-            .filter(|g| g.lost)
-            .map(|g| {
-                format!(
-                    "GPU {} lost ({})",
-                    g.index,
-                    g.error.as_deref().unwrap_or("?")
-                )
-            })
-            .collect();
-        let gpu_protection = match &s.gpus.status {
-            GpuStatus::Ok if !lost.is_empty() => GpuProtection {
-                state: "degraded".into(),
-                reason: Some(lost.join("; ")),
-                stale: s.gpus.stale,
+fn memory_status(ram: &RamView) -> MemoryStatus {
+    let m = &ram.memory;
+    MemoryStatus {
+        total_bytes: m.total_bytes,
+        available_bytes: m.available_bytes,
+        swap_total_bytes: m.swap_total_bytes,
+        swap_free_bytes: m.swap_free_bytes,
+        psi_some_avg10: m.psi_some_avg10,
+        shmem_bytes: m.shmem_bytes,
+        warn_available_bytes: ram.floors.warn_bytes,
+        min_available_bytes: ram.floors.min_bytes,
+        level: ram.level.to_string(),
+    }
+}
+
+fn gpu_row(g: &GpuView) -> GpuRow {
+    GpuRow {
+        index: g.index,
+        uuid: g.uuid.clone(),
+        name: g.name.clone(),
+        total_bytes: g.total_bytes,
+        used_bytes: g.used_bytes,
+        free_bytes: g.free_bytes,
+        utilization_percent: g.utilization_percent,
+        warn_free_bytes: g.floors.warn_bytes,
+        min_free_bytes: g.floors.min_bytes,
+        level: g.level.to_string(),
+        error: g.error.clone(),
+        lost: g.lost,
+    }
+}
+
+fn model_row(m: &ModelView) -> ModelRow {
+    let f = &m.figures;
+    let gpu_bytes = m.gpu_bytes();
+    ModelRow {
+        name: m.name.clone(),
+        source: if m.configured { "config" } else { "launch" }.into(),
+        pids: m.pids.clone(),
+        ram_bytes: f.ram_bytes,
+        ram_budget_bytes: f.ram_budget_bytes,
+        gpu_bytes,
+        gpu_budget_bytes: f.gpu_budget_bytes,
+        gpu_unknown: m.gpu_unknown,
+        ram_headroom_bytes: f.ram_budget_bytes.map(|b| b as i64 - f.ram_bytes as i64),
+        gpu_headroom_bytes: f
+            .gpu_budget_bytes
+            .zip(gpu_bytes)
+            .map(|(b, used)| b as i64 - used as i64),
+        state: m.state.to_string(),
+        limit: super::model_detail::describe_limit(m.gpu_reserved_ratio, m.engine.as_ref()),
+        gpu_reserved_ratio: m.gpu_reserved_ratio,
+        engine: m.engine.clone(),
+        processes: m.processes.clone(),
+    }
+}
+
+/// What `systemctl status` shows.
+pub(super) fn one_line_status(v: &TickView) -> String {
+    let ram = v
+        .ram
+        .memory
+        .available_bytes
+        .map_or("unknown".into(), crate::units::fmt_bytes);
+    let gpus = match &v.gpu_status {
+        GpuStatus::Ok => match v.gpus.iter().filter(|g| g.lost).count() {
+            0 => format!("{} GPU(s)", v.gpus.len()),
+            lost => format!("{} GPU(s), {lost} LOST", v.gpus.len()),
+        },
+        GpuStatus::Unavailable(_) => "GPU protection off (no NVML)".into(),
+        GpuStatus::Off => "GPU protection disabled".into(),
+    };
+    format!(
+        "{}: RAM available {ram}, {gpus}, {} model(s), {} queued, {} held stopped",
+        v.mode,
+        v.models.iter().filter(|m| !m.pids.is_empty()).count(),
+        v.reservations.queue.len(),
+        v.held.len()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Mode;
+    use crate::kinds::Level;
+    use crate::policy::Stage;
+    use crate::status::{GpuProtection, HeldRow, QueuedRow};
+    use crate::view::{Floors, ModelFigures, ModelState};
+
+    const GIB: u64 = 1 << 30;
+
+    fn model(name: &str, configured: bool, state: ModelState) -> ModelView {
+        ModelView {
+            name: name.into(),
+            configured,
+            pids: vec![10, 11],
+            figures: ModelFigures {
+                ram_bytes: 3 * GIB,
+                ram_budget_bytes: Some(2 * GIB),
+                gpu_bytes: 10 * GIB,
+                gpu_budget_bytes: Some(12 * GIB),
             },
-            GpuStatus::Ok => GpuProtection {
-                state: "ok".into(),
-                reason: None,
-                stale: s.gpus.stale,
-            },
-            GpuStatus::Unavailable(why) => GpuProtection {
-                state: "unavailable".into(),
-                reason: Some(why.clone()),
-                stale: s.gpus.stale,
-            },
-            GpuStatus::Off if self.gpus.is_some() => GpuProtection {
-                state: "starting".into(),
-                reason: Some("NVML has not answered yet".into()),
-                stale: false,
-            },
-            GpuStatus::Off => GpuProtection {
-                state: "off".into(),
-                reason: Some("disabled by config".into()),
-                stale: false,
-            },
-        };
-        let gpus = s
-            .gpus
-            .devices
-            .iter()
-            .map(|g| {
-                let (warn, min) = c.gpu.floor_bytes(g.index, &g.uuid, g.total_bytes);
-                GpuRow {
-                    index: g.index,
-                    uuid: g.uuid.clone(),
-                    name: g.name.clone(),
-                    total_bytes: g.total_bytes,
-                    used_bytes: g.used_bytes,
-                    free_bytes: g.free_bytes,
-                    utilization_percent: g.utilization_percent,
-                    warn_free_bytes: warn,
-                    min_free_bytes: min,
-                    level: level(Resource::Gpu(g.index)),
-                    error: g.error.clone(),
-                    lost: g.lost,
-                }
-            })
-            .collect();
-        let mut engines = self.engine_rows();
-        let models = self
-            .state
-            .attribution
-            .models
-            .iter()
-            .map(|m| {
-                let engine = engines.remove(&m.name);
-                let reserved = self.gpu_reserved_ratio(m);
-                let (ram_budget, gpu_budget) = self.model_budgets(&m.name);
-                // Without a working NVML a model's GPU use is unknown, not zero.
-                let gpu_bytes = (s.gpus.status == GpuStatus::Ok).then(|| m.gpu_total_bytes());
-                let budget = self.state.budgets.get(&m.name);
-                let state = match budget {
-                    Some(b) => match &b.enforced {
-                        Some(e) => e.stage.to_string(),
-                        None if b.over_since.is_some() => "over_budget".into(),
-                        None => "ok".into(),
-                    },
-                    None => "ok".into(),
-                };
-                ModelRow {
-                    name: m.name.clone(),
-                    source: if c.model(&m.name).is_some() {
-                        "config"
-                    } else {
-                        "launch"
-                    }
-                    .into(),
-                    pids: m.members.iter().map(|id| id.pid).collect(),
-                    ram_bytes: m.rss_bytes,
-                    ram_budget_bytes: ram_budget,
-                    gpu_bytes,
-                    gpu_budget_bytes: gpu_budget,
-                    gpu_unknown: m.gpu_unknown,
-                    ram_headroom_bytes: ram_budget.map(|b| b as i64 - m.rss_bytes as i64),
-                    gpu_headroom_bytes: gpu_budget
-                        .zip(gpu_bytes)
-                        .map(|(b, used)| b as i64 - used as i64),
-                    state,
-                    limit: super::model_detail::describe_limit(reserved, engine.as_ref()),
-                    gpu_reserved_ratio: reserved,
-                    engine,
-                    processes: self.process_rows(m),
-                }
-            })
-            .collect();
-        let rows = self.shared.table().rows(s.at);
-        StatusReport {
-            schema_version: STATUS_SCHEMA_VERSION,
-            hostname: nix::unistd::gethostname()
-                .map(|h| h.to_string_lossy().into_owned())
-                .unwrap_or_default(),
-            version: env!("CARGO_PKG_VERSION").into(),
-            mode: c.daemon.mode.to_string(),
-            uptime_seconds: self.started.elapsed().as_secs_f64(),
-            memory,
-            gpu_protection,
-            gpus,
-            models,
-            queue: rows.queue,
-            leases: rows.leases,
-            permits: rows.permits,
-            held: self
-                .executor
-                .held()
-                .iter()
-                .map(|h| HeldRow {
-                    pid: h.pid,
-                    comm: h.comm.clone(),
-                    why: h.why.clone(),
-                    since_unix: h.since_unix,
-                })
-                .collect(),
-            recent_actions: self.recent_actions.iter().cloned().collect(),
+            gpu_known: true,
+            state,
+            gpu_reserved_ratio: Some(0.95),
+            ..ModelView::default()
         }
     }
 
-    /// What `systemctl status` shows.
-    pub(super) fn one_line_status(&self) -> String {
-        let s = &self.snapshot;
-        let ram = s
-            .host
-            .available_bytes
-            .map_or("unknown".into(), crate::units::fmt_bytes);
-        let gpus = match &s.gpus.status {
-            GpuStatus::Ok => match s.gpus.devices.iter().filter(|g| g.lost).count() {
-                0 => format!("{} GPU(s)", s.gpus.devices.len()),
-                lost => format!("{} GPU(s), {lost} LOST", s.gpus.devices.len()),
+    /// The report from a view written by hand: every row is the view's, in the report's words.
+    #[test]
+    fn the_report_is_read_from_the_view() {
+        let mut unknown_gpu = model("chat", false, ModelState::OverBudget);
+        unknown_gpu.gpu_known = false;
+        unknown_gpu.pids.clear();
+        let mut view = TickView {
+            hostname: "h1".into(),
+            mode: Mode::Observe,
+            ram: RamView {
+                floors: Floors {
+                    warn_bytes: Some(8 * GIB),
+                    min_bytes: None,
+                },
+                level: Level::Warn,
+                ..RamView::default()
             },
-            GpuStatus::Unavailable(_) => "GPU protection off (no NVML)".into(),
-            GpuStatus::Off => "GPU protection disabled".into(),
+            gpu_status: GpuStatus::Ok,
+            gpu_protection: GpuProtection {
+                state: "ok".into(),
+                reason: None,
+                stale: true,
+            },
+            gpus: vec![GpuView {
+                index: 0,
+                uuid: "GPU-a".into(),
+                floors: Floors {
+                    warn_bytes: Some(GIB),
+                    min_bytes: Some(GIB / 2),
+                },
+                level: Level::Act,
+                ..GpuView::default()
+            }],
+            models: vec![
+                model("llm", true, ModelState::Enforced(Stage::Stopped)),
+                unknown_gpu,
+            ],
+            held: vec![HeldRow {
+                pid: 10,
+                why: "stop".into(),
+                ..HeldRow::default()
+            }],
+            ..TickView::default()
         };
-        format!(
-            "{}: RAM available {ram}, {gpus}, {} model(s), {} queued, {} held stopped",
-            self.config.daemon.mode,
-            self.state
-                .attribution
-                .models
-                .iter()
-                .filter(|m| !m.members.is_empty())
-                .count(),
-            self.shared.table().rows(s.at).queue.len(),
-            self.executor.held().len()
-        )
+        view.reservations.queue.push(QueuedRow::default());
+        let r = status_report(&view);
+        assert_eq!(r.schema_version, STATUS_SCHEMA_VERSION);
+        assert_eq!((r.hostname.as_str(), r.mode.as_str()), ("h1", "observe"));
+        assert_eq!(r.memory.level, "warn");
+        assert_eq!(r.memory.warn_available_bytes, Some(8 * GIB));
+        assert_eq!(r.memory.min_available_bytes, None);
+        assert!(r.gpu_protection.stale);
+        assert_eq!(r.gpus[0].level, "act");
+        assert_eq!(r.gpus[0].min_free_bytes, Some(GIB / 2));
+        let llm = &r.models[0];
+        assert_eq!(
+            (llm.source.as_str(), llm.state.as_str()),
+            ("config", "stopped")
+        );
+        assert_eq!(llm.ram_headroom_bytes, Some(-(GIB as i64)));
+        assert_eq!(llm.gpu_headroom_bytes, Some(2 * GIB as i64));
+        assert_eq!(llm.gpu_bytes, Some(10 * GIB));
+        assert!(llm
+            .limit
+            .as_deref()
+            .unwrap()
+            .starts_with("GPU 95% reserved"));
+        let chat = &r.models[1];
+        assert_eq!(
+            (chat.source.as_str(), chat.state.as_str()),
+            ("launch", "over_budget")
+        );
+        assert_eq!(chat.gpu_bytes, None, "unknown without NVML, not zero");
+        assert_eq!(chat.gpu_headroom_bytes, None);
+        assert_eq!(r.held.len(), 1);
+        assert_eq!(r.queue.len(), 1);
+        assert_eq!(
+            one_line_status(&view),
+            "observe: RAM available unknown, 1 GPU(s), 1 model(s), 1 queued, 1 held stopped"
+        );
     }
 }

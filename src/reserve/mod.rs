@@ -151,7 +151,7 @@ pub struct TickReport {
 }
 
 /// What `status` shows of the table.
-#[derive(Default)]
+#[derive(Clone, Debug, Default)]
 pub struct Rows {
     pub queue: Vec<QueuedRow>,
     pub leases: Vec<LeaseRow>,

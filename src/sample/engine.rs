@@ -17,10 +17,12 @@ const TIMEOUT: Duration = Duration::from_secs(2);
 /// The largest answer read (vLLM's, histograms included, is a few hundred KiB).
 const MAX_BODY_BYTES: u64 = 8 << 20;
 
-/// What an engine reported, in the units gpuguard uses. `None`: the engine did not say.
-#[derive(Clone, Debug, Default, PartialEq)]
+/// What an engine reported, in the units gpuguard uses. `None`: the engine did not say. Also
+/// the figures of `status --json`'s `models[].engine` (`status::EngineRow`).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct EngineStats {
     /// Share of the KV cache in use, 0 to 1 (the fullest engine, with data parallelism).
+    #[serde(rename = "kv_cache_usage_ratio")]
     pub kv_cache_usage: Option<f64>,
     pub requests_running: Option<u64>,
     pub requests_waiting: Option<u64>,

@@ -375,7 +375,12 @@ mod tests {
         let script =
             "import os, sys\nsys.stdin.readline()\nos.setuid(65534)\nsys.stdin.readline()\n\
                       os.execv('/bin/sleep', ['sleep', '30'])\n";
-        let mut child = std::process::Command::new("python3")
+        // The interpreter itself, not a wrapper script that execs it (pyenv's shims).
+        let python = ["/usr/bin/python3", "python3"]
+            .into_iter()
+            .find(|p| std::path::Path::new(p).exists() || !p.starts_with('/'))
+            .unwrap();
+        let mut child = std::process::Command::new(python)
             .args(["-c", script])
             .stdin(std::process::Stdio::piped())
             .spawn()
@@ -397,7 +402,11 @@ mod tests {
             seen
         };
         // Whatever python3 did while starting (its exec) is not what is asked about.
-        std::thread::sleep(Duration::from_millis(200));
+        let comm = || std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !comm().starts_with("python") && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
         let _ = events.take();
         use std::io::Write;
         stdin.write_all(b"\n").unwrap();
