@@ -11,8 +11,10 @@
  * Built by build.rs into $OUT_DIR/fake_nvml/libnvidia-ml.so.1.
  *
  * Everything that touches the global state runs under one mutex (the real
- * driver serialises calls too); injected delays and event-wait polling sleep
- * with the mutex released.
+ * driver serialises calls too); injected delays and event waits sleep with the
+ * mutex released. An event wait blocks until the state file's directory changes
+ * (inotify) or its timeout, as the real driver blocks in the kernel, so an idle
+ * daemon costs what it would cost against real GPUs.
  */
 #define _GNU_SOURCE
 #include <ctype.h>
@@ -24,6 +26,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
+#include <sys/inotify.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -937,6 +941,40 @@ static int take_xid(nvmlEventSet_t set, nvmlEventData_t *data)
     return 0;
 }
 
+/* Sleeps until the state file's directory changes (a new state written and
+ * renamed into place) or `ms` pass; without inotify, polls every 100 ms. */
+static void wait_for_state_change(unsigned long long ms)
+{
+    const char *path = getenv("FAKE_NVML_STATE");
+    char dir[4096];
+    int fd = -1;
+    if (path && *path && strlen(path) < sizeof(dir)) {
+        strcpy(dir, path);
+        char *slash = strrchr(dir, '/');
+        if (slash == dir)
+            slash[1] = 0;
+        else if (slash)
+            *slash = 0;
+        else
+            strcpy(dir, ".");
+        fd = inotify_init1(IN_CLOEXEC | IN_NONBLOCK);
+        if (fd >= 0 && inotify_add_watch(fd, dir, IN_CLOSE_WRITE | IN_MOVED_TO | IN_CREATE |
+                                                       IN_DELETE | IN_ATTRIB) < 0) {
+            close(fd);
+            fd = -1;
+        }
+    }
+    if (fd < 0) {
+        sleep_ms(ms < 100 ? ms : 100);
+        return;
+    }
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    int timeout = ms > 60000 ? 60000 : (int)ms;
+    while (poll(&p, 1, timeout) == -1 && errno == EINTR)
+        ;
+    close(fd);
+}
+
 nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms)
 {
     nvmlReturn_t rc = enter(__func__, -1, 1);
@@ -953,9 +991,9 @@ nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsi
         if (now >= deadline)
             return leave(NVML_ERROR_TIMEOUT);
         pthread_mutex_unlock(&g_lock);
-        sleep_ms(deadline - now < 100 ? deadline - now : 100);
+        wait_for_state_change(deadline - now);
         pthread_mutex_lock(&g_lock);
-        load_state(); /* on failure keep the last state and poll on */
+        load_state(); /* on failure keep the last state and wait on */
     }
 }
 
