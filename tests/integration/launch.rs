@@ -2,15 +2,13 @@
 //! admission (with the fake NVML), fail-closed timeouts, peer-credential checks, and a socket that
 //! survives garbage.
 
-mod common;
-
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 
 /// A model loader: records its start (time, pid, CUDA_VISIBLE_DEVICES) in `log`, takes 64 MiB
 /// of RAM, waits `delay` s, then either crashes or registers `gpu_bytes` on its GPU in the fake

@@ -5,13 +5,11 @@
 //! twice; the one alone on GPU 1 (tensor-parallel-like) is not. `status --model` shows the
 //! processes one by one.
 
-mod common;
-
 use std::io::BufRead;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 
 const SERVER_PY: &str = r#"

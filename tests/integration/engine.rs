@@ -3,8 +3,6 @@
 //! `status --json`, `status --model` and its own metrics, and tells apart from "GPU 95%
 //! reserved"; a metrics URL given at launch; a URL off loopback refused.
 
-mod common;
-
 use std::io::{Read, Write};
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
@@ -12,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 
 /// A fake vLLM `/metrics` endpoint. The body can be changed while it runs; `scrapes` counts the

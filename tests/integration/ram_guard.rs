@@ -4,12 +4,10 @@
 //! Floors are set relative to the MemAvailable seen at the start of each test (about 1 GiB below
 //! it), and hogs stop by themselves a little beyond, so the machine is never in danger.
 
-mod common;
-
 use std::os::unix::process::ExitStatusExt;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use nix::sys::signal::Signal;
 
 /// A config whose only candidates are the test's own processes (matched by token).

@@ -7,13 +7,11 @@
 //! config change, with 64 asyncio tasks, and behind the FastAPI example (200s and 503s with
 //! Retry-After).
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 
 /// The test environment's Python (fails, saying how to get it, when `scripts/test` did not run).

@@ -4,15 +4,13 @@
 //! the memory (the leader shows state Z and rss 0 in /proc/PID/stat) is measured, chosen and
 //! killed.
 
-mod common;
-
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use nix::sys::signal::Signal;
 use serde_json::Value;
 

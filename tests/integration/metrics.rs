@@ -6,12 +6,10 @@
 //! Needs `prometheus` and `promtool` on the PATH (.ci/run installs Debian's `prometheus`): the
 //! tests fail, not skip, without them.
 
-mod common;
-
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 
 /// A child that is killed when the test ends, however it ends.

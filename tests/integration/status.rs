@@ -3,12 +3,10 @@
 //! model held stopped over its RAM budget (with the stop in the recent actions), a launch that
 //! holds the launch lock (a lease) and one queued behind it.
 
-mod common;
-
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 
 struct Launch(Child);

@@ -8,8 +8,6 @@
 //! only to processes the test started. The sockets live in a world-traversable temporary
 //! directory so the attacker can reach them.
 
-mod common;
-
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -17,7 +15,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 
 /// A user created for one test, removed (with anything it still runs) when dropped.
 struct Attacker {

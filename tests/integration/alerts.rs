@@ -8,8 +8,6 @@
 //! The Alertmanager test needs `prometheus-alertmanager` on the PATH (.ci/run installs it): it
 //! fails, not skips, without it.
 
-mod common;
-
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::unix::process::ExitStatusExt;
@@ -17,7 +15,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use hmac::{Hmac, KeyInit, Mac};
 use serde_json::Value;
 

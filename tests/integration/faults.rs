@@ -3,8 +3,6 @@
 //! directory, the config, a crash, a hung webhook) with real child processes around, and ends by
 //! checking that no process got a signal it should not have and none is left stopped (state T).
 
-mod common;
-
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::ExitStatusExt;
@@ -14,7 +12,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use common::*;
+use crate::common::*;
 
 const LONG: Duration = Duration::from_secs(20);
 

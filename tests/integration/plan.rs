@@ -3,11 +3,9 @@
 //! without a config, and "this host" read from the running daemon or from NVML directly (the
 //! fake libnvidia-ml.so.1).
 
-mod common;
-
 use std::process::Command;
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 
 fn fixture(name: &str) -> String {

@@ -1,12 +1,10 @@
 //! GPU protection through the real binary and the real NVML code path (nvml-wrapper -> dlopen),
 //! against the scripted fake libnvidia-ml.so.1 in tests/fake_nvml, on real child processes.
 
-mod common;
-
 use std::os::unix::process::ExitStatusExt;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 
 const GIB_S: &str = "1073741824";
 

@@ -5,14 +5,12 @@
 //! the size a model's permits really take is learned and used for requests that name none.
 //!
 //! The scenario scripts in tests/permits/ (the seed failure: bursts of requests on a 16 GiB card)
-//! run through the Python client in `tests/permits_python.rs`.
-
-mod common;
+//! run through the Python client in `tests/integration/permits_python.rs`.
 
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use gpuguard::ipc::{AcquireRequest, RefusalReason, Response};
 
 /// A 16 GiB GPU whose "server" process holds 4 GiB of weights; a 1 GiB warn floor: 11 GiB room.

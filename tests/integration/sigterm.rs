@@ -6,13 +6,11 @@
 //! Floors are about 1 GiB below the MemAvailable seen at the start of each test; the processes
 //! stop by themselves a little beyond.
 
-mod common;
-
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 
 /// A python process that allocates 1 MiB every `delay_s` until MemAvailable is below
 /// `stop_below` (then it holds), and does `on_term` on SIGTERM ("ignore" or "handle": stop
