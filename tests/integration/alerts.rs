@@ -11,7 +11,7 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::unix::process::ExitStatusExt;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -154,10 +154,6 @@ fn base_config(extra: &str) -> String {
     )
 }
 
-fn model(name: &str, token: &str, rest: &str) -> String {
-    format!("\n[[model]]\nname = \"{name}\"\nmatch = {{ cmdline = \"{token}\" }}\n{rest}\n")
-}
-
 #[test]
 fn kill_alert_reaches_a_signed_webhook() {
     let receiver = Receiver::start(|_| Reply::Status(200));
@@ -169,7 +165,7 @@ fn kill_alert_reaches_a_signed_webhook() {
         "[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n[alert]\nbackoff = \"100ms\"\n[[alert.webhook]]\nurl = \"{}\"\nsecret_file = \"{}\"\n{}",
         receiver.url(),
         path(&secret),
-        model("greedy", &t, "ram = \"32MiB\"\naction = \"kill\"\ngrace = \"0s\"")
+        model_toml("greedy", &t, "ram = \"32MiB\"\naction = \"kill\"\ngrace = \"0s\"")
     ));
     let daemon = GuardDaemon::start(&config);
     let mut hog = Hog::start(&t, 0, 128, 60);
@@ -304,7 +300,7 @@ fn a_condition_fires_once_repeats_and_resolves_and_the_event_log_has_it() {
     let config = base_config(&format!(
         "[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n[alert]\nrepeat_interval = \"1s\"\n[[alert.webhook]]\nurl = \"{}\"\nformat = \"json\"\n{}",
         receiver.url(),
-        model("fat", &t, "ram = \"32MiB\"\naction = \"alert\"\ngrace = \"0s\"")
+        model_toml("fat", &t, "ram = \"32MiB\"\naction = \"alert\"\ngrace = \"0s\"")
     ));
     let daemon = GuardDaemon::start(&config);
     // Over budget for about 3.5 s (hundreds of ticks at min_interval), then exits.
@@ -382,15 +378,6 @@ fn a_condition_fires_once_repeats_and_resolves_and_the_event_log_has_it() {
 }
 
 /// A child killed when the test ends.
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 fn am_alerts(port: u16) -> Vec<Value> {
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .timeout_global(Some(Duration::from_secs(5)))
@@ -409,11 +396,7 @@ fn am_alerts(port: u16) -> Vec<Value> {
 #[test]
 fn a_real_alertmanager_shows_the_alert_then_resolves_it() {
     let dir = tempfile::tempdir().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let config = dir.path().join("alertmanager.yml");
     std::fs::write(
         &config,
@@ -421,7 +404,7 @@ fn a_real_alertmanager_shows_the_alert_then_resolves_it() {
     )
     .unwrap();
     let log_path = dir.path().join("alertmanager.log");
-    let _am = Server(
+    let _am = KillOnDrop(
         Command::new("prometheus-alertmanager")
             .arg(format!("--config.file={}", config.display()))
             .arg(format!(
@@ -450,7 +433,7 @@ fn a_real_alertmanager_shows_the_alert_then_resolves_it() {
     let t = token("am");
     let daemon = GuardDaemon::start(&base_config(&format!(
         "[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n[[alert.webhook]]\nurl = \"http://127.0.0.1:{port}\"\nformat = \"alertmanager\"\n{}",
-        model("amodel", &t, "ram = \"32MiB\"\naction = \"alert\"\ngrace = \"0s\"")
+        model_toml("amodel", &t, "ram = \"32MiB\"\naction = \"alert\"\ngrace = \"0s\"")
     )));
     let mut hog = Hog::start(&t, 0, 128, 4);
     let ours = |a: &Value| {
@@ -496,7 +479,7 @@ fn time_to_kill(extra_alert: &str) -> Duration {
     let config = base_config(&format!(
         "[ram]\nmin_available = {min}\nwarn_available = {}\n{extra_alert}\n{}",
         min + 256 * MIB,
-        model("hog", &hog_t, "")
+        model_toml("hog", &hog_t, "")
     ));
     let daemon = GuardDaemon::start(&config);
     let started = Instant::now();
@@ -708,7 +691,7 @@ fn a_flood_of_timed_out_permits_does_not_push_a_kill_alert_out() {
          [metrics]\nlisten = \"127.0.0.1:{port}\"\n\
          [alert]\nqueue = 4\n[[alert.webhook]]\nurl = \"{}\"\nmin_severity = \"info\"\n{}",
         receiver.url(),
-        model("greedy", &t, "ram = \"32MiB\"\naction = \"kill\"\ngrace = \"0s\"")
+        model_toml("greedy", &t, "ram = \"32MiB\"\naction = \"kill\"\ngrace = \"0s\"")
     ));
     let daemon = GuardDaemon::start(&config);
     // More RAM than is free, less than the host has: each request waits, then times out.

@@ -25,18 +25,8 @@ fn config(gpu: &str, daemon: &str, models: &[(&str, &str, &str)]) -> String {
          [gpu]\nnvml_library = \"{}\"\nsample_timeout = \"300ms\"\nretry_init = \"300ms\"\n{gpu}\n",
         FakeNvml::library()
     );
-    for (name, token, rest) in models {
-        text.push_str(&format!(
-            "\n[[model]]\nname = \"{name}\"\nmatch = {{ cmdline = \"{token}\" }}\n{rest}\n"
-        ));
-    }
+    text.push_str(&models_toml(models));
     text
-}
-
-fn start(config: &str, fake: &FakeNvml) -> GuardDaemon {
-    let env = fake.env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    GuardDaemon::start_with_env(config, &env)
 }
 
 /// GPU 0 of 16 GiB with `used` bytes in use, its holders as (pid, bytes).
@@ -48,21 +38,9 @@ fn gpu0(used: u64, holders: &[(u32, u64)]) -> String {
     s
 }
 
-fn idle(token: &str) -> Hog {
-    Hog::start(token, 0, 0, 600)
-}
-
-/// The event log, one JSON object per line.
-fn events(daemon: &GuardDaemon) -> Vec<Value> {
-    std::fs::read_to_string(daemon.state_dir().join("events.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
-}
-
 fn count(daemon: &GuardDaemon, event: &str, summary_has: &str) -> usize {
-    events(daemon)
+    daemon
+        .events()
         .iter()
         .filter(|e| {
             e["event"] == event && e["summary"].as_str().unwrap_or("").contains(summary_has)
@@ -75,7 +53,7 @@ fn wait_count(daemon: &GuardDaemon, event: &str, summary_has: &str, n: usize) {
     if !wait_until(LONG, || count(daemon, event, summary_has) >= n) {
         panic!(
             "never {n} {event:?} events with {summary_has:?}; events:\n{:#?}\nlog:\n{}",
-            events(daemon),
+            daemon.events(),
             daemon.log_text()
         );
     }
@@ -83,7 +61,8 @@ fn wait_count(daemon: &GuardDaemon, event: &str, summary_has: &str, n: usize) {
 
 /// No process was stopped, terminated or killed by this daemon.
 fn assert_no_signal(daemon: &GuardDaemon) {
-    let signalled: Vec<Value> = events(daemon)
+    let signalled: Vec<Value> = daemon
+        .events()
         .into_iter()
         .filter(|e| {
             let kind = e["event"].as_str().unwrap_or("");
@@ -157,12 +136,12 @@ fn run_to_exit(config: &Path, state_dir: &Path, env: &[(&str, String)]) -> (Opti
 #[test]
 fn impossible_gpu_readings_are_unknown_and_never_kill() {
     let t = token("impossible");
-    let mut hog = idle(&t);
+    let mut hog = Hog::idle(&t);
     let pid = hog.pid();
     let healthy = gpu0(8 * GIB, &[(pid, 6 * GIB)]);
     let fake = FakeNvml::new(&healthy);
     let budget = "gpu_memory = \"8GiB\"\naction = \"kill\"\ngrace = \"0s\"";
-    let daemon = start(
+    let daemon = GuardDaemon::start_with_fake(
         &config(
             "min_free = \"2GiB\"\nwarn_free = \"3GiB\"",
             "",
@@ -220,7 +199,7 @@ fn impossible_gpu_readings_are_unknown_and_never_kill() {
 /// resumed at max_stop, never killed, and the loss must show as an event, in status and metrics.
 fn stopped_victim_outlives_a_lost_gpu(name: &str, lost_state: impl Fn(&str) -> String) {
     let t = token(name);
-    let mut hog = idle(&t);
+    let mut hog = Hog::idle(&t);
     let pid = hog.pid();
     let two = |used1: u64| {
         format!(
@@ -231,7 +210,7 @@ fn stopped_victim_outlives_a_lost_gpu(name: &str, lost_state: impl Fn(&str) -> S
         )
     };
     let fake = FakeNvml::new(&two(8 * GIB));
-    let daemon = start(
+    let daemon = GuardDaemon::start_with_fake(
         &format!(
             "{}\n[metrics]\nlisten = \"127.0.0.1:0\"\n",
             config(
@@ -245,7 +224,7 @@ fn stopped_victim_outlives_a_lost_gpu(name: &str, lost_state: impl Fn(&str) -> S
     daemon.wait_for_log("GPU protection on: 2 GPU(s)", LONG);
     fake.set(&two(31 * GIB / 2));
     assert!(
-        wait_until(LONG, || proc_state(pid) == Some('T')),
+        wait_stopped(&[pid], LONG),
         "not stopped for the floor:\n{}",
         daemon.log_text()
     );
@@ -272,14 +251,14 @@ fn stopped_victim_outlives_a_lost_gpu(name: &str, lost_state: impl Fn(&str) -> S
 
     // max_stop passes on an unknown reading: resumed, not killed.
     assert!(
-        wait_until(LONG, || proc_state(pid) != Some('T')),
+        wait_resumed(&[pid], LONG),
         "left stopped:\n{}",
         daemon.log_text()
     );
     wait_count(&daemon, "process_resumed", "max_stop", 1);
     assert_running(&mut hog);
     let killed = count(&daemon, "process_killed", "");
-    assert_eq!(killed, 0, "{:#?}", events(&daemon));
+    assert_eq!(killed, 0, "{:#?}", daemon.events());
 }
 
 #[test]
@@ -298,7 +277,7 @@ fn a_daemon_killed_while_holding_processes_resumes_them_before_reading_a_broken_
     let (ts, tt) = (token("crash-stop"), token("crash-throttle"));
     let fake = FakeNvml::new("");
     let over = "ram = \"64MiB\"\ngrace = \"0s\"";
-    let daemon = start(
+    let daemon = GuardDaemon::start_with_fake(
         &config(
             "",
             "",
@@ -311,8 +290,7 @@ fn a_daemon_killed_while_holding_processes_resumes_them_before_reading_a_broken_
     );
     let mut stopped = Hog::start(&ts, 0, 128, 600);
     let mut throttled = Hog::start(&tt, 0, 128, 600);
-    let both_stopped =
-        || proc_state(stopped.pid()) == Some('T') && proc_state(throttled.pid()) == Some('T');
+    let both_stopped = || is_stopped(stopped.pid()) && is_stopped(throttled.pid());
     // The duty cycle holds the throttled one stopped 80 % of the time: crash the daemon then.
     assert!(wait_until(LONG, both_stopped), "{}", daemon.log_text());
     let dir = daemon.crash();
@@ -341,7 +319,7 @@ fn a_daemon_killed_while_holding_processes_resumes_them_before_reading_a_broken_
 #[test]
 fn floors_that_cannot_be_right_are_refused_by_check_config_at_start_and_on_reload() {
     let t = token("floors");
-    let mut hog = idle(&t);
+    let mut hog = Hog::idle(&t);
     let dir = tempfile::tempdir().unwrap();
     let write = |name: &str, text: &str| {
         let p = dir.path().join(name);
@@ -452,7 +430,7 @@ fn floors_that_cannot_be_right_are_refused_by_check_config_at_start_and_on_reloa
 
     // 20 GiB fits GPU 1 (80 GiB): it runs. A reload that puts 20 GiB on every GPU is refused
     // (GPU 0 has 16) and the running config stays.
-    let daemon = start(
+    let daemon = GuardDaemon::start_with_fake(
         &config(
             "[[gpu.device]]\ngpu = \"1\"\nmin_free = \"20GiB\"",
             "",
@@ -495,7 +473,7 @@ fn stop_config(token: &str) -> String {
 #[test]
 fn a_state_directory_that_is_not_gpuguards_own_is_refused() {
     let t = token("insecure");
-    let mut hog = idle(&t);
+    let mut hog = Hog::idle(&t);
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("state");
     std::fs::create_dir(&state).unwrap();
@@ -540,17 +518,9 @@ fn symlinks_in_the_state_directory_are_never_written_through() {
         std::os::unix::fs::symlink(p, state.join(name)).unwrap();
     }
     let fake = FakeNvml::new("");
-    let daemon = {
-        let env = fake.env();
-        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        GuardDaemon::start_in(dir, &stop_config(&t), &env)
-    };
+    let daemon = GuardDaemon::start_in_with_fake(dir, &stop_config(&t), &fake);
     let mut hog = Hog::start(&t, 0, 128, 600);
-    assert!(
-        wait_until(LONG, || proc_state(hog.pid()) == Some('T')),
-        "{}",
-        daemon.log_text()
-    );
+    assert!(wait_stopped(&[hog.pid()], LONG), "{}", daemon.log_text());
     wait_count(&daemon, "process_stopped", "", 1);
 
     for p in &precious {
@@ -589,25 +559,22 @@ fn symlinks_in_the_state_directory_are_never_written_through() {
 #[test]
 fn a_garbage_stop_record_is_kept_aside_and_reported() {
     let t = token("garbage");
-    let mut hog = idle(&t);
+    let mut hog = Hog::idle(&t);
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("state");
     std::fs::create_dir(&state).unwrap();
     std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700)).unwrap();
     std::fs::write(state.join("stopped.json"), "{ half a rec").unwrap();
     let fake = FakeNvml::new("");
-    let daemon = {
-        let env = fake.env();
-        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        GuardDaemon::start_in(dir, &config("", "", &[("m", &t, "")]), &env)
-    };
+    let daemon = GuardDaemon::start_in_with_fake(dir, &config("", "", &[("m", &t, "")]), &fake);
     wait_count(
         &daemon,
         "state_file_corrupt",
         "stopped.json is unreadable",
         1,
     );
-    let corrupt = events(&daemon)
+    let corrupt = daemon
+        .events()
         .into_iter()
         .find(|e| e["event"] == "state_file_corrupt")
         .unwrap();
@@ -635,10 +602,10 @@ fn a_garbage_stop_record_is_kept_aside_and_reported() {
 #[test]
 fn the_event_log_is_opened_again_when_removed_or_rotated_away() {
     let t = token("evlog");
-    let mut hog = idle(&t);
+    let mut hog = Hog::idle(&t);
     let fake = FakeNvml::new("");
     let good = config("", "", &[("m", &t, "")]);
-    let daemon = start(&good, &fake);
+    let daemon = GuardDaemon::start_with_fake(&good, &fake);
     let log = daemon.state_dir().join("events.jsonl");
     daemon.wait_for_log("GPU protection on: 0 GPU(s)", LONG);
     wait_count(&daemon, "gpu_ok", "", 1);
@@ -696,7 +663,7 @@ fn webhook_threads(daemon: &GuardDaemon) -> usize {
 #[test]
 fn reloads_replace_alert_sinks_without_leaking_workers() {
     let t = token("sinks");
-    let mut hog = idle(&t);
+    let mut hog = Hog::idle(&t);
     let (a, b) = (Hung::start(), Hung::start());
     let fake = FakeNvml::new("");
     let with = |url: &str| {
@@ -705,7 +672,7 @@ fn reloads_replace_alert_sinks_without_leaking_workers() {
             config("", "", &[("m", &t, "")])
         )
     };
-    let daemon = start(&with(&a.url()), &fake);
+    let daemon = GuardDaemon::start_with_fake(&with(&a.url()), &fake);
     let reloads =
         |n: usize| wait_until(LONG, || daemon.log_text().matches("reloaded").count() >= n);
     // The same sink reload after reload: the same worker (stuck behind the hung endpoint).
@@ -737,11 +704,12 @@ fn reloads_replace_alert_sinks_without_leaking_workers() {
 #[test]
 fn implausible_nvml_counts_leave_the_guard_and_its_sampler_running() {
     let t = token("counts");
-    let mut hog = idle(&t);
+    let mut hog = Hog::idle(&t);
     let pid = hog.pid();
     let healthy = gpu0(8 * GIB, &[(pid, 6 * GIB)]);
     let fake = FakeNvml::new(&format!("{healthy}device_count 4294967295\n"));
-    let daemon = start(&config("min_free = \"2GiB\"", "", &[("m", &t, "")]), &fake);
+    let daemon =
+        GuardDaemon::start_with_fake(&config("min_free = \"2GiB\"", "", &[("m", &t, "")]), &fake);
     daemon.wait_for_log("NVML reports 4294967295 GPUs, more than any host has", LONG);
     // A process list claiming 4294967290 entries: unknown, not read, and the GPU below its floor
     // then has no victim to act on.

@@ -13,18 +13,8 @@ fn gpu_config(gpu: &str, models: &[(&str, &str, &str)]) -> String {
         "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"models\"\ninterval = \"200ms\"\nmin_interval = \"10ms\"\nscan_interval = \"200ms\"\nterm_grace = \"300ms\"\n\n[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n\n[gpu]\nnvml_library = \"{}\"\nsample_timeout = \"300ms\"\nretry_init = \"300ms\"\nrelease_timeout = \"1s\"\n{gpu}\n",
         FakeNvml::library()
     );
-    for (name, token, rest) in models {
-        text.push_str(&format!(
-            "\n[[model]]\nname = \"{name}\"\nmatch = {{ cmdline = \"{token}\" }}\n{rest}\n"
-        ));
-    }
+    text.push_str(&models_toml(models));
     text
-}
-
-fn start(config: &str, fake: &FakeNvml) -> GuardDaemon {
-    let env = fake.env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    GuardDaemon::start_with_env(config, &env)
 }
 
 /// Two 16 GiB GPUs; `used` per GPU in GiB; process lines appended.
@@ -42,14 +32,10 @@ fn two_gpus(used0: u64, used1: u64, processes: &[(u32, u32, &str)]) -> String {
     s
 }
 
-fn idle(token: &str) -> Hog {
-    Hog::start(token, 0, 0, 600)
-}
-
 #[test]
 fn gpu_below_min_free_loses_its_largest_holder_and_the_other_gpu_is_untouched() {
     let (ta, tb, tc) = (token("gpu-a"), token("gpu-b"), token("gpu-c"));
-    let (mut a, mut b, mut c) = (idle(&ta), idle(&tb), idle(&tc));
+    let (mut a, mut b, mut c) = (Hog::idle(&ta), Hog::idle(&tb), Hog::idle(&tc));
     let healthy = two_gpus(
         8,
         13,
@@ -60,7 +46,7 @@ fn gpu_below_min_free_loses_its_largest_holder_and_the_other_gpu_is_untouched() 
         ],
     );
     let fake = FakeNvml::new(&healthy);
-    let daemon = start(
+    let daemon = GuardDaemon::start_with_fake(
         &gpu_config(
             "min_free = \"1GiB\"\nwarn_free = \"2GiB\"",
             &[("a", &ta, ""), ("b", &tb, ""), ("c", &tc, "")],
@@ -112,7 +98,7 @@ fn model_over_gpu_budget_summed_over_parent_and_child_is_stopped_after_grace() {
         &[(0, parent, "5368709120"), (1, child, "5368709120")],
     ));
     // 10 GiB over two GPUs in two processes against an 8 GiB budget.
-    let daemon = start(
+    let daemon = GuardDaemon::start_with_fake(
         &gpu_config(
             "",
             &[(
@@ -132,8 +118,7 @@ fn model_over_gpu_budget_summed_over_parent_and_child_is_stopped_after_grace() {
         daemon.log_text()
     );
     assert!(
-        wait_until(Duration::from_secs(5), || proc_state(parent) == Some('T')
-            && proc_state(child) == Some('T')),
+        wait_stopped(&[parent, child], Duration::from_secs(5)),
         "{}",
         daemon.log_text()
     );
@@ -141,8 +126,7 @@ fn model_over_gpu_budget_summed_over_parent_and_child_is_stopped_after_grace() {
     // Back under budget (the child released memory): both resumed.
     fake.set(&two_gpus(6, 1, &[(0, parent, "5368709120")]));
     assert!(
-        wait_until(Duration::from_secs(5), || proc_state(parent) != Some('T')
-            && proc_state(child) != Some('T')),
+        wait_resumed(&[parent, child], Duration::from_secs(5)),
         "{}",
         daemon.log_text()
     );
@@ -151,9 +135,9 @@ fn model_over_gpu_budget_summed_over_parent_and_child_is_stopped_after_grace() {
 #[test]
 fn unavailable_gpu_memory_never_leads_to_a_kill() {
     let t = token("na");
-    let mut holder = idle(&t);
+    let mut holder = Hog::idle(&t);
     let fake = FakeNvml::new(&two_gpus(15, 1, &[(0, holder.pid(), "NA")]));
-    let daemon = start(
+    let daemon = GuardDaemon::start_with_fake(
         &gpu_config(
             "min_free = \"2GiB\"",
             &[(
@@ -192,7 +176,7 @@ fn gpu_lost_while_running_keeps_the_daemon_up_and_guarding_ram() {
             min + 256 * MIB
         ),
     );
-    let daemon = start(&config, &fake);
+    let daemon = GuardDaemon::start_with_fake(&config, &fake);
     daemon.wait_for_log("GPU protection on: 2 GPU(s)", Duration::from_secs(5));
     let _ = t;
 
@@ -234,8 +218,7 @@ fn no_libnvidia_ml_at_all_starts_and_guards_ram() {
         Duration::from_secs(5),
     );
     assert!(
-        wait_until(Duration::from_secs(10), || proc_state(hog.pid())
-            == Some('T')),
+        wait_stopped(&[hog.pid()], Duration::from_secs(10)),
         "{}",
         daemon.log_text()
     );
@@ -245,7 +228,7 @@ fn no_libnvidia_ml_at_all_starts_and_guards_ram() {
 fn driver_appearing_later_is_picked_up_by_the_init_retry() {
     let fake = FakeNvml::new("");
     std::fs::remove_file(&fake.state).unwrap();
-    let daemon = start(&gpu_config("", &[]), &fake);
+    let daemon = GuardDaemon::start_with_fake(&gpu_config("", &[]), &fake);
     daemon.wait_for_log(
         "GPU protection is off: NVIDIA driver not loaded",
         Duration::from_secs(5),
@@ -257,7 +240,7 @@ fn driver_appearing_later_is_picked_up_by_the_init_retry() {
 #[test]
 fn injected_xid_shows_up_as_a_critical_event() {
     let fake = FakeNvml::new(&two_gpus(1, 1, &[]));
-    let daemon = start(&gpu_config("", &[]), &fake);
+    let daemon = GuardDaemon::start_with_fake(&gpu_config("", &[]), &fake);
     daemon.wait_for_log("GPU protection on", Duration::from_secs(5));
     fake.set(&format!("{}xid 1 79 id=7\n", two_gpus(1, 1, &[])));
     daemon.wait_for_log("Xid 79 on GPU 1", Duration::from_secs(5));
@@ -277,14 +260,14 @@ fn injected_xid_shows_up_as_a_critical_event() {
 #[test]
 fn memory_kept_after_the_kill_is_reported_stuck_and_nobody_else_is_killed() {
     let (ta, tb) = (token("stuck-a"), token("stuck-b"));
-    let (mut a, mut b) = (idle(&ta), idle(&tb));
+    let (mut a, mut b) = (Hog::idle(&ta), Hog::idle(&tb));
     // GPU 0 is below its floor from the start; the fake keeps listing a's memory after it dies.
     let fake = FakeNvml::new(&two_gpus(
         15,
         1,
         &[(0, a.pid(), "8589934592"), (0, b.pid(), "4294967296")],
     ));
-    let daemon = start(
+    let daemon = GuardDaemon::start_with_fake(
         &gpu_config("min_free = \"2GiB\"", &[("a", &ta, ""), ("b", &tb, "")]),
         &fake,
     );
@@ -308,9 +291,10 @@ fn memory_kept_after_the_kill_is_reported_stuck_and_nobody_else_is_killed() {
 #[test]
 fn stale_gpu_samples_alert_but_never_kill() {
     let t = token("stale");
-    let mut holder = idle(&t);
+    let mut holder = Hog::idle(&t);
     let fake = FakeNvml::new(&two_gpus(1, 1, &[(0, holder.pid(), "8589934592")]));
-    let daemon = start(&gpu_config("min_free = \"2GiB\"", &[("s", &t, "")]), &fake);
+    let daemon =
+        GuardDaemon::start_with_fake(&gpu_config("min_free = \"2GiB\"", &[("s", &t, "")]), &fake);
     daemon.wait_for_log("GPU protection on", Duration::from_secs(5));
     // NVML now answers late (1 s per memory query, deadline 300 ms) with GPU 0 nearly full.
     fake.set(&format!(
@@ -333,13 +317,13 @@ fn stale_gpu_samples_alert_but_never_kill() {
 fn same_model_loaded_twice_on_one_gpu_is_reported_once() {
     let t = token("dup");
     // Two unrelated processes with the same command line.
-    let (a, b) = (idle(&t), idle(&t));
+    let (a, b) = (Hog::idle(&t), Hog::idle(&t));
     let fake = FakeNvml::new(&two_gpus(
         9,
         1,
         &[(0, a.pid(), "4294967296"), (0, b.pid(), "4294967296")],
     ));
-    let daemon = start(&gpu_config("", &[]), &fake);
+    let daemon = GuardDaemon::start_with_fake(&gpu_config("", &[]), &fake);
     daemon.wait_for_log(
         "run the same command and hold 8.0 GiB together",
         Duration::from_secs(5),
@@ -356,7 +340,7 @@ fn same_model_loaded_twice_on_one_gpu_is_reported_once() {
 #[test]
 fn driver_library_mismatch_is_a_state_not_a_crash() {
     let fake = FakeNvml::new(&format!("{}error nvmlInit_v2 18\n", two_gpus(1, 1, &[])));
-    let daemon = start(&gpu_config("", &[]), &fake);
+    let daemon = GuardDaemon::start_with_fake(&gpu_config("", &[]), &fake);
     daemon.wait_for_log(
         "GPU protection is off: NVML/driver version mismatch (driver upgraded without reboot?)",
         Duration::from_secs(5),

@@ -67,9 +67,7 @@ fn setup_with(socket: &str, launch: &str, state: &str) -> Setup {
         "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"models\"\ninterval = \"200ms\"\nscan_interval = \"200ms\"\n[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n[gpu]\nnvml_library = \"{}\"\nsample_timeout = \"500ms\"\n[launch]\nsocket = \"{socket}\"\n{launch}\n",
         FakeNvml::library()
     );
-    let env = fake.env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let daemon = GuardDaemon::start_with_env(&config, &env);
+    let daemon = GuardDaemon::start_with_fake(&config, &fake);
     daemon.wait_for_log("GPU protection on", Duration::from_secs(5));
     let log = fake.dir.path().join("loaders.log");
     let socket = if socket.starts_with("{state_dir}") {
@@ -423,16 +421,7 @@ fn a_non_root_client_cannot_release_someone_elses_lease() {
     require_tool("setpriv", "util-linux");
     require_root();
     // A socket that nobody can reach: in a world-traversable directory.
-    let shared = tempfile::Builder::new()
-        .prefix("gpuguard-sock")
-        .tempdir_in("/tmp")
-        .unwrap();
-    std::fs::set_permissions(
-        shared.path(),
-        std::os::unix::fs::PermissionsExt::from_mode(0o755),
-    )
-    .unwrap();
-    let socket = shared.path().join("gpuguard.sock");
+    let (_shared, socket) = shared_socket_dir("gpuguard-sock");
     let s = setup_at(
         &socket,
         "settle = \"60s\"\nready_timeout = \"60s\"",

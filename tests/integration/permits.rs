@@ -32,9 +32,7 @@ fn card(model_extra: &str, extra: &str) -> Card {
          [[model]]\nname = \"served\"\nmatch = {{ cmdline = \"{t}\" }}\n{model_extra}\n{extra}\n",
         FakeNvml::library()
     );
-    let env = fake.env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let daemon = GuardDaemon::start_with_env(&config, &env);
+    let daemon = GuardDaemon::start_with_fake(&config, &fake);
     daemon.wait_for_log("GPU protection on", Duration::from_secs(10));
     // The server is a member of its model, with its weights seen.
     assert!(wait_until(Duration::from_secs(10), || {

@@ -49,9 +49,7 @@ fn setup(card_gib: u64) -> Setup {
          [[model]]\nname = \"seed\"\nmatch = {{ cmdline = \"tests/permits/(seed|fastapi)_server\\\\.py\" }}\n",
         FakeNvml::library()
     );
-    let env = fake.env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let daemon = GuardDaemon::start_with_env(&config, &env);
+    let daemon = GuardDaemon::start_with_fake(&config, &fake);
     daemon.wait_for_log("GPU protection on", Duration::from_secs(10));
     Setup { fake, daemon }
 }

@@ -245,9 +245,7 @@ fn this_host_asked_from_the_running_daemon() {
         "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"models\"\n[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n[gpu]\nnvml_library = \"{}\"\n",
         FakeNvml::library()
     );
-    let env = fake.env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let daemon = GuardDaemon::start_with_env(&config, &env);
+    let daemon = GuardDaemon::start_with_fake(&config, &fake);
     daemon.wait_for_log(
         "GPU protection on: 2 GPU(s)",
         std::time::Duration::from_secs(10),

@@ -15,24 +15,8 @@ fn config(extra_daemon: &str, ram: &str, models: &[(&str, &str, &str)]) -> Strin
     let mut text = format!(
         "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"models\"\ninterval = \"500ms\"\nmin_interval = \"10ms\"\nscan_interval = \"200ms\"\nterm_grace = \"500ms\"\n{extra_daemon}\n[gpu]\nenabled = false\n\n[ram]\n{ram}\n"
     );
-    for (name, token, rest) in models {
-        text.push_str(&format!(
-            "\n[[model]]\nname = \"{name}\"\nmatch = {{ cmdline = \"{token}\" }}\n{rest}\n"
-        ));
-    }
+    text.push_str(&models_toml(models));
     text
-}
-
-/// Floors about 1 GiB below what is available now.
-fn floors_below_now() -> (u64, String) {
-    let min = mem_available() - GIB;
-    (
-        min,
-        format!(
-            "min_available = {min}\nwarn_available = {}\n",
-            min + 256 * MIB
-        ),
-    )
 }
 
 #[test]
@@ -151,7 +135,7 @@ fn model_over_ram_budget_is_stopped_then_resumed_when_budget_is_raised() {
     let pid = hog.pid();
 
     assert!(
-        wait_until(Duration::from_secs(10), || proc_state(pid) == Some('T')),
+        wait_stopped(&[pid], Duration::from_secs(10)),
         "not stopped:\n{}",
         daemon.log_text()
     );
@@ -204,7 +188,7 @@ fn budget_grace_is_honoured() {
         "stopped before its grace ran out"
     );
     assert!(
-        wait_until(Duration::from_secs(10), || proc_state(pid) == Some('T')),
+        wait_stopped(&[pid], Duration::from_secs(10)),
         "{}",
         daemon.log_text()
     );
@@ -231,7 +215,7 @@ fn sigterm_resumes_stopped_processes_before_exit() {
     let mut hog = Hog::start(&hog_token, 0, 128, 60);
     let pid = hog.pid();
     assert!(
-        wait_until(Duration::from_secs(10), || proc_state(pid) == Some('T')),
+        wait_stopped(&[pid], Duration::from_secs(10)),
         "{}",
         daemon.log_text()
     );
@@ -261,7 +245,7 @@ fn daemon_killed_while_holding_a_process_resumes_it_on_restart() {
     let mut hog = Hog::start(&hog_token, 0, 128, 60);
     let pid = hog.pid();
     assert!(
-        wait_until(Duration::from_secs(10), || proc_state(pid) == Some('T')),
+        wait_stopped(&[pid], Duration::from_secs(10)),
         "{}",
         daemon.log_text()
     );
@@ -375,8 +359,7 @@ fn bad_reload_keeps_the_old_config_running() {
     // The old budget still acts.
     let hog = Hog::start(&hog_token, 0, 128, 60);
     assert!(
-        wait_until(Duration::from_secs(10), || proc_state(hog.pid())
-            == Some('T')),
+        wait_stopped(&[hog.pid()], Duration::from_secs(10)),
         "{}",
         daemon.log_text()
     );

@@ -62,15 +62,6 @@ fn config(floor: u64, token: &str, term_grace: &str) -> String {
     )
 }
 
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[test]
 fn a_victim_that_ignores_sigterm_and_grows_is_killed_without_waiting_for_term_grace() {
     let _lock = memory_pressure_lock();
@@ -78,7 +69,7 @@ fn a_victim_that_ignores_sigterm_and_grows_is_killed_without_waiting_for_term_gr
     let floor = mem_available() - GIB;
     let daemon = GuardDaemon::start(&config(floor, &token, "10m"));
     // 1 MiB every 2 ms (a few hundred MiB/s), until 512 MiB below the floor.
-    let mut hog = Killed(grower(&token, floor - 512 * MIB, "ignore", 0.002));
+    let mut hog = KillOnDrop(grower(&token, floor - 512 * MIB, "ignore", 0.002));
     let status = wait_child(&mut hog.0, Duration::from_secs(120))
         .unwrap_or_else(|| panic!("not killed:\n{}", daemon.log_text()));
     assert_eq!(
@@ -104,7 +95,7 @@ fn a_server_that_handles_sigterm_is_left_to_exit_cleanly() {
     let token = token("handles-term");
     let floor = mem_available() - GIB;
     let daemon = GuardDaemon::start(&config(floor, &token, "1m"));
-    let mut server = Killed(grower(&token, floor - 512 * MIB, "handle", 0.002));
+    let mut server = KillOnDrop(grower(&token, floor - 512 * MIB, "handle", 0.002));
     let status = wait_child(&mut server.0, Duration::from_secs(120))
         .unwrap_or_else(|| panic!("never terminated:\n{}", daemon.log_text()));
     let log = daemon.log_text();

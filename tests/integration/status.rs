@@ -3,23 +3,14 @@
 //! model held stopped over its RAM budget (with the stop in the recent actions), a launch that
 //! holds the launch lock (a lease) and one queued behind it.
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use crate::common::*;
 use serde_json::Value;
 
-struct Launch(Child);
-
-impl Drop for Launch {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn launch(daemon: &GuardDaemon, model: &str, token: &str) -> Launch {
-    Launch(
+fn launch(daemon: &GuardDaemon, model: &str, token: &str) -> KillOnDrop {
+    KillOnDrop(
         Command::new(BIN)
             .args([
                 "launch",
@@ -70,13 +61,10 @@ fn status_shows_every_section_consistent_with_the_scenario() {
          [[model]]\nname = \"held\"\nmatch = {{ cmdline = \"{held_t}\" }}\nram = \"16MiB\"\naction = \"stop\"\ngrace = \"0s\"\n",
         FakeNvml::library()
     );
-    let env = fake.env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let daemon = GuardDaemon::start_with_env(&config, &env);
+    let daemon = GuardDaemon::start_with_fake(&config, &fake);
     daemon.wait_for_log("GPU protection on: 2 GPU(s)", Duration::from_secs(5));
     assert!(
-        wait_until(Duration::from_secs(10), || proc_state(held.pid())
-            == Some('T')),
+        wait_stopped(&[held.pid()], Duration::from_secs(10)),
         "the model over its RAM budget is not held stopped:\n{}",
         daemon.log_text()
     );

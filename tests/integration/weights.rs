@@ -125,9 +125,7 @@ fn spawn_started_workers_mapping_the_same_weights_are_reported_once() {
          [[model]]\nname = \"server\"\nmatch = {{ cmdline = \"{t}\" }}\n",
         FakeNvml::library()
     );
-    let env = fake.env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let daemon = GuardDaemon::start_with_env(&config, &env);
+    let daemon = GuardDaemon::start_with_fake(&config, &fake);
     let weights_path = weights
         .canonicalize()
         .unwrap()

@@ -190,6 +190,11 @@ impl Hog {
         Self::start_chunked(token, rate_mib_s, cap_mib, hold_s, 16)
     }
 
+    /// A hog that allocates nothing and idles for 10 minutes: a process to match and measure.
+    pub fn idle(token: &str) -> Hog {
+        Self::start(token, 0, 0, 600)
+    }
+
     pub fn start_chunked(
         token: &str,
         rate_mib_s: u64,
@@ -275,6 +280,22 @@ impl GuardDaemon {
     pub fn start_with_env(config: &str, env: &[(&str, &str)]) -> GuardDaemon {
         let dir = tempfile::tempdir().unwrap();
         Self::start_in(dir, config, env)
+    }
+
+    /// A daemon that loads the fake NVML with `fake`'s state (its config names the library).
+    pub fn start_with_fake(config: &str, fake: &FakeNvml) -> GuardDaemon {
+        Self::start_in_with_fake(tempfile::tempdir().unwrap(), config, fake)
+    }
+
+    /// `start_with_fake` in a directory the test prepared (a state dir left by an earlier run).
+    pub fn start_in_with_fake(
+        dir: tempfile::TempDir,
+        config: &str,
+        fake: &FakeNvml,
+    ) -> GuardDaemon {
+        let env = fake.env();
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        Self::start_in(dir, config, &env)
     }
 
     pub fn start_in(dir: tempfile::TempDir, config: &str, env: &[(&str, &str)]) -> GuardDaemon {
@@ -648,4 +669,78 @@ pub fn sample(text: &str, series: &str) -> Option<f64> {
         .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
+}
+
+// ---- what the tests set up the same way ----------------------------------------------------
+
+/// A `[[model]]` section matching the test's own processes by their token, then `rest` (more keys).
+pub fn model_toml(name: &str, token: &str, rest: &str) -> String {
+    format!("\n[[model]]\nname = \"{name}\"\nmatch = {{ cmdline = \"{token}\" }}\n{rest}\n")
+}
+
+/// One `model_toml` section for each (name, token, rest).
+pub fn models_toml(models: &[(&str, &str, &str)]) -> String {
+    models
+        .iter()
+        .map(|(name, token, rest)| model_toml(name, token, rest))
+        .collect()
+}
+
+/// RAM floors about 1 GiB below what is available now: `min_available` and the `[ram]` keys.
+pub fn floors_below_now() -> (u64, String) {
+    let min = mem_available() - GIB;
+    (
+        min,
+        format!(
+            "min_available = {min}\nwarn_available = {}\n",
+            min + 256 * MIB
+        ),
+    )
+}
+
+/// Stopped (state T in /proc).
+pub fn is_stopped(pid: u32) -> bool {
+    proc_state(pid) == Some('T')
+}
+
+/// Waits until every one of `pids` is stopped (state T); false on timeout.
+pub fn wait_stopped(pids: &[u32], timeout: Duration) -> bool {
+    wait_until(timeout, || pids.iter().all(|&pid| is_stopped(pid)))
+}
+
+/// Waits until none of `pids` is stopped (resumed, or gone); false on timeout.
+pub fn wait_resumed(pids: &[u32], timeout: Duration) -> bool {
+    wait_until(timeout, || pids.iter().all(|&pid| !is_stopped(pid)))
+}
+
+/// A child process killed (and reaped) when the test lets go of it: servers, launches, victims.
+pub struct KillOnDrop(pub Child);
+
+impl KillOnDrop {
+    pub fn pid(&self) -> u32 {
+        self.0.id()
+    }
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A directory in /tmp that every user can traverse, and a socket path in it: a daemon socket
+/// that an unprivileged client (setpriv) can reach. The directory goes with the `TempDir`.
+pub fn shared_socket_dir(prefix: &str) -> (tempfile::TempDir, PathBuf) {
+    let shared = tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in("/tmp")
+        .unwrap();
+    std::fs::set_permissions(
+        shared.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let socket = shared.path().join("gpuguard.sock");
+    (shared, socket)
 }
