@@ -76,15 +76,20 @@ fn gpu_below_min_free_loses_its_largest_holder_and_the_other_gpu_is_untouched() 
         c.alive(),
         "the holder on the healthy GPU 1 must be untouched (it is larger)"
     );
-    let log = daemon.log_text();
-    assert!(
-        log.contains("GPU 0 free 512.0 MiB < min_free 1.0 GiB"),
-        "{log}"
-    );
-    assert!(
-        log.contains(&format!("model 'a' pids [{}(python3)]", a.pid())),
-        "{log}"
-    );
+    // GPU 0 (only) went under its act floor, and the action was for that floor, on the holder.
+    let acted = daemon.wait_for_event("process_killed", Duration::from_secs(5), |e| {
+        e["subject"]["model"] == "a"
+    });
+    assert_eq!(acted["action"]["reason"], "gpu_floor", "{acted}");
+    assert_eq!(acted["subject"]["pid"], a.pid(), "{acted}");
+    assert_eq!(acted["subject"]["comm"], "python3", "{acted}");
+    let mut floors: Vec<_> = daemon
+        .events_of("floor_act")
+        .iter()
+        .map(|e| e["subject"]["resource"].clone())
+        .collect();
+    floors.dedup();
+    assert_eq!(floors, ["GPU 0"], "{}", daemon.log_text());
 }
 
 #[test]
@@ -109,14 +114,27 @@ fn model_over_gpu_budget_summed_over_parent_and_child_is_stopped_after_grace() {
         ),
         &fake,
     );
-    daemon.wait_for_log("model 'fam' over budget: GPU memory 10.0 GiB > budget 8.0 GiB (GPU 0: 5.0 GiB, GPU 1: 5.0 GiB)", Duration::from_secs(5));
-    std::thread::sleep(Duration::from_millis(1200));
-    assert_ne!(
-        proc_state(parent),
-        Some('T'),
-        "stopped before grace:\n{}",
-        daemon.log_text()
-    );
+    let over = daemon.wait_for_event("budget_exceeded", Duration::from_secs(5), |e| {
+        e["subject"]["model"] == "fam"
+    });
+    let over_at = std::time::Instant::now();
+    assert_eq!(over["subject"]["usage_bytes"], 10 * GIB, "{over}");
+    assert_eq!(over["subject"]["budget_bytes"], 8 * GIB, "{over}");
+    // A tick that began after it was seen over budget finds it over budget and not yet
+    // stopped (unless the loop was so slow that the 2 s grace ran out meanwhile).
+    let report = daemon.next_tick_status();
+    if over_at.elapsed() < Duration::from_millis(1500) {
+        assert_eq!(
+            model_row(&report, "fam").map(|m| &m["state"]),
+            Some(&serde_json::json!("over_budget")),
+            "stopped before grace: {report}"
+        );
+        assert!(
+            !is_stopped(parent),
+            "stopped before grace:\n{}",
+            daemon.log_text()
+        );
+    }
     assert!(
         wait_stopped(&[parent, child], Duration::from_secs(5)),
         "{}",
@@ -148,16 +166,19 @@ fn unavailable_gpu_memory_never_leads_to_a_kill() {
         ),
         &fake,
     );
-    daemon.wait_for_log(
-        "GPU 0 free 1.0 GiB < min_free 2.0 GiB",
-        Duration::from_secs(5),
-    );
-    daemon.wait_for_log("no process may be acted on", Duration::from_secs(5));
-    std::thread::sleep(Duration::from_secs(1));
+    // GPU 0 is under its floor and its only holder's usage is unknown: nobody to act on.
+    daemon.wait_for_event("no_victim", Duration::from_secs(5), |_| true);
+    let report = daemon.next_tick_status();
     assert!(holder.alive(), "NA must not kill:\n{}", daemon.log_text());
-    assert!(
-        !daemon.log_text().contains("over budget"),
+    assert_eq!(
+        daemon.events_of("budget_exceeded"),
+        Vec::<serde_json::Value>::new(),
         "NA is unknown, not a usage"
+    );
+    assert_eq!(
+        model_row(&report, "na").map(|m| &m["gpu_unknown"]),
+        Some(&serde_json::json!(true)),
+        "{report}"
     );
 }
 
@@ -190,13 +211,12 @@ fn gpu_lost_while_running_keeps_the_daemon_up_and_guarding_ram() {
         .wait(Duration::from_secs(30))
         .unwrap_or_else(|| panic!("RAM hog not stopped:\n{}", daemon.log_text()));
     assert!(matches!(status.signal(), Some(15 | 9)), "{status:?}");
-    let (code, log) = daemon.stop();
+    let (code, log, events) = daemon.stop_with_events();
     assert_eq!(code, Some(0), "{log}");
-    assert!(
-        log.contains("RAM available")
-            && log.contains(&format!("model 'hog' pids [{}(python3)]", hog.pid())),
-        "{log}"
-    );
+    let first = actions_on(&events, "hog").into_iter().next();
+    let first = first.unwrap_or_else(|| panic!("no action on the hog:\n{log}"));
+    assert_eq!(first["action"]["reason"], "ram_floor", "{first}");
+    assert_eq!(first["subject"]["pid"], hog.pid(), "{first}");
 }
 
 #[test]
@@ -243,17 +263,16 @@ fn injected_xid_shows_up_as_a_critical_event() {
     let daemon = GuardDaemon::start_with_fake(&gpu_config("", &[]), &fake);
     daemon.wait_for_log("GPU protection on", Duration::from_secs(5));
     fake.set(&format!("{}xid 1 79 id=7\n", two_gpus(1, 1, &[])));
-    daemon.wait_for_log("Xid 79 on GPU 1", Duration::from_secs(5));
-    let log = daemon.log_text();
-    let line = log.lines().find(|l| l.contains("Xid 79")).unwrap();
-    assert!(
-        line.contains("ERROR") && line.contains("xid_critical"),
-        "{line}"
-    );
+    let xid = daemon.wait_for_event("xid_critical", Duration::from_secs(5), |_| true);
+    assert_eq!(xid["severity"], "critical", "{xid}");
+    assert_eq!(xid["subject"]["resource"], "GPU 1", "{xid}");
+    // The guard has looked again since: still one.
+    daemon.next_tick_status();
     assert_eq!(
-        log.matches("Xid 79 on GPU 1").count(),
+        daemon.events_of("xid_critical").len(),
         1,
-        "delivered once:\n{log}"
+        "delivered once:\n{}",
+        daemon.log_text()
     );
 }
 
@@ -273,18 +292,19 @@ fn memory_kept_after_the_kill_is_reported_stuck_and_nobody_else_is_killed() {
     );
     a.wait(Duration::from_secs(10))
         .unwrap_or_else(|| panic!("a not killed:\n{}", daemon.log_text()));
-    daemon.wait_for_log("memory stuck in the driver", Duration::from_secs(5));
-    std::thread::sleep(Duration::from_secs(1));
+    daemon.wait_for_event("stuck_memory", Duration::from_secs(5), |_| true);
+    // The guard has looked again since it found the memory stuck: nobody else was chosen.
+    daemon.next_tick_status();
     assert!(
         b.alive(),
         "no second kill while the first victim's memory is stuck:\n{}",
         daemon.log_text()
     );
-    let log = daemon.log_text();
-    assert!(log.contains("stuck_memory"), "{log}");
-    assert!(
-        !log.contains(&format!("model 'b' pids [{}", b.pid())),
-        "{log}"
+    assert_eq!(
+        daemon.verbs_on("b"),
+        Vec::<String>::new(),
+        "{}",
+        daemon.log_text()
     );
 }
 
@@ -301,11 +321,15 @@ fn stale_gpu_samples_alert_but_never_kill() {
         "{}delay nvmlDeviceGetMemoryInfo_v2 1000\n",
         two_gpus(15, 1, &[(0, holder.pid(), "8589934592")])
     ));
-    daemon.wait_for_log(
-        "the reading is stale, alerting only",
-        Duration::from_secs(10),
+    daemon.wait_for_event("not_acting_stale", Duration::from_secs(10), |_| true);
+    // The guard has looked again since (its ticks go on while NVML is late).
+    daemon.next_tick_status();
+    assert_eq!(
+        daemon.verbs_on("s"),
+        Vec::<String>::new(),
+        "{}",
+        daemon.log_text()
     );
-    std::thread::sleep(Duration::from_secs(2));
     assert!(
         holder.alive(),
         "a stale sample must not kill:\n{}",
@@ -324,16 +348,11 @@ fn same_model_loaded_twice_on_one_gpu_is_reported_once() {
         &[(0, a.pid(), "4294967296"), (0, b.pid(), "4294967296")],
     ));
     let daemon = GuardDaemon::start_with_fake(&gpu_config("", &[]), &fake);
-    daemon.wait_for_log(
-        "run the same command and hold 8.0 GiB together",
-        Duration::from_secs(5),
-    );
-    std::thread::sleep(Duration::from_secs(1));
-    assert_eq!(
-        daemon.log_text().matches("run the same command").count(),
-        1,
-        "reported once"
-    );
+    let dup = daemon.wait_for_event("duplicate_load", Duration::from_secs(5), |_| true);
+    assert_eq!(dup["severity"], "warning", "{dup}");
+    // The guard has looked again since: still reported once.
+    daemon.next_tick_status();
+    assert_eq!(daemon.events_of("duplicate_load").len(), 1, "reported once");
     let _ = GIB_S;
 }
 

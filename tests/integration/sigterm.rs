@@ -78,14 +78,27 @@ fn a_victim_that_ignores_sigterm_and_grows_is_killed_without_waiting_for_term_gr
         "{status:?}\n{}",
         daemon.log_text()
     );
-    let log = daemon.log_text();
-    assert!(
-        log.contains("terminate model 'grower'"),
-        "SIGTERM first:\n{log}"
+    // SIGTERM first, then SIGKILL for the growth after it (the reason's detail says so).
+    daemon.wait_for_event("process_killed", Duration::from_secs(10), |e| {
+        e["subject"]["model"] == "grower" && e["action"]["verb"] == "kill"
+    });
+    let actions = daemon.actions_on("grower");
+    let verbs = daemon.verbs_on("grower");
+    assert_eq!(
+        verbs.first().map(String::as_str),
+        Some("terminate"),
+        "{actions:#?}"
     );
+    let kill = actions
+        .iter()
+        .find(|e| e["action"]["verb"] == "kill")
+        .unwrap();
+    assert_eq!(kill["action"]["reason"], "ram_floor", "{kill}");
     assert!(
-        log.contains("after SIGTERM: it is not shutting down"),
-        "{log}"
+        kill["action"]["detail"]
+            .as_str()
+            .is_some_and(|d| d.ends_with("after SIGTERM: it is not shutting down")),
+        "{kill}"
     );
 }
 
@@ -98,14 +111,23 @@ fn a_server_that_handles_sigterm_is_left_to_exit_cleanly() {
     let mut server = KillOnDrop(grower(&token, floor - 512 * MIB, "handle", 0.002));
     let status = wait_child(&mut server.0, Duration::from_secs(120))
         .unwrap_or_else(|| panic!("never terminated:\n{}", daemon.log_text()));
-    let log = daemon.log_text();
     assert_eq!(
         status.code(),
         Some(0),
-        "{status:?}: not a clean exit\n{log}"
+        "{status:?}: not a clean exit\n{}",
+        daemon.log_text()
     );
-    assert!(log.contains("terminate model 'grower'"), "{log}");
-    assert!(!log.contains("kill model 'grower'"), "{log}");
+    daemon.wait_for_event("process_killed", Duration::from_secs(10), |e| {
+        e["subject"]["model"] == "grower"
+    });
+    // The guard has looked again since the server exited: SIGTERM only.
+    daemon.next_tick_status();
+    assert_eq!(
+        daemon.verbs_on("grower"),
+        ["terminate"],
+        "{}",
+        daemon.log_text()
+    );
 }
 
 /// The daemon's own SIGTERM during startup (systemd stopping it as it starts, the package

@@ -31,12 +31,7 @@ fn launch(daemon: &GuardDaemon, model: &str, token: &str) -> KillOnDrop {
     )
 }
 
-fn model<'a>(report: &'a Value, name: &str) -> Option<&'a Value> {
-    report["models"]
-        .as_array()?
-        .iter()
-        .find(|m| m["name"] == name)
-}
+use crate::common::model_row as model;
 
 #[test]
 fn status_shows_every_section_consistent_with_the_scenario() {

@@ -531,6 +531,60 @@ impl GuardDaemon {
         found.unwrap()
     }
 
+    /// The events of `kind` in the event log, oldest first.
+    pub fn events_of(&self, kind: &str) -> Vec<serde_json::Value> {
+        self.events()
+            .into_iter()
+            .filter(|e| e["event"] == kind)
+            .collect()
+    }
+
+    /// The actions in the event log (notices with an `action`: verb, reason, outcome) on the
+    /// processes of model `model`, oldest first, whatever their outcome.
+    pub fn actions_on(&self, model: &str) -> Vec<serde_json::Value> {
+        actions_on(&self.events(), model)
+    }
+
+    /// The verbs of the actions done (or, in observe mode, observed) on model `model`, in order:
+    /// `["terminate", "kill"]`.
+    pub fn verbs_on(&self, model: &str) -> Vec<String> {
+        verbs_on(&self.events(), model)
+    }
+
+    /// A status report from a tick that began after this call: the report's `uptime_seconds`
+    /// (set by the loop as it publishes) has moved on twice since the call. The first report
+    /// after the one current at the call was published after it; the next one comes from a
+    /// tick that began after that. Proves the guard looked again before a test asserts that
+    /// nothing happened.
+    pub fn next_tick_status(&self) -> serde_json::Value {
+        let mut last = self.status()["uptime_seconds"].as_f64().unwrap_or(0.0);
+        let mut report = serde_json::Value::Null;
+        for _ in 0..2 {
+            let moved = wait_until(Duration::from_secs(20), || {
+                report = self.status();
+                report["uptime_seconds"].as_f64().is_some_and(|u| u > last)
+            });
+            assert!(
+                moved,
+                "the loop published no new status; log:\n{}",
+                self.log_text()
+            );
+            last = report["uptime_seconds"].as_f64().unwrap_or(last);
+        }
+        report
+    }
+
+    /// SIGTERM and wait for exit; returns the exit code, the log and the event log as left.
+    pub fn stop_with_events(mut self) -> (Option<i32>, String, Vec<serde_json::Value>) {
+        self.signal(nix::sys::signal::Signal::SIGTERM);
+        let status = wait_child(&mut self.child, Duration::from_secs(10));
+        (
+            status.and_then(|s| s.code()),
+            self.log_text(),
+            self.events(),
+        )
+    }
+
     /// `gpuguard status --json` from this daemon.
     pub fn status(&self) -> serde_json::Value {
         let out = Command::new(BIN)
@@ -743,4 +797,30 @@ pub fn shared_socket_dir(prefix: &str) -> (tempfile::TempDir, PathBuf) {
     .unwrap();
     let socket = shared.path().join("gpuguard.sock");
     (shared, socket)
+}
+
+/// The row of model `name` in a status report.
+pub fn model_row<'a>(report: &'a serde_json::Value, name: &str) -> Option<&'a serde_json::Value> {
+    report["models"]
+        .as_array()?
+        .iter()
+        .find(|m| m["name"] == name)
+}
+
+/// The actions in `events` (notices with an `action`) on the processes of model `model`.
+pub fn actions_on(events: &[serde_json::Value], model: &str) -> Vec<serde_json::Value> {
+    events
+        .iter()
+        .filter(|e| e["action"].is_object() && e["subject"]["model"] == model)
+        .cloned()
+        .collect()
+}
+
+/// The verbs of the actions in `events` done (or observed) on model `model`, in order.
+pub fn verbs_on(events: &[serde_json::Value], model: &str) -> Vec<String> {
+    actions_on(events, model)
+        .iter()
+        .filter(|e| matches!(e["action"]["outcome"].as_str(), Some("done" | "observed")))
+        .filter_map(|e| e["action"]["verb"].as_str().map(String::from))
+        .collect()
 }
