@@ -270,8 +270,16 @@ fn retries_after_503_and_429_deliver_the_alert_once() {
         receiver.notices(),
         daemon.log_text()
     );
-    std::thread::sleep(Duration::from_millis(500));
-    let got = receiver.received();
+    let (code, _) = daemon.stop();
+    assert_eq!(code, Some(0));
+    let mut got = receiver.received();
+    // The last notice is daemon_stopping (so every earlier one went out before it).
+    let last = got.pop().map(|r| r.json());
+    assert_eq!(
+        last.as_ref().map(|n| &n["event"]),
+        Some(&Value::from("daemon_stopping")),
+        "{last:?}"
+    );
     // The same notice four times (the same bytes: a retry, not a new alert), and nothing else.
     assert_eq!(got.len(), 4, "{:?}", receiver.notices());
     assert!(got.iter().all(|r| r.body == got[0].body));
@@ -282,14 +290,6 @@ fn retries_after_503_and_429_deliver_the_alert_once() {
         got[3].at - got[2].at >= Duration::from_millis(900),
         "{:?}",
         got[3].at - got[2].at
-    );
-    let (code, _) = daemon.stop();
-    assert_eq!(code, Some(0));
-    let after = receiver.notices();
-    assert_eq!(
-        after.last().unwrap()["event"],
-        "daemon_stopping",
-        "{after:?}"
     );
 }
 
@@ -312,7 +312,15 @@ fn a_condition_fires_once_repeats_and_resolves_and_the_event_log_has_it() {
     })
     .unwrap_or_else(|| panic!("{:?}\n{}", receiver.notices(), daemon.log_text()));
     let over = started.elapsed();
-    std::thread::sleep(Duration::from_millis(500));
+    // The daemon stopped: its last notice, daemon_stopping, comes after every other one.
+    let mut daemon = daemon;
+    daemon.signal(nix::sys::signal::Signal::SIGTERM);
+    assert!(wait_child(&mut daemon.child, Duration::from_secs(10)).is_some());
+    assert!(
+        wait_for(&receiver, |n| n["event"] == "daemon_stopping").is_some(),
+        "{:?}",
+        receiver.notices()
+    );
 
     let budget: Vec<Value> = receiver
         .notices()
@@ -352,9 +360,6 @@ fn a_condition_fires_once_repeats_and_resolves_and_the_event_log_has_it() {
     );
 
     // The event log: JSON lines with the raw event, the condition and its resolution.
-    let mut daemon = daemon;
-    daemon.signal(nix::sys::signal::Signal::SIGTERM);
-    assert!(wait_child(&mut daemon.child, Duration::from_secs(10)).is_some());
     let log = std::fs::read_to_string(daemon.state_dir().join("events.jsonl")).unwrap();
     let lines: Vec<Value> = log
         .lines()

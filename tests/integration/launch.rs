@@ -125,6 +125,18 @@ impl Setup {
             })
     }
 
+    /// Waits until the daemon's status has `model` in the launch queue.
+    fn wait_queued(&self, model: &str) {
+        assert!(
+            wait_until(Duration::from_secs(10), || queued(
+                &self.daemon.status(),
+                model
+            )),
+            "{model} never queued:\n{}",
+            self.daemon.log_text()
+        );
+    }
+
     fn wait_noted(&self, what: &str, name: &str, timeout: Duration) -> (f64, u32, String, String) {
         assert!(
             wait_until(timeout, || self.noted(what, name).is_some()),
@@ -133,6 +145,13 @@ impl Setup {
         );
         self.noted(what, name).unwrap()
     }
+}
+
+/// Whether `model` waits in the launch queue of a status report.
+fn queued(report: &serde_json::Value, model: &str) -> bool {
+    report["queue"]
+        .as_array()
+        .is_some_and(|q| q.iter().any(|row| row["model"] == model))
 }
 
 fn kill_all(children: &mut [&mut Child]) {
@@ -188,7 +207,12 @@ fn ready_url_answering_releases_the_lock() {
     let mut first = s.launch("first", &["--ready-url", &url], ("first", GIB, 0.0, false));
     s.wait_noted("loaded", "first", Duration::from_secs(5));
     let mut second = s.launch("second", &[], ("second", GIB, 0.0, false));
-    std::thread::sleep(Duration::from_millis(1500));
+    // The daemon has the second queued, and still has on a tick that began after that.
+    s.wait_queued("second");
+    assert!(
+        queued(&s.daemon.next_tick_status(), "second"),
+        "second left the queue before the ready URL answered"
+    );
     assert!(
         s.noted("start", "second").is_none(),
         "second started before the ready URL answered"
@@ -446,7 +470,11 @@ fn a_non_root_client_cannot_release_someone_elses_lease() {
         "{}",
         String::from_utf8_lossy(&refused.stderr)
     );
-    std::thread::sleep(Duration::from_millis(500));
+    // A tick that began after the refusal still has the second waiting for the lock.
+    assert!(
+        queued(&s.daemon.next_tick_status(), "second"),
+        "the lock must still be held"
+    );
     assert!(
         s.noted("start", "second").is_none(),
         "the lock must still be held"

@@ -236,14 +236,12 @@ fn a_process_whose_leader_exited_is_measured_and_held_to_its_budget() {
         "{status:?}\n{}",
         daemon.log_text()
     );
-    let log = daemon.log_text();
-    assert!(
-        log.contains(&format!(
-            "model 'hidden' pids [{}(zombie_leader)]",
-            hidden.pid()
-        )),
-        "{log}"
-    );
+    let acted = daemon.wait_for_event("process_killed", Duration::from_secs(10), |e| {
+        e["subject"]["model"] == "hidden"
+    });
+    assert_eq!(acted["action"]["reason"], "ram_budget", "{acted}");
+    assert_eq!(acted["subject"]["pid"], hidden.pid(), "{acted}");
+    assert_eq!(acted["subject"]["comm"], "zombie_leader", "{acted}");
 }
 
 #[test]
@@ -267,13 +265,11 @@ fn a_process_whose_leader_exited_is_chosen_at_a_floor() {
         "{status:?}\n{}",
         daemon.log_text()
     );
-    let log = daemon.log_text();
-    assert!(log.contains("< min_available"), "{log}");
-    assert!(
-        log.contains(&format!(
-            "model 'hidden' pids [{}(zombie_leader)]",
-            hidden.pid()
-        )),
-        "{log}"
-    );
+    let acted = daemon.wait_for_event("process_killed", Duration::from_secs(10), |e| {
+        e["subject"]["model"] == "hidden"
+    });
+    assert_eq!(acted["action"]["reason"], "ram_floor", "{acted}");
+    assert_eq!(acted["subject"]["floor_bytes"], floor, "{acted}");
+    assert_eq!(acted["subject"]["pid"], hidden.pid(), "{acted}");
+    assert_eq!(acted["subject"]["comm"], "zombie_leader", "{acted}");
 }
