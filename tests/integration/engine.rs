@@ -144,7 +144,7 @@ fn kv_cache_full_and_gpu_reserved_are_different_states() {
     );
     let daemon = GuardDaemon::start_with_fake(&config, &fake);
 
-    daemon.wait_for_log("GPU protection on: 1 GPU(s)", Duration::from_secs(10));
+    daemon.wait_gpus_on(Some(1), Duration::from_secs(10));
     assert!(wait_until(Duration::from_secs(10), || model(
         &daemon.status(),
         "qwen"
@@ -252,7 +252,7 @@ fn a_metrics_url_given_at_launch_is_scraped_and_one_off_loopback_is_refused() {
         FakeNvml::library()
     );
     let daemon = GuardDaemon::start_with_fake(&config, &fake);
-    daemon.wait_for_log("GPU protection on: 1 GPU(s)", Duration::from_secs(10));
+    daemon.wait_gpus_on(Some(1), Duration::from_secs(10));
 
     let refused = Command::new(BIN)
         .args([

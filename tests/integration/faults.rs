@@ -149,7 +149,7 @@ fn impossible_gpu_readings_are_unknown_and_never_kill() {
         ),
         &fake,
     );
-    daemon.wait_for_log("GPU protection on: 1 GPU(s)", LONG);
+    daemon.wait_gpus_on(Some(1), LONG);
     // Each of these, taken at face value, kills the hog: the first two are far below min_free
     // with the hog the largest holder, the third puts its model over its 8 GiB budget.
     let bad = [
@@ -221,7 +221,7 @@ fn stopped_victim_outlives_a_lost_gpu(name: &str, lost_state: impl Fn(&str) -> S
         ),
         &fake,
     );
-    daemon.wait_for_log("GPU protection on: 2 GPU(s)", LONG);
+    daemon.wait_gpus_on(Some(2), LONG);
     fake.set(&two(31 * GIB / 2));
     assert!(
         wait_stopped(&[pid], LONG),
@@ -438,7 +438,7 @@ fn floors_that_cannot_be_right_are_refused_by_check_config_at_start_and_on_reloa
         ),
         &fake,
     );
-    daemon.wait_for_log("GPU protection on: 2 GPU(s)", LONG);
+    daemon.wait_gpus_on(Some(2), LONG);
     daemon.rewrite_config(&config("min_free = \"20GiB\"", "", &model));
     daemon.signal(nix::sys::signal::Signal::SIGHUP);
     daemon.wait_for_log("config reload failed, keeping the previous config", LONG);

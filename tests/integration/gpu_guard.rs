@@ -53,7 +53,7 @@ fn gpu_below_min_free_loses_its_largest_holder_and_the_other_gpu_is_untouched() 
         ),
         &fake,
     );
-    daemon.wait_for_log("GPU protection on: 2 GPU(s)", Duration::from_secs(5));
+    daemon.wait_gpus_on(Some(2), Duration::from_secs(5));
     assert!(a.alive() && b.alive() && c.alive());
 
     // GPU 0 fills up: 15.5 GiB used of 16.
@@ -198,7 +198,7 @@ fn gpu_lost_while_running_keeps_the_daemon_up_and_guarding_ram() {
         ),
     );
     let daemon = GuardDaemon::start_with_fake(&config, &fake);
-    daemon.wait_for_log("GPU protection on: 2 GPU(s)", Duration::from_secs(5));
+    daemon.wait_gpus_on(Some(2), Duration::from_secs(5));
     let _ = t;
 
     fake.set(&format!("{}error * 15 gpu=1\n", two_gpus(1, 1, &[])));
@@ -254,14 +254,14 @@ fn driver_appearing_later_is_picked_up_by_the_init_retry() {
         Duration::from_secs(5),
     );
     fake.set(&two_gpus(1, 1, &[]));
-    daemon.wait_for_log("GPU protection on: 2 GPU(s)", Duration::from_secs(5));
+    daemon.wait_gpus_on(Some(2), Duration::from_secs(5));
 }
 
 #[test]
 fn injected_xid_shows_up_as_a_critical_event() {
     let fake = FakeNvml::new(&two_gpus(1, 1, &[]));
     let daemon = GuardDaemon::start_with_fake(&gpu_config("", &[]), &fake);
-    daemon.wait_for_log("GPU protection on", Duration::from_secs(5));
+    daemon.wait_gpus_on(None, Duration::from_secs(5));
     fake.set(&format!("{}xid 1 79 id=7\n", two_gpus(1, 1, &[])));
     let xid = daemon.wait_for_event("xid_critical", Duration::from_secs(5), |_| true);
     assert_eq!(xid["severity"], "critical", "{xid}");
@@ -315,7 +315,7 @@ fn stale_gpu_samples_alert_but_never_kill() {
     let fake = FakeNvml::new(&two_gpus(1, 1, &[(0, holder.pid(), "8589934592")]));
     let daemon =
         GuardDaemon::start_with_fake(&gpu_config("min_free = \"2GiB\"", &[("s", &t, "")]), &fake);
-    daemon.wait_for_log("GPU protection on", Duration::from_secs(5));
+    daemon.wait_gpus_on(None, Duration::from_secs(5));
     // NVML now answers late (1 s per memory query, deadline 300 ms) with GPU 0 nearly full.
     fake.set(&format!(
         "{}delay nvmlDeviceGetMemoryInfo_v2 1000\n",
@@ -366,7 +366,7 @@ fn driver_library_mismatch_is_a_state_not_a_crash() {
     );
     // Once the mismatch is gone (reboot), the retry picks the GPUs up; the daemon never stopped.
     fake.set(&two_gpus(1, 1, &[]));
-    daemon.wait_for_log("GPU protection on: 2 GPU(s)", Duration::from_secs(5));
+    daemon.wait_gpus_on(Some(2), Duration::from_secs(5));
     assert_eq!(
         daemon.log_text().matches("GPU protection is off").count(),
         1,

@@ -68,7 +68,7 @@ fn setup_with(socket: &str, launch: &str, state: &str) -> Setup {
         FakeNvml::library()
     );
     let daemon = GuardDaemon::start_with_fake(&config, &fake);
-    daemon.wait_for_log("GPU protection on", Duration::from_secs(5));
+    daemon.wait_gpus_on(None, Duration::from_secs(5));
     let log = fake.dir.path().join("loaders.log");
     let socket = if socket.starts_with("{state_dir}") {
         daemon.socket()

@@ -44,7 +44,7 @@ fn setup() -> Setup {
         FakeNvml::library()
     );
     let daemon = GuardDaemon::start_with_fake(&config, &fake);
-    daemon.wait_for_log("GPU protection on: 2 GPU(s)", Duration::from_secs(5));
+    daemon.wait_gpus_on(Some(2), Duration::from_secs(5));
     daemon.wait_for_log(
         &format!("metrics on http://127.0.0.1:{port}/metrics"),
         Duration::from_secs(5),

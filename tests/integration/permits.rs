@@ -33,7 +33,7 @@ fn card(model_extra: &str, extra: &str) -> Card {
         FakeNvml::library()
     );
     let daemon = GuardDaemon::start_with_fake(&config, &fake);
-    daemon.wait_for_log("GPU protection on", Duration::from_secs(10));
+    daemon.wait_gpus_on(None, Duration::from_secs(10));
     // The server is a member of its model, with its weights seen.
     assert!(wait_until(Duration::from_secs(10), || {
         daemon.status()["models"]

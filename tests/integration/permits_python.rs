@@ -50,7 +50,7 @@ fn setup(card_gib: u64) -> Setup {
         FakeNvml::library()
     );
     let daemon = GuardDaemon::start_with_fake(&config, &fake);
-    daemon.wait_for_log("GPU protection on", Duration::from_secs(10));
+    daemon.wait_gpus_on(None, Duration::from_secs(10));
     Setup { fake, daemon }
 }
 

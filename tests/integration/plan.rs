@@ -246,10 +246,7 @@ fn this_host_asked_from_the_running_daemon() {
         FakeNvml::library()
     );
     let daemon = GuardDaemon::start_with_fake(&config, &fake);
-    daemon.wait_for_log(
-        "GPU protection on: 2 GPU(s)",
-        std::time::Duration::from_secs(10),
-    );
+    daemon.wait_gpus_on(Some(2), std::time::Duration::from_secs(10));
     // No NVML for the CLI itself: the answer can only come from the daemon.
     let p = json(
         &[

@@ -57,7 +57,7 @@ fn status_shows_every_section_consistent_with_the_scenario() {
         FakeNvml::library()
     );
     let daemon = GuardDaemon::start_with_fake(&config, &fake);
-    daemon.wait_for_log("GPU protection on: 2 GPU(s)", Duration::from_secs(5));
+    daemon.wait_gpus_on(Some(2), Duration::from_secs(5));
     assert!(
         wait_stopped(&[held.pid()], Duration::from_secs(10)),
         "the model over its RAM budget is not held stopped:\n{}",

@@ -574,6 +574,33 @@ impl GuardDaemon {
         report
     }
 
+    /// Waits for a status report that `pred` accepts; returns it (panics with the log if none
+    /// comes).
+    pub fn wait_for_status(
+        &self,
+        timeout: Duration,
+        pred: impl Fn(&serde_json::Value) -> bool,
+    ) -> serde_json::Value {
+        let mut report = serde_json::Value::Null;
+        let ok = wait_until(timeout, || {
+            report = self.status();
+            pred(&report)
+        });
+        assert!(ok, "no such status: {report}\nlog:\n{}", self.log_text());
+        report
+    }
+
+    /// Waits until GPU protection is on (status `gpu_protection.state` "ok": NVML sampled), with
+    /// `gpus` GPUs when given.
+    pub fn wait_gpus_on(&self, gpus: Option<usize>, timeout: Duration) -> serde_json::Value {
+        self.wait_for_status(timeout, |r| {
+            r["gpu_protection"]["state"] == "ok"
+                && r["gpus"]
+                    .as_array()
+                    .is_some_and(|g| gpus.is_none_or(|n| g.len() == n))
+        })
+    }
+
     /// SIGTERM and wait for exit; returns the exit code, the log and the event log as left.
     pub fn stop_with_events(mut self) -> (Option<i32>, String, Vec<serde_json::Value>) {
         self.signal(nix::sys::signal::Signal::SIGTERM);
