@@ -120,12 +120,13 @@ fn a_server_that_handles_sigterm_is_left_to_exit_cleanly() {
     daemon.wait_for_event("process_killed", Duration::from_secs(10), |e| {
         e["subject"]["model"] == "grower"
     });
-    // The guard has looked again since the server exited: SIGTERM only.
+    // The guard has looked again since the server exited: SIGTERM (once per incident), never
+    // SIGKILL.
     daemon.next_tick_status();
-    assert_eq!(
-        daemon.verbs_on("grower"),
-        ["terminate"],
-        "{}",
+    let verbs = daemon.verbs_on("grower");
+    assert!(
+        verbs.iter().all(|v| v == "terminate"),
+        "{verbs:?}\n{}",
         daemon.log_text()
     );
 }
