@@ -202,10 +202,10 @@ fn gpu_lost_while_running_keeps_the_daemon_up_and_guarding_ram() {
     let _ = t;
 
     fake.set(&format!("{}error * 15 gpu=1\n", two_gpus(1, 1, &[])));
-    daemon.wait_for_log(
-        "GPU 1 free unknown (device fell off the bus",
-        Duration::from_secs(5),
-    );
+    // GPU 1 is lost: protection degraded.
+    daemon.wait_for_status(Duration::from_secs(5), |r| {
+        r["gpu_protection"]["state"] == "degraded" && r["gpus"][1]["lost"] == true
+    });
     let mut hog = Hog::start(&hog_t, 1024, 2560, 30);
     let status = hog
         .wait(Duration::from_secs(30))
@@ -233,10 +233,12 @@ fn no_libnvidia_ml_at_all_starts_and_guards_ram() {
     )
     .replace(&FakeNvml::library(), "/nonexistent/libnvidia-ml.so.1");
     let daemon = GuardDaemon::start(&config);
-    daemon.wait_for_log(
-        "GPU protection is off: NVML library not loadable",
-        Duration::from_secs(5),
-    );
+    daemon.wait_for_status(Duration::from_secs(5), |r| {
+        r["gpu_protection"]["state"] == "unavailable"
+            && r["gpu_protection"]["reason"]
+                .as_str()
+                .is_some_and(|why| why.contains("NVML library not loadable"))
+    });
     assert!(
         wait_stopped(&[hog.pid()], Duration::from_secs(10)),
         "{}",
@@ -249,10 +251,12 @@ fn driver_appearing_later_is_picked_up_by_the_init_retry() {
     let fake = FakeNvml::new("");
     std::fs::remove_file(&fake.state).unwrap();
     let daemon = GuardDaemon::start_with_fake(&gpu_config("", &[]), &fake);
-    daemon.wait_for_log(
-        "GPU protection is off: NVIDIA driver not loaded",
-        Duration::from_secs(5),
-    );
+    daemon.wait_for_status(Duration::from_secs(5), |r| {
+        r["gpu_protection"]["state"] == "unavailable"
+            && r["gpu_protection"]["reason"]
+                .as_str()
+                .is_some_and(|why| why.contains("NVIDIA driver not loaded"))
+    });
     fake.set(&two_gpus(1, 1, &[]));
     daemon.wait_gpus_on(Some(2), Duration::from_secs(5));
 }
@@ -360,17 +364,21 @@ fn same_model_loaded_twice_on_one_gpu_is_reported_once() {
 fn driver_library_mismatch_is_a_state_not_a_crash() {
     let fake = FakeNvml::new(&format!("{}error nvmlInit_v2 18\n", two_gpus(1, 1, &[])));
     let daemon = GuardDaemon::start_with_fake(&gpu_config("", &[]), &fake);
-    daemon.wait_for_log(
-        "GPU protection is off: NVML/driver version mismatch (driver upgraded without reboot?)",
-        Duration::from_secs(5),
-    );
+    daemon.wait_for_status(Duration::from_secs(5), |r| {
+        r["gpu_protection"]["state"] == "unavailable"
+            && r["gpu_protection"]["reason"]
+                .as_str()
+                .is_some_and(|why| why.contains("NVML/driver version mismatch"))
+    });
     // Once the mismatch is gone (reboot), the retry picks the GPUs up; the daemon never stopped.
     fake.set(&two_gpus(1, 1, &[]));
     daemon.wait_gpus_on(Some(2), Duration::from_secs(5));
     assert_eq!(
-        daemon.log_text().matches("GPU protection is off").count(),
+        daemon.events_of("gpu_unavailable").len(),
         1,
-        "said once"
+        "said once:
+{}",
+        daemon.log_text()
     );
     let (code, _) = daemon.stop();
     assert_eq!(code, Some(0));

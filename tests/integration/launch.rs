@@ -184,7 +184,13 @@ fn second_launch_starts_only_after_the_first_is_ready() {
         second_start - first_loaded
     );
     assert!(second_start > first_start);
-    s.daemon.wait_for_log(&format!("model 'first' (pid {first_pid}): GPU memory grew by 2.0 GiB and stayed flat for 1s; launch lock released"), Duration::from_secs(2));
+    // The first's lease is ready (its memory settled): an info launch_ready about it.
+    let ready = s
+        .daemon
+        .wait_for_event("launch_ready", Duration::from_secs(2), |e| {
+            e["subject"]["pid"] == first_pid
+        });
+    assert_eq!(ready["severity"], "info", "{ready}");
     kill_all(&mut [&mut first, &mut second]);
     let mut err = String::new();
     second
@@ -225,10 +231,10 @@ fn ready_url_answering_releases_the_lock() {
         .unwrap();
     drop(conn);
     s.wait_noted("start", "second", Duration::from_secs(5));
-    s.daemon.wait_for_log(
-        "ready URL answered; launch lock released",
-        Duration::from_secs(1),
-    );
+    let ready = s
+        .daemon
+        .wait_for_event("launch_ready", Duration::from_secs(1), |_| true);
+    assert_eq!(ready["severity"], "info", "{ready}");
     kill_all(&mut [&mut first, &mut second]);
 }
 
@@ -268,14 +274,7 @@ fn first_loader_crashing_lets_the_second_start_at_once() {
         second_start - crashed
     );
     s.daemon
-        .wait_for_log("model 'first'", Duration::from_secs(1));
-    assert!(
-        s.daemon
-            .log_text()
-            .contains("exited while loading; launch lock released"),
-        "{}",
-        s.daemon.log_text()
-    );
+        .wait_for_event("launch_died", Duration::from_secs(1), |_| true);
     kill_all(&mut [&mut first, &mut second]);
 }
 

@@ -45,9 +45,13 @@ fn setup() -> Setup {
     );
     let daemon = GuardDaemon::start_with_fake(&config, &fake);
     daemon.wait_gpus_on(Some(2), Duration::from_secs(5));
-    daemon.wait_for_log(
-        &format!("metrics on http://127.0.0.1:{port}/metrics"),
-        Duration::from_secs(5),
+    assert!(
+        wait_until(Duration::from_secs(5), || get(&format!(
+            "http://127.0.0.1:{port}/metrics"
+        ))
+        .is_some()),
+        "no metrics on port {port}:\n{}",
+        daemon.log_text()
     );
     assert!(
         wait_stopped(&[held.pid()], Duration::from_secs(10)),

@@ -152,7 +152,9 @@ fn model_over_ram_budget_is_stopped_then_resumed_when_budget_is_raised() {
         record.contains(&format!("\"pid\": {pid}")),
         "stopped process recorded on disk: {record}"
     );
-    daemon.wait_for_log("over budget: RAM", Duration::from_secs(1));
+    daemon.wait_for_event("budget_exceeded", Duration::from_secs(1), |e| {
+        e["subject"]["model"] == "greedy" && e["subject"]["budget_bytes"] == 100 * MIB
+    });
 
     daemon.rewrite_config(&model("4GiB"));
     daemon.signal(Signal::SIGHUP);
@@ -164,7 +166,9 @@ fn model_over_ram_budget_is_stopped_then_resumed_when_budget_is_raised() {
         "not resumed:\n{}",
         daemon.log_text()
     );
-    daemon.wait_for_log("back under budget", Duration::from_secs(2));
+    daemon.wait_for_event("budget_cleared", Duration::from_secs(2), |e| {
+        e["subject"]["model"] == "greedy"
+    });
     assert!(hog.alive());
     let record = std::fs::read_to_string(daemon.state_dir().join("stopped.json")).unwrap();
     assert!(
@@ -283,10 +287,7 @@ fn daemon_killed_while_holding_a_process_resumes_it_on_restart() {
         "{}",
         restarted.log_text()
     );
-    restarted.wait_for_log(
-        &format!("resumed pid {pid} (python3) left stopped"),
-        Duration::from_secs(2),
-    );
+    restarted.wait_for_event("leftovers_undone", Duration::from_secs(2), |_| true);
     assert!(hog.alive());
 }
 
@@ -313,10 +314,9 @@ fn throttle_measurably_slows_a_growing_hog() {
         )],
     ));
     let hog = Hog::start_chunked(&hog_token, 400, 1024, 60, 4);
-    daemon.wait_for_log(
-        &format!("throttle model 't' pids [{}(python3)]", hog.pid()),
-        Duration::from_secs(10),
-    );
+    daemon.wait_for_event("process_throttled", Duration::from_secs(10), |e| {
+        e["subject"]["model"] == "t" && e["subject"]["pid"] == hog.pid()
+    });
     let throttled_rate = growth_per_second(hog.pid(), Duration::ZERO, Duration::from_millis(1500));
     assert!(
         free_rate > 100.0 * MIB as f64,
@@ -360,16 +360,13 @@ fn bad_reload_keeps_the_old_config_running() {
     let daemon = GuardDaemon::start(&good);
     daemon.rewrite_config(&good.replace("ram = \"64MiB\"", "ram = \"64 parsecs\""));
     daemon.signal(Signal::SIGHUP);
-    daemon.wait_for_log(
-        "config reload failed, keeping the previous config",
-        Duration::from_secs(5),
-    );
+    // The failed reload is an event naming the key and the bad value.
+    let failed = daemon.wait_for_event("config_reload_failed", Duration::from_secs(5), |_| true);
     assert!(
-        daemon
-            .log_text()
-            .contains("model[0] 'm'.ram: '64 parsecs' is not a size"),
-        "{}",
-        daemon.log_text()
+        failed["summary"]
+            .as_str()
+            .is_some_and(|s| s.contains("model[0] 'm'.ram: '64 parsecs' is not a size")),
+        "{failed}"
     );
     // The old budget still acts.
     let hog = Hog::start(&hog_token, 0, 128, 60);

@@ -214,7 +214,9 @@ fn without_nvml_model_gpu_use_is_unknown_and_watch_into_a_pipe_is_plain() {
     );
     // No FAKE_NVML_STATE: the fake answers "driver not loaded".
     let daemon = GuardDaemon::start(&config);
-    daemon.wait_for_log("GPU protection is off", Duration::from_secs(10));
+    daemon.wait_for_status(Duration::from_secs(10), |r| {
+        r["gpu_protection"]["state"] == "unavailable"
+    });
     assert!(wait_until(Duration::from_secs(10), || model(
         &daemon.status(),
         "m"
