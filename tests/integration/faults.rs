@@ -293,8 +293,8 @@ fn a_daemon_killed_while_holding_processes_resumes_them_before_reading_a_broken_
     let both_stopped = || is_stopped(stopped.pid()) && is_stopped(throttled.pid());
     // The duty cycle holds the throttled one stopped 80 % of the time: crash the daemon then.
     assert!(wait_until(LONG, both_stopped), "{}", daemon.log_text());
+    // crash() has reaped the daemon: nothing is left to resume them.
     let dir = daemon.crash();
-    std::thread::sleep(Duration::from_millis(300));
     assert!(both_stopped(), "a SIGKILLed daemon resumes nothing itself");
 
     // Half-edited meanwhile: the restart must refuse the config (exit 2) and still resume both.
@@ -713,7 +713,12 @@ fn implausible_nvml_counts_leave_the_guard_and_its_sampler_running() {
     let fake = FakeNvml::new(&format!("{healthy}device_count 4294967295\n"));
     let daemon =
         GuardDaemon::start_with_fake(&config("min_free = \"2GiB\"", "", &[("m", &t, "")]), &fake);
-    daemon.wait_for_log("NVML reports 4294967295 GPUs, more than any host has", LONG);
+    daemon.wait_for_status(LONG, |r| {
+        r["gpu_protection"]["state"] == "unavailable"
+            && r["gpu_protection"]["reason"]
+                .as_str()
+                .is_some_and(|why| why.contains("4294967295 GPUs"))
+    });
     // A process list claiming 4294967290 entries: unknown, not read, and the GPU below its floor
     // then has no victim to act on.
     fake.set(&format!(

@@ -1,6 +1,11 @@
 //! Test harness: the real `gpuguard` binary as a child daemon, real child processes to act on.
 //! Every test process carries a unique token in its command line, and test configs only match
 //! those tokens, so a test daemon never touches a process the test did not start.
+//!
+//! Tests assert on data: the event log (`events`, `wait_for_event`, `actions_on`, `verbs_on`) and
+//! `status --json` (`status`, `wait_for_status`, `wait_gpus_on`), not on the wording of log
+//! lines. To assert that nothing happened, a test first waits for proof that the guard looked
+//! again (`next_tick_status`: a report from a tick that began after the call), never a sleep.
 
 #![allow(dead_code)]
 
