@@ -1,6 +1,6 @@
 /* zombie_leader.c: a process whose thread-group leader has exited while a worker thread holds
  * the memory (the way to hide from a guard that reads /proc/PID/stat: the leader shows state Z
- * and rss 0). Used by tests/process_truth.rs.
+ * and rss 0). Used by tests/integration/process_truth.rs.
  *
  *   zombie_leader TOKEN CAP_MIB STOP_BELOW_BYTES
  *

@@ -1,6 +1,11 @@
 //! Test harness: the real `gpuguard` binary as a child daemon, real child processes to act on.
 //! Every test process carries a unique token in its command line, and test configs only match
 //! those tokens, so a test daemon never touches a process the test did not start.
+//!
+//! Tests assert on data: the event log (`events`, `wait_for_event`, `actions_on`, `verbs_on`) and
+//! `status --json` (`status`, `wait_for_status`, `wait_gpus_on`), not on the wording of log
+//! lines. To assert that nothing happened, a test first waits for proof that the guard looked
+//! again (`next_tick_status`: a report from a tick that began after the call), never a sleep.
 
 #![allow(dead_code)]
 
@@ -190,6 +195,11 @@ impl Hog {
         Self::start_chunked(token, rate_mib_s, cap_mib, hold_s, 16)
     }
 
+    /// A hog that allocates nothing and idles for 10 minutes: a process to match and measure.
+    pub fn idle(token: &str) -> Hog {
+        Self::start(token, 0, 0, 600)
+    }
+
     pub fn start_chunked(
         token: &str,
         rate_mib_s: u64,
@@ -275,6 +285,22 @@ impl GuardDaemon {
     pub fn start_with_env(config: &str, env: &[(&str, &str)]) -> GuardDaemon {
         let dir = tempfile::tempdir().unwrap();
         Self::start_in(dir, config, env)
+    }
+
+    /// A daemon that loads the fake NVML with `fake`'s state (its config names the library).
+    pub fn start_with_fake(config: &str, fake: &FakeNvml) -> GuardDaemon {
+        Self::start_in_with_fake(tempfile::tempdir().unwrap(), config, fake)
+    }
+
+    /// `start_with_fake` in a directory the test prepared (a state dir left by an earlier run).
+    pub fn start_in_with_fake(
+        dir: tempfile::TempDir,
+        config: &str,
+        fake: &FakeNvml,
+    ) -> GuardDaemon {
+        let env = fake.env();
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        Self::start_in(dir, config, &env)
     }
 
     pub fn start_in(dir: tempfile::TempDir, config: &str, env: &[(&str, &str)]) -> GuardDaemon {
@@ -510,6 +536,87 @@ impl GuardDaemon {
         found.unwrap()
     }
 
+    /// The events of `kind` in the event log, oldest first.
+    pub fn events_of(&self, kind: &str) -> Vec<serde_json::Value> {
+        self.events()
+            .into_iter()
+            .filter(|e| e["event"] == kind)
+            .collect()
+    }
+
+    /// The actions in the event log (notices with an `action`: verb, reason, outcome) on the
+    /// processes of model `model`, oldest first, whatever their outcome.
+    pub fn actions_on(&self, model: &str) -> Vec<serde_json::Value> {
+        actions_on(&self.events(), model)
+    }
+
+    /// The verbs of the actions done (or, in observe mode, observed) on model `model`, in order:
+    /// `["terminate", "kill"]`.
+    pub fn verbs_on(&self, model: &str) -> Vec<String> {
+        verbs_on(&self.events(), model)
+    }
+
+    /// A status report from a tick that began after this call: the report's `uptime_seconds`
+    /// (set by the loop as it publishes) has moved on twice since the call. The first report
+    /// after the one current at the call was published after it; the next one comes from a
+    /// tick that began after that. Proves the guard looked again before a test asserts that
+    /// nothing happened.
+    pub fn next_tick_status(&self) -> serde_json::Value {
+        let mut last = self.status()["uptime_seconds"].as_f64().unwrap_or(0.0);
+        let mut report = serde_json::Value::Null;
+        for _ in 0..2 {
+            let moved = wait_until(Duration::from_secs(20), || {
+                report = self.status();
+                report["uptime_seconds"].as_f64().is_some_and(|u| u > last)
+            });
+            assert!(
+                moved,
+                "the loop published no new status; log:\n{}",
+                self.log_text()
+            );
+            last = report["uptime_seconds"].as_f64().unwrap_or(last);
+        }
+        report
+    }
+
+    /// Waits for a status report that `pred` accepts; returns it (panics with the log if none
+    /// comes).
+    pub fn wait_for_status(
+        &self,
+        timeout: Duration,
+        pred: impl Fn(&serde_json::Value) -> bool,
+    ) -> serde_json::Value {
+        let mut report = serde_json::Value::Null;
+        let ok = wait_until(timeout, || {
+            report = self.status();
+            pred(&report)
+        });
+        assert!(ok, "no such status: {report}\nlog:\n{}", self.log_text());
+        report
+    }
+
+    /// Waits until GPU protection is on (status `gpu_protection.state` "ok": NVML sampled), with
+    /// `gpus` GPUs when given.
+    pub fn wait_gpus_on(&self, gpus: Option<usize>, timeout: Duration) -> serde_json::Value {
+        self.wait_for_status(timeout, |r| {
+            r["gpu_protection"]["state"] == "ok"
+                && r["gpus"]
+                    .as_array()
+                    .is_some_and(|g| gpus.is_none_or(|n| g.len() == n))
+        })
+    }
+
+    /// SIGTERM and wait for exit; returns the exit code, the log and the event log as left.
+    pub fn stop_with_events(mut self) -> (Option<i32>, String, Vec<serde_json::Value>) {
+        self.signal(nix::sys::signal::Signal::SIGTERM);
+        let status = wait_child(&mut self.child, Duration::from_secs(10));
+        (
+            status.and_then(|s| s.code()),
+            self.log_text(),
+            self.events(),
+        )
+    }
+
     /// `gpuguard status --json` from this daemon.
     pub fn status(&self) -> serde_json::Value {
         let out = Command::new(BIN)
@@ -648,4 +755,104 @@ pub fn sample(text: &str, series: &str) -> Option<f64> {
         .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
+}
+
+// ---- what the tests set up the same way ----------------------------------------------------
+
+/// A `[[model]]` section matching the test's own processes by their token, then `rest` (more keys).
+pub fn model_toml(name: &str, token: &str, rest: &str) -> String {
+    format!("\n[[model]]\nname = \"{name}\"\nmatch = {{ cmdline = \"{token}\" }}\n{rest}\n")
+}
+
+/// One `model_toml` section for each (name, token, rest).
+pub fn models_toml(models: &[(&str, &str, &str)]) -> String {
+    models
+        .iter()
+        .map(|(name, token, rest)| model_toml(name, token, rest))
+        .collect()
+}
+
+/// RAM floors about 1 GiB below what is available now: `min_available` and the `[ram]` keys.
+pub fn floors_below_now() -> (u64, String) {
+    let min = mem_available() - GIB;
+    (
+        min,
+        format!(
+            "min_available = {min}\nwarn_available = {}\n",
+            min + 256 * MIB
+        ),
+    )
+}
+
+/// Stopped (state T in /proc).
+pub fn is_stopped(pid: u32) -> bool {
+    proc_state(pid) == Some('T')
+}
+
+/// Waits until every one of `pids` is stopped (state T); false on timeout.
+pub fn wait_stopped(pids: &[u32], timeout: Duration) -> bool {
+    wait_until(timeout, || pids.iter().all(|&pid| is_stopped(pid)))
+}
+
+/// Waits until none of `pids` is stopped (resumed, or gone); false on timeout.
+pub fn wait_resumed(pids: &[u32], timeout: Duration) -> bool {
+    wait_until(timeout, || pids.iter().all(|&pid| !is_stopped(pid)))
+}
+
+/// A child process killed (and reaped) when the test lets go of it: servers, launches, victims.
+pub struct KillOnDrop(pub Child);
+
+impl KillOnDrop {
+    pub fn pid(&self) -> u32 {
+        self.0.id()
+    }
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A directory in /tmp that every user can traverse, and a socket path in it: a daemon socket
+/// that an unprivileged client (setpriv) can reach. The directory goes with the `TempDir`.
+pub fn shared_socket_dir(prefix: &str) -> (tempfile::TempDir, PathBuf) {
+    let shared = tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in("/tmp")
+        .unwrap();
+    std::fs::set_permissions(
+        shared.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let socket = shared.path().join("gpuguard.sock");
+    (shared, socket)
+}
+
+/// The row of model `name` in a status report.
+pub fn model_row<'a>(report: &'a serde_json::Value, name: &str) -> Option<&'a serde_json::Value> {
+    report["models"]
+        .as_array()?
+        .iter()
+        .find(|m| m["name"] == name)
+}
+
+/// The actions in `events` (notices with an `action`) on the processes of model `model`.
+pub fn actions_on(events: &[serde_json::Value], model: &str) -> Vec<serde_json::Value> {
+    events
+        .iter()
+        .filter(|e| e["action"].is_object() && e["subject"]["model"] == model)
+        .cloned()
+        .collect()
+}
+
+/// The verbs of the actions in `events` done (or observed) on model `model`, in order.
+pub fn verbs_on(events: &[serde_json::Value], model: &str) -> Vec<String> {
+    actions_on(events, model)
+        .iter()
+        .filter(|e| matches!(e["action"]["outcome"].as_str(), Some("done" | "observed")))
+        .filter_map(|e| e["action"]["verb"].as_str().map(String::from))
+        .collect()
 }

@@ -3,25 +3,14 @@
 //! model held stopped over its RAM budget (with the stop in the recent actions), a launch that
 //! holds the launch lock (a lease) and one queued behind it.
 
-mod common;
-
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 
-struct Launch(Child);
-
-impl Drop for Launch {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn launch(daemon: &GuardDaemon, model: &str, token: &str) -> Launch {
-    Launch(
+fn launch(daemon: &GuardDaemon, model: &str, token: &str) -> KillOnDrop {
+    KillOnDrop(
         Command::new(BIN)
             .args([
                 "launch",
@@ -42,12 +31,7 @@ fn launch(daemon: &GuardDaemon, model: &str, token: &str) -> Launch {
     )
 }
 
-fn model<'a>(report: &'a Value, name: &str) -> Option<&'a Value> {
-    report["models"]
-        .as_array()?
-        .iter()
-        .find(|m| m["name"] == name)
-}
+use crate::common::model_row as model;
 
 #[test]
 fn status_shows_every_section_consistent_with_the_scenario() {
@@ -72,13 +56,10 @@ fn status_shows_every_section_consistent_with_the_scenario() {
          [[model]]\nname = \"held\"\nmatch = {{ cmdline = \"{held_t}\" }}\nram = \"16MiB\"\naction = \"stop\"\ngrace = \"0s\"\n",
         FakeNvml::library()
     );
-    let env = fake.env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let daemon = GuardDaemon::start_with_env(&config, &env);
-    daemon.wait_for_log("GPU protection on: 2 GPU(s)", Duration::from_secs(5));
+    let daemon = GuardDaemon::start_with_fake(&config, &fake);
+    daemon.wait_gpus_on(Some(2), Duration::from_secs(5));
     assert!(
-        wait_until(Duration::from_secs(10), || proc_state(held.pid())
-            == Some('T')),
+        wait_stopped(&[held.pid()], Duration::from_secs(10)),
         "the model over its RAM budget is not held stopped:\n{}",
         daemon.log_text()
     );
@@ -233,7 +214,9 @@ fn without_nvml_model_gpu_use_is_unknown_and_watch_into_a_pipe_is_plain() {
     );
     // No FAKE_NVML_STATE: the fake answers "driver not loaded".
     let daemon = GuardDaemon::start(&config);
-    daemon.wait_for_log("GPU protection is off", Duration::from_secs(10));
+    daemon.wait_for_status(Duration::from_secs(10), |r| {
+        r["gpu_protection"]["state"] == "unavailable"
+    });
     assert!(wait_until(Duration::from_secs(10), || model(
         &daemon.status(),
         "m"

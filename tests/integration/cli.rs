@@ -1,11 +1,9 @@
 //! The CLI through its binary: arguments -> exit code -> a piece of stderr/stdout (like earlyoom's
 //! CLI table), and the documented example config is valid.
 
-mod common;
-
 use std::process::Command;
 
-use common::BIN;
+use crate::common::BIN;
 
 fn run(args: &[&str]) -> (i32, String) {
     let out = Command::new(BIN).args(args).output().unwrap();

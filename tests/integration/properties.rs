@@ -1,10 +1,8 @@
 //! Property tests (proptest, bounded case counts so the normal test command stays fast): every
-//! parser takes any input without panicking (config text, /proc files, NVML states through the
-//! fake libnvidia-ml.so.1, socket lines through the real daemon), and for any snapshot the pure
-//! policy never chooses a protected process, never acts on an unknown or inconsistent reading,
-//! and never plans more than one new victim per incident per tick.
-
-mod common;
+//! parser takes any input without panicking (config text, /proc files, socket lines through the
+//! real daemon; NVML states through the fake library are in tests/nvml/sampler.rs, which loads
+//! it into its own process), and for any snapshot the pure policy never chooses a protected
+//! process, never acts on an unknown or inconsistent reading, and never plans more than one new victim per incident per tick.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
@@ -17,13 +15,12 @@ use proptest::test_runner::Config as ProptestConfig;
 
 use gpuguard::config::{Config, GpuTotal, HostTotals};
 use gpuguard::policy::{evaluate, Action, PolicyState, Verb};
-use gpuguard::sample::nvml::{GpuSource, NvmlGpuSource};
 use gpuguard::sample::{ProcSource, ProcfsSource};
 use gpuguard::snapshot::{
     Gpu, GpuSnapshot, GpuStatus, HostMemory, Process, ProcessTable, Snapshot,
 };
 
-use common::*;
+use crate::common::*;
 
 /// `n` cases, or `PROPTEST_CASES` when set (for a longer run by hand).
 fn cases(n: u32) -> ProptestConfig {
@@ -250,95 +247,6 @@ proptest! {
         };
         evaluate(&config, &snapshot, &mut PolicyState::default());
     }
-}
-
-// ---- NVML, through the fake library ----------------------------------------------------------
-
-fn nvml_line() -> impl Strategy<Value = String> {
-    let device_key = prop::sample::select(vec![
-        "total", "used", "free", "reserved", "util", "memutil", "temp", "name", "uuid",
-    ]);
-    let functions = prop::sample::select(vec![
-        "*",
-        "nvmlInit_v2",
-        "nvmlDeviceGetCount_v2",
-        "nvmlDeviceGetHandleByIndex_v2",
-        "nvmlDeviceGetMemoryInfo_v2",
-        "nvmlDeviceGetComputeRunningProcesses_v3",
-        "nvmlDeviceGetGraphicsRunningProcesses_v3",
-        "nvmlDeviceGetUUID",
-        "nvmlDeviceGetName",
-        "nvmlDeviceGetUtilizationRates",
-    ]);
-    let code = prop::sample::select(vec![1u32, 2, 3, 7, 9, 10, 15, 16, 18, 999]);
-    prop_oneof![
-        (0u32..6, prop::collection::vec((device_key, number()), 0..6)).prop_map(|(i, kv)| {
-            let kv: Vec<String> = kv.into_iter().map(|(k, v)| format!("{k}={v}")).collect();
-            format!("device {i} {}", kv.join(" "))
-        }),
-        (
-            0u32..6,
-            0u32..=u32::MAX,
-            prop_oneof![number(), Just("NA".to_string())],
-            prop::sample::select(vec!["", " graphics"])
-        )
-            .prop_map(|(g, pid, b, kind)| format!("process {g} {pid} {b}{kind}")),
-        (functions, code, prop::option::of(0u32..6)).prop_map(|(f, c, g)| match g {
-            Some(g) => format!("error {f} {c} gpu={g}"),
-            None => format!("error {f} {c}"),
-        }),
-        (0u32..6, 0u32..=u32::MAX).prop_map(|(g, n)| format!("process_count {g} {n}")),
-        (0u32..=u32::MAX).prop_map(|n| format!("device_count {n}")),
-        prop_oneof![Just(0u32), Just(70), 0u32..=u32::MAX]
-            .prop_map(|n| format!("device_count {n}")),
-        ".{0,60}",
-    ]
-}
-
-proptest! {
-    #![proptest_config(cases(128))]
-
-    #[test]
-    fn any_nvml_state_is_sampled_without_panicking(lines in prop::collection::vec(nvml_line(), 0..12)) {
-        let (fake, source) = in_process_fake();
-        let mut source = source.lock().unwrap_or_else(|e| e.into_inner());
-        fake.set(&lines.join("\n"));
-        for processes in [true, false] {
-            let reading = source.sample(processes);
-            prop_assert!(reading.devices.len() <= 256 + 64);
-            // And the policy takes whatever came of it, acting on no GPU it cannot trust.
-            let snapshot = Snapshot {
-                host: HostMemory { total_bytes: Some(64 << 30), available_bytes: Some(32 << 30), ..Default::default() },
-                gpus: GpuSnapshot {
-                    status: reading.status.clone(),
-                    sampled_at: Some(Duration::ZERO),
-                    stale: false,
-                    devices: reading.devices.clone(),
-                    process_lists_read: 1,
-                    processes_fresh: reading.read_processes,
-                },
-                processes: ProcessTable { scanned_at: Some(Duration::ZERO), processes: Vec::new() },
-                ..Default::default()
-            };
-            let config = Config::parse("[gpu]\nmin_free = \"1GiB\"\n", Path::new("c.toml")).unwrap();
-            evaluate(&config, &snapshot, &mut PolicyState::default());
-        }
-        source.take_xids();
-    }
-}
-
-/// One fake NVML state file for this process (the fake reads `FAKE_NVML_STATE`, a process-wide
-/// variable: set once, before the first NVML call, and never changed), and one source reading it
-/// state after state, as the daemon's does (it re-initialises NVML when an answer calls for it).
-fn in_process_fake() -> &'static (FakeNvml, std::sync::Mutex<NvmlGpuSource>) {
-    static FAKE: std::sync::OnceLock<(FakeNvml, std::sync::Mutex<NvmlGpuSource>)> =
-        std::sync::OnceLock::new();
-    FAKE.get_or_init(|| {
-        let fake = FakeNvml::new("");
-        std::env::set_var("FAKE_NVML_STATE", &fake.state);
-        let source = NvmlGpuSource::new(Some(FakeNvml::library().into()), Duration::ZERO);
-        (fake, std::sync::Mutex::new(source))
-    })
 }
 
 // ---- socket lines, through the real daemon ---------------------------------------------------

@@ -7,13 +7,11 @@
 //! config change, with 64 asyncio tasks, and behind the FastAPI example (200s and 503s with
 //! Retry-After).
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 
 /// The test environment's Python (fails, saying how to get it, when `scripts/test` did not run).
@@ -51,10 +49,8 @@ fn setup(card_gib: u64) -> Setup {
          [[model]]\nname = \"seed\"\nmatch = {{ cmdline = \"tests/permits/(seed|fastapi)_server\\\\.py\" }}\n",
         FakeNvml::library()
     );
-    let env = fake.env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let daemon = GuardDaemon::start_with_env(&config, &env);
-    daemon.wait_for_log("GPU protection on", Duration::from_secs(10));
+    let daemon = GuardDaemon::start_with_fake(&config, &fake);
+    daemon.wait_gpus_on(None, Duration::from_secs(10));
     Setup { fake, daemon }
 }
 

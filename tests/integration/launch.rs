@@ -2,15 +2,13 @@
 //! admission (with the fake NVML), fail-closed timeouts, peer-credential checks, and a socket that
 //! survives garbage.
 
-mod common;
-
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 
 /// A model loader: records its start (time, pid, CUDA_VISIBLE_DEVICES) in `log`, takes 64 MiB
 /// of RAM, waits `delay` s, then either crashes or registers `gpu_bytes` on its GPU in the fake
@@ -69,10 +67,8 @@ fn setup_with(socket: &str, launch: &str, state: &str) -> Setup {
         "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"models\"\ninterval = \"200ms\"\nscan_interval = \"200ms\"\n[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n[gpu]\nnvml_library = \"{}\"\nsample_timeout = \"500ms\"\n[launch]\nsocket = \"{socket}\"\n{launch}\n",
         FakeNvml::library()
     );
-    let env = fake.env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let daemon = GuardDaemon::start_with_env(&config, &env);
-    daemon.wait_for_log("GPU protection on", Duration::from_secs(5));
+    let daemon = GuardDaemon::start_with_fake(&config, &fake);
+    daemon.wait_gpus_on(None, Duration::from_secs(5));
     let log = fake.dir.path().join("loaders.log");
     let socket = if socket.starts_with("{state_dir}") {
         daemon.socket()
@@ -129,6 +125,18 @@ impl Setup {
             })
     }
 
+    /// Waits until the daemon's status has `model` in the launch queue.
+    fn wait_queued(&self, model: &str) {
+        assert!(
+            wait_until(Duration::from_secs(10), || queued(
+                &self.daemon.status(),
+                model
+            )),
+            "{model} never queued:\n{}",
+            self.daemon.log_text()
+        );
+    }
+
     fn wait_noted(&self, what: &str, name: &str, timeout: Duration) -> (f64, u32, String, String) {
         assert!(
             wait_until(timeout, || self.noted(what, name).is_some()),
@@ -137,6 +145,13 @@ impl Setup {
         );
         self.noted(what, name).unwrap()
     }
+}
+
+/// Whether `model` waits in the launch queue of a status report.
+fn queued(report: &serde_json::Value, model: &str) -> bool {
+    report["queue"]
+        .as_array()
+        .is_some_and(|q| q.iter().any(|row| row["model"] == model))
 }
 
 fn kill_all(children: &mut [&mut Child]) {
@@ -169,7 +184,13 @@ fn second_launch_starts_only_after_the_first_is_ready() {
         second_start - first_loaded
     );
     assert!(second_start > first_start);
-    s.daemon.wait_for_log(&format!("model 'first' (pid {first_pid}): GPU memory grew by 2.0 GiB and stayed flat for 1s; launch lock released"), Duration::from_secs(2));
+    // The first's lease is ready (its memory settled): an info launch_ready about it.
+    let ready = s
+        .daemon
+        .wait_for_event("launch_ready", Duration::from_secs(2), |e| {
+            e["subject"]["pid"] == first_pid
+        });
+    assert_eq!(ready["severity"], "info", "{ready}");
     kill_all(&mut [&mut first, &mut second]);
     let mut err = String::new();
     second
@@ -192,7 +213,12 @@ fn ready_url_answering_releases_the_lock() {
     let mut first = s.launch("first", &["--ready-url", &url], ("first", GIB, 0.0, false));
     s.wait_noted("loaded", "first", Duration::from_secs(5));
     let mut second = s.launch("second", &[], ("second", GIB, 0.0, false));
-    std::thread::sleep(Duration::from_millis(1500));
+    // The daemon has the second queued, and still has on a tick that began after that.
+    s.wait_queued("second");
+    assert!(
+        queued(&s.daemon.next_tick_status(), "second"),
+        "second left the queue before the ready URL answered"
+    );
     assert!(
         s.noted("start", "second").is_none(),
         "second started before the ready URL answered"
@@ -205,10 +231,10 @@ fn ready_url_answering_releases_the_lock() {
         .unwrap();
     drop(conn);
     s.wait_noted("start", "second", Duration::from_secs(5));
-    s.daemon.wait_for_log(
-        "ready URL answered; launch lock released",
-        Duration::from_secs(1),
-    );
+    let ready = s
+        .daemon
+        .wait_for_event("launch_ready", Duration::from_secs(1), |_| true);
+    assert_eq!(ready["severity"], "info", "{ready}");
     kill_all(&mut [&mut first, &mut second]);
 }
 
@@ -248,14 +274,7 @@ fn first_loader_crashing_lets_the_second_start_at_once() {
         second_start - crashed
     );
     s.daemon
-        .wait_for_log("model 'first'", Duration::from_secs(1));
-    assert!(
-        s.daemon
-            .log_text()
-            .contains("exited while loading; launch lock released"),
-        "{}",
-        s.daemon.log_text()
-    );
+        .wait_for_event("launch_died", Duration::from_secs(1), |_| true);
     kill_all(&mut [&mut first, &mut second]);
 }
 
@@ -425,16 +444,7 @@ fn a_non_root_client_cannot_release_someone_elses_lease() {
     require_tool("setpriv", "util-linux");
     require_root();
     // A socket that nobody can reach: in a world-traversable directory.
-    let shared = tempfile::Builder::new()
-        .prefix("gpuguard-sock")
-        .tempdir_in("/tmp")
-        .unwrap();
-    std::fs::set_permissions(
-        shared.path(),
-        std::os::unix::fs::PermissionsExt::from_mode(0o755),
-    )
-    .unwrap();
-    let socket = shared.path().join("gpuguard.sock");
+    let (_shared, socket) = shared_socket_dir("gpuguard-sock");
     let s = setup_at(
         &socket,
         "settle = \"60s\"\nready_timeout = \"60s\"",
@@ -459,7 +469,11 @@ fn a_non_root_client_cannot_release_someone_elses_lease() {
         "{}",
         String::from_utf8_lossy(&refused.stderr)
     );
-    std::thread::sleep(Duration::from_millis(500));
+    // A tick that began after the refusal still has the second waiting for the lock.
+    assert!(
+        queued(&s.daemon.next_tick_status(), "second"),
+        "the lock must still be held"
+    );
     assert!(
         s.noted("start", "second").is_none(),
         "the lock must still be held"

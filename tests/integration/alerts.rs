@@ -8,16 +8,14 @@
 //! The Alertmanager test needs `prometheus-alertmanager` on the PATH (.ci/run installs it): it
 //! fails, not skips, without it.
 
-mod common;
-
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::unix::process::ExitStatusExt;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use hmac::{Hmac, KeyInit, Mac};
 use serde_json::Value;
 
@@ -156,10 +154,6 @@ fn base_config(extra: &str) -> String {
     )
 }
 
-fn model(name: &str, token: &str, rest: &str) -> String {
-    format!("\n[[model]]\nname = \"{name}\"\nmatch = {{ cmdline = \"{token}\" }}\n{rest}\n")
-}
-
 #[test]
 fn kill_alert_reaches_a_signed_webhook() {
     let receiver = Receiver::start(|_| Reply::Status(200));
@@ -171,7 +165,7 @@ fn kill_alert_reaches_a_signed_webhook() {
         "[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n[alert]\nbackoff = \"100ms\"\n[[alert.webhook]]\nurl = \"{}\"\nsecret_file = \"{}\"\n{}",
         receiver.url(),
         path(&secret),
-        model("greedy", &t, "ram = \"32MiB\"\naction = \"kill\"\ngrace = \"0s\"")
+        model_toml("greedy", &t, "ram = \"32MiB\"\naction = \"kill\"\ngrace = \"0s\"")
     ));
     let daemon = GuardDaemon::start(&config);
     let mut hog = Hog::start(&t, 0, 128, 60);
@@ -276,8 +270,16 @@ fn retries_after_503_and_429_deliver_the_alert_once() {
         receiver.notices(),
         daemon.log_text()
     );
-    std::thread::sleep(Duration::from_millis(500));
-    let got = receiver.received();
+    let (code, _) = daemon.stop();
+    assert_eq!(code, Some(0));
+    let mut got = receiver.received();
+    // The last notice is daemon_stopping (so every earlier one went out before it).
+    let last = got.pop().map(|r| r.json());
+    assert_eq!(
+        last.as_ref().map(|n| &n["event"]),
+        Some(&Value::from("daemon_stopping")),
+        "{last:?}"
+    );
     // The same notice four times (the same bytes: a retry, not a new alert), and nothing else.
     assert_eq!(got.len(), 4, "{:?}", receiver.notices());
     assert!(got.iter().all(|r| r.body == got[0].body));
@@ -289,14 +291,6 @@ fn retries_after_503_and_429_deliver_the_alert_once() {
         "{:?}",
         got[3].at - got[2].at
     );
-    let (code, _) = daemon.stop();
-    assert_eq!(code, Some(0));
-    let after = receiver.notices();
-    assert_eq!(
-        after.last().unwrap()["event"],
-        "daemon_stopping",
-        "{after:?}"
-    );
 }
 
 #[test]
@@ -306,7 +300,7 @@ fn a_condition_fires_once_repeats_and_resolves_and_the_event_log_has_it() {
     let config = base_config(&format!(
         "[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n[alert]\nrepeat_interval = \"1s\"\n[[alert.webhook]]\nurl = \"{}\"\nformat = \"json\"\n{}",
         receiver.url(),
-        model("fat", &t, "ram = \"32MiB\"\naction = \"alert\"\ngrace = \"0s\"")
+        model_toml("fat", &t, "ram = \"32MiB\"\naction = \"alert\"\ngrace = \"0s\"")
     ));
     let daemon = GuardDaemon::start(&config);
     // Over budget for about 3.5 s (hundreds of ticks at min_interval), then exits.
@@ -318,7 +312,15 @@ fn a_condition_fires_once_repeats_and_resolves_and_the_event_log_has_it() {
     })
     .unwrap_or_else(|| panic!("{:?}\n{}", receiver.notices(), daemon.log_text()));
     let over = started.elapsed();
-    std::thread::sleep(Duration::from_millis(500));
+    // The daemon stopped: its last notice, daemon_stopping, comes after every other one.
+    let mut daemon = daemon;
+    daemon.signal(nix::sys::signal::Signal::SIGTERM);
+    assert!(wait_child(&mut daemon.child, Duration::from_secs(10)).is_some());
+    assert!(
+        wait_for(&receiver, |n| n["event"] == "daemon_stopping").is_some(),
+        "{:?}",
+        receiver.notices()
+    );
 
     let budget: Vec<Value> = receiver
         .notices()
@@ -358,9 +360,6 @@ fn a_condition_fires_once_repeats_and_resolves_and_the_event_log_has_it() {
     );
 
     // The event log: JSON lines with the raw event, the condition and its resolution.
-    let mut daemon = daemon;
-    daemon.signal(nix::sys::signal::Signal::SIGTERM);
-    assert!(wait_child(&mut daemon.child, Duration::from_secs(10)).is_some());
     let log = std::fs::read_to_string(daemon.state_dir().join("events.jsonl")).unwrap();
     let lines: Vec<Value> = log
         .lines()
@@ -384,15 +383,6 @@ fn a_condition_fires_once_repeats_and_resolves_and_the_event_log_has_it() {
 }
 
 /// A child killed when the test ends.
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 fn am_alerts(port: u16) -> Vec<Value> {
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .timeout_global(Some(Duration::from_secs(5)))
@@ -411,11 +401,7 @@ fn am_alerts(port: u16) -> Vec<Value> {
 #[test]
 fn a_real_alertmanager_shows_the_alert_then_resolves_it() {
     let dir = tempfile::tempdir().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let config = dir.path().join("alertmanager.yml");
     std::fs::write(
         &config,
@@ -423,7 +409,7 @@ fn a_real_alertmanager_shows_the_alert_then_resolves_it() {
     )
     .unwrap();
     let log_path = dir.path().join("alertmanager.log");
-    let _am = Server(
+    let _am = KillOnDrop(
         Command::new("prometheus-alertmanager")
             .arg(format!("--config.file={}", config.display()))
             .arg(format!(
@@ -452,7 +438,7 @@ fn a_real_alertmanager_shows_the_alert_then_resolves_it() {
     let t = token("am");
     let daemon = GuardDaemon::start(&base_config(&format!(
         "[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n[[alert.webhook]]\nurl = \"http://127.0.0.1:{port}\"\nformat = \"alertmanager\"\n{}",
-        model("amodel", &t, "ram = \"32MiB\"\naction = \"alert\"\ngrace = \"0s\"")
+        model_toml("amodel", &t, "ram = \"32MiB\"\naction = \"alert\"\ngrace = \"0s\"")
     )));
     let mut hog = Hog::start(&t, 0, 128, 4);
     let ours = |a: &Value| {
@@ -498,7 +484,7 @@ fn time_to_kill(extra_alert: &str) -> Duration {
     let config = base_config(&format!(
         "[ram]\nmin_available = {min}\nwarn_available = {}\n{extra_alert}\n{}",
         min + 256 * MIB,
-        model("hog", &hog_t, "")
+        model_toml("hog", &hog_t, "")
     ));
     let daemon = GuardDaemon::start(&config);
     let started = Instant::now();
@@ -710,7 +696,7 @@ fn a_flood_of_timed_out_permits_does_not_push_a_kill_alert_out() {
          [metrics]\nlisten = \"127.0.0.1:{port}\"\n\
          [alert]\nqueue = 4\n[[alert.webhook]]\nurl = \"{}\"\nmin_severity = \"info\"\n{}",
         receiver.url(),
-        model("greedy", &t, "ram = \"32MiB\"\naction = \"kill\"\ngrace = \"0s\"")
+        model_toml("greedy", &t, "ram = \"32MiB\"\naction = \"kill\"\ngrace = \"0s\"")
     ));
     let daemon = GuardDaemon::start(&config);
     // More RAM than is free, less than the host has: each request waits, then times out.

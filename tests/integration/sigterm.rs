@@ -6,13 +6,11 @@
 //! Floors are about 1 GiB below the MemAvailable seen at the start of each test; the processes
 //! stop by themselves a little beyond.
 
-mod common;
-
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 
 /// A python process that allocates 1 MiB every `delay_s` until MemAvailable is below
 /// `stop_below` (then it holds), and does `on_term` on SIGTERM ("ignore" or "handle": stop
@@ -64,15 +62,6 @@ fn config(floor: u64, token: &str, term_grace: &str) -> String {
     )
 }
 
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[test]
 fn a_victim_that_ignores_sigterm_and_grows_is_killed_without_waiting_for_term_grace() {
     let _lock = memory_pressure_lock();
@@ -80,7 +69,7 @@ fn a_victim_that_ignores_sigterm_and_grows_is_killed_without_waiting_for_term_gr
     let floor = mem_available() - GIB;
     let daemon = GuardDaemon::start(&config(floor, &token, "10m"));
     // 1 MiB every 2 ms (a few hundred MiB/s), until 512 MiB below the floor.
-    let mut hog = Killed(grower(&token, floor - 512 * MIB, "ignore", 0.002));
+    let mut hog = KillOnDrop(grower(&token, floor - 512 * MIB, "ignore", 0.002));
     let status = wait_child(&mut hog.0, Duration::from_secs(120))
         .unwrap_or_else(|| panic!("not killed:\n{}", daemon.log_text()));
     assert_eq!(
@@ -89,14 +78,27 @@ fn a_victim_that_ignores_sigterm_and_grows_is_killed_without_waiting_for_term_gr
         "{status:?}\n{}",
         daemon.log_text()
     );
-    let log = daemon.log_text();
-    assert!(
-        log.contains("terminate model 'grower'"),
-        "SIGTERM first:\n{log}"
+    // SIGTERM first, then SIGKILL for the growth after it (the reason's detail says so).
+    daemon.wait_for_event("process_killed", Duration::from_secs(10), |e| {
+        e["subject"]["model"] == "grower" && e["action"]["verb"] == "kill"
+    });
+    let actions = daemon.actions_on("grower");
+    let verbs = daemon.verbs_on("grower");
+    assert_eq!(
+        verbs.first().map(String::as_str),
+        Some("terminate"),
+        "{actions:#?}"
     );
+    let kill = actions
+        .iter()
+        .find(|e| e["action"]["verb"] == "kill")
+        .unwrap();
+    assert_eq!(kill["action"]["reason"], "ram_floor", "{kill}");
     assert!(
-        log.contains("after SIGTERM: it is not shutting down"),
-        "{log}"
+        kill["action"]["detail"]
+            .as_str()
+            .is_some_and(|d| d.ends_with("after SIGTERM: it is not shutting down")),
+        "{kill}"
     );
 }
 
@@ -106,17 +108,27 @@ fn a_server_that_handles_sigterm_is_left_to_exit_cleanly() {
     let token = token("handles-term");
     let floor = mem_available() - GIB;
     let daemon = GuardDaemon::start(&config(floor, &token, "1m"));
-    let mut server = Killed(grower(&token, floor - 512 * MIB, "handle", 0.002));
+    let mut server = KillOnDrop(grower(&token, floor - 512 * MIB, "handle", 0.002));
     let status = wait_child(&mut server.0, Duration::from_secs(120))
         .unwrap_or_else(|| panic!("never terminated:\n{}", daemon.log_text()));
-    let log = daemon.log_text();
     assert_eq!(
         status.code(),
         Some(0),
-        "{status:?}: not a clean exit\n{log}"
+        "{status:?}: not a clean exit\n{}",
+        daemon.log_text()
     );
-    assert!(log.contains("terminate model 'grower'"), "{log}");
-    assert!(!log.contains("kill model 'grower'"), "{log}");
+    daemon.wait_for_event("process_killed", Duration::from_secs(10), |e| {
+        e["subject"]["model"] == "grower"
+    });
+    // The guard has looked again since the server exited: SIGTERM (once per incident), never
+    // SIGKILL.
+    daemon.next_tick_status();
+    let verbs = daemon.verbs_on("grower");
+    assert!(
+        verbs.iter().all(|v| v == "terminate"),
+        "{verbs:?}\n{}",
+        daemon.log_text()
+    );
 }
 
 /// The daemon's own SIGTERM during startup (systemd stopping it as it starts, the package

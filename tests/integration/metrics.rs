@@ -6,24 +6,13 @@
 //! Needs `prometheus` and `promtool` on the PATH (.ci/run installs Debian's `prometheus`): the
 //! tests fail, not skip, without them.
 
-mod common;
-
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 
 /// A child that is killed when the test ends, however it ends.
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 fn gpus(used0_gib: u64) -> String {
     format!(
         "device 0 name=\"Fake A100\" uuid=GPU-aaaa total={} used={} util=25\ndevice 1 name=\"Fake A100\" uuid=GPU-bbbb total={} used={} util=0\n",
@@ -54,17 +43,18 @@ fn setup() -> Setup {
          [[model]]\nname = \"held\"\nmatch = {{ cmdline = \"{t}\" }}\nram = \"16MiB\"\ngpu_memory = \"4GiB\"\naction = \"stop\"\ngrace = \"0s\"\n",
         FakeNvml::library()
     );
-    let env = fake.env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let daemon = GuardDaemon::start_with_env(&config, &env);
-    daemon.wait_for_log("GPU protection on: 2 GPU(s)", Duration::from_secs(5));
-    daemon.wait_for_log(
-        &format!("metrics on http://127.0.0.1:{port}/metrics"),
-        Duration::from_secs(5),
+    let daemon = GuardDaemon::start_with_fake(&config, &fake);
+    daemon.wait_gpus_on(Some(2), Duration::from_secs(5));
+    assert!(
+        wait_until(Duration::from_secs(5), || get(&format!(
+            "http://127.0.0.1:{port}/metrics"
+        ))
+        .is_some()),
+        "no metrics on port {port}:\n{}",
+        daemon.log_text()
     );
     assert!(
-        wait_until(Duration::from_secs(10), || proc_state(held.pid())
-            == Some('T')),
+        wait_stopped(&[held.pid()], Duration::from_secs(10)),
         "{}",
         daemon.log_text()
     );
@@ -231,7 +221,7 @@ fn a_real_prometheus_scrapes_the_daemon_and_answers_queries() {
     )
     .unwrap();
     let log = std::fs::File::create(dir.path().join("prometheus.log")).unwrap();
-    let _prometheus = Server(
+    let _prometheus = KillOnDrop(
         Command::new("prometheus")
             .arg(format!("--config.file={}", config.display()))
             .arg(format!(

@@ -3,8 +3,6 @@
 //! directory, the config, a crash, a hung webhook) with real child processes around, and ends by
 //! checking that no process got a signal it should not have and none is left stopped (state T).
 
-mod common;
-
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::ExitStatusExt;
@@ -14,7 +12,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use common::*;
+use crate::common::*;
 
 const LONG: Duration = Duration::from_secs(20);
 
@@ -27,18 +25,8 @@ fn config(gpu: &str, daemon: &str, models: &[(&str, &str, &str)]) -> String {
          [gpu]\nnvml_library = \"{}\"\nsample_timeout = \"300ms\"\nretry_init = \"300ms\"\n{gpu}\n",
         FakeNvml::library()
     );
-    for (name, token, rest) in models {
-        text.push_str(&format!(
-            "\n[[model]]\nname = \"{name}\"\nmatch = {{ cmdline = \"{token}\" }}\n{rest}\n"
-        ));
-    }
+    text.push_str(&models_toml(models));
     text
-}
-
-fn start(config: &str, fake: &FakeNvml) -> GuardDaemon {
-    let env = fake.env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    GuardDaemon::start_with_env(config, &env)
 }
 
 /// GPU 0 of 16 GiB with `used` bytes in use, its holders as (pid, bytes).
@@ -50,21 +38,9 @@ fn gpu0(used: u64, holders: &[(u32, u64)]) -> String {
     s
 }
 
-fn idle(token: &str) -> Hog {
-    Hog::start(token, 0, 0, 600)
-}
-
-/// The event log, one JSON object per line.
-fn events(daemon: &GuardDaemon) -> Vec<Value> {
-    std::fs::read_to_string(daemon.state_dir().join("events.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
-}
-
 fn count(daemon: &GuardDaemon, event: &str, summary_has: &str) -> usize {
-    events(daemon)
+    daemon
+        .events()
         .iter()
         .filter(|e| {
             e["event"] == event && e["summary"].as_str().unwrap_or("").contains(summary_has)
@@ -77,7 +53,7 @@ fn wait_count(daemon: &GuardDaemon, event: &str, summary_has: &str, n: usize) {
     if !wait_until(LONG, || count(daemon, event, summary_has) >= n) {
         panic!(
             "never {n} {event:?} events with {summary_has:?}; events:\n{:#?}\nlog:\n{}",
-            events(daemon),
+            daemon.events(),
             daemon.log_text()
         );
     }
@@ -85,7 +61,8 @@ fn wait_count(daemon: &GuardDaemon, event: &str, summary_has: &str, n: usize) {
 
 /// No process was stopped, terminated or killed by this daemon.
 fn assert_no_signal(daemon: &GuardDaemon) {
-    let signalled: Vec<Value> = events(daemon)
+    let signalled: Vec<Value> = daemon
+        .events()
         .into_iter()
         .filter(|e| {
             let kind = e["event"].as_str().unwrap_or("");
@@ -159,12 +136,12 @@ fn run_to_exit(config: &Path, state_dir: &Path, env: &[(&str, String)]) -> (Opti
 #[test]
 fn impossible_gpu_readings_are_unknown_and_never_kill() {
     let t = token("impossible");
-    let mut hog = idle(&t);
+    let mut hog = Hog::idle(&t);
     let pid = hog.pid();
     let healthy = gpu0(8 * GIB, &[(pid, 6 * GIB)]);
     let fake = FakeNvml::new(&healthy);
     let budget = "gpu_memory = \"8GiB\"\naction = \"kill\"\ngrace = \"0s\"";
-    let daemon = start(
+    let daemon = GuardDaemon::start_with_fake(
         &config(
             "min_free = \"2GiB\"\nwarn_free = \"3GiB\"",
             "",
@@ -172,7 +149,7 @@ fn impossible_gpu_readings_are_unknown_and_never_kill() {
         ),
         &fake,
     );
-    daemon.wait_for_log("GPU protection on: 1 GPU(s)", LONG);
+    daemon.wait_gpus_on(Some(1), LONG);
     // Each of these, taken at face value, kills the hog: the first two are far below min_free
     // with the hog the largest holder, the third puts its model over its 8 GiB budget.
     let bad = [
@@ -222,7 +199,7 @@ fn impossible_gpu_readings_are_unknown_and_never_kill() {
 /// resumed at max_stop, never killed, and the loss must show as an event, in status and metrics.
 fn stopped_victim_outlives_a_lost_gpu(name: &str, lost_state: impl Fn(&str) -> String) {
     let t = token(name);
-    let mut hog = idle(&t);
+    let mut hog = Hog::idle(&t);
     let pid = hog.pid();
     let two = |used1: u64| {
         format!(
@@ -233,7 +210,7 @@ fn stopped_victim_outlives_a_lost_gpu(name: &str, lost_state: impl Fn(&str) -> S
         )
     };
     let fake = FakeNvml::new(&two(8 * GIB));
-    let daemon = start(
+    let daemon = GuardDaemon::start_with_fake(
         &format!(
             "{}\n[metrics]\nlisten = \"127.0.0.1:0\"\n",
             config(
@@ -244,10 +221,10 @@ fn stopped_victim_outlives_a_lost_gpu(name: &str, lost_state: impl Fn(&str) -> S
         ),
         &fake,
     );
-    daemon.wait_for_log("GPU protection on: 2 GPU(s)", LONG);
+    daemon.wait_gpus_on(Some(2), LONG);
     fake.set(&two(31 * GIB / 2));
     assert!(
-        wait_until(LONG, || proc_state(pid) == Some('T')),
+        wait_stopped(&[pid], LONG),
         "not stopped for the floor:\n{}",
         daemon.log_text()
     );
@@ -274,14 +251,14 @@ fn stopped_victim_outlives_a_lost_gpu(name: &str, lost_state: impl Fn(&str) -> S
 
     // max_stop passes on an unknown reading: resumed, not killed.
     assert!(
-        wait_until(LONG, || proc_state(pid) != Some('T')),
+        wait_resumed(&[pid], LONG),
         "left stopped:\n{}",
         daemon.log_text()
     );
     wait_count(&daemon, "process_resumed", "max_stop", 1);
     assert_running(&mut hog);
     let killed = count(&daemon, "process_killed", "");
-    assert_eq!(killed, 0, "{:#?}", events(&daemon));
+    assert_eq!(killed, 0, "{:#?}", daemon.events());
 }
 
 #[test]
@@ -300,7 +277,7 @@ fn a_daemon_killed_while_holding_processes_resumes_them_before_reading_a_broken_
     let (ts, tt) = (token("crash-stop"), token("crash-throttle"));
     let fake = FakeNvml::new("");
     let over = "ram = \"64MiB\"\ngrace = \"0s\"";
-    let daemon = start(
+    let daemon = GuardDaemon::start_with_fake(
         &config(
             "",
             "",
@@ -313,12 +290,11 @@ fn a_daemon_killed_while_holding_processes_resumes_them_before_reading_a_broken_
     );
     let mut stopped = Hog::start(&ts, 0, 128, 600);
     let mut throttled = Hog::start(&tt, 0, 128, 600);
-    let both_stopped =
-        || proc_state(stopped.pid()) == Some('T') && proc_state(throttled.pid()) == Some('T');
+    let both_stopped = || is_stopped(stopped.pid()) && is_stopped(throttled.pid());
     // The duty cycle holds the throttled one stopped 80 % of the time: crash the daemon then.
     assert!(wait_until(LONG, both_stopped), "{}", daemon.log_text());
+    // crash() has reaped the daemon: nothing is left to resume them.
     let dir = daemon.crash();
-    std::thread::sleep(Duration::from_millis(300));
     assert!(both_stopped(), "a SIGKILLed daemon resumes nothing itself");
 
     // Half-edited meanwhile: the restart must refuse the config (exit 2) and still resume both.
@@ -343,7 +319,7 @@ fn a_daemon_killed_while_holding_processes_resumes_them_before_reading_a_broken_
 #[test]
 fn floors_that_cannot_be_right_are_refused_by_check_config_at_start_and_on_reload() {
     let t = token("floors");
-    let mut hog = idle(&t);
+    let mut hog = Hog::idle(&t);
     let dir = tempfile::tempdir().unwrap();
     let write = |name: &str, text: &str| {
         let p = dir.path().join(name);
@@ -454,7 +430,7 @@ fn floors_that_cannot_be_right_are_refused_by_check_config_at_start_and_on_reloa
 
     // 20 GiB fits GPU 1 (80 GiB): it runs. A reload that puts 20 GiB on every GPU is refused
     // (GPU 0 has 16) and the running config stays.
-    let daemon = start(
+    let daemon = GuardDaemon::start_with_fake(
         &config(
             "[[gpu.device]]\ngpu = \"1\"\nmin_free = \"20GiB\"",
             "",
@@ -462,13 +438,16 @@ fn floors_that_cannot_be_right_are_refused_by_check_config_at_start_and_on_reloa
         ),
         &fake,
     );
-    daemon.wait_for_log("GPU protection on: 2 GPU(s)", LONG);
+    daemon.wait_gpus_on(Some(2), LONG);
     daemon.rewrite_config(&config("min_free = \"20GiB\"", "", &model));
     daemon.signal(nix::sys::signal::Signal::SIGHUP);
-    daemon.wait_for_log("config reload failed, keeping the previous config", LONG);
-    daemon.wait_for_log(
-        "gpu.min_free: '20.0 GiB' (20.0 GiB) is at or above GPU 0's total",
-        LONG,
+    // The failed reload is an event naming the key, its value and GPU 0's total.
+    let failed = daemon.wait_for_event("config_reload_failed", LONG, |_| true);
+    assert!(
+        failed["summary"].as_str().is_some_and(|s| {
+            s.contains("gpu.min_free: '20.0 GiB' (20.0 GiB) is at or above GPU 0's total")
+        }),
+        "{failed}"
     );
     let status = daemon.status();
     assert_eq!(
@@ -497,7 +476,7 @@ fn stop_config(token: &str) -> String {
 #[test]
 fn a_state_directory_that_is_not_gpuguards_own_is_refused() {
     let t = token("insecure");
-    let mut hog = idle(&t);
+    let mut hog = Hog::idle(&t);
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("state");
     std::fs::create_dir(&state).unwrap();
@@ -542,17 +521,9 @@ fn symlinks_in_the_state_directory_are_never_written_through() {
         std::os::unix::fs::symlink(p, state.join(name)).unwrap();
     }
     let fake = FakeNvml::new("");
-    let daemon = {
-        let env = fake.env();
-        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        GuardDaemon::start_in(dir, &stop_config(&t), &env)
-    };
+    let daemon = GuardDaemon::start_in_with_fake(dir, &stop_config(&t), &fake);
     let mut hog = Hog::start(&t, 0, 128, 600);
-    assert!(
-        wait_until(LONG, || proc_state(hog.pid()) == Some('T')),
-        "{}",
-        daemon.log_text()
-    );
+    assert!(wait_stopped(&[hog.pid()], LONG), "{}", daemon.log_text());
     wait_count(&daemon, "process_stopped", "", 1);
 
     for p in &precious {
@@ -591,25 +562,22 @@ fn symlinks_in_the_state_directory_are_never_written_through() {
 #[test]
 fn a_garbage_stop_record_is_kept_aside_and_reported() {
     let t = token("garbage");
-    let mut hog = idle(&t);
+    let mut hog = Hog::idle(&t);
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("state");
     std::fs::create_dir(&state).unwrap();
     std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700)).unwrap();
     std::fs::write(state.join("stopped.json"), "{ half a rec").unwrap();
     let fake = FakeNvml::new("");
-    let daemon = {
-        let env = fake.env();
-        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        GuardDaemon::start_in(dir, &config("", "", &[("m", &t, "")]), &env)
-    };
+    let daemon = GuardDaemon::start_in_with_fake(dir, &config("", "", &[("m", &t, "")]), &fake);
     wait_count(
         &daemon,
         "state_file_corrupt",
         "stopped.json is unreadable",
         1,
     );
-    let corrupt = events(&daemon)
+    let corrupt = daemon
+        .events()
         .into_iter()
         .find(|e| e["event"] == "state_file_corrupt")
         .unwrap();
@@ -637,12 +605,12 @@ fn a_garbage_stop_record_is_kept_aside_and_reported() {
 #[test]
 fn the_event_log_is_opened_again_when_removed_or_rotated_away() {
     let t = token("evlog");
-    let mut hog = idle(&t);
+    let mut hog = Hog::idle(&t);
     let fake = FakeNvml::new("");
     let good = config("", "", &[("m", &t, "")]);
-    let daemon = start(&good, &fake);
+    let daemon = GuardDaemon::start_with_fake(&good, &fake);
     let log = daemon.state_dir().join("events.jsonl");
-    daemon.wait_for_log("GPU protection on: 0 GPU(s)", LONG);
+    daemon.wait_gpus_on(Some(0), LONG);
     wait_count(&daemon, "gpu_ok", "", 1);
     // A failed reload is an event: it must land in a log that is there.
     let failed_reload = |n: usize| {
@@ -698,7 +666,7 @@ fn webhook_threads(daemon: &GuardDaemon) -> usize {
 #[test]
 fn reloads_replace_alert_sinks_without_leaking_workers() {
     let t = token("sinks");
-    let mut hog = idle(&t);
+    let mut hog = Hog::idle(&t);
     let (a, b) = (Hung::start(), Hung::start());
     let fake = FakeNvml::new("");
     let with = |url: &str| {
@@ -707,7 +675,7 @@ fn reloads_replace_alert_sinks_without_leaking_workers() {
             config("", "", &[("m", &t, "")])
         )
     };
-    let daemon = start(&with(&a.url()), &fake);
+    let daemon = GuardDaemon::start_with_fake(&with(&a.url()), &fake);
     let reloads =
         |n: usize| wait_until(LONG, || daemon.log_text().matches("reloaded").count() >= n);
     // The same sink reload after reload: the same worker (stuck behind the hung endpoint).
@@ -739,12 +707,18 @@ fn reloads_replace_alert_sinks_without_leaking_workers() {
 #[test]
 fn implausible_nvml_counts_leave_the_guard_and_its_sampler_running() {
     let t = token("counts");
-    let mut hog = idle(&t);
+    let mut hog = Hog::idle(&t);
     let pid = hog.pid();
     let healthy = gpu0(8 * GIB, &[(pid, 6 * GIB)]);
     let fake = FakeNvml::new(&format!("{healthy}device_count 4294967295\n"));
-    let daemon = start(&config("min_free = \"2GiB\"", "", &[("m", &t, "")]), &fake);
-    daemon.wait_for_log("NVML reports 4294967295 GPUs, more than any host has", LONG);
+    let daemon =
+        GuardDaemon::start_with_fake(&config("min_free = \"2GiB\"", "", &[("m", &t, "")]), &fake);
+    daemon.wait_for_status(LONG, |r| {
+        r["gpu_protection"]["state"] == "unavailable"
+            && r["gpu_protection"]["reason"]
+                .as_str()
+                .is_some_and(|why| why.contains("4294967295 GPUs"))
+    });
     // A process list claiming 4294967290 entries: unknown, not read, and the GPU below its floor
     // then has no victim to act on.
     fake.set(&format!(

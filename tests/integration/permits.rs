@@ -5,14 +5,12 @@
 //! the size a model's permits really take is learned and used for requests that name none.
 //!
 //! The scenario scripts in tests/permits/ (the seed failure: bursts of requests on a 16 GiB card)
-//! run through the Python client in `tests/permits_python.rs`.
-
-mod common;
+//! run through the Python client in `tests/integration/permits_python.rs`.
 
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use gpuguard::ipc::{AcquireRequest, RefusalReason, Response};
 
 /// A 16 GiB GPU whose "server" process holds 4 GiB of weights; a 1 GiB warn floor: 11 GiB room.
@@ -34,10 +32,8 @@ fn card(model_extra: &str, extra: &str) -> Card {
          [[model]]\nname = \"served\"\nmatch = {{ cmdline = \"{t}\" }}\n{model_extra}\n{extra}\n",
         FakeNvml::library()
     );
-    let env = fake.env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let daemon = GuardDaemon::start_with_env(&config, &env);
-    daemon.wait_for_log("GPU protection on", Duration::from_secs(10));
+    let daemon = GuardDaemon::start_with_fake(&config, &fake);
+    daemon.wait_gpus_on(None, Duration::from_secs(10));
     // The server is a member of its model, with its weights seen.
     assert!(wait_until(Duration::from_secs(10), || {
         daemon.status()["models"]

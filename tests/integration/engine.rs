@@ -3,16 +3,14 @@
 //! `status --json`, `status --model` and its own metrics, and tells apart from "GPU 95%
 //! reserved"; a metrics URL given at launch; a URL off loopback refused.
 
-mod common;
-
 use std::io::{Read, Write};
 use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 
 /// A fake vLLM `/metrics` endpoint. The body can be changed while it runs; `scrapes` counts the
@@ -122,15 +120,6 @@ fn wait_engine(daemon: &GuardDaemon, engine: &FakeEngine, name: &str, running: u
     last
 }
 
-struct Launch(Child);
-
-impl Drop for Launch {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[test]
 fn kv_cache_full_and_gpu_reserved_are_different_states() {
     let t = token("engine");
@@ -143,11 +132,7 @@ fn kv_cache_full_and_gpu_reserved_are_different_states() {
         24 * GIB,
         server.pid()
     ));
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let config = format!(
         "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"models\"\ninterval = \"200ms\"\nscan_interval = \"200ms\"\n\
          [ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n\
@@ -157,11 +142,9 @@ fn kv_cache_full_and_gpu_reserved_are_different_states() {
         FakeNvml::library(),
         engine.url
     );
-    let env = fake.env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let daemon = GuardDaemon::start_with_env(&config, &env);
+    let daemon = GuardDaemon::start_with_fake(&config, &fake);
 
-    daemon.wait_for_log("GPU protection on: 1 GPU(s)", Duration::from_secs(10));
+    daemon.wait_gpus_on(Some(1), Duration::from_secs(10));
     assert!(wait_until(Duration::from_secs(10), || model(
         &daemon.status(),
         "qwen"
@@ -268,10 +251,8 @@ fn a_metrics_url_given_at_launch_is_scraped_and_one_off_loopback_is_refused() {
          [launch]\nsocket = \"{{state_dir}}/gpuguard.sock\"\nsettle = \"60s\"\n",
         FakeNvml::library()
     );
-    let env = fake.env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let daemon = GuardDaemon::start_with_env(&config, &env);
-    daemon.wait_for_log("GPU protection on: 1 GPU(s)", Duration::from_secs(10));
+    let daemon = GuardDaemon::start_with_fake(&config, &fake);
+    daemon.wait_gpus_on(Some(1), Duration::from_secs(10));
 
     let refused = Command::new(BIN)
         .args([
@@ -297,7 +278,7 @@ fn a_metrics_url_given_at_launch_is_scraped_and_one_off_loopback_is_refused() {
     assert!(!String::from_utf8_lossy(&refused.stdout).contains("never"));
 
     let t = token("launched-engine");
-    let _launch = Launch(
+    let _launch = KillOnDrop(
         Command::new(BIN)
             .args([
                 "launch",

@@ -4,15 +4,13 @@
 //! the memory (the leader shows state Z and rss 0 in /proc/PID/stat) is measured, chosen and
 //! killed.
 
-mod common;
-
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use nix::sys::signal::Signal;
 use serde_json::Value;
 
@@ -238,14 +236,12 @@ fn a_process_whose_leader_exited_is_measured_and_held_to_its_budget() {
         "{status:?}\n{}",
         daemon.log_text()
     );
-    let log = daemon.log_text();
-    assert!(
-        log.contains(&format!(
-            "model 'hidden' pids [{}(zombie_leader)]",
-            hidden.pid()
-        )),
-        "{log}"
-    );
+    let acted = daemon.wait_for_event("process_killed", Duration::from_secs(10), |e| {
+        e["subject"]["model"] == "hidden"
+    });
+    assert_eq!(acted["action"]["reason"], "ram_budget", "{acted}");
+    assert_eq!(acted["subject"]["pid"], hidden.pid(), "{acted}");
+    assert_eq!(acted["subject"]["comm"], "zombie_leader", "{acted}");
 }
 
 #[test]
@@ -269,13 +265,11 @@ fn a_process_whose_leader_exited_is_chosen_at_a_floor() {
         "{status:?}\n{}",
         daemon.log_text()
     );
-    let log = daemon.log_text();
-    assert!(log.contains("< min_available"), "{log}");
-    assert!(
-        log.contains(&format!(
-            "model 'hidden' pids [{}(zombie_leader)]",
-            hidden.pid()
-        )),
-        "{log}"
-    );
+    let acted = daemon.wait_for_event("process_killed", Duration::from_secs(10), |e| {
+        e["subject"]["model"] == "hidden"
+    });
+    assert_eq!(acted["action"]["reason"], "ram_floor", "{acted}");
+    assert_eq!(acted["subject"]["floor_bytes"], floor, "{acted}");
+    assert_eq!(acted["subject"]["pid"], hidden.pid(), "{acted}");
+    assert_eq!(acted["subject"]["comm"], "zombie_leader", "{acted}");
 }

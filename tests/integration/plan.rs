@@ -3,11 +3,9 @@
 //! without a config, and "this host" read from the running daemon or from NVML directly (the
 //! fake libnvidia-ml.so.1).
 
-mod common;
-
 use std::process::Command;
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 
 fn fixture(name: &str) -> String {
@@ -247,13 +245,8 @@ fn this_host_asked_from_the_running_daemon() {
         "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"models\"\n[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n[gpu]\nnvml_library = \"{}\"\n",
         FakeNvml::library()
     );
-    let env = fake.env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let daemon = GuardDaemon::start_with_env(&config, &env);
-    daemon.wait_for_log(
-        "GPU protection on: 2 GPU(s)",
-        std::time::Duration::from_secs(10),
-    );
+    let daemon = GuardDaemon::start_with_fake(&config, &fake);
+    daemon.wait_gpus_on(Some(2), std::time::Duration::from_secs(10));
     // No NVML for the CLI itself: the answer can only come from the daemon.
     let p = json(
         &[

@@ -4,12 +4,10 @@
 //! Floors are set relative to the MemAvailable seen at the start of each test (about 1 GiB below
 //! it), and hogs stop by themselves a little beyond, so the machine is never in danger.
 
-mod common;
-
 use std::os::unix::process::ExitStatusExt;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use nix::sys::signal::Signal;
 
 /// A config whose only candidates are the test's own processes (matched by token).
@@ -17,31 +15,15 @@ fn config(extra_daemon: &str, ram: &str, models: &[(&str, &str, &str)]) -> Strin
     let mut text = format!(
         "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"models\"\ninterval = \"500ms\"\nmin_interval = \"10ms\"\nscan_interval = \"200ms\"\nterm_grace = \"500ms\"\n{extra_daemon}\n[gpu]\nenabled = false\n\n[ram]\n{ram}\n"
     );
-    for (name, token, rest) in models {
-        text.push_str(&format!(
-            "\n[[model]]\nname = \"{name}\"\nmatch = {{ cmdline = \"{token}\" }}\n{rest}\n"
-        ));
-    }
+    text.push_str(&models_toml(models));
     text
-}
-
-/// Floors about 1 GiB below what is available now.
-fn floors_below_now() -> (u64, String) {
-    let min = mem_available() - GIB;
-    (
-        min,
-        format!(
-            "min_available = {min}\nwarn_available = {}\n",
-            min + 256 * MIB
-        ),
-    )
 }
 
 #[test]
 fn hog_below_the_floor_is_killed_and_the_sentinel_survives() {
     let _lock = memory_pressure_lock();
     let (hog_token, sentinel_token) = (token("hog"), token("sentinel"));
-    let (_, floors) = floors_below_now();
+    let (floor, floors) = floors_below_now();
     let daemon = GuardDaemon::start(&config(
         "",
         &floors,
@@ -64,17 +46,26 @@ fn hog_below_the_floor_is_killed_and_the_sentinel_survives() {
         "the sentinel must survive\n{}",
         daemon.log_text()
     );
-    let log = daemon.log_text();
+    // The first action names the hog, the RAM floor and what was available below it.
+    let first = daemon.wait_for_event("process_killed", Duration::from_secs(10), |e| {
+        e["subject"]["model"] == "hog"
+    });
+    assert_eq!(first["action"]["verb"], "terminate", "{first}");
+    assert_eq!(first["action"]["reason"], "ram_floor", "{first}");
+    assert_eq!(first["action"]["outcome"], "done", "{first}");
+    assert_eq!(first["subject"]["pid"], hog.pid(), "{first}");
+    assert_eq!(first["subject"]["comm"], "python3", "{first}");
+    assert_eq!(first["subject"]["resource"], "RAM", "{first}");
+    assert_eq!(first["subject"]["floor_bytes"], floor, "{first}");
     assert!(
-        log.contains(&format!("model 'hog' pids [{}(python3)]", hog.pid())),
-        "{log}"
+        first["subject"]["available_bytes"]
+            .as_u64()
+            .is_some_and(|a| a < floor),
+        "{first}"
     );
-    assert!(
-        log.contains("RAM available") && log.contains("< min_available"),
-        "{log}"
-    );
-    let (code, _) = daemon.stop();
+    let (code, log, events) = daemon.stop_with_events();
     assert_eq!(code, Some(0));
+    assert_eq!(verbs_on(&events, "sentinel"), Vec::<String>::new(), "{log}");
 }
 
 #[test]
@@ -96,12 +87,11 @@ fn protected_hog_is_never_touched() {
         Some(0),
         "a protected process must not be signalled: {status:?}"
     );
-    let log = daemon.log_text();
-    assert!(log.contains("no process may be acted on"), "{log}");
-    assert!(
-        !log.contains("terminate model") && !log.contains("kill model"),
-        "{log}"
-    );
+    // The floor was crossed and the guard found nobody it may act on.
+    let no_victim = daemon.wait_for_event("no_victim", Duration::from_secs(10), |_| true);
+    assert_eq!(no_victim["severity"], "critical", "{no_victim}");
+    let (_, log, events) = daemon.stop_with_events();
+    assert_eq!(verbs_on(&events, "hog"), Vec::<String>::new(), "{log}");
 }
 
 #[test]
@@ -125,13 +115,13 @@ fn observe_mode_decides_but_signals_nothing() {
         Some(0),
         "observe mode must not signal: {status:?}"
     );
-    daemon.wait_for_log(
-        &format!(
-            "observe mode: would terminate model 'hog' pids [{}(python3)]",
-            hog.pid()
-        ),
-        Duration::from_secs(1),
-    );
+    // It decided (a terminate, observed) and signalled nothing.
+    let observed = daemon.wait_for_event("process_killed", Duration::from_secs(1), |e| {
+        e["subject"]["model"] == "hog"
+    });
+    assert_eq!(observed["action"]["verb"], "terminate", "{observed}");
+    assert_eq!(observed["action"]["outcome"], "observed", "{observed}");
+    assert_eq!(observed["subject"]["pid"], hog.pid(), "{observed}");
 }
 
 #[test]
@@ -153,7 +143,7 @@ fn model_over_ram_budget_is_stopped_then_resumed_when_budget_is_raised() {
     let pid = hog.pid();
 
     assert!(
-        wait_until(Duration::from_secs(10), || proc_state(pid) == Some('T')),
+        wait_stopped(&[pid], Duration::from_secs(10)),
         "not stopped:\n{}",
         daemon.log_text()
     );
@@ -162,7 +152,9 @@ fn model_over_ram_budget_is_stopped_then_resumed_when_budget_is_raised() {
         record.contains(&format!("\"pid\": {pid}")),
         "stopped process recorded on disk: {record}"
     );
-    daemon.wait_for_log("over budget: RAM", Duration::from_secs(1));
+    daemon.wait_for_event("budget_exceeded", Duration::from_secs(1), |e| {
+        e["subject"]["model"] == "greedy" && e["subject"]["budget_bytes"] == 100 * MIB
+    });
 
     daemon.rewrite_config(&model("4GiB"));
     daemon.signal(Signal::SIGHUP);
@@ -174,7 +166,9 @@ fn model_over_ram_budget_is_stopped_then_resumed_when_budget_is_raised() {
         "not resumed:\n{}",
         daemon.log_text()
     );
-    daemon.wait_for_log("back under budget", Duration::from_secs(2));
+    daemon.wait_for_event("budget_cleared", Duration::from_secs(2), |e| {
+        e["subject"]["model"] == "greedy"
+    });
     assert!(hog.alive());
     let record = std::fs::read_to_string(daemon.state_dir().join("stopped.json")).unwrap();
     assert!(
@@ -197,16 +191,24 @@ fn budget_grace_is_honoured() {
     ));
     let mut hog = Hog::start(&hog_token, 0, 128, 60);
     let pid = hog.pid();
-    daemon.wait_for_log("model 'slow' over budget", Duration::from_secs(10));
+    daemon.wait_for_event("budget_exceeded", Duration::from_secs(10), |e| {
+        e["subject"]["model"] == "slow"
+    });
     let over_at = Instant::now();
-    std::thread::sleep(Duration::from_millis(1500));
-    assert_ne!(
-        proc_state(pid),
-        Some('T'),
-        "stopped before its grace ran out"
-    );
+    // A tick that began after the guard saw the model over budget finds it over budget and
+    // not yet stopped (unless the loop was so slow that the 3 s grace ran out meanwhile).
+    let report = daemon.next_tick_status();
+    if over_at.elapsed() < Duration::from_millis(2500) {
+        let slow = model_row(&report, "slow");
+        assert_eq!(
+            slow.map(|m| &m["state"]),
+            Some(&serde_json::json!("over_budget")),
+            "stopped before its grace ran out: {report}"
+        );
+        assert!(!is_stopped(pid), "stopped before its grace ran out");
+    }
     assert!(
-        wait_until(Duration::from_secs(10), || proc_state(pid) == Some('T')),
+        wait_stopped(&[pid], Duration::from_secs(10)),
         "{}",
         daemon.log_text()
     );
@@ -233,7 +235,7 @@ fn sigterm_resumes_stopped_processes_before_exit() {
     let mut hog = Hog::start(&hog_token, 0, 128, 60);
     let pid = hog.pid();
     assert!(
-        wait_until(Duration::from_secs(10), || proc_state(pid) == Some('T')),
+        wait_stopped(&[pid], Duration::from_secs(10)),
         "{}",
         daemon.log_text()
     );
@@ -243,7 +245,6 @@ fn sigterm_resumes_stopped_processes_before_exit() {
         matches!(proc_state(pid), Some('S' | 'R')),
         "still stopped after the daemon exited:\n{log}"
     );
-    assert!(log.contains("on shutdown"), "{log}");
     assert!(hog.alive());
 }
 
@@ -263,13 +264,13 @@ fn daemon_killed_while_holding_a_process_resumes_it_on_restart() {
     let mut hog = Hog::start(&hog_token, 0, 128, 60);
     let pid = hog.pid();
     assert!(
-        wait_until(Duration::from_secs(10), || proc_state(pid) == Some('T')),
+        wait_stopped(&[pid], Duration::from_secs(10)),
         "{}",
         daemon.log_text()
     );
 
+    // crash() has reaped the daemon: nothing is left to resume it.
     let dir = daemon.crash();
-    std::thread::sleep(Duration::from_millis(300));
     assert_eq!(
         proc_state(pid),
         Some('T'),
@@ -286,10 +287,7 @@ fn daemon_killed_while_holding_a_process_resumes_it_on_restart() {
         "{}",
         restarted.log_text()
     );
-    restarted.wait_for_log(
-        &format!("resumed pid {pid} (python3) left stopped"),
-        Duration::from_secs(2),
-    );
+    restarted.wait_for_event("leftovers_undone", Duration::from_secs(2), |_| true);
     assert!(hog.alive());
 }
 
@@ -316,10 +314,9 @@ fn throttle_measurably_slows_a_growing_hog() {
         )],
     ));
     let hog = Hog::start_chunked(&hog_token, 400, 1024, 60, 4);
-    daemon.wait_for_log(
-        &format!("throttle model 't' pids [{}(python3)]", hog.pid()),
-        Duration::from_secs(10),
-    );
+    daemon.wait_for_event("process_throttled", Duration::from_secs(10), |e| {
+        e["subject"]["model"] == "t" && e["subject"]["pid"] == hog.pid()
+    });
     let throttled_rate = growth_per_second(hog.pid(), Duration::ZERO, Duration::from_millis(1500));
     assert!(
         free_rate > 100.0 * MIB as f64,
@@ -363,22 +360,18 @@ fn bad_reload_keeps_the_old_config_running() {
     let daemon = GuardDaemon::start(&good);
     daemon.rewrite_config(&good.replace("ram = \"64MiB\"", "ram = \"64 parsecs\""));
     daemon.signal(Signal::SIGHUP);
-    daemon.wait_for_log(
-        "config reload failed, keeping the previous config",
-        Duration::from_secs(5),
-    );
+    // The failed reload is an event naming the key and the bad value.
+    let failed = daemon.wait_for_event("config_reload_failed", Duration::from_secs(5), |_| true);
     assert!(
-        daemon
-            .log_text()
-            .contains("model[0] 'm'.ram: '64 parsecs' is not a size"),
-        "{}",
-        daemon.log_text()
+        failed["summary"]
+            .as_str()
+            .is_some_and(|s| s.contains("model[0] 'm'.ram: '64 parsecs' is not a size")),
+        "{failed}"
     );
     // The old budget still acts.
     let hog = Hog::start(&hog_token, 0, 128, 60);
     assert!(
-        wait_until(Duration::from_secs(10), || proc_state(hog.pid())
-            == Some('T')),
+        wait_stopped(&[hog.pid()], Duration::from_secs(10)),
         "{}",
         daemon.log_text()
     );
@@ -406,27 +399,15 @@ fn model_over_ram_budget_with_action_kill_is_killed_and_the_daemon_lives_on() {
         .wait(Duration::from_secs(10))
         .unwrap_or_else(|| panic!("not killed:\n{}", daemon.log_text()));
     assert!(matches!(status.signal(), Some(15 | 9)), "{status:?}");
-    std::thread::sleep(Duration::from_millis(500));
-    let out = std::process::Command::new(BIN)
-        .args(["status", "--json"])
-        .env("GPUGUARD_SOCKET", daemon.socket())
-        .output()
-        .unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "the daemon must still answer:\n{}",
-        daemon.log_text()
-    );
-    let (code, log) = daemon.stop();
+    // The loop ticks on after the exit and the daemon still answers.
+    daemon.next_tick_status();
+    let (code, log, events) = daemon.stop_with_events();
     assert_eq!(code, Some(0), "{log}");
-    assert!(
-        log.contains(&format!(
-            "terminate model 'greedy' pids [{}(python3)]",
-            hog.pid()
-        )),
-        "{log}"
-    );
+    let first = actions_on(&events, "greedy").into_iter().next();
+    let first = first.unwrap_or_else(|| panic!("no action on greedy:\n{log}"));
+    assert_eq!(first["action"]["verb"], "terminate", "{first}");
+    assert_eq!(first["action"]["reason"], "ram_budget", "{first}");
+    assert_eq!(first["subject"]["pid"], hog.pid(), "{first}");
 }
 
 /// A file in /dev/shm, removed when dropped (whatever the test's outcome).
@@ -481,24 +462,31 @@ fn a_tmpfs_file_under_the_floor_is_alerted_and_kills_nobody() {
     );
     let daemon = GuardDaemon::start(&config("", &floors, &models));
     let mut servers: Vec<Hog> = tokens.iter().map(|t| Hog::start(t, 0, 32, 60)).collect();
-    // The servers are resident and RAM is above the warn floor: the daemon has seen Shmem there.
-    std::thread::sleep(Duration::from_secs(2));
+    // The servers are resident and RAM is above the warn floor: the daemon has seen Shmem there
+    // (a tick that began once all three were in the status).
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            let report = daemon.status();
+            names.iter().all(|n| {
+                model_row(&report, n)
+                    .is_some_and(|m| m["pids"].as_array().is_some_and(|p| !p.is_empty()))
+            })
+        }),
+        "{}",
+        daemon.log_text()
+    );
+    daemon.next_tick_status();
     // About 1.5 GiB under the act floor, all of it in a file no process holds.
     let shm = ShmFile::write(&token("shm"), 3 * GIB);
-    daemon.wait_for_log("event=\"shmem_shortfall\"", Duration::from_secs(20));
-    std::thread::sleep(Duration::from_secs(2));
-    let out = std::process::Command::new(BIN)
-        .args(["status", "--json"])
-        .env("GPUGUARD_SOCKET", daemon.socket())
-        .output()
-        .unwrap();
-    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let shortfall = daemon.wait_for_event("shmem_shortfall", Duration::from_secs(20), |_| true);
+    assert_eq!(shortfall["severity"], "critical", "{shortfall}");
+    let status = daemon.next_tick_status();
     let shmem = status["memory"]["shmem_bytes"].as_u64().unwrap_or(0);
     assert!(shmem >= 3 * GIB, "status: {}", status["memory"]);
     // Removing the file (Shmem falls before MemAvailable comes back) does not kill either.
     drop(shm);
     wait_until(Duration::from_secs(20), || {
-        daemon.log_text().contains("event=\"floor_cleared\"")
+        !daemon.events_of("floor_cleared").is_empty()
     });
     for (server, name) in servers.iter_mut().zip(names) {
         assert!(
@@ -507,16 +495,11 @@ fn a_tmpfs_file_under_the_floor_is_alerted_and_kills_nobody() {
             daemon.log_text()
         );
     }
-    let (code, log) = daemon.stop();
+    let (code, log, events) = daemon.stop_with_events();
     assert_eq!(code, Some(0), "{log}");
-    assert!(
-        log.contains("Shmem grew by") && log.contains("not acting"),
-        "{log}"
-    );
-    assert!(
-        !log.contains("terminate model") && !log.contains("kill model"),
-        "{log}"
-    );
+    for name in names {
+        assert_eq!(verbs_on(&events, name), Vec::<String>::new(), "{log}");
+    }
 }
 
 /// The brake on the real binary: RAM is under the act floor for memory none of the candidates
@@ -550,19 +533,18 @@ fn a_cascade_stops_at_max_victims() {
         min + 256 * MIB
     );
     let daemon = GuardDaemon::start(&config("", &floors, &models));
-    daemon.wait_for_log("event=\"floor_brake\"", Duration::from_secs(30));
-    std::thread::sleep(Duration::from_secs(2));
-    let (code, log) = daemon.stop();
+    let brake = daemon.wait_for_event("floor_brake", Duration::from_secs(30), |_| true);
+    assert_eq!(brake["severity"], "critical", "{brake}");
+    // The guard has looked again since it braked (and acted on nobody more).
+    daemon.next_tick_status();
+    daemon.next_tick_status();
+    let (code, log, events) = daemon.stop_with_events();
     assert_eq!(code, Some(0), "{log}");
     let signalled = names
         .iter()
-        .filter(|n| log.contains(&format!("terminate model '{n}'")))
+        .filter(|n| verbs_on(&events, n).contains(&"terminate".to_string()))
         .count();
     assert_eq!(signalled, 3, "{log}");
     let alive = servers.iter_mut().map(|s| s.alive()).filter(|&a| a).count();
     assert_eq!(alive, 2, "{log}");
-    assert!(
-        log.contains("3 victim(s) acted on for RAM within 5m"),
-        "{log}"
-    );
 }

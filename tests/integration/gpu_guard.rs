@@ -1,12 +1,10 @@
 //! GPU protection through the real binary and the real NVML code path (nvml-wrapper -> dlopen),
 //! against the scripted fake libnvidia-ml.so.1 in tests/fake_nvml, on real child processes.
 
-mod common;
-
 use std::os::unix::process::ExitStatusExt;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 
 const GIB_S: &str = "1073741824";
 
@@ -15,18 +13,8 @@ fn gpu_config(gpu: &str, models: &[(&str, &str, &str)]) -> String {
         "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"models\"\ninterval = \"200ms\"\nmin_interval = \"10ms\"\nscan_interval = \"200ms\"\nterm_grace = \"300ms\"\n\n[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n\n[gpu]\nnvml_library = \"{}\"\nsample_timeout = \"300ms\"\nretry_init = \"300ms\"\nrelease_timeout = \"1s\"\n{gpu}\n",
         FakeNvml::library()
     );
-    for (name, token, rest) in models {
-        text.push_str(&format!(
-            "\n[[model]]\nname = \"{name}\"\nmatch = {{ cmdline = \"{token}\" }}\n{rest}\n"
-        ));
-    }
+    text.push_str(&models_toml(models));
     text
-}
-
-fn start(config: &str, fake: &FakeNvml) -> GuardDaemon {
-    let env = fake.env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    GuardDaemon::start_with_env(config, &env)
 }
 
 /// Two 16 GiB GPUs; `used` per GPU in GiB; process lines appended.
@@ -44,14 +32,10 @@ fn two_gpus(used0: u64, used1: u64, processes: &[(u32, u32, &str)]) -> String {
     s
 }
 
-fn idle(token: &str) -> Hog {
-    Hog::start(token, 0, 0, 600)
-}
-
 #[test]
 fn gpu_below_min_free_loses_its_largest_holder_and_the_other_gpu_is_untouched() {
     let (ta, tb, tc) = (token("gpu-a"), token("gpu-b"), token("gpu-c"));
-    let (mut a, mut b, mut c) = (idle(&ta), idle(&tb), idle(&tc));
+    let (mut a, mut b, mut c) = (Hog::idle(&ta), Hog::idle(&tb), Hog::idle(&tc));
     let healthy = two_gpus(
         8,
         13,
@@ -62,14 +46,14 @@ fn gpu_below_min_free_loses_its_largest_holder_and_the_other_gpu_is_untouched() 
         ],
     );
     let fake = FakeNvml::new(&healthy);
-    let daemon = start(
+    let daemon = GuardDaemon::start_with_fake(
         &gpu_config(
             "min_free = \"1GiB\"\nwarn_free = \"2GiB\"",
             &[("a", &ta, ""), ("b", &tb, ""), ("c", &tc, "")],
         ),
         &fake,
     );
-    daemon.wait_for_log("GPU protection on: 2 GPU(s)", Duration::from_secs(5));
+    daemon.wait_gpus_on(Some(2), Duration::from_secs(5));
     assert!(a.alive() && b.alive() && c.alive());
 
     // GPU 0 fills up: 15.5 GiB used of 16.
@@ -92,15 +76,20 @@ fn gpu_below_min_free_loses_its_largest_holder_and_the_other_gpu_is_untouched() 
         c.alive(),
         "the holder on the healthy GPU 1 must be untouched (it is larger)"
     );
-    let log = daemon.log_text();
-    assert!(
-        log.contains("GPU 0 free 512.0 MiB < min_free 1.0 GiB"),
-        "{log}"
-    );
-    assert!(
-        log.contains(&format!("model 'a' pids [{}(python3)]", a.pid())),
-        "{log}"
-    );
+    // GPU 0 (only) went under its act floor, and the action was for that floor, on the holder.
+    let acted = daemon.wait_for_event("process_killed", Duration::from_secs(5), |e| {
+        e["subject"]["model"] == "a"
+    });
+    assert_eq!(acted["action"]["reason"], "gpu_floor", "{acted}");
+    assert_eq!(acted["subject"]["pid"], a.pid(), "{acted}");
+    assert_eq!(acted["subject"]["comm"], "python3", "{acted}");
+    let mut floors: Vec<_> = daemon
+        .events_of("floor_act")
+        .iter()
+        .map(|e| e["subject"]["resource"].clone())
+        .collect();
+    floors.dedup();
+    assert_eq!(floors, ["GPU 0"], "{}", daemon.log_text());
 }
 
 #[test]
@@ -114,7 +103,7 @@ fn model_over_gpu_budget_summed_over_parent_and_child_is_stopped_after_grace() {
         &[(0, parent, "5368709120"), (1, child, "5368709120")],
     ));
     // 10 GiB over two GPUs in two processes against an 8 GiB budget.
-    let daemon = start(
+    let daemon = GuardDaemon::start_with_fake(
         &gpu_config(
             "",
             &[(
@@ -125,17 +114,29 @@ fn model_over_gpu_budget_summed_over_parent_and_child_is_stopped_after_grace() {
         ),
         &fake,
     );
-    daemon.wait_for_log("model 'fam' over budget: GPU memory 10.0 GiB > budget 8.0 GiB (GPU 0: 5.0 GiB, GPU 1: 5.0 GiB)", Duration::from_secs(5));
-    std::thread::sleep(Duration::from_millis(1200));
-    assert_ne!(
-        proc_state(parent),
-        Some('T'),
-        "stopped before grace:\n{}",
-        daemon.log_text()
-    );
+    let over = daemon.wait_for_event("budget_exceeded", Duration::from_secs(5), |e| {
+        e["subject"]["model"] == "fam"
+    });
+    let over_at = std::time::Instant::now();
+    assert_eq!(over["subject"]["usage_bytes"], 10 * GIB, "{over}");
+    assert_eq!(over["subject"]["budget_bytes"], 8 * GIB, "{over}");
+    // A tick that began after it was seen over budget finds it over budget and not yet
+    // stopped (unless the loop was so slow that the 2 s grace ran out meanwhile).
+    let report = daemon.next_tick_status();
+    if over_at.elapsed() < Duration::from_millis(1500) {
+        assert_eq!(
+            model_row(&report, "fam").map(|m| &m["state"]),
+            Some(&serde_json::json!("over_budget")),
+            "stopped before grace: {report}"
+        );
+        assert!(
+            !is_stopped(parent),
+            "stopped before grace:\n{}",
+            daemon.log_text()
+        );
+    }
     assert!(
-        wait_until(Duration::from_secs(5), || proc_state(parent) == Some('T')
-            && proc_state(child) == Some('T')),
+        wait_stopped(&[parent, child], Duration::from_secs(5)),
         "{}",
         daemon.log_text()
     );
@@ -143,8 +144,7 @@ fn model_over_gpu_budget_summed_over_parent_and_child_is_stopped_after_grace() {
     // Back under budget (the child released memory): both resumed.
     fake.set(&two_gpus(6, 1, &[(0, parent, "5368709120")]));
     assert!(
-        wait_until(Duration::from_secs(5), || proc_state(parent) != Some('T')
-            && proc_state(child) != Some('T')),
+        wait_resumed(&[parent, child], Duration::from_secs(5)),
         "{}",
         daemon.log_text()
     );
@@ -153,9 +153,9 @@ fn model_over_gpu_budget_summed_over_parent_and_child_is_stopped_after_grace() {
 #[test]
 fn unavailable_gpu_memory_never_leads_to_a_kill() {
     let t = token("na");
-    let mut holder = idle(&t);
+    let mut holder = Hog::idle(&t);
     let fake = FakeNvml::new(&two_gpus(15, 1, &[(0, holder.pid(), "NA")]));
-    let daemon = start(
+    let daemon = GuardDaemon::start_with_fake(
         &gpu_config(
             "min_free = \"2GiB\"",
             &[(
@@ -166,16 +166,19 @@ fn unavailable_gpu_memory_never_leads_to_a_kill() {
         ),
         &fake,
     );
-    daemon.wait_for_log(
-        "GPU 0 free 1.0 GiB < min_free 2.0 GiB",
-        Duration::from_secs(5),
-    );
-    daemon.wait_for_log("no process may be acted on", Duration::from_secs(5));
-    std::thread::sleep(Duration::from_secs(1));
+    // GPU 0 is under its floor and its only holder's usage is unknown: nobody to act on.
+    daemon.wait_for_event("no_victim", Duration::from_secs(5), |_| true);
+    let report = daemon.next_tick_status();
     assert!(holder.alive(), "NA must not kill:\n{}", daemon.log_text());
-    assert!(
-        !daemon.log_text().contains("over budget"),
+    assert_eq!(
+        daemon.events_of("budget_exceeded"),
+        Vec::<serde_json::Value>::new(),
         "NA is unknown, not a usage"
+    );
+    assert_eq!(
+        model_row(&report, "na").map(|m| &m["gpu_unknown"]),
+        Some(&serde_json::json!(true)),
+        "{report}"
     );
 }
 
@@ -194,27 +197,26 @@ fn gpu_lost_while_running_keeps_the_daemon_up_and_guarding_ram() {
             min + 256 * MIB
         ),
     );
-    let daemon = start(&config, &fake);
-    daemon.wait_for_log("GPU protection on: 2 GPU(s)", Duration::from_secs(5));
+    let daemon = GuardDaemon::start_with_fake(&config, &fake);
+    daemon.wait_gpus_on(Some(2), Duration::from_secs(5));
     let _ = t;
 
     fake.set(&format!("{}error * 15 gpu=1\n", two_gpus(1, 1, &[])));
-    daemon.wait_for_log(
-        "GPU 1 free unknown (device fell off the bus",
-        Duration::from_secs(5),
-    );
+    // GPU 1 is lost: protection degraded.
+    daemon.wait_for_status(Duration::from_secs(5), |r| {
+        r["gpu_protection"]["state"] == "degraded" && r["gpus"][1]["lost"] == true
+    });
     let mut hog = Hog::start(&hog_t, 1024, 2560, 30);
     let status = hog
         .wait(Duration::from_secs(30))
         .unwrap_or_else(|| panic!("RAM hog not stopped:\n{}", daemon.log_text()));
     assert!(matches!(status.signal(), Some(15 | 9)), "{status:?}");
-    let (code, log) = daemon.stop();
+    let (code, log, events) = daemon.stop_with_events();
     assert_eq!(code, Some(0), "{log}");
-    assert!(
-        log.contains("RAM available")
-            && log.contains(&format!("model 'hog' pids [{}(python3)]", hog.pid())),
-        "{log}"
-    );
+    let first = actions_on(&events, "hog").into_iter().next();
+    let first = first.unwrap_or_else(|| panic!("no action on the hog:\n{log}"));
+    assert_eq!(first["action"]["reason"], "ram_floor", "{first}");
+    assert_eq!(first["subject"]["pid"], hog.pid(), "{first}");
 }
 
 #[test]
@@ -231,13 +233,14 @@ fn no_libnvidia_ml_at_all_starts_and_guards_ram() {
     )
     .replace(&FakeNvml::library(), "/nonexistent/libnvidia-ml.so.1");
     let daemon = GuardDaemon::start(&config);
-    daemon.wait_for_log(
-        "GPU protection is off: NVML library not loadable",
-        Duration::from_secs(5),
-    );
+    daemon.wait_for_status(Duration::from_secs(5), |r| {
+        r["gpu_protection"]["state"] == "unavailable"
+            && r["gpu_protection"]["reason"]
+                .as_str()
+                .is_some_and(|why| why.contains("NVML library not loadable"))
+    });
     assert!(
-        wait_until(Duration::from_secs(10), || proc_state(hog.pid())
-            == Some('T')),
+        wait_stopped(&[hog.pid()], Duration::from_secs(10)),
         "{}",
         daemon.log_text()
     );
@@ -247,83 +250,90 @@ fn no_libnvidia_ml_at_all_starts_and_guards_ram() {
 fn driver_appearing_later_is_picked_up_by_the_init_retry() {
     let fake = FakeNvml::new("");
     std::fs::remove_file(&fake.state).unwrap();
-    let daemon = start(&gpu_config("", &[]), &fake);
-    daemon.wait_for_log(
-        "GPU protection is off: NVIDIA driver not loaded",
-        Duration::from_secs(5),
-    );
+    let daemon = GuardDaemon::start_with_fake(&gpu_config("", &[]), &fake);
+    daemon.wait_for_status(Duration::from_secs(5), |r| {
+        r["gpu_protection"]["state"] == "unavailable"
+            && r["gpu_protection"]["reason"]
+                .as_str()
+                .is_some_and(|why| why.contains("NVIDIA driver not loaded"))
+    });
     fake.set(&two_gpus(1, 1, &[]));
-    daemon.wait_for_log("GPU protection on: 2 GPU(s)", Duration::from_secs(5));
+    daemon.wait_gpus_on(Some(2), Duration::from_secs(5));
 }
 
 #[test]
 fn injected_xid_shows_up_as_a_critical_event() {
     let fake = FakeNvml::new(&two_gpus(1, 1, &[]));
-    let daemon = start(&gpu_config("", &[]), &fake);
-    daemon.wait_for_log("GPU protection on", Duration::from_secs(5));
+    let daemon = GuardDaemon::start_with_fake(&gpu_config("", &[]), &fake);
+    daemon.wait_gpus_on(None, Duration::from_secs(5));
     fake.set(&format!("{}xid 1 79 id=7\n", two_gpus(1, 1, &[])));
-    daemon.wait_for_log("Xid 79 on GPU 1", Duration::from_secs(5));
-    let log = daemon.log_text();
-    let line = log.lines().find(|l| l.contains("Xid 79")).unwrap();
-    assert!(
-        line.contains("ERROR") && line.contains("xid_critical"),
-        "{line}"
-    );
+    let xid = daemon.wait_for_event("xid_critical", Duration::from_secs(5), |_| true);
+    assert_eq!(xid["severity"], "critical", "{xid}");
+    assert_eq!(xid["subject"]["resource"], "GPU 1", "{xid}");
+    // The guard has looked again since: still one.
+    daemon.next_tick_status();
     assert_eq!(
-        log.matches("Xid 79 on GPU 1").count(),
+        daemon.events_of("xid_critical").len(),
         1,
-        "delivered once:\n{log}"
+        "delivered once:\n{}",
+        daemon.log_text()
     );
 }
 
 #[test]
 fn memory_kept_after_the_kill_is_reported_stuck_and_nobody_else_is_killed() {
     let (ta, tb) = (token("stuck-a"), token("stuck-b"));
-    let (mut a, mut b) = (idle(&ta), idle(&tb));
+    let (mut a, mut b) = (Hog::idle(&ta), Hog::idle(&tb));
     // GPU 0 is below its floor from the start; the fake keeps listing a's memory after it dies.
     let fake = FakeNvml::new(&two_gpus(
         15,
         1,
         &[(0, a.pid(), "8589934592"), (0, b.pid(), "4294967296")],
     ));
-    let daemon = start(
+    let daemon = GuardDaemon::start_with_fake(
         &gpu_config("min_free = \"2GiB\"", &[("a", &ta, ""), ("b", &tb, "")]),
         &fake,
     );
     a.wait(Duration::from_secs(10))
         .unwrap_or_else(|| panic!("a not killed:\n{}", daemon.log_text()));
-    daemon.wait_for_log("memory stuck in the driver", Duration::from_secs(5));
-    std::thread::sleep(Duration::from_secs(1));
+    daemon.wait_for_event("stuck_memory", Duration::from_secs(5), |_| true);
+    // The guard has looked again since it found the memory stuck: nobody else was chosen.
+    daemon.next_tick_status();
     assert!(
         b.alive(),
         "no second kill while the first victim's memory is stuck:\n{}",
         daemon.log_text()
     );
-    let log = daemon.log_text();
-    assert!(log.contains("stuck_memory"), "{log}");
-    assert!(
-        !log.contains(&format!("model 'b' pids [{}", b.pid())),
-        "{log}"
+    assert_eq!(
+        daemon.verbs_on("b"),
+        Vec::<String>::new(),
+        "{}",
+        daemon.log_text()
     );
 }
 
 #[test]
 fn stale_gpu_samples_alert_but_never_kill() {
     let t = token("stale");
-    let mut holder = idle(&t);
+    let mut holder = Hog::idle(&t);
     let fake = FakeNvml::new(&two_gpus(1, 1, &[(0, holder.pid(), "8589934592")]));
-    let daemon = start(&gpu_config("min_free = \"2GiB\"", &[("s", &t, "")]), &fake);
-    daemon.wait_for_log("GPU protection on", Duration::from_secs(5));
+    let daemon =
+        GuardDaemon::start_with_fake(&gpu_config("min_free = \"2GiB\"", &[("s", &t, "")]), &fake);
+    daemon.wait_gpus_on(None, Duration::from_secs(5));
     // NVML now answers late (1 s per memory query, deadline 300 ms) with GPU 0 nearly full.
     fake.set(&format!(
         "{}delay nvmlDeviceGetMemoryInfo_v2 1000\n",
         two_gpus(15, 1, &[(0, holder.pid(), "8589934592")])
     ));
-    daemon.wait_for_log(
-        "the reading is stale, alerting only",
-        Duration::from_secs(10),
+    daemon.wait_for_event("not_acting_stale", Duration::from_secs(10), |_| true);
+    // The guard has looked again since (its ticks go on while NVML is late).
+    daemon.next_tick_status();
+    assert_eq!(
+        daemon.verbs_on("s"),
+        Vec::<String>::new(),
+        "{}",
+        daemon.log_text()
     );
-    std::thread::sleep(Duration::from_secs(2));
     assert!(
         holder.alive(),
         "a stale sample must not kill:\n{}",
@@ -335,41 +345,40 @@ fn stale_gpu_samples_alert_but_never_kill() {
 fn same_model_loaded_twice_on_one_gpu_is_reported_once() {
     let t = token("dup");
     // Two unrelated processes with the same command line.
-    let (a, b) = (idle(&t), idle(&t));
+    let (a, b) = (Hog::idle(&t), Hog::idle(&t));
     let fake = FakeNvml::new(&two_gpus(
         9,
         1,
         &[(0, a.pid(), "4294967296"), (0, b.pid(), "4294967296")],
     ));
-    let daemon = start(&gpu_config("", &[]), &fake);
-    daemon.wait_for_log(
-        "run the same command and hold 8.0 GiB together",
-        Duration::from_secs(5),
-    );
-    std::thread::sleep(Duration::from_secs(1));
-    assert_eq!(
-        daemon.log_text().matches("run the same command").count(),
-        1,
-        "reported once"
-    );
+    let daemon = GuardDaemon::start_with_fake(&gpu_config("", &[]), &fake);
+    let dup = daemon.wait_for_event("duplicate_load", Duration::from_secs(5), |_| true);
+    assert_eq!(dup["severity"], "warning", "{dup}");
+    // The guard has looked again since: still reported once.
+    daemon.next_tick_status();
+    assert_eq!(daemon.events_of("duplicate_load").len(), 1, "reported once");
     let _ = GIB_S;
 }
 
 #[test]
 fn driver_library_mismatch_is_a_state_not_a_crash() {
     let fake = FakeNvml::new(&format!("{}error nvmlInit_v2 18\n", two_gpus(1, 1, &[])));
-    let daemon = start(&gpu_config("", &[]), &fake);
-    daemon.wait_for_log(
-        "GPU protection is off: NVML/driver version mismatch (driver upgraded without reboot?)",
-        Duration::from_secs(5),
-    );
+    let daemon = GuardDaemon::start_with_fake(&gpu_config("", &[]), &fake);
+    daemon.wait_for_status(Duration::from_secs(5), |r| {
+        r["gpu_protection"]["state"] == "unavailable"
+            && r["gpu_protection"]["reason"]
+                .as_str()
+                .is_some_and(|why| why.contains("NVML/driver version mismatch"))
+    });
     // Once the mismatch is gone (reboot), the retry picks the GPUs up; the daemon never stopped.
     fake.set(&two_gpus(1, 1, &[]));
-    daemon.wait_for_log("GPU protection on: 2 GPU(s)", Duration::from_secs(5));
+    daemon.wait_gpus_on(Some(2), Duration::from_secs(5));
     assert_eq!(
-        daemon.log_text().matches("GPU protection is off").count(),
+        daemon.events_of("gpu_unavailable").len(),
         1,
-        "said once"
+        "said once:
+{}",
+        daemon.log_text()
     );
     let (code, _) = daemon.stop();
     assert_eq!(code, Some(0));

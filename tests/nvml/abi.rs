@@ -1,11 +1,8 @@
 //! Drives the scripted fake `libnvidia-ml.so.1` (tests/fake_nvml, built by build.rs) through the
 //! real `nvml-wrapper` crate, so the fake is known to speak the ABI the wrapper expects.
 //!
-//! `FAKE_NVML_STATE` is process-wide: every test holds `ENV_LOCK` (through `Fake`) while the
-//! variable points at its own temp state file.
+//! Every test holds the binary's one lock on `FAKE_NVML_STATE` (through `crate::Fake`).
 
-use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use nvml_wrapper::bitmasks::event::EventTypes;
@@ -15,52 +12,11 @@ use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::Nvml;
 
-static ENV_LOCK: Mutex<()> = Mutex::new(());
-
-const GIB: u64 = 1 << 30;
-
-fn lib_path() -> PathBuf {
-    Path::new(env!("GPUGUARD_FAKE_NVML_DIR")).join("libnvidia-ml.so.1")
-}
+use crate::{lib_path, Fake, GIB};
 
 fn init() -> Result<Nvml, NvmlError> {
     let lib = lib_path();
     Nvml::builder().lib_path(lib.as_os_str()).init()
-}
-
-/// One test's fake: holds the env lock, owns a temp dir with the state file.
-struct Fake {
-    dir: tempfile::TempDir,
-    state: PathBuf,
-    _guard: MutexGuard<'static, ()>,
-}
-
-impl Fake {
-    fn new(state: &str) -> Fake {
-        let guard = ENV_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-        let dir = tempfile::tempdir().unwrap();
-        let fake = Fake {
-            state: dir.path().join("state"),
-            dir,
-            _guard: guard,
-        };
-        fake.write(state);
-        std::env::set_var("FAKE_NVML_STATE", &fake.state);
-        fake
-    }
-
-    /// Replaces the state atomically (temp + rename), as a test must while NVML is in use.
-    fn write(&self, state: &str) {
-        let tmp = self.dir.path().join("state.tmp");
-        std::fs::write(&tmp, state).unwrap();
-        std::fs::rename(&tmp, &self.state).unwrap();
-    }
-}
-
-impl Drop for Fake {
-    fn drop(&mut self) {
-        std::env::remove_var("FAKE_NVML_STATE");
-    }
 }
 
 const TWO_GPUS: &str = r#"

@@ -1,0 +1,55 @@
+//! The tests that load the scripted fake `libnvidia-ml.so.1` (tests/fake_nvml, built by
+//! build.rs) into this process: `abi` (through nvml-wrapper and the raw C ABI), `sampler` (the
+//! daemon's `NvmlGpuSource`, and any state sampled without panicking). A test binary of its own:
+//! the fake reads its state from `FAKE_NVML_STATE`, a process-wide variable, so every test here
+//! holds the one lock (`Fake`) while the variable points at its own state file, and the daemons
+//! started by the integration tests (`tests/integration/`) never inherit it.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+
+mod abi;
+mod sampler;
+
+static ENV_LOCK: Mutex<()> = Mutex::new(());
+
+pub const GIB: u64 = 1 << 30;
+
+pub fn lib_path() -> PathBuf {
+    Path::new(env!("GPUGUARD_FAKE_NVML_DIR")).join("libnvidia-ml.so.1")
+}
+
+/// One test's fake: holds the env lock, owns a temp dir with the state file.
+pub struct Fake {
+    pub dir: tempfile::TempDir,
+    pub state: PathBuf,
+    _guard: MutexGuard<'static, ()>,
+}
+
+impl Fake {
+    pub fn new(state: &str) -> Fake {
+        let guard = ENV_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        let dir = tempfile::tempdir().unwrap();
+        let fake = Fake {
+            state: dir.path().join("state"),
+            dir,
+            _guard: guard,
+        };
+        fake.write(state);
+        std::env::set_var("FAKE_NVML_STATE", &fake.state);
+        fake
+    }
+
+    /// Replaces the state atomically (temp + rename), as a test must while NVML is in use.
+    pub fn write(&self, state: &str) {
+        let tmp = self.dir.path().join("state.tmp");
+        std::fs::write(&tmp, state).unwrap();
+        std::fs::rename(&tmp, &self.state).unwrap();
+    }
+}
+
+impl Drop for Fake {
+    fn drop(&mut self) {
+        std::env::remove_var("FAKE_NVML_STATE");
+    }
+}

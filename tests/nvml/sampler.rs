@@ -1,0 +1,184 @@
+//! The NVML sampler (`NvmlGpuSource`) in process against the scripted fake library: what it
+//! reads, how it judges a reading, and that any state is sampled without panicking (a property
+//! test, moved here from tests/integration/properties.rs: it loads the fake into this process).
+
+use std::path::Path;
+use std::time::Duration;
+
+use gpuguard::config::Config;
+use gpuguard::policy::{evaluate, PolicyState};
+use gpuguard::sample::nvml::{GpuSource, NvmlGpuSource};
+use gpuguard::snapshot::{GpuSnapshot, HostMemory, ProcessTable, Snapshot};
+use proptest::prelude::*;
+use proptest::test_runner::{Config as ProptestConfig, TestRunner};
+
+use crate::{lib_path, Fake, GIB};
+
+/// Issue #12: the process lists are read around the memory figures, and a change in between
+/// (something allocated while NVML was being read) marks the reading unsteady, so permits never
+/// set free memory from one moment against per-process figures from another.
+#[test]
+fn process_lists_that_change_around_the_memory_reading_are_not_steady() {
+    let one = |used: u64| {
+        format!(
+            "device 0 uuid=GPU-a total={} used={}\nprocess 0 4242 {}\n",
+            16 * GIB,
+            used * GIB,
+            used * GIB
+        )
+    };
+    // Holds the binary's lock on FAKE_NVML_STATE, which points at this state file.
+    let fake = Fake::new(&one(4));
+    let (dir, state) = (&fake.dir, fake.state.clone());
+    let write = |text: &str| fake.write(text);
+    let mut source = NvmlGpuSource::new(Some(lib_path()), Duration::from_secs(60));
+    let reading = source.sample(true);
+    assert!(reading.devices[0].processes_steady, "{reading:?}");
+    // The memory call takes 300 ms; the state changes while it runs.
+    write(&format!("{}delay nvmlDeviceGetMemoryInfo_v2 300\n", one(7)));
+    let (state2, dir2) = (state.clone(), dir.path().to_path_buf());
+    let changer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(100));
+        let tmp = dir2.join("state.tmp2");
+        std::fs::write(
+            &tmp,
+            format!("{}delay nvmlDeviceGetMemoryInfo_v2 300\n", one(10)),
+        )
+        .unwrap();
+        std::fs::rename(&tmp, &state2).unwrap();
+    });
+    let reading = source.sample(true);
+    changer.join().unwrap();
+    let gpu = &reading.devices[0];
+    assert!(!gpu.processes_steady, "{gpu:?}");
+    // Without the lists, nothing is claimed steady.
+    let reading = source.sample(false);
+    assert!(!reading.devices[0].processes_steady);
+
+    // A-B-A: 7 GiB listed before, 4 GiB in use while the memory figures are read (a request
+    // finished), 7 GiB listed after (another started). The lists agree, but they hold more
+    // than the card had in use at that moment: not steady either.
+    let slow = "delay nvmlDeviceGetMemoryInfo_v2 300\ndelay nvmlDeviceGetUtilizationRates 300\n";
+    write(&format!("{}{slow}", one(7)));
+    let (state3, dir3) = (state.clone(), dir.path().to_path_buf());
+    let changer = std::thread::spawn(move || {
+        for (at_ms, used) in [(150, 4), (300, 7)] {
+            std::thread::sleep(Duration::from_millis(at_ms));
+            let tmp = dir3.join("state.tmp3");
+            std::fs::write(&tmp, format!("{}{slow}", one(used))).unwrap();
+            std::fs::rename(&tmp, &state3).unwrap();
+        }
+    });
+    let reading = source.sample(true);
+    changer.join().unwrap();
+    let gpu = &reading.devices[0];
+    assert_eq!(gpu.used_bytes, Some(4 * GIB), "{gpu:?}");
+    assert_eq!(gpu.processes.get(&4242), Some(&Some(7 * GIB)), "{gpu:?}");
+    assert!(!gpu.processes_steady, "{gpu:?}");
+}
+
+/// Any state the fake can be given (the daemon's source reads it state after state, as the
+/// daemon's does: it re-initialises NVML when an answer calls for it) is sampled without
+/// panicking, and the policy takes whatever came of it. 128 cases, or `PROPTEST_CASES`.
+#[test]
+fn any_nvml_state_is_sampled_without_panicking() {
+    let fake = Fake::new("");
+    // One source for every case (the runner's closure is `Fn`: the source sits in a Mutex).
+    let source = std::sync::Mutex::new(NvmlGpuSource::new(Some(lib_path()), Duration::ZERO));
+    let cases = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(128);
+    let mut runner = TestRunner::new(ProptestConfig {
+        cases,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    });
+    let result = runner.run(&prop::collection::vec(nvml_line(), 0..12), |lines| {
+        let mut source = source.lock().unwrap_or_else(|e| e.into_inner());
+        fake.write(&lines.join("\n"));
+        for processes in [true, false] {
+            let reading = source.sample(processes);
+            prop_assert!(reading.devices.len() <= 256 + 64);
+            // And the policy takes whatever came of it, acting on no GPU it cannot trust.
+            let snapshot = Snapshot {
+                host: HostMemory {
+                    total_bytes: Some(64 << 30),
+                    available_bytes: Some(32 << 30),
+                    ..Default::default()
+                },
+                gpus: GpuSnapshot {
+                    status: reading.status.clone(),
+                    sampled_at: Some(Duration::ZERO),
+                    stale: false,
+                    devices: reading.devices.clone(),
+                    process_lists_read: 1,
+                    processes_fresh: reading.read_processes,
+                },
+                processes: ProcessTable {
+                    scanned_at: Some(Duration::ZERO),
+                    processes: Vec::new(),
+                },
+                ..Default::default()
+            };
+            let config =
+                Config::parse("[gpu]\nmin_free = \"1GiB\"\n", Path::new("c.toml")).unwrap();
+            evaluate(&config, &snapshot, &mut PolicyState::default());
+        }
+        source.take_xids();
+        Ok(())
+    });
+    result.unwrap();
+}
+
+/// A number as a state file might hold one (as `number` in tests/integration/properties.rs).
+fn number() -> impl Strategy<Value = String> {
+    prop_oneof![
+        (0u64..=u64::MAX).prop_map(|n| n.to_string()),
+        (0u64..100_000).prop_map(|n| n.to_string()),
+        Just("-1".to_string()),
+        "[a-z0-9]{0,4}",
+    ]
+}
+
+/// One line of a fake NVML state: devices, processes, injected errors, counts, garbage.
+fn nvml_line() -> impl Strategy<Value = String> {
+    let device_key = prop::sample::select(vec![
+        "total", "used", "free", "reserved", "util", "memutil", "temp", "name", "uuid",
+    ]);
+    let functions = prop::sample::select(vec![
+        "*",
+        "nvmlInit_v2",
+        "nvmlDeviceGetCount_v2",
+        "nvmlDeviceGetHandleByIndex_v2",
+        "nvmlDeviceGetMemoryInfo_v2",
+        "nvmlDeviceGetComputeRunningProcesses_v3",
+        "nvmlDeviceGetGraphicsRunningProcesses_v3",
+        "nvmlDeviceGetUUID",
+        "nvmlDeviceGetName",
+        "nvmlDeviceGetUtilizationRates",
+    ]);
+    let code = prop::sample::select(vec![1u32, 2, 3, 7, 9, 10, 15, 16, 18, 999]);
+    prop_oneof![
+        (0u32..6, prop::collection::vec((device_key, number()), 0..6)).prop_map(|(i, kv)| {
+            let kv: Vec<String> = kv.into_iter().map(|(k, v)| format!("{k}={v}")).collect();
+            format!("device {i} {}", kv.join(" "))
+        }),
+        (
+            0u32..6,
+            0u32..=u32::MAX,
+            prop_oneof![number(), Just("NA".to_string())],
+            prop::sample::select(vec!["", " graphics"])
+        )
+            .prop_map(|(g, pid, b, kind)| format!("process {g} {pid} {b}{kind}")),
+        (functions, code, prop::option::of(0u32..6)).prop_map(|(f, c, g)| match g {
+            Some(g) => format!("error {f} {c} gpu={g}"),
+            None => format!("error {f} {c}"),
+        }),
+        (0u32..6, 0u32..=u32::MAX).prop_map(|(g, n)| format!("process_count {g} {n}")),
+        (0u32..=u32::MAX).prop_map(|n| format!("device_count {n}")),
+        prop_oneof![Just(0u32), Just(70), 0u32..=u32::MAX]
+            .prop_map(|n| format!("device_count {n}")),
+        ".{0,60}",
+    ]
+}
