@@ -401,13 +401,13 @@ mod tests {
             }
             seen
         };
-        // Whatever python3 did while starting (its exec) is not what is asked about.
-        let comm = || std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while !comm().starts_with("python") && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        let _ = events.take();
+        // The child's own start (fork, then exec of python) is reported first: wait for it, so
+        // what follows is about the setuid and the exec asked for.
+        let started = wait_for(&|p| p.execs.contains(&pid));
+        assert!(
+            started.execs.contains(&pid),
+            "python's exec not reported: {started:?}"
+        );
         use std::io::Write;
         stdin.write_all(b"\n").unwrap();
         let seen = wait_for(&|p| p.changed.contains(&pid));

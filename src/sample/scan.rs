@@ -1008,6 +1008,17 @@ mod tests {
                     .lines()
                     .any(|l| l.starts_with("Uid:\t65534"))
             });
+            // The kernel sends each event to every listener at once: once this listener has
+            // both, the scanner's has them too (/proc shows a change just before its event).
+            let (mut exec_seen, mut uid_seen) = (false, false);
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while !(exec_seen && uid_seen) && Instant::now() < deadline {
+                let p = events.take();
+                exec_seen |= p.execs.contains(&(e as i32));
+                uid_seen |= p.changed.contains(&(u as i32));
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            assert!(exec_seen && uid_seen, "the kernel did not report both");
             let next = scanner.round(request());
             let of = |pid: u32| next.updates.iter().find(|u| u.id.pid == pid as i32);
             let exec = of(e).and_then(|u| u.exec.clone());
