@@ -237,6 +237,26 @@ pub struct Incident {
     pub shmem_reported: bool,
 }
 
+impl Incident {
+    /// The act floor just crossed: no victim yet.
+    fn open(now: Duration) -> Incident {
+        Incident {
+            opened_at: now,
+            victim: None,
+            stage: Stage::Alerted,
+            stage_since: now,
+            victims_done: 0,
+            no_victim_reported: false,
+            stale_reported: false,
+            excluded: Vec::new(),
+            available_at_stage: None,
+            far_below_at: None,
+            term_baseline: None,
+            shmem_reported: false,
+        }
+    }
+}
+
 /// A victim a floor acted on: what the brake on cascades counts, across incidents.
 #[derive(Clone, Debug, Serialize)]
 pub struct FloorVictim {
