@@ -31,10 +31,10 @@ use crate::config::{Config, FloorAction, Mode};
 use crate::kinds::{EventKind, ReasonKind};
 use crate::snapshot::Snapshot;
 
-use super::victim::{self, Short};
+use super::victim::{self, Chosen, Short};
 use super::{
     action, bytes, event, About, FloorVictim, Held, Incident, Level, Plan, PolicyState, Recheck,
-    Resource, Severity, Stage, Target, Verb,
+    Resource, Severity, ShmemBaseline, Stage, Target, TermBaseline, Verb,
 };
 
 /// One resource's reading against its floors.
@@ -307,8 +307,14 @@ fn note_level(state: &mut PolicyState, reading: &Reading, plan: &mut Plan) -> Le
     let previous = state.levels.insert(resource, level);
     if resource == Resource::Ram {
         state.shmem_baseline = match (reading.shmem, state.shmem_baseline) {
-            (Some(now), _) if reading.above_warn() => Some((now, now)),
-            (Some(now), Some((base, peak))) => Some((base, peak.max(now))),
+            (Some(now), _) if reading.above_warn() => Some(ShmemBaseline {
+                base: now,
+                peak: now,
+            }),
+            (Some(now), Some(ShmemBaseline { base, peak })) => Some(ShmemBaseline {
+                base,
+                peak: peak.max(now),
+            }),
             (None, _) if reading.above_warn() => None,
             (_, kept) => kept,
         };
@@ -647,14 +653,17 @@ fn grown_after_term(
 ) -> Option<u64> {
     let now = victim_bytes(snapshot, victim, resource)?;
     match incident.term_baseline {
-        Some((stage, base)) if stage == incident.stage_since => {
-            let grown = now.saturating_sub(base);
+        Some(TermBaseline { stage_since, bytes }) if stage_since == incident.stage_since => {
+            let grown = now.saturating_sub(bytes);
             limit.is_some_and(|l| grown > l).then_some(grown)
         }
         // The tick that sent SIGTERM read the victim before sending it; any later tick read it
         // after (the daemon re-reads watched victims first thing).
         _ if snapshot.at > incident.stage_since => {
-            incident.term_baseline = Some((incident.stage_since, now));
+            incident.term_baseline = Some(TermBaseline {
+                stage_since: incident.stage_since,
+                bytes: now,
+            });
             None
         }
         _ => None,
@@ -713,7 +722,10 @@ fn choose_next(
     let resource = reading.resource;
     let now = snapshot.at;
     let why = reading.describe();
-    let (max_victims, window) = brake_limits(config, resource);
+    let Brake {
+        max_victims,
+        window,
+    } = Brake::of(config, resource);
     let signals = reading.action != FloorAction::Alert;
     // A brake that holds releases only in `release_brakes` (back above the warn floor), never
     // here on time alone.
@@ -757,7 +769,11 @@ fn choose_next(
     let chosen = victim::choose(config, snapshot, state, reading.short, &excluded);
     let shmem_growth = shmem_shortfall(reading, state.shmem_baseline);
     let incident = state.incidents.get_mut(&resource).expect("incident exists");
-    let Some((target, used)) = chosen else {
+    let Some(Chosen {
+        target,
+        used_bytes: used,
+    }) = chosen
+    else {
         if !incident.no_victim_reported {
             incident.no_victim_reported = true;
             plan.events.push(event(
@@ -886,11 +902,22 @@ fn choose_next(
     }
 }
 
-/// The brake of a floor: (max victims, within this window).
-fn brake_limits(config: &Config, resource: Resource) -> (u32, Duration) {
-    match resource {
-        Resource::Ram => (config.ram.max_victims, config.ram.victim_window),
-        Resource::Gpu(_) => (config.gpu.max_victims, config.gpu.victim_window),
+/// The brake of a floor: at most `max_victims` victims within `window` (0: no brake).
+struct Brake {
+    max_victims: u32,
+    window: Duration,
+}
+
+impl Brake {
+    fn of(config: &Config, resource: Resource) -> Brake {
+        let (max_victims, window) = match resource {
+            Resource::Ram => (config.ram.max_victims, config.ram.victim_window),
+            Resource::Gpu(_) => (config.gpu.max_victims, config.gpu.victim_window),
+        };
+        Brake {
+            max_victims,
+            window,
+        }
     }
 }
 
@@ -910,11 +937,11 @@ struct ShmemGrowth {
 
 /// RAM below its act floor by MemAvailable, and `Shmem` grown since RAM was last above its warn
 /// floor (to its highest since then).
-fn shmem_shortfall(reading: &Reading, baseline: Option<(u64, u64)>) -> Option<ShmemGrowth> {
+fn shmem_shortfall(reading: &Reading, baseline: Option<ShmemBaseline>) -> Option<ShmemGrowth> {
     if reading.resource != Resource::Ram || reading.short != Short::Ram {
         return None;
     }
-    let (Some(available), Some(min), Some((base, peak))) =
+    let (Some(available), Some(min), Some(ShmemBaseline { base, peak })) =
         (reading.available, reading.min, baseline)
     else {
         return None;
@@ -953,7 +980,10 @@ pub(super) fn release_brakes(
     let now = snapshot.at;
     for reading in readings {
         let resource = reading.resource;
-        let (max_victims, window) = brake_limits(config, resource);
+        let Brake {
+            max_victims,
+            window,
+        } = Brake::of(config, resource);
         let ok = reading.level() == Level::Ok;
         let recent = state.floor_victims.entry(resource).or_default();
         recent.retain(|v| now.saturating_sub(v.at) < window);

@@ -1656,7 +1656,10 @@ fn a_victim_that_cannot_be_signalled_is_passed_over_for_the_next() {
     assert_eq!(first.actions[0].target.members[0].id.pid, 100);
     // The executor reports EPERM for pid 100.
     let refused = Outcome::Failed("permission denied".into());
-    state.apply(&[(first.actions[0].clone(), refused)]);
+    state.apply(&[Executed {
+        action: first.actions[0].clone(),
+        outcome: refused,
+    }]);
     let second = evaluate(&c, &snap(10, Some(GIB), procs()), &mut state);
     assert_eq!(second.actions.len(), 1, "{:?}", second.actions);
     assert_eq!(
@@ -2300,7 +2303,10 @@ fn only_victims_actually_acted_on_count_towards_the_brake() {
     let skipped: Vec<_> = plan
         .actions
         .iter()
-        .map(|a| (a.clone(), Outcome::Skipped("target has exited".into())))
+        .map(|a| Executed {
+            action: a.clone(),
+            outcome: Outcome::Skipped("target has exited".into()),
+        })
         .collect();
     state.apply(&skipped);
     assert!(state.floor_victims[&Resource::Ram].is_empty());
@@ -2313,7 +2319,10 @@ fn only_victims_actually_acted_on_count_towards_the_brake() {
     let done: Vec<_> = plan
         .actions
         .iter()
-        .map(|a| (a.clone(), Outcome::Done))
+        .map(|a| Executed {
+            action: a.clone(),
+            outcome: Outcome::Done,
+        })
         .collect();
     state.apply(&done);
     assert_eq!(state.floor_victims[&Resource::Ram].len(), 1);
