@@ -18,9 +18,11 @@
 //!   exactly that), while no floor condition was active before, during or after. The other way
 //!   round, a floor at `act` whose reading turns unknown resolves its condition, and the policy
 //!   writes `reading_unknown`, not `floor_cleared`; easing from `act` to `warn` fires the
-//!   condition again but writes no `floor_warn`. Writing these lines from the conditions would
-//!   drop or add lines; writing them from a second per-resource level tracker in the alerter
-//!   would be the policy's `state.levels` transitions owned twice, the opposite of the aim.
+//!   condition again but writes no `floor_warn` (the policy test
+//!   `floor_events_follow_the_level_unknown_included` plays these). Writing these lines from the
+//!   conditions would drop or add lines; writing them from a second per-resource level tracker
+//!   in the alerter would be the policy's `state.levels` transitions owned twice, the opposite
+//!   of the aim.
 //! - *`gpu_ok` and `gpu_unavailable` have no condition.* A condition for them would send the
 //!   webhooks notices they never got (every host without NVML would fire `gpu_unavailable` at
 //!   start); `nvml_lost` covers only NVML lost after it had worked. Likewise the `gpu_lost` event

@@ -1884,6 +1884,39 @@ fn a_floor_at_or_above_the_total_is_not_enforced() {
     );
 }
 
+/// The floor events follow the floor's level, `unknown` included, not whether a floor is
+/// crossed (what the conditions in daemon/alerts.rs report): a reading that turns unknown and
+/// comes back clears the floor although none was crossed, a crossed floor whose reading turns
+/// unknown is not cleared, and easing from act to warn says nothing. (Why the conditions do not
+/// write these events: daemon/alerts.rs's module doc.)
+#[test]
+fn floor_events_follow_the_level_unknown_included() {
+    let c = config("[gpu]\nmin_free = \"2GiB\"\nwarn_free = \"3GiB\"\n[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n");
+    let at = |free| vec![gpu(0, free, &[])];
+    let lost = || {
+        vec![Gpu {
+            error: Some("GPU is lost".into()),
+            lost: true,
+            ..gpu(0, 8 * GIB, &[])
+        }]
+    };
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (gsnap(0, vec![], at(8 * GIB)), "", ""),
+            (gsnap(1000, vec![], lost()), "", "reading_unknown"),
+            (gsnap(2000, vec![], at(8 * GIB)), "", "floor_cleared"),
+            (gsnap(3000, vec![], at(GIB)), "", "floor_act, no_victim"),
+            (gsnap(4000, vec![], lost()), "", "reading_unknown"),
+            (gsnap(5000, vec![], at(5 * GIB / 2)), "", "floor_warn"),
+            (gsnap(6000, vec![], at(GIB)), "", "floor_act, no_victim"),
+            (gsnap(7000, vec![], at(5 * GIB / 2)), "", ""),
+            (gsnap(8000, vec![], at(8 * GIB)), "", "floor_cleared"),
+        ],
+    );
+}
+
 #[test]
 fn a_stopped_victim_is_resumed_at_max_stop_when_its_gpu_is_lost() {
     let c = config(GPU_STOP);
