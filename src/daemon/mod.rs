@@ -55,7 +55,7 @@ use crate::config::Config;
 use crate::ipc::server::Shared;
 use crate::kinds::EventKind;
 use crate::metrics::Metrics;
-use crate::policy::{evaluate, About, Event, PolicyState, Resource, Severity, Target};
+use crate::policy::{evaluate, About, Event, Executed, PolicyState, Resource, Severity, Target};
 use crate::reserve::{Capacity, Reservations};
 use crate::sample::engine::EngineScraper;
 use crate::sample::nvml::{GpuMonitor, GpuSource, NvmlGpuSource};
@@ -474,7 +474,7 @@ impl Daemon {
                 &mut reread,
             );
             self.record_action(&action, &outcome);
-            outcomes.push((action, outcome));
+            outcomes.push(Executed { action, outcome });
         }
         self.state.apply(&outcomes);
         self.max_scan_age = plan.max_scan_age;

@@ -42,15 +42,15 @@ pub(super) fn evaluate_budgets(
         else {
             continue;
         };
-        let (overage, over) = measure(model, &state.attribution.models[index], snapshot);
+        let excess = measure(model, &state.attribution.models[index], snapshot);
         let budget = state.budgets.entry(model.name.clone()).or_default();
-        budget.over = overage;
-        let Some(overage) = overage else {
+        budget.over = excess.as_ref().map(|e| e.overage);
+        let Some(Excess { overage, words }) = excess else {
             lift(budget, &model.name, plan);
             continue;
         };
         let over = Over {
-            why: format!("model '{}' over budget: {}", model.name, over.join("; ")),
+            why: format!("model '{}' over budget: {}", model.name, words.join("; ")),
             kind: overage.reason(),
             may_act: !overage.gpu || !snapshot.gpus.stale,
         };
@@ -92,12 +92,15 @@ pub(super) fn evaluate_budgets(
         .retain(|name, b| present.contains(name) || b.over_since.is_some());
 }
 
-/// What the model is over (RAM first when both are), and each excess in words.
-fn measure(
-    model: &ModelConfig,
-    usage: &ModelUsage,
-    snapshot: &Snapshot,
-) -> (Option<Overage>, Vec<String>) {
+/// A model over its budget: on what (RAM first when both are), and each excess in words.
+struct Excess {
+    overage: Overage,
+    /// "RAM 3 GiB > budget 2 GiB", then the GPU's.
+    words: Vec<String>,
+}
+
+/// What the model is over, if anything.
+fn measure(model: &ModelConfig, usage: &ModelUsage, snapshot: &Snapshot) -> Option<Excess> {
     let (ram_budget, gpu_budget) = model.budget_bytes(
         snapshot.host.total_bytes,
         snapshot.gpus.largest_total_bytes(),
@@ -139,7 +142,10 @@ fn measure(
             ));
         }
     }
-    (overage, over)
+    overage.map(|overage| Excess {
+        overage,
+        words: over,
+    })
 }
 
 /// Over budget past its grace: the model's action (alert, throttle, stop, terminate).

@@ -31,10 +31,10 @@ use crate::config::{Config, FloorAction, Mode};
 use crate::kinds::{EventKind, ReasonKind};
 use crate::snapshot::Snapshot;
 
-use super::victim::{self, Short};
+use super::victim::{self, Chosen, Short};
 use super::{
     action, bytes, event, About, FloorVictim, Held, Incident, Level, Plan, PolicyState, Recheck,
-    Resource, Severity, Stage, Target, Verb,
+    Resource, Severity, ShmemBaseline, Stage, Target, TermBaseline, Verb,
 };
 
 /// One resource's reading against its floors.
@@ -280,6 +280,9 @@ fn impossible_floor(key: &str, min: Option<u64>, total: Option<u64>) -> Option<S
     }
 }
 
+/// One floor for one tick: the level is recorded (and its change said), then the reading is
+/// unknown (nothing decided), above the act floor (the incident closes) or below it (the
+/// incident acts).
 fn evaluate_floor_inner(
     config: &Config,
     snapshot: &Snapshot,
@@ -287,105 +290,119 @@ fn evaluate_floor_inner(
     reading: &Reading,
     plan: &mut Plan,
 ) {
-    let now = snapshot.at;
+    let level = note_level(state, reading, plan);
+    match level {
+        // A reading that is missing says nothing about the incident: leave it as it is, except
+        // that nobody stays stopped past max_stop on it.
+        Level::Unknown => end_stop_at_max_stop(config, snapshot, state, reading, plan),
+        Level::Ok | Level::Warn => close_incident(state, reading, plan),
+        Level::Act => act(config, snapshot, state, reading, plan),
+    }
+}
+
+/// Records the floor's level (and, for RAM, the Shmem baseline) and says when it changed.
+fn note_level(state: &mut PolicyState, reading: &Reading, plan: &mut Plan) -> Level {
     let resource = reading.resource;
     let level = reading.level();
     let previous = state.levels.insert(resource, level);
     if resource == Resource::Ram {
         state.shmem_baseline = match (reading.shmem, state.shmem_baseline) {
-            (Some(now), _) if reading.above_warn() => Some((now, now)),
-            (Some(now), Some((base, peak))) => Some((base, peak.max(now))),
+            (Some(now), _) if reading.above_warn() => Some(ShmemBaseline {
+                base: now,
+                peak: now,
+            }),
+            (Some(now), Some(ShmemBaseline { base, peak })) => Some(ShmemBaseline {
+                base,
+                peak: peak.max(now),
+            }),
             (None, _) if reading.above_warn() => None,
             (_, kept) => kept,
         };
     }
-    if previous != Some(level) {
-        let text = reading.describe();
-        match level {
-            Level::Unknown => plan.events.push(event(
-                Severity::Warning,
-                EventKind::ReadingUnknown,
-                format!("{text}: not acting on {resource} until it reads again"),
-            )),
-            Level::Warn if previous < Some(Level::Warn) => {
-                plan.events
-                    .push(event(Severity::Warning, EventKind::FloorWarn, text))
-            }
-            Level::Act => plan
-                .events
-                .push(event(Severity::Critical, EventKind::FloorAct, text)),
-            Level::Ok if previous.is_some() => {
-                plan.events
-                    .push(event(Severity::Info, EventKind::FloorCleared, text))
-            }
-            _ => {}
+    if previous == Some(level) {
+        return level;
+    }
+    let text = reading.describe();
+    match level {
+        Level::Unknown => plan.events.push(event(
+            Severity::Warning,
+            EventKind::ReadingUnknown,
+            format!("{text}: not acting on {resource} until it reads again"),
+        )),
+        Level::Warn if previous < Some(Level::Warn) => {
+            plan.events
+                .push(event(Severity::Warning, EventKind::FloorWarn, text))
         }
-    }
-
-    // A reading that is missing says nothing about the incident: leave it as it is, except
-    // that nobody stays stopped past max_stop on it.
-    if level == Level::Unknown {
-        end_stop_at_max_stop(config, snapshot, state, reading, plan);
-        return;
-    }
-    if level != Level::Act {
-        if let Some(incident) = state.incidents.remove(&resource) {
-            if let (Some(victim), Stage::Stopped) = (&incident.victim, incident.stage) {
-                state.held.push(Held {
-                    target: victim.clone(),
-                    resource,
-                    since: incident.stage_since,
-                });
-            }
-            if incident.victim.is_some() {
-                plan.events.push(event(
-                    Severity::Info,
-                    EventKind::IncidentClosed,
-                    format!("{resource} back above its act floor ({}); incident over after {} victim(s)", reading.describe(), incident.victims_done + 1),
-                ));
-            }
+        Level::Act => plan
+            .events
+            .push(event(Severity::Critical, EventKind::FloorAct, text)),
+        Level::Ok if previous.is_some() => {
+            plan.events
+                .push(event(Severity::Info, EventKind::FloorCleared, text))
         }
-        return;
+        _ => {}
     }
+    level
+}
 
-    let incident = state.incidents.entry(resource).or_insert(Incident {
-        opened_at: now,
-        victim: None,
-        stage: Stage::Alerted,
-        stage_since: now,
-        victims_done: 0,
-        no_victim_reported: false,
-        stale_reported: false,
-        excluded: Vec::new(),
-        available_at_stage: None,
-        far_below_at: None,
-        term_baseline: None,
-        shmem_reported: false,
-    });
+/// Back above the act floor: the incident (if any) is over; a victim it left stopped is held
+/// until `release` resumes it.
+fn close_incident(state: &mut PolicyState, reading: &Reading, plan: &mut Plan) {
+    let resource = reading.resource;
+    let Some(incident) = state.incidents.remove(&resource) else {
+        return;
+    };
+    if let (Some(victim), Stage::Stopped) = (&incident.victim, incident.stage) {
+        state.held.push(Held {
+            target: victim.clone(),
+            resource,
+            since: incident.stage_since,
+        });
+    }
+    if incident.victim.is_some() {
+        plan.events.push(event(
+            Severity::Info,
+            EventKind::IncidentClosed,
+            format!(
+                "{resource} back above its act floor ({}); incident over after {} victim(s)",
+                reading.describe(),
+                incident.victims_done + 1
+            ),
+        ));
+    }
+}
+
+/// Below the act floor: the incident (opened now if it is new) chooses a victim or takes its
+/// victim's next step; a stale reading alerts only.
+fn act(
+    config: &Config,
+    snapshot: &Snapshot,
+    state: &mut PolicyState,
+    reading: &Reading,
+    plan: &mut Plan,
+) {
+    let now = snapshot.at;
+    let incident = state
+        .incidents
+        .entry(reading.resource)
+        .or_insert_with(|| Incident::open(now));
     if !reading.may_act {
-        if !incident.stale_reported {
-            incident.stale_reported = true;
-            plan.events.push(event(
-                Severity::Warning,
-                EventKind::NotActingStale,
-                format!(
-                    "{}: the reading is stale, alerting only",
-                    reading.describe()
-                ),
-            ));
-        }
+        report_stale(incident, reading, plan);
         end_stop_at_max_stop(config, snapshot, state, reading, plan);
         return;
     }
     let far_below = far_below_confirmed(reading, incident);
-    let since = now.saturating_sub(incident.stage_since);
-    let recheck = reading.recheck();
-    let why = reading.describe();
-    let d = &config.daemon;
-
     let Some(victim) = incident.victim.clone() else {
         choose_next(config, snapshot, state, reading, far_below, plan);
         return;
+    };
+    let step = Step {
+        config,
+        snapshot,
+        reading,
+        victim: &victim,
+        far_below,
+        since: now.saturating_sub(incident.stage_since),
     };
     let alive = victim.any_alive(snapshot);
     match incident.stage {
@@ -394,87 +411,151 @@ fn evaluate_floor_inner(
             incident.stage = Stage::Gone;
             incident.stage_since = now;
         }
-        Stage::Stopped if since >= d.settle => {
-            incident.available_at_stage = reading.available;
-            let verb = if far_below {
-                Verb::Kill
-            } else {
-                Verb::Terminate
-            };
-            incident.stage = if verb == Verb::Kill {
-                Stage::Killed
-            } else {
-                Stage::Terminated
-            };
-            incident.stage_since = now;
-            plan.actions.push(action(
-                verb,
-                &victim,
-                reading.kind(),
-                format!(
-                    "{why}; still below {} after stopping it",
-                    humantime::format_duration(d.settle)
-                ),
-                recheck,
-            ));
+        Stage::Stopped if step.since >= config.daemon.settle => {
+            terminate_after_stop(incident, &step, plan);
         }
-        Stage::Terminated => {
-            let limit = d.term_max_growth.resolve(snapshot.host.total_bytes);
-            let grown = grown_after_term(snapshot, reading.resource, incident, &victim, limit);
-            if !(far_below || since >= d.term_grace || grown.is_some()) {
-                return;
-            }
-            let how = match grown {
-                Some(grown) => format!(
-                    "its memory grew by {} after SIGTERM: it is not shutting down",
-                    bytes(grown)
-                ),
-                None => "SIGTERM not enough".to_string(),
-            };
-            incident.stage = Stage::Killed;
-            incident.stage_since = now;
-            plan.actions.push(action(
-                Verb::Kill,
-                &victim,
-                reading.kind(),
-                format!("{why}; {how}"),
-                recheck,
-            ));
-        }
-        Stage::Killed if since >= d.kill_timeout => {
-            incident.stage = Stage::Stuck;
-            incident.stage_since = now;
-            plan.events.push(event(
-                Severity::Critical,
-                EventKind::SurvivedKill,
-                format!("{victim} is still there {} after SIGKILL (uninterruptible, stuck in the driver?); not killing more for {resource}", humantime::format_duration(since)),
-            ));
+        Stage::Terminated => kill_after_term(incident, &step, plan),
+        Stage::Killed if step.since >= config.daemon.kill_timeout => {
+            survived_kill(incident, &step, plan);
         }
         Stage::Gone => {
-            let stuck: Vec<i32> = match resource {
-                Resource::Ram => Vec::new(),
-                Resource::Gpu(index) => stuck_pids(snapshot, &victim, index),
-            };
-            if stuck.is_empty() {
-                // The victim is gone and this fresh sample is still below the floor: next one.
-                incident.victims_done += 1;
-                incident.victim = None;
+            let next = next_after_gone(incident, &step, plan);
+            if next {
                 choose_next(config, snapshot, state, reading, far_below, plan);
-            } else if since >= config.gpu.release_timeout {
-                incident.stage = Stage::Stuck;
-                incident.stage_since = now;
-                plan.events.push(event(
-                    Severity::Critical,
-                    EventKind::StuckMemory,
-                    format!(
-                        "{victim} exited {} ago but {resource} still lists pid(s) {stuck:?} holding memory ({why}): memory stuck in the driver; not killing more for {resource}",
-                        humantime::format_duration(since)
-                    ),
-                ));
             }
         }
         _ => {}
     }
+}
+
+/// What the steps of an incident with a victim need this tick.
+struct Step<'a> {
+    config: &'a Config,
+    snapshot: &'a Snapshot,
+    reading: &'a Reading,
+    victim: &'a Target,
+    /// Far below the floor, confirmed by an earlier sample (`far_below_confirmed`).
+    far_below: bool,
+    /// How long the incident has been at its stage.
+    since: Duration,
+}
+
+/// The reading is stale: says so once per incident.
+fn report_stale(incident: &mut Incident, reading: &Reading, plan: &mut Plan) {
+    if incident.stale_reported {
+        return;
+    }
+    incident.stale_reported = true;
+    plan.events.push(event(
+        Severity::Warning,
+        EventKind::NotActingStale,
+        format!(
+            "{}: the reading is stale, alerting only",
+            reading.describe()
+        ),
+    ));
+}
+
+/// Stopped for `settle` and still below the floor: SIGTERM (SIGKILL when far below).
+fn terminate_after_stop(incident: &mut Incident, step: &Step, plan: &mut Plan) {
+    let reading = step.reading;
+    incident.available_at_stage = reading.available;
+    let verb = if step.far_below {
+        Verb::Kill
+    } else {
+        Verb::Terminate
+    };
+    incident.stage = if verb == Verb::Kill {
+        Stage::Killed
+    } else {
+        Stage::Terminated
+    };
+    incident.stage_since = step.snapshot.at;
+    plan.actions.push(action(
+        verb,
+        step.victim,
+        reading.kind(),
+        format!(
+            "{}; still below {} after stopping it",
+            reading.describe(),
+            humantime::format_duration(step.config.daemon.settle)
+        ),
+        reading.recheck(),
+    ));
+}
+
+/// SIGTERM sent: SIGKILL when far below, after `term_grace`, or as soon as the victim grows
+/// by more than `term_max_growth` (it is not shutting down).
+fn kill_after_term(incident: &mut Incident, step: &Step, plan: &mut Plan) {
+    let (snapshot, reading) = (step.snapshot, step.reading);
+    let limit = step
+        .config
+        .daemon
+        .term_max_growth
+        .resolve(snapshot.host.total_bytes);
+    let grown = grown_after_term(snapshot, reading.resource, incident, step.victim, limit);
+    if !(step.far_below || step.since >= step.config.daemon.term_grace || grown.is_some()) {
+        return;
+    }
+    let how = match grown {
+        Some(grown) => format!(
+            "its memory grew by {} after SIGTERM: it is not shutting down",
+            bytes(grown)
+        ),
+        None => "SIGTERM not enough".to_string(),
+    };
+    incident.stage = Stage::Killed;
+    incident.stage_since = snapshot.at;
+    plan.actions.push(action(
+        Verb::Kill,
+        step.victim,
+        reading.kind(),
+        format!("{}; {how}", reading.describe()),
+        reading.recheck(),
+    ));
+}
+
+/// Still there `kill_timeout` after SIGKILL: stuck; no more kills for this floor.
+fn survived_kill(incident: &mut Incident, step: &Step, plan: &mut Plan) {
+    let resource = step.reading.resource;
+    incident.stage = Stage::Stuck;
+    incident.stage_since = step.snapshot.at;
+    plan.events.push(event(
+        Severity::Critical,
+        EventKind::SurvivedKill,
+        format!("{} is still there {} after SIGKILL (uninterruptible, stuck in the driver?); not killing more for {resource}", step.victim, humantime::format_duration(step.since)),
+    ));
+}
+
+/// The victim is gone and this fresh sample is still below the floor. True when the next
+/// victim is to be chosen; a GPU that still lists the victim's pids past `release_timeout` is
+/// stuck instead (no more kills for it).
+fn next_after_gone(incident: &mut Incident, step: &Step, plan: &mut Plan) -> bool {
+    let resource = step.reading.resource;
+    let stuck: Vec<i32> = match resource {
+        Resource::Ram => Vec::new(),
+        Resource::Gpu(index) => stuck_pids(step.snapshot, step.victim, index),
+    };
+    if stuck.is_empty() {
+        incident.victims_done += 1;
+        incident.victim = None;
+        return true;
+    }
+    if step.since >= step.config.gpu.release_timeout {
+        incident.stage = Stage::Stuck;
+        incident.stage_since = step.snapshot.at;
+        plan.events.push(event(
+            Severity::Critical,
+            EventKind::StuckMemory,
+            format!(
+                "{} exited {} ago but {resource} still lists pid(s) {stuck:?} holding memory ({}): memory stuck in the driver; not killing more for {resource}",
+                step.victim,
+                humantime::format_duration(step.since),
+                step.reading.describe()
+            ),
+        ));
+    }
+    false
 }
 
 /// Far below the floor on this sample and on an earlier one: one sample alone (a glitch, a
@@ -572,14 +653,17 @@ fn grown_after_term(
 ) -> Option<u64> {
     let now = victim_bytes(snapshot, victim, resource)?;
     match incident.term_baseline {
-        Some((stage, base)) if stage == incident.stage_since => {
-            let grown = now.saturating_sub(base);
+        Some(TermBaseline { stage_since, bytes }) if stage_since == incident.stage_since => {
+            let grown = now.saturating_sub(bytes);
             limit.is_some_and(|l| grown > l).then_some(grown)
         }
         // The tick that sent SIGTERM read the victim before sending it; any later tick read it
         // after (the daemon re-reads watched victims first thing).
         _ if snapshot.at > incident.stage_since => {
-            incident.term_baseline = Some((incident.stage_since, now));
+            incident.term_baseline = Some(TermBaseline {
+                stage_since: incident.stage_since,
+                bytes: now,
+            });
             None
         }
         _ => None,
@@ -638,7 +722,10 @@ fn choose_next(
     let resource = reading.resource;
     let now = snapshot.at;
     let why = reading.describe();
-    let (max_victims, window) = brake_limits(config, resource);
+    let Brake {
+        max_victims,
+        window,
+    } = Brake::of(config, resource);
     let signals = reading.action != FloorAction::Alert;
     // A brake that holds releases only in `release_brakes` (back above the warn floor), never
     // here on time alone.
@@ -682,7 +769,11 @@ fn choose_next(
     let chosen = victim::choose(config, snapshot, state, reading.short, &excluded);
     let shmem_growth = shmem_shortfall(reading, state.shmem_baseline);
     let incident = state.incidents.get_mut(&resource).expect("incident exists");
-    let Some((target, used)) = chosen else {
+    let Some(Chosen {
+        target,
+        used_bytes: used,
+    }) = chosen
+    else {
         if !incident.no_victim_reported {
             incident.no_victim_reported = true;
             plan.events.push(event(
@@ -811,11 +902,22 @@ fn choose_next(
     }
 }
 
-/// The brake of a floor: (max victims, within this window).
-fn brake_limits(config: &Config, resource: Resource) -> (u32, Duration) {
-    match resource {
-        Resource::Ram => (config.ram.max_victims, config.ram.victim_window),
-        Resource::Gpu(_) => (config.gpu.max_victims, config.gpu.victim_window),
+/// The brake of a floor: at most `max_victims` victims within `window` (0: no brake).
+struct Brake {
+    max_victims: u32,
+    window: Duration,
+}
+
+impl Brake {
+    fn of(config: &Config, resource: Resource) -> Brake {
+        let (max_victims, window) = match resource {
+            Resource::Ram => (config.ram.max_victims, config.ram.victim_window),
+            Resource::Gpu(_) => (config.gpu.max_victims, config.gpu.victim_window),
+        };
+        Brake {
+            max_victims,
+            window,
+        }
     }
 }
 
@@ -835,11 +937,11 @@ struct ShmemGrowth {
 
 /// RAM below its act floor by MemAvailable, and `Shmem` grown since RAM was last above its warn
 /// floor (to its highest since then).
-fn shmem_shortfall(reading: &Reading, baseline: Option<(u64, u64)>) -> Option<ShmemGrowth> {
+fn shmem_shortfall(reading: &Reading, baseline: Option<ShmemBaseline>) -> Option<ShmemGrowth> {
     if reading.resource != Resource::Ram || reading.short != Short::Ram {
         return None;
     }
-    let (Some(available), Some(min), Some((base, peak))) =
+    let (Some(available), Some(min), Some(ShmemBaseline { base, peak })) =
         (reading.available, reading.min, baseline)
     else {
         return None;
@@ -878,7 +980,10 @@ pub(super) fn release_brakes(
     let now = snapshot.at;
     for reading in readings {
         let resource = reading.resource;
-        let (max_victims, window) = brake_limits(config, resource);
+        let Brake {
+            max_victims,
+            window,
+        } = Brake::of(config, resource);
         let ok = reading.level() == Level::Ok;
         let recent = state.floor_victims.entry(resource).or_default();
         recent.retain(|v| now.saturating_sub(v.at) < window);

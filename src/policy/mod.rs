@@ -230,11 +230,46 @@ pub struct Incident {
     /// When a sample first showed the resource far below its floor (SIGKILL at once needs a
     /// later sample to confirm it); `None` while it is not.
     pub far_below_at: Option<Duration>,
-    /// After SIGTERM: the victim's own memory at the first reading after the signal, with the
-    /// `stage_since` of the SIGTERM it belongs to.
-    pub term_baseline: Option<(Duration, u64)>,
+    /// After SIGTERM: the victim's own memory at the first reading after the signal.
+    pub term_baseline: Option<TermBaseline>,
     /// Reported that the shortfall is Shmem growth no process holds (to say it once).
     pub shmem_reported: bool,
+}
+
+/// The victim's own memory at the first reading after SIGTERM (a process shutting down does not
+/// grow from there).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct TermBaseline {
+    /// The `stage_since` of the SIGTERM it belongs to.
+    pub stage_since: Duration,
+    pub bytes: u64,
+}
+
+impl Incident {
+    /// The act floor just crossed: no victim yet.
+    fn open(now: Duration) -> Incident {
+        Incident {
+            opened_at: now,
+            victim: None,
+            stage: Stage::Alerted,
+            stage_since: now,
+            victims_done: 0,
+            no_victim_reported: false,
+            stale_reported: false,
+            excluded: Vec::new(),
+            available_at_stage: None,
+            far_below_at: None,
+            term_baseline: None,
+            shmem_reported: false,
+        }
+    }
+}
+
+/// An action of the plan and what the executor made of it (what `PolicyState::apply` learns).
+#[derive(Clone, Debug)]
+pub struct Executed {
+    pub action: Action,
+    pub outcome: Outcome,
 }
 
 /// A victim a floor acted on: what the brake on cascades counts, across incidents.
@@ -326,21 +361,37 @@ pub struct PolicyState {
     pub match_cache: MatchCache,
     /// The attribution of the latest scan (for status and metrics).
     pub attribution: Attribution,
-    /// The (process scan, GPU process lists) the attribution was computed from.
-    attributed: Option<(Option<Duration>, u64)>,
-    /// (GPU, command line) pairs already reported as loaded more than once.
-    duplicates_reported: Vec<(u32, String)>,
+    /// What the attribution was computed from.
+    attributed: Option<AttributionInputs>,
+    /// Groups already reported as loaded more than once.
+    duplicates_reported: Vec<waste::Duplicate>,
     /// Per floor, the victims acted on within its `victim_window` since the resource last read
     /// `Ok` outside a brake (the brake on cascades counts them: victims that helped do not).
     pub floor_victims: BTreeMap<Resource, Vec<FloorVictim>>,
     /// Floors whose brake holds (reported once; released when the resource reads `Ok` again and
     /// fewer than `max_victims` of its victims are within the window).
     pub braked: BTreeSet<Resource>,
-    /// `Shmem` when RAM was last above its warn floor, and the most it has been since: growth
-    /// (peak - baseline) that is more than the shortfall is memory no process holds. The peak,
-    /// not the latest reading: while a tmpfs file is being removed, `Shmem` falls before
-    /// MemAvailable rises, and that moment must not look like a shortfall of processes.
-    pub shmem_baseline: Option<(u64, u64)>,
+    /// `Shmem` when RAM was last above its warn floor, and the most it has been since.
+    pub shmem_baseline: Option<ShmemBaseline>,
+}
+
+/// `Shmem` when RAM was last above its warn floor, and the most it has been since: growth
+/// (peak - base) that is more than the shortfall is memory no process holds. The peak, not the
+/// latest reading: while a tmpfs file is being removed, `Shmem` falls before MemAvailable rises,
+/// and that moment must not look like a shortfall of processes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShmemBaseline {
+    pub base: u64,
+    pub peak: u64,
+}
+
+/// What an attribution was computed from: it is worked out again only when one changes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct AttributionInputs {
+    /// The process scan.
+    scanned_at: Option<Duration>,
+    /// The GPU process lists.
+    process_lists_read: u64,
 }
 
 impl PolicyState {
@@ -394,8 +445,8 @@ impl PolicyState {
     /// An action not carried out (the target gone, memory recovered, or failed: not
     /// permitted...) undoes the stage its plan entered, so the next tick decides afresh; a target
     /// that could not be signalled is not chosen again in that incident.
-    pub fn apply(&mut self, outcomes: &[(Action, Outcome)]) {
-        for (action, outcome) in outcomes {
+    pub fn apply(&mut self, outcomes: &[Executed]) {
+        for Executed { action, outcome } in outcomes {
             match outcome {
                 Outcome::Done | Outcome::Observed => {
                     for v in self.floor_victims.values_mut().flatten() {
@@ -448,10 +499,10 @@ pub fn evaluate(config: &Config, snapshot: &Snapshot, state: &mut PolicyState) -
     };
 
     // Membership and usage change only with a new process scan or new GPU process lists.
-    let inputs = (
-        snapshot.processes.scanned_at,
-        snapshot.gpus.process_lists_read,
-    );
+    let inputs = AttributionInputs {
+        scanned_at: snapshot.processes.scanned_at,
+        process_lists_read: snapshot.gpus.process_lists_read,
+    };
     if state.attributed != Some(inputs) {
         state.attribution = attribute(
             config,

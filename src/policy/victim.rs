@@ -110,6 +110,12 @@ pub(super) fn over_budget(
     used.checked_sub(budget).filter(|&over| over > 0)
 }
 
+/// The victim chosen for a floor, and how much of the memory that is short it holds.
+pub(super) struct Chosen {
+    pub target: Target,
+    pub used_bytes: u64,
+}
+
 /// Picks the victim for a floor short of `short`, or `None` if nobody may be touched.
 /// `excluded`: processes that could not be signalled earlier in this incident.
 pub(super) fn choose(
@@ -118,7 +124,7 @@ pub(super) fn choose(
     state: &PolicyState,
     short: Short,
     excluded: &[ProcessId],
-) -> Option<(Target, u64)> {
+) -> Option<Chosen> {
     let resource = short.resource();
     let procs = &snapshot.processes.processes;
     let mut candidates = Vec::new();
@@ -174,5 +180,8 @@ pub(super) fn choose(
                 .then(a.priority.cmp(&b.priority))
                 .then(b.usage_bytes.cmp(&a.usage_bytes))
         })
-        .map(|c| (c.target, c.usage_bytes))
+        .map(|c| Chosen {
+            target: c.target,
+            used_bytes: c.usage_bytes,
+        })
 }

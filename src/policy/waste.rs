@@ -18,6 +18,14 @@ pub(super) fn duplicate_loads(snapshot: &Snapshot, state: &mut PolicyState, plan
     state.duplicates_reported.retain(|k| seen.contains(k));
 }
 
+/// A group reported as loaded more than once: its GPU and what the processes share (`weights
+/// dev:inode,...`, or the command line).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct Duplicate {
+    gpu: u32,
+    what: String,
+}
+
 /// Processes on one GPU that map the same weights files.
 #[derive(Debug)]
 struct WeightsGroup {
@@ -26,19 +34,19 @@ struct WeightsGroup {
     files: Vec<MappedFile>,
 }
 
-/// Groups GPU holders by the weights files they map, per GPU; returns the (GPU, pids) reported
-/// this way so the command-line rule does not report them again.
+/// Groups GPU holders by the weights files they map, per GPU; returns the groups found this way
+/// so the command-line rule does not report them again.
 fn duplicate_weights(
     snapshot: &Snapshot,
     state: &mut PolicyState,
     plan: &mut Plan,
-    seen: &mut Vec<(u32, String)>,
-) -> Vec<(u32, BTreeSet<i32>)> {
-    let mut found = Vec::new();
-    for group in weights_groups(snapshot) {
-        let key = (
-            group.gpu,
-            format!(
+    seen: &mut Vec<Duplicate>,
+) -> Vec<WeightsGroup> {
+    let groups = weights_groups(snapshot);
+    for group in &groups {
+        let key = Duplicate {
+            gpu: group.gpu,
+            what: format!(
                 "weights {}",
                 group
                     .files
@@ -47,16 +55,15 @@ fn duplicate_weights(
                     .collect::<Vec<_>>()
                     .join(",")
             ),
-        );
+        };
         seen.push(key.clone());
-        found.push((group.gpu, group.pids.clone()));
         if state.duplicates_reported.contains(&key) {
             continue;
         }
         state.duplicates_reported.push(key);
-        plan.events.push(weights_event(snapshot, state, &group));
+        plan.events.push(weights_event(snapshot, state, group));
     }
-    found
+    groups
 }
 
 fn weights_groups(snapshot: &Snapshot) -> Vec<WeightsGroup> {
@@ -146,8 +153,8 @@ fn duplicate_commands(
     snapshot: &Snapshot,
     state: &mut PolicyState,
     plan: &mut Plan,
-    seen: &mut Vec<(u32, String)>,
-    by_weights: &[(u32, BTreeSet<i32>)],
+    seen: &mut Vec<Duplicate>,
+    by_weights: &[WeightsGroup],
 ) {
     let procs = &snapshot.processes.processes;
     let by_pid: HashMap<i32, usize> = procs.iter().enumerate().map(|(i, p)| (p.pid, i)).collect();
@@ -190,11 +197,14 @@ fn duplicate_commands(
             }
             let already = by_weights
                 .iter()
-                .any(|(g, pids)| *g == gpu.index && holders.iter().all(|(p, _)| pids.contains(p)));
+                .any(|g| g.gpu == gpu.index && holders.iter().all(|(p, _)| g.pids.contains(p)));
             if already {
                 continue;
             }
-            let key = (gpu.index, cmdline.to_string());
+            let key = Duplicate {
+                gpu: gpu.index,
+                what: cmdline.to_string(),
+            };
             seen.push(key.clone());
             if state.duplicates_reported.contains(&key) {
                 continue;
