@@ -52,13 +52,14 @@ use super::{unix_now, Daemon, RECENT_ACTIONS};
 impl Daemon {
     pub(super) fn record_action(&mut self, action: &Action, outcome: &Outcome) {
         let failed = matches!(outcome, Outcome::Failed(_));
+        let skipped = matches!(outcome, Outcome::Skipped(_));
         let outcome = match outcome {
             Outcome::Done => "done".to_string(),
             Outcome::Observed => "observed".to_string(),
             Outcome::Skipped(why) => format!("skipped: {why}"),
             Outcome::Failed(why) => format!("failed: {why}"),
         };
-        self.alert_action(action, &outcome, failed);
+        self.alert_action(action, &outcome, failed, skipped);
         if self.recent_actions.len() == RECENT_ACTIONS {
             self.recent_actions.pop_front();
         }
@@ -73,7 +74,7 @@ impl Daemon {
     }
 
     /// Tells the alert pipeline (and the metrics) about an action and its outcome.
-    fn alert_action(&mut self, action: &Action, outcome: &str, failed: bool) {
+    fn alert_action(&mut self, action: &Action, outcome: &str, failed: bool, skipped: bool) {
         let (event, severity) = match action.verb {
             Verb::Kill | Verb::Terminate => (EventKind::ProcessKilled, Severity::Critical),
             Verb::Stop => (EventKind::ProcessStopped, Severity::Warning),
@@ -83,7 +84,7 @@ impl Daemon {
         };
         let severity = if failed {
             Severity::Critical
-        } else if outcome.starts_with("skipped") {
+        } else if skipped {
             Severity::Info
         } else {
             severity
@@ -111,7 +112,7 @@ impl Daemon {
                 }
                 _ => (Some(f.ram_bytes), f.ram_budget_bytes),
             };
-        } else if action.reason.kind == "ram_floor" {
+        } else if action.reason.kind == ReasonKind::RamFloor {
             subject.usage_bytes = action
                 .target
                 .ids()

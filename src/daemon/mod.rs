@@ -75,6 +75,7 @@ mod systemd;
 #[cfg(test)]
 mod tests;
 mod view;
+use view::Detail;
 mod warm;
 
 pub use scanning::MakeTables;
@@ -315,7 +316,7 @@ impl Daemon {
                 }
             })?;
         self.shared
-            .publish_status(report::status_report(&self.view()));
+            .publish_status(report::status_report(&self.view(Detail::Full)));
         self.scans
             .start(self.events_tx.clone())
             .context("starting the process scan thread")?;
@@ -342,7 +343,7 @@ impl Daemon {
             let now = Instant::now();
             if now >= next_tick {
                 let wait = self.tick(now.saturating_duration_since(last_tick));
-                systemd.tick(now, || report::one_line_status(&self.view));
+                systemd.tick(now, || report::one_line_status(&self.view(Detail::Full)));
                 last_tick = now;
                 next_tick = now + wait.min(systemd.max_sleep());
             }
@@ -479,9 +480,19 @@ impl Daemon {
         self.state.apply(&outcomes);
         self.max_scan_age = plan.max_scan_age;
         self.watch = plan.watch;
-        self.view = self.view();
+        // The full view only when the status and metrics are due (every `STATUS_REFRESH`).
+        let publish = self
+            .status_published
+            .is_none_or(|t| now.duration_since(t) >= STATUS_REFRESH);
+        self.view = self.view(if publish {
+            Detail::Full
+        } else {
+            Detail::Conditions
+        });
         self.alerter.conditions(now, alerts::conditions(&self.view));
-        self.publish(now);
+        if publish {
+            self.publish(now);
+        }
         let (launching, reserving) = {
             let table = self.shared.table();
             (table.launching(), table.busy())
@@ -519,14 +530,9 @@ impl Daemon {
         next
     }
 
-    /// Refreshes what operators read: the status report the socket serves, and the metrics.
+    /// Refreshes what operators read from the full view: the status report the socket serves,
+    /// and the metrics.
     fn publish(&mut self, now: Instant) {
-        if self
-            .status_published
-            .is_some_and(|t| now.duration_since(t) < STATUS_REFRESH)
-        {
-            return;
-        }
         self.status_published = Some(now);
         if self.metrics_updated.is_some() {
             self.metrics.update(&self.view);

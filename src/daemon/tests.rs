@@ -332,7 +332,7 @@ fn a_model_over_its_gpu_budget_is_stopped_then_killed() {
     let stopped = [(200, Sig::Stop), (201, Sig::Stop)];
     assert_eq!(h.signals(), stopped, "{:?}", h.actions());
     // The alert condition reads what the policy found over (GPU, not RAM: no RAM budget).
-    let conditions = super::alerts::conditions(&h.daemon.view());
+    let conditions = super::alerts::conditions(&h.daemon.view(super::view::Detail::Conditions));
     let budget = conditions.iter().find(|c| c.key == "budget:llm").unwrap();
     assert_eq!(
         budget.summary,
@@ -556,6 +556,6 @@ fn shmem_growth_past_the_floor_alerts_and_signals_nobody() {
     let lines = logged(&h, "shmem_shortfall");
     assert_eq!(lines.len(), 1, "{lines:?}");
     assert!(lines[0].contains("Shmem grew by 3.5 GiB"), "{}", lines[0]);
-    let status = super::report::status_report(&h.daemon.view());
+    let status = super::report::status_report(&h.daemon.view(super::view::Detail::Full));
     assert_eq!(status.memory.shmem_bytes, Some(4 * GIB + GIB / 2));
 }

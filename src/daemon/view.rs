@@ -12,13 +12,29 @@ use crate::view::{
 
 use super::Daemon;
 
+/// How much of the view to build.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Detail {
+    /// What the alert conditions read (every tick: cheap enough for a 2 ms tick).
+    Conditions,
+    /// Everything, for the status report, the metrics and systemd's status line (when they are
+    /// due): also each model's processes and engine, the reservation rows, the held processes,
+    /// the recent actions and the hostname.
+    Full,
+}
+
 impl Daemon {
     /// What this tick saw, decided and did.
-    pub(super) fn view(&self) -> TickView {
+    pub(super) fn view(&self, detail: Detail) -> TickView {
+        let full = detail == Detail::Full;
         TickView {
-            hostname: nix::unistd::gethostname()
-                .map(|h| h.to_string_lossy().into_owned())
-                .unwrap_or_default(),
+            hostname: if full {
+                nix::unistd::gethostname()
+                    .map(|h| h.to_string_lossy().into_owned())
+                    .unwrap_or_default()
+            } else {
+                String::new()
+            },
             mode: self.config.daemon.mode,
             uptime_seconds: self.started.elapsed().as_secs_f64(),
             ram: self.ram_view(),
@@ -29,23 +45,34 @@ impl Daemon {
                 _ => None,
             },
             gpus: self.gpu_views(),
-            models: self.model_views(),
+            models: self.model_views(full),
             over_budget: self.over_budget(),
             stuck: self.stuck(),
-            reservations: self.shared.table().rows(self.snapshot.at),
-            held: self
-                .executor
-                .held()
-                .iter()
-                .map(|h| HeldRow {
-                    pid: h.pid,
-                    comm: h.comm.clone(),
-                    why: h.why.clone(),
-                    since_unix: h.since_unix,
-                })
-                .collect(),
-            recent_actions: self.recent_actions.iter().cloned().collect(),
+            reservations: if full {
+                self.shared.table().rows(self.snapshot.at)
+            } else {
+                Default::default()
+            },
+            held: if full { self.held_rows() } else { Vec::new() },
+            recent_actions: if full {
+                self.recent_actions.iter().cloned().collect()
+            } else {
+                Vec::new()
+            },
         }
+    }
+
+    fn held_rows(&self) -> Vec<HeldRow> {
+        self.executor
+            .held()
+            .iter()
+            .map(|h| HeldRow {
+                pid: h.pid,
+                comm: h.comm.clone(),
+                why: h.why.clone(),
+                since_unix: h.since_unix,
+            })
+            .collect()
     }
 
     fn ram_view(&self) -> RamView {
@@ -122,8 +149,12 @@ impl Daemon {
             .collect()
     }
 
-    fn model_views(&self) -> Vec<ModelView> {
-        let mut engines = self.engine_rows();
+    fn model_views(&self, full: bool) -> Vec<ModelView> {
+        let mut engines = if full {
+            self.engine_rows()
+        } else {
+            Default::default()
+        };
         let gpu_known = self.snapshot.gpus.status == GpuStatus::Ok;
         self.state
             .attribution
@@ -139,7 +170,11 @@ impl Daemon {
                 state: self.model_state(&m.name),
                 gpu_reserved_ratio: self.gpu_reserved_ratio(m),
                 engine: engines.remove(&m.name),
-                processes: self.process_rows(m),
+                processes: if full {
+                    self.process_rows(m)
+                } else {
+                    Vec::new()
+                },
             })
             .collect()
     }

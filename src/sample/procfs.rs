@@ -36,6 +36,15 @@ pub fn page_size() -> u64 {
     }
 }
 
+/// Clock ticks per second, the unit of start times in /proc/PID/stat.
+pub fn clock_ticks() -> u64 {
+    // SAFETY: sysconf takes a constant and returns a number.
+    match unsafe { libc::sysconf(libc::_SC_CLK_TCK) } {
+        n if n > 0 => n as u64,
+        _ => 100,
+    }
+}
+
 /// Why a process could not be read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReadError {

@@ -201,8 +201,16 @@ struct Entry {
     kernel_thread: bool,
     /// The round that last read it.
     round: u64,
-    /// When it was first seen: young processes are read every round.
-    born: Instant,
+    /// When it was first seen, and how old it was then (from its start time and the host's
+    /// uptime; 0 where the uptime is not known): young processes are read every round.
+    seen: Instant,
+    age_when_seen: Duration,
+}
+
+impl Entry {
+    fn age(&self, now: Instant) -> Duration {
+        now.saturating_duration_since(self.seen) + self.age_when_seen
+    }
 }
 
 /// A GPU holder's mapped weights files, and when they were read.
@@ -235,6 +243,8 @@ pub struct Scanner {
     credit: f64,
     last_round: Option<Instant>,
     round: u64,
+    /// The host's uptime in seconds, read once per round when a new process needs it.
+    uptime: Option<Option<f64>>,
 }
 
 impl Scanner {
@@ -258,6 +268,7 @@ impl Scanner {
             credit: 0.0,
             last_round: None,
             round: 0,
+            uptime: None,
         }
     }
 
@@ -265,6 +276,7 @@ impl Scanner {
     pub fn round(&mut self, request: ScanRequest) -> ScanResult {
         let started = Instant::now();
         self.round += 1;
+        self.uptime = None;
         let mut stats = ScanStats::default();
         let swap = request.host_has_swap;
         let listed = match self.reader.list_pids(&mut self.pids) {
@@ -355,6 +367,7 @@ impl Scanner {
             Ok(read) => {
                 stats.new += 1;
                 let p = read.process;
+                let age_when_seen = self.age_of(p.start_time);
                 self.entries.insert(
                     pid,
                     Entry {
@@ -364,7 +377,8 @@ impl Scanner {
                         rss_bytes: p.rss_bytes,
                         kernel_thread: p.kernel_thread,
                         round: self.round,
-                        born: Instant::now(),
+                        seen: Instant::now(),
+                        age_when_seen,
                     },
                 );
                 self.new.push(p);
@@ -374,6 +388,24 @@ impl Scanner {
             // Not readable now (no descriptor left...): tried again next round.
             Err(_) => stats.unreadable += 1,
         }
+    }
+
+    /// How long ago a process started (`start_time` in clock ticks since boot), from the host's
+    /// uptime read once per round; 0 if the uptime cannot be read (a process is then as young
+    /// as the scanner's knowledge of it). A daemon that starts, or a host with no process
+    /// events, must not take every process it meets for one that may `exec` any moment.
+    fn age_of(&mut self, start_time: u64) -> Duration {
+        let uptime = *self.uptime.get_or_insert_with(|| {
+            std::fs::read_to_string(self.reader.root().join("uptime"))
+                .ok()
+                .and_then(|s| s.split_whitespace().next()?.parse::<f64>().ok())
+                .filter(|u| u.is_finite() && *u >= 0.0)
+        });
+        let Some(uptime) = uptime else {
+            return Duration::ZERO;
+        };
+        let started = start_time as f64 / super::procfs::clock_ticks() as f64;
+        Duration::try_from_secs_f64(uptime - started).unwrap_or(Duration::ZERO)
     }
 
     /// Exited since it was listed: not in `live`, so the loop drops it.
@@ -419,10 +451,7 @@ impl Scanner {
         }
         // Without events, a young process is re-read until an exec is unlikely.
         for (&pid, e) in self.entries.iter().filter(|_| events.is_none()) {
-            if !fresh(e)
-                && !e.kernel_thread
-                && now.saturating_duration_since(e.born) < request.young
-            {
+            if !fresh(e) && !e.kernel_thread && e.age(now) < request.young {
                 self.todo.push((pid, Depth::Attributes));
             }
         }
@@ -767,6 +796,44 @@ mod tests {
         table.round(young());
         assert_eq!(table.find(30).cmdline, "python3 -m vllm serve");
         assert_eq!(table.find(30).uid, 998);
+    }
+
+    /// Young is the process's age (its start time against the host's uptime), not how long the
+    /// scanner has known it: a scanner that has just started (a daemon restart) does not re-read
+    /// every process on the host every round for a minute.
+    #[test]
+    fn young_is_counted_from_the_process_start_not_from_first_sight() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("uptime"), "100.00 150.00\n").unwrap();
+        let ticks = crate::sample::procfs::clock_ticks();
+        // Started 5 s ago, and 99 s ago.
+        put(
+            dir.path(),
+            30,
+            "bash",
+            "bash run.sh",
+            [95 * ticks, 5, 7, 1000],
+        );
+        put(dir.path(), 40, "bash", "bash old.sh", [ticks, 5, 7, 1000]);
+        let mut table = Table::new(dir.path());
+        let young = || ScanRequest {
+            young: YOUNG,
+            ..request(&[])
+        };
+        table.round(young());
+        put(
+            dir.path(),
+            30,
+            "python3",
+            "python3 new",
+            [95 * ticks, 5, 8, 998],
+        );
+        put(dir.path(), 40, "python3", "python3 new", [ticks, 5, 8, 998]);
+        table.round(young());
+        assert_eq!(table.find(30).cmdline, "python3 new");
+        // Older than `YOUNG`: left to the rotation (an hour here).
+        assert_eq!(table.find(40).cmdline, "bash old.sh");
+        assert_eq!(table.find(40).uid, 1000);
     }
 
     #[test]
