@@ -4,7 +4,8 @@
 //! Each round lists /proc (one `getdents` pass) and then reads only what can have changed:
 //! - a new pid: everything (stat, status, command line, cgroup);
 //! - the *hot* pids the loop names (members of models, victims, launches): stat and status;
-//! - processes holding GPU memory: stat (and their mapped weights files when their RSS moved);
+//! - processes holding GPU memory: stat (and their mapped weights files when their RSS moved),
+//!   every round while their RSS moves (loading), then less often, down to every 8th round;
 //! - near a floor, the `LARGEST` processes by last known RSS: stat;
 //! - the processes the kernel said `exec`ed, changed uid/gid or renamed themselves since the last
 //!   round (`proc_events`: the proc connector, when the daemon may listen to it): stat, status,
@@ -205,6 +206,8 @@ struct Entry {
     /// uptime; 0 where the uptime is not known): young processes are read every round.
     seen: Instant,
     age_when_seen: Duration,
+    /// As a GPU holder, re-read every this many rounds (1 while its RSS moves).
+    holder_backoff: u8,
 }
 
 impl Entry {
@@ -220,6 +223,11 @@ struct MapsRead {
     at: Instant,
     files: Vec<MappedFile>,
 }
+
+/// A GPU holder whose RSS moved less than this since its last read is settling: it is read
+/// half as often as before, down to once every `HOLDER_MAX_BACKOFF` rounds.
+const HOLDER_SETTLED_BYTES: u64 = 16 << 20;
+const HOLDER_MAX_BACKOFF: u8 = 8;
 
 /// A GPU holder's maps are read again once its RSS has moved by this much.
 const MAPS_RSS_DRIFT_BYTES: u64 = 64 << 20;
@@ -379,6 +387,7 @@ impl Scanner {
                         round: self.round,
                         seen: Instant::now(),
                         age_when_seen,
+                        holder_backoff: 1,
                     },
                 );
                 self.new.push(p);
@@ -443,9 +452,13 @@ impl Scanner {
                 self.todo.push((pid, Depth::Attributes));
             }
         }
-        // GPU holders: their RSS tells when their mapped weights are worth reading again.
+        // GPU holders: their RSS tells when their mapped weights are worth reading again. One
+        // whose RSS holds still is read less and less often (every `HOLDER_MAX_BACKOFF` rounds
+        // at most); one that is loading (its RSS moving) every round.
         for &pid in request.maps.iter().flatten() {
-            if self.entries.get(&pid).is_some_and(|e| !fresh(e)) {
+            if self.entries.get(&pid).is_some_and(|e| {
+                !fresh(e) && round.saturating_sub(e.round) >= u64::from(e.holder_backoff)
+            }) {
                 self.todo.push((pid, Depth::Vitals));
             }
         }
@@ -531,6 +544,12 @@ impl Scanner {
             return self.read_new(pid, swap, stats);
         }
         let vitals = self.reader.vitals_of(&stat, None);
+        entry.holder_backoff = if entry.rss_bytes.abs_diff(vitals.rss_bytes) >= HOLDER_SETTLED_BYTES
+        {
+            1
+        } else {
+            (entry.holder_backoff * 2).min(HOLDER_MAX_BACKOFF)
+        };
         entry.rss_bytes = vitals.rss_bytes;
         let mut update = Update {
             id: vitals.id,
@@ -796,6 +815,56 @@ mod tests {
         table.round(young());
         assert_eq!(table.find(30).cmdline, "python3 -m vllm serve");
         assert_eq!(table.find(30).uid, 998);
+    }
+
+    /// A GPU holder whose RSS holds still is read less and less often (its mapped weights cannot
+    /// have changed), and every round again once its RSS moves (a model loading).
+    #[test]
+    fn a_settled_gpu_holder_is_read_less_often_a_loading_one_every_round() {
+        let dir = tempfile::tempdir().unwrap();
+        put(
+            dir.path(),
+            50,
+            "python3",
+            "python3 serve.py",
+            [500, 1000, 7, 1000],
+        );
+        let mut table = Table::new(dir.path());
+        let holders = || ScanRequest {
+            maps: Some(vec![50]),
+            ..request(&[])
+        };
+        table.round(holders());
+        let reads: Vec<usize> = (2..=17).map(|_| table.round(holders()).refreshed).collect();
+        // Rounds 2, 4, 8 and 16: the backoff doubles up to 8 rounds.
+        assert_eq!(reads.iter().sum::<usize>(), 4, "{reads:?}");
+        // It starts loading: 64 MiB more. Seen at its next read (round 24 at the latest), then
+        // read every round while it moves.
+        let pages = (64 << 20) / page();
+        put(
+            dir.path(),
+            50,
+            "python3",
+            "python3 serve.py",
+            [500, 1000 + pages, 7, 1000],
+        );
+        let mut rounds = 0;
+        while table.round(holders()).refreshed == 0 {
+            rounds += 1;
+            assert!(rounds <= 8, "not read again within 8 rounds");
+        }
+        put(
+            dir.path(),
+            50,
+            "python3",
+            "python3 serve.py",
+            [500, 1000 + 2 * pages, 7, 1000],
+        );
+        assert_eq!(
+            table.round(holders()).refreshed,
+            1,
+            "a loading holder: every round"
+        );
     }
 
     /// Young is the process's age (its start time against the host's uptime), not how long the
