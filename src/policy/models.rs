@@ -11,7 +11,7 @@
 //! model that is not theirs.
 
 use std::collections::hash_map::RandomState;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::hash::BuildHasher;
 
 use crate::config::{Config, ModelConfig, Users};
@@ -155,11 +155,26 @@ pub fn attribute(
             }
         })
         .collect();
-    let present: HashSet<ProcessId> = procs.iter().map(|p| p.id()).collect();
-    cache.matched.retain(|id, _| present.contains(id));
+    // The daemon's table is kept in pid order (`scan::apply`): pids are found by binary search
+    // there, without building maps of the whole table at every new scan.
+    let sorted = procs.is_sorted_by_key(|p| p.pid);
+    let by_pid: HashMap<i32, usize> = if sorted {
+        HashMap::new()
+    } else {
+        procs.iter().enumerate().map(|(i, p)| (p.pid, i)).collect()
+    };
+    let index_of_pid = |pid: i32| -> Option<usize> {
+        if sorted {
+            procs.binary_search_by_key(&pid, |p| p.pid).ok()
+        } else {
+            by_pid.get(&pid).copied()
+        }
+    };
+    cache
+        .matched
+        .retain(|id, _| index_of_pid(id.pid).is_some_and(|i| procs[i].id() == *id));
 
     // Inherit from the nearest matched ancestor.
-    let by_pid: HashMap<i32, usize> = procs.iter().enumerate().map(|(i, p)| (p.pid, i)).collect();
     let mut model_of: Vec<Option<Option<usize>>> = vec![None; procs.len()];
     for start in 0..procs.len() {
         let mut chain = Vec::new();
@@ -176,10 +191,7 @@ pub fn attribute(
                 break;
             }
             // pid 0/1 and unknown parents end the walk; a cycle cannot happen but is bounded anyway.
-            at = by_pid
-                .get(&procs[i].ppid)
-                .copied()
-                .filter(|&j| j != i && chain.len() < 4096);
+            at = index_of_pid(procs[i].ppid).filter(|&j| j != i && chain.len() < 4096);
         }
         for i in chain {
             model_of[i] = Some(found);
