@@ -268,7 +268,7 @@ expect_prop WatchdogUSec 30s
 expect_prop OOMScoreAdjust -1000
 expect_prop LimitMEMLOCK infinity
 expect_prop LimitNOFILE 65536
-expect_prop CapabilityBoundingSet cap_kill
+expect_prop CapabilityBoundingSet "cap_kill cap_net_admin"
 expect_prop RuntimeDirectoryMode 0755
 # Nothing hides /proc entries or GPU devices.
 expect_prop ProtectProc default
