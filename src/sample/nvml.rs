@@ -73,6 +73,9 @@ pub trait GpuSource: Send {
     }
 }
 
+/// The Xid listener's wait timeout.
+const XID_WAIT_MS: u32 = 2000;
+
 /// The real source: NVML loaded at run time.
 pub struct NvmlGpuSource {
     library: Option<PathBuf>,
@@ -164,8 +167,10 @@ impl NvmlGpuSource {
                         }
                     }
                 }
+                // The wait blocks in the driver; its timeout only bounds how long this thread
+                // outlives a reset or a reload (it then holds the old library handle).
                 while !quit.load(Ordering::Relaxed) {
-                    match set.wait(500) {
+                    match set.wait(XID_WAIT_MS) {
                         Ok(data) => {
                             let xid = match data.event_data {
                                 Some(XidError::Value(v)) => v,
