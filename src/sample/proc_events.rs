@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use rustix::event::{eventfd, poll, EventfdFlags, PollFd, PollFlags};
 use rustix::io::Errno;
 use rustix::net::netlink::{self, SocketAddrNetlink};
-use rustix::net::{bind, recv, sendto, socket_with, AddressFamily, RecvFlags, SendFlags};
+use rustix::net::{bind, recvfrom, sendto, socket_with, AddressFamily, RecvFlags, SendFlags};
 use rustix::net::{SocketFlags, SocketType};
 
 /// `CN_IDX_PROC`/`CN_VAL_PROC`: the proc connector's id (linux/connector.h).
@@ -104,13 +104,13 @@ impl Inner {
     /// Reads every datagram waiting (never blocks).
     fn drain(&mut self) {
         loop {
-            match recv(&self.socket, &mut self.buf[..], RecvFlags::DONTWAIT) {
-                Ok((n, _)) => {
-                    let data = &self.buf[..n.min(self.buf.len())];
-                    if let Some((what, pid, tgid)) = parse(data) {
+            match recv_from_kernel(&self.socket, &mut self.buf, RecvFlags::DONTWAIT) {
+                Ok(Some(n)) => {
+                    if let Some((what, pid, tgid)) = parse(&self.buf[..n]) {
                         self.pending.record(what, pid, tgid);
                     }
                 }
+                Ok(None) => {}
                 Err(Errno::AGAIN) => return,
                 Err(Errno::INTR) => continue,
                 // The kernel dropped events for this socket.
@@ -286,13 +286,29 @@ fn self_test(inner: &mut Inner) -> rustix::io::Result<bool> {
         if poll(&mut fds, Some(&timeout))? == 0 {
             return Ok(false);
         }
-        let (n, _) = recv(&inner.socket, &mut inner.buf[..], RecvFlags::DONTWAIT)?;
-        if let Some((PROC_EVENT_COMM, pid, _)) = parse(&inner.buf[..n.min(inner.buf.len())]) {
+        let Some(n) = recv_from_kernel(&inner.socket, &mut inner.buf, RecvFlags::DONTWAIT)? else {
+            continue;
+        };
+        if let Some((PROC_EVENT_COMM, pid, _)) = parse(&inner.buf[..n]) {
             if pid == tid {
                 return Ok(true);
             }
         }
     }
+}
+
+/// One datagram, if the kernel sent it (netlink port 0): a local process that may send to this
+/// socket is not believed. `Ok(Some(len))`, `Ok(None)` for a datagram from anyone else.
+fn recv_from_kernel(
+    socket: &OwnedFd,
+    buf: &mut [u8],
+    flags: RecvFlags,
+) -> rustix::io::Result<Option<usize>> {
+    let (n, _, from) = recvfrom(socket, &mut *buf, flags)?;
+    let kernel = from
+        .and_then(|a| SocketAddrNetlink::try_from(a).ok())
+        .is_some_and(|a| a.pid() == 0);
+    Ok(kernel.then_some(n.min(buf.len())))
 }
 
 /// A proc connector datagram: `(what, pid, tgid)` of its event (`pid`/`tgid` are the first two
@@ -361,6 +377,47 @@ mod tests {
         }
         assert!(p.lost);
         assert!(p.len() < MAX_PENDING);
+    }
+
+    /// A datagram another process sends to the listener's port (root may) is not an event:
+    /// only the kernel's count.
+    #[test]
+    fn a_forged_datagram_from_a_process_is_not_believed() {
+        if !rustix::process::geteuid().is_root() {
+            eprintln!("skipped: needs root");
+            return;
+        }
+        let events = ProcEvents::open().expect("root on the host gets process events");
+        let port = {
+            let inner = lock(&events.inner);
+            let addr = rustix::net::getsockname(&inner.socket).unwrap();
+            SocketAddrNetlink::try_from(addr).unwrap().pid()
+        };
+        let forger = socket_with(
+            AddressFamily::NETLINK,
+            SocketType::DGRAM,
+            SocketFlags::CLOEXEC,
+            Some(netlink::CONNECTOR),
+        )
+        .unwrap();
+        let forged = datagram(PROC_EVENT_EXEC, 424242, 424242);
+        let sent = sendto(
+            &forger,
+            &forged,
+            SendFlags::empty(),
+            &SocketAddrNetlink::new(port, 0),
+        );
+        assert_eq!(
+            sent.ok(),
+            Some(forged.len()),
+            "the forged datagram was not even sent"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+        let seen = events.take();
+        assert!(
+            !seen.execs.contains(&424242),
+            "forged event believed: {seen:?}"
+        );
     }
 
     /// Real processes against the real kernel: an `exec` and a `setuid` in a child are reported
