@@ -35,3 +35,17 @@ pub trait ProcSource: Send {
 pub trait TableSource: Send {
     fn round(&mut self, request: ScanRequest) -> ScanResult;
 }
+
+/// The Python interpreter itself (`sys.executable`), not a wrapper script that execs it (pyenv's
+/// shims): the unit tests that watch a real child's `exec` must not see the wrapper's own.
+#[cfg(test)]
+pub(crate) fn python3() -> &'static str {
+    static PYTHON: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    PYTHON.get_or_init(|| {
+        let out = std::process::Command::new("python3")
+            .args(["-c", "import sys; print(sys.executable)"])
+            .output()
+            .expect("python3 is needed for the tests (apt-get install python3)");
+        String::from_utf8(out.stdout).unwrap().trim().to_string()
+    })
+}

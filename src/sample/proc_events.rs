@@ -432,12 +432,7 @@ mod tests {
         let script =
             "import os, sys\nsys.stdin.readline()\nos.setuid(65534)\nsys.stdin.readline()\n\
                       os.execv('/bin/sleep', ['sleep', '30'])\n";
-        // The interpreter itself, not a wrapper script that execs it (pyenv's shims).
-        let python = ["/usr/bin/python3", "python3"]
-            .into_iter()
-            .find(|p| std::path::Path::new(p).exists() || !p.starts_with('/'))
-            .unwrap();
-        let mut child = std::process::Command::new(python)
+        let mut child = std::process::Command::new(crate::sample::python3())
             .args(["-c", script])
             .stdin(std::process::Stdio::piped())
             .spawn()

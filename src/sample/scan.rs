@@ -1090,12 +1090,7 @@ mod tests {
         let script = "import os, sys\nif sys.stdin.readline() == 'uid\\n':\n    os.setuid(65534)\n\
                       else:\n    os.execv('/bin/sleep', ['sleep', '31'])\nsys.stdin.readline()\n";
         let spawn = || {
-            // The interpreter itself, not a wrapper script that execs it (pyenv's shims).
-            let python = ["/usr/bin/python3", "python3"]
-                .into_iter()
-                .find(|p| Path::new(p).exists() || !p.starts_with('/'))
-                .unwrap();
-            Command::new(python)
+            Command::new(crate::sample::python3())
                 .args(["-c", script])
                 .stdin(Stdio::piped())
                 .spawn()
