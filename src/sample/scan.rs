@@ -10,7 +10,7 @@
 //! - the processes the kernel said `exec`ed, changed uid/gid or renamed themselves since the last
 //!   round (`proc_events`: the proc connector, when the daemon may listen to it): stat, status,
 //!   and after an exec the command line and cgroup, whatever the layout says;
-//! - without those events, processes first seen less than `young` ago (`YOUNG`, 60 s): stat and
+//! - without those events, processes started less than `young` ago (`YOUNG`, 60 s): stat and
 //!   status (a launcher script `exec`s the server it starts within seconds; its new name and
 //!   command line must reach the matchers at once);
 //! - a *full* round: the stat of every process (near a floor, when MemAvailable has moved);
@@ -38,7 +38,7 @@ use crate::snapshot::{MappedFile, Process, ProcessId};
 use super::proc_events::ProcEvents;
 use super::procfs::{ProcReader, ReadError};
 
-/// Processes first seen this recently have their stat re-read every round (exec, setuid...).
+/// Processes started this recently have their stat re-read every round (exec, setuid...).
 pub const YOUNG: Duration = Duration::from_secs(60);
 /// Near a floor, this many of the largest processes are re-read every round.
 pub const LARGEST: usize = 32;
@@ -68,7 +68,7 @@ pub struct ScanRequest {
     pub host_has_swap: bool,
     /// Every process is re-read in full at least this often.
     pub rotation_period: Duration,
-    /// Processes first seen less than this ago are re-read (stat and status) every round.
+    /// Processes started less than this ago are re-read (stat and status) every round.
     pub young: Duration,
     /// Processes holding GPU memory, whose mapped weights files to read (`None`: GPUs off).
     pub maps: Option<Vec<i32>>,
