@@ -1,7 +1,10 @@
 /* hog.c: a memory hog for the gpuguard/earlyoom reaction benchmark.
  *
  * Fills anonymous memory in 1 MiB steps at --rate bytes/s (0 = as fast as it can), and stops by
- * itself at --cap bytes (safety: an agent that fails to act cannot take the host down), then holds
+ * itself at --cap bytes (safety: an agent that fails to act cannot take the host down) or, with
+ * --stop-below BYTES, once MemAvailable is below BYTES (read every 16 MiB: on a VM that returns
+ * memory freed earlier while the hog runs, MemAvailable need not fall by what the hog takes, and a
+ * cap in bytes alone can stop the hog before it crosses the agent's floor), then holds
  * what it has for --hold seconds and exits 0. Every step publishes, in a small shared file
  * (--status, mmap'ed), how much it holds and the CLOCK_MONOTONIC time of its last growth, so the
  * analysis knows exactly when growth stopped even after the hog was killed.
@@ -25,9 +28,22 @@ struct hog_status {          /* layout shared with sampler.c */
     volatile uint64_t held_bytes;
     volatile int64_t last_growth_ns;
     volatile int64_t start_ns;
-    volatile int32_t capped; /* 1: stopped at --cap (no agent stopped it) */
+    volatile int32_t capped; /* 1: stopped at --cap or --stop-below (no agent stopped it) */
     volatile int32_t pid;
 };
+
+/* MemAvailable in bytes, or -1 when /proc/meminfo cannot be read. */
+static int64_t mem_available(void) {
+    char buf[4096];
+    int fd = open("/proc/meminfo", O_RDONLY);
+    if (fd < 0) return -1;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return -1;
+    buf[n] = 0;
+    const char *p = strstr(buf, "MemAvailable:");
+    return p ? strtoll(p + 13, NULL, 10) * 1024 : -1;
+}
 
 static int64_t now_ns(void) {
     struct timespec t;
@@ -38,15 +54,17 @@ static int64_t now_ns(void) {
 int main(int argc, char **argv) {
     double rate = 0, hold = 5;
     uint64_t cap = 0;
+    int64_t stop_below = 0;
     const char *status_path = NULL;
     int ignore_term = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--rate") && i + 1 < argc) rate = atof(argv[++i]);
         else if (!strcmp(argv[i], "--cap") && i + 1 < argc) cap = strtoull(argv[++i], NULL, 10);
+        else if (!strcmp(argv[i], "--stop-below") && i + 1 < argc) stop_below = strtoll(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--hold") && i + 1 < argc) hold = atof(argv[++i]);
         else if (!strcmp(argv[i], "--status") && i + 1 < argc) status_path = argv[++i];
         else if (!strcmp(argv[i], "--ignore-term")) ignore_term = 1;
-        else { fprintf(stderr, "usage: %s --cap BYTES [--rate B/s] [--hold S] [--status FILE] [--ignore-term]\n", argv[0]); return 2; }
+        else { fprintf(stderr, "usage: %s --cap BYTES [--rate B/s] [--stop-below BYTES] [--hold S] [--status FILE] [--ignore-term]\n", argv[0]); return 2; }
     }
     if (cap == 0) { fprintf(stderr, "hog: --cap is required\n"); return 2; }
     if (ignore_term) signal(SIGTERM, SIG_IGN);
@@ -78,6 +96,10 @@ int main(int argc, char **argv) {
         held += step;
         st->held_bytes = held;
         st->last_growth_ns = now_ns();
+        if (stop_below > 0 && held % (16 * step) == 0) {
+            int64_t avail = mem_available();
+            if (avail >= 0 && avail < stop_below) break;
+        }
         if (rate > 0) {
             int64_t due = t0 + (int64_t)((double)held / rate * 1e9);
             int64_t wait = due - now_ns();

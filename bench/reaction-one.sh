@@ -9,7 +9,8 @@
 # BACKGROUND: the label of what reaction.sh runs beside it (none, idle1000, storm, permits), for
 # the CSV. permits (gpuguard only): 64 clients asking the agent's socket for 20 000 RAM permits/s
 # from before the hog starts until it ends (benches/permits.rs, PERMIT_LOAD_SOCKET).
-# The floor is MemAvailable at start minus 1.5 GiB; the hog stops by itself 1 GiB below the floor.
+# The floor is MemAvailable at start minus 1.5 GiB; the hog stops by itself once MemAvailable is
+# 1 GiB below the floor, and never holds more than 2 GiB beyond what that takes at the start.
 # Appends one CSV line to OUT_CSV (see analyze.py). Must run under the flock (run via reaction.sh).
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
@@ -29,12 +30,13 @@ trap 'exit 130' INT TERM
 # Warm-up: on this VM (virtio-balloon free page reporting) memory freed a few seconds ago goes
 # back to the hypervisor and is 5-7x slower to fault in again; touch what the hog will use right
 # before the run (no agent is running yet) so that the hog fills at the rate asked.
-"$HOG" --cap $((3 * GIB)) --hold 0
+"$HOG" --cap $((4 * GIB)) --hold 0
 
 start=$(mem_available_bytes)
 floor=$((start - 3 * GIB / 2))
 warn=$((floor + 512 * MIB))
-cap=$((start - floor + GIB))          # the hog never takes MemAvailable more than 1 GiB below the floor
+stop_below=$((floor - GIB))            # the hog never takes MemAvailable more than 1 GiB below the floor
+cap=$((start - stop_below + 2 * GIB))    # nor more than 2 GiB beyond that, whatever MemAvailable says
 
 case $agent in
 gpuguard)
@@ -77,7 +79,7 @@ if [[ $background == permits ]]; then
 fi
 sleep 0.2   # first tick / scan
 
-hog_args=(--rate "$rate" --cap "$cap" --hold 2 --status "$work/hog.status")
+hog_args=(--rate "$rate" --cap "$cap" --stop-below "$stop_below" --hold 2 --status "$work/hog.status")
 [[ $hogkind == ignore-term ]] && hog_args+=(--ignore-term)
 "$SAMPLER" --out "$work/samples.csv" --status "$work/hog.status" --max-s 30 &
 sampler_pid=$!
