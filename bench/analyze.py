@@ -5,12 +5,16 @@
   analyze.py reaction-table F  medians per (hog, rate, agent) of the runs in reaction CSV F
   analyze.py ticks LOG...      histogram / percentiles of gpuguard's `tick took_us=N` debug lines
                                (and of the scan thread's `scan took_us=N` lines)
+  analyze.py hot-code ...      the functions on the resident text pages of a running binary
+                               (bench/hot-code.sh), in address order
+  analyze.py hot-code-check .. how many functions of an order file a binary has
 """
 import argparse
 import csv
 import re
 import statistics
 import struct
+import subprocess
 import sys
 
 FIELDS = ["agent", "rate", "hog", "fill_gibps", "start_mib", "floor_mib", "overshoot_mib", "halt_ms",
@@ -191,6 +195,66 @@ def ticks(a):
         print()
 
 
+def text_section(binary):
+    """(address, file offset, size) of BINARY's .text."""
+    out = subprocess.run(["readelf", "-SW", binary], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"\]\s+\.text\s+\S+\s+([0-9a-f]+)\s+([0-9a-f]+)\s+([0-9a-f]+)", out)
+    return tuple(int(x, 16) for x in m.groups())
+
+
+def functions(binary):
+    """(address, size, mangled name) of BINARY's function symbols."""
+    out = subprocess.run(["nm", "-S", "--defined-only", binary], capture_output=True, text=True, check=True).stdout
+    for line in out.splitlines():
+        p = line.split()
+        if len(p) == 4 and p[2] in "tTwW" and int(p[1], 16):
+            yield int(p[0], 16), int(p[1], 16), p[3]
+
+
+def hot_code(a):
+    page = 4096
+    addr, offset, size = text_section(a.binary)
+    name = a.binary.rsplit("/", 1)[-1]
+    hot = set()  # resident pages of .text, as link-time addresses // page
+    with open(f"/proc/{a.pid}/pagemap", "rb") as pagemap:
+        for line in open(f"/proc/{a.pid}/maps"):
+            p = line.split()
+            if len(p) < 6 or p[5].rsplit("/", 1)[-1] != name:
+                continue
+            lo, hi = (int(x, 16) for x in p[0].split("-"))
+            map_offset = int(p[2], 16)
+            for va in range(lo, hi, page):
+                pagemap.seek(va // page * 8)
+                present = struct.unpack("<Q", pagemap.read(8))[0] >> 63
+                file_offset = map_offset + va - lo
+                if present and offset <= file_offset < offset + size:
+                    hot.add((file_offset - offset + addr) // page)
+    listed = total = 0
+    for start, length, symbol in sorted(functions(a.binary)):
+        if any(pg in hot for pg in range(start // page, (start + length - 1) // page + 1)):
+            print(symbol)
+            listed += 1
+            total += length
+    print(f"{len(hot)} resident pages of text ({len(hot) * page / 2**20:.1f} MiB); "
+          f"{listed} functions on them, {total / 2**20:.1f} MiB", file=sys.stderr)
+
+
+def hot_code_check(a):
+    """How many listed functions BINARY has; with --require-applied, exit 1 unless they open its
+    .text in the list's order (the linker applied the order: build.rs)."""
+    addresses = {symbol: start for start, _, symbol in functions(a.binary)}
+    order = [line.strip() for line in open(a.order) if line.strip()]
+    found = [addresses[symbol] for symbol in order if symbol in addresses]
+    print(f"{a.binary}: {len(found)} of the {len(order)} functions listed in {a.order} "
+          f"({100 * len(found) / max(len(order), 1):.0f} %)")
+    if a.require_applied:
+        text_start = text_section(a.binary)[0]
+        if not found or found != sorted(found) or min(found) > text_start + 4096:
+            print("the listed functions do not open .text in the list's order: "
+                  "the order was not applied", file=sys.stderr)
+            sys.exit(1)
+
+
 def main():
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -205,8 +269,16 @@ def main():
     k = sub.add_parser("ticks")
     k.add_argument("--label")
     k.add_argument("logs", nargs="+")
+    h = sub.add_parser("hot-code")
+    h.add_argument("--pid", required=True)
+    h.add_argument("--binary", required=True)
+    c = sub.add_parser("hot-code-check")
+    c.add_argument("--binary", required=True)
+    c.add_argument("--order", required=True)
+    c.add_argument("--require-applied", action="store_true")
     a = p.parse_args()
-    {"reaction": reaction, "reaction-table": reaction_table, "ticks": ticks}[a.cmd](a)
+    {"reaction": reaction, "reaction-table": reaction_table, "ticks": ticks, "hot-code": hot_code,
+     "hot-code-check": hot_code_check}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,50 @@ kill_pids() {
     for pid in "$@"; do [[ -z $pid ]] || wait "$pid" 2>/dev/null || true; done
 }
 
+# gpuguard_config FILE [GPU_TOML [MIN [WARN]]]: a config that can pick nothing but a model no
+# process matches (candidates = "models"), floors 5 %/10 % unless MIN/WARN (bytes) are given; its
+# state and socket go under the caller's $work directory.
+gpuguard_config() {
+    local min=${3:-} warn=${4:-}
+    [[ -n $min ]] || min='"5%"'
+    [[ -n $warn ]] || warn='"10%"'
+    cat >"$1" <<TOML
+[daemon]
+state_dir = "$work/state-$RANDOM"
+candidates = "models"
+[ram]
+min_available = $min
+warn_available = $warn
+${2:-}
+[launch]
+socket = "$work/sock-$RANDOM"
+[[model]]
+name = "nothing"
+match = { comm = "gg_bench_none" }
+TOML
+}
+
+# The [gpu] section for the fake NVML state written by fake_gpu_state.
+FAKE_GPU_TOML="[gpu]
+enabled = true
+nvml_library = \"$BUILD_DIR/libnvidia-ml.so.1\"
+warn_free = \"4GiB\"
+min_free = \"2GiB\""
+
+# fake_gpu_state FILE PID...: 8 fake H100s, each with 16 of the given pids (128 needed) holding
+# 2.5 GiB, for FAKE_NVML_STATE (tests/fake_nvml).
+fake_gpu_state() {
+    local file=$1 g p
+    shift
+    {
+        echo "driver_version 550.54.15"
+        for ((g = 0; g < 8; g++)); do
+            echo "device $g name=\"Fake H100\" total=85899345920 used=42949672960 util=50 memutil=40 temp=50"
+            for ((p = 0; p < 16; p++)); do echo "process $g ${@:g * 16 + p + 1:1} 2684354560"; done
+        done
+    } >"$file"
+}
+
 build_tools() {
     mkdir -p "$BUILD_DIR"
     gcc -O2 -Wall -o "$HOG" "$BENCH_DIR/hog.c"

@@ -35,26 +35,6 @@ cleanup() { kill_pids "${agents[@]}" "$hog" "${sleeps[@]}"; rm -rf "$work"; }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-gpuguard_config() { # $1: file, $2: extra TOML for [gpu], $3: min, $4: warn (bytes; default 5 %/10 %)
-    local min=${3:-} warn=${4:-}
-    [[ -n $min ]] || min='"5%"'
-    [[ -n $warn ]] || warn='"10%"'
-    cat >"$1" <<TOML
-[daemon]
-state_dir = "$work/state-$RANDOM"
-candidates = "models"
-[ram]
-min_available = $min
-warn_available = $warn
-$2
-[launch]
-socket = "$work/sock-$RANDOM"
-[[model]]
-name = "nothing"
-match = { comm = "gg_bench_none" }
-TOML
-}
-
 # measure LABEL: samples every agent in ${agents[@]} (names in ${names[@]}) over the window.
 measure() {
     local label=$1 i t0=() t1=()
@@ -130,19 +110,8 @@ hog=
 flock -u 9
 exec 9>&-
 
-{
-    echo "driver_version 550.54.15"
-    for ((g = 0; g < 8; g++)); do
-        echo "device $g name=\"Fake H100\" total=85899345920 used=42949672960 util=50 memutil=40 temp=50"
-        for ((p = 0; p < 16; p++)); do echo "process $g ${sleeps[g * 16 + p]} 2684354560"; done
-    done
-} >"$work/nvml.state"
-gpu_toml="[gpu]
-enabled = true
-nvml_library = \"$BUILD_DIR/libnvidia-ml.so.1\"
-warn_free = \"4GiB\"
-min_free = \"2GiB\""
-gpuguard_config "$work/gg-gpu.toml" "$gpu_toml"
+fake_gpu_state "$work/nvml.state" "${sleeps[@]:0:128}"
+gpuguard_config "$work/gg-gpu.toml" "$FAKE_GPU_TOML"
 agents=() names=()
 FAKE_NVML_STATE="$work/nvml.state" start_gpuguard gg-gpu "$work/gg-gpu.toml"
 measure "8 fake GPUs x 16 procs, 1000 procs"
@@ -150,9 +119,13 @@ if ! grep -q "GPU protection on: 8 GPU" "$work/gg-gpu.log"; then
     echo "WARNING: gpuguard did not report 8 GPUs:" >&2; cat "$work/gg-gpu.log" >&2
 fi
 
-gpuguard_config "$work/gg-lock.toml" "$gpu_toml"
+gpuguard_config "$work/gg-lock.toml" "$FAKE_GPU_TOML"
 agents=() names=()
 FAKE_NVML_STATE="$work/nvml.state" start_gpuguard gg-lock "$work/gg-lock.toml" --lock-memory
 measure "--lock-memory, 8 fake GPUs x 16 procs, 1000 procs"
 grep -q "memory locked" "$work/gg-lock.log" || { echo "WARNING: memory not locked:" >&2; cat "$work/gg-lock.log" >&2; }
 cp "$work"/*.log "$out/" 2>/dev/null || true
+# How much of the hot-code order (build.rs, bench/hot-code.sh) this binary was linked with: a stale
+# list shows as a low share here and as a higher peak RSS above.
+python3 "$BENCH_DIR/analyze.py" hot-code-check --binary "$GPUGUARD" --order "$REPO_DIR/packaging/hot-code.order" |
+    tee -a "$out/overhead.md"

@@ -5,6 +5,8 @@
 #
 # AGENT: gpuguard | earlyoom (SIGTERM at the floor, SIGKILL at half of it: its default)
 #        | earlyoom-kill (-M FLOOR,FLOOR: SIGKILL at the floor)
+#        | gpuguard+growth=SIZE (gpuguard with daemon.term_max_growth = SIZE: the growth after
+#          SIGTERM that proves a victim ignores it; the default is 8MiB)
 # RATE: hog fill rate in bytes/s, 0 = as fast as it can.  HOG: term | ignore-term.
 # BACKGROUND: the label of what reaction.sh runs beside it (none, idle1000, storm, permits), for
 # the CSV. permits (gpuguard only): 64 clients asking the agent's socket for 20 000 RAM permits/s
@@ -39,10 +41,13 @@ stop_below=$((floor - GIB))            # the hog never takes MemAvailable more t
 cap=$((start - stop_below + 2 * GIB))    # nor more than 2 GiB beyond that, whatever MemAvailable says
 
 case $agent in
-gpuguard)
+gpuguard | gpuguard+growth=*)
+    growth=
+    [[ $agent == *+growth=* ]] && growth="term_max_growth = \"${agent#*+growth=}\""
     cat >"$work/gpuguard.toml" <<TOML
 [daemon]
 state_dir = "$work/state"
+$growth
 candidates = "models"
 [ram]
 min_available = $floor
@@ -72,7 +77,7 @@ earlyoom | earlyoom-kill)
 *) echo "unknown agent $agent" >&2; exit 2 ;;
 esac
 if [[ $background == permits ]]; then
-    [[ $agent == gpuguard ]] || { echo "background permits: gpuguard only" >&2; exit 2; }
+    [[ $agent == gpuguard* ]] || { echo "background permits: gpuguard only" >&2; exit 2; }
     PERMIT_LOAD_SOCKET="$work/gpuguard.sock" PERMIT_SECONDS=60 "$PERMIT_LOAD" 2>"$work/load.log" &
     load_pid=$!
     sleep 1     # the load at full rate before the hog starts

@@ -130,6 +130,13 @@ done
 CONFFILES=$(dpkg-deb --ctrl-tarfile "$DEB1" | tar -xO ./conffiles)
 [ "$CONFFILES" = /etc/gpuguard/config.toml ] || fail "conffiles: '$CONFFILES'"
 
+say "the daemon's hot code first in the release binary (build.rs, packaging/hot-code.order)"
+# From the release build the package was made of (whose function names are not stripped).
+HOT=$(python3 "$REPO/bench/analyze.py" hot-code-check --require-applied \
+    --binary "${CARGO_TARGET_DIR:-$REPO/target}/release/gpuguard" --order "$REPO/packaging/hot-code.order" 2>&1) ||
+    fail "the release binary was not linked with its hot code first: $HOT"
+echo "   $HOT"
+
 say "lintian"
 # --fail-on: any error or warning fails the test; info and pedantic tags are shown too.
 LINTIAN_RC=0
