@@ -89,5 +89,11 @@ fn rustc_minor_version() -> Option<u32> {
     let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
     let out = Command::new(rustc).arg("--version").output().ok()?;
     let version = String::from_utf8(out.stdout).ok()?;
-    version.split_whitespace().nth(1)?.split('.').nth(1)?.parse().ok()
+    version
+        .split_whitespace()
+        .nth(1)?
+        .split('.')
+        .nth(1)?
+        .parse()
+        .ok()
 }
