@@ -59,11 +59,14 @@ fn daemon() -> Daemon {
     )
     .unwrap();
     // PERMIT_DAEMON_NICE: the daemon's niceness (default 0); PERMIT_DAEMON_CPUS: the CPUs it
-    // may run on (taskset list, default all).
+    // may run on (taskset list, default all); PERMIT_DAEMON_BIN: another gpuguard binary (a
+    // baseline) instead of this build's.
     let nice = std::env::var("PERMIT_DAEMON_NICE").unwrap_or_else(|_| "0".into());
     let cpus = std::env::var("PERMIT_DAEMON_CPUS").unwrap_or_else(|_| "0-1023".into());
     let child = Command::new("taskset")
-        .args(["-c", &cpus, "nice", "-n", &nice, BIN, "daemon", "--config"])
+        .args(["-c", &cpus, "nice", "-n", &nice])
+        .arg(std::env::var("PERMIT_DAEMON_BIN").unwrap_or_else(|_| BIN.into()))
+        .args(["daemon", "--config"])
         .arg(&config)
         .env("FAKE_NVML_STATE", &state)
         .env("GPUGUARD_LOG", "warn")
