@@ -77,9 +77,19 @@ fn order_hot_code() {
     {
         return;
     }
+    // The linker reads a copy in OUT_DIR: the build script's output is cached per package, not
+    // per checkout, so a path into this checkout could name another (or a deleted) one later.
+    let copy = PathBuf::from(var("OUT_DIR")).join("hot-code.order");
+    if let Err(e) = std::fs::copy(&order, &copy) {
+        println!(
+            "cargo:warning=hot code order: cannot copy {}: {e}",
+            order.display()
+        );
+        return;
+    }
     println!(
         "cargo:rustc-link-arg-bins=-Wl,--symbol-ordering-file={}",
-        order.display()
+        copy.display()
     );
     println!("cargo:rustc-link-arg-bins=-Wl,--no-warn-symbol-ordering");
 }
