@@ -28,9 +28,10 @@ fi
 [[ -f $BUILD_DIR/libnvidia-ml.so.1 ]] || build_tools
 
 work=$(mktemp -d /var/tmp/gg-hot-code.XXXXXX)
-sleeps=() daemon= ra_file= ra_old=
+daemon= ra_file= ra_old=
 cleanup() {
-    kill_pids "$daemon" "${sleeps[@]}"
+    kill_pids "$daemon"
+    stop_background
     [[ -z $ra_file ]] || echo "$ra_old" >"$ra_file"
     rm -rf "$work"
 }
@@ -50,8 +51,8 @@ sync "$copy"
 python3 -c 'import os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)' "$copy"
 echo 0 >"$ra_file"
 
-for ((i = 0; i < 1000; i++)); do sleep 100000 & sleeps+=($!); done
-fake_gpu_state "$work/nvml.state" "${sleeps[@]:0:128}"
+start_background idle1000
+fake_gpu_state "$work/nvml.state" "${BACKGROUND_PIDS[@]:0:128}"
 gpuguard_config "$work/gg.toml" "$FAKE_GPU_TOML"
 socket=$(awk -F'"' '/^socket/ {print $2}' "$work/gg.toml")
 FAKE_NVML_STATE="$work/nvml.state" "$copy" daemon --config "$work/gg.toml" --lock-memory 2>"$work/daemon.log" &

@@ -84,18 +84,8 @@ exec 9>&-
 python3 "$BENCH_DIR/analyze.py" ticks --label "near floor, 1000 procs" "$work/near.log" | tee -a "$out/ticks.md"
 grep -c "floor_warn" "$work/near.log" >/dev/null || echo "WARNING: near-floor run never reached warn" >&2
 
-{
-    echo "driver_version 550.54.15"
-    for ((g = 0; g < 8; g++)); do
-        echo "device $g name=\"Fake H100\" total=85899345920 used=42949672960 util=50 memutil=40 temp=50"
-        for ((p = 0; p < 16; p++)); do echo "process $g ${sleeps[g * 16 + p]} 2684354560"; done
-    done
-} >"$work/nvml.state"
-config "$work/gpu.toml" '"5%"' '"10%"' "[gpu]
-enabled = true
-nvml_library = \"$BUILD_DIR/libnvidia-ml.so.1\"
-warn_free = \"4GiB\"
-min_free = \"2GiB\""
+fake_gpu_state "$work/nvml.state" "${sleeps[@]:0:128}"
+config "$work/gpu.toml" '"5%"' '"10%"' "$FAKE_GPU_TOML"
 run_gg "$work/gpu.toml" "$work/gpu.log" FAKE_NVML_STATE="$work/nvml.state"
 python3 "$BENCH_DIR/analyze.py" ticks --label "8 fake GPUs x 16 procs, 1000 procs" "$work/gpu.log" | tee -a "$out/ticks.md"
 grep -o "gpu_sample_us=[0-9]*" "$work/gpu.log" | sort -t= -k2 -n | awk -F= '{v[NR]=$2} END {if (NR) printf "gpu_sample_us: n=%d p50=%d p99=%d max=%d\n\n", NR, v[int(NR*0.5)+1], v[int(NR*0.99)+1], v[NR]}' | tee -a "$out/ticks.md"
