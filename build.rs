@@ -6,7 +6,7 @@
 //! - Has the linker place the daemon's hot code first and together in release builds
 //!   (`order_hot_code`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const SOURCE: &str = "tests/fake_nvml/fake_nvml.c";
@@ -15,9 +15,9 @@ const HOT_CODE_ORDER: &str = "packaging/hot-code.order";
 fn main() {
     println!("cargo:rerun-if-changed={SOURCE}");
     println!("cargo:rerun-if-changed=build.rs");
-    order_hot_code();
 
     let out_dir = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
+    order_hot_code(&out_dir);
     let dir = out_dir.join("fake_nvml");
     std::fs::create_dir_all(&dir).expect("create $OUT_DIR/fake_nvml");
     let lib = dir.join("libnvidia-ml.so.1");
@@ -58,28 +58,31 @@ fn main() {
 /// another linker (GNU ld does not know the option). Names the linker does not find (the list is
 /// from an older build) are skipped without a warning: a stale list costs memory, not
 /// correctness. `GPUGUARD_NO_HOT_CODE_ORDER=1` turns it off.
-fn order_hot_code() {
+fn order_hot_code(out_dir: &Path) {
     println!("cargo:rerun-if-changed={HOT_CODE_ORDER}");
     println!("cargo:rerun-if-env-changed=GPUGUARD_NO_HOT_CODE_ORDER");
     let var = |name: &str| std::env::var(name).unwrap_or_default();
-    let flags = var("CARGO_ENCODED_RUSTFLAGS");
-    let lld = var("TARGET") == "x86_64-unknown-linux-gnu"
-        && rustc_minor_version().is_some_and(|minor| minor >= 90)
-        && !["linker", "link-self-contained", "fuse-ld"]
-            .iter()
-            .any(|f| flags.contains(f))
-        && std::env::var_os("CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_LINKER").is_none();
     let order = PathBuf::from(var("CARGO_MANIFEST_DIR")).join(HOT_CODE_ORDER);
     if var("PROFILE") != "release"
-        || !lld
         || !order.is_file()
         || std::env::var_os("GPUGUARD_NO_HOT_CODE_ORDER").is_some()
     {
         return;
     }
+    let flags = var("CARGO_ENCODED_RUSTFLAGS");
+    let lld = var("TARGET") == "x86_64-unknown-linux-gnu"
+        && !["linker", "link-self-contained", "fuse-ld"]
+            .iter()
+            .any(|f| flags.contains(f))
+        && std::env::var_os("CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_LINKER").is_none()
+        // Last: it runs rustc.
+        && rustc_minor_version().is_some_and(|minor| minor >= 90);
+    if !lld {
+        return;
+    }
     // The linker reads a copy in OUT_DIR: the build script's output is cached per package, not
     // per checkout, so a path into this checkout could name another (or a deleted) one later.
-    let copy = PathBuf::from(var("OUT_DIR")).join("hot-code.order");
+    let copy = out_dir.join("hot-code.order");
     if let Err(e) = std::fs::copy(&order, &copy) {
         println!(
             "cargo:warning=hot code order: cannot copy {}: {e}",
