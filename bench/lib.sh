@@ -10,6 +10,8 @@ SAMPLER="$BUILD_DIR/sampler"
 STORM="$BUILD_DIR/gg_bench_storm"    # fork storm (bench/storm.c)
 # Background permit load (benches/permits.rs with PERMIT_LOAD_SOCKET): built by build_permit_load.
 PERMIT_LOAD="$BUILD_DIR/permit_load"
+# A no-op permit server (bench/permit_echo.c): the floor of a socket round trip on this machine.
+PERMIT_ECHO="$BUILD_DIR/permit_echo"
 LOCK=/tmp/gpuguard-memory-pressure.lock  # shared with the project's memory-pressure tests
 GIB=$((1 << 30))
 MIB=$((1 << 20))
@@ -96,6 +98,7 @@ build_tools() {
     gcc -O2 -Wall -o "$HOG" "$BENCH_DIR/hog.c"
     gcc -O2 -Wall -o "$SAMPLER" "$BENCH_DIR/sampler.c"
     gcc -O2 -Wall -o "$STORM" "$BENCH_DIR/storm.c"
+    gcc -O2 -Wall -o "$PERMIT_ECHO" "$BENCH_DIR/permit_echo.c"
     gcc -shared -fPIC -O2 -pthread -Wl,-soname,libnvidia-ml.so.1 -Wl,-z,nodelete \
         -o "$BUILD_DIR/libnvidia-ml.so.1" "$REPO_DIR/tests/fake_nvml/fake_nvml.c"
 }

@@ -1,13 +1,15 @@
 //! Memory permits over the socket (issue #12): acquire + release round trips against the real
 //! daemon (release build) with the fake NVML, from 64 concurrent clients on this machine.
 //!
-//!   cargo bench --bench permits            (or: bench/permits.sh, which adds the Python side)
+//!   cargo bench --bench permits      (or: bench/permits.sh, which adds the no-op server's floor
+//!                                     and the Python side)
 //!
 //! Cases: one client (the bare round trip); 64 clients as fast as they can (the most permits per
-//! second); 64 clients paced to 20 000 permits/s together (latency at the target load, measured
-//! from when each acquire is sent; a client that cannot keep the pace shows as a lower rate).
-//! Each client is a connection of its own, the 64 running as tasks on one thread. Prints a Markdown table:
-//! permits/s, latency p50/p99/p99.9 in microseconds, and the daemon's CPU over the window.
+//! second); 64 clients in an open loop at each of `PERMIT_RATES` permits/s (default 20 000 and
+//! 10 000; latency from the instant each permit was due); 64 threads each paced, 20 000/s in
+//! all. Prints a Markdown table: permits/s, latency p50/p99/p99.9 in microseconds, and the
+//! server's CPU over the window. `PERMIT_SERVER` runs the cases against another server (the
+//! no-op bench/permit_echo.c) instead of gpuguard.
 //! Targets: p99 <= 200 us with 64 clients, >= 20 000 permits/s sustained.
 
 use std::os::unix::net::UnixStream;
@@ -17,7 +19,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpuguard");
 const FAKE_NVML: &str = env!("GPUGUARD_FAKE_NVML_DIR");
@@ -63,11 +64,18 @@ fn daemon() -> Daemon {
     // baseline) instead of this build's.
     let nice = std::env::var("PERMIT_DAEMON_NICE").unwrap_or_else(|_| "0".into());
     let cpus = std::env::var("PERMIT_DAEMON_CPUS").unwrap_or_else(|_| "0-1023".into());
-    let child = Command::new("taskset")
-        .args(["-c", &cpus, "nice", "-n", &nice])
-        .arg(std::env::var("PERMIT_DAEMON_BIN").unwrap_or_else(|_| BIN.into()))
-        .args(["daemon", "--config"])
-        .arg(&config)
+    // PERMIT_SERVER: a bare socket server instead of a daemon (bench/permit_echo.c, given
+    // the socket's path): the floor any daemon's round trip stands on, on this machine.
+    let mut command = Command::new("taskset");
+    command.args(["-c", &cpus, "nice", "-n", &nice]);
+    match std::env::var("PERMIT_SERVER") {
+        Ok(server) => command.arg(server).arg(&socket),
+        Err(_) => command
+            .arg(std::env::var("PERMIT_DAEMON_BIN").unwrap_or_else(|_| BIN.into()))
+            .args(["daemon", "--config"])
+            .arg(&config),
+    };
+    let child = command
         .env("FAKE_NVML_STATE", &state)
         .env("GPUGUARD_LOG", "warn")
         .stdout(Stdio::null())
@@ -89,35 +97,61 @@ fn daemon() -> Daemon {
 }
 
 /// One client's connection, speaking the protocol by hand (the client's own cost stays small).
+/// It waits for readability only, as asyncio's streams do: tokio's own `UnixStream` also waits
+/// for write space, so every read the server makes (which frees the client's sent bytes) would
+/// wake the client's thread for nothing, a cost of the load generator charged to the server.
+/// A request is a hundred bytes written to a socket whose answers are all read: it never waits.
 struct Client {
-    write: tokio::net::unix::OwnedWriteHalf,
-    read: tokio::io::BufReader<tokio::net::unix::OwnedReadHalf>,
+    stream: tokio::io::unix::AsyncFd<UnixStream>,
+    buf: Vec<u8>,
     line: String,
     next: u64,
 }
 
 impl Client {
     async fn connect(socket: &Path) -> Client {
-        let (read, write) = tokio::net::UnixStream::connect(socket)
-            .await
-            .unwrap()
-            .into_split();
+        let stream = UnixStream::connect(socket).unwrap();
+        stream.set_nonblocking(true).unwrap();
         Client {
-            read: tokio::io::BufReader::new(read),
-            write,
+            // SAFETY: the stream is owned by the AsyncFd, so its descriptor stays open and the
+            // same for the AsyncFd's whole life.
+            stream: unsafe {
+                tokio::io::unix::AsyncFd::register_with_interest(
+                    stream,
+                    tokio::io::Interest::READABLE,
+                )
+            }
+            .unwrap(),
+            buf: Vec::with_capacity(4096),
             line: String::new(),
             next: 0,
         }
     }
 
-    async fn send(&mut self, line: String) {
-        self.write.write_all(line.as_bytes()).await.unwrap();
+    fn send(&mut self, line: String) {
+        use std::io::Write;
+        self.stream.get_ref().write_all(line.as_bytes()).unwrap();
     }
 
     async fn answer(&mut self) -> &str {
-        self.line.clear();
-        self.read.read_line(&mut self.line).await.unwrap();
-        &self.line
+        use std::io::Read;
+        loop {
+            if let Some(end) = self.buf.iter().position(|&b| b == b'\n') {
+                self.line.clear();
+                self.line
+                    .push_str(std::str::from_utf8(&self.buf[..=end]).unwrap());
+                self.buf.drain(..=end);
+                return &self.line;
+            }
+            let mut guard = self.stream.readable().await.unwrap();
+            let mut chunk = [0u8; 4096];
+            match guard.try_io(|fd| fd.get_ref().read(&mut chunk)) {
+                Ok(Ok(0)) => panic!("the server closed the connection"),
+                Ok(Ok(n)) => self.buf.extend_from_slice(&chunk[..n]),
+                Ok(Err(e)) => panic!("reading an answer: {e}"),
+                Err(_would_block) => {}
+            }
+        }
     }
 
     /// One acquire + release; panics if the permit is not granted.
@@ -126,16 +160,14 @@ impl Client {
         let id = self.next;
         self.send(format!(
             "{{\"version\":1,\"type\":\"acquire\",\"id\":{id},\"gpu_bytes\":67108864,\"timeout_ms\":5000}}\n"
-        ))
-        .await;
+        ));
         let answer = self.answer().await;
         let permit = permit_of(answer).unwrap_or_else(|| panic!("not granted: {answer}"));
         self.next += 1;
         let id = self.next;
         self.send(format!(
             "{{\"version\":1,\"type\":\"release_permit\",\"id\":{id},\"permit\":{permit}}}\n"
-        ))
-        .await;
+        ));
         let answer = self.answer().await;
         assert!(answer.contains("\"released\""), "{answer}");
     }
@@ -217,7 +249,10 @@ fn run(d: &Daemon, clients: usize, rate: Option<f64>, window: Duration) -> Outco
     })
 }
 
-/// Blocking client over std sockets, for the threaded runner.
+/// Blocking client over std sockets, for the threaded runner. It polls for an answer before
+/// reading it, as Python's blocking sockets do when they have a timeout: a thread asleep in
+/// `read` on a unix stream socket is woken (for nothing) each time the server reads what it
+/// sent, one asleep in `poll` only for what it asked.
 struct BlockingClient {
     write: UnixStream,
     read: std::io::BufReader<UnixStream>,
@@ -237,7 +272,7 @@ impl BlockingClient {
     }
 
     fn round_trip(&mut self) {
-        use std::io::{BufRead, Write};
+        use std::io::Write;
         self.next += 2;
         let id = self.next;
         writeln!(
@@ -245,8 +280,7 @@ impl BlockingClient {
             r#"{{"version":1,"type":"acquire","id":{id},"gpu_bytes":67108864,"timeout_ms":5000}}"#
         )
         .unwrap();
-        self.line.clear();
-        self.read.read_line(&mut self.line).unwrap();
+        self.read_answer();
         let permit = permit_of(&self.line).unwrap_or_else(|| panic!("not granted: {}", self.line));
         writeln!(
             self.write,
@@ -254,6 +288,21 @@ impl BlockingClient {
             id + 1
         )
         .unwrap();
+        self.read_answer();
+    }
+
+    fn read_answer(&mut self) {
+        use std::io::BufRead;
+        use std::os::fd::AsRawFd;
+        if self.read.buffer().is_empty() {
+            let mut fd = libc::pollfd {
+                fd: self.read.get_ref().as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd, for the duration of the call.
+            while unsafe { libc::poll(&mut fd, 1, -1) } < 0 {}
+        }
         self.line.clear();
         self.read.read_line(&mut self.line).unwrap();
     }
@@ -486,6 +535,16 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * q).round() as usize]
 }
 
+/// 20000 -> "20 000", as the tables write rates.
+fn thousands(rate: f64) -> String {
+    let n = rate.round() as u64;
+    if n >= 1000 {
+        format!("{} {:03}", n / 1000, n % 1000)
+    } else {
+        n.to_string()
+    }
+}
+
 #[derive(Clone, Copy)]
 enum Pacing {
     /// Tasks on one thread, back to back.
@@ -510,28 +569,37 @@ fn main() {
     );
     println!("| case | permits/s | p50 µs | p99 µs | p99.9 µs | daemon CPU (cores) |");
     println!("|---|---|---|---|---|---|");
-    for (name, clients, rate, how) in [
-        ("1 client, back to back", 1, None, Pacing::Tasks),
-        ("64 clients, back to back", 64, None, Pacing::Tasks),
+    // PERMIT_RATES: the open-loop rates (permits/s, space-separated; default "20000 10000"),
+    // to find the load up to which a p99 target holds.
+    let rates: Vec<f64> = std::env::var("PERMIT_RATES")
+        .unwrap_or_else(|_| "20000 10000".into())
+        .split_whitespace()
+        .map(|r| r.parse().expect("PERMIT_RATES: numbers of permits/s"))
+        .collect();
+    let mut cases = vec![
+        ("1 client, back to back".to_string(), 1, None, Pacing::Tasks),
         (
-            "64 clients, open loop, 20 000/s",
+            "64 clients, back to back".to_string(),
             64,
-            Some(20_000.0),
+            None,
+            Pacing::Tasks,
+        ),
+    ];
+    for rate in rates {
+        cases.push((
+            format!("64 clients, open loop, {}/s", thousands(rate)),
+            64,
+            Some(rate),
             Pacing::OpenLoop,
-        ),
-        (
-            "64 clients, open loop, 10 000/s",
-            64,
-            Some(10_000.0),
-            Pacing::OpenLoop,
-        ),
-        (
-            "64 threads, each paced, 20 000/s",
-            64,
-            Some(20_000.0),
-            Pacing::Threads,
-        ),
-    ] {
+        ));
+    }
+    cases.push((
+        "64 threads, each paced, 20 000/s".to_string(),
+        64,
+        Some(20_000.0),
+        Pacing::Threads,
+    ));
+    for (name, clients, rate, how) in cases {
         let o = match (how, rate) {
             (Pacing::OpenLoop, Some(rate)) => run_open_loop(&d, clients, rate, window),
             (Pacing::Threads, Some(rate)) => run_threads(&d, clients, rate, window),
