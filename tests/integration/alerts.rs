@@ -800,12 +800,17 @@ fn a_flood_of_timed_out_permits_does_not_push_a_kill_alert_out() {
         "{logged} permit_timed_out lines in events.jsonl"
     );
     assert!(events.iter().any(|n| n["event"] == "process_killed"));
-    // The rest were counted.
-    let metrics = get(&format!("http://127.0.0.1:{port}/metrics")).unwrap();
-    let suppressed = sample(&metrics, "gpuguard_events_suppressed_total").unwrap_or(0.0);
+    // The rest were counted (the metric takes the count at the loop's next tick).
+    let suppressed = || {
+        get(&format!("http://127.0.0.1:{port}/metrics"))
+            .and_then(|metrics| sample(&metrics, "gpuguard_events_suppressed_total"))
+            .unwrap_or(0.0)
+    };
     assert!(
-        suppressed >= (timed_out - 20) as f64,
-        "{suppressed} suppressed of {timed_out}"
+        wait_until(Duration::from_secs(5), || suppressed()
+            >= (timed_out - 20) as f64),
+        "{} suppressed of {timed_out}",
+        suppressed()
     );
     drop(conn);
     let (code, _) = daemon.stop();
