@@ -50,14 +50,6 @@ fn proc(pid: i32, comm: &str, rss: u64, ppid: i32) -> Process {
     }
 }
 
-/// A process whose user runs nothing else (uid 10000 + pid): ranked alone, as one process.
-fn alone(pid: i32, comm: &str, rss: u64) -> Process {
-    Process {
-        uid: 10_000 + pid as u32,
-        ..proc(pid, comm, rss, 1)
-    }
-}
-
 /// A 64 GiB host without swap, `available` bytes available, processes scanned at `at_ms`.
 fn snap(at_ms: u64, available: Option<u64>, procs: Vec<Process>) -> Snapshot {
     let at = Duration::from_millis(at_ms);
@@ -176,8 +168,8 @@ fn ram_floor_levels() {
     let c = config(RAM_FLOORS);
     let procs = || {
         vec![
-            alone(100, "trainer", 6 * GIB),
-            alone(200, "loader", 2 * GIB),
+            proc(100, "trainer", 6 * GIB, 1),
+            proc(200, "loader", 2 * GIB, 1),
         ]
     };
     let cases = [
@@ -445,105 +437,6 @@ fn victim_order() {
         (acts(&plan).as_str(), events(&plan).as_str()),
         ("", "floor_act, no_victim")
     );
-}
-
-/// A non-root user is one candidate, ranked by the sum of its processes outside the models, and
-/// gives back its largest processes until they cover what the floor needs (to its warn floor);
-/// root's processes are ranked one by one.
-#[test]
-fn a_user_is_ranked_by_its_sum_and_gives_back_what_the_floor_needs() {
-    let c = config(&format!(
-        "{RAM_FLOORS}[daemon]\ncandidates = \"any\"\n{}",
-        model("server", "")
-    ));
-    let user = |pid: i32, rss: u64| Process {
-        uid: 2000,
-        ..proc(pid, "spread", rss, 1)
-    };
-    // Twenty processes of 1 GiB against an 8 GiB model: the user is the larger (20 GiB). With
-    // 3 GiB available and the warn floor at 8, 5 GiB must come back: five processes.
-    let mut procs = vec![proc(100, "server", 8 * GIB, 1)];
-    procs.extend((0..20).map(|i| user(1000 + i, GIB)));
-    let plan = once(&c, &snap(0, Some(3 * GIB), procs.clone()));
-    assert_eq!(acts(&plan), "terminate [1000,1001,1002,1003,1004]");
-    let detail = &plan.actions[0].reason.detail;
-    assert!(
-        detail.contains(
-            "largest eligible user of RAM: uid 2000, 20.0 GiB in 20 processes; its 5 largest hold 5.0 GiB"
-        ),
-        "{detail}"
-    );
-    // Largest first: 4 + 2 GiB cover the 5 needed; the 1 GiB and 512 MiB ones stay.
-    let plan = once(
-        &c,
-        &snap(
-            0,
-            Some(3 * GIB),
-            vec![
-                proc(100, "server", 6 * GIB, 1),
-                user(1000, GIB / 2),
-                user(1001, 2 * GIB),
-                user(1002, GIB),
-                user(1003, 4 * GIB),
-            ],
-        ),
-    );
-    assert_eq!(acts(&plan), "terminate [1003,1001]");
-    // A user smaller in all than the model is not chosen.
-    let plan = once(
-        &c,
-        &snap(
-            0,
-            Some(3 * GIB),
-            vec![
-                proc(100, "server", 8 * GIB, 1),
-                user(1000, 3 * GIB),
-                user(1001, 3 * GIB),
-            ],
-        ),
-    );
-    assert_eq!(acts(&plan), "terminate server[100]");
-    // Root's processes are not summed: the model is the largest candidate.
-    let rooted: Vec<Process> = procs
-        .into_iter()
-        .map(|p| if p.comm == "spread" { system(p) } else { p })
-        .collect();
-    assert_eq!(
-        acts(&once(&c, &snap(0, Some(3 * GIB), rooted))),
-        "terminate server[100]"
-    );
-}
-
-/// The user's processes acted on together are one victim: a user that splits its memory over
-/// small processes cannot spend the floor's brake one kill at a time before the floor recovers.
-#[test]
-fn a_user_split_over_small_processes_is_one_victim_and_the_floor_recovers() {
-    let c = config(&format!(
-        "{RAM_FLOORS}max_victims = 1\n[daemon]\ncandidates = \"any\"\n"
-    ));
-    let all: Vec<Process> = (1000..1010)
-        .map(|pid| Process {
-            uid: 2000,
-            ..proc(pid, "spread", GIB, 1)
-        })
-        .collect();
-    let mut state = PolicyState::default();
-    // 3 GiB available, 5 GiB under the warn floor: five of the ten, in one action.
-    let plan = evaluate(&c, &snap(0, Some(3 * GIB), all.clone()), &mut state);
-    assert_eq!(
-        (acts(&plan).as_str(), events(&plan).as_str()),
-        ("terminate [1000,1001,1002,1003,1004]", "floor_act")
-    );
-    assert_eq!(state.floor_victims[&Resource::Ram].len(), 1);
-    // They are gone and gave their 5 GiB back: above the warn floor, the victim does not count.
-    let plan = evaluate(
-        &c,
-        &snap(500, Some(8 * GIB + MIB), all[5..].to_vec()),
-        &mut state,
-    );
-    assert!(events(&plan).contains("floor_cleared"), "{}", events(&plan));
-    assert!(state.floor_victims[&Resource::Ram].is_empty());
-    assert!(state.braked.is_empty());
 }
 
 #[test]
@@ -859,9 +752,9 @@ fn one_victim_per_incident_then_the_next() {
     let c = config(RAM_FLOORS);
     let abc = || {
         vec![
-            alone(100, "trainer", 6 * GIB),
-            alone(200, "loader", 4 * GIB),
-            alone(300, "notebook", GIB),
+            proc(100, "trainer", 6 * GIB, 1),
+            proc(200, "loader", 4 * GIB, 1),
+            proc(300, "notebook", GIB, 1),
         ]
     };
     let bc = || {
@@ -1003,9 +896,9 @@ fn survived_kill_is_reported_and_nobody_else_is_killed() {
         vec![
             Process {
                 state: 'D',
-                ..alone(100, "trainer", 6 * GIB)
+                ..proc(100, "trainer", 6 * GIB, 1)
             },
-            alone(200, "loader", 4 * GIB),
+            proc(200, "loader", 4 * GIB, 1),
         ]
     };
     play(
@@ -1026,8 +919,8 @@ fn stop_then_terminate_after_settle() {
     let c = config(&format!("{RAM_FLOORS}action = \"stop\"\n"));
     let a = || {
         vec![
-            alone(100, "trainer", 6 * GIB),
-            alone(200, "loader", 4 * GIB),
+            proc(100, "trainer", 6 * GIB, 1),
+            proc(200, "loader", 4 * GIB, 1),
         ]
     };
     play(
@@ -1282,15 +1175,15 @@ fn swap_floor_ranks_by_swap_held_and_ram_floor_by_rss() {
         vec![
             Process {
                 swap_bytes: Some(64 * MIB),
-                ..alone(100, "big-rss", 12 * GIB)
+                ..proc(100, "big-rss", 12 * GIB, 1)
             },
             Process {
                 swap_bytes: Some(3 * GIB),
-                ..alone(200, "big-swap", GIB)
+                ..proc(200, "big-swap", GIB, 1)
             },
             Process {
                 swap_bytes: None,
-                ..alone(300, "unknown-swap", 2 * GIB)
+                ..proc(300, "unknown-swap", 2 * GIB, 1)
             },
         ]
     };
@@ -1754,8 +1647,8 @@ fn a_victim_that_cannot_be_signalled_is_passed_over_for_the_next() {
     let c = config(RAM_FLOORS);
     let procs = || {
         vec![
-            alone(100, "trainer", 6 * GIB),
-            alone(200, "loader", 4 * GIB),
+            proc(100, "trainer", 6 * GIB, 1),
+            proc(200, "loader", 4 * GIB, 1),
         ]
     };
     let mut state = PolicyState::default();
@@ -2328,10 +2221,10 @@ fn the_brake_caps_a_cascade_and_releases_only_above_the_warn_floor_after_the_win
         "{RAM_FLOORS}max_victims = 2\nvictim_window = \"1m\"\n"
     ));
     let all = [
-        alone(100, "a", 800 * MIB),
-        alone(200, "b", 600 * MIB),
-        alone(300, "c", 400 * MIB),
-        alone(400, "d", 200 * MIB),
+        proc(100, "a", 800 * MIB, 1),
+        proc(200, "b", 600 * MIB, 1),
+        proc(300, "c", 400 * MIB, 1),
+        proc(400, "d", 200 * MIB, 1),
     ];
     let from =
         |pid: i32| -> Vec<Process> { all.iter().filter(|p| p.pid >= pid).cloned().collect() };
@@ -2436,7 +2329,7 @@ fn victims_whose_kill_lifted_ram_above_the_warn_floor_do_not_count_towards_the_b
 #[test]
 fn only_victims_actually_acted_on_count_towards_the_brake() {
     let c = config(&format!("{RAM_FLOORS}max_victims = 1\n"));
-    let procs = || vec![alone(100, "a", 800 * MIB), alone(200, "b", 600 * MIB)];
+    let procs = || vec![proc(100, "a", 800 * MIB, 1), proc(200, "b", 600 * MIB, 1)];
     let mut state = PolicyState::default();
     let plan = evaluate(&c, &snap(0, Some(3 * GIB), procs()), &mut state);
     assert_eq!(acts(&plan), "terminate [100]");
@@ -2466,7 +2359,7 @@ fn only_victims_actually_acted_on_count_towards_the_brake() {
         .collect();
     state.apply(&done);
     assert_eq!(state.floor_victims[&Resource::Ram].len(), 1);
-    let gone = vec![alone(200, "b", 600 * MIB)];
+    let gone = vec![proc(200, "b", 600 * MIB, 1)];
     evaluate(&c, &snap(200, Some(3 * GIB), gone.clone()), &mut state);
     let plan = evaluate(&c, &snap(300, Some(3 * GIB), gone), &mut state);
     assert_eq!(
@@ -2485,7 +2378,7 @@ fn max_victims_zero_turns_the_brake_off() {
         let procs: Vec<Process> = [100, 200, 300, 400]
             .into_iter()
             .filter(|&p| p >= pid)
-            .map(|p| alone(p, "x", (1000 - p as u64) * MIB))
+            .map(|p| proc(p, "x", (1000 - p as u64) * MIB, 1))
             .collect();
         let plan = evaluate(&c, &snap(at, Some(3 * GIB), procs.clone()), &mut state);
         assert_eq!(acts(&plan), format!("terminate [{pid}]"));
@@ -2604,8 +2497,7 @@ fn no_shmem_growth_leaves_the_floor_acting_as_before() {
 }
 
 /// Servers' own shared memory moves by a few MiB: growth that small does not make the Shmem rule
-/// apply, so a hog split over processes each smaller than the shortfall is still acted on (its
-/// user's processes together, the largest first).
+/// apply, so a hog split over processes each smaller than the shortfall is still acted on.
 #[test]
 fn shmem_noise_does_not_spare_a_hog_split_over_small_processes() {
     let c = config(RAM_FLOORS);
@@ -2618,7 +2510,7 @@ fn shmem_noise_does_not_spare_a_hog_split_over_small_processes() {
             (with_shmem(snap(0, Some(16 * GIB), procs()), GIB), "", ""),
             (
                 with_shmem(snap(100, Some(3 * GIB), procs()), GIB + 8 * MIB),
-                "terminate [100,101]",
+                "terminate [100]",
                 "floor_act",
             ),
         ],
@@ -2635,7 +2527,7 @@ fn shmem_growth_explaining_part_of_the_shortfall_judges_only_the_rest() {
     let base = |procs| with_shmem(snap(0, Some(16 * GIB), procs), GIB);
     let short = |at, procs| with_shmem(snap(at, Some(3 * GIB), procs), GIB + GIB / 2);
     // 800 MiB covers the unexplained part but would not lift RAM above the act floor.
-    let small = || vec![alone(100, "a", 800 * MIB)];
+    let small = || vec![proc(100, "a", 800 * MIB, 1)];
     let mut state = PolicyState::default();
     let plans = play(
         &c,
@@ -2661,7 +2553,7 @@ fn shmem_growth_explaining_part_of_the_shortfall_judges_only_the_rest() {
     );
     // 2 GiB covers it and lifts RAM above the act floor: acted on.
     let mut big = small();
-    big.push(alone(300, "big", 2 * GIB));
+    big.push(proc(300, "big", 2 * GIB, 1));
     let plan = evaluate(&c, &short(300, big), &mut state);
     assert_eq!(
         (acts(&plan).as_str(), events(&plan).as_str()),

@@ -1,16 +1,6 @@
 //! Victim choice for a floor: models over their budget first (most over first), then lower
 //! priority, then the largest user of the memory that is short (RSS for RAM, VmSwap for the swap
 //! floor, NVML's per-process figure for a GPU). Protected processes never.
-//!
-//! A user is one candidate, like a model: the processes of a non-root uid that belong to no
-//! model are ranked by their sum, and acted on largest first until they hold what the floor
-//! needs back (to its warn floor). Ranked one by one, 20 processes of 1 GiB would outrank nobody
-//! and send the guard at another user's 8 GiB model, and a kill of one at a time would spend the
-//! floor's brake before any relief. A uid is what a user cannot split (names, process counts and
-//! their own cgroups they can); root's processes stay ranked one by one, so system services are
-//! not summed together.
-
-use std::collections::BTreeMap;
 
 use crate::config::{Candidates, Config};
 use crate::snapshot::{Process, ProcessId, Snapshot};
@@ -120,25 +110,20 @@ pub(super) fn over_budget(
     used.checked_sub(budget).filter(|&over| over > 0)
 }
 
-/// The victim chosen for a floor, and how much of the memory that is short it holds (a user's
-/// processes: those chosen to cover what the floor needs).
+/// The victim chosen for a floor, and how much of the memory that is short it holds.
 pub(super) struct Chosen {
     pub target: Target,
     pub used_bytes: u64,
-    /// A user: what all its candidate processes hold, and how many they are.
-    pub user_total: Option<(u64, usize)>,
 }
 
 /// Picks the victim for a floor short of `short`, or `None` if nobody may be touched.
-/// `excluded`: processes that could not be signalled earlier in this incident. `need`: how much
-/// the floor needs back (unknown: a user's largest process alone is acted on).
+/// `excluded`: processes that could not be signalled earlier in this incident.
 pub(super) fn choose(
     config: &Config,
     snapshot: &Snapshot,
     state: &PolicyState,
     short: Short,
     excluded: &[ProcessId],
-    need: Option<u64>,
 ) -> Option<Chosen> {
     let resource = short.resource();
     let procs = &snapshot.processes.processes;
@@ -165,8 +150,6 @@ pub(super) fn choose(
             usage_bytes: used,
         });
     }
-    // Each user's processes outside the models, largest first (root's: one candidate each).
-    let mut users: BTreeMap<u32, Vec<(u64, &Process)>> = BTreeMap::new();
     if config.daemon.candidates == Candidates::Any {
         for p in procs {
             let in_model = state.attribution.model_of(p.id()).is_some();
@@ -177,62 +160,28 @@ pub(super) fn choose(
             if used == 0 {
                 continue;
             }
-            if p.uid == 0 {
-                candidates.push(Candidate {
-                    target: Target {
-                        model: None,
-                        members: vec![member(p)],
-                    },
-                    over_budget_bytes: None,
-                    priority: 0,
-                    usage_bytes: used,
-                });
-            } else {
-                users.entry(p.uid).or_default().push((used, p));
-            }
+            candidates.push(Candidate {
+                target: Target {
+                    model: None,
+                    members: vec![member(p)],
+                },
+                over_budget_bytes: None,
+                priority: 0,
+                usage_bytes: used,
+            });
         }
     }
-    for held in users.values_mut() {
-        held.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.pid.cmp(&b.1.pid)));
-        candidates.push(Candidate {
-            target: Target {
-                model: None,
-                members: held.iter().map(|&(_, p)| member(p)).collect(),
-            },
-            over_budget_bytes: None,
-            priority: 0,
-            usage_bytes: held.iter().map(|&(used, _)| used).sum(),
-        });
-    }
-    let chosen = candidates.into_iter().min_by(|a, b| {
-        // Over budget first, most over first; then lower priority; then larger usage.
-        b.over_budget_bytes
-            .cmp(&a.over_budget_bytes)
-            .then(a.priority.cmp(&b.priority))
-            .then(b.usage_bytes.cmp(&a.usage_bytes))
-    })?;
-    let mut target = chosen.target;
-    let mut used_bytes = chosen.usage_bytes;
-    let mut user_total = None;
-    if let (None, Some(first)) = (&target.model, target.members.first()) {
-        if let Some(held) = users.get(&first.uid) {
-            // A user: its largest processes, until they cover what the floor needs.
-            let (mut take, mut covered) = (0, 0);
-            for &(used, _) in held {
-                if take > 0 && need.is_none_or(|need| covered >= need) {
-                    break;
-                }
-                take += 1;
-                covered += used;
-            }
-            user_total = Some((used_bytes, held.len()));
-            target.members.truncate(take);
-            used_bytes = covered;
-        }
-    }
-    Some(Chosen {
-        target,
-        used_bytes,
-        user_total,
-    })
+    candidates
+        .into_iter()
+        .min_by(|a, b| {
+            // Over budget first, most over first; then lower priority; then larger usage.
+            b.over_budget_bytes
+                .cmp(&a.over_budget_bytes)
+                .then(a.priority.cmp(&b.priority))
+                .then(b.usage_bytes.cmp(&a.usage_bytes))
+        })
+        .map(|c| Chosen {
+            target: c.target,
+            used_bytes: c.usage_bytes,
+        })
 }
