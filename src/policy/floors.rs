@@ -73,6 +73,17 @@ impl Reading {
         }
     }
 
+    /// A GPU floor: what a victim must give back for the GPU to recover, up to the warn floor
+    /// (where the brake forgets the victim), else the act floor. `None` for RAM and swap, whose
+    /// per-process figures count shared and copy-on-write pages in every process that maps them.
+    fn need(&self) -> Option<u64> {
+        if !matches!(self.short, Short::Gpu(_)) {
+            return None;
+        }
+        let floor = self.warn.or(self.min)?;
+        Some(floor.saturating_sub(self.available?))
+    }
+
     /// Far below the floor (under half of it): no time for SIGTERM's grace.
     fn far_below(&self) -> bool {
         matches!((self.available, self.min), (Some(a), Some(m)) if a < m / 2)
@@ -766,12 +777,20 @@ fn choose_next(
         .get(&resource)
         .map(|i| i.excluded.clone())
         .unwrap_or_default();
-    let chosen = victim::choose(config, snapshot, state, reading.short, &excluded);
+    let chosen = victim::choose(
+        config,
+        snapshot,
+        state,
+        reading.short,
+        &excluded,
+        reading.need(),
+    );
     let shmem_growth = shmem_shortfall(reading, state.shmem_baseline);
     let incident = state.incidents.get_mut(&resource).expect("incident exists");
     let Some(Chosen {
         target,
         used_bytes: used,
+        user_total,
     }) = chosen
     else {
         if !incident.no_victim_reported {
@@ -790,7 +809,16 @@ fn choose_next(
         Short::Swap => "swap".to_string(),
         _ => resource.to_string(),
     };
-    let mut detail = format!("{why}; largest eligible user of {what}: {} ", bytes(used));
+    let mut detail = match (user_total, target.members.first()) {
+        (Some((total, count)), Some(first)) if count > 1 => format!(
+            "{why}; largest eligible user of {what}: uid {}, {} in {count} processes; its {} largest hold {} ",
+            first.uid,
+            bytes(total),
+            target.members.len(),
+            bytes(used)
+        ),
+        _ => format!("{why}; largest eligible user of {what}: {} ", bytes(used)),
+    };
     if let Some(ShmemGrowth {
         growth,
         shortfall,

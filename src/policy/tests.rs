@@ -1405,6 +1405,128 @@ fn gpu_floor_picks_the_largest_holder_on_that_gpu() {
     }
 }
 
+/// On a GPU floor a non-root user is one candidate, ranked by the GPU memory of all its
+/// processes outside the models, and gives back its largest processes until they cover what the
+/// floor needs (to its warn floor), in one action; root's processes are ranked one by one.
+#[test]
+fn on_a_gpu_floor_a_user_is_ranked_by_its_sum_and_gives_back_what_the_floor_needs() {
+    let c = config(&format!(
+        "[daemon]\ncandidates = \"any\"\n[gpu]\nmin_free = \"2GiB\"\nwarn_free = \"3GiB\"\n{}",
+        model("server", "")
+    ));
+    let user = |pid: i32| Process {
+        uid: 2000,
+        ..proc(pid, "spread", 256 * MIB, 1)
+    };
+    // GPU 0, 1.5 GiB free (1.5 GiB under the warn floor): the model holds 4 GiB, the user six
+    // processes of 1 GiB. Ranked alone, the model would be the largest holder.
+    let check = |procs: Vec<Process>, holders: &[(i32, Option<u64>)], want: &str| {
+        let plan = once(&c, &gsnap(0, procs, vec![gpu(0, 3 * GIB / 2, holders)]));
+        assert_eq!(acts(&plan), want);
+        plan
+    };
+    let mut procs = vec![proc(100, "server", GIB, 1)];
+    procs.extend((1000..1006).map(user));
+    let mut holders = vec![(100, Some(4 * GIB))];
+    holders.extend((1000..1006).map(|pid| (pid, Some(GIB))));
+    let plan = check(procs.clone(), &holders, "terminate [1000,1001]");
+    let detail = &plan.actions[0].reason.detail;
+    assert!(
+        detail.contains(
+            "largest eligible user of GPU 0: uid 2000, 6.0 GiB in 6 processes; its 2 largest hold 2.0 GiB"
+        ),
+        "{detail}"
+    );
+    // Largest first: 2 GiB alone covers the 1.5 needed.
+    check(
+        procs.clone(),
+        &[
+            (100, Some(4 * GIB)),
+            (1000, Some(GIB)),
+            (1001, Some(2 * GIB)),
+            (1002, Some(GIB + GIB / 2)),
+        ],
+        "terminate [1001]",
+    );
+    // A user holding less in all than the model is not chosen.
+    check(
+        procs.clone(),
+        &[
+            (100, Some(4 * GIB)),
+            (1000, Some(GIB)),
+            (1001, Some(2 * GIB)),
+        ],
+        "terminate server[100]",
+    );
+    // Root's processes are not summed: the model is the largest candidate.
+    let rooted: Vec<Process> = procs
+        .into_iter()
+        .map(|p| if p.comm == "spread" { system(p) } else { p })
+        .collect();
+    check(rooted, &holders, "terminate server[100]");
+}
+
+/// The user's processes acted on together are one victim: a user that splits its GPU memory
+/// over small processes cannot spend the GPU floor's brake one kill at a time.
+#[test]
+fn a_user_split_over_small_gpu_processes_is_one_victim_and_the_gpu_recovers() {
+    let c = config(
+        "[daemon]\ncandidates = \"any\"\n[gpu]\nmin_free = \"2GiB\"\nwarn_free = \"3GiB\"\nmax_victims = 1\n",
+    );
+    let procs: Vec<Process> = (1000..1010)
+        .map(|pid| Process {
+            uid: 2000,
+            // Different commands: not one model loaded ten times (`duplicate_load`).
+            cmdline: format!("/usr/bin/spread {pid}"),
+            ..proc(pid, "spread", 256 * MIB, 1)
+        })
+        .collect();
+    let holders: Vec<(i32, Option<u64>)> = (1000..1010).map(|pid| (pid, Some(GIB))).collect();
+    let mut state = PolicyState::default();
+    // 1 GiB free, 2 GiB under the warn floor: two of the ten, in one action.
+    let plan = evaluate(
+        &c,
+        &gsnap(0, procs.clone(), vec![gpu(0, GIB, &holders)]),
+        &mut state,
+    );
+    assert_eq!(
+        (acts(&plan).as_str(), events(&plan).as_str()),
+        ("terminate [1000,1001]", "floor_act")
+    );
+    // They are gone and gave their 2 GiB back: above the warn floor, the victim does not count.
+    let plan = evaluate(
+        &c,
+        &gsnap(
+            500,
+            procs[2..].to_vec(),
+            vec![gpu(0, 3 * GIB + MIB, &holders[2..])],
+        ),
+        &mut state,
+    );
+    assert!(events(&plan).contains("floor_cleared"), "{}", events(&plan));
+    assert!(state.floor_victims[&Resource::Gpu(0)].is_empty());
+    assert!(state.braked.is_empty());
+}
+
+/// Not on the RAM floor: RSS counts pages shared after fork in every worker, so a user's
+/// forked workers (summing to more than they hold) are not chosen before the process that
+/// really took the memory.
+#[test]
+fn on_the_ram_floor_a_users_forked_workers_are_not_summed() {
+    let c = config(&format!("{RAM_FLOORS}[daemon]\ncandidates = \"any\"\n"));
+    let mut procs: Vec<Process> = (1000..1008)
+        .map(|pid| proc(pid, "dataloader", 2 * GIB, 1))
+        .collect();
+    procs.push(Process {
+        uid: 2000,
+        ..proc(2000, "leak", 6 * GIB, 1)
+    });
+    assert_eq!(
+        acts(&once(&c, &snap(0, Some(3 * GIB), procs))),
+        "terminate [2000]"
+    );
+}
+
 #[test]
 fn gpu_budget_is_summed_over_the_model() {
     let c = config(

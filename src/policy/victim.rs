@@ -1,6 +1,19 @@
 //! Victim choice for a floor: models over their budget first (most over first), then lower
 //! priority, then the largest user of the memory that is short (RSS for RAM, VmSwap for the swap
 //! floor, NVML's per-process figure for a GPU). Protected processes never.
+//!
+//! On a GPU floor a user is one candidate, like a model: the processes of a non-root uid that
+//! belong to no model are ranked by the sum of their GPU memory, and acted on largest first
+//! until they hold what the floor needs back (to its warn floor), in one action. Ranked one by
+//! one, twenty processes holding 1 GiB each would outrank nobody and send the guard at another
+//! user's 8 GiB model, and a kill of one at a time would spend the floor's brake before any
+//! relief. NVML's figure is each process's own allocations, so the sum is what the kills give
+//! back. Not for RAM or swap: RSS and VmSwap count shared and copy-on-write pages in every
+//! process that maps them (forked workers, preforked servers), so a sum would pick a user of
+//! forked workers before the process that really took the memory. Root's processes stay ranked
+//! one by one, so system services are not summed together.
+
+use std::collections::BTreeMap;
 
 use crate::config::{Candidates, Config};
 use crate::snapshot::{Process, ProcessId, Snapshot};
@@ -110,20 +123,25 @@ pub(super) fn over_budget(
     used.checked_sub(budget).filter(|&over| over > 0)
 }
 
-/// The victim chosen for a floor, and how much of the memory that is short it holds.
+/// The victim chosen for a floor, and how much of the memory that is short it holds (a user's
+/// processes: those chosen to cover what the floor needs).
 pub(super) struct Chosen {
     pub target: Target,
     pub used_bytes: u64,
+    /// A user: what all its candidate processes hold, and how many they are.
+    pub user_total: Option<(u64, usize)>,
 }
 
 /// Picks the victim for a floor short of `short`, or `None` if nobody may be touched.
-/// `excluded`: processes that could not be signalled earlier in this incident.
+/// `excluded`: processes that could not be signalled earlier in this incident. `need`: how much
+/// a GPU floor needs back (`None`: every process outside the models is ranked alone).
 pub(super) fn choose(
     config: &Config,
     snapshot: &Snapshot,
     state: &PolicyState,
     short: Short,
     excluded: &[ProcessId],
+    need: Option<u64>,
 ) -> Option<Chosen> {
     let resource = short.resource();
     let procs = &snapshot.processes.processes;
@@ -150,6 +168,8 @@ pub(super) fn choose(
             usage_bytes: used,
         });
     }
+    // Each user's processes outside the models, largest first (root's: one candidate each).
+    let mut users: BTreeMap<u32, Vec<(u64, &Process)>> = BTreeMap::new();
     if config.daemon.candidates == Candidates::Any {
         for p in procs {
             let in_model = state.attribution.model_of(p.id()).is_some();
@@ -160,28 +180,64 @@ pub(super) fn choose(
             if used == 0 {
                 continue;
             }
-            candidates.push(Candidate {
-                target: Target {
-                    model: None,
-                    members: vec![member(p)],
-                },
-                over_budget_bytes: None,
-                priority: 0,
-                usage_bytes: used,
-            });
+            if p.uid == 0 || need.is_none() {
+                candidates.push(Candidate {
+                    target: Target {
+                        model: None,
+                        members: vec![member(p)],
+                    },
+                    over_budget_bytes: None,
+                    priority: 0,
+                    usage_bytes: used,
+                });
+            } else {
+                users.entry(p.uid).or_default().push((used, p));
+            }
         }
     }
-    candidates
-        .into_iter()
-        .min_by(|a, b| {
-            // Over budget first, most over first; then lower priority; then larger usage.
-            b.over_budget_bytes
-                .cmp(&a.over_budget_bytes)
-                .then(a.priority.cmp(&b.priority))
-                .then(b.usage_bytes.cmp(&a.usage_bytes))
-        })
-        .map(|c| Chosen {
-            target: c.target,
-            used_bytes: c.usage_bytes,
-        })
+    // Users first: on a tie, a user's processes go before a model or one of root's processes.
+    let mut groups = Vec::with_capacity(users.len());
+    for held in users.values_mut() {
+        held.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.pid.cmp(&b.1.pid)));
+        groups.push(Candidate {
+            target: Target {
+                model: None,
+                members: held.iter().map(|&(_, p)| member(p)).collect(),
+            },
+            over_budget_bytes: None,
+            priority: 0,
+            usage_bytes: held.iter().map(|&(used, _)| used).sum(),
+        });
+    }
+    let chosen = groups.into_iter().chain(candidates).min_by(|a, b| {
+        // Over budget first, most over first; then lower priority; then larger usage.
+        b.over_budget_bytes
+            .cmp(&a.over_budget_bytes)
+            .then(a.priority.cmp(&b.priority))
+            .then(b.usage_bytes.cmp(&a.usage_bytes))
+    })?;
+    let mut target = chosen.target;
+    let mut used_bytes = chosen.usage_bytes;
+    let mut user_total = None;
+    if let (None, Some(first)) = (&target.model, target.members.first()) {
+        if let Some(held) = users.get(&first.uid) {
+            // A user: its largest processes, until they cover what the floor needs.
+            let (mut take, mut covered) = (0, 0);
+            for &(used, _) in held {
+                if take > 0 && need.is_none_or(|need| covered >= need) {
+                    break;
+                }
+                take += 1;
+                covered += used;
+            }
+            user_total = Some((used_bytes, held.len()));
+            target.members.truncate(take);
+            used_bytes = covered;
+        }
+    }
+    Some(Chosen {
+        target,
+        used_bytes,
+        user_total,
+    })
 }

@@ -5,7 +5,8 @@
 //!
 //! Safety: floors relative to MemAvailable at the start, `candidates = "models"` with models that
 //! match only this test's processes (the attacker's included: they are the test's too), signals
-//! only to processes the test started. The sockets live in a world-traversable temporary
+//! only to processes the test started. The one `candidates = "any"` test is a GPU floor on the
+//! fake NVML, which lists only this test's processes as holding GPU memory. The sockets live in a world-traversable temporary
 //! directory so the attacker can reach them.
 
 use std::io::{BufRead, BufReader, Write};
@@ -358,6 +359,90 @@ fn a_user_cannot_steer_the_guard_at_root_s_server() {
     assert_eq!(g.daemon.verbs_on("rootmodel"), Vec::<String>::new());
     let _ = forged.kill();
     let _ = forged.wait();
+}
+
+/// A user who spreads GPU memory over six processes of 1 GiB, each smaller than root's 4 GiB model
+/// server, is still the one acted on, and only on as many of its processes as the floor needs
+/// back (ranked one by one, root's server would be the largest holder and the first victim).
+/// GPU floor on the fake NVML, `candidates = "any"`: only what the fake driver lists holds GPU
+/// memory, and it lists only this test's processes, so nothing else can be chosen.
+#[test]
+fn a_user_who_spreads_gpu_memory_over_many_processes_is_ranked_by_its_sum() {
+    let attacker = Attacker::create();
+    let server_t = token("spread-server");
+    let mut server = Hog::idle(&server_t);
+    let mut spread: Vec<KillOnDrop> = (0..6)
+        .map(|_| {
+            KillOnDrop(
+                attacker
+                    .python("import time; time.sleep(600)")
+                    .spawn()
+                    .unwrap(),
+            )
+        })
+        .collect();
+    let mut pids: Vec<u32> = spread.iter().map(|c| c.pid()).collect();
+    pids.sort();
+    // GPU 0, 16 GiB: root's server 4 GiB, the user's processes 1 GiB each, `used_mib` in all.
+    let state = |used_mib: u64, holders: &[u32]| {
+        let mut s = format!(
+            "device 0 name=\"Fake A100\" uuid=GPU-aaaa total={} used={} util=50\nprocess 0 {} {}\n",
+            16 * GIB,
+            used_mib * MIB,
+            server.pid(),
+            4 * GIB
+        );
+        for pid in holders {
+            s.push_str(&format!("process 0 {pid} {GIB}\n"));
+        }
+        s
+    };
+    let fake = FakeNvml::new(&state(12 * 1024, &pids));
+    let daemon = GuardDaemon::start_with_fake(
+        &format!(
+            "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"any\"\ninterval = \"200ms\"\nmin_interval = \"10ms\"\nscan_interval = \"200ms\"\nterm_grace = \"300ms\"\n\
+             [ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n\
+             [gpu]\nnvml_library = \"{}\"\nsample_timeout = \"300ms\"\nmin_free = \"2GiB\"\nwarn_free = \"3GiB\"\n{}",
+            FakeNvml::library(),
+            model_toml("server", &server_t, "")
+        ),
+        &fake,
+    );
+    daemon.wait_gpus_on(Some(1), Duration::from_secs(5));
+    // The user's processes fill the GPU: 1.5 GiB free, 1.5 GiB under the warn floor. Its two
+    // largest (equal: the lowest pids first) give that back.
+    fake.set(&state(14 * 1024 + 512, &pids));
+    let acted = daemon.wait_for_event("process_killed", Duration::from_secs(10), |e| {
+        e["action"]["reason"] == "gpu_floor"
+    });
+    assert_eq!(acted["subject"]["uid"], attacker.uid, "{acted}");
+    assert_eq!(
+        acted["subject"]["pids"],
+        serde_json::json!(pids[..2]),
+        "{acted}"
+    );
+    let gone = |c: &mut KillOnDrop| c.0.try_wait().unwrap().is_some();
+    assert!(
+        wait_until(Duration::from_secs(5), || spread
+            .iter_mut()
+            .filter(|c| pids[..2].contains(&c.pid()))
+            .all(gone)),
+        "{}",
+        daemon.log_text()
+    );
+    // Back above the warn floor: nothing else is touched.
+    fake.set(&state(12 * 1024 + 512, &pids[2..]));
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(server.alive(), "root's server was acted on");
+    for c in spread.iter_mut().filter(|c| pids[2..].contains(&c.pid())) {
+        assert!(!gone(c), "more of the user's processes than needed");
+    }
+    assert_eq!(
+        daemon.events_of("process_killed").len(),
+        1,
+        "{}",
+        daemon.log_text()
+    );
 }
 
 #[test]
