@@ -811,11 +811,13 @@ fn choose_next(
     };
     let mut detail = match (user_total, target.members.first()) {
         (Some((total, count)), Some(first)) if count > 1 => format!(
-            "{why}; largest eligible user of {what}: uid {}, {} in {count} processes; its {} largest hold {} ",
+            "{why}; largest eligible user of {what}: uid {}, {} in {count} processes; {} ",
             first.uid,
             bytes(total),
-            target.members.len(),
-            bytes(used)
+            match target.members.len() {
+                1 => format!("its largest holds {}", bytes(used)),
+                n => format!("its {n} largest hold {}", bytes(used)),
+            }
         ),
         _ => format!("{why}; largest eligible user of {what}: {} ", bytes(used)),
     };

@@ -1448,6 +1448,23 @@ fn on_a_gpu_floor_a_user_is_ranked_by_its_sum_and_gives_back_what_the_floor_need
         ],
         "terminate [1001]",
     );
+    // A user that cannot cover the need in all (the rest is memory no listed process holds)
+    // loses only its largest holder, as when ranked alone.
+    let plan = check(
+        procs.clone(),
+        &[
+            (100, Some(GIB)),
+            (1000, Some(GIB / 2)),
+            (1001, Some(GIB / 2)),
+            (1002, Some(GIB / 4)),
+        ],
+        "terminate [1000]",
+    );
+    let detail = &plan.actions[0].reason.detail;
+    assert!(
+        detail.contains("uid 2000, 1.2 GiB in 3 processes; its largest holds 512.0 MiB"),
+        "{detail}"
+    );
     // A user holding less in all than the model is not chosen.
     check(
         procs.clone(),

@@ -7,11 +7,15 @@
 //! until they hold what the floor needs back (to its warn floor), in one action. Ranked one by
 //! one, twenty processes holding 1 GiB each would outrank nobody and send the guard at another
 //! user's 8 GiB model, and a kill of one at a time would spend the floor's brake before any
-//! relief. NVML's figure is each process's own allocations, so the sum is what the kills give
-//! back. Not for RAM or swap: RSS and VmSwap count shared and copy-on-write pages in every
-//! process that maps them (forked workers, preforked servers), so a sum would pick a user of
-//! forked workers before the process that really took the memory. Root's processes stay ranked
-//! one by one, so system services are not summed together.
+//! relief. A user whose processes together cannot cover that need (the shortfall is memory no
+//! listed process accounts for: managed memory NVML under-reports, memory held through IPC, a
+//! process NVML lists but /proc does not show) loses only its largest holder, as when ranked
+//! one by one: no whole user for memory that is not theirs. Not for RAM or swap: RSS and VmSwap
+//! count shared and copy-on-write pages in every process that maps them (forked workers,
+//! preforked servers), so a sum would pick a user of forked workers before the process that
+//! really took the memory. Root's processes stay ranked one by one, so system services are not
+//! summed together. A uid is not always one person (containers sharing `USER 1000`, subordinate
+//! uids): it is what the kernel lets gpuguard tell apart.
 
 use std::collections::BTreeMap;
 
@@ -221,10 +225,12 @@ pub(super) fn choose(
     let mut user_total = None;
     if let (None, Some(first)) = (&target.model, target.members.first()) {
         if let Some(held) = users.get(&first.uid) {
-            // A user: its largest processes, until they cover what the floor needs.
+            // A user: its largest processes, until they cover what the floor needs; its largest
+            // alone if all of them cannot.
+            let need = need.filter(|&need| used_bytes >= need).unwrap_or(0);
             let (mut take, mut covered) = (0, 0);
             for &(used, _) in held {
-                if take > 0 && need.is_none_or(|need| covered >= need) {
+                if take > 0 && covered >= need {
                     break;
                 }
                 take += 1;
