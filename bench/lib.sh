@@ -98,7 +98,7 @@ build_tools() {
     gcc -O2 -Wall -o "$HOG" "$BENCH_DIR/hog.c"
     gcc -O2 -Wall -o "$SAMPLER" "$BENCH_DIR/sampler.c"
     gcc -O2 -Wall -o "$STORM" "$BENCH_DIR/storm.c"
-    gcc -O2 -Wall -o "$PERMIT_ECHO" "$BENCH_DIR/permit_echo.c"
+    build_permit_echo
     gcc -shared -fPIC -O2 -pthread -Wl,-soname,libnvidia-ml.so.1 -Wl,-z,nodelete \
         -o "$BUILD_DIR/libnvidia-ml.so.1" "$REPO_DIR/tests/fake_nvml/fake_nvml.c"
 }
@@ -127,6 +127,12 @@ start_background() {
 stop_background() {
     kill_pids "${BACKGROUND_PIDS[@]}"
     BACKGROUND_PIDS=()
+}
+
+# The no-op permit server (bench/permit_echo.c), at $PERMIT_ECHO.
+build_permit_echo() {
+    mkdir -p "$BUILD_DIR"
+    gcc -O2 -Wall -o "$PERMIT_ECHO" "$BENCH_DIR/permit_echo.c"
 }
 
 # The permit load generator (benches/permits.rs), copied to $PERMIT_LOAD.

@@ -18,8 +18,7 @@ if [ ! -x $venv/bin/python ]; then
     python3 -m venv $venv
 fi
 $venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --force-reinstall ./clients/python
-mkdir -p "$BUILD_DIR"
-gcc -O2 -Wall -o "$PERMIT_ECHO" "$BENCH_DIR/permit_echo.c"
+build_permit_echo
 cargo bench --quiet --bench permits --no-run
 export PERMIT_SECONDS=${PERMIT_SECONDS:-10}
 export PERMIT_RATES=${PERMIT_RATES:-20000 10000 5000 2000 1000}

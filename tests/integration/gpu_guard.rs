@@ -8,13 +8,9 @@ use crate::common::*;
 
 const GIB_S: &str = "1073741824";
 
+/// The GPU daemon config, `candidates = "models"` (only this test's processes).
 fn gpu_config(gpu: &str, models: &[(&str, &str, &str)]) -> String {
-    let mut text = format!(
-        "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"models\"\ninterval = \"200ms\"\nmin_interval = \"10ms\"\nscan_interval = \"200ms\"\nterm_grace = \"300ms\"\n\n[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n\n[gpu]\nnvml_library = \"{}\"\nsample_timeout = \"300ms\"\nretry_init = \"300ms\"\nrelease_timeout = \"1s\"\n{gpu}\n",
-        FakeNvml::library()
-    );
-    text.push_str(&models_toml(models));
-    text
+    gpu_daemon_config("models", gpu, models)
 }
 
 /// Two 16 GiB GPUs; `used` per GPU in GiB; process lines appended.

@@ -399,12 +399,10 @@ fn a_user_who_spreads_gpu_memory_over_many_processes_is_ranked_by_its_sum() {
     };
     let fake = FakeNvml::new(&state(12 * 1024, &pids));
     let daemon = GuardDaemon::start_with_fake(
-        &format!(
-            "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"any\"\ninterval = \"200ms\"\nmin_interval = \"10ms\"\nscan_interval = \"200ms\"\nterm_grace = \"300ms\"\n\
-             [ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n\
-             [gpu]\nnvml_library = \"{}\"\nsample_timeout = \"300ms\"\nmin_free = \"2GiB\"\nwarn_free = \"3GiB\"\n{}",
-            FakeNvml::library(),
-            model_toml("server", &server_t, "")
+        &gpu_daemon_config(
+            "any",
+            "min_free = \"2GiB\"\nwarn_free = \"3GiB\"",
+            &[("server", &server_t, "")],
         ),
         &fake,
     );

@@ -772,6 +772,18 @@ pub fn models_toml(models: &[(&str, &str, &str)]) -> String {
         .collect()
 }
 
+/// A daemon guarding the fake NVML's GPUs with fast intervals, no RAM floor, `candidates`
+/// (`"models"`, or `"any"` where only this test's processes hold GPU memory), the `[gpu]` keys
+/// in `gpu` and the models.
+pub fn gpu_daemon_config(candidates: &str, gpu: &str, models: &[(&str, &str, &str)]) -> String {
+    let mut text = format!(
+        "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"{candidates}\"\ninterval = \"200ms\"\nmin_interval = \"10ms\"\nscan_interval = \"200ms\"\nterm_grace = \"300ms\"\n\n[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n\n[gpu]\nnvml_library = \"{}\"\nsample_timeout = \"300ms\"\nretry_init = \"300ms\"\nrelease_timeout = \"1s\"\n{gpu}\n",
+        FakeNvml::library()
+    );
+    text.push_str(&models_toml(models));
+    text
+}
+
 /// RAM floors about 1 GiB below what is available now: `min_available` and the `[ram]` keys.
 pub fn floors_below_now() -> (u64, String) {
     let min = mem_available() - GIB;
