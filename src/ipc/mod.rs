@@ -85,6 +85,10 @@ pub struct AcquireRequest {
     pub gpu: Option<u32>,
     pub timeout_ms: Option<u64>,
     pub ttl_ms: Option<u64>,
+    /// What the caller's GPU allocator holds unused (PyTorch: `memory_reserved -
+    /// memory_allocated`): its own next permits may use it, up to what NVML shows it holding.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_bytes: Option<u64>,
 }
 
 /// Why a request was refused (`docs/protocol.md`).

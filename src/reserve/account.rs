@@ -2,49 +2,201 @@
 //! outstanding reservations promise, what it used before them, and what its permits turned out
 //! to cost.
 //!
-//! A pool may grow to its *baseline* (what it holds for itself: weights, a launched server once
-//! ready) plus what its reservations promise. What it has not taken yet of that is *promised*:
-//! other pools' admissions must leave it free. Three rules keep that estimate on the safe side:
+//! Every reservation has a *holder*: the process that asked (with its descendants: vLLM's API
+//! process asks, its engine core child holds the memory). A holder's GPU memory is set against
+//! its own reservations, never against another's: a server's forked workers each keep their own
+//! allocator cache, and one worker's cache cannot serve another's request.
 //!
-//! - The baseline is only trusted once *settled*: taken from a reading in which the pool held no
-//!   reservation and its per-process GPU figures were read in the same NVML pass as the GPU's
-//!   free memory. Until then (a new pool, new processes, process lists older than `free`) every
-//!   reservation is promised in full, as if nothing of it had been taken yet. So weights that
-//!   appear in NVML's lists only after a pool's first permit can never pass for spare memory.
-//! - Growth while the pool holds no reservation is its own (weights loaded, an adapter): the
-//!   baseline follows it. Growth while it does is its permits'; what remains of it when the last
-//!   permit ends is a *cache* (PyTorch's allocator keeps freed memory): the pool may reuse that
-//!   much for its next permits instead of free memory, and no more.
+//! A holder (and the pool as a whole, for its budget) is kept as [`Books`]: its *baseline* (what it
+//! holds for itself: weights, context, a launched server once ready) plus what its reservations
+//! promise. What it has not taken yet of that is *promised*: other admissions must leave it free.
+//! Memory it holds beyond its baseline and its reservations is *cache* (PyTorch's allocator keeps
+//! freed blocks; NVML keeps showing them used): its own next permits may use it before any free
+//! memory, up to the most its reservations reached at once since its baseline was taken (growth
+//! beyond that is not something permits were granted for). Others never count it as free.
+//!
+//! - The baseline is only trusted once *settled*: taken from a reading in which the holder held no
+//!   reservation, held GPU memory, and its per-process figures were read in the same NVML pass as
+//!   the GPU's free memory. Until then every reservation is promised in full, as if nothing of it
+//!   had been taken yet. So weights that appear in NVML's lists only after a first permit can never
+//!   pass for spare memory; a new child process (the set of processes changed) unsettles it again.
+//! - Growth while it holds no reservation is its own (weights loaded, an adapter): the baseline
+//!   follows it. A fall below the baseline at rest lowers it.
+//! - The holder's allocator may say what it caches (the Python client reads PyTorch's
+//!   `memory_reserved - memory_allocated`): that much, never more than NVML shows the holder
+//!   holding, serves its own next permits too.
 //! - Host RAM is read by process scans, never together with MemAvailable: a RAM reservation is
 //!   always promised in full.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
-use super::capacity::ModelUse;
+use super::capacity::{Capacity, ModelUse};
+use crate::snapshot::ProcessId;
 
 /// Learned per-permit sizes kept (the oldest is dropped).
 const SAMPLES: usize = 256;
 /// Samples needed before the observed p95 replaces a permit's default size.
 pub const SAMPLES_FOR_DEFAULT: usize = 8;
 
+/// GPU memory per GPU index.
+type PerGpu = BTreeMap<u32, u64>;
+
+fn on(map: &PerGpu, gpu: u32) -> u64 {
+    map.get(&gpu).copied().unwrap_or(0)
+}
+
+/// Memory a set of processes holds, against what its reservations promise (see the module doc).
 #[derive(Debug, Default)]
-pub struct Account {
-    /// What outstanding reservations promise, per GPU and in RAM.
-    pub reserved_gpu: BTreeMap<u32, u64>,
-    pub reserved_ram: u64,
-    /// What the pool holds for itself, per GPU (trusted only when `settled`).
-    baseline_gpu: BTreeMap<u32, u64>,
-    settled: bool,
-    /// Memory the pool kept from its permits' work, per GPU: reusable by its next permits.
-    cache_gpu: BTreeMap<u32, u64>,
-    /// The member set the baseline was taken with.
+pub struct Books {
+    reserved: PerGpu,
+    /// The most reserved at once on each GPU since the baseline was taken: the most cache its
+    /// own reservations may count on.
+    peak_reserved: PerGpu,
+    /// What it holds for itself, once settled.
+    base: Option<PerGpu>,
+    usage: PerGpu,
+    /// The processes counted in `usage`; the baseline holds for this set only.
     members: Option<u64>,
+    /// The latest reading was consistent (one NVML pass, every figure known).
+    consistent: bool,
     /// A reservation was out at some point since the last reading.
     busy_since_reading: bool,
-    /// The latest use seen, and whether it came with a consistent GPU reading.
+    /// What the holder's allocator said it caches, per GPU (the latest report).
+    reported_cache: PerGpu,
+}
+
+impl Books {
+    fn idle(&self) -> bool {
+        self.reserved.values().all(|&b| b == 0)
+    }
+
+    /// A new reading of what the processes hold.
+    fn observe(&mut self, usage: &PerGpu, members: u64, consistent: bool) {
+        if self.members != Some(members) {
+            self.members = Some(members);
+            self.base = None;
+            self.peak_reserved.clear();
+            self.reported_cache.clear();
+        }
+        let at_rest = self.idle() && !self.busy_since_reading && consistent;
+        if at_rest {
+            match &mut self.base {
+                Some(base) => {
+                    // Growth at rest is its own; a fall at rest below the baseline lowers it.
+                    let gpus: BTreeSet<u32> = usage.keys().chain(base.keys()).copied().collect();
+                    for g in gpus {
+                        let (now, before) = (on(usage, g), on(&self.usage, g));
+                        let b = base.entry(g).or_default();
+                        if now > before {
+                            *b += now - before;
+                        }
+                        *b = (*b).min(now);
+                    }
+                    base.retain(|_, b| *b > 0);
+                }
+                None if usage.values().any(|&b| b > 0) => {
+                    self.base = Some(usage.clone());
+                    self.peak_reserved.clear();
+                }
+                None => {}
+            }
+        }
+        self.busy_since_reading = !self.idle();
+        self.usage = usage.clone();
+        self.consistent = consistent;
+    }
+
+    fn reserve(&mut self, gpus: &[u32], per_gpu: u64) {
+        for g in gpus {
+            let r = self.reserved.entry(*g).or_default();
+            *r += per_gpu;
+            let peak = self.peak_reserved.entry(*g).or_default();
+            *peak = (*peak).max(*r);
+        }
+        self.busy_since_reading = true;
+    }
+
+    fn unreserve(&mut self, gpus: &[u32], per_gpu: u64) {
+        for g in gpus {
+            if let Some(b) = self.reserved.get_mut(g) {
+                *b = b.saturating_sub(per_gpu);
+            }
+        }
+        self.reserved.retain(|_, b| *b > 0);
+    }
+
+    /// What it may still take of free memory on `gpu` for its reservations: their part not yet
+    /// seen held (all of it until settled). Negative: memory held beyond baseline and
+    /// reservations (cache). `consistent`: the capacity's GPU figures are from one pass.
+    fn promised(&self, gpu: u32, consistent: bool) -> i64 {
+        let reserved = on(&self.reserved, gpu) as i64;
+        match &self.base {
+            Some(base) if consistent && self.consistent => {
+                on(base, gpu) as i64 + reserved - on(&self.usage, gpu) as i64
+            }
+            _ => reserved,
+        }
+    }
+
+    /// The same for its own next reservation: its cache counts, up to the most its reservations
+    /// reached at once (from NVML), or what its allocator reports caching (never more than NVML
+    /// shows it holding); whichever says more.
+    fn promised_to_self(&self, gpu: u32, consistent: bool) -> i64 {
+        let reserved = on(&self.reserved, gpu) as i64;
+        let seen = self
+            .promised(gpu, consistent)
+            .max(-(on(&self.peak_reserved, gpu) as i64));
+        let reported = match self.reported_cache.get(&gpu) {
+            Some(&cache) if consistent && self.consistent => {
+                reserved - cache.min(on(&self.usage, gpu)) as i64
+            }
+            _ => reserved,
+        };
+        seen.min(reported)
+    }
+
+    /// Memory held beyond the baseline, all GPUs (None until settled).
+    fn held_beyond_base(&self) -> Option<u64> {
+        let base = self.base.as_ref()?;
+        Some(
+            self.usage
+                .iter()
+                .map(|(g, &u)| u.saturating_sub(on(base, *g)))
+                .sum(),
+        )
+    }
+
+    /// Its baseline is what it holds now (a launched server became ready).
+    fn rebase(&mut self) {
+        self.base =
+            (self.consistent && self.usage.values().any(|&b| b > 0)).then(|| self.usage.clone());
+        self.peak_reserved.clear();
+        self.reported_cache.clear();
+    }
+
+    /// Nothing worth remembering: no reservation and nothing held beyond the baseline.
+    fn forgettable(&self) -> bool {
+        self.idle() && !self.busy_since_reading && self.held_beyond_base().is_none_or(|b| b == 0)
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct Account {
+    /// What outstanding reservations promise in RAM.
+    pub reserved_ram: u64,
+    /// The pool as a whole (a model's members), for its budget and what permits cost.
+    pool: Books,
+    /// The books of each holder whose processes hold GPU memory.
+    holders: BTreeMap<ProcessId, Books>,
+    /// Reservations of holders whose processes hold no GPU memory (a front end whose model's
+    /// memory is in other processes), together: set against the model's memory outside every
+    /// holder's tree.
+    shared: Books,
+    /// The holders in `shared`, with their reservations there.
+    shared_holders: BTreeMap<ProcessId, usize>,
+    /// The latest use of the model seen (a model pool).
     usage: ModelUse,
-    consistent: bool,
     pub permits_held: usize,
     pub learner: Learner,
     pub counts: Counts,
@@ -59,102 +211,133 @@ pub struct Counts {
     pub expired: u64,
 }
 
+/// Observes `books` of `holder` with what the capacity saw of its processes.
+fn observe_holder(books: &mut Books, holder: ProcessId, capacity: &Capacity) {
+    let consistent = capacity.gpu_consistent;
+    match capacity.tree(holder) {
+        Some(t) => books.observe(&t.gpu_bytes, t.members, consistent && !t.gpu_unknown),
+        None => books.observe(&PerGpu::new(), 0, consistent),
+    }
+}
+
 impl Account {
     fn idle(&self) -> bool {
-        self.reserved_ram == 0 && self.reserved_gpu.values().all(|&b| b == 0)
+        self.reserved_ram == 0 && self.pool.idle()
     }
 
-    /// A new reading of the pool's use (after a tick); `consistent`: its GPU figures came from
-    /// the same NVML pass as the GPUs' free memory.
-    pub fn observe(&mut self, usage: Option<&ModelUse>, consistent: bool) {
-        let usage = usage.cloned().unwrap_or_default();
-        if self.members != Some(usage.members) {
-            // New processes: what they hold is not known to be theirs until seen at rest.
-            self.members = Some(usage.members);
-            self.settled = false;
-            self.cache_gpu.clear();
+    /// A new reading after a tick: the use of the pool's model (`None`: the host-wide pool),
+    /// what each process tree holds, and whether the GPU figures came from the same NVML pass as
+    /// the GPUs' free memory.
+    pub fn observe(&mut self, model: Option<&str>, capacity: &Capacity) {
+        let usage = model
+            .and_then(|m| capacity.models.get(m))
+            .cloned()
+            .unwrap_or_default();
+        let consistent = capacity.gpu_consistent && !usage.gpu_unknown;
+        self.pool
+            .observe(&usage.gpu_bytes, usage.members, consistent);
+        for (holder, books) in self.holders.iter_mut() {
+            observe_holder(books, *holder, capacity);
         }
-        let quiet = self.idle() && !self.busy_since_reading;
-        if quiet && consistent {
-            if self.settled {
-                self.follow_idle_change(&usage);
-            } else {
-                self.baseline_gpu = usage.gpu_bytes.clone();
-                self.settled = true;
+        self.holders.retain(|_, b| !b.forgettable());
+        // The model's memory outside the trees of its holders that are its members.
+        let (mut outside, mut members) = (usage.gpu_bytes.clone(), usage.members);
+        for (holder, books) in &self.holders {
+            if model.is_some() && capacity.member_of.get(holder).map(String::as_str) == model {
+                for (g, b) in &books.usage {
+                    if let Some(o) = outside.get_mut(g) {
+                        *o = o.saturating_sub(*b);
+                    }
+                }
+                members = members.wrapping_add(books.members.unwrap_or(0));
             }
-        } else if self.idle() && consistent && self.settled {
-            // The first reading after the last reservation ended: what the pool holds beyond
-            // its baseline now is what its permits left cached.
-            self.cache_gpu = usage
-                .gpu_bytes
-                .iter()
-                .map(|(g, &u)| (*g, u.saturating_sub(self.baseline(*g))))
-                .filter(|(_, c)| *c > 0)
-                .collect();
         }
-        self.busy_since_reading = !self.idle();
+        self.shared.observe(&outside, members, consistent);
         self.learner
-            .observe(usage.gpu_total_bytes(), self.permits_held);
+            .observe(self.held_beyond_base(), self.permits_held);
         self.usage = usage;
-        self.consistent = consistent;
     }
 
-    /// Between two readings at rest: growth is the pool's own (the baseline follows), a fall
-    /// gives back cache first, then baseline.
-    fn follow_idle_change(&mut self, usage: &ModelUse) {
-        let gpus: std::collections::BTreeSet<u32> = usage
-            .gpu_bytes
-            .keys()
-            .chain(self.baseline_gpu.keys())
-            .copied()
-            .collect();
-        for g in gpus {
-            let now = usage.gpu_bytes.get(&g).copied().unwrap_or(0);
-            let before = self.usage.gpu_bytes.get(&g).copied().unwrap_or(0);
-            let baseline = self.baseline_gpu.entry(g).or_default();
-            let cache = self.cache_gpu.entry(g).or_default();
-            if now >= before {
-                *baseline += now - before;
-            } else {
-                let fall = before - now;
-                let from_cache = fall.min(*cache);
-                *cache -= from_cache;
-                *baseline = baseline.saturating_sub(fall - from_cache);
-            }
+    /// Memory the pool holds beyond its baseline: the model's, or (host-wide pool) its holders'.
+    fn held_beyond_base(&self) -> Option<u64> {
+        if self.usage.members != 0 {
+            return self.pool.held_beyond_base();
         }
-        self.baseline_gpu.retain(|_, b| *b > 0);
-        self.cache_gpu.retain(|_, c| *c > 0);
+        self.holders
+            .values()
+            .map(Books::held_beyond_base)
+            .try_fold(0, |sum, b| Some(sum + b?))
     }
 
-    fn baseline(&self, gpu: u32) -> u64 {
-        self.baseline_gpu.get(&gpu).copied().unwrap_or(0)
+    /// Whether `holder`'s reservations are set against its own processes' memory (they hold
+    /// GPU memory) or go to the shared books.
+    fn own_books(&self, holder: ProcessId, capacity: &Capacity) -> bool {
+        if self.shared_holders.contains_key(&holder) {
+            return false;
+        }
+        self.holders.contains_key(&holder)
+            || capacity
+                .tree(holder)
+                .is_some_and(|t| t.gpu_bytes.values().any(|&b| b > 0))
+    }
+
+    /// A holder's books, new ones observed at rest from the latest reading.
+    fn holder(&mut self, holder: ProcessId, capacity: &Capacity) -> &mut Books {
+        self.holders.entry(holder).or_insert_with(|| {
+            let mut books = Books::default();
+            observe_holder(&mut books, holder, capacity);
+            books
+        })
     }
 
     /// A launched server became ready: what it holds now is its own.
-    pub fn rebase_to_usage(&mut self) {
-        if self.consistent {
-            self.baseline_gpu = self.usage.gpu_bytes.clone();
-            self.settled = true;
-        } else {
-            self.settled = false;
+    pub fn rebase(&mut self, holder: ProcessId) {
+        self.pool.rebase();
+        self.shared.rebase();
+        if let Some(books) = self.holders.get_mut(&holder) {
+            books.rebase();
         }
-        self.cache_gpu.clear();
     }
 
     pub fn usage(&self) -> &ModelUse {
         &self.usage
     }
 
-    /// What this pool has been promised on GPU `gpu` and not taken yet; negative: cache it may
-    /// reuse (see the module doc). `consistent`: the capacity's GPU figures are from one pass.
-    pub fn gpu_promised(&self, gpu: u32, consistent: bool) -> i64 {
-        let reserved = self.reserved_gpu.get(&gpu).copied().unwrap_or(0) as i64;
-        if !(self.settled && consistent && self.consistent) {
-            return reserved;
-        }
-        let used = self.usage.gpu_bytes.get(&gpu).copied().unwrap_or(0) as i64;
-        let cache = self.cache_gpu.get(&gpu).copied().unwrap_or(0) as i64;
-        (self.baseline(gpu) as i64 + reserved - used).max(-cache)
+    /// What this pool's reservations may still take of GPU `gpu`: never less than nothing (its
+    /// holders' caches are theirs alone).
+    pub fn gpu_promised(&self, gpu: u32, consistent: bool) -> u64 {
+        self.holders
+            .values()
+            .chain([&self.shared])
+            .map(|b| b.promised(gpu, consistent).max(0) as u64)
+            .sum()
+    }
+
+    /// The same, seen by `holder`'s next request: the cache of the books it draws on counts
+    /// (may be negative).
+    pub fn gpu_promised_to(
+        &self,
+        holder: ProcessId,
+        capacity: &Capacity,
+        gpu: u32,
+        consistent: bool,
+    ) -> i64 {
+        let own = self.own_books(holder, capacity);
+        let others: i64 = self
+            .holders
+            .iter()
+            .filter(|(h, _)| !own || **h != holder)
+            .map(|(_, b)| b.promised(gpu, consistent).max(0))
+            .sum();
+        let (mine, shared) = match (own, self.holders.get(&holder)) {
+            (true, Some(b)) => (b.promised_to_self(gpu, consistent), &self.shared),
+            (true, None) => (0, &self.shared),
+            (false, _) => (
+                self.shared.promised_to_self(gpu, consistent),
+                &Books::default(),
+            ),
+        };
+        others + mine + shared.promised(gpu, consistent).max(0)
     }
 
     /// The same for host RAM: always the whole reservation (see the module doc).
@@ -165,12 +348,11 @@ impl Account {
     /// What the pool counts against its GPU budget: its baseline (its use, until settled) plus
     /// its reservations.
     pub fn gpu_committed(&self) -> u64 {
-        let held = if self.settled {
-            self.baseline_gpu.values().sum::<u64>()
-        } else {
-            self.usage.gpu_total_bytes()
+        let held: u64 = match &self.pool.base {
+            Some(base) => base.values().sum(),
+            None => self.usage.gpu_total_bytes(),
         };
-        held + self.reserved_gpu.values().sum::<u64>()
+        held + self.pool.reserved.values().sum::<u64>()
     }
 
     pub fn ram_committed(&self) -> u64 {
@@ -179,32 +361,57 @@ impl Account {
 
     /// GPUs the pool already uses or has reservations on.
     pub fn on_gpu(&self, gpu: u32) -> bool {
-        self.usage.gpu_bytes.get(&gpu).is_some_and(|&b| b > 0)
-            || self.reserved_gpu.get(&gpu).is_some_and(|&b| b > 0)
+        on(&self.usage.gpu_bytes, gpu) > 0 || on(&self.pool.reserved, gpu) > 0
     }
 
-    pub fn reserve(&mut self, gpus: &[u32], gpu_bytes_per_gpu: u64, ram_bytes: u64) {
-        for g in gpus {
-            *self.reserved_gpu.entry(*g).or_default() += gpu_bytes_per_gpu;
+    pub fn reserve(
+        &mut self,
+        holder: ProcessId,
+        capacity: &Capacity,
+        (gpus, per_gpu, ram_bytes): (&[u32], u64, u64),
+    ) {
+        if self.own_books(holder, capacity) {
+            self.holder(holder, capacity).reserve(gpus, per_gpu);
+        } else {
+            self.shared.reserve(gpus, per_gpu);
+            *self.shared_holders.entry(holder).or_default() += 1;
         }
+        self.pool.reserve(gpus, per_gpu);
         self.reserved_ram += ram_bytes;
-        self.busy_since_reading = true;
     }
 
-    pub fn unreserve(&mut self, gpus: &[u32], gpu_bytes_per_gpu: u64, ram_bytes: u64) {
-        for g in gpus {
-            if let Some(b) = self.reserved_gpu.get_mut(g) {
-                *b = b.saturating_sub(gpu_bytes_per_gpu);
+    pub fn unreserve(&mut self, holder: ProcessId, (gpus, per_gpu, ram_bytes): (&[u32], u64, u64)) {
+        if let Some(n) = self.shared_holders.get_mut(&holder) {
+            self.shared.unreserve(gpus, per_gpu);
+            *n -= 1;
+            if *n == 0 {
+                self.shared_holders.remove(&holder);
             }
+        } else if let Some(books) = self.holders.get_mut(&holder) {
+            books.unreserve(gpus, per_gpu);
         }
-        self.reserved_gpu.retain(|_, b| *b > 0);
+        self.pool.unreserve(gpus, per_gpu);
         self.reserved_ram = self.reserved_ram.saturating_sub(ram_bytes);
+    }
+
+    /// `holder`'s allocator says it caches `bytes` unused: on the one GPU it holds memory on
+    /// (ignored when it holds memory on several, or none).
+    pub fn report_cache(&mut self, holder: ProcessId, capacity: &Capacity, bytes: u64) {
+        if !self.own_books(holder, capacity) {
+            return;
+        }
+        let books = self.holder(holder, capacity);
+        let mut gpus = books.usage.iter().filter(|(_, &b)| b > 0).map(|(g, _)| *g);
+        books.reported_cache.clear();
+        if let (Some(gpu), None) = (gpus.next(), gpus.next()) {
+            books.reported_cache.insert(gpu, bytes);
+        }
     }
 
     pub fn permit_granted(&mut self) {
         self.permits_held += 1;
-        self.learner
-            .permit_granted(self.usage.gpu_total_bytes(), self.permits_held);
+        let held = self.held_beyond_base();
+        self.learner.permit_granted(held, self.permits_held);
     }
 
     pub fn permit_ended(&mut self, held: Duration) {
@@ -214,13 +421,15 @@ impl Account {
 
     /// True while nothing refers to the pool any more (it may be forgotten).
     pub fn unused(&self) -> bool {
-        self.idle() && self.permits_held == 0
+        self.idle() && self.permits_held == 0 && self.holders.is_empty()
     }
 }
 
 /// Learns what a permit costs: over each busy period (from the first permit granted while none
-/// was held to the last one released) the GPU growth of the pool (peak minus the use before)
-/// divided by the most permits held at once.
+/// was held to the last one released), the most memory the pool held beyond its baseline divided
+/// by the most permits held at once. A period that started with cache (memory beyond the
+/// baseline) and never outgrew it says nothing of what a permit costs (the cache served it) and
+/// is not counted: a warm cache must not teach that permits are free.
 #[derive(Debug, Default)]
 pub struct Learner {
     busy: Option<Busy>,
@@ -230,29 +439,30 @@ pub struct Learner {
 
 #[derive(Debug)]
 struct Busy {
-    before: u64,
-    peak: u64,
+    /// Held beyond the baseline when the period began (None: not known).
+    before: Option<u64>,
+    peak: Option<u64>,
     most_permits: usize,
     /// A reading taken while permits were held (else the period says nothing).
     observed: bool,
 }
 
 impl Learner {
-    fn permit_granted(&mut self, usage: u64, held: usize) {
+    fn permit_granted(&mut self, held: Option<u64>, permits: usize) {
         let busy = self.busy.get_or_insert(Busy {
-            before: usage,
-            peak: usage,
+            before: held,
+            peak: None,
             most_permits: 0,
             observed: false,
         });
-        busy.most_permits = busy.most_permits.max(held);
+        busy.most_permits = busy.most_permits.max(permits);
     }
 
-    fn observe(&mut self, usage: u64, held: usize) {
+    fn observe(&mut self, held: Option<u64>, permits: usize) {
         if let Some(busy) = &mut self.busy {
-            if held > 0 {
-                busy.peak = busy.peak.max(usage);
-                busy.most_permits = busy.most_permits.max(held);
+            if permits > 0 {
+                busy.peak = busy.peak.max(held);
+                busy.most_permits = busy.most_permits.max(permits);
                 busy.observed = true;
             }
         }
@@ -266,14 +476,17 @@ impl Learner {
         if still_held > 0 {
             return;
         }
-        if let Some(busy) = self.busy.take() {
-            if busy.observed && busy.most_permits > 0 {
-                if self.samples.len() == SAMPLES {
-                    self.samples.pop_front();
-                }
-                self.samples
-                    .push_back(busy.peak.saturating_sub(busy.before) / busy.most_permits as u64);
+        let Some(busy) = self.busy.take() else {
+            return;
+        };
+        let (Some(before), Some(peak)) = (busy.before, busy.peak) else {
+            return;
+        };
+        if busy.observed && busy.most_permits > 0 && (before == 0 || peak > before) {
+            if self.samples.len() == SAMPLES {
+                self.samples.pop_front();
             }
+            self.samples.push_back(peak / busy.most_permits as u64);
         }
     }
 
@@ -311,105 +524,284 @@ fn quantile(mut values: Vec<u64>, q: f64) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::reserve::capacity::TreeUse;
 
     const GIB: u64 = 1 << 30;
+    const A: ProcessId = ProcessId {
+        pid: 100,
+        start_time: 1,
+    };
+    const B: ProcessId = ProcessId {
+        pid: 200,
+        start_time: 1,
+    };
 
-    fn usage(gpu0: u64, members: u64) -> ModelUse {
-        ModelUse {
-            gpu_bytes: BTreeMap::from([(0, gpu0)]),
-            members,
+    /// A reading in which each holder holds `gib` GiB on GPU 0, from one NVML pass or not.
+    fn reading(holders: &[(ProcessId, u64)], consistent: bool) -> Capacity {
+        let trees = holders
+            .iter()
+            .filter(|(_, gib)| *gib > 0)
+            .map(|&(id, gib)| {
+                let tree = TreeUse {
+                    gpu_bytes: BTreeMap::from([(0, gib * GIB)]),
+                    members: id.pid as u64,
+                    ..Default::default()
+                };
+                (id, tree)
+            })
+            .collect();
+        Capacity {
+            trees,
+            gpu_consistent: consistent,
             ..Default::default()
         }
     }
 
-    /// A pool settled at `weights` GiB.
-    fn settled(weights: u64) -> Account {
+    /// A reading that shows no process (for questions about holders already known).
+    fn nothing() -> Capacity {
+        reading(&[], true)
+    }
+
+    /// The host-wide pool with holder A settled at `weights` GiB.
+    fn settled(weights: u64) -> (Account, Capacity) {
         let mut a = Account::default();
-        a.observe(Some(&usage(weights * GIB, 1)), true);
-        a
+        let at_rest = reading(&[(A, weights)], true);
+        a.observe(None, &at_rest);
+        (a, at_rest)
+    }
+
+    fn take(a: &mut Account, c: &Capacity, who: ProcessId, gib: u64) {
+        a.reserve(who, c, (&[0], gib * GIB, 0));
+        a.permit_granted();
+    }
+
+    fn give_back(a: &mut Account, who: ProcessId, gib: u64) {
+        a.unreserve(who, (&[0], gib * GIB, 0));
+        a.permit_ended(Duration::from_millis(100));
     }
 
     #[test]
-    fn promises_shrink_as_the_pool_takes_what_it_reserved() {
-        let mut a = settled(4);
-        a.reserve(&[0], 3 * GIB, 0);
-        a.permit_granted();
-        assert_eq!(a.gpu_promised(0, true), 3 * GIB as i64);
-        a.observe(Some(&usage(6 * GIB, 1)), true); // 2 of the 3 GiB taken
-        assert_eq!(a.gpu_promised(0, true), GIB as i64);
+    fn promises_shrink_as_the_holder_takes_what_it_reserved() {
+        let (mut a, c) = settled(4);
+        take(&mut a, &c, A, 3);
+        assert_eq!(a.gpu_promised(0, true), 3 * GIB);
+        a.observe(None, &reading(&[(A, 6)], true)); // 2 of the 3 GiB taken
+        assert_eq!(a.gpu_promised(0, true), GIB);
         // Figures from different passes: the whole reservation stays promised.
-        assert_eq!(a.gpu_promised(0, false), 3 * GIB as i64);
-        assert_eq!(a.gpu_committed(), 7 * GIB);
+        a.observe(None, &reading(&[(A, 6)], false));
+        assert_eq!(a.gpu_promised(0, true), 3 * GIB);
     }
 
     #[test]
     fn weights_seen_late_never_pass_for_spare_memory() {
-        // The pool's first permit comes before NVML's lists show its weights (4 GiB).
+        // The first permit comes before NVML's lists show the holder's weights (4 GiB).
         let mut a = Account::default();
-        a.observe(Some(&usage(0, 1)), true);
-        a.observe(Some(&usage(0, 2)), false); // its processes changed: not settled
-        a.reserve(&[0], 3 * GIB, 0);
-        a.permit_granted();
-        a.observe(Some(&usage(7 * GIB, 2)), true); // weights and the permit's 3 GiB
+        take(&mut a, &reading(&[], true), A, 3);
+        a.observe(None, &reading(&[(A, 7)], true)); // weights and the permit's 3 GiB
+        assert_eq!(a.gpu_promised(0, true), 3 * GIB, "unsettled: all of it");
         assert_eq!(
-            a.gpu_promised(0, true),
+            a.gpu_promised_to(A, &nothing(), 0, true),
             3 * GIB as i64,
-            "unsettled: all of it"
+            "no cache credit"
         );
-        a.unreserve(&[0], 3 * GIB, 0);
-        a.permit_ended(Duration::from_millis(10));
-        a.observe(Some(&usage(4 * GIB, 2)), true);
+        give_back(&mut a, A, 3);
+        a.observe(None, &reading(&[(A, 4)], true));
         assert_eq!(
-            a.gpu_promised(0, true),
+            a.gpu_promised_to(A, &nothing(), 0, true),
             0,
-            "first quiet reading: no cache credit"
+            "first quiet reading: none"
         );
-        a.observe(Some(&usage(4 * GIB, 2)), true);
-        assert_eq!(a.gpu_promised(0, true), 0, "settled at the weights");
-        assert_eq!(a.gpu_committed(), 4 * GIB);
+        a.observe(None, &reading(&[(A, 4)], true));
+        assert_eq!(
+            a.gpu_promised_to(A, &nothing(), 0, true),
+            0,
+            "settled at the weights"
+        );
+        take(&mut a, &reading(&[(A, 4)], true), A, 3);
+        a.observe(None, &reading(&[(A, 5)], true));
+        assert_eq!(a.gpu_promised(0, true), 2 * GIB, "settled: 1 of 3 taken");
     }
 
     #[test]
-    fn a_cache_kept_after_the_permits_is_reusable_and_no_more() {
-        let mut a = settled(4);
-        a.reserve(&[0], 3 * GIB, 0);
-        a.permit_granted();
-        a.observe(Some(&usage(7 * GIB, 1)), true);
-        a.unreserve(&[0], 3 * GIB, 0);
-        a.permit_ended(Duration::from_millis(10));
-        // The allocator kept the 3 GiB: the pool's own to reuse.
-        a.observe(Some(&usage(7 * GIB, 1)), true);
-        assert_eq!(a.gpu_promised(0, true), -3 * GIB as i64);
-        assert_eq!(a.gpu_promised(0, false), 0, "no credit without one pass");
-        // A new permit takes from the cache first: nothing more is promised.
-        a.reserve(&[0], 2 * GIB, 0);
-        assert_eq!(a.gpu_promised(0, true), -(GIB as i64));
-        a.unreserve(&[0], 2 * GIB, 0);
-        a.observe(Some(&usage(7 * GIB, 1)), true);
-        // Memory given back while at rest comes out of the cache first.
-        a.observe(Some(&usage(5 * GIB, 1)), true);
-        assert_eq!(a.gpu_promised(0, true), -(GIB as i64));
-        // Growth at rest is the pool's own (an adapter loaded), not cache.
-        a.observe(Some(&usage(8 * GIB, 1)), true);
-        assert_eq!(a.gpu_promised(0, true), -(GIB as i64));
-        assert_eq!(a.gpu_committed(), 7 * GIB);
-    }
-
-    #[test]
-    fn learns_growth_per_permit_over_busy_periods() {
-        let mut a = settled(4);
+    fn a_holders_cache_serves_its_own_next_permits_and_nobody_elses() {
+        let (mut a, c) = settled(4);
         for _ in 0..3 {
-            a.permit_granted();
+            take(&mut a, &c, A, 3);
         }
-        a.observe(Some(&usage(13 * GIB, 1)), true); // 3 permits, 9 GiB
+        a.observe(None, &reading(&[(A, 13)], true));
+        // A burst: the three end and three more start before the next reading. The cache is
+        // theirs: nothing more is promised, and nothing more is offered.
         for _ in 0..3 {
-            a.permit_ended(Duration::from_millis(100));
+            give_back(&mut a, A, 3);
+            take(&mut a, &c, A, 3);
+        }
+        assert_eq!(a.gpu_promised_to(A, &nothing(), 0, true), 0);
+        a.observe(None, &reading(&[(A, 13)], true));
+        assert_eq!(a.gpu_promised_to(A, &nothing(), 0, true), 0);
+        for _ in 0..3 {
+            give_back(&mut a, A, 3);
+        }
+        // PyTorch kept the 9 GiB: A's next permits take from it first...
+        a.observe(None, &reading(&[(A, 13)], true));
+        assert_eq!(a.gpu_promised_to(A, &nothing(), 0, true), -9 * GIB as i64);
+        take(&mut a, &c, A, 3);
+        assert_eq!(a.gpu_promised_to(A, &nothing(), 0, true), -6 * GIB as i64);
+        // ...while for everyone else it is neither free nor promised memory.
+        assert_eq!(a.gpu_promised(0, true), 0);
+        assert_eq!(a.gpu_promised_to(B, &nothing(), 0, true), 0);
+        // Another process of the pool (a forked worker) has a cache of its own only.
+        let worker = reading(&[(A, 13), (B, 4)], true);
+        take(&mut a, &worker, B, 3);
+        assert_eq!(a.gpu_promised_to(B, &worker, 0, true), 3 * GIB as i64);
+        // Not one pass: no credit at all.
+        assert_eq!(a.gpu_promised_to(A, &nothing(), 0, false), 6 * GIB as i64);
+    }
+
+    #[test]
+    fn cache_credit_stops_at_the_most_its_permits_held_at_once() {
+        let (mut a, c) = settled(4);
+        for _ in 0..2 {
+            take(&mut a, &c, A, 3);
+        }
+        // 6 GiB of permits, and the process grew by 9 GiB meanwhile (an adapter, fragments).
+        a.observe(None, &reading(&[(A, 13)], true));
+        for _ in 0..2 {
+            give_back(&mut a, A, 3);
+        }
+        a.observe(None, &reading(&[(A, 13)], true));
+        assert_eq!(a.gpu_promised_to(A, &nothing(), 0, true), -6 * GIB as i64);
+        // Growth at rest is the holder's own (weights of an adapter), never cache.
+        a.observe(None, &reading(&[(A, 16)], true));
+        assert_eq!(a.gpu_promised_to(A, &nothing(), 0, true), -6 * GIB as i64);
+        // `empty_cache()`: the fall comes out of the cache, the baseline stays.
+        let emptied = reading(&[(A, 7)], true);
+        a.observe(None, &emptied);
+        assert_eq!(a.gpu_promised_to(A, &nothing(), 0, true), 0);
+        take(&mut a, &emptied, A, 3);
+        assert_eq!(a.gpu_promised_to(A, &nothing(), 0, true), 3 * GIB as i64);
+    }
+
+    #[test]
+    fn a_new_process_in_the_holders_tree_unsettles_it() {
+        let (mut a, c) = settled(4);
+        take(&mut a, &c, A, 3);
+        give_back(&mut a, A, 3);
+        a.observe(None, &reading(&[(A, 7)], true));
+        assert_eq!(a.gpu_promised_to(A, &nothing(), 0, true), -3 * GIB as i64);
+        // A child appears holding 5 GiB (an engine core loading): not cache.
+        let mut grown = reading(&[(A, 12)], true);
+        grown.trees.get_mut(&A).unwrap().members += 1;
+        a.observe(None, &grown);
+        assert_eq!(a.gpu_promised_to(A, &nothing(), 0, true), 0);
+    }
+
+    #[test]
+    fn a_front_end_that_holds_no_gpu_memory_draws_on_the_memory_of_its_model() {
+        // Model "m": a worker process holds the GPU memory, a front end takes the permits.
+        let (worker, front) = (A, B);
+        let model = |gib: u64| {
+            let mut c = reading(&[(worker, gib)], true);
+            c.models.insert(
+                "m".into(),
+                ModelUse {
+                    gpu_bytes: BTreeMap::from([(0, gib * GIB)]),
+                    members: 7,
+                    ..Default::default()
+                },
+            );
+            c.member_of.insert(worker, "m".into());
+            c.member_of.insert(front, "m".into());
+            c
+        };
+        let mut a = Account::default();
+        a.observe(Some("m"), &model(4));
+        take(&mut a, &model(4), front, 3);
+        assert_eq!(a.gpu_promised(0, true), 3 * GIB);
+        a.observe(Some("m"), &model(7)); // the worker took it
+        assert_eq!(a.gpu_promised(0, true), 0);
+        give_back(&mut a, front, 3);
+        a.observe(Some("m"), &model(7)); // and kept it cached
+        assert_eq!(
+            a.gpu_promised_to(front, &model(7), 0, true),
+            -3 * GIB as i64
+        );
+        assert_eq!(a.gpu_promised(0, true), 0, "nobody else's");
+        assert_eq!(a.gpu_committed(), 4 * GIB, "the budget counts the weights");
+    }
+
+    #[test]
+    fn what_the_allocator_reports_caching_counts_up_to_what_nvml_shows_held() {
+        // The daemon first saw A with its cache already warm (restarted under a busy server).
+        let warm = reading(&[(A, 13)], true);
+        let mut a = Account::default();
+        take(&mut a, &warm, A, 3);
+        assert_eq!(
+            a.gpu_promised_to(A, &nothing(), 0, true),
+            3 * GIB as i64,
+            "NVML alone: 13 GiB of its own"
+        );
+        a.report_cache(A, &warm, 9 * GIB);
+        assert_eq!(a.gpu_promised_to(A, &nothing(), 0, true), -6 * GIB as i64);
+        // A claim beyond what the process holds counts only what it holds.
+        a.report_cache(A, &warm, 40 * GIB);
+        assert_eq!(a.gpu_promised_to(A, &nothing(), 0, true), -10 * GIB as i64);
+        // For everyone else A's permit stays promised in full: a report frees nothing for them.
+        assert_eq!(a.gpu_promised_to(B, &nothing(), 0, true), 3 * GIB as i64);
+    }
+
+    #[test]
+    fn learns_growth_per_permit_and_a_warm_cache_does_not_teach_that_permits_are_free() {
+        let (mut a, c) = settled(4);
+        for _ in 0..3 {
+            take(&mut a, &c, A, 3);
+        }
+        a.observe(None, &reading(&[(A, 13)], true)); // 3 permits, 9 GiB
+        for _ in 0..3 {
+            give_back(&mut a, A, 3);
         }
         assert_eq!(a.learner.quantile(0.5), Some(3 * GIB));
-        // A period no reading saw teaches nothing.
-        a.permit_granted();
-        a.permit_ended(Duration::from_millis(1));
+        // The cache is warm: the next periods grow nothing and teach nothing.
+        for _ in 0..20 {
+            a.observe(None, &reading(&[(A, 13)], true));
+            for _ in 0..3 {
+                take(&mut a, &c, A, 3);
+            }
+            a.observe(None, &reading(&[(A, 13)], true));
+            for _ in 0..3 {
+                give_back(&mut a, A, 3);
+            }
+        }
         assert_eq!(a.learner.samples(), 1);
+        assert_eq!(a.learner.quantile(0.95), Some(3 * GIB));
+        // A period that outgrows the cache: what is held beyond the weights, per permit.
+        a.observe(None, &reading(&[(A, 13)], true));
+        for _ in 0..4 {
+            take(&mut a, &c, A, 3);
+        }
+        a.observe(None, &reading(&[(A, 16)], true));
+        for _ in 0..4 {
+            give_back(&mut a, A, 3);
+        }
+        assert_eq!(a.learner.samples(), 2);
+        assert_eq!(a.learner.quantile(1.0), Some(3 * GIB));
+        // A period no reading saw teaches nothing.
+        take(&mut a, &c, A, 3);
+        give_back(&mut a, A, 3);
+        assert_eq!(a.learner.samples(), 2);
         assert_eq!(a.learner.typical_hold(), Some(Duration::from_millis(100)));
+    }
+
+    #[test]
+    fn a_preallocating_engine_learns_that_its_permits_cost_nothing_on_the_gpu() {
+        // vLLM took 90 % of the card at start; its requests never touch the driver.
+        let (mut a, c) = settled(14);
+        for _ in 0..4 {
+            take(&mut a, &c, A, 0);
+        }
+        a.observe(None, &reading(&[(A, 14)], true));
+        for _ in 0..4 {
+            give_back(&mut a, A, 0);
+        }
+        assert_eq!(a.learner.quantile(0.95), Some(0));
     }
 }

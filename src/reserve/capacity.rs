@@ -21,6 +21,12 @@ pub struct Capacity {
     pub models: HashMap<String, ModelUse>,
     /// The model each process belongs to (a permit that names none takes its caller's).
     pub member_of: HashMap<ProcessId, String>,
+    /// What each process holds on the GPUs with its descendants, for every process that holds
+    /// GPU memory and each of its ancestors: a reservation's holder is set against its tree.
+    pub trees: HashMap<ProcessId, TreeUse>,
+    /// GPU holders the process scan has not seen yet (a server that started since), by pid:
+    /// what each holds itself.
+    pub unscanned: HashMap<i32, TreeUse>,
     /// The per-process GPU figures were read in the same NVML pass as `free`: a model's use and
     /// the GPU's free memory can be set against each other (see `Account::gpu_promised`).
     pub gpu_consistent: bool,
@@ -55,6 +61,16 @@ pub struct ModelUse {
     pub gpu_unknown: bool,
     pub ram_bytes: u64,
     /// Changes whenever the set of member processes changes.
+    pub members: u64,
+}
+
+/// What a process and its descendants hold on the GPUs.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TreeUse {
+    pub gpu_bytes: BTreeMap<u32, u64>,
+    /// Some process's GPU use is unavailable: `gpu_bytes` is a lower bound.
+    pub gpu_unknown: bool,
+    /// Changes whenever the set of processes holding GPU memory in the tree changes.
     pub members: u64,
 }
 
@@ -104,6 +120,7 @@ impl Capacity {
                     format!("{r} is below its warn floor; launches pause until it recovers")
                 }
             });
+        let (trees, unscanned) = trees(snapshot);
         let mut models = HashMap::new();
         let mut member_of = HashMap::new();
         for usage in &state.attribution.models {
@@ -128,9 +145,18 @@ impl Capacity {
             launch_pause,
             models,
             member_of,
+            trees,
+            unscanned,
             gpu_consistent: g.processes_fresh && g.devices.iter().all(|d| d.processes_steady),
             gpu_sampled_at: g.sampled_at,
         }
+    }
+
+    /// What `holder` holds on the GPUs with its descendants, if the latest readings tell.
+    pub fn tree(&self, holder: ProcessId) -> Option<&TreeUse> {
+        self.trees
+            .get(&holder)
+            .or_else(|| self.unscanned.get(&holder.pid))
     }
 
     pub fn gpu(&self, index: u32) -> Option<&GpuCapacity> {
@@ -141,4 +167,51 @@ impl Capacity {
     pub fn largest_gpu_bytes(&self) -> Option<u64> {
         self.gpus.iter().filter_map(|g| g.total).max()
     }
+}
+
+/// Longest parent chain followed from a GPU holder (deeper is not a real process tree).
+const MAX_TREE_DEPTH: usize = 64;
+
+/// [`Capacity::trees`]: each GPU holder's memory added to itself and every ancestor the process
+/// scan knows (pid 1 and above it excluded: every process descends from it); and
+/// [`Capacity::unscanned`].
+fn trees(snapshot: &Snapshot) -> (HashMap<ProcessId, TreeUse>, HashMap<i32, TreeUse>) {
+    let table = &snapshot.processes;
+    let by_pid = |pid: i32| {
+        let procs = &table.processes;
+        match procs.binary_search_by_key(&pid, |p| p.pid) {
+            Ok(i) => Some(&procs[i]),
+            Err(_) => procs.iter().find(|p| p.pid == pid),
+        }
+    };
+    let mut trees: HashMap<ProcessId, TreeUse> = HashMap::new();
+    let mut unscanned: HashMap<i32, TreeUse> = HashMap::new();
+    for gpu in &snapshot.gpus.devices {
+        let trusted = gpu.untrusted().is_none();
+        for (&pid, &bytes) in &gpu.processes {
+            let mut member = std::collections::hash_map::DefaultHasher::new();
+            (pid, gpu.index).hash(&mut member);
+            let member = member.finish();
+            let add = |tree: &mut TreeUse| {
+                match bytes.filter(|_| trusted) {
+                    Some(b) => *tree.gpu_bytes.entry(gpu.index).or_default() += b,
+                    None => tree.gpu_unknown = true,
+                }
+                tree.members = tree.members.wrapping_add(member);
+            };
+            let Some(holder) = by_pid(pid) else {
+                add(unscanned.entry(pid).or_default());
+                continue;
+            };
+            let mut at = Some(holder);
+            for _ in 0..MAX_TREE_DEPTH {
+                let Some(p) = at.filter(|p| p.pid > 1) else {
+                    break;
+                };
+                add(trees.entry(p.id()).or_default());
+                at = by_pid(p.ppid).filter(|parent| parent.pid != p.pid);
+            }
+        }
+    }
+    (trees, unscanned)
 }

@@ -383,15 +383,7 @@ impl Reservations {
 
     /// A pool's books; a new one starts from the pool's use now (its baseline).
     fn account(&mut self, pool: &Pool) -> &mut Account {
-        let capacity = &self.capacity;
-        self.pools.entry(pool.clone()).or_insert_with(|| {
-            let mut account = Account::default();
-            account.observe(
-                pool.as_ref().and_then(|n| capacity.models.get(n)),
-                capacity.gpu_consistent,
-            );
-            account
-        })
+        account_in(&mut self.pools, &self.capacity, pool)
     }
 
     /// The models in force: the config's, then those launched without a `[[model]]`.
@@ -408,8 +400,9 @@ impl Reservations {
         self.model_config(name).map(|m| m.allowed_users())
     }
 
-    /// The room for `pool` on every GPU and in RAM.
-    fn rooms(&self, pool: &Pool) -> (Vec<GpuRoom>, RamRoom) {
+    /// The room for `holder`'s next reservation of `pool` on every GPU and in RAM: free memory
+    /// minus the floors and what every reservation may still take, less the holder's own cache.
+    fn rooms(&self, pool: &Pool, holder: ProcessId) -> (Vec<GpuRoom>, RamRoom) {
         let consistent = self.capacity.gpu_consistent;
         let own = self.pools.get(pool);
         let gpus = self
@@ -421,9 +414,11 @@ impl Reservations {
                     .pools
                     .iter()
                     .filter(|(p, _)| *p != pool)
-                    .map(|(_, a)| a.gpu_promised(g.index, consistent).max(0))
+                    .map(|(_, a)| a.gpu_promised(g.index, consistent) as i64)
                     .sum();
-                let mine = own.map_or(0, |a| a.gpu_promised(g.index, consistent));
+                let mine = own.map_or(0, |a| {
+                    a.gpu_promised_to(holder, &self.capacity, g.index, consistent)
+                });
                 let room = (g.usable)
                     .then(|| g.free.map(|f| f as i64 - g.floor as i64 - others - mine))
                     .flatten();
@@ -459,8 +454,8 @@ impl Reservations {
     }
 
     /// Does `demand` fit `pool` now: its model's slots and budget, then the memory.
-    fn fit(&self, uid: u32, pool: &Pool, demand: &Demand, permit: bool) -> Fit {
-        if let Some(f) = self.uid_cap_fit(uid, demand) {
+    fn fit(&self, peer: &Peer, pool: &Pool, demand: &Demand, permit: bool) -> Fit {
+        if let Some(f) = self.uid_cap_fit(peer.uid, demand) {
             return f;
         }
         if let Some(name) = pool {
@@ -470,7 +465,7 @@ impl Reservations {
                 }
             }
         }
-        let (gpus, ram) = self.rooms(pool);
+        let (gpus, ram) = self.rooms(pool, peer.process());
         place(demand, &gpus, &ram)
     }
 
@@ -479,13 +474,13 @@ impl Reservations {
     /// reading its requests are decided on.
     fn fit_fresh(
         &self,
-        uid: u32,
+        peer: &Peer,
         pool: &Pool,
         demand: &Demand,
         permit: bool,
         fresh_after: Duration,
     ) -> Fit {
-        match self.fit(uid, pool, demand, permit) {
+        match self.fit(peer, pool, demand, permit) {
             Fit::Now { .. } if self.stale_for(demand, fresh_after) => Fit::Later(Shortfall {
                 message: "a GPU reading newer than the request".into(),
                 ..Default::default()
@@ -633,6 +628,13 @@ impl Reservations {
             Ok(d) => d,
             Err(message) => return refuse(RefusalReason::Invalid, message),
         };
+        if let Some(bytes) = request.cache_bytes {
+            account_in(&mut self.pools, &self.capacity, &pool).report_cache(
+                peer.process(),
+                &self.capacity,
+                bytes.min(MAX_BYTES),
+            );
+        }
         let duplicate = self
             .waiting
             .values()
@@ -650,16 +652,30 @@ impl Reservations {
                 "uid {} holds or waits for {} permits (permits.max_per_uid)",
                 peer.uid, limits.max_per_uid
             );
-            return Some(self.refusal(id, &pool, &demand, RefusalReason::QueueFull, message));
+            return Some(self.refusal(
+                id,
+                &peer,
+                &pool,
+                &demand,
+                RefusalReason::QueueFull,
+                message,
+            ));
         }
         let total: usize = self.uids.values().map(|u| u.permits).sum();
         if total >= limits.max_total {
             let message = format!("{total} permits held or waiting (permits.max_total)");
-            return Some(self.refusal(id, &pool, &demand, RefusalReason::QueueFull, message));
+            return Some(self.refusal(
+                id,
+                &peer,
+                &pool,
+                &demand,
+                RefusalReason::QueueFull,
+                message,
+            ));
         }
         let queued = self.waiting.get(&pool).map_or(0, VecDeque::len);
         let fresh_after = self.conns.get(&conn).map_or(now, |c| c.since);
-        let fit = match self.fit_fresh(peer.uid, &pool, &demand, true, fresh_after) {
+        let fit = match self.fit_fresh(&peer, &pool, &demand, true, fresh_after) {
             // First come, first served: nobody overtakes a request of the same pool that waits.
             Fit::Now { .. } if queued > 0 => Fit::Later(Shortfall {
                 message: format!("{queued} request(s) of this model wait ahead"),
@@ -818,8 +834,13 @@ impl Reservations {
         now: Duration,
     ) -> Response {
         let permit = self.new_id();
-        let account = self.account(&pool);
-        account.reserve(&gpus, demand.gpu_bytes_per_gpu, demand.ram_bytes);
+        let capacity = &self.capacity;
+        let account = account_in(&mut self.pools, capacity, &pool);
+        account.reserve(
+            peer.process(),
+            capacity,
+            (&gpus, demand.gpu_bytes_per_gpu, demand.ram_bytes),
+        );
         account.permit_granted();
         account.counts.granted += 1;
         let waited = now.saturating_sub(arrived);
@@ -876,12 +897,13 @@ impl Reservations {
     fn refusal(
         &mut self,
         id: u64,
+        peer: &Peer,
         pool: &Pool,
         demand: &Demand,
         reason: RefusalReason,
         message: String,
     ) -> Response {
-        let (gpus, ram) = self.rooms(pool);
+        let (gpus, ram) = self.rooms(pool, peer.process());
         let best = demand
             .pinned
             .as_ref()
@@ -979,7 +1001,10 @@ impl Reservations {
         let used = self.uid_use(h.peer.uid);
         used.permits = used.permits.saturating_sub(1);
         if let Some(a) = self.pools.get_mut(&h.pool) {
-            a.unreserve(&h.gpus, h.gpu_bytes_per_gpu, h.ram_bytes);
+            a.unreserve(
+                h.peer.process(),
+                (&h.gpus, h.gpu_bytes_per_gpu, h.ram_bytes),
+            );
             a.permit_ended(now.saturating_sub(h.granted_at));
         }
     }
@@ -1275,7 +1300,7 @@ impl Reservations {
 
     /// `launch_fit` on the reading there is, however old.
     fn launch_fit_now(&self, w: &Waiter) -> Fit {
-        let fit = self.fit(w.peer.uid, &w.pool, &w.demand, false);
+        let fit = self.fit(&w.peer, &w.pool, &w.demand, false);
         if matches!(fit, Fit::Never(_)) {
             return fit;
         }
@@ -1326,8 +1351,13 @@ impl Reservations {
                 env.push(("GPUGUARD_GPU_MEMORY_FRACTION".into(), fraction));
             }
         }
-        let account = self.account(&w.pool);
-        account.reserve(&gpus, need.gpu_bytes_per_gpu, need.ram_bytes);
+        let capacity = &self.capacity;
+        let account = account_in(&mut self.pools, capacity, &w.pool);
+        account.reserve(
+            w.peer.process(),
+            capacity,
+            (&gpus, need.gpu_bytes_per_gpu, need.ram_bytes),
+        );
         let by_gpu = need.gpu_bytes_per_gpu > 0;
         let usage = if by_gpu {
             account.usage().gpu_total_bytes()
@@ -1466,10 +1496,10 @@ impl Reservations {
             h.gpu_bytes_per_gpu,
             h.ram_bytes,
         );
-        let uid = h.peer.uid;
+        let (uid, holder) = (h.peer.uid, h.peer.process());
         if let Some(a) = self.pools.get_mut(&pool) {
-            a.unreserve(&gpus, per_gpu, ram);
-            a.rebase_to_usage();
+            a.unreserve(holder, (&gpus, per_gpu, ram));
+            a.rebase(holder);
         }
         let used = self.uid_use(uid);
         used.launches = used.launches.saturating_sub(1);
@@ -1516,7 +1546,7 @@ impl Reservations {
     }
 
     fn time_out_permit(&mut self, w: Waiter, now: Duration) {
-        let fit = self.fit(w.peer.uid, &w.pool, &w.demand, true);
+        let fit = self.fit(&w.peer, &w.pool, &w.demand, true);
         let shortfall = match fit {
             Fit::Later(s) | Fit::Never(s) => s,
             Fit::Now { .. } => Shortfall {
@@ -1622,7 +1652,7 @@ impl Reservations {
         let pools: Vec<Pool> = self.waiting.keys().cloned().collect();
         for pool in pools {
             while let Some(head) = self.waiting.get(&pool).and_then(VecDeque::front) {
-                match self.fit_fresh(head.peer.uid, &pool, &head.demand, true, head.fresh_after) {
+                match self.fit_fresh(&head.peer, &pool, &head.demand, true, head.fresh_after) {
                     Fit::Now { gpus } => {
                         let w = self
                             .waiting
@@ -1690,8 +1720,7 @@ impl Reservations {
     pub fn tick(&mut self, now: Duration, capacity: Capacity) -> TickReport {
         self.capacity = capacity;
         for (pool, account) in self.pools.iter_mut() {
-            let usage = pool.as_ref().and_then(|n| self.capacity.models.get(n));
-            account.observe(usage, self.capacity.gpu_consistent);
+            account.observe(pool.as_deref(), &self.capacity);
         }
         self.watch_leases(now);
         self.expire(now);
@@ -1952,6 +1981,19 @@ impl Reservations {
             })
             .collect()
     }
+}
+
+/// `pool`'s books in `pools`; a new one starts from the pool's use now (its baseline).
+fn account_in<'a>(
+    pools: &'a mut BTreeMap<Pool, Account>,
+    capacity: &Capacity,
+    pool: &Pool,
+) -> &'a mut Account {
+    pools.entry(pool.clone()).or_insert_with(|| {
+        let mut account = Account::default();
+        account.observe(pool.as_deref(), capacity);
+        account
+    })
 }
 
 /// Whether a lease's process has exited (its pidfd says so).

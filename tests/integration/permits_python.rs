@@ -209,3 +209,19 @@ fn the_fastapi_example_answers_200_or_503_with_retry_after_and_never_overflows()
     assert_eq!(r["unavailable_with_retry_after"], unavailable, "{r}");
     assert_eq!(r["server"]["overflows"], 0, "{r}");
 }
+
+#[test]
+fn a_caching_server_keeps_being_served_from_its_own_cache() {
+    let s = setup(16);
+    let r = s.seed(&[
+        "--allocator",
+        "caching",
+        "--pause",
+        "1",
+        "--permit-timeout",
+        "5",
+    ]);
+    eprintln!("{r}\n{}", s.daemon.log_text());
+    assert_safe(&r);
+    assert_eq!(r["served"], 30, "{r}");
+}

@@ -87,14 +87,15 @@ def main() -> None:
     example = load_app(args.app)
 
     async def do_work(prompt: str, permit) -> str:
-        if not card.start(permit.gpu_bytes):
+        handle = card.start(permit.gpu_bytes)
+        if handle is None:
             raise RuntimeError(
                 "CUDA out of memory (simulated: the request did not fit on the card)"
             )
         try:
             await asyncio.sleep(args.work)
         finally:
-            card.finish(permit.gpu_bytes)
+            card.finish(handle)
         return prompt
 
     example.do_work = do_work

@@ -1,21 +1,24 @@
-"""The seed scenario of issue #12: a "model server" whose GPU memory is its weights plus the
-working memory of each request in flight, serving bursts of concurrent requests. Each request
-takes a gpuguard permit for its memory (through the Python client) with a timeout, "works"
-(sleeps) while holding it, and releases it. Without permits (--no-permits) the bursts overflow
-the card, which is what the seed users saw as CUDA OOM.
+"""The seed scenario of issue #12: a model server on a simulated card (fakegpu.py), serving
+bursts of concurrent requests. Each request takes a gpuguard permit for its memory (through the
+Python client) with a timeout, "works" (sleeps) holding its memory, and releases it. Without
+permits (--no-permits) the bursts overflow the card, which is what the seed users saw as CUDA
+OOM; with a hand-written semaphore (--semaphore N) they wait for one of N slots, as the seed
+users' servers did.
 
-The card is device 0 of a fake NVML state file (tests/fake_nvml/README.md), rewritten atomically
-on every change: `device 0 total=CARD used=WEIGHTS+IN_FLIGHT(+others)` and `process 0 PID
-WEIGHTS+IN_FLIGHT` for this process, so the daemon sees the memory and whose it is. A request
-whose memory does not fit on the card is an overflow (a simulated CUDA OOM): it fails, and its
-memory is not taken.
+The server holds its memory through one of fakegpu.py's allocators (--allocator): `release`
+(cudaFree at the end of each request), `caching` (PyTorch's caching allocator: freed blocks stay
+in the process and NVML keeps showing them), `prealloc` (vLLM/SGLang/JAX: a share of the card at
+start, requests wait inside the engine). With --workers N it forks N worker processes, each with
+its own weights, allocator and gpuguard connection, serving every Nth request of each burst.
 
 Prints one JSON line of results on stdout:
   requests, served, refused, refused_by_reason {reason: n}, refused_without_retry_after,
   retry_after_s {min, max} (null when nothing was refused), errors, error_messages (first 5),
-  overflows, max_in_flight, max_used_bytes, fit (how many requests fit beside the weights
-  with a fixed size, else null), expired (permits revoked while working), max_waited_s,
-  card_total_bytes, weights_bytes, permits (bool), client ("thread"/"async").
+  overflows (CUDA OOMs), max_in_flight (on the card, across workers), max_used_bytes,
+  median_latency_s (from a request's arrival to the end of its work, served ones), fit (how
+  many requests fit beside the weights with a fixed size, else null), expired (permits revoked
+  while working), max_waited_s, card_total_bytes, weights_bytes, allocator, workers, permits
+  (bool), semaphore, client ("thread"/"async").
 Every request is served, refused (backpressure), an overflow, or an error.
 
 Options:
@@ -35,6 +38,10 @@ Options:
   --permit-size exact|none|SIZE  what a permit asks for: the request's real size (default),
                           nothing (the daemon's learned size for the model), or a fixed size
   --no-permits            serve without permits (shows the overflow)
+  --semaphore N           a hand-written semaphore of N slots instead of permits
+  --allocator release|caching|prealloc  how the server holds GPU memory (default release)
+  --prealloc SHARE        the share of the card a `prealloc` engine takes at start (default 0.9)
+  --workers N             forked worker processes, each with its own memory (default 1)
   --client thread|async   threads with gpuguard.Client, or asyncio tasks with AsyncClient
   --socket PATH           the daemon's socket (default $GPUGUARD_SOCKET, else the system one)
   --others PATH           other processes on the card (see fakegpu.py)
@@ -52,19 +59,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import threading
 import time
 from typing import Any, Dict, List, Optional
 
-from fakegpu import FakeCard, import_gpuguard, parse_size_range
+from fakegpu import ALLOCATORS, FakeCard, import_gpuguard, parse_size_range
 
 gpuguard = import_gpuguard()
 
 
 class Results:
-    """What happened to the requests; thread-safe."""
+    """What happened to the requests; thread-safe. `merge` adds another worker's report."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -74,12 +82,14 @@ class Results:
         self.retry_after_s: List[float] = []
         self.error_messages: List[str] = []
         self.max_waited_s = 0.0
+        self.latencies_s: List[float] = []
 
-    def count(self, outcome: str) -> None:
+    def count(self, outcome: str, arrived: float) -> None:
         with self._lock:
             self.requests += 1
             if outcome == "served":
                 self.served += 1
+                self.latencies_s.append(time.monotonic() - arrived)
 
     def permit_used(self, permit: Any) -> None:
         with self._lock:
@@ -102,34 +112,59 @@ class Results:
             if len(self.error_messages) < 5:
                 self.error_messages.append(f"{type(err).__name__}: {err}")
 
-    def report(
-        self, card: FakeCard, args: argparse.Namespace, fit: Optional[int]
-    ) -> Dict[str, Any]:
-        stats = card.stats()
+    def raw(self, card: FakeCard) -> Dict[str, Any]:
+        """This process's counts, to merge in the parent (workers) or report."""
         return {
             "requests": self.requests,
             "served": self.served,
-            "refused": sum(self.refused.values()),
+            "errors": self.errors,
+            "expired": self.expired,
             "refused_by_reason": self.refused,
             "refused_without_retry_after": self.refused_without_retry_after,
-            "retry_after_s": (
-                {"min": min(self.retry_after_s), "max": max(self.retry_after_s)}
-                if self.retry_after_s
-                else None
-            ),
-            "errors": self.errors,
+            "retry_after_s": self.retry_after_s,
             "error_messages": self.error_messages,
-            "overflows": stats["overflows"],
-            "max_in_flight": stats["max_in_flight"],
-            "max_used_bytes": stats["max_used_bytes"],
-            "fit": fit,
-            "expired": self.expired,
-            "max_waited_s": round(self.max_waited_s, 3),
-            "card_total_bytes": stats["card_total_bytes"],
-            "weights_bytes": stats["weights_bytes"],
-            "permits": not args.no_permits,
-            "client": args.client,
+            "max_waited_s": self.max_waited_s,
+            "latencies_s": self.latencies_s,
+            "card": card.stats(),
         }
+
+
+def report(parts: List[Dict[str, Any]], args: argparse.Namespace, fit: Optional[int]) -> Dict[str, Any]:
+    """One JSON report of every process's counts (one part per worker)."""
+    refused: Dict[str, int] = {}
+    for part in parts:
+        for reason, n in part["refused_by_reason"].items():
+            refused[reason] = refused.get(reason, 0) + n
+    retry_after = [r for part in parts for r in part["retry_after_s"]]
+    latencies = sorted(x for part in parts for x in part["latencies_s"])
+    cards = [part["card"] for part in parts]
+    return {
+        "requests": sum(p["requests"] for p in parts),
+        "served": sum(p["served"] for p in parts),
+        "refused": sum(refused.values()),
+        "refused_by_reason": refused,
+        "refused_without_retry_after": sum(p["refused_without_retry_after"] for p in parts),
+        "retry_after_s": (
+            {"min": min(retry_after), "max": max(retry_after)} if retry_after else None
+        ),
+        "errors": sum(p["errors"] for p in parts),
+        "error_messages": [m for p in parts for m in p["error_messages"]][:5],
+        "overflows": sum(c["overflows"] for c in cards),
+        # Every worker sees the whole card: the most any of them saw.
+        "max_in_flight": max(c["max_in_flight"] for c in cards),
+        "max_used_bytes": max(c["max_used_bytes"] for c in cards),
+        "median_latency_s": round(latencies[len(latencies) // 2], 3) if latencies else None,
+        "fit": fit,
+        "expired": sum(p["expired"] for p in parts),
+        "max_waited_s": round(max(p["max_waited_s"] for p in parts), 3),
+        "card_total_bytes": args.card_total,
+        "weights_bytes": args.weights,
+        "allocator": args.allocator,
+        "workers": args.workers,
+        "permits": not args.no_permits and not args.semaphore,
+        "semaphore": args.semaphore,
+        "client": args.client,
+    }
 
 
 def permit_size(args: argparse.Namespace, size: int) -> Optional[int]:
@@ -150,27 +185,37 @@ def permit_options(args: argparse.Namespace, size: int) -> Dict[str, Any]:
 
 
 def run_threads(
-    args: argparse.Namespace, card: FakeCard, sizes: List[List[int]], results: Results
+    args: argparse.Namespace,
+    card: FakeCard,
+    sizes: List[List[int]],
+    results: Results,
+    start_burst: Any,
 ) -> None:
     client = gpuguard.Client(args.socket)
+    semaphore = threading.Semaphore(args.semaphore) if args.semaphore else None
 
     def work(size: int) -> str:
-        if not card.start(size):
+        handle = card.start(size)
+        if handle is None:
             return "overflow"
         time.sleep(args.work)
-        card.finish(size)
+        card.finish(handle)
         return "served"
 
     def request(size: int, barrier: threading.Barrier) -> None:
         barrier.wait()
+        arrived = time.monotonic()
         try:
             if args.no_permits:
-                results.count(work(size))
-                return
-            with client.permit(**permit_options(args, size)) as permit:
-                outcome = work(size)
-            results.permit_used(permit)
-            results.count(outcome)
+                results.count(work(size), arrived)
+            elif semaphore is not None:
+                with semaphore:
+                    results.count(work(size), arrived)
+            else:
+                with client.permit(**permit_options(args, size)) as permit:
+                    outcome = work(size)
+                results.permit_used(permit)
+                results.count(outcome, arrived)
         except gpuguard.PermitRefused as refused:
             results.refusal(refused)
         except Exception as err:  # reported in the results, not lost in a thread
@@ -178,8 +223,7 @@ def run_threads(
 
     try:
         for number, burst in enumerate(sizes):
-            if number and args.pause:
-                time.sleep(args.pause)
+            start_burst(number)
             barrier = threading.Barrier(len(burst))
             threads = [threading.Thread(target=request, args=(size, barrier)) for size in burst]
             for thread in threads:
@@ -191,28 +235,38 @@ def run_threads(
 
 
 async def run_tasks(
-    args: argparse.Namespace, card: FakeCard, sizes: List[List[int]], results: Results
+    args: argparse.Namespace,
+    card: FakeCard,
+    sizes: List[List[int]],
+    results: Results,
+    start_burst: Any,
 ) -> None:
     client = gpuguard.AsyncClient(args.socket)
+    semaphore = asyncio.Semaphore(args.semaphore) if args.semaphore else None
 
     async def work(size: int) -> str:
-        if not card.start(size):
+        handle = card.start(size)
+        if handle is None:
             return "overflow"
         try:
             await asyncio.sleep(args.work)
         finally:
-            card.finish(size)
+            card.finish(handle)
         return "served"
 
     async def request(size: int) -> None:
+        arrived = time.monotonic()
         try:
             if args.no_permits:
-                results.count(await work(size))
-                return
-            async with client.permit(**permit_options(args, size)) as permit:
-                outcome = await work(size)
-            results.permit_used(permit)
-            results.count(outcome)
+                results.count(await work(size), arrived)
+            elif semaphore is not None:
+                async with semaphore:
+                    results.count(await work(size), arrived)
+            else:
+                async with client.permit(**permit_options(args, size)) as permit:
+                    outcome = await work(size)
+                results.permit_used(permit)
+                results.count(outcome, arrived)
         except gpuguard.PermitRefused as refused:
             results.refusal(refused)
         except Exception as err:
@@ -220,8 +274,7 @@ async def run_tasks(
 
     try:
         for number, burst in enumerate(sizes):
-            if number and args.pause:
-                await asyncio.sleep(args.pause)
+            await asyncio.get_running_loop().run_in_executor(None, start_burst, number)
             await asyncio.gather(*(request(size) for size in burst))
     finally:
         await client.aclose()
@@ -258,6 +311,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--model", default=None)
     parser.add_argument("--permit-size", default="exact")
     parser.add_argument("--no-permits", action="store_true")
+    parser.add_argument("--semaphore", type=int, default=0)
+    parser.add_argument("--allocator", choices=ALLOCATORS, default="release")
+    parser.add_argument("--prealloc", type=float, default=0.9)
+    parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--client", choices=["thread", "async"], default="thread")
     parser.add_argument("--socket", default=None)
     parser.add_argument("--others", default=None)
@@ -270,29 +327,111 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             parse_size(args.permit_size, "--permit-size")
     except (ValueError, TypeError) as err:
         parser.error(str(err))
-    if args.burst < 1 or args.bursts < 1:
-        parser.error("--burst and --bursts must be at least 1")
+    if args.burst < 1 or args.bursts < 1 or args.workers < 1:
+        parser.error("--burst, --bursts and --workers must be at least 1")
+    if not 0 < args.prealloc <= 1:
+        parser.error("--prealloc is a share of the card, above 0 and at most 1")
     return args
 
 
-def main() -> None:
-    args = parse_args()
-    sizes = draw_sizes(args)
-    card = FakeCard(args.state, args.card_total, args.weights, others_path=args.others)
+def serve(
+    args: argparse.Namespace,
+    sizes: List[List[int]],
+    start_burst: Any,
+    loaded: Any = None,
+) -> Dict[str, Any]:
+    """One server process: loads its weights on the card, serves its share of every burst,
+    and returns its counts. `loaded` is called once the weights are on the card."""
+    card = FakeCard(
+        args.state,
+        args.card_total,
+        args.weights,
+        others_path=args.others,
+        allocator=args.allocator,
+        prealloc=args.prealloc,
+    )
+    if loaded:
+        loaded()
+    results = Results()
+    try:
+        if args.client == "thread":
+            run_threads(args, card, sizes, results, start_burst)
+        else:
+            asyncio.run(run_tasks(args, card, sizes, results, start_burst))
+        return results.raw(card)
+    finally:
+        card.close()
+
+
+def worker_main(
+    args: argparse.Namespace,
+    sizes: List[List[int]],
+    barrier: Any,
+    out: Any,
+) -> None:
+    """A forked worker: its own CUDA context, weights, allocator cache and gpuguard connection."""
+
+    def start_burst(number: int) -> None:
+        if number and args.pause:
+            time.sleep(args.pause)
+        barrier.wait()
+
+    try:
+        out.put(serve(args, sizes, start_burst, loaded=barrier.wait))
+    except BaseException as err:
+        out.put({"failed": f"{type(err).__name__}: {err}"})
+        raise
+
+
+def write_ready(args: argparse.Namespace) -> None:
     if args.ready_file:
         with open(args.ready_file + ".tmp", "w") as ready:
             ready.write(f"{os.getpid()}\n")
         os.replace(args.ready_file + ".tmp", args.ready_file)
     while args.go_file and not os.path.exists(args.go_file):
         time.sleep(0.01)
-    results = Results()
-    if args.client == "thread":
-        run_threads(args, card, sizes, results)
+
+
+def main() -> None:
+    args = parse_args()
+    sizes = draw_sizes(args)
+    if args.workers == 1:
+
+        def start_burst(number: int) -> None:
+            if number and args.pause:
+                time.sleep(args.pause)
+
+        parts = [serve(args, sizes, start_burst, loaded=lambda: write_ready(args))]
     else:
-        asyncio.run(run_tasks(args, card, sizes, results))
+        # Worker i serves requests i, i + N, ... of every burst, as a preforked server's
+        # workers share the connections; all start each burst together.
+        fork = multiprocessing.get_context("fork")
+        barrier = fork.Barrier(args.workers + 1)
+        out = fork.Queue()
+        workers = [
+            fork.Process(
+                target=worker_main,
+                args=(args, [b[i :: args.workers] for b in sizes], barrier, out),
+            )
+            for i in range(args.workers)
+        ]
+        for worker in workers:
+            worker.start()
+        barrier.wait()  # every worker's weights are on the card
+        write_ready(args)
+        for number in range(len(sizes)):
+            if number and args.pause:
+                time.sleep(args.pause)
+            barrier.wait()
+        parts = [out.get() for _ in workers]
+        for worker in workers:
+            worker.join()
+        failed = [p["failed"] for p in parts if "failed" in p]
+        if failed:
+            raise SystemExit(f"seed_server.py: a worker failed: {failed}")
     low, high = parse_size_range(args.request_size)
     fit = (args.card_total - args.weights) // low if low == high else None
-    print(json.dumps(results.report(card, args, fit)), flush=True)
+    print(json.dumps(report(parts, args, fit)), flush=True)
 
 
 if __name__ == "__main__":
