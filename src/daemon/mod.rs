@@ -439,11 +439,11 @@ impl Daemon {
             self.engines
                 .set_targets(targets, self.config.daemon.scan_interval);
         }
-        let (report, fresh_wanted) = {
+        let (report, fresh_wanted, scan_wanted) = {
             let capacity = Capacity::from_tick(&self.config, &self.snapshot, &self.state);
             let mut table = self.shared.table();
             let report = table.tick(at, capacity);
-            (report, table.wants_fresh_gpu())
+            (report, table.wants_fresh_gpu(), table.wants_fresh_scan())
         };
         if let (true, Some(gpus)) = (fresh_wanted, &self.gpus) {
             // A request waits for a GPU reading newer than itself: have one taken now, and be
@@ -478,7 +478,12 @@ impl Daemon {
             outcomes.push(Executed { action, outcome });
         }
         self.state.apply(&outcomes);
-        self.max_scan_age = plan.max_scan_age;
+        // A permit request waits for a scan to find its caller's model: one now.
+        self.max_scan_age = if scan_wanted {
+            Duration::ZERO
+        } else {
+            plan.max_scan_age
+        };
         self.watch = plan.watch;
         // The full view only when the status and metrics are due (every `STATUS_REFRESH`).
         let publish = self

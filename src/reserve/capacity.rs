@@ -32,6 +32,8 @@ pub struct Capacity {
     pub gpu_consistent: bool,
     /// When the GPU reading was taken (daemon clock).
     pub gpu_sampled_at: Option<Duration>,
+    /// When the process scan behind `member_of` and `trees` ran (daemon clock).
+    pub scanned_at: Option<Duration>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -149,6 +151,7 @@ impl Capacity {
             unscanned,
             gpu_consistent: g.processes_fresh && g.devices.iter().all(|d| d.processes_steady),
             gpu_sampled_at: g.sampled_at,
+            scanned_at: snapshot.processes.scanned_at,
         }
     }
 

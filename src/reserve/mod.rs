@@ -57,6 +57,8 @@ const MAX_BYTES: u64 = 1 << 50;
 /// Words and bytes of a launch command kept for status and logs.
 const MAX_COMMAND_WORDS: usize = 64;
 const MAX_COMMAND_BYTES: usize = 4096;
+/// Why a permit request whose caller's model is not known yet waits.
+const UNPLACED: &str = "a process scan newer than the request (to find the caller's model)";
 
 struct Conn {
     uid: u32,
@@ -96,6 +98,10 @@ struct Waiter {
     waiting_for: String,
     /// A launch was told it is queued (once).
     told: bool,
+    /// A permit request that names no model, from a process the latest process scan has not
+    /// seen: its pool (its process's model, else the host-wide pool) is decided on a scan newer
+    /// than its connection. It waits in the host-wide pool's queue until then.
+    unplaced: Option<Box<AcquireRequest>>,
 }
 
 enum Wanted {
@@ -503,6 +509,30 @@ impl Reservations {
             .any(|w| self.stale_for(&w.demand, w.fresh_after))
     }
 
+    /// Whether `demand` would come wholly out of the memory its caller's processes already hold
+    /// beyond their reservations (their allocator's cache), on one GPU.
+    fn held_in_own_cache(&self, peer: &Peer, pool: &Pool, demand: &Demand) -> bool {
+        if demand.ram_bytes > 0 || demand.gpu_bytes_per_gpu == 0 || demand.gpu_count != 1 {
+            return false;
+        }
+        let Some(account) = self.pools.get(pool) else {
+            return false;
+        };
+        self.capacity
+            .gpus
+            .iter()
+            .filter(|g| g.usable)
+            .filter(|g| demand.pinned.as_ref().is_none_or(|p| p.contains(&g.index)))
+            .any(|g| {
+                account.own_cache_holds(
+                    peer.process(),
+                    &self.capacity,
+                    g.index,
+                    demand.gpu_bytes_per_gpu,
+                )
+            })
+    }
+
     /// `[clients] max_reserved_per_uid`: what a uid other than root holds reserved (loading
     /// launches and permits) plus `demand`, against the cap: `None` when within it.
     fn uid_cap_fit(&self, uid: u32, demand: &Demand) -> Option<Fit> {
@@ -620,20 +650,21 @@ impl Reservations {
         let Some(peer) = self.conns.get(&conn).and_then(|c| c.peer) else {
             return refuse(RefusalReason::Invalid, "connection not ready".into());
         };
+        let fresh_after = self.conns.get(&conn).map_or(now, |c| c.since);
+        let unplaced = request.model.is_none()
+            && !self.capacity.member_of.contains_key(&peer.process())
+            && self.capacity.scanned_at.is_none_or(|t| t < fresh_after);
         let pool = match self.permit_pool(&peer, request.model.as_deref()) {
             Ok(pool) => pool,
+            Err(_) if unplaced => None,
             Err((reason, message)) => return refuse(reason, message),
         };
         let (demand, ttl, timeout) = match self.permit_demand(&pool, &request) {
             Ok(d) => d,
             Err(message) => return refuse(RefusalReason::Invalid, message),
         };
-        if let Some(bytes) = request.cache_bytes {
-            account_in(&mut self.pools, &self.capacity, &pool).report_cache(
-                peer.process(),
-                &self.capacity,
-                bytes.min(MAX_BYTES),
-            );
+        if !unplaced {
+            self.report_cache(&pool, &peer, &request);
         }
         let duplicate = self
             .waiting
@@ -674,13 +705,19 @@ impl Reservations {
             ));
         }
         let queued = self.waiting.get(&pool).map_or(0, VecDeque::len);
-        let fresh_after = self.conns.get(&conn).map_or(now, |c| c.since);
         let fit = match self.fit_fresh(&peer, &pool, &demand, true, fresh_after) {
-            // First come, first served: nobody overtakes a request of the same pool that waits.
-            Fit::Now { .. } if queued > 0 => Fit::Later(Shortfall {
-                message: format!("{queued} request(s) of this model wait ahead"),
+            Fit::Now { .. } | Fit::Never(_) if unplaced => Fit::Later(Shortfall {
+                message: UNPLACED.into(),
                 ..Default::default()
             }),
+            // First come, first served: nobody overtakes a request of the same pool that waits,
+            // but for one its own cache holds (it takes nothing the others wait for).
+            Fit::Now { .. } if queued > 0 && !self.held_in_own_cache(&peer, &pool, &demand) => {
+                Fit::Later(Shortfall {
+                    message: format!("{queued} request(s) of this model wait ahead"),
+                    ..Default::default()
+                })
+            }
             fit => fit,
         };
         match fit {
@@ -725,6 +762,7 @@ impl Reservations {
                         wanted: Wanted::Permit { ttl },
                         waiting_for: s.message,
                         told: true,
+                        unplaced: unplaced.then(|| Box::new(request)),
                     });
                 None
             }
@@ -768,6 +806,17 @@ impl Reservations {
                     peer.uid
                 ),
             ))
+        }
+    }
+
+    /// What the caller's allocator says it caches (`cache_bytes`), for its books in `pool`.
+    fn report_cache(&mut self, pool: &Pool, peer: &Peer, request: &AcquireRequest) {
+        if let Some(bytes) = request.cache_bytes {
+            account_in(&mut self.pools, &self.capacity, pool).report_cache(
+                peer.process(),
+                &self.capacity,
+                bytes.min(MAX_BYTES),
+            );
         }
     }
 
@@ -840,6 +889,7 @@ impl Reservations {
             peer.process(),
             capacity,
             (&gpus, demand.gpu_bytes_per_gpu, demand.ram_bytes),
+            now,
         );
         account.permit_granted();
         account.counts.granted += 1;
@@ -1004,6 +1054,7 @@ impl Reservations {
             a.unreserve(
                 h.peer.process(),
                 (&h.gpus, h.gpu_bytes_per_gpu, h.ram_bytes),
+                now,
             );
             a.permit_ended(now.saturating_sub(h.granted_at));
         }
@@ -1083,6 +1134,7 @@ impl Reservations {
             arrived: now,
             deadline: now + queue_timeout,
             fresh_after: self.conns.get(&conn).map_or(now, |c| c.since),
+            unplaced: None,
             wanted: Wanted::Launch(Box::new(LaunchWait {
                 request,
                 pidfd,
@@ -1357,6 +1409,7 @@ impl Reservations {
             w.peer.process(),
             capacity,
             (&gpus, need.gpu_bytes_per_gpu, need.ram_bytes),
+            now,
         );
         let by_gpu = need.gpu_bytes_per_gpu > 0;
         let usage = if by_gpu {
@@ -1468,7 +1521,7 @@ impl Reservations {
         };
         let model = l.model.clone();
         if l.state == LeaseState::Loading {
-            self.lease_ready(lease);
+            self.lease_ready(lease, now);
         }
         tracing::info!(
             "lease {lease} of model '{model}' released by uid {}",
@@ -1483,7 +1536,7 @@ impl Reservations {
     }
 
     /// A lease's model is loaded: its memory is now the model's own.
-    fn lease_ready(&mut self, lease: u64) {
+    fn lease_ready(&mut self, lease: u64, now: Duration) {
         let Some(h) = self.holdings.get_mut(&lease) else {
             return;
         };
@@ -1498,7 +1551,7 @@ impl Reservations {
         );
         let (uid, holder) = (h.peer.uid, h.peer.process());
         if let Some(a) = self.pools.get_mut(&pool) {
-            a.unreserve(holder, (&gpus, per_gpu, ram));
+            a.unreserve(holder, (&gpus, per_gpu, ram), now);
             a.rebase(holder);
         }
         let used = self.uid_use(uid);
@@ -1649,16 +1702,25 @@ impl Reservations {
 
     /// Lets in what fits now: the heads of the permit queues, then the head of the launches.
     pub fn admit_waiting(&mut self, now: Duration) {
+        self.place_unplaced();
         let pools: Vec<Pool> = self.waiting.keys().cloned().collect();
         for pool in pools {
-            while let Some(head) = self.waiting.get(&pool).and_then(VecDeque::front) {
-                match self.fit_fresh(&head.peer, &pool, &head.demand, true, head.fresh_after) {
-                    Fit::Now { gpus } => {
+            // In order; behind one that waits, only those their own cache holds go ahead.
+            let mut i = 0;
+            while let Some(w) = self.waiting.get(&pool).and_then(|q| q.get(i)) {
+                if w.unplaced.is_some() {
+                    i += 1;
+                    continue;
+                }
+                let fit = self.fit_fresh(&w.peer, &pool, &w.demand, true, w.fresh_after);
+                let may_go = i == 0 || self.held_in_own_cache(&w.peer, &pool, &w.demand);
+                match fit {
+                    Fit::Now { gpus } if may_go => {
                         let w = self
                             .waiting
                             .get_mut(&pool)
-                            .and_then(VecDeque::pop_front)
-                            .expect("head exists");
+                            .and_then(|q| q.remove(i))
+                            .expect("it exists");
                         if let Some(c) = self.conns.get_mut(&w.conn) {
                             c.waiting = c.waiting.saturating_sub(1);
                         }
@@ -1678,12 +1740,12 @@ impl Reservations {
                         );
                         self.send(w.conn, response);
                     }
+                    Fit::Now { .. } => i += 1,
                     Fit::Later(s) | Fit::Never(s) => {
-                        if let Some(head) = self.waiting.get_mut(&pool).and_then(|q| q.front_mut())
-                        {
-                            head.waiting_for = s.message;
+                        if let Some(w) = self.waiting.get_mut(&pool).and_then(|q| q.get_mut(i)) {
+                            w.waiting_for = s.message;
                         }
-                        break;
+                        i += 1;
                     }
                 }
             }
@@ -1713,6 +1775,61 @@ impl Reservations {
                 }
             }
         }
+    }
+
+    /// Permit requests whose caller's model was not known yet, once a process scan newer than
+    /// their connection is in: to their caller's model's queue (behind those waiting there), or
+    /// the host-wide pool's if it has none and may use it, else refused.
+    fn place_unplaced(&mut self) {
+        let scanned_at = self.capacity.scanned_at;
+        let Some(queue) = self.waiting.get_mut(&None) else {
+            return;
+        };
+        let ready: Vec<usize> = queue
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| w.unplaced.is_some() && scanned_at.is_some_and(|t| t >= w.fresh_after))
+            .map(|(i, _)| i)
+            .collect();
+        let mut placed = Vec::new();
+        for i in ready.into_iter().rev() {
+            placed.push(queue.remove(i).expect("index is valid"));
+        }
+        for mut w in placed.into_iter().rev() {
+            let request = w.unplaced.take().expect("chosen for it");
+            let placed = self.permit_pool(&w.peer, None).and_then(|pool| {
+                match self.permit_demand(&pool, &request) {
+                    Ok((demand, ..)) => Ok((pool, demand)),
+                    Err(message) => Err((RefusalReason::Invalid, message)),
+                }
+            });
+            match placed {
+                Ok((pool, demand)) => {
+                    self.report_cache(&pool, &w.peer, &request);
+                    w.pool = pool.clone();
+                    w.demand = demand;
+                    let queue = self.waiting.entry(pool).or_default();
+                    // In arrival order among the host-wide pool's, behind a model's queue.
+                    let at = queue
+                        .iter()
+                        .position(|q| q.arrived > w.arrived && w.pool.is_none());
+                    queue.insert(at.unwrap_or(queue.len()), w);
+                }
+                Err((reason, message)) => {
+                    self.forget_waiter(&w);
+                    self.send(w.conn, Response::refused(Some(w.id), reason, message));
+                }
+            }
+        }
+        self.waiting.retain(|_, q| !q.is_empty());
+    }
+
+    /// True while a permit request waits for a process scan to find its caller's model: the
+    /// loop then has one taken at once.
+    pub fn wants_fresh_scan(&self) -> bool {
+        self.waiting
+            .get(&None)
+            .is_some_and(|q| q.iter().any(|w| w.unplaced.is_some()))
     }
 
     /// After a tick of the loop: the new capacity, the launched servers' progress, expiries and
@@ -1803,7 +1920,7 @@ impl Reservations {
                 )
                 .about(about(&pool, &peer)),
             );
-            self.lease_ready(id);
+            self.lease_ready(id, now);
         }
         for id in dead {
             let Some(h) = self.holdings.get(&id) else {
@@ -1812,7 +1929,7 @@ impl Reservations {
             let loading = h.reserving();
             let (pool, peer) = (h.pool.clone(), h.peer);
             if loading {
-                self.lease_ready(id);
+                self.lease_ready(id, now);
                 // Info: the launching client's own process exited (it can do so in a loop);
                 // a kill by the guard has its own critical event.
                 self.event(
@@ -2127,6 +2244,7 @@ mod tests {
             )]),
             gpu_consistent: true,
             gpu_sampled_at: Some(Duration::ZERO),
+            scanned_at: Some(Duration::ZERO),
             ..Default::default()
         }
     }
@@ -2182,6 +2300,63 @@ mod tests {
             }) => (reason, message),
             other => panic!("not refused: {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_caller_the_scan_has_not_seen_yet_waits_for_one_to_find_its_model() {
+        // A server of model "served" that started after the latest process scan asks at once,
+        // naming no model: its pool is decided by the next scan, not by the host-wide pool.
+        let (mut t, mut rx) = table_for(
+            "[[model]]\nname = \"served\"\nmatch = { comm = \"x\" }\nmax_permits = 1\n",
+            1001,
+        );
+        let connected = Duration::from_millis(5);
+        t.connect(2, 1001, connected).unwrap();
+        let (tx, mut rx2) = tokio::sync::mpsc::channel(16);
+        let server = Peer {
+            uid: 1001,
+            pid: 77,
+            start_time: 9,
+        };
+        t.attach(2, server, tx);
+        let ask = |id| AcquireRequest {
+            id,
+            gpu_bytes: Some(GIB),
+            timeout_ms: Some(5000),
+            ..Default::default()
+        };
+        assert!(t.acquire(2, ask(1), connected).is_none(), "it waits");
+        assert!(t.acquire(2, ask(2), connected).is_none());
+        assert!(t.wants_fresh_scan());
+        // A scan older than the connection decides nothing.
+        t.tick(connected, capacity(4 * GIB));
+        assert!(rx2.try_recv().is_err());
+        assert!(t.wants_fresh_scan());
+        // The next one has it in "served": one permit (max_permits 1), the other waits there.
+        let mut scanned = capacity(4 * GIB);
+        scanned.scanned_at = Some(connected);
+        scanned.gpu_sampled_at = Some(connected);
+        scanned.member_of.insert(server.process(), "served".into());
+        t.tick(connected + Duration::from_millis(1), scanned);
+        assert!(matches!(
+            rx2.try_recv(),
+            Ok(Response::Granted { id: 1, .. })
+        ));
+        assert!(!t.wants_fresh_scan());
+        let rows = t.rows(connected);
+        let served = rows.permits.iter().find(|p| p.model == "served").unwrap();
+        assert_eq!((served.held, served.waiting), (1, 1));
+        // A caller in no model, once scanned, is refused the host-wide pool it may not use.
+        assert!(t
+            .acquire(1, ask(3), Duration::ZERO)
+            .is_some_and(|r| matches!(
+                r,
+                Response::Refused {
+                    reason: RefusalReason::NotAllowed,
+                    ..
+                }
+            )));
+        assert!(rx.try_recv().is_err());
     }
 
     #[test]

@@ -13,6 +13,7 @@ mod gpu_guard;
 mod launch;
 mod metrics;
 mod permits;
+mod permits_allocators;
 mod permits_python;
 mod plan;
 mod process_truth;

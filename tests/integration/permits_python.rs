@@ -15,7 +15,7 @@ use crate::common::*;
 use serde_json::Value;
 
 /// The test environment's Python (fails, saying how to get it, when `scripts/test` did not run).
-fn venv_python() -> String {
+pub fn venv_python() -> String {
     let python = std::env::var("GPUGUARD_TEST_PYTHON").unwrap_or_default();
     assert!(
         !python.is_empty() && Path::new(&python).exists(),
@@ -25,19 +25,28 @@ fn venv_python() -> String {
     python
 }
 
-fn scenario(name: &str) -> PathBuf {
+pub fn scenario(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/permits")
         .join(name)
 }
 
 /// A daemon watching model "seed" (the scenario scripts), with a 512 MiB GPU warn floor.
-struct Setup {
-    fake: FakeNvml,
-    daemon: GuardDaemon,
+pub struct Setup {
+    pub fake: FakeNvml,
+    pub daemon: GuardDaemon,
 }
 
+/// Model "seed": the scenario scripts' processes.
+pub const SEED_MODEL: &str =
+    "[[model]]\nname = \"seed\"\nmatch = { cmdline = \"tests/permits/(seed|fastapi)_server\\\\.py\" }\n";
+
 fn setup(card_gib: u64) -> Setup {
+    setup_with(card_gib, SEED_MODEL)
+}
+
+/// A daemon on one fake card of `card_gib` GiB, in observe mode, with `models` (TOML).
+pub fn setup_with(card_gib: u64, models: &str) -> Setup {
     let fake = FakeNvml::new(&format!(
         "device 0 uuid=GPU-seed total={} used=0\n",
         card_gib * GIB
@@ -46,7 +55,7 @@ fn setup(card_gib: u64) -> Setup {
         "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"models\"\nmode = \"observe\"\ninterval = \"200ms\"\nscan_interval = \"200ms\"\n\
          [ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n\
          [gpu]\nnvml_library = \"{}\"\nsample_timeout = \"500ms\"\nwarn_free = \"512MiB\"\n\
-         [[model]]\nname = \"seed\"\nmatch = {{ cmdline = \"tests/permits/(seed|fastapi)_server\\\\.py\" }}\n",
+         {models}",
         FakeNvml::library()
     );
     let daemon = GuardDaemon::start_with_fake(&config, &fake);
@@ -55,15 +64,21 @@ fn setup(card_gib: u64) -> Setup {
 }
 
 impl Setup {
-    /// Runs seed_server.py with these options; returns its JSON results.
+    /// Runs seed_server.py with these options and `--model seed`; returns its JSON results.
     fn seed(&self, options: &[&str]) -> Value {
+        self.seed_as(Some("seed"), options)
+    }
+
+    /// Runs seed_server.py with these options, its permits naming `model` (None: the daemon
+    /// finds the model by the process); returns its JSON results.
+    pub fn seed_as(&self, model: Option<&str>, options: &[&str]) -> Value {
         let out = Command::new(venv_python())
             .arg(scenario("seed_server.py"))
             .arg("--state")
             .arg(&self.fake.state)
             .arg("--socket")
             .arg(self.daemon.socket())
-            .args(["--model", "seed"])
+            .args(model.map(|m| ["--model", m]).into_iter().flatten())
             .args(options)
             .stderr(Stdio::piped())
             .output()
@@ -79,7 +94,7 @@ impl Setup {
 }
 
 /// No overflow; everything served or refused with backpressure (a reason and a Retry-After).
-fn assert_safe(r: &Value) {
+pub fn assert_safe(r: &Value) {
     assert_eq!(r["overflows"], 0, "{r}");
     assert_eq!(r["errors"], 0, "{r}");
     assert_eq!(
@@ -208,20 +223,4 @@ fn the_fastapi_example_answers_200_or_503_with_retry_after_and_never_overflows()
     );
     assert_eq!(r["unavailable_with_retry_after"], unavailable, "{r}");
     assert_eq!(r["server"]["overflows"], 0, "{r}");
-}
-
-#[test]
-fn a_caching_server_keeps_being_served_from_its_own_cache() {
-    let s = setup(16);
-    let r = s.seed(&[
-        "--allocator",
-        "caching",
-        "--pause",
-        "1",
-        "--permit-timeout",
-        "5",
-    ]);
-    eprintln!("{r}\n{}", s.daemon.log_text());
-    assert_safe(&r);
-    assert_eq!(r["served"], 30, "{r}");
 }

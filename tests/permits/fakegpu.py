@@ -255,12 +255,16 @@ class Caching:
         return sum(b[1] for s in self.segments for b in s[1] if b[2])
 
     def figures(self) -> Dict[str, int]:
-        """torch.cuda.memory_reserved / memory_allocated / max_memory_allocated."""
+        """torch.cuda.memory_reserved / memory_allocated / max_memory_allocated, and
+        memory_stats()'s inactive_split_bytes (free blocks of segments partly in use)."""
         with self._lock:
             return {
                 "reserved": sum(s[0] for s in self.segments),
                 "allocated": self._allocated(),
                 "peak_allocated": self.peak_allocated,
+                "inactive_split": sum(
+                    b[1] for s in self.segments if any(x[2] for x in s[1]) for b in s[1] if not b[2]
+                ),
             }
 
 
@@ -292,7 +296,7 @@ class Preallocating:
 
 
 class FakeCard:
-    """One server process on the card: its weights (and CUDA context) loaded at start, then
+    """One server process on the card: its CUDA context and weights loaded at start, then
     `start(size)` takes a request's memory through the allocator (None: CUDA OOM, counted as an
     overflow) and `finish(handle)` gives it back to the allocator. Thread-safe."""
 
@@ -304,6 +308,7 @@ class FakeCard:
         others_path: Optional[str] = None,
         allocator: str = "release",
         prealloc: float = 0.9,
+        context_bytes: int = 0,
     ) -> None:
         self.card = Card(state_path, total_bytes, others_path)
         self.pid = os.getpid()
@@ -313,6 +318,9 @@ class FakeCard:
         self._lock = threading.Lock()
         self.started = 0
         self.overflows = 0
+        # Every process that touches CUDA holds a context (300-500 MiB on current drivers).
+        if not self.card.malloc(self.pid, context_bytes):
+            raise RuntimeError("the CUDA context does not fit on the card")
         if allocator == "prealloc":
             # The preallocation holds the weights and the KV pool beside them.
             self.allocator: Any = Preallocating(
@@ -355,3 +363,27 @@ class FakeCard:
                 "max_used_bytes": self.card.max_used_bytes,
                 **{f"allocator_{k}_bytes": v for k, v in self.allocator.figures().items()},
             }
+
+
+def install_fake_torch(card: FakeCard) -> None:
+    """Puts a `torch` module in sys.modules whose `torch.cuda` answers from `card`'s allocator
+    (`memory_reserved`, `memory_allocated`, `max_memory_allocated`), as PyTorch answers from its
+    caching allocator: what the client's `allocator="torch"` reads."""
+    import types
+
+    def figure(name: str) -> Any:
+        return lambda device=None: card.allocator.figures().get(name, 0)
+
+    cuda = types.SimpleNamespace(
+        is_initialized=lambda: True,
+        current_device=lambda: 0,
+        memory_reserved=figure("reserved"),
+        memory_allocated=figure("allocated"),
+        max_memory_allocated=figure("peak_allocated"),
+        memory_stats=lambda device=None: {
+            "inactive_split_bytes.all.current": card.allocator.figures().get("inactive_split", 0)
+        },
+    )
+    torch = types.ModuleType("torch")
+    torch.cuda = cuda  # type: ignore[attr-defined]
+    sys.modules["torch"] = torch

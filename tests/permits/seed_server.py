@@ -25,6 +25,7 @@ Options:
   --state PATH            the fake NVML state file to write (required)
   --card-total SIZE       the card's memory (default 16GiB)
   --weights SIZE          the model's weights, resident all along (default 4GiB)
+  --context SIZE          the CUDA context each server process holds (default 0)
   --request-size SIZE     memory per request: a size, or a range LOW-HIGH drawn uniformly per
                           request in MiB steps (e.g. 1GiB-4GiB) (default 3GiB)
   --seed N                seed for the drawn sizes (default 0)
@@ -42,6 +43,13 @@ Options:
   --allocator release|caching|prealloc  how the server holds GPU memory (default release)
   --prealloc SHARE        the share of the card a `prealloc` engine takes at start (default 0.9)
   --workers N             forked worker processes, each with its own memory (default 1)
+  --dispatch round-robin|by-burst  which worker serves a request: every Nth of each burst
+                          (default), or whole bursts in turn (burst k to worker k mod N)
+  --warm N                serve N requests of --warm-size (default 3GiB) at start, without
+                          permits, before the first burst: the cache is warm when the daemon
+                          first sees the server ask (as after a restart of the daemon)
+  --torch                 a fake `torch` module answers from the allocator, and the client
+                          reports its cache (`allocator="torch"`)
   --client thread|async   threads with gpuguard.Client, or asyncio tasks with AsyncClient
   --socket PATH           the daemon's socket (default $GPUGUARD_SOCKET, else the system one)
   --others PATH           other processes on the card (see fakegpu.py)
@@ -66,7 +74,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional
 
-from fakegpu import ALLOCATORS, FakeCard, import_gpuguard, parse_size_range
+from fakegpu import ALLOCATORS, FakeCard, import_gpuguard, install_fake_torch, parse_size_range
 
 gpuguard = import_gpuguard()
 
@@ -191,7 +199,7 @@ def run_threads(
     results: Results,
     start_burst: Any,
 ) -> None:
-    client = gpuguard.Client(args.socket)
+    client = gpuguard.Client(args.socket, allocator="torch" if args.torch else None)
     semaphore = threading.Semaphore(args.semaphore) if args.semaphore else None
 
     def work(size: int) -> str:
@@ -224,7 +232,7 @@ def run_threads(
     try:
         for number, burst in enumerate(sizes):
             start_burst(number)
-            barrier = threading.Barrier(len(burst))
+            barrier = threading.Barrier(max(len(burst), 1))
             threads = [threading.Thread(target=request, args=(size, barrier)) for size in burst]
             for thread in threads:
                 thread.start()
@@ -241,7 +249,7 @@ async def run_tasks(
     results: Results,
     start_burst: Any,
 ) -> None:
-    client = gpuguard.AsyncClient(args.socket)
+    client = gpuguard.AsyncClient(args.socket, allocator="torch" if args.torch else None)
     semaphore = asyncio.Semaphore(args.semaphore) if args.semaphore else None
 
     async def work(size: int) -> str:
@@ -300,6 +308,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--state", required=True)
     parser.add_argument("--card-total", type=parse_size, default=parse_size("16GiB"))
     parser.add_argument("--weights", type=parse_size, default=parse_size("4GiB"))
+    parser.add_argument("--context", type=parse_size, default=0)
     parser.add_argument("--request-size", default="3GiB")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--burst", type=int, default=10)
@@ -315,6 +324,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--allocator", choices=ALLOCATORS, default="release")
     parser.add_argument("--prealloc", type=float, default=0.9)
     parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--dispatch", choices=["round-robin", "by-burst"], default="round-robin")
+    parser.add_argument("--warm", type=int, default=0)
+    parser.add_argument("--warm-size", type=parse_size, default=parse_size("3GiB"))
+    parser.add_argument("--torch", action="store_true")
     parser.add_argument("--client", choices=["thread", "async"], default="thread")
     parser.add_argument("--socket", default=None)
     parser.add_argument("--others", default=None)
@@ -349,7 +362,17 @@ def serve(
         others_path=args.others,
         allocator=args.allocator,
         prealloc=args.prealloc,
+        context_bytes=args.context,
     )
+    if args.torch:
+        install_fake_torch(card)
+    if args.warm:
+        # Requests served before the first burst (and before the daemon's permits): the
+        # allocator's cache is already warm when the daemon first sees the process ask.
+        handles = [card.start(args.warm_size) for _ in range(args.warm)]
+        for handle in handles:
+            if handle is not None:
+                card.finish(handle)
     if loaded:
         loaded()
     results = Results()
@@ -361,6 +384,13 @@ def serve(
         return results.raw(card)
     finally:
         card.close()
+
+
+def share(args: argparse.Namespace, sizes: List[List[int]], worker: int) -> List[List[int]]:
+    """Worker `worker`'s requests of each burst (an empty burst: it serves none of that one)."""
+    if args.dispatch == "by-burst":
+        return [b if k % args.workers == worker else [] for k, b in enumerate(sizes)]
+    return [b[worker :: args.workers] for b in sizes]
 
 
 def worker_main(
@@ -404,14 +434,15 @@ def main() -> None:
         parts = [serve(args, sizes, start_burst, loaded=lambda: write_ready(args))]
     else:
         # Worker i serves requests i, i + N, ... of every burst, as a preforked server's
-        # workers share the connections; all start each burst together.
+        # workers share the connections (or, by burst, every Nth burst); all start each burst
+        # together.
         fork = multiprocessing.get_context("fork")
         barrier = fork.Barrier(args.workers + 1)
         out = fork.Queue()
         workers = [
             fork.Process(
                 target=worker_main,
-                args=(args, [b[i :: args.workers] for b in sizes], barrier, out),
+                args=(args, share(args, sizes, i), barrier, out),
             )
             for i in range(args.workers)
         ]
@@ -430,7 +461,7 @@ def main() -> None:
         if failed:
             raise SystemExit(f"seed_server.py: a worker failed: {failed}")
     low, high = parse_size_range(args.request_size)
-    fit = (args.card_total - args.weights) // low if low == high else None
+    fit = (args.card_total - args.weights - args.context) // low if low == high else None
     print(json.dumps(report(parts, args, fit)), flush=True)
 
 

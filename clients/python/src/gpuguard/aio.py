@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Union
 
 from . import _session
 from ._session import MAX_ANSWER_BYTES, ConnectionLevelError, Lost, Permit, Request, Session
+from .allocator import CacheReader, cache_reader, with_cache
 from .errors import DaemonUnavailable, GpuguardError, ProtocolError
 from .sizes import Size
 
@@ -132,8 +133,10 @@ class AsyncClient:
         timeout_margin: float = 1.0,
         cancel_grace: float = 2.0,
         release_timeout: float = 10.0,
+        allocator: Union[None, str, CacheReader] = None,
     ) -> None:
         self.socket_path = _session.socket_path(socket_path)
+        self._cache_reader = cache_reader(allocator)
         self._connect_timeout = connect_timeout
         self._margin = timeout_margin
         self._cancel_grace = cancel_grace
@@ -180,7 +183,10 @@ class AsyncClient:
         ttl: Optional[float] = None,
     ) -> Permit:
         """Waits for a permit; arguments, answers and errors as `gpuguard.Client.acquire`."""
-        fields = _session.acquire_fields(gpu_bytes, ram_bytes, model, gpu, timeout, ttl)
+        fields = with_cache(
+            _session.acquire_fields(gpu_bytes, ram_bytes, model, gpu, timeout, ttl),
+            self._cache_reader,
+        )
         loop = asyncio.get_running_loop()
         start = loop.time()
         request_fields = fields

@@ -9,10 +9,11 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Union
 
 from . import _session
 from ._session import MAX_ANSWER_BYTES, ConnectionLevelError, Lost, Permit, Request, Session
+from .allocator import CacheReader, cache_reader, with_cache
 from .errors import DaemonUnavailable, GpuguardError, ProtocolError
 from .sizes import Size
 
@@ -160,6 +161,11 @@ class Client:
     daemon closes connections idle for 60 s). A client-side wait lasts the daemon's timeout plus
     ``timeout_margin`` seconds; after that a ``cancel`` is sent and the daemon's answer awaited
     for ``cancel_grace`` seconds (a permit granted meanwhile is released at once).
+
+    ``allocator="torch"`` sends with each request what PyTorch's caching allocator holds unused
+    on the current device (read only when torch is imported and CUDA initialised; see
+    `gpuguard.allocator`), so the daemon lets this process's own cache serve its permits even
+    when it cannot tell the cache from the weights. A function returning bytes works too.
     """
 
     def __init__(
@@ -170,8 +176,10 @@ class Client:
         timeout_margin: float = 1.0,
         cancel_grace: float = 2.0,
         release_timeout: float = 10.0,
+        allocator: Union[None, str, CacheReader] = None,
     ) -> None:
         self.socket_path = _session.socket_path(socket_path)
+        self._cache_reader = cache_reader(allocator)
         self._connect_timeout = connect_timeout
         self._margin = timeout_margin
         self._cancel_grace = cancel_grace
@@ -223,7 +231,10 @@ class Client:
         `gpu` (None: the GPU with the most room), `timeout` and `ttl` in seconds (None: the
         daemon's defaults). Raises PermitRefused (with `.reason`, `.retry_after`, ...) when the
         daemon refuses or does not answer in time, DaemonUnavailable when it cannot be reached."""
-        fields = _session.acquire_fields(gpu_bytes, ram_bytes, model, gpu, timeout, ttl)
+        fields = with_cache(
+            _session.acquire_fields(gpu_bytes, ram_bytes, model, gpu, timeout, ttl),
+            self._cache_reader,
+        )
         start = time.monotonic()
         request_fields = fields
         for attempt in range(2):

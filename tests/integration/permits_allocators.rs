@@ -1,0 +1,216 @@
+//! Issue #22: permits against servers that hold GPU memory the way real ones do, through the real
+//! daemon, the fake NVML and the Python client (tests/permits/seed_server.py with fakegpu.py's
+//! allocators): PyTorch's caching allocator (freed blocks stay in the process and NVML keeps
+//! showing them used), a preallocating engine (vLLM, SGLang, JAX), forked workers each with a
+//! cache of their own, and a cache already warm when the daemon first sees the server ask.
+//!
+//! Each scenario runs bursts of 10 requests; every request must be served or refused with
+//! backpressure, with no simulated CUDA OOM and never more in flight than fit. Where a fixed
+//! semaphore is the alternative, gpuguard must reach the concurrency of the best one that does
+//! not overflow (compared by requests in flight, not by time).
+
+use crate::common::*;
+use crate::permits_python::{assert_safe, setup_with, Setup, SEED_MODEL};
+use serde_json::Value;
+
+/// The seed card: 16 GiB, 4 GiB of weights and a 512 MiB CUDA context, 3 GiB per request,
+/// three bursts of 10 with a pause between them.
+const SEED: [&str; 10] = [
+    "--context",
+    "512MiB",
+    "--pause",
+    "1",
+    "--permit-timeout",
+    "5",
+    "--allocator",
+    "caching",
+    "--bursts",
+    "3",
+];
+
+fn with(base: &[&str], more: &[&str]) -> Vec<String> {
+    base.iter().chain(more).map(|s| s.to_string()).collect()
+}
+
+fn run(s: &Setup, model: Option<&str>, options: &[String]) -> Value {
+    let options: Vec<&str> = options.iter().map(String::as_str).collect();
+    s.seed_as(model, &options)
+}
+
+fn count(r: &Value, key: &str) -> u64 {
+    r[key].as_u64().unwrap_or_else(|| panic!("{key} in {r}"))
+}
+
+/// The permit pool `model` in status.
+fn pool(s: &Setup, model: &str) -> Value {
+    let status = s.daemon.status();
+    status["permits"]
+        .as_array()
+        .and_then(|p| p.iter().find(|p| p["model"] == model).cloned())
+        .unwrap_or_else(|| panic!("no permit pool {model}: {}", status["permits"]))
+}
+
+#[test]
+fn a_pytorch_server_is_served_from_its_own_cache_in_a_named_model_its_own_model_and_no_model() {
+    // The best hand-written semaphore on this card: 3 requests at once fit, 4 overflow.
+    let s = setup_with(16, SEED_MODEL);
+    let three = run(&s, None, &with(&SEED, &["--semaphore", "3"]));
+    assert_eq!(count(&three, "overflows"), 0, "{three}");
+    assert_eq!(count(&three, "served"), 30, "{three}");
+    let four = run(
+        &s,
+        None,
+        &with(&SEED, &["--semaphore", "4", "--bursts", "1"]),
+    );
+    assert!(count(&four, "overflows") > 0, "{four}");
+
+    // The permits, with the server named by model, found by its process, and in no model.
+    for (model, pool_name, models) in [
+        (Some("seed"), "seed", SEED_MODEL),
+        (None, "seed", SEED_MODEL),
+        (None, "(host)", ""),
+    ] {
+        let s = setup_with(16, models);
+        let r = run(&s, model, &with(&SEED, &[]));
+        assert_safe(&r);
+        assert_eq!(count(&r, "served"), 30, "{pool_name} {model:?}: {r}");
+        // As many at once as the best semaphore, never more than fit beside the floor.
+        assert_eq!(count(&r, "max_in_flight"), 3, "{pool_name} {model:?}: {r}");
+        let p = pool(&s, pool_name);
+        assert!(count(&p, "granted_total") >= 30, "{p}");
+        // The first, cold burst taught what a request costs; the warm ones (no growth) did
+        // not teach that permits are free.
+        let p50 = count(&p, "observed_gpu_bytes_p50");
+        assert!((3 * GIB..=3 * GIB + 64 * MIB).contains(&p50), "{p}");
+    }
+}
+
+#[test]
+fn mixed_sizes_on_a_caching_server_never_overflow_on_16_or_24_gib() {
+    for card in [16, 24] {
+        let s = setup_with(card, SEED_MODEL);
+        let size = format!("{card}GiB");
+        let r = run(
+            &s,
+            None,
+            &with(
+                &SEED,
+                &[
+                    "--card-total",
+                    &size,
+                    "--request-size",
+                    "1GiB-4GiB",
+                    "--seed",
+                    "3",
+                ],
+            ),
+        );
+        assert_safe(&r);
+        assert_eq!(count(&r, "requests"), 30, "{r}");
+        assert!(count(&r, "served") >= 25, "{card} GiB: {r}");
+        // Never more on the card than it has (the simulated OOM would have failed a request).
+        assert!(count(&r, "max_used_bytes") <= card * GIB, "{r}");
+    }
+}
+
+#[test]
+fn a_preallocating_engine_takes_permits_of_size_zero_bounded_by_max_permits() {
+    // vLLM at gpu_memory_utilization 0.97: the card is below its warn floor for good, and its
+    // requests never touch the driver. The model's slots bound what is in flight.
+    let models = format!("{SEED_MODEL}max_permits = 2\n");
+    let s = setup_with(16, &models);
+    let r = run(
+        &s,
+        None,
+        &with(
+            &SEED,
+            &[
+                "--allocator",
+                "prealloc",
+                "--prealloc",
+                "0.97",
+                "--permit-size",
+                "none",
+            ],
+        ),
+    );
+    assert_safe(&r);
+    assert_eq!(count(&r, "served"), 30, "{r}");
+    assert_eq!(count(&r, "max_in_flight"), 2, "{r}");
+    // Nothing grew: nothing learned, and a permit that names no size stays a slot (size 0).
+    let p = pool(&s, "seed");
+    assert!(p["observed_gpu_bytes_p95"].is_null(), "{p}");
+}
+
+#[test]
+fn forked_workers_each_draw_on_their_own_cache_only() {
+    // Two workers on a 24 GiB card, each with its own weights and cache. Whole bursts go to one
+    // worker in turn: after the first, worker 0 holds 12 GiB of cache that worker 1 cannot use
+    // (PyTorch gives a process's cache back only on its own OOM or `empty_cache()`). A
+    // model-wide credit would have let worker 1 allocate on memory that is not there; worker 1
+    // gets backpressure instead, and worker 0, its own cache holding its requests, is not held
+    // up behind worker 1's waiting ones.
+    let s = setup_with(24, SEED_MODEL);
+    let r = run(
+        &s,
+        None,
+        &with(
+            &SEED,
+            &[
+                "--card-total",
+                "24GiB",
+                "--workers",
+                "2",
+                "--dispatch",
+                "by-burst",
+                "--permit-timeout",
+                "2",
+            ],
+        ),
+    );
+    assert_safe(&r);
+    assert_eq!(count(&r, "requests"), 30, "{r}");
+    // Worker 0's bursts (the first and the third) are all served, from its cache.
+    assert!(count(&r, "served") >= 20, "{r}");
+    assert!(count(&r, "max_used_bytes") <= 24 * GIB, "{r}");
+    // Round robin: whichever worker's cache holds what, no OOM, and every request of the
+    // worker that got the first permits is served.
+    let r = run(
+        &s,
+        None,
+        &with(
+            &SEED,
+            &[
+                "--card-total",
+                "24GiB",
+                "--workers",
+                "2",
+                "--permit-timeout",
+                "2",
+            ],
+        ),
+    );
+    assert_safe(&r);
+    assert!(count(&r, "served") >= 15, "{r}");
+}
+
+#[test]
+fn a_cache_warm_before_the_first_permit_counts_once_the_allocator_reports_it() {
+    // The server served 3 requests before it asked for permits (as if the daemon restarted under
+    // it): NVML shows 13.5 GiB held, and nothing tells its cache from its weights. Without the
+    // allocator's word the daemon counts it all as the server's own: safe, but starved.
+    let s = setup_with(16, SEED_MODEL);
+    let warm = ["--warm", "3", "--permit-timeout", "1", "--bursts", "1"];
+    let blind = run(&s, None, &with(&SEED, &warm));
+    assert_eq!(count(&blind, "overflows"), 0, "{blind}");
+    assert_eq!(count(&blind, "served"), 0, "{blind}");
+    assert_eq!(blind["refused_by_reason"]["timeout"], 10, "{blind}");
+    drop(s);
+    // The client reports PyTorch's `memory_reserved - memory_allocated` (a fake torch.cuda
+    // answering from the same allocator): the cache serves the requests.
+    let s = setup_with(16, SEED_MODEL);
+    let told = run(&s, None, &with(&SEED, &[&warm[..], &["--torch"]].concat()));
+    assert_safe(&told);
+    assert_eq!(count(&told, "served"), 10, "{told}");
+    assert_eq!(count(&told, "max_in_flight"), 3, "{told}");
+}
