@@ -99,6 +99,12 @@ build_tools() {
     gcc -O2 -Wall -o "$SAMPLER" "$BENCH_DIR/sampler.c"
     gcc -O2 -Wall -o "$STORM" "$BENCH_DIR/storm.c"
     build_permit_echo
+    build_fake_nvml
+}
+
+# The fake NVML (tests/fake_nvml) at $BUILD_DIR/libnvidia-ml.so.1, for FAKE_GPU_TOML.
+build_fake_nvml() {
+    mkdir -p "$BUILD_DIR"
     gcc -shared -fPIC -O2 -pthread -Wl,-soname,libnvidia-ml.so.1 -Wl,-z,nodelete \
         -o "$BUILD_DIR/libnvidia-ml.so.1" "$REPO_DIR/tests/fake_nvml/fake_nvml.c"
 }

@@ -440,7 +440,8 @@ impl Daemon {
                 .set_targets(targets, self.config.daemon.scan_interval);
         }
         let (report, fresh_wanted, scan_wanted) = {
-            let capacity = Capacity::from_tick(&self.config, &self.snapshot, &self.state);
+            let mut capacity = Capacity::from_tick(&self.config, &self.snapshot, &self.state);
+            capacity.preallocated = self.engines.preallocated();
             let mut table = self.shared.table();
             let report = table.tick(at, capacity);
             (report, table.wants_fresh_gpu(), table.wants_fresh_scan())

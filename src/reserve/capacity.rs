@@ -2,7 +2,7 @@
 //! from the snapshot and the policy's attribution, read by every admission in between (the socket
 //! thread admits permits without waiting for the loop).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::hash::{Hash, Hasher};
 use std::time::Duration;
 
@@ -34,6 +34,9 @@ pub struct Capacity {
     pub gpu_sampled_at: Option<Duration>,
     /// When the process scan behind `member_of` and `trees` ran (daemon clock).
     pub scanned_at: Option<Duration>,
+    /// Models whose engine's metrics show a preallocated KV cache (vLLM's
+    /// `cache_config_info`): their requests never take GPU memory of their own.
+    pub preallocated: BTreeSet<String>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -152,6 +155,7 @@ impl Capacity {
             gpu_consistent: g.processes_fresh && g.devices.iter().all(|d| d.processes_steady),
             gpu_sampled_at: g.sampled_at,
             scanned_at: snapshot.processes.scanned_at,
+            preallocated: BTreeSet::new(),
         }
     }
 

@@ -59,6 +59,9 @@ const MAX_COMMAND_WORDS: usize = 64;
 const MAX_COMMAND_BYTES: usize = 4096;
 /// Why a permit request whose caller's model is not known yet waits.
 const UNPLACED: &str = "a process scan newer than the request (to find the caller's model)";
+/// How long past its timeout such a request may wait for that scan (what the daemon needs to
+/// decide is not the caller's wait; a forced scan comes within ~100 ms).
+const UNPLACED_GRACE: Duration = Duration::from_secs(2);
 
 struct Conn {
     uid: u32,
@@ -102,6 +105,16 @@ struct Waiter {
     /// seen: its pool (its process's model, else the host-wide pool) is decided on a scan newer
     /// than its connection. It waits in the host-wide pool's queue until then.
     unplaced: Option<Box<AcquireRequest>>,
+}
+
+impl Waiter {
+    /// When it is refused for waiting too long.
+    fn deadline_with_grace(&self) -> Duration {
+        match self.unplaced {
+            Some(_) => self.deadline + UNPLACED_GRACE,
+            None => self.deadline,
+        }
+    }
 }
 
 enum Wanted {
@@ -852,10 +865,16 @@ impl Reservations {
         Ok((demand, ttl, timeout))
     }
 
-    /// The size of a permit that names none: the pool's observed p95 once known, else its
-    /// model's `permit_gpu_memory`, else 0 (a slot).
+    /// The size of a permit that names none: the pool's observed p95 once known (never for an
+    /// engine that preallocates), else its model's `permit_gpu_memory`, else 0 (a slot).
     fn default_permit_size(&self, pool: &Pool) -> u64 {
+        let preallocated = pool
+            .as_ref()
+            .is_some_and(|name| self.capacity.preallocated.contains(name));
         let learner = self.pools.get(pool).map(|a| &a.learner);
+        // An engine that preallocated its KV cache (its metrics say so) serves requests out of
+        // it: a permit is a slot, whatever its warm-up taught the learner.
+        let learner = learner.filter(|_| !preallocated);
         if let Some(l) = learner.filter(|l| l.samples() >= SAMPLES_FOR_DEFAULT) {
             if let Some(p95) = l.quantile(0.95) {
                 return p95;
@@ -1568,7 +1587,7 @@ impl Reservations {
             while let Some(i) = self
                 .waiting
                 .get(&pool)
-                .and_then(|q| q.iter().position(|w| w.deadline <= now))
+                .and_then(|q| q.iter().position(|w| w.deadline_with_grace() <= now))
             {
                 let w = self.waiting.get_mut(&pool).and_then(|q| q.remove(i));
                 let Some(w) = w else { break };
@@ -1702,7 +1721,7 @@ impl Reservations {
 
     /// Lets in what fits now: the heads of the permit queues, then the head of the launches.
     pub fn admit_waiting(&mut self, now: Duration) {
-        self.place_unplaced();
+        self.place_unplaced(now);
         let pools: Vec<Pool> = self.waiting.keys().cloned().collect();
         for pool in pools {
             // In order; behind one that waits, only those their own cache holds go ahead.
@@ -1780,7 +1799,7 @@ impl Reservations {
     /// Permit requests whose caller's model was not known yet, once a process scan newer than
     /// their connection is in: to their caller's model's queue (behind those waiting there), or
     /// the host-wide pool's if it has none and may use it, else refused.
-    fn place_unplaced(&mut self) {
+    fn place_unplaced(&mut self, now: Duration) {
         let scanned_at = self.capacity.scanned_at;
         let Some(queue) = self.waiting.get_mut(&None) else {
             return;
@@ -1808,6 +1827,8 @@ impl Reservations {
                     self.report_cache(&pool, &w.peer, &request);
                     w.pool = pool.clone();
                     w.demand = demand;
+                    // A wait that ended while its model was looked for is decided now.
+                    w.deadline = w.deadline.max(now);
                     let queue = self.waiting.entry(pool).or_default();
                     // In arrival order among the host-wide pool's, behind a model's queue.
                     let at = queue
@@ -2303,6 +2324,55 @@ mod tests {
     }
 
     #[test]
+    fn a_permit_of_a_preallocating_engine_that_names_no_size_is_a_slot() {
+        // The model's permits were seen to grow it by 3 GiB each (its warm-up, say)...
+        let (mut t, _rx) = table();
+        let plain = AcquireRequest {
+            id: 1,
+            model: Some("served".into()),
+            timeout_ms: Some(0),
+            ..Default::default()
+        };
+        let mut at = Duration::ZERO;
+        let mut reading = |t: &mut Reservations, used_gib: u64| {
+            at += Duration::from_millis(10);
+            let mut c = capacity(used_gib * GIB);
+            c.gpu_sampled_at = Some(at);
+            t.tick(at, c);
+            at
+        };
+        for id in 1..=SAMPLES_FOR_DEFAULT as u64 {
+            let now = reading(&mut t, 4);
+            reading(&mut t, 4);
+            let Some(Response::Granted { permit, .. }) = t.acquire(1, ask(3, id), now) else {
+                panic!("not granted");
+            };
+            reading(&mut t, 7);
+            let now = reading(&mut t, 7);
+            t.release_permit(1, 100 + id, permit, now);
+            reading(&mut t, 4);
+        }
+        let granted = |answer: Option<Response>| match answer {
+            Some(Response::Granted { gpu_bytes, .. }) => gpu_bytes,
+            other => panic!("{other:?}"),
+        };
+        let now = reading(&mut t, 4);
+        assert_eq!(
+            granted(t.acquire(1, plain.clone(), now)),
+            3 * GIB,
+            "learned"
+        );
+        // ...but once its metrics show a preallocated KV cache, a permit is a slot.
+        at += Duration::from_millis(10);
+        let mut c = capacity(4 * GIB);
+        c.gpu_sampled_at = Some(at);
+        c.preallocated.insert("served".into());
+        t.tick(at, c);
+        let again = AcquireRequest { id: 2, ..plain };
+        assert_eq!(granted(t.acquire(1, again, at)), 0);
+    }
+
+    #[test]
     fn a_caller_the_scan_has_not_seen_yet_waits_for_one_to_find_its_model() {
         // A server of model "served" that started after the latest process scan asks at once,
         // naming no model: its pool is decided by the next scan, not by the host-wide pool.
@@ -2322,12 +2392,15 @@ mod tests {
         let ask = |id| AcquireRequest {
             id,
             gpu_bytes: Some(GIB),
-            timeout_ms: Some(5000),
+            timeout_ms: Some(if id == 1 { 0 } else { 5000 }),
             ..Default::default()
         };
         assert!(t.acquire(2, ask(1), connected).is_none(), "it waits");
         assert!(t.acquire(2, ask(2), connected).is_none());
         assert!(t.wants_fresh_scan());
+        // Finding its model is not the caller's wait: a timeout of 0 still gets its answer.
+        t.expire(connected + Duration::from_millis(100));
+        assert!(rx2.try_recv().is_err());
         // A scan older than the connection decides nothing.
         t.tick(connected, capacity(4 * GIB));
         assert!(rx2.try_recv().is_err());

@@ -155,6 +155,16 @@ impl EngineScraper {
         self.lock().readings.clone()
     }
 
+    /// The models whose latest reading shows a preallocated KV cache.
+    pub fn preallocated(&self) -> std::collections::BTreeSet<String> {
+        self.lock()
+            .readings
+            .iter()
+            .filter(|(_, r)| r.result.as_ref().is_ok_and(|s| s.kv_cache_blocks.is_some()))
+            .map(|(model, _)| model.clone())
+            .collect()
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Shared> {
         self.shared.lock().unwrap_or_else(|e| e.into_inner())
     }

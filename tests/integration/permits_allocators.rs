@@ -9,8 +9,11 @@
 //! semaphore is the alternative, gpuguard must reach the concurrency of the best one that does
 //! not overflow (compared by requests in flight, not by time).
 
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
 use crate::common::*;
-use crate::permits_python::{assert_safe, setup_with, Setup, SEED_MODEL};
+use crate::permits_python::{assert_safe, scenario, setup_with, venv_python, Setup, SEED_MODEL};
 use serde_json::Value;
 
 /// The seed card: 16 GiB, 4 GiB of weights and a 512 MiB CUDA context, 3 GiB per request,
@@ -83,6 +86,65 @@ fn a_pytorch_server_is_served_from_its_own_cache_in_a_named_model_its_own_model_
         let p50 = count(&p, "observed_gpu_bytes_p50");
         assert!((3 * GIB..=3 * GIB + 64 * MIB).contains(&p50), "{p}");
     }
+}
+
+#[test]
+fn a_pytorch_server_launched_through_gpuguard_draws_its_permits_from_its_declared_share() {
+    // `gpuguard launch --gpu-mem 15GiB` (no [[model]]): once loaded, its permits come out of
+    // the 15 GiB it declared, its cache first.
+    let s = setup_with(
+        16,
+        "[launch]\nsocket = \"{state_dir}/gpuguard.sock\"\nsettle = \"1s\"\n",
+    );
+    let go = s.fake.dir.path().join("go");
+    let out = Command::new(BIN)
+        .args([
+            "launch",
+            "--model",
+            "torchserve",
+            "--gpu-mem",
+            "15GiB",
+            "--",
+        ])
+        .arg(venv_python())
+        .arg(scenario("seed_server.py"))
+        .arg("--state")
+        .arg(&s.fake.state)
+        .arg("--socket")
+        .arg(s.daemon.socket())
+        .args(SEED)
+        .arg("--go-file")
+        .arg(&go)
+        .env("GPUGUARD_SOCKET", s.daemon.socket())
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The server serves once it is loaded (the launch lock released).
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            s.daemon.status()["leases"].as_array().is_some_and(|l| {
+                l.iter()
+                    .any(|r| r["model"] == "torchserve" && r["state"] == "ready")
+            })
+        }),
+        "{}",
+        s.daemon.log_text()
+    );
+    std::fs::write(&go, "").unwrap();
+    let out = out.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_safe(&r);
+    assert_eq!(count(&r, "served"), 30, "{r}");
+    assert_eq!(count(&r, "max_in_flight"), 3, "{r}");
+    let p = pool(&s, "torchserve");
+    assert!(count(&p, "granted_total") >= 30, "{p}");
 }
 
 #[test]

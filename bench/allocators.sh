@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# allocators.sh: permits against the allocators real servers use (issue #22), beside the
+# hand-written semaphore they replace, in one run. Each case is tests/permits/seed_server.py (a
+# model server on a fake card: 512 MiB CUDA context + 4 GiB weights, three bursts of 10 requests,
+# 0.2 s of work each, 1 s between bursts) with one of fakegpu.py's allocators, run once with a
+# gpuguard permit per request (the release binary, fake NVML, a 512 MiB GPU warn floor) and once
+# with threading.Semaphore(N) for each N from 1 up to the first that overflows: the best
+# semaphore is the largest N with no CUDA OOM. One Markdown row per case: requests served, OOMs,
+# most in flight and median latency (arrival to end of work) for each.
+#
+#   bench/allocators.sh        (about 4 minutes)
+#
+# Needs python3 with venv (the client is installed into target/pyenv, as scripts/test does) and gcc.
+set -euo pipefail
+source "$(dirname "$0")/lib.sh"
+cd "$REPO_DIR"
+venv=target/pyenv
+[ -x $venv/bin/python ] || python3 -m venv $venv
+$venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --force-reinstall ./clients/python
+build_fake_nvml
+cargo build --release --quiet
+work=$(mktemp -d)
+daemon=
+trap 'kill_pids $daemon; rm -rf "$work"' EXIT
+
+# start_daemon CARD_GIB [MODEL_TOML]: a daemon on a fresh fake card, watching model "seed".
+start_daemon() {
+    kill_pids $daemon
+    printf 'device 0 uuid=GPU-bench total=%d used=0\n' $(($1 * GIB)) >"$work/nvml"
+    rm -rf "$work/nvml.procs"
+    cat >"$work/config.toml" <<TOML
+[daemon]
+state_dir = "$work/state"
+candidates = "models"
+mode = "observe"
+interval = "200ms"
+scan_interval = "200ms"
+[ram]
+min_available = "0%"
+warn_available = "0%"
+[gpu]
+nvml_library = "$BUILD_DIR/libnvidia-ml.so.1"
+warn_free = "512MiB"
+sample_timeout = "500ms"
+[launch]
+socket = "$work/sock"
+[[model]]
+name = "seed"
+match = { cmdline = "tests/permits/seed_server\\\\.py" }
+${2:-}
+TOML
+    rm -f "$work/sock"
+    FAKE_NVML_STATE="$work/nvml" "$GPUGUARD" daemon --config "$work/config.toml" >"$work/log" 2>&1 &
+    daemon=$!
+    until [ -S "$work/sock" ]; do sleep 0.05; done
+    sleep 0.5
+}
+
+# seed CARD_GIB ARGS...: one run of the scenario; prints its JSON.
+seed() {
+    local card=$1
+    shift
+    $venv/bin/python tests/permits/seed_server.py --state "$work/nvml" --socket "$work/sock" \
+        --card-total "${card}GiB" --context 512MiB --pause 1 --permit-timeout 5 "$@"
+}
+
+# cell JSON: "served/requests, OOM n, in flight n, median s"
+cell() {
+    python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print("%d/%d, %d OOM, %d at once, %ss" % (r["served"], r["requests"], r["overflows"], r["max_in_flight"], r["median_latency_s"]))' "$1"
+}
+
+# row NAME CARD_GIB MODEL_TOML ARGS...
+row() {
+    local name=$1 card=$2 model=$3 n best= best_json= first_oom=
+    shift 3
+    start_daemon "$card" "$model"
+    local permits
+    permits=$(seed "$card" "$@")
+    for ((n = 1; n <= 12; n++)); do
+        local r
+        r=$(seed "$card" --semaphore "$n" "$@")
+        if [ "$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["overflows"])' "$r")" != 0 ]; then
+            first_oom="Semaphore($n): $(cell "$r")"
+            break
+        fi
+        best=$n
+        best_json=$r
+    done
+    echo "| $name | $(cell "$permits") | ${best:+Semaphore($best): $(cell "$best_json")} | ${first_oom:-none up to 12} |"
+}
+
+echo "## machine: $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg), $(uname -r), $(date -u +%FT%TZ)"
+echo "| allocator, card, request size | gpuguard permits: served, OOM, most at once, median latency | best fixed semaphore (no OOM) | next semaphore up |"
+echo "|---|---|---|---|"
+row "releasing (cudaFree per request), 16 GiB, 3 GiB" 16 "" --allocator release
+row "PyTorch caching, 16 GiB, 3 GiB" 16 "" --allocator caching
+row "PyTorch caching, 16 GiB, 1-4 GiB" 16 "" --allocator caching --request-size 1GiB-4GiB --seed 3
+row "PyTorch caching, 24 GiB, 1-4 GiB" 24 "" --allocator caching --request-size 1GiB-4GiB --seed 3
+row "PyTorch caching, 2 forked workers, 24 GiB, 3 GiB" 24 "" --allocator caching --workers 2
+row "PyTorch caching warm before its first permit, allocator=\"torch\", 16 GiB, 3 GiB" 16 "" --allocator caching --warm 3 --torch
+row "preallocating engine (vLLM, 0.9), max_permits 4, 16 GiB, 3 GiB (permits of size 0)" 16 "max_permits = 4" --allocator prealloc --permit-size none
