@@ -97,5 +97,8 @@ row "PyTorch caching, 16 GiB, 3 GiB" 16 "" --allocator caching
 row "PyTorch caching, 16 GiB, 1-4 GiB" 16 "" --allocator caching --request-size 1GiB-4GiB --seed 3
 row "PyTorch caching, 24 GiB, 1-4 GiB" 24 "" --allocator caching --request-size 1GiB-4GiB --seed 3
 row "PyTorch caching, 2 forked workers, 24 GiB, 3 GiB" 24 "" --allocator caching --workers 2
-row "PyTorch caching warm before its first permit, allocator=\"torch\", 16 GiB, 3 GiB" 16 "" --allocator caching --warm 3 --torch
+row "the same, allocator=\"torch\" (reports the cache, empties it on trim)" 24 "" --allocator caching --workers 2 --torch
+row "the same, whole bursts to one worker in turn, allocator=\"torch\"" 24 "" --allocator caching --workers 2 --dispatch by-burst --torch
+row "PyTorch caching warm before its first permit, 16 GiB, 3 GiB" 16 "" --allocator caching --warm 3
+row "the same, allocator=\"torch\"" 16 "" --allocator caching --warm 3 --torch
 row "preallocating engine (vLLM, 0.9), max_permits 4, 16 GiB, 3 GiB (permits of size 0)" 16 "max_permits = 4" --allocator prealloc --permit-size none

@@ -189,6 +189,13 @@ pub enum Response {
         permit: u64,
         message: String,
     },
+    /// Another request of the caller's model waits for GPU memory that the caller's allocator
+    /// keeps cached unused (`bytes` of it on GPU `gpu`): give it back (PyTorch:
+    /// `torch.cuda.empty_cache()`). A hint; nothing is enforced by it.
+    Trim {
+        gpu: u32,
+        bytes: u64,
+    },
     /// A request that could not be served; `id` names the request when it had one.
     Error {
         #[serde(default, skip_serializing_if = "Option::is_none")]

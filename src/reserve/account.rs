@@ -429,6 +429,17 @@ impl Account {
         others + mine + shared.promised(gpu, consistent).max(0)
     }
 
+    /// The holders that keep memory on `gpu` cached beyond their reservations, and how much.
+    pub fn idle_caches(&self, capacity: &Capacity, gpu: u32) -> Vec<(ProcessId, u64)> {
+        self.holders
+            .iter()
+            .filter_map(|(h, b)| {
+                let cached = -b.promised_to_self(gpu, capacity.gpu_consistent);
+                (cached > 0).then_some((*h, cached as u64))
+            })
+            .collect()
+    }
+
     /// Whether `bytes` more for `holder` on `gpu` come wholly out of its own cache.
     pub fn own_cache_holds(
         &self,

@@ -62,6 +62,8 @@ const UNPLACED: &str = "a process scan newer than the request (to find the calle
 /// How long past its timeout such a request may wait for that scan (what the daemon needs to
 /// decide is not the caller's wait; a forced scan comes within ~100 ms).
 const UNPLACED_GRACE: Duration = Duration::from_secs(2);
+/// A holder is asked to give its cache back (`Response::Trim`) at most this often.
+const TRIM_EVERY: Duration = Duration::from_secs(1);
 
 struct Conn {
     uid: u32,
@@ -210,6 +212,8 @@ pub struct Reservations {
     events_dropped: u64,
     /// The per-uid rate limit on the events clients cause.
     event_limit: PerUid,
+    /// When each holder was last asked to give its cache back.
+    trims: HashMap<ProcessId, Duration>,
 }
 
 fn model_label(pool: &Pool) -> String {
@@ -236,6 +240,7 @@ impl Reservations {
             events: Vec::new(),
             events_dropped: 0,
             event_limit: PerUid::default(),
+            trims: HashMap::new(),
         }
     }
 
@@ -1723,6 +1728,7 @@ impl Reservations {
     pub fn admit_waiting(&mut self, now: Duration) {
         self.place_unplaced(now);
         let pools: Vec<Pool> = self.waiting.keys().cloned().collect();
+        let mut starved = Vec::new();
         for pool in pools {
             // In order; behind one that waits, only those their own cache holds go ahead.
             let mut i = 0;
@@ -1763,6 +1769,9 @@ impl Reservations {
                     Fit::Later(s) | Fit::Never(s) => {
                         if let Some(w) = self.waiting.get_mut(&pool).and_then(|q| q.get_mut(i)) {
                             w.waiting_for = s.message;
+                            if i == 0 && w.demand.gpu_bytes_total() > 0 {
+                                starved.push((pool.clone(), w.peer));
+                            }
                         }
                         i += 1;
                     }
@@ -1770,6 +1779,9 @@ impl Reservations {
             }
         }
         self.waiting.retain(|_, q| !q.is_empty());
+        for (pool, peer) in starved {
+            self.ask_to_trim(&pool, &peer, now);
+        }
         while let Some(head) = self.launch_queue.front() {
             match self.launch_fit(head) {
                 Fit::Now { gpus } => {
@@ -1792,6 +1804,52 @@ impl Reservations {
                     }
                     break;
                 }
+            }
+        }
+    }
+
+    /// The head of `pool`'s queue waits for GPU memory: the pool's other holders that keep
+    /// memory cached unused are asked to give it back (`Response::Trim`, at most once per
+    /// `TRIM_EVERY` each). Only within a model (its processes serve one another), or, in the
+    /// host-wide pool, within one uid: a request never costs another user's server its cache.
+    fn ask_to_trim(&mut self, pool: &Pool, waiting: &Peer, now: Duration) {
+        let Some(account) = self.pools.get(pool) else {
+            return;
+        };
+        let mut asks: Vec<(ProcessId, u32, u64)> = Vec::new();
+        for g in self.capacity.gpus.iter().filter(|g| g.usable) {
+            for (holder, bytes) in account.idle_caches(&self.capacity, g.index) {
+                if holder != waiting.process() && !asks.iter().any(|(h, ..)| *h == holder) {
+                    asks.push((holder, g.index, bytes));
+                }
+            }
+        }
+        self.trims.retain(|_, at| now < *at + TRIM_EVERY);
+        for (holder, gpu, bytes) in asks {
+            if self.trims.contains_key(&holder) {
+                continue;
+            }
+            let conns: Vec<ConnId> = self
+                .conns
+                .iter()
+                .filter(|(_, c)| c.reply.is_some())
+                .filter(|(_, c)| c.peer.is_some_and(|p| p.process() == holder))
+                .filter(|(_, c)| pool.is_some() || c.uid == waiting.uid)
+                .map(|(id, _)| *id)
+                .collect();
+            if conns.is_empty() {
+                continue;
+            }
+            tracing::debug!(
+                "{}: asking pid {} to give back {} of cache on GPU {gpu} (pid {} waits)",
+                model_label(pool),
+                holder.pid,
+                fmt_bytes(bytes),
+                waiting.pid
+            );
+            self.trims.insert(holder, now);
+            for conn in conns {
+                self.send(conn, Response::Trim { gpu, bytes });
             }
         }
     }

@@ -235,6 +235,20 @@ fn forked_workers_each_draw_on_their_own_cache_only() {
     // Worker 0's bursts (the first and the third) are all served, from its cache.
     assert!(count(&r, "served") >= 20, "{r}");
     assert!(count(&r, "max_used_bytes") <= 24 * GIB, "{r}");
+    // With the client's PyTorch integration, the daemon asks worker 0 to give its idle cache
+    // back (`trim`: torch.cuda.empty_cache()) while worker 1 waits: every request is served.
+    let by_burst = [
+        "--card-total",
+        "24GiB",
+        "--workers",
+        "2",
+        "--dispatch",
+        "by-burst",
+        "--torch",
+    ];
+    let r = run(&s, None, &with(&SEED, &by_burst));
+    assert_safe(&r);
+    assert_eq!(count(&r, "served"), 30, "{r}");
     // Round robin: whichever worker's cache holds what, no OOM, and every request of the
     // worker that got the first permits is served.
     let r = run(

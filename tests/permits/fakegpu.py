@@ -189,6 +189,9 @@ class Releasing:
     def figures(self) -> Dict[str, int]:
         return {"reserved": 0, "allocated": 0}
 
+    def empty_cache(self) -> None:
+        pass
+
 
 class Caching:
     """PyTorch's caching allocator (see the top of this file): segments from the driver, split into
@@ -294,6 +297,9 @@ class Preallocating:
     def figures(self) -> Dict[str, int]:
         return {"reserved": 0, "allocated": 0}
 
+    def empty_cache(self) -> None:
+        pass  # the pool is the engine's for good
+
 
 class FakeCard:
     """One server process on the card: its CUDA context and weights loaded at start, then
@@ -380,6 +386,7 @@ def install_fake_torch(card: FakeCard) -> None:
         memory_reserved=figure("reserved"),
         memory_allocated=figure("allocated"),
         max_memory_allocated=figure("peak_allocated"),
+        empty_cache=lambda: card.allocator.empty_cache(),
         memory_stats=lambda device=None: {
             "inactive_split_bytes.all.current": card.allocator.figures().get("inactive_split", 0)
         },

@@ -192,6 +192,10 @@ class FakeDaemon:
         """Closes every client connection, as a daemon restart would."""
         self.call(lambda: [self._close(c) for c in list(self._conns)])
 
+    def send_all(self, message: Dict[str, Any]) -> None:
+        """Sends `message` on every open client connection (an unsolicited one, e.g. `trim`)."""
+        self.call(lambda: [self._send(c, message) for c in list(self._conns) if not c.closed])
+
     def expire_all(self) -> None:
         """Every held permit's TTL passes now."""
         self.call(lambda: [self._expire(h) for h in list(self._held.values())])

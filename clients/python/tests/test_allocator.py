@@ -36,6 +36,9 @@ class FakeCuda:
     def memory_stats(self, device):
         return {"inactive_split_bytes.all.current": self.split.get(device, 0)}
 
+    def empty_cache(self):
+        self.emptied = getattr(self, "emptied", 0) + 1
+
 
 class FakeTorch(unittest.TestCase):
     def install(self, cuda):
@@ -121,6 +124,42 @@ class Sent(FakeDaemonCase, FakeTorch):
             client.close()
         for acquire in self.daemon.messages("acquire"):
             self.assertNotIn("cache_bytes", acquire)
+
+    def test_a_trim_from_the_daemon_empties_the_cache_and_breaks_nothing(self):
+        cuda = FakeCuda({0: 13 * GIB}, {0: 4 * GIB})
+        self.install(cuda)
+        client = Client(self.socket, allocator="torch")
+        self.addCleanup(client.close)
+        with client.permit(gpu_bytes="1GiB", timeout=5):
+            self.daemon.send_all({"type": "trim", "gpu": 0, "bytes": 9 * GIB})
+            self.daemon.send_all({"type": "trim", "gpu": -1, "bytes": "all"})  # malformed
+            with client.permit(gpu_bytes="1GiB", timeout=5):  # the connection still works
+                pass
+        self.assertEqual(getattr(cuda, "emptied", 0), 1)
+        client.close()
+        # Without the option, a trim is read and ignored.
+        plain = Client(self.socket)
+        self.addCleanup(plain.close)
+        with plain.permit(gpu_bytes="1GiB", timeout=5):
+            self.daemon.send_all({"type": "trim", "gpu": 0, "bytes": GIB})
+            with plain.permit(gpu_bytes="1GiB", timeout=5):
+                pass
+        self.assertEqual(cuda.emptied, 1)
+
+    def test_the_async_client_empties_it_too(self):
+        cuda = FakeCuda({0: 5 * GIB}, {0: 4 * GIB})
+        self.install(cuda)
+
+        async def run():
+            client = AsyncClient(self.socket, allocator="torch")
+            async with client.permit(gpu_bytes="1GiB", timeout=5):
+                self.daemon.send_all({"type": "trim", "gpu": 0, "bytes": GIB})
+                async with client.permit(gpu_bytes="1GiB", timeout=5):
+                    pass
+            await client.aclose()
+
+        asyncio.run(run())
+        self.assertEqual(getattr(cuda, "emptied", 0), 1)
 
     def test_an_unknown_allocator_is_refused_at_once(self):
         with self.assertRaisesRegex(ValueError, "allocator"):

@@ -227,6 +227,9 @@ class Session:
         self.pending: Dict[int, Request] = {}
         self.held: Dict[int, Permit] = {}
         self.closed: Optional[str] = None
+        #: Called when the daemon asks for this process's allocator cache back (`trim`).
+        self.on_trim: Optional[Callable[[], None]] = None
+        self.trims = 0
 
     # --- what the client asks -----------------------------------------------------------------
 
@@ -361,12 +364,24 @@ class Session:
         )
         return None
 
+    def _trim_cache(self, message: Dict[str, Any]) -> Effects:
+        if not (_is_u64(message.get("gpu")) and _is_u64(message.get("bytes"))):
+            return [], []
+        self.trims += 1
+        if self.on_trim is not None:
+            try:
+                self.on_trim()
+            except Exception as err:  # a hint: never breaks the connection
+                logger.warning("gpuguard: giving the allocator's cache back failed: %r", err)
+        return [], []
+
     _HANDLERS = {
         "granted": _granted,
         "refused": _refused,
         "released": _released,
         "expired": _expired,
         "error": _error,
+        "trim": _trim_cache,
     }
 
     def _take(self, request_id: Any, kind: str) -> Optional[Request]:

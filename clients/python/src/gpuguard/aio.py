@@ -12,7 +12,7 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 
 from . import _session
 from ._session import MAX_ANSWER_BYTES, ConnectionLevelError, Lost, Permit, Request, Session
-from .allocator import CacheReader, cache_reader, with_cache
+from .allocator import CacheReader, cache_reader, cache_trimmer, with_cache
 from .errors import DaemonUnavailable, GpuguardError, ProtocolError
 from .sizes import Size
 
@@ -137,6 +137,7 @@ class AsyncClient:
     ) -> None:
         self.socket_path = _session.socket_path(socket_path)
         self._cache_reader = cache_reader(allocator)
+        self._trim = cache_trimmer(allocator)
         self._connect_timeout = connect_timeout
         self._margin = timeout_margin
         self._cancel_grace = cancel_grace
@@ -279,6 +280,7 @@ class AsyncClient:
             )
         finally:
             self._connecting = None
+        conn.session.on_trim = self._trim
         old, self._conn = self._conn, conn
         if old is not None and old.alive:  # a connection of an event loop no longer used
             old._broken("replaced by a connection on another event loop")

@@ -13,6 +13,10 @@ process holding.
 No dependency on torch: it is read only when torch is already imported and CUDA initialised in
 this process (a process that never touched CUDA has nothing cached); anything else reports
 nothing, and the request goes out as it would without it.
+
+The other way round, the daemon may send `trim` when another process of the same model waits
+for GPU memory that this process keeps cached unused (a forked worker's cache serves no other
+worker): with "torch" the client then calls `torch.cuda.empty_cache()`.
 """
 
 from __future__ import annotations
@@ -53,6 +57,19 @@ def cache_reader(allocator: Union[None, str, CacheReader]) -> Optional[CacheRead
     if callable(allocator):
         return allocator
     raise ValueError(f'allocator: {allocator!r} is not None, "torch" or a function')
+
+
+def torch_empty_cache() -> None:
+    """Gives PyTorch's unused cached blocks back to the driver (`torch.cuda.empty_cache()`), if
+    torch is imported and CUDA initialised."""
+    torch: Any = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def cache_trimmer(allocator: Union[None, str, CacheReader]) -> Optional[Callable[[], None]]:
+    """What gives the cache back when the daemon asks (`trim`): PyTorch's for "torch"."""
+    return torch_empty_cache if allocator == "torch" else None
 
 
 def with_cache(fields: dict, reader: Optional[CacheReader]) -> dict:

@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 
 from . import _session
 from ._session import MAX_ANSWER_BYTES, ConnectionLevelError, Lost, Permit, Request, Session
-from .allocator import CacheReader, cache_reader, with_cache
+from .allocator import CacheReader, cache_reader, cache_trimmer, with_cache
 from .errors import DaemonUnavailable, GpuguardError, ProtocolError
 from .sizes import Size
 
@@ -165,7 +165,9 @@ class Client:
     ``allocator="torch"`` sends with each request what PyTorch's caching allocator holds unused
     on the current device (read only when torch is imported and CUDA initialised; see
     `gpuguard.allocator`), so the daemon lets this process's own cache serve its permits even
-    when it cannot tell the cache from the weights. A function returning bytes works too.
+    when it cannot tell the cache from the weights, and empties that cache
+    (`torch.cuda.empty_cache()`) when the daemon says another process of its model waits for
+    it. A function returning bytes works too (it is only read).
     """
 
     def __init__(
@@ -180,6 +182,7 @@ class Client:
     ) -> None:
         self.socket_path = _session.socket_path(socket_path)
         self._cache_reader = cache_reader(allocator)
+        self._trim = cache_trimmer(allocator)
         self._connect_timeout = connect_timeout
         self._margin = timeout_margin
         self._cancel_grace = cancel_grace
@@ -299,6 +302,7 @@ class Client:
                 conn = self._conn = _Connection(
                     self.socket_path, self._next_id, self._connect_timeout
                 )
+                conn.session.on_trim = self._trim
             return conn
 
     def status(self) -> Dict[str, Any]:
