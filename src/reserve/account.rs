@@ -440,6 +440,14 @@ impl Account {
             .collect()
     }
 
+    /// `holder` was asked to give its cache back: what its allocator said it caches is void
+    /// until it says again.
+    pub fn forget_report(&mut self, holder: ProcessId) {
+        if let Some(books) = self.holders.get_mut(&holder) {
+            books.reported_cache.clear();
+        }
+    }
+
     /// Whether `bytes` more for `holder` on `gpu` come wholly out of its own cache.
     pub fn own_cache_holds(
         &self,

@@ -1848,6 +1848,9 @@ impl Reservations {
                 waiting.pid
             );
             self.trims.insert(holder, now);
+            if let Some(account) = self.pools.get_mut(pool) {
+                account.forget_report(holder);
+            }
             for conn in conns {
                 self.send(conn, Response::Trim { gpu, bytes });
             }

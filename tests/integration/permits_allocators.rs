@@ -268,6 +268,16 @@ fn forked_workers_each_draw_on_their_own_cache_only() {
     );
     assert_safe(&r);
     assert!(count(&r, "served") >= 15, "{r}");
+    let r = run(
+        &s,
+        None,
+        &with(
+            &SEED,
+            &["--card-total", "24GiB", "--workers", "2", "--torch"],
+        ),
+    );
+    assert_safe(&r);
+    assert_eq!(count(&r, "served"), 30, "{r}");
 }
 
 #[test]
@@ -285,8 +295,12 @@ fn a_cache_warm_before_the_first_permit_counts_once_the_allocator_reports_it() {
     // The client reports PyTorch's `memory_reserved - memory_allocated` (a fake torch.cuda
     // answering from the same allocator): the cache serves the requests.
     let s = setup_with(16, SEED_MODEL);
-    let told = run(&s, None, &with(&SEED, &[&warm[..], &["--torch"]].concat()));
+    let told = run(
+        &s,
+        None,
+        &with(&SEED, &["--warm", "3", "--permit-timeout", "1", "--torch"]),
+    );
     assert_safe(&told);
-    assert_eq!(count(&told, "served"), 10, "{told}");
+    assert_eq!(count(&told, "served"), 30, "{told}");
     assert_eq!(count(&told, "max_in_flight"), 3, "{told}");
 }

@@ -198,6 +198,7 @@ def run_threads(
     sizes: List[List[int]],
     results: Results,
     start_burst: Any,
+    done: Any,
 ) -> None:
     client = gpuguard.Client(args.socket, allocator="torch" if args.torch else None)
     semaphore = threading.Semaphore(args.semaphore) if args.semaphore else None
@@ -238,6 +239,7 @@ def run_threads(
                 thread.start()
             for thread in threads:
                 thread.join()
+        done()
     finally:
         client.close()
 
@@ -248,6 +250,7 @@ async def run_tasks(
     sizes: List[List[int]],
     results: Results,
     start_burst: Any,
+    done: Any,
 ) -> None:
     client = gpuguard.AsyncClient(args.socket, allocator="torch" if args.torch else None)
     semaphore = asyncio.Semaphore(args.semaphore) if args.semaphore else None
@@ -284,6 +287,7 @@ async def run_tasks(
         for number, burst in enumerate(sizes):
             await asyncio.get_running_loop().run_in_executor(None, start_burst, number)
             await asyncio.gather(*(request(size) for size in burst))
+        await asyncio.get_running_loop().run_in_executor(None, done)
     finally:
         await client.aclose()
 
@@ -352,9 +356,12 @@ def serve(
     sizes: List[List[int]],
     start_burst: Any,
     loaded: Any = None,
+    done: Any = None,
 ) -> Dict[str, Any]:
     """One server process: loads its weights on the card, serves its share of every burst,
-    and returns its counts. `loaded` is called once the weights are on the card."""
+    and returns its counts. `loaded` is called once the weights are on the card, `done` after
+    the last burst, its connection to the daemon still open, before it exits (and its memory
+    goes back to the driver)."""
     card = FakeCard(
         args.state,
         args.card_total,
@@ -377,10 +384,11 @@ def serve(
         loaded()
     results = Results()
     try:
+        done = done or (lambda: None)
         if args.client == "thread":
-            run_threads(args, card, sizes, results, start_burst)
+            run_threads(args, card, sizes, results, start_burst, done)
         else:
-            asyncio.run(run_tasks(args, card, sizes, results, start_burst))
+            asyncio.run(run_tasks(args, card, sizes, results, start_burst, done))
         return results.raw(card)
     finally:
         card.close()
@@ -407,7 +415,8 @@ def worker_main(
         barrier.wait()
 
     try:
-        out.put(serve(args, sizes, start_burst, loaded=barrier.wait))
+        # Every worker lives until the last burst is over, as a server's workers do.
+        out.put(serve(args, sizes, start_burst, loaded=barrier.wait, done=barrier.wait))
     except BaseException as err:
         out.put({"failed": f"{type(err).__name__}: {err}"})
         raise
@@ -454,6 +463,7 @@ def main() -> None:
             if number and args.pause:
                 time.sleep(args.pause)
             barrier.wait()
+        barrier.wait()  # the last burst is over
         parts = [out.get() for _ in workers]
         for worker in workers:
             worker.join()

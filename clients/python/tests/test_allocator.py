@@ -93,6 +93,20 @@ class Sent(FakeDaemonCase, FakeTorch):
         sent = [m.get("cache_bytes") for m in self.daemon.messages("acquire")]
         self.assertEqual(sent, [9 * GIB, 6 * GIB])
 
+    def test_while_permits_are_out_it_counts_from_the_idle_allocation(self):
+        # Idle, 4 GiB allocated (the weights), 13 GiB held: 9 GiB for work. A permit's work then
+        # allocates 3 GiB out of the cache: still 9 GiB for this process's permits, not 6.
+        cuda = FakeCuda({0: 13 * GIB}, {0: 4 * GIB})
+        self.install(cuda)
+        client = Client(self.socket, allocator="torch")
+        self.addCleanup(client.close)
+        with client.permit(gpu_bytes="3GiB", timeout=5):
+            cuda.allocated[0] = 7 * GIB
+            with client.permit(gpu_bytes="3GiB", timeout=5):
+                pass
+        sent = [m.get("cache_bytes") for m in self.daemon.messages("acquire")]
+        self.assertEqual(sent, [9 * GIB, 9 * GIB])
+
     def test_the_async_client_too(self):
         self.install(FakeCuda({0: 5 * GIB}, {0: 4 * GIB}))
 

@@ -184,9 +184,11 @@ class AsyncClient:
         ttl: Optional[float] = None,
     ) -> Permit:
         """Waits for a permit; arguments, answers and errors as `gpuguard.Client.acquire`."""
+        conn = self._conn
         fields = with_cache(
             _session.acquire_fields(gpu_bytes, ram_bytes, model, gpu, timeout, ttl),
             self._cache_reader,
+            idle=conn is None or not conn.session.held,
         )
         loop = asyncio.get_running_loop()
         start = loop.time()

@@ -4,11 +4,12 @@ docs/protocol.md) so the daemon lets the caller's own cache serve its next permi
 PyTorch's caching allocator keeps the blocks a request freed inside the process: NVML keeps
 showing them used, and the daemon, seeing only NVML, cannot tell that cache from the weights
 (when it first saw the process with its cache already warm, after a restart of either). The
-allocator knows: `torch.cuda.memory_reserved() - torch.cuda.memory_allocated()` on the current
-device, less its free blocks inside segments that are partly in use (`inactive_split_bytes` in
-`torch.cuda.memory_stats()`: a request larger than such a block cannot use it, and it cannot be
-given back to the driver to make room). The daemon counts it only up to what NVML shows the
-process holding.
+allocator knows: what it holds (`torch.cuda.memory_reserved()`) beyond what was allocated when
+this client last held no permit (the weights), less its free blocks inside segments that are
+partly in use (`inactive_split_bytes` in `torch.cuda.memory_stats()`: a request larger than such
+a block cannot use it, and it cannot be given back to the driver to make room). The daemon
+counts it only up to what NVML shows the process holding, and sets this process's permits
+against it.
 
 No dependency on torch: it is read only when torch is already imported and CUDA initialised in
 this process (a process that never touched CUDA has nothing cached); anything else reports
@@ -22,40 +23,62 @@ worker): with "torch" the client then calls `torch.cuda.empty_cache()`.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Dict, Optional, Union
 
-#: Reads the allocator's unused cache in bytes, or None when there is nothing to say.
-CacheReader = Callable[[], Optional[int]]
+#: Reads what the allocator holds for work, in bytes, or None when there is nothing to say;
+#: called with `idle=True` when this client holds no permit.
+CacheReader = Callable[..., Optional[int]]
+
+
+class TorchCache:
+    """PyTorch's caching allocator on the current CUDA device, read for `cache_bytes`: what it
+    holds (`memory_reserved`) beyond what was allocated the last time this client held no
+    permit (the weights), less its free blocks stranded in segments partly in use
+    (`inactive_split_bytes`): the memory this process's permits use or may reuse. Read relative
+    to that idle moment, not as what is unused right now, it does not go stale while permits come
+    and go between two requests. Before any idle moment: what is unused now."""
+
+    def __init__(self) -> None:
+        self.idle_allocated: Dict[int, int] = {}
+
+    def __call__(self, idle: bool = False) -> Optional[int]:
+        torch: Any = sys.modules.get("torch")
+        if torch is None:
+            return None
+        try:
+            cuda = torch.cuda
+            if not cuda.is_initialized():
+                return None
+            device = cuda.current_device()
+            reserved = int(cuda.memory_reserved(device))
+            allocated = int(cuda.memory_allocated(device))
+            stats = cuda.memory_stats(device) if hasattr(cuda, "memory_stats") else {}
+            stranded = int(stats.get("inactive_split_bytes.all.current", 0))
+        except Exception:  # a broken or partial torch install reports nothing, never fails a permit
+            return None
+        if idle:
+            self.idle_allocated[device] = allocated
+        base = self.idle_allocated.get(device, allocated)
+        return max(reserved - base - stranded, 0)
 
 
 def torch_cache_bytes() -> Optional[int]:
-    """PyTorch's cached-but-unallocated bytes on the current CUDA device, or None (torch not
-    imported, CUDA not initialised, or torch failed to answer)."""
-    torch: Any = sys.modules.get("torch")
-    if torch is None:
-        return None
-    try:
-        cuda = torch.cuda
-        if not cuda.is_initialized():
-            return None
-        device = cuda.current_device()
-        cached = int(cuda.memory_reserved(device)) - int(cuda.memory_allocated(device))
-        stats = cuda.memory_stats(device) if hasattr(cuda, "memory_stats") else {}
-        cached -= int(stats.get("inactive_split_bytes.all.current", 0))
-    except Exception:  # a broken or partial torch install reports nothing, never fails a permit
-        return None
-    return max(cached, 0)
+    """PyTorch's cached-but-unallocated bytes on the current CUDA device (less the stranded
+    ones), or None (torch not imported, CUDA not initialised, or torch failed to answer)."""
+    return TorchCache()()
 
 
 def cache_reader(allocator: Union[None, str, CacheReader]) -> Optional[CacheReader]:
     """The `allocator=` option of `Client` and `AsyncClient`: None (report nothing), "torch"
-    (PyTorch's caching allocator), or a function returning the unused cached bytes."""
+    (PyTorch's caching allocator), or a function returning the bytes its allocator holds for
+    work (called without arguments)."""
     if allocator is None:
         return None
     if allocator == "torch":
-        return torch_cache_bytes
+        return TorchCache()
     if callable(allocator):
-        return allocator
+        function = allocator
+        return lambda idle=False: function()
     raise ValueError(f'allocator: {allocator!r} is not None, "torch" or a function')
 
 
@@ -72,12 +95,13 @@ def cache_trimmer(allocator: Union[None, str, CacheReader]) -> Optional[Callable
     return torch_empty_cache if allocator == "torch" else None
 
 
-def with_cache(fields: dict, reader: Optional[CacheReader]) -> dict:
-    """`fields` of an acquire, with what `reader` says is cached (if it says anything sane)."""
+def with_cache(fields: dict, reader: Optional[CacheReader], idle: bool) -> dict:
+    """`fields` of an acquire, with what `reader` says is cached (if it says anything sane);
+    `idle`: the client holds no permit now."""
     if reader is None:
         return fields
     try:
-        cached = reader()
+        cached = reader(idle=idle)
     except Exception:
         return fields
     if isinstance(cached, bool) or not isinstance(cached, int) or not 0 <= cached < 2**63:

@@ -234,9 +234,11 @@ class Client:
         `gpu` (None: the GPU with the most room), `timeout` and `ttl` in seconds (None: the
         daemon's defaults). Raises PermitRefused (with `.reason`, `.retry_after`, ...) when the
         daemon refuses or does not answer in time, DaemonUnavailable when it cannot be reached."""
+        conn = self._conn
         fields = with_cache(
             _session.acquire_fields(gpu_bytes, ram_bytes, model, gpu, timeout, ttl),
             self._cache_reader,
+            idle=conn is None or not conn.session.held,
         )
         start = time.monotonic()
         request_fields = fields
