@@ -22,9 +22,11 @@
 //!   pass for spare memory; a new child process (the set of processes changed) unsettles it again.
 //! - Growth while it holds no reservation is its own (weights loaded, an adapter): the baseline
 //!   follows it. A fall below the baseline at rest lowers it.
-//! - The holder's allocator may say what it caches (the Python client reads PyTorch's
-//!   `memory_reserved - memory_allocated`): that much, never more than NVML shows the holder
-//!   holding, serves its own next permits too.
+//! - The holder's allocator may say what it holds for its permits' work (the Python client reads
+//!   PyTorch's `memory_reserved` beyond what was allocated with no permit out): its permits are
+//!   set against that much too, never more than NVML shows the holder holding.
+//! - Memory of a reservation that ended stays promised (to the others) until a reading sampled
+//!   after the end shows what became of it: a caching allocator keeps it.
 //! - Host RAM is read by process scans, never together with MemAvailable: a RAM reservation is
 //!   always promised in full.
 

@@ -180,8 +180,8 @@ impl Capacity {
 const MAX_TREE_DEPTH: usize = 64;
 
 /// [`Capacity::trees`]: each GPU holder's memory added to itself and every ancestor the process
-/// scan knows (pid 1 and above it excluded: every process descends from it); and
-/// [`Capacity::unscanned`].
+/// scan knows, up to the first of another uid (a setuid helper's memory is not its caller's to
+/// count on) and never pid 1 (every process descends from it); and [`Capacity::unscanned`].
 fn trees(snapshot: &Snapshot) -> (HashMap<ProcessId, TreeUse>, HashMap<i32, TreeUse>) {
     let table = &snapshot.processes;
     let by_pid = |pid: i32| {
@@ -212,7 +212,7 @@ fn trees(snapshot: &Snapshot) -> (HashMap<ProcessId, TreeUse>, HashMap<i32, Tree
             };
             let mut at = Some(holder);
             for _ in 0..MAX_TREE_DEPTH {
-                let Some(p) = at.filter(|p| p.pid > 1) else {
+                let Some(p) = at.filter(|p| p.pid > 1 && p.uid == holder.uid) else {
                     break;
                 };
                 add(trees.entry(p.id()).or_default());
@@ -221,4 +221,77 @@ fn trees(snapshot: &Snapshot) -> (HashMap<ProcessId, TreeUse>, HashMap<i32, Tree
         }
     }
     (trees, unscanned)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::snapshot::{Gpu, GpuSnapshot, Process, ProcessTable};
+
+    const GIB: u64 = 1 << 30;
+
+    fn process(pid: i32, ppid: i32, uid: u32) -> Process {
+        Process {
+            pid,
+            start_time: 7,
+            ppid,
+            uid,
+            state: 'S',
+            ..Default::default()
+        }
+    }
+
+    fn id(pid: i32) -> ProcessId {
+        ProcessId { pid, start_time: 7 }
+    }
+
+    #[test]
+    fn a_holders_tree_is_its_own_uids_descendants_and_new_holders_are_known_by_pid() {
+        let used = |holders: &[(i32, u64)]| {
+            let sum: u64 = holders.iter().map(|(_, g)| g * GIB).sum();
+            Gpu {
+                index: 0,
+                total_bytes: Some(80 * GIB),
+                used_bytes: Some(sum),
+                free_bytes: Some(80 * GIB - sum),
+                reserved_bytes: Some(0),
+                processes: holders.iter().map(|&(p, g)| (p, Some(g * GIB))).collect(),
+                processes_known: true,
+                processes_steady: true,
+                ..Default::default()
+            }
+        };
+        let snapshot = |holders: &[(i32, u64)]| Snapshot {
+            processes: ProcessTable {
+                scanned_at: Some(Duration::ZERO),
+                processes: vec![
+                    process(1, 0, 0),
+                    process(100, 1, 1000),   // a server
+                    process(101, 100, 1000), // its engine core, on the GPU
+                    process(102, 100, 0),    // a setuid helper it started, on the GPU
+                ],
+            },
+            gpus: GpuSnapshot {
+                devices: vec![used(holders)],
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let (first, unscanned) = trees(&snapshot(&[(101, 5), (102, 3), (300, 1)]));
+        let on0 = |t: &TreeUse| t.gpu_bytes.get(&0).copied();
+        assert_eq!(
+            on0(&first[&id(100)]),
+            Some(5 * GIB),
+            "not the setuid helper's"
+        );
+        assert_eq!(on0(&first[&id(101)]), Some(5 * GIB));
+        assert_eq!(on0(&first[&id(102)]), Some(3 * GIB));
+        assert!(!first.contains_key(&id(1)), "nobody counts on pid 1's tree");
+        // A process that started after the scan: what it holds itself, by pid.
+        assert_eq!(on0(&unscanned[&300]), Some(GIB));
+        // A new child holding memory changes the tree's members (its baseline is void).
+        let (grown, _) = trees(&snapshot(&[(101, 5), (100, 2)]));
+        assert_ne!(grown[&id(100)].members, first[&id(100)].members);
+        assert_eq!(grown[&id(101)].members, first[&id(101)].members);
+    }
 }
