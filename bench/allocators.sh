@@ -66,7 +66,7 @@ seed() {
 
 # cell JSON: "served/requests, OOM n, in flight n, median s"
 cell() {
-    python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print("%d/%d, %d OOM, %d at once, %ss" % (r["served"], r["requests"], r["overflows"], r["max_in_flight"], r["median_latency_s"]))' "$1"
+    python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print("%d/%d, %d OOM, %d at once, %s" % (r["served"], r["requests"], r["overflows"], r["max_in_flight"], "-" if r["median_latency_s"] is None else "%ss" % r["median_latency_s"]))' "$1"
 }
 
 # row NAME CARD_GIB MODEL_TOML ARGS...

@@ -6,8 +6,9 @@
 #
 # Needs root (to signal, and for earlyoom) and a host where losing ~3 GiB of MemAvailable for a
 # few seconds is fine. Builds gpuguard in release mode (CARGO_TARGET_DIR, default
-# /tmp/target-bench) and the C tools, then runs reaction.sh, overhead.sh, ticks.sh and the
-# policy micro-benchmark (benches/policy.rs). Results (tables in *.md, raw CSV/logs) go to
+# /tmp/target-bench) and the C tools, then runs reaction.sh, overhead.sh, ticks.sh, the
+# policy micro-benchmark (benches/policy.rs) and the permits against each allocator
+# (allocators.sh). Results (tables in *.md, raw CSV/logs) go to
 # RESULTS_DIR, default bench/results/<date>. Env knobs: RUNS (reaction runs per case, 5),
 # SECONDS_PER_CASE (overhead window, 60), TICK_SECONDS (30).
 set -uo pipefail
@@ -32,5 +33,6 @@ status=0
 "$BENCH_DIR/overhead.sh" "$out" || status=1
 "$BENCH_DIR/ticks.sh" "$out" || status=1
 (cd "$REPO_DIR" && cargo bench --quiet --bench policy) | tee "$out/policy.md" || status=1
+"$BENCH_DIR/allocators.sh" | tee "$out/allocators.md" || status=1
 echo "results in $out" >&2
 exit $status
