@@ -696,31 +696,22 @@ impl Reservations {
             );
         }
         let limits = self.config.permits.clone();
-        if self.uid_use(peer.uid).permits >= limits.max_per_uid {
-            let message = format!(
+        let total: usize = self.uids.values().map(|u| u.permits).sum();
+        let over_cap = if self.uid_use(peer.uid).permits >= limits.max_per_uid {
+            Some(format!(
                 "uid {} holds or waits for {} permits (permits.max_per_uid)",
                 peer.uid, limits.max_per_uid
-            );
-            return Some(self.refusal(
-                id,
-                &peer,
-                &pool,
-                &demand,
-                RefusalReason::QueueFull,
-                message,
-            ));
-        }
-        let total: usize = self.uids.values().map(|u| u.permits).sum();
-        if total >= limits.max_total {
-            let message = format!("{total} permits held or waiting (permits.max_total)");
-            return Some(self.refusal(
-                id,
-                &peer,
-                &pool,
-                &demand,
-                RefusalReason::QueueFull,
-                message,
-            ));
+            ))
+        } else if total >= limits.max_total {
+            Some(format!(
+                "{total} permits held or waiting (permits.max_total)"
+            ))
+        } else {
+            None
+        };
+        if let Some(message) = over_cap {
+            let reason = RefusalReason::QueueFull;
+            return Some(self.refusal(id, &peer, &pool, &demand, reason, message));
         }
         let queued = self.waiting.get(&pool).map_or(0, VecDeque::len);
         let fit = match self.fit_fresh(&peer, &pool, &demand, true, fresh_after) {
