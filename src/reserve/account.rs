@@ -242,17 +242,27 @@ impl Books {
     }
 
     /// Memory held beyond the baseline, all GPUs (None until settled, unless it holds none).
+    ///
+    /// NVML's figure beyond the baseline, or the allocator's own where it says more (what it
+    /// holds for work beyond its idle moment, up to what NVML shows): NVML takes a cache that
+    /// was warm before the baseline for weights, while a report is as old as the last request.
     fn held_beyond_base(&self) -> Option<u64> {
-        if self.base.is_none() && self.usage.values().all(|&b| b == 0) {
-            return Some(0);
+        let mut held = 0;
+        for (g, &used) in &self.usage {
+            let reported = self.reported_cache.get(g).map(|&r| r.min(used));
+            let seen = match &self.base {
+                _ if used == 0 => Some(0),
+                Some(base) => Some(used.saturating_sub(on(base, *g))),
+                None => None,
+            };
+            held += match (seen, reported) {
+                (Some(s), Some(r)) => s.max(r),
+                (Some(s), None) => s,
+                (None, Some(r)) => r,
+                (None, None) => return None,
+            };
         }
-        let base = self.base.as_ref()?;
-        Some(
-            self.usage
-                .iter()
-                .map(|(g, &u)| u.saturating_sub(on(base, *g)))
-                .sum(),
-        )
+        Some(held)
     }
 
     /// Its baseline is what it holds now (a launched server became ready).
@@ -971,6 +981,35 @@ mod tests {
         give_back(&mut a, A, 3);
         assert_eq!(a.learner.samples(), 2);
         assert_eq!(a.learner.typical_hold(), Some(Duration::from_millis(100)));
+    }
+
+    #[test]
+    fn where_the_allocator_says_what_it_holds_for_work_that_is_what_is_learned() {
+        // First seen with 9 GiB already cached (the daemon restarted under a busy server): NVML
+        // takes it all for weights. A burst of 4 then grows the cache to 12 GiB.
+        let learn = |report: bool| {
+            let warm = reading(&[(A, 13)], true);
+            let mut a = Account::default();
+            for _ in 0..4 {
+                take(&mut a, &warm, A, 3);
+                if report {
+                    a.report_cache(A, &warm, 9 * GIB);
+                }
+            }
+            let grown = reading(&[(A, 16)], true);
+            if report {
+                a.report_cache(A, &grown, 12 * GIB);
+            }
+            a.observe(None, &grown);
+            for _ in 0..4 {
+                give_back(&mut a, A, 3);
+            }
+            a.learner.quantile(0.5)
+        };
+        // NVML alone: 3 GiB of growth over 4 permits, far too small.
+        assert_eq!(learn(false), Some(3 * GIB / 4));
+        // The allocator's figure: 12 GiB for the work of 4 permits.
+        assert_eq!(learn(true), Some(3 * GIB));
     }
 
     #[test]
