@@ -44,6 +44,9 @@ pub const SAMPLES_FOR_DEFAULT: usize = 8;
 /// GPU memory per GPU index.
 type PerGpu = BTreeMap<u32, u64>;
 
+/// Ended reservations remembered per GPU until a reading follows them (then merged).
+const MAX_ENDED: usize = 4096;
+
 fn on(map: &PerGpu, gpu: u32) -> u64 {
     map.get(&gpu).copied().unwrap_or(0)
 }
@@ -73,9 +76,11 @@ pub struct Books {
     quiet_readings: u8,
     /// The sample time of the latest reading.
     last_sample: Option<Duration>,
-    /// What reservations that ended held, until a reading sampled after they ended shows what
-    /// became of that memory: a caching allocator keeps it, so until then it stays promised.
-    ended: PerGpu,
+    /// What reservations that ended held, per GPU, with when they ended, until a reading sampled
+    /// after that shows what became of the memory: a caching allocator keeps it, so until then
+    /// it stays promised. Under steady traffic permits end between every two readings: each
+    /// one is let go by the first reading after its own end, not after the last change.
+    ended: BTreeMap<u32, VecDeque<(Duration, u64)>>,
     /// What the holder's allocator said it caches, per GPU (the latest report).
     reported_cache: PerGpu,
 }
@@ -95,7 +100,7 @@ impl Default for Books {
             last_change: None,
             quiet_readings: 2,
             last_sample: None,
-            ended: PerGpu::new(),
+            ended: BTreeMap::new(),
             reported_cache: PerGpu::new(),
         }
     }
@@ -123,7 +128,12 @@ impl Books {
         let new_sample = sampled_at.is_some() && sampled_at != self.last_sample;
         if new_sample && sampled_at > self.last_change {
             self.quiet_readings = (self.quiet_readings + 1).min(2);
-            self.ended.clear();
+        }
+        if let (true, Some(at)) = (new_sample, sampled_at) {
+            for ends in self.ended.values_mut() {
+                ends.retain(|(ended_at, _)| *ended_at >= at);
+            }
+            self.ended.retain(|_, ends| !ends.is_empty());
         }
         self.last_sample = sampled_at;
         let at_rest = self.idle() && self.quiet_readings >= 2 && consistent;
@@ -180,7 +190,15 @@ impl Books {
     fn unreserve(&mut self, gpus: &[u32], per_gpu: u64, now: Duration) {
         self.changed(now);
         for g in gpus {
-            *self.ended.entry(*g).or_default() += per_gpu;
+            let ends = self.ended.entry(*g).or_default();
+            if ends.len() >= MAX_ENDED {
+                // No reading for long (the GPU sampler is stuck): merged, kept the longer.
+                let (_, a) = ends.pop_front().expect("not empty");
+                if let Some((_, b)) = ends.front_mut() {
+                    *b = b.saturating_add(a);
+                }
+            }
+            ends.push_back((now, per_gpu));
             if let Some(b) = self.reserved.get_mut(g) {
                 *b = b.saturating_sub(per_gpu);
             }
@@ -209,12 +227,18 @@ impl Books {
     /// memory held beyond baseline and reservations (cache). `consistent`: the capacity's GPU
     /// figures are from one pass.
     fn promised(&self, gpu: u32, consistent: bool) -> i64 {
-        self.promised_for(gpu, consistent, on(&self.ended, gpu))
+        let ended = self.ended.get(&gpu).map_or(0, |ends| {
+            ends.iter().fold(0u64, |sum, (_, b)| sum.saturating_add(*b))
+        });
+        self.promised_for(gpu, consistent, ended)
     }
 
     /// `promised`, with `ended` of the reservations that ended not yet seen given back.
     fn promised_for(&self, gpu: u32, consistent: bool, ended: u64) -> i64 {
-        let reserved = (on(&self.reserved, gpu) + ended + self.stranded(gpu)) as i64;
+        let reserved = on(&self.reserved, gpu)
+            .saturating_add(ended)
+            .saturating_add(self.stranded(gpu))
+            .min(i64::MAX as u64) as i64;
         match &self.base {
             Some(base) if consistent && self.consistent => {
                 on(base, gpu) as i64 + reserved - on(&self.usage, gpu) as i64
@@ -828,6 +852,24 @@ mod tests {
         assert_eq!(a.gpu_promised_to(A, &nothing(), 0, true), 0);
         take(&mut a, &emptied, A, 3);
         assert_eq!(a.gpu_promised_to(A, &nothing(), 0, true), 3 * GIB as i64);
+    }
+
+    #[test]
+    fn under_steady_traffic_each_ended_permit_is_let_go_by_the_first_reading_after_it() {
+        // Permits end between every two readings: none is promised for longer than one reading.
+        let (mut a, c) = settled(4);
+        take(&mut a, &c, A, 3);
+        for _ in 0..50 {
+            let sampled = reading(&[(A, 7)], true); // NVML read while the permit is out
+            give_back(&mut a, A, 3);
+            take(&mut a, &c, A, 3); // the next request, before the reading reaches the books
+            a.observe(None, &sampled);
+            assert_eq!(
+                a.gpu_promised(0, true),
+                3 * GIB,
+                "only the permit that ended after the sample stays promised"
+            );
+        }
     }
 
     #[test]
