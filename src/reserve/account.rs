@@ -181,9 +181,12 @@ impl Books {
             *r += per_gpu;
             let peak = self.peak_reserved.entry(*g).or_default();
             *peak = (*peak).max(*r);
-            *self.count.entry(*g).or_default() += 1;
-            let largest = self.largest.entry(*g).or_default();
-            *largest = (*largest).max(per_gpu);
+            if per_gpu > 0 {
+                // A slot (size 0) takes no block and strands nothing.
+                *self.count.entry(*g).or_default() += 1;
+                let largest = self.largest.entry(*g).or_default();
+                *largest = (*largest).max(per_gpu);
+            }
         }
     }
 
@@ -202,7 +205,7 @@ impl Books {
             if let Some(b) = self.reserved.get_mut(g) {
                 *b = b.saturating_sub(per_gpu);
             }
-            if let Some(n) = self.count.get_mut(g) {
+            if let Some(n) = self.count.get_mut(g).filter(|_| per_gpu > 0) {
                 *n = n.saturating_sub(1);
             }
         }
@@ -219,7 +222,10 @@ impl Books {
     /// free memory between two readings.
     fn stranded(&self, gpu: u32) -> u64 {
         let n = self.count.get(&gpu).copied().unwrap_or(0);
-        (n * on(&self.largest, gpu)).saturating_sub(on(&self.reserved, gpu))
+        // No more than the most its permits ever held at once: a cache is made of their blocks.
+        n.saturating_mul(on(&self.largest, gpu))
+            .saturating_sub(on(&self.reserved, gpu))
+            .min(on(&self.peak_reserved, gpu))
     }
 
     /// What it may still take of free memory on `gpu` for its reservations: their part not yet
@@ -852,6 +858,28 @@ mod tests {
         assert_eq!(a.gpu_promised_to(A, &nothing(), 0, true), 0);
         take(&mut a, &emptied, A, 3);
         assert_eq!(a.gpu_promised_to(A, &nothing(), 0, true), 3 * GIB as i64);
+    }
+
+    #[test]
+    fn slots_strand_nothing_and_what_may_be_stranded_is_bounded() {
+        // Red-team finding: one large permit, then slots (size 0) or many small permits.
+        let (mut a, c) = settled(0);
+        take(&mut a, &c, A, 40);
+        give_back(&mut a, A, 40);
+        a.observe(None, &reading(&[(A, 0)], true));
+        a.observe(None, &reading(&[(A, 0)], true));
+        for _ in 0..16 {
+            take(&mut a, &c, A, 0);
+        }
+        assert_eq!(a.gpu_promised(0, true), 0, "slots promise nothing");
+        for _ in 0..20 {
+            take(&mut a, &c, A, 1);
+        }
+        assert!(
+            a.gpu_promised(0, true) <= 60 * GIB,
+            "{}",
+            a.gpu_promised(0, true)
+        );
     }
 
     #[test]

@@ -180,8 +180,8 @@ impl Capacity {
 const MAX_TREE_DEPTH: usize = 64;
 
 /// [`Capacity::trees`]: each GPU holder's memory added to itself and every ancestor the process
-/// scan knows, up to the first of another uid (a setuid helper's memory is not its caller's to
-/// count on) and never pid 1 (every process descends from it); and [`Capacity::unscanned`].
+/// scan knows, up to the first of another (real) uid and never pid 1 (every process descends
+/// from it); and [`Capacity::unscanned`].
 fn trees(snapshot: &Snapshot) -> (HashMap<ProcessId, TreeUse>, HashMap<i32, TreeUse>) {
     let table = &snapshot.processes;
     let by_pid = |pid: i32| {

@@ -669,9 +669,15 @@ impl Reservations {
             return refuse(RefusalReason::Invalid, "connection not ready".into());
         };
         let fresh_after = self.conns.get(&conn).map_or(now, |c| c.since);
+        // Only a uid that may be some model's member waits for a scan to find its model (the
+        // daemon forces scans for it): anyone else's request is decided now.
         let unplaced = request.model.is_none()
             && !self.capacity.member_of.contains_key(&peer.process())
-            && self.capacity.scanned_at.is_none_or(|t| t < fresh_after);
+            && self.capacity.scanned_at.is_none_or(|t| t < fresh_after)
+            && self
+                .models()
+                .iter()
+                .any(|m| m.allowed_users().member(peer.uid));
         let pool = match self.permit_pool(&peer, request.model.as_deref()) {
             Ok(pool) => pool,
             Err(_) if unplaced => None,
@@ -713,7 +719,10 @@ impl Reservations {
             let reason = RefusalReason::QueueFull;
             return Some(self.refusal(id, &peer, &pool, &demand, reason, message));
         }
-        let queued = self.waiting.get(&pool).map_or(0, VecDeque::len);
+        let queued = self
+            .waiting
+            .get(&pool)
+            .map_or(0, |q| q.iter().filter(|w| w.unplaced.is_none()).count());
         let fit = match self.fit_fresh(&peer, &pool, &demand, true, fresh_after) {
             Fit::Now { .. } | Fit::Never(_) if unplaced => Fit::Later(Shortfall {
                 message: UNPLACED.into(),
@@ -1722,14 +1731,15 @@ impl Reservations {
         let mut starved = Vec::new();
         for pool in pools {
             // In order; behind one that waits, only those their own cache holds go ahead.
-            let mut i = 0;
+            // Requests still looking for their model are not ahead of anyone.
+            let (mut i, mut blocked) = (0, false);
             while let Some(w) = self.waiting.get(&pool).and_then(|q| q.get(i)) {
                 if w.unplaced.is_some() {
                     i += 1;
                     continue;
                 }
                 let fit = self.fit_fresh(&w.peer, &pool, &w.demand, true, w.fresh_after);
-                let may_go = i == 0 || self.held_in_own_cache(&w.peer, &pool, &w.demand);
+                let may_go = !blocked || self.held_in_own_cache(&w.peer, &pool, &w.demand);
                 match fit {
                     Fit::Now { gpus } if may_go => {
                         let w = self
@@ -1760,10 +1770,11 @@ impl Reservations {
                     Fit::Later(s) | Fit::Never(s) => {
                         if let Some(w) = self.waiting.get_mut(&pool).and_then(|q| q.get_mut(i)) {
                             w.waiting_for = s.message;
-                            if i == 0 && w.demand.gpu_bytes_total() > 0 {
+                            if !blocked && w.demand.gpu_bytes_total() > 0 {
                                 starved.push((pool.clone(), w.peer));
                             }
                         }
+                        blocked = true;
                         i += 1;
                     }
                 }
@@ -1801,8 +1812,8 @@ impl Reservations {
 
     /// The head of `pool`'s queue waits for GPU memory: the pool's other holders that keep
     /// memory cached unused are asked to give it back (`Response::Trim`, at most once per
-    /// `TRIM_EVERY` each). Only within a model (its processes serve one another), or, in the
-    /// host-wide pool, within one uid: a request never costs another user's server its cache.
+    /// `TRIM_EVERY` each), those of the waiting request's uid only: a request never costs
+    /// another user's server its cache.
     fn ask_to_trim(&mut self, pool: &Pool, waiting: &Peer, now: Duration) {
         let Some(account) = self.pools.get(pool) else {
             return;
@@ -1825,7 +1836,7 @@ impl Reservations {
                 .iter()
                 .filter(|(_, c)| c.reply.is_some())
                 .filter(|(_, c)| c.peer.is_some_and(|p| p.process() == holder))
-                .filter(|(_, c)| pool.is_some() || c.uid == waiting.uid)
+                .filter(|(_, c)| c.uid == waiting.uid)
                 .map(|(id, _)| *id)
                 .collect();
             if conns.is_empty() {
@@ -2429,7 +2440,8 @@ mod tests {
         // A server of model "served" that started after the latest process scan asks at once,
         // naming no model: its pool is decided by the next scan, not by the host-wide pool.
         let (mut t, mut rx) = table_for(
-            "[[model]]\nname = \"served\"\nmatch = { comm = \"x\" }\nmax_permits = 1\n",
+            "[[model]]\nname = \"served\"\nmatch = { comm = \"x\" }\nmax_permits = 1\n\
+             users = [\"1001\"]\n",
             1001,
         );
         let connected = Duration::from_millis(5);
@@ -2447,6 +2459,22 @@ mod tests {
             timeout_ms: Some(if id == 1 { 0 } else { 5000 }),
             ..Default::default()
         };
+        // A uid that may be no model's member is answered at once (no scan is forced for it).
+        t.connect(3, 1002, connected).unwrap();
+        let (tx3, _rx3) = tokio::sync::mpsc::channel(16);
+        let stranger = Peer {
+            uid: 1002,
+            pid: 78,
+            start_time: 9,
+        };
+        t.attach(3, stranger, tx3);
+        assert!(matches!(
+            t.acquire(3, ask(9), connected),
+            Some(Response::Refused {
+                reason: RefusalReason::NotAllowed,
+                ..
+            })
+        ));
         assert!(t.acquire(2, ask(1), connected).is_none(), "it waits");
         assert!(t.acquire(2, ask(2), connected).is_none());
         assert!(t.wants_fresh_scan());
