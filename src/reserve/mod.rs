@@ -2333,19 +2333,30 @@ mod tests {
         }
     }
 
+    /// Connects `peer` as connection `conn` at `at`; its answers come on the receiver.
+    fn join(
+        t: &mut Reservations,
+        conn: ConnId,
+        peer: Peer,
+        at: Duration,
+    ) -> tokio::sync::mpsc::Receiver<Response> {
+        t.connect(conn, peer.uid, at).unwrap();
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        t.attach(conn, peer, tx);
+        rx
+    }
+
     fn table() -> (Reservations, tokio::sync::mpsc::Receiver<Response>) {
         let mut t = Reservations::new(config(
             "[[model]]\nname = \"served\"\nmatch = { comm = \"x\" }\n",
         ));
         t.tick(Duration::ZERO, capacity(4 * GIB));
-        t.connect(1, 0, Duration::ZERO).unwrap();
-        let (tx, rx) = tokio::sync::mpsc::channel(16);
         let peer = Peer {
             uid: 0,
             pid: 42,
             start_time: 1,
         };
-        t.attach(1, peer, tx);
+        let rx = join(&mut t, 1, peer, Duration::ZERO);
         (t, rx)
     }
 
@@ -2366,14 +2377,12 @@ mod tests {
     ) -> (Reservations, tokio::sync::mpsc::Receiver<Response>) {
         let mut t = Reservations::new(config(config_text));
         t.tick(Duration::ZERO, capacity(4 * GIB));
-        t.connect(1, uid, Duration::ZERO).unwrap();
-        let (tx, rx) = tokio::sync::mpsc::channel(16);
         let peer = Peer {
             uid,
             pid: std::process::id() as i32,
             start_time: 1,
         };
-        t.attach(1, peer, tx);
+        let rx = join(&mut t, 1, peer, Duration::ZERO);
         (t, rx)
     }
 
@@ -2445,14 +2454,12 @@ mod tests {
             1001,
         );
         let connected = Duration::from_millis(5);
-        t.connect(2, 1001, connected).unwrap();
-        let (tx, mut rx2) = tokio::sync::mpsc::channel(16);
         let server = Peer {
             uid: 1001,
             pid: 77,
             start_time: 9,
         };
-        t.attach(2, server, tx);
+        let mut rx2 = join(&mut t, 2, server, connected);
         let ask = |id| AcquireRequest {
             id,
             gpu_bytes: Some(GIB),
@@ -2460,14 +2467,12 @@ mod tests {
             ..Default::default()
         };
         // A uid that may be no model's member is answered at once (no scan is forced for it).
-        t.connect(3, 1002, connected).unwrap();
-        let (tx3, _rx3) = tokio::sync::mpsc::channel(16);
         let stranger = Peer {
             uid: 1002,
             pid: 78,
             start_time: 9,
         };
-        t.attach(3, stranger, tx3);
+        let _rx3 = join(&mut t, 3, stranger, connected);
         assert!(matches!(
             t.acquire(3, ask(9), connected),
             Some(Response::Refused {
