@@ -34,7 +34,7 @@ use crate::snapshot::Snapshot;
 use super::victim::{self, Chosen, Short};
 use super::{
     action, bytes, event, About, FloorVictim, Held, Incident, Level, Plan, PolicyState, Recheck,
-    Resource, Severity, ShmemBaseline, Stage, Target, TermBaseline, Verb,
+    Resource, Severity, ShmemBaseline, Stage, Target, TermBaseline, Terminating, Verb,
 };
 
 /// One resource's reading against its floors.
@@ -363,12 +363,18 @@ fn close_incident(state: &mut PolicyState, reading: &Reading, plan: &mut Plan) {
     let Some(incident) = state.incidents.remove(&resource) else {
         return;
     };
-    if let (Some(victim), Stage::Stopped) = (&incident.victim, incident.stage) {
-        state.held.push(Held {
+    match (&incident.victim, incident.stage) {
+        (Some(victim), Stage::Stopped) => state.held.push(Held {
             target: victim.clone(),
             resource,
             since: incident.stage_since,
-        });
+        }),
+        (Some(victim), Stage::Terminated) => state.terminating.push(Terminating {
+            target: victim.clone(),
+            since: incident.stage_since,
+            term_baseline: incident.term_baseline,
+        }),
+        _ => {}
     }
     if incident.victim.is_some() {
         plan.events.push(event(
@@ -895,6 +901,21 @@ fn choose_next(
         FloorAction::Kill if far_below => Some(Verb::Kill),
         FloorAction::Kill => Some(Verb::Terminate),
     };
+    if verb == Some(Verb::Terminate) && config.daemon.mode != Mode::Observe {
+        if let Some(earlier) = take_terminating(state, &target, now, config.daemon.term_grace) {
+            // Sent SIGTERM by an incident that closed while it shut down: the same SIGTERM goes
+            // on (its grace, its growth check), no second one, and it is not a new victim for
+            // the brake.
+            let incident = state.incidents.get_mut(&resource).expect("incident exists");
+            incident.stage = Stage::Terminated;
+            incident.stage_since = earlier.since;
+            incident.term_baseline = earlier.term_baseline;
+            incident.available_at_stage = reading.available;
+            incident.victim = Some(target);
+            return;
+        }
+    }
+    let incident = state.incidents.get_mut(&resource).expect("incident exists");
     incident.stage = match (verb, config.daemon.mode) {
         (None, _) | (_, Mode::Observe) => Stage::Alerted,
         (Some(Verb::Stop), _) => Stage::Stopped,
@@ -930,6 +951,26 @@ fn choose_next(
             format!("{detail}would act on {target} (action = \"alert\")"),
         )),
     }
+}
+
+/// The earlier SIGTERM of a process chosen again, if it is still within `term_grace` (taken out of
+/// the list: the incident holds it now). Entries past their grace or whose processes are gone
+/// are dropped on the way.
+fn take_terminating(
+    state: &mut PolicyState,
+    target: &Target,
+    now: Duration,
+    term_grace: Duration,
+) -> Option<Terminating> {
+    state
+        .terminating
+        .retain(|t| now.saturating_sub(t.since) < term_grace);
+    let at = state.terminating.iter().position(|t| {
+        t.target
+            .ids()
+            .any(|id| target.ids().any(|chosen| chosen == id))
+    })?;
+    Some(state.terminating.remove(at))
 }
 
 /// The brake of a floor: at most `max_victims` victims within `window` (0: no brake).

@@ -347,6 +347,18 @@ pub struct Held {
     pub since: Duration,
 }
 
+/// A floor victim that was sent SIGTERM by an incident that has since closed (the floor rose
+/// above its act floor while it shut down). Until `term_grace` has passed, a new incident that
+/// chooses it again takes up the same SIGTERM (its grace and growth check) instead of sending
+/// another: a second SIGTERM tells many servers (uvicorn, vLLM, torchrun) to quit without
+/// cleaning up, and a RAM reading that wobbles around the floor would send one each time.
+#[derive(Clone, Debug)]
+pub struct Terminating {
+    pub target: Target,
+    pub since: Duration,
+    pub term_baseline: Option<TermBaseline>,
+}
+
 /// What the policy remembers between ticks.
 #[derive(Debug, Default)]
 pub struct PolicyState {
@@ -354,6 +366,7 @@ pub struct PolicyState {
     pub incidents: BTreeMap<Resource, Incident>,
     pub budgets: BTreeMap<String, BudgetState>,
     pub held: Vec<Held>,
+    pub terminating: Vec<Terminating>,
     /// Processes registered by `gpuguard launch` as members of a model.
     pub registered: HashMap<ProcessId, String>,
     /// Budgets of launched models that have no `[[model]]` in the config (from `launch` flags).

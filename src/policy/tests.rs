@@ -1891,6 +1891,44 @@ fn a_victim_that_grows_after_sigterm_is_killed_at_once() {
     assert!(verbs(&evaluate(&c, &at(8, 7 * GIB), &mut state)).is_empty());
 }
 
+/// RAM wobbling around the act floor while the victim shuts down (it stopped growing right at
+/// the floor): each dip is a new incident, but the victim keeps its one SIGTERM (a second tells
+/// many servers to quit without cleaning up) and its grace, and is not a new victim for the
+/// brake.
+#[test]
+fn a_victim_shutting_down_gets_one_sigterm_while_ram_wobbles_around_the_floor() {
+    let c = config(&format!("[daemon]\nterm_grace = \"10s\"\n{RAM_FLOORS}"));
+    let below = |ms| snap(ms, Some(4 * GIB - MIB), term_victims(6 * GIB));
+    let above = |ms| snap(ms, Some(4 * GIB + MIB), term_victims(6 * GIB));
+    let mut state = PolicyState::default();
+    play(
+        &c,
+        &mut state,
+        vec![
+            (below(0), "terminate [100]", "floor_act"),
+            (above(500), "", "incident_closed"),
+            (below(1000), "", "floor_act"),
+            (above(1500), "", "incident_closed"),
+            (below(2000), "", "floor_act"),
+            (below(9_999), "", ""),
+            // term_grace counts from the one SIGTERM, not from the latest dip.
+            (below(10_000), "kill [100]", ""),
+        ],
+    );
+    assert_eq!(state.floor_victims[&Resource::Ram].len(), 1);
+    // Past its grace, a process chosen by a later incident is a new round: SIGTERM again.
+    let mut state = PolicyState::default();
+    play(
+        &c,
+        &mut state,
+        vec![
+            (below(0), "terminate [100]", "floor_act"),
+            (above(500), "", "incident_closed"),
+            (below(10_000), "terminate [100]", "floor_act"),
+        ],
+    );
+}
+
 #[test]
 fn a_victim_shutting_down_keeps_its_grace_while_memory_falls_elsewhere() {
     let c = config(&format!(

@@ -120,15 +120,12 @@ fn a_server_that_handles_sigterm_is_left_to_exit_cleanly() {
     daemon.wait_for_event("process_killed", Duration::from_secs(10), |e| {
         e["subject"]["model"] == "grower"
     });
-    // The guard has looked again since the server exited: SIGTERM (once per incident), never
-    // SIGKILL.
+    // The guard has looked again since the server exited: one SIGTERM, never SIGKILL, and no
+    // second SIGTERM while RAM wobbled around the floor during its cleanup (Python restores
+    // the default handler as it exits: a second SIGTERM then killed it with status 15).
     daemon.next_tick_status();
     let verbs = daemon.verbs_on("grower");
-    assert!(
-        verbs.iter().all(|v| v == "terminate"),
-        "{verbs:?}\n{}",
-        daemon.log_text()
-    );
+    assert_eq!(verbs, ["terminate"], "{}", daemon.log_text());
 }
 
 /// The daemon's own SIGTERM during startup (systemd stopping it as it starts, the package
