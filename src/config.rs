@@ -403,7 +403,7 @@ pub struct LaunchConfig {
 impl Default for LaunchConfig {
     fn default() -> Self {
         LaunchConfig {
-            socket: PathBuf::from(crate::ipc::DEFAULT_SOCKET),
+            socket: PathBuf::from(DEFAULT_SOCKET),
             max_loading: 1,
             settle: Duration::from_secs(10),
             ready_timeout: Duration::from_secs(600),
@@ -463,6 +463,8 @@ impl Default for RamConfig {
 }
 
 /// Victims a floor may act on within `victim_window` before its brake holds it (RAM and GPU).
+/// Where the daemon listens and the CLI connects (`[launch] socket`).
+pub const DEFAULT_SOCKET: &str = "/run/gpuguard/gpuguard.sock";
 pub const DEFAULT_MAX_VICTIMS: u32 = 3;
 pub const DEFAULT_VICTIM_WINDOW: Duration = Duration::from_secs(300);
 

@@ -16,6 +16,7 @@ pub mod ipc;
 pub mod kinds;
 pub mod metrics;
 pub mod plan;
+pub mod protocol;
 pub mod policy;
 pub mod reserve;
 pub mod sample;

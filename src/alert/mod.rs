@@ -20,7 +20,6 @@
 //! for a lower one (`queue.rs`); HTTP, retries and file writes happen on those threads.
 
 mod eventlog;
-pub mod limit;
 pub mod queue;
 pub mod webhook;
 

@@ -251,7 +251,7 @@ fn main_man_page(cmd: &clap::Command, date: &str) -> anyhow::Result<Vec<u8>> {
              optional and documented in the file; check it with gpuguard check-config.",
         ),
         (
-            crate::ipc::DEFAULT_SOCKET,
+            crate::config::DEFAULT_SOCKET,
             "The daemon's unix socket, used by status, launch and release.",
         ),
         (
@@ -459,7 +459,7 @@ mod tests {
             assert!(filter.split(' ').any(|c| c == call), "{call} not allowed");
         }
         // Where the daemon puts its socket and state by default is where the unit lets it write.
-        assert!(crate::ipc::DEFAULT_SOCKET.starts_with("/run/gpuguard/"));
+        assert!(crate::config::DEFAULT_SOCKET.starts_with("/run/gpuguard/"));
         let defaults = crate::config::Config::parse("", Path::new("-")).unwrap();
         assert_eq!(defaults.daemon.state_dir, Path::new("/var/lib/gpuguard"));
     }

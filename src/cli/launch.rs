@@ -11,7 +11,8 @@ use clap::Args;
 
 use super::exit;
 use crate::ipc::client::{ClientError, Connection};
-use crate::ipc::{LaunchRequest, RefusalReason, Request, Response, DEFAULT_SOCKET};
+use crate::config::DEFAULT_SOCKET;
+use crate::protocol::{LaunchRequest, RefusalReason, Request, Response};
 use crate::units::{parse_duration, Amount};
 
 #[derive(Args)]

@@ -17,7 +17,7 @@ use crate::act::signal::PidfdControl;
 use crate::act::{undo_leftovers, Leftovers};
 use crate::config::{Config, DaemonConfig};
 use crate::daemon::{Daemon, Roots};
-use crate::ipc::DEFAULT_SOCKET;
+use crate::config::DEFAULT_SOCKET;
 use crate::state_dir::{StateDir, StateDirError};
 
 /// Exit codes, documented in the README and the man page.
@@ -159,14 +159,14 @@ pub fn main() -> ExitCode {
 }
 
 fn release(socket: &std::path::Path, lease: u64) -> u8 {
-    match crate::ipc::client::ask(socket, crate::ipc::Request::Release { lease }) {
-        Ok(crate::ipc::Response::Released { .. }) => {
+    match crate::ipc::client::ask(socket, crate::protocol::Request::Release { lease }) {
+        Ok(crate::protocol::Response::Released { .. }) => {
             println!("lease {lease} released");
             exit::OK
         }
         Ok(
-            crate::ipc::Response::Error { message, .. }
-            | crate::ipc::Response::Refused { message, .. },
+            crate::protocol::Response::Error { message, .. }
+            | crate::protocol::Response::Refused { message, .. },
         ) => {
             eprintln!("gpuguard: release refused: {message}");
             exit::REFUSED

@@ -11,7 +11,8 @@ use comfy_table::{Cell, Table};
 
 use super::exit;
 use crate::ipc::client::ask;
-use crate::ipc::{Request, Response, DEFAULT_SOCKET};
+use crate::config::DEFAULT_SOCKET;
+use crate::protocol::{Request, Response};
 use crate::plan::{
     gpus, plan, Architecture, CapacityPlan, Dtype, GpuChoice, ParamCount, PlanRequest, Weights,
 };

@@ -9,7 +9,7 @@ use comfy_table::{Cell, Table};
 
 use super::exit;
 use crate::ipc::client::ask;
-use crate::ipc::{Request, Response};
+use crate::protocol::{Request, Response};
 use crate::status::{
     ActionRow, EngineRow, GpuProtection, GpuRow, HeldRow, LeaseRow, MemoryStatus, ModelRow,
     QueuedRow, StatusReport,

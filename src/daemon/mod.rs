@@ -56,7 +56,7 @@ use crate::ipc::server::Shared;
 use crate::kinds::EventKind;
 use crate::metrics::Metrics;
 use crate::policy::{evaluate, About, Event, Executed, PolicyState, Resource, Severity, Target};
-use crate::reserve::{Capacity, Reservations};
+use crate::reserve::Capacity;
 use crate::sample::engine::EngineScraper;
 use crate::sample::nvml::{GpuMonitor, GpuSource, NvmlGpuSource};
 use crate::sample::scan::ScanResult;
@@ -257,7 +257,7 @@ impl Daemon {
         }
         let wake = events_tx.clone();
         let shared = Arc::new(Shared::new(
-            Reservations::new(config.clone()),
+            &config,
             Instant::now(),
             proc_root,
             Box::new(move || {
@@ -626,7 +626,7 @@ impl Daemon {
                     );
                     return;
                 }
-                self.shared.table().configure(config.clone());
+                self.shared.table().reconfigure(&config);
                 self.config = config;
                 self.state.config_changed();
                 // Rescan at once so new matchers and budgets apply now.

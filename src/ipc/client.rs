@@ -4,7 +4,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 
-use super::{Envelope, Request, Response, MAX_MESSAGE_BYTES, PROTOCOL_VERSION};
+use crate::protocol::{Envelope, Request, Response, MAX_MESSAGE_BYTES, PROTOCOL_VERSION};
 
 /// Why the daemon could not be asked.
 #[derive(Debug, thiserror::Error)]

@@ -13,29 +13,7 @@ use std::path::Path;
 use rustix::event::{poll, PollFd, PollFlags};
 use rustix::process::{pidfd_open, Pid, PidfdFlags};
 
-use crate::snapshot::ProcessId;
-
-/// A client's pinned identity.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Peer {
-    pub uid: u32,
-    pub pid: i32,
-    /// Start time of `pid` (clock ticks since boot): pid + start time name one process.
-    pub start_time: u64,
-}
-
-impl Peer {
-    pub fn is_root(&self) -> bool {
-        self.uid == 0
-    }
-
-    pub fn process(&self) -> ProcessId {
-        ProcessId {
-            pid: self.pid,
-            start_time: self.start_time,
-        }
-    }
-}
+pub use crate::reserve::Peer;
 
 /// The connected process's uid and pid as the kernel recorded them at connect().
 pub fn credentials(socket: impl AsFd) -> std::io::Result<(u32, i32)> {

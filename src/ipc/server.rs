@@ -11,6 +11,7 @@
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -19,15 +20,17 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::mpsc::{channel, Receiver};
 
-pub use super::peer::Peer;
+use super::connections::{Connections, Desk};
+use super::launched::PinnedProcess;
 use super::peer::{credentials, pin};
-use super::{Envelope, Request, Response, MAX_REQUEST_BYTES, PROTOCOL_VERSION};
-use crate::reserve::{ConnId, Reservations};
+use crate::config::Config;
+use crate::protocol::{Envelope, Request, Response, MAX_REQUEST_BYTES, PROTOCOL_VERSION};
+use crate::reserve::{ConnId, Launched, Reservations};
 use crate::status::StatusReport;
 
 /// What the socket thread shares with the daemon loop.
 pub struct Shared {
-    table: Mutex<Reservations>,
+    desk: Mutex<Desk>,
     /// The daemon clock's zero.
     pub epoch: Instant,
     /// The latest status report the loop published (the table's rows are added when served).
@@ -41,13 +44,13 @@ pub struct Shared {
 
 impl Shared {
     pub fn new(
-        table: Reservations,
+        config: &Config,
         epoch: Instant,
         proc_root: PathBuf,
         wake: Box<dyn Fn() + Send + Sync>,
     ) -> Shared {
         Shared {
-            table: Mutex::new(table),
+            desk: Mutex::new(Desk::new(config)),
             epoch,
             status: Mutex::new(Arc::default()),
             proc_root,
@@ -56,9 +59,10 @@ impl Shared {
         }
     }
 
-    /// The reservation table. A panic elsewhere while it was held leaves it usable.
-    pub fn table(&self) -> MutexGuard<'_, Reservations> {
-        self.table.lock().unwrap_or_else(|e| e.into_inner())
+    /// The reservation ledger; what it decides while held is delivered when it is let go. A
+    /// panic elsewhere while it was held leaves it usable.
+    pub fn table(&self) -> Table<'_> {
+        Table(self.desk.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// The daemon clock.
@@ -83,6 +87,39 @@ impl Shared {
         report.leases = rows.leases;
         report.permits = rows.permits;
         report
+    }
+}
+
+/// The ledger, held: derefs to it, and delivers its outbox when let go.
+pub struct Table<'a>(MutexGuard<'a, Desk>);
+
+impl Table<'_> {
+    pub fn connections(&mut self) -> &mut Connections {
+        &mut self.0.connections
+    }
+
+    /// A reloaded config, for the connections' caps and the ledger.
+    pub fn reconfigure(&mut self, config: &Config) {
+        self.0.configure(config);
+    }
+}
+
+impl Deref for Table<'_> {
+    type Target = Reservations;
+    fn deref(&self) -> &Reservations {
+        &self.0.ledger
+    }
+}
+
+impl DerefMut for Table<'_> {
+    fn deref_mut(&mut self) -> &mut Reservations {
+        &mut self.0.ledger
+    }
+}
+
+impl Drop for Table<'_> {
+    fn drop(&mut self) {
+        self.0.deliver();
     }
 }
 
@@ -152,16 +189,19 @@ async fn accept(listener: UnixListener, shared: Arc<Shared>) {
                 let Ok((uid, pid)) = credentials(&stream) else {
                     continue;
                 };
-                if let Err(why) = shared.table().connect(conn, uid, shared.now()) {
+                let since = shared.now();
+                if let Err(why) = shared.table().connections().connect(conn, uid) {
                     tracing::debug!(conn, uid, "socket: connection refused: {why}");
                     continue;
                 }
                 let shared = shared.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = serve(stream, conn, uid, pid, &shared).await {
+                    if let Err(e) = serve(stream, conn, uid, pid, since, &shared).await {
                         tracing::debug!(conn, "socket client: {e}");
                     }
-                    shared.table().disconnect(conn, shared.now());
+                    let mut table = shared.table();
+                    table.leave(conn, shared.now());
+                    table.connections().disconnect(conn);
                 });
             }
             Err(e) => {
@@ -217,6 +257,7 @@ async fn serve(
     conn: ConnId,
     uid: u32,
     pid: i32,
+    since: Duration,
     shared: &Arc<Shared>,
 ) -> anyhow::Result<()> {
     let (peer, pidfd) = match pin(&stream, uid, pid, &shared.proc_root) {
@@ -226,12 +267,16 @@ async fn serve(
             return write_line(&mut write, &Response::error(message)).await;
         }
     };
-    let pidfd = Arc::new(pidfd);
+    let process: Arc<dyn Launched> = Arc::new(PinnedProcess(pidfd));
     let (tx, rx) = channel(REPLY_QUEUE);
-    let overflow = shared.table().attach(conn, peer, tx.clone());
+    let (overflow, idle) = {
+        let mut table = shared.table();
+        table.join(conn, peer, since);
+        let connections = table.connections();
+        (connections.attach(conn, tx.clone()), connections.idle_timeout())
+    };
     let (read, write) = stream.into_split();
     let mut writer = tokio::spawn(write_answers(write, rx));
-    let idle = shared.table().idle_timeout();
     let mut reader = BufReader::new(read);
     let mut first = true;
     loop {
@@ -278,7 +323,7 @@ async fn serve(
                 (Some(shared.table().release_lease(peer, lease, now)), true)
             }
             Request::Launch(launch) => {
-                let answer = shared.table().launch(conn, launch, pidfd.clone(), now);
+                let answer = shared.table().launch(conn, launch, process.clone(), now);
                 let waits = matches!(answer, None | Some(Response::Queued { .. }));
                 if waits {
                     (shared.wake)();
@@ -313,7 +358,11 @@ async fn serve(
     // Ends what the connection held, then lets the writer finish and close. The connection
     // stays counted against the caps until the caller's `disconnect`, after the writer is done:
     // a client that stops reading cannot hold descriptors outside the caps.
-    shared.table().hang_up(conn, shared.now());
+    {
+        let mut table = shared.table();
+        table.leave(conn, shared.now());
+        table.connections().hang_up(conn);
+    }
     drop(tx);
     if tokio::time::timeout(WRITE_TIMEOUT, &mut writer)
         .await

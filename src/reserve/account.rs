@@ -325,7 +325,6 @@ pub struct Account {
     shared_holders: BTreeMap<ProcessId, usize>,
     /// The latest use of the model seen (a model pool).
     usage: ModelUse,
-    pub permits_held: usize,
     pub learner: Learner,
     pub counts: Counts,
 }
@@ -387,7 +386,7 @@ impl Account {
         self.shared
             .observe(&outside, members, consistent, capacity.gpu_sampled_at);
         self.learner
-            .observe(self.held_beyond_base(), self.permits_held);
+            .observe(self.held_beyond_base());
         self.usage = usage;
     }
 
@@ -578,20 +577,20 @@ impl Account {
         }
     }
 
-    pub fn permit_granted(&mut self) {
-        self.permits_held += 1;
+    /// A permit granted; `permits` are held now, with it.
+    pub fn permit_granted(&mut self, permits: usize) {
         let held = self.held_beyond_base();
-        self.learner.permit_granted(held, self.permits_held);
+        self.learner.permit_granted(held, permits);
     }
 
-    pub fn permit_ended(&mut self, held: Duration) {
-        self.permits_held = self.permits_held.saturating_sub(1);
-        self.learner.permit_ended(held, self.permits_held);
+    /// A permit held for `held` ended; `permits` are held now, without it.
+    pub fn permit_ended(&mut self, held: Duration, permits: usize) {
+        self.learner.permit_ended(held, permits);
     }
 
     /// True while nothing refers to the pool any more (it may be forgotten).
     pub fn unused(&self) -> bool {
-        self.idle() && self.permits_held == 0 && self.holders.is_empty()
+        self.idle() && self.learner.busy.is_none() && self.holders.is_empty()
     }
 }
 
@@ -628,13 +627,12 @@ impl Learner {
         busy.most_permits = busy.most_permits.max(permits);
     }
 
-    fn observe(&mut self, held: Option<u64>, permits: usize) {
+    /// A reading while permits are held (a busy period: from the first permit granted to the
+    /// last one ended).
+    fn observe(&mut self, held: Option<u64>) {
         if let Some(busy) = &mut self.busy {
-            if permits > 0 {
-                busy.peak = busy.peak.max(held);
-                busy.most_permits = busy.most_permits.max(permits);
-                busy.observed = true;
-            }
+            busy.peak = busy.peak.max(held);
+            busy.observed = true;
         }
     }
 
@@ -743,20 +741,32 @@ mod tests {
 
     /// The host-wide pool with holder A settled at `weights` GiB.
     fn settled(weights: u64) -> (Account, Capacity) {
-        let mut a = Account::default();
+        let mut a = fresh();
         let at_rest = reading(&[(A, weights)], true);
         a.observe(None, &at_rest);
         (a, at_rest)
     }
 
+    thread_local! {
+        /// Permits held in the test's account (the ledger counts its holdings).
+        static HELD: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    }
+
+    fn fresh() -> Account {
+        HELD.set(0);
+        Account::default()
+    }
+
     fn take(a: &mut Account, c: &Capacity, who: ProcessId, gib: u64) {
         a.reserve(who, c, (&[0], gib * GIB, 0), tick());
-        a.permit_granted();
+        HELD.set(HELD.get() + 1);
+        a.permit_granted(HELD.get());
     }
 
     fn give_back(a: &mut Account, who: ProcessId, gib: u64) {
         a.unreserve(who, (&[0], gib * GIB, 0), tick());
-        a.permit_ended(Duration::from_millis(100));
+        HELD.set(HELD.get() - 1);
+        a.permit_ended(Duration::from_millis(100), HELD.get());
     }
 
     #[test]
@@ -774,7 +784,7 @@ mod tests {
     #[test]
     fn weights_seen_late_never_pass_for_spare_memory() {
         // The first permit comes before NVML's lists show the holder's weights (4 GiB).
-        let mut a = Account::default();
+        let mut a = fresh();
         take(&mut a, &reading(&[], true), A, 3);
         a.observe(None, &reading(&[(A, 7)], true)); // weights and the permit's 3 GiB
         assert_eq!(a.gpu_promised(0, true), 3 * GIB, "unsettled: all of it");
@@ -975,7 +985,7 @@ mod tests {
             c.member_of.insert(front, "m".into());
             c
         };
-        let mut a = Account::default();
+        let mut a = fresh();
         a.observe(Some("m"), &model(4));
         take(&mut a, &model(4), front, 3);
         assert_eq!(a.gpu_promised(0, true), 3 * GIB);
@@ -995,7 +1005,7 @@ mod tests {
     fn what_the_allocator_reports_caching_counts_up_to_what_nvml_shows_held() {
         // The daemon first saw A with its cache already warm (restarted under a busy server).
         let warm = reading(&[(A, 13)], true);
-        let mut a = Account::default();
+        let mut a = fresh();
         take(&mut a, &warm, A, 3);
         assert_eq!(
             a.gpu_promised_to(A, &nothing(), 0, true),
@@ -1059,7 +1069,7 @@ mod tests {
         // takes it all for weights. A burst of 4 then grows the cache to 12 GiB.
         let learn = |report: bool| {
             let warm = reading(&[(A, 13)], true);
-            let mut a = Account::default();
+            let mut a = fresh();
             for _ in 0..4 {
                 take(&mut a, &warm, A, 3);
                 if report {

@@ -1,14 +1,28 @@
 //! What a launch adds to a reservation: the lease of an admitted model server, which holds the
 //! launch lock until the server is ready (its ready URL answers, or its memory grew and stayed
-//! flat for `settle`, or `gpuguard release`, or the ready timeout), the environment the server is
-//! started with, and the poller of its ready URL (which stops when the lease stops loading).
+//! flat for `settle`, or `gpuguard release`, or the ready timeout), and the environment the
+//! server is started with. The launched process itself (is it alive, does its ready URL answer)
+//! is watched by the transport through `Launched`: the ledger does no I/O.
 
-use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::units::fmt_bytes;
+
+/// The launched process, pinned by the transport when it connected (`ipc::launched`): a pidfd,
+/// and a poller of its ready URL.
+pub trait Launched: Send + Sync {
+    /// True once the process has exited.
+    fn exited(&self) -> bool;
+    /// Starts polling `url` (the lease was admitted); polling stops when the result is dropped.
+    fn watch_ready(&self, url: &str) -> Box<dyn ReadyUrl>;
+}
+
+/// A ready URL being polled.
+pub trait ReadyUrl: Send {
+    /// True once it answered 2xx.
+    fn answered(&self) -> bool;
+}
 
 /// Memory counts as "flat" while it moves by less than this between ticks.
 const FLAT_BYTES: u64 = 64 << 20;
@@ -26,13 +40,13 @@ pub enum LeaseState {
 pub struct Lease {
     pub model: String,
     /// The launched process (it `exec`s the server: same pid), pinned when it connected.
-    pub pidfd: Arc<OwnedFd>,
+    pub process: Arc<dyn Launched>,
     pub state: LeaseState,
     pub ready_timeout: Duration,
     /// Whether it is judged by GPU memory (it declared some) or by RAM.
     pub by_gpu: bool,
     pub command: String,
-    ready_url: Option<ReadyUrl>,
+    ready_url: Option<Box<dyn ReadyUrl>>,
     usage_at_admission: u64,
     last_usage: u64,
     stable_since: Duration,
@@ -41,7 +55,7 @@ pub struct Lease {
 /// What a new lease is made of.
 pub struct NewLease {
     pub model: String,
-    pub pidfd: Arc<OwnedFd>,
+    pub process: Arc<dyn Launched>,
     pub ready_timeout: Duration,
     pub by_gpu: bool,
     pub command: String,
@@ -53,12 +67,12 @@ impl Lease {
     pub fn new(spec: NewLease, usage: u64, now: Duration) -> Lease {
         Lease {
             model: spec.model,
-            pidfd: spec.pidfd,
+            ready_url: spec.ready_url.map(|url| spec.process.watch_ready(&url)),
+            process: spec.process,
             state: LeaseState::Loading,
             ready_timeout: spec.ready_timeout,
             by_gpu: spec.by_gpu,
             command: spec.command,
-            ready_url: spec.ready_url.map(ReadyUrl::start),
             usage_at_admission: usage,
             last_usage: usage,
             stable_since: now,
@@ -74,7 +88,7 @@ impl Lease {
         admitted_at: Duration,
         settle: Duration,
     ) -> Option<String> {
-        if self.ready_url.as_ref().is_some_and(ReadyUrl::answered) {
+        if self.ready_url.as_ref().is_some_and(|r| r.answered()) {
             return Some("ready URL answered".into());
         }
         if usage.abs_diff(self.last_usage) > FLAT_BYTES {
@@ -102,52 +116,15 @@ impl Lease {
         None
     }
 
+    /// Whether its process has exited.
+    pub fn exited(&self) -> bool {
+        self.process.exited()
+    }
+
     /// Loaded (or given up on): the lock and the reservation end, the URL poller stops.
     pub fn set_ready(&mut self) {
         self.state = LeaseState::Ready;
         self.ready_url = None;
-    }
-}
-
-/// Polls a readiness URL on a thread of its own until it answers 2xx or is dropped.
-struct ReadyUrl {
-    answered: Arc<AtomicBool>,
-    stop: Arc<AtomicBool>,
-}
-
-impl ReadyUrl {
-    fn start(url: String) -> ReadyUrl {
-        let answered = Arc::new(AtomicBool::new(false));
-        let stop = Arc::new(AtomicBool::new(false));
-        let (flag, quit) = (answered.clone(), stop.clone());
-        let agent = crate::http::agent(Duration::from_secs(2));
-        let spawned = std::thread::Builder::new()
-            .name("ready-url".into())
-            .spawn(move || {
-                while !quit.load(Ordering::Relaxed) {
-                    if let Ok(response) = agent.get(&url).call() {
-                        if response.status().is_success() {
-                            flag.store(true, Ordering::Relaxed);
-                            return;
-                        }
-                    }
-                    std::thread::sleep(Duration::from_millis(250));
-                }
-            });
-        if let Err(e) = spawned {
-            tracing::warn!("cannot poll a ready URL: {e}");
-        }
-        ReadyUrl { answered, stop }
-    }
-
-    fn answered(&self) -> bool {
-        self.answered.load(Ordering::Relaxed)
-    }
-}
-
-impl Drop for ReadyUrl {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
     }
 }
 

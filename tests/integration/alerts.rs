@@ -687,7 +687,8 @@ fn webhook_behind_a_private_ca_is_trusted_through_the_system_store() {
 /// and actions.jsonl keeps the actions and critical notices that clients cannot cause.
 #[test]
 fn a_flood_of_timed_out_permits_does_not_push_a_kill_alert_out() {
-    use gpuguard::ipc::{client::Connection, AcquireRequest, RefusalReason, Request, Response};
+    use gpuguard::ipc::client::Connection;
+    use gpuguard::protocol::{AcquireRequest, RefusalReason, Request, Response};
     let receiver = Receiver::start(|_| Reply::Slow(300));
     let port = free_port();
     let t = token("flooded");

@@ -11,7 +11,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use crate::common::*;
-use gpuguard::ipc::{AcquireRequest, RefusalReason, Response};
+use gpuguard::protocol::{AcquireRequest, RefusalReason, Response};
 
 /// A 16 GiB GPU whose "server" process holds 4 GiB of weights; a 1 GiB warn floor: 11 GiB room.
 struct Card {

@@ -644,12 +644,12 @@ impl PermitClient {
     /// A connection that has sent nothing yet is idle: the first acquire opens it.
     pub fn acquire(
         socket: &Path,
-        request: gpuguard::ipc::AcquireRequest,
-    ) -> (PermitClient, gpuguard::ipc::Response) {
+        request: gpuguard::protocol::AcquireRequest,
+    ) -> (PermitClient, gpuguard::protocol::Response) {
         let id = request.id;
         let conn = gpuguard::ipc::client::Connection::open(
             socket,
-            gpuguard::ipc::Request::Acquire(request),
+            gpuguard::protocol::Request::Acquire(request),
         )
         .unwrap();
         let mut client = PermitClient {
@@ -663,33 +663,33 @@ impl PermitClient {
     /// Another acquire on the same connection; returns its answer.
     pub fn acquire_more(
         &mut self,
-        mut request: gpuguard::ipc::AcquireRequest,
-    ) -> gpuguard::ipc::Response {
+        mut request: gpuguard::protocol::AcquireRequest,
+    ) -> gpuguard::protocol::Response {
         request.id = self.next_id;
         self.next_id += 1;
         self.conn
-            .send(gpuguard::ipc::Request::Acquire(request))
+            .send(gpuguard::protocol::Request::Acquire(request))
             .unwrap();
         self.receive()
     }
 
-    pub fn release(&mut self, permit: u64) -> gpuguard::ipc::Response {
+    pub fn release(&mut self, permit: u64) -> gpuguard::protocol::Response {
         let id = self.next_id;
         self.next_id += 1;
         self.conn
-            .send(gpuguard::ipc::Request::ReleasePermit { id, permit })
+            .send(gpuguard::protocol::Request::ReleasePermit { id, permit })
             .unwrap();
         self.receive()
     }
 
-    pub fn receive(&mut self) -> gpuguard::ipc::Response {
+    pub fn receive(&mut self) -> gpuguard::protocol::Response {
         self.conn.receive().expect("an answer from the daemon")
     }
 }
 
 /// An acquire request for `gpu_bytes` on behalf of `model`, waiting at most `timeout_ms`.
-pub fn acquire(model: &str, gpu_bytes: u64, timeout_ms: u64) -> gpuguard::ipc::AcquireRequest {
-    gpuguard::ipc::AcquireRequest {
+pub fn acquire(model: &str, gpu_bytes: u64, timeout_ms: u64) -> gpuguard::protocol::AcquireRequest {
+    gpuguard::protocol::AcquireRequest {
         id: 1,
         model: Some(model.to_string()),
         gpu_bytes: Some(gpu_bytes),
@@ -699,9 +699,9 @@ pub fn acquire(model: &str, gpu_bytes: u64, timeout_ms: u64) -> gpuguard::ipc::A
 }
 
 /// The permit number of a `granted` answer; panics with the answer otherwise.
-pub fn granted(answer: &gpuguard::ipc::Response) -> u64 {
+pub fn granted(answer: &gpuguard::protocol::Response) -> u64 {
     match answer {
-        gpuguard::ipc::Response::Granted { permit, .. } => *permit,
+        gpuguard::protocol::Response::Granted { permit, .. } => *permit,
         other => panic!("expected a permit, got {other:?}"),
     }
 }

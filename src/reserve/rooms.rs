@@ -1,0 +1,255 @@
+//! The room a demand has: free memory less the floors and every other pool's promises, then a
+//! model's slots and budget and a uid's cap; whether a request is held in its caller's own cache.
+
+use super::*;
+
+impl Reservations {
+
+    /// A pool's books; a new one starts from the pool's use now (its baseline).
+    pub(super) fn account(&mut self, pool: &Pool) -> &mut Account {
+        account_in(&mut self.pools, &self.capacity, pool)
+    }
+
+    /// The models in force: the config's, then those launched without a `[[model]]`.
+    pub(super) fn models(&self) -> ModelsInForce<'_> {
+        ModelsInForce::new(&self.config, &self.launched)
+    }
+
+    pub(super) fn model_config(&self, name: &str) -> Option<&ModelConfig> {
+        self.models().get(name)
+    }
+
+    /// Who may act for a model (launch it, take its permits), if it exists.
+    pub(super) fn users_of(&self, name: &str) -> Option<Users> {
+        self.model_config(name).map(|m| m.allowed_users())
+    }
+
+    /// The room for `holder`'s next reservation of `pool` on every GPU and in RAM: free memory
+    /// minus the floors and what every reservation may still take, less the holder's own cache.
+    pub(super) fn rooms(&self, pool: &Pool, holder: ProcessId) -> (Vec<GpuRoom>, RamRoom) {
+        let consistent = self.capacity.gpu_consistent;
+        let own = self.pools.get(pool);
+        let gpus = self
+            .capacity
+            .gpus
+            .iter()
+            .map(|g| {
+                let others: i64 = self
+                    .pools
+                    .iter()
+                    .filter(|(p, _)| *p != pool)
+                    .map(|(_, a)| a.gpu_promised(g.index, consistent) as i64)
+                    .sum();
+                let mine = own.map_or(0, |a| {
+                    a.gpu_promised_to(holder, &self.capacity, g.index, consistent)
+                });
+                let room = (g.usable)
+                    .then(|| g.free.map(|f| f as i64 - g.floor as i64 - others - mine))
+                    .flatten();
+                GpuRoom {
+                    index: g.index,
+                    room,
+                    ceiling: g.total.map(|t| t.saturating_sub(g.floor)),
+                    free: g.free.filter(|_| g.usable),
+                    floor: g.floor,
+                    promised: (others + mine.max(0)) as u64,
+                    preferred: own.is_some_and(|a| a.on_gpu(g.index)),
+                }
+            })
+            .collect();
+        let ram = &self.capacity.ram;
+        let others: i64 = self
+            .pools
+            .iter()
+            .filter(|(p, _)| *p != pool)
+            .map(|(_, a)| a.ram_promised())
+            .sum();
+        let mine = own.map_or(0, |a| a.ram_promised());
+        let ram_room = RamRoom {
+            room: ram
+                .available
+                .map(|a| a as i64 - ram.floor as i64 - others - mine),
+            ceiling: ram.total.map(|t| t.saturating_sub(ram.floor)),
+            available: ram.available,
+            floor: ram.floor,
+            promised: (others + mine) as u64,
+        };
+        (gpus, ram_room)
+    }
+
+    /// Does `demand` fit `pool` now: its model's slots and budget, then the memory.
+    pub(super) fn fit(&self, peer: &Peer, pool: &Pool, demand: &Demand, permit: bool) -> Fit {
+        if let Some(f) = self.uid_cap_fit(peer.uid, demand) {
+            return f;
+        }
+        if let Some(name) = pool {
+            if let Some(model) = self.model_config(name) {
+                if let Some(f) = self.budget_fit(name, model, demand, permit) {
+                    return f;
+                }
+            }
+        }
+        let (gpus, ram) = self.rooms(pool, peer.process());
+        place(demand, &gpus, &ram)
+    }
+
+    /// `fit`, on a GPU reading taken after `fresh_after` only (the request's connection's
+    /// start): memory a client allocated before it asked (weights it just loaded) is in the
+    /// reading its requests are decided on.
+    pub(super) fn fit_fresh(
+        &self,
+        peer: &Peer,
+        pool: &Pool,
+        demand: &Demand,
+        permit: bool,
+        fresh_after: Duration,
+    ) -> Fit {
+        match self.fit(peer, pool, demand, permit) {
+            Fit::Now { .. } if self.stale_for(demand, fresh_after) => Fit::Later(Shortfall {
+                message: "a GPU reading newer than the request".into(),
+                ..Default::default()
+            }),
+            fit => fit,
+        }
+    }
+
+    pub(super) fn stale_for(&self, demand: &Demand, fresh_after: Duration) -> bool {
+        demand.gpus_wanted() > 0 && self.capacity.gpu_sampled_at.is_none_or(|t| t < fresh_after)
+    }
+
+    /// True while a request waits only for a GPU reading newer than itself: the loop then has
+    /// one taken at once.
+    pub fn wants_fresh_gpu(&self) -> bool {
+        self.waiting
+            .values()
+            .filter_map(VecDeque::front)
+            .chain(self.launch_queue.front())
+            .any(|w| self.stale_for(&w.demand, w.fresh_after))
+    }
+
+    /// Whether `demand` would come wholly out of the memory its caller's processes already hold
+    /// beyond their reservations (their allocator's cache), on one GPU.
+    pub(super) fn held_in_own_cache(&self, peer: &Peer, pool: &Pool, demand: &Demand) -> bool {
+        if demand.ram_bytes > 0 || demand.gpu_bytes_per_gpu == 0 || demand.gpu_count != 1 {
+            return false;
+        }
+        let Some(account) = self.pools.get(pool) else {
+            return false;
+        };
+        self.capacity
+            .gpus
+            .iter()
+            .filter(|g| g.usable)
+            .filter(|g| demand.pinned.as_ref().is_none_or(|p| p.contains(&g.index)))
+            .any(|g| {
+                account.own_cache_holds(
+                    peer.process(),
+                    &self.capacity,
+                    g.index,
+                    demand.gpu_bytes_per_gpu,
+                )
+            })
+    }
+
+    /// `[clients] max_reserved_per_uid`: what a uid other than root holds reserved (loading
+    /// launches and permits) plus `demand`, against the cap: `None` when within it.
+    pub(super) fn uid_cap_fit(&self, uid: u32, demand: &Demand) -> Option<Fit> {
+        let cap = self.config.clients.max_reserved_per_uid?;
+        if uid == 0 {
+            return None;
+        }
+        let (gpu_held, ram_held) = self
+            .holdings
+            .values()
+            .filter(|h| h.peer.uid == uid && h.reserving())
+            .fold((0u64, 0u64), |(g, r), h| {
+                (
+                    g + h.gpu_bytes_per_gpu * h.gpus.len() as u64,
+                    r + h.ram_bytes,
+                )
+            });
+        let gpu_total = self
+            .capacity
+            .gpus
+            .iter()
+            .map(|g| g.total)
+            .sum::<Option<u64>>()
+            .filter(|&t| t > 0);
+        let check = |held: u64, asked: u64, total: Option<u64>, what: &str| {
+            let limit = cap.resolve(total)?;
+            limit_fit(held, asked, limit, || {
+                format!(
+                    "uid {uid}: {what} {} reserved + {} asked > {} (clients.max_reserved_per_uid)",
+                    fmt_bytes(held),
+                    fmt_bytes(asked),
+                    fmt_bytes(limit)
+                )
+            })
+        };
+        check(gpu_held, demand.gpu_bytes_total(), gpu_total, "GPU memory")
+            .or_else(|| check(ram_held, demand.ram_bytes, self.capacity.ram.total, "RAM"))
+    }
+
+    /// A model's `max_permits` and budget, before the memory: `None` when they allow it.
+    pub(super) fn budget_fit(
+        &self,
+        name: &str,
+        model: &ModelConfig,
+        demand: &Demand,
+        permit: bool,
+    ) -> Option<Fit> {
+        let account = self.pools.get(&Some(name.to_string()));
+        if permit {
+            if let Some(max) = model.max_permits {
+                let held = self.permits_held(&Some(name.to_string()));
+                if held >= max as usize {
+                    return Some(Fit::Later(Shortfall {
+                        message: format!(
+                            "model '{name}': {held} of max_permits {max} permits held"
+                        ),
+                        ..Default::default()
+                    }));
+                }
+            }
+        }
+        let (ram_budget, gpu_budget) =
+            model.budget_bytes(self.capacity.ram.total, self.capacity.largest_gpu_bytes());
+        // A launched model (no `[[model]]`) gives permits only out of what it declared: one
+        // that declared nothing has no budget, and its permits must not be unbounded.
+        let launched = permit && self.config.model(name).is_none();
+        let check = |budget: Option<u64>, committed: u64, asked: u64, what: &str| {
+            let budget = if launched {
+                budget.unwrap_or(0)
+            } else {
+                budget?
+            };
+            limit_fit(committed, asked, budget, || {
+                format!(
+                    "model '{name}': {what} {} committed + {} asked > budget {}{}",
+                    fmt_bytes(committed),
+                    fmt_bytes(asked),
+                    fmt_bytes(budget),
+                    if launched {
+                        " (a launched model's permits come out of the memory its launch declared)"
+                    } else {
+                        ""
+                    }
+                )
+            })
+        };
+        check(
+            gpu_budget,
+            account.map_or(0, Account::gpu_committed),
+            demand.gpu_bytes_total(),
+            "GPU memory",
+        )
+        .or_else(|| {
+            check(
+                ram_budget,
+                account.map_or(0, Account::ram_committed),
+                demand.ram_bytes,
+                "RAM",
+            )
+        })
+    }
+}

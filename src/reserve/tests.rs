@@ -1,0 +1,507 @@
+//! The ledger with plain data: a config, a capacity, requests; answers read from the outbox.
+
+use super::launches::parse_visible_devices;
+use super::*;
+use crate::reserve::capacity::{GpuCapacity, ModelUse, RamCapacity};
+
+const GIB: u64 = 1 << 30;
+
+fn config(text: &str) -> Config {
+    Config::parse(text, std::path::Path::new("t.toml")).unwrap()
+}
+
+/// A 16 GiB GPU with 4 GiB used by model "served", a 1 GiB floor.
+fn capacity(used: u64) -> Capacity {
+    Capacity {
+        gpus: vec![GpuCapacity {
+            index: 0,
+            uuid: "GPU-a".into(),
+            total: Some(16 * GIB),
+            free: Some(16 * GIB - used),
+            floor: GIB,
+            usable: true,
+        }],
+        ram: RamCapacity {
+            total: Some(64 * GIB),
+            available: Some(32 * GIB),
+            floor: GIB,
+        },
+        models: HashMap::from([(
+            "served".to_string(),
+            ModelUse {
+                gpu_bytes: BTreeMap::from([(0, used)]),
+                members: 1,
+                ..Default::default()
+            },
+        )]),
+        gpu_consistent: true,
+        gpu_sampled_at: Some(Duration::ZERO),
+        scanned_at: Some(Duration::ZERO),
+        ..Default::default()
+    }
+}
+
+/// The answers the ledger decided for `conn` since it was last asked (the rest stay in the
+/// outbox).
+fn mail(t: &mut Reservations, conn: ConnId) -> Vec<Response> {
+    let (mine, rest): (Vec<_>, Vec<_>) =
+        t.take_outbox().into_iter().partition(|(c, _)| *c == conn);
+    t.outbox = rest;
+    mine.into_iter().map(|(_, r)| r).collect()
+}
+
+/// A launched process for the ledger: alive until told otherwise, its ready URL never answers.
+#[derive(Default)]
+struct FakeProcess {
+    exited: std::sync::atomic::AtomicBool,
+}
+
+struct Silent;
+
+impl ReadyUrl for Silent {
+    fn answered(&self) -> bool {
+        false
+    }
+}
+
+impl Launched for FakeProcess {
+    fn exited(&self) -> bool {
+        self.exited.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn watch_ready(&self, _url: &str) -> Box<dyn ReadyUrl> {
+        Box::new(Silent)
+    }
+}
+
+fn table() -> Reservations {
+    let mut t = Reservations::new(config(
+        "[[model]]\nname = \"served\"\nmatch = { comm = \"x\" }\n",
+    ));
+    t.tick(Duration::ZERO, capacity(4 * GIB));
+    let peer = Peer {
+        uid: 0,
+        pid: 42,
+        start_time: 1,
+    };
+    t.join(1, peer, Duration::ZERO);
+    t
+}
+
+fn ask(gpu_gib: u64, id: u64) -> AcquireRequest {
+    AcquireRequest {
+        id,
+        model: Some("served".into()),
+        gpu_bytes: Some(gpu_gib * GIB),
+        timeout_ms: Some(1000),
+        ..Default::default()
+    }
+}
+
+/// `table()` with `config_text` and a caller of `uid` on connection 1.
+fn table_for(config_text: &str, uid: u32) -> Reservations {
+    let mut t = Reservations::new(config(config_text));
+    t.tick(Duration::ZERO, capacity(4 * GIB));
+    let peer = Peer {
+        uid,
+        pid: std::process::id() as i32,
+        start_time: 1,
+    };
+    t.join(1, peer, Duration::ZERO);
+    t
+}
+
+fn refusal(answer: Option<Response>) -> (RefusalReason, String) {
+    match answer {
+        Some(Response::Refused {
+            reason, message, ..
+        }) => (reason, message),
+        other => panic!("not refused: {other:?}"),
+    }
+}
+
+#[test]
+fn a_permit_of_a_preallocating_engine_that_names_no_size_is_a_slot() {
+    // The model's permits were seen to grow it by 3 GiB each (its warm-up, say)...
+    let mut t = table();
+    let plain = AcquireRequest {
+        id: 1,
+        model: Some("served".into()),
+        timeout_ms: Some(0),
+        ..Default::default()
+    };
+    let mut at = Duration::ZERO;
+    let mut reading = |t: &mut Reservations, used_gib: u64| {
+        at += Duration::from_millis(10);
+        let mut c = capacity(used_gib * GIB);
+        c.gpu_sampled_at = Some(at);
+        t.tick(at, c);
+        at
+    };
+    for id in 1..=SAMPLES_FOR_DEFAULT as u64 {
+        let now = reading(&mut t, 4);
+        reading(&mut t, 4);
+        let Some(Response::Granted { permit, .. }) = t.acquire(1, ask(3, id), now) else {
+            panic!("not granted");
+        };
+        reading(&mut t, 7);
+        let now = reading(&mut t, 7);
+        t.release_permit(1, 100 + id, permit, now);
+        reading(&mut t, 4);
+    }
+    let granted = |answer: Option<Response>| match answer {
+        Some(Response::Granted { gpu_bytes, .. }) => gpu_bytes,
+        other => panic!("{other:?}"),
+    };
+    let now = reading(&mut t, 4);
+    assert_eq!(
+        granted(t.acquire(1, plain.clone(), now)),
+        3 * GIB,
+        "learned"
+    );
+    // ...but once its metrics show a preallocated KV cache, a permit is a slot.
+    at += Duration::from_millis(10);
+    let mut c = capacity(4 * GIB);
+    c.gpu_sampled_at = Some(at);
+    c.preallocated.insert("served".into());
+    t.tick(at, c);
+    let again = AcquireRequest { id: 2, ..plain };
+    assert_eq!(granted(t.acquire(1, again, at)), 0);
+}
+
+#[test]
+fn a_caller_the_scan_has_not_seen_yet_waits_for_one_to_find_its_model() {
+    // A server of model "served" that started after the latest process scan asks at once,
+    // naming no model: its pool is decided by the next scan, not by the host-wide pool.
+    let mut t = table_for(
+        "[[model]]\nname = \"served\"\nmatch = { comm = \"x\" }\nmax_permits = 1\n\
+         users = [\"1001\"]\n",
+        1001,
+    );
+    let connected = Duration::from_millis(5);
+    let server = Peer {
+        uid: 1001,
+        pid: 77,
+        start_time: 9,
+    };
+    t.join(2, server, connected);
+    let ask = |id| AcquireRequest {
+        id,
+        gpu_bytes: Some(GIB),
+        timeout_ms: Some(if id == 1 { 0 } else { 5000 }),
+        ..Default::default()
+    };
+    // A uid that may be no model's member is answered at once (no scan is forced for it).
+    let stranger = Peer {
+        uid: 1002,
+        pid: 78,
+        start_time: 9,
+    };
+    t.join(3, stranger, connected);
+    assert!(matches!(
+        t.acquire(3, ask(9), connected),
+        Some(Response::Refused {
+            reason: RefusalReason::NotAllowed,
+            ..
+        })
+    ));
+    assert!(t.acquire(2, ask(1), connected).is_none(), "it waits");
+    assert!(t.acquire(2, ask(2), connected).is_none());
+    assert!(t.wants_fresh_scan());
+    // Finding its model is not the caller's wait: a timeout of 0 still gets its answer.
+    t.expire(connected + Duration::from_millis(100));
+    assert!(mail(&mut t, 2).is_empty());
+    // A scan older than the connection decides nothing.
+    t.tick(connected, capacity(4 * GIB));
+    assert!(mail(&mut t, 2).is_empty());
+    assert!(t.wants_fresh_scan());
+    // The next one has it in "served": one permit (max_permits 1), the other waits there.
+    let mut scanned = capacity(4 * GIB);
+    scanned.scanned_at = Some(connected);
+    scanned.gpu_sampled_at = Some(connected);
+    scanned.member_of.insert(server.process(), "served".into());
+    t.tick(connected + Duration::from_millis(1), scanned);
+    assert!(matches!(
+        mail(&mut t, 2).as_slice(),
+        [Response::Granted { id: 1, .. }]
+    ));
+    assert!(!t.wants_fresh_scan());
+    let rows = t.rows(connected);
+    let served = rows.permits.iter().find(|p| p.model == "served").unwrap();
+    assert_eq!((served.held, served.waiting), (1, 1));
+    // A caller in no model, once scanned, is refused the host-wide pool it may not use.
+    assert!(t
+        .acquire(1, ask(3), Duration::ZERO)
+        .is_some_and(|r| matches!(
+            r,
+            Response::Refused {
+                reason: RefusalReason::NotAllowed,
+                ..
+            }
+        )));
+    assert!(mail(&mut t, 1).is_empty());
+}
+
+#[test]
+fn the_host_wide_pool_is_for_its_users_only() {
+    let host = |id| AcquireRequest {
+        id,
+        gpu_bytes: Some(GIB),
+        timeout_ms: Some(0),
+        ..Default::default()
+    };
+    let mut t = table_for("", 1001);
+    let (reason, message) = refusal(t.acquire(1, host(1), Duration::ZERO));
+    assert_eq!(reason, RefusalReason::NotAllowed);
+    assert!(message.contains("host-wide pool"), "{message}");
+    // A system account neither (it may run a model server's downloaded code); root may.
+    let mut t = table_for("", 999);
+    assert_eq!(
+        refusal(t.acquire(1, host(1), Duration::ZERO)).0,
+        RefusalReason::NotAllowed
+    );
+    let mut t = table_for("", 0);
+    assert!(matches!(
+        t.acquire(1, host(1), Duration::ZERO),
+        Some(Response::Granted { .. })
+    ));
+    let mut t = table_for("[permits]\nusers = [\"1001\"]\n", 1001);
+    assert!(matches!(
+        t.acquire(1, host(1), Duration::ZERO),
+        Some(Response::Granted { .. })
+    ));
+}
+
+#[test]
+fn a_uid_holds_at_most_its_share_reserved_and_root_is_not_capped() {
+    let text = "[clients]\nmax_reserved_per_uid = \"50%\"\n[[model]]\nname = \"m\"\n\
+                match = { comm = \"x\" }\nusers = [\"1001\"]\n";
+    let ask = |id, gib| AcquireRequest {
+        id,
+        model: Some("m".into()),
+        gpu_bytes: Some(gib * GIB),
+        timeout_ms: Some(0),
+        ..Default::default()
+    };
+    // Half of the 16 GiB card: 8 GiB.
+    let mut t = table_for(text, 1001);
+    assert!(matches!(
+        t.acquire(1, ask(1, 6), Duration::ZERO),
+        Some(Response::Granted { .. })
+    ));
+    // More than the share would ever allow: refused at once.
+    let (reason, message) = refusal(t.acquire(1, ask(3, 9), Duration::ZERO));
+    assert_eq!(reason, RefusalReason::TooLarge, "{message}");
+    assert!(message.contains("max_reserved_per_uid"), "{message}");
+    // Within the share but not beside what it holds: it waits, and times out saying why.
+    assert_eq!(t.acquire(1, ask(2, 3), Duration::ZERO), None);
+    t.expire(Duration::from_secs(1));
+    let (_, message) = refusal(mail(&mut t, 1).into_iter().next());
+    assert!(message.contains("max_reserved_per_uid"), "{message}");
+    let mut t = table_for(text, 0);
+    for id in 1..=2 {
+        assert!(matches!(
+            t.acquire(1, ask(id, 5), Duration::ZERO),
+            Some(Response::Granted { .. })
+        ));
+    }
+}
+
+#[test]
+fn a_launched_model_gives_permits_only_out_of_what_it_declared() {
+    let mut t = table_for("", 1001);
+    let launch = |gpu: Option<u64>| LaunchRequest {
+        model: "mine".into(),
+        gpu_memory_bytes: gpu,
+        command: vec!["x".into()],
+        ..Default::default()
+    };
+    let answer = t.launch(1, launch(None), Arc::new(FakeProcess::default()), Duration::ZERO);
+    assert!(
+        matches!(answer, Some(Response::Admitted { .. })),
+        "{answer:?}"
+    );
+    let ask = AcquireRequest {
+        id: 1,
+        model: Some("mine".into()),
+        gpu_bytes: Some(GIB),
+        timeout_ms: Some(0),
+        ..Default::default()
+    };
+    let (reason, message) = refusal(t.acquire(1, ask, Duration::ZERO));
+    assert_eq!(reason, RefusalReason::TooLarge, "{message}");
+    assert!(message.contains("its launch declared"), "{message}");
+}
+
+#[test]
+fn a_users_launch_never_holds_back_the_hosts_own() {
+    let mut t = table_for("", 1001);
+    let join = |t: &mut Reservations, conn: ConnId, uid: u32| {
+        let peer = Peer {
+            uid,
+            pid: std::process::id() as i32,
+            start_time: 1,
+        };
+        t.join(conn, peer, Duration::ZERO);
+    };
+    join(&mut t, 2, 999);
+    join(&mut t, 3, 0);
+    join(&mut t, 4, 0);
+    join(&mut t, 5, 1002);
+    let launch = |t: &mut Reservations, conn: ConnId, model: &str| {
+        let request = LaunchRequest {
+            model: model.into(),
+            command: vec!["x".into()],
+            ..Default::default()
+        };
+        t.launch(conn, request, Arc::new(FakeProcess::default()), Duration::ZERO)
+    };
+    // A user's launch takes the lock and loads (for hours, say)...
+    assert!(matches!(
+        launch(&mut t, 1, "mine"),
+        Some(Response::Admitted { .. })
+    ));
+    // ...another account's (a system account is no different) waits for it...
+    assert!(matches!(
+        launch(&mut t, 2, "theirs"),
+        Some(Response::Queued { position: 1, .. })
+    ));
+    // ...but root's is not held back by it,
+    assert!(matches!(
+        launch(&mut t, 3, "host"),
+        Some(Response::Admitted { .. })
+    ));
+    // and root's next, waiting for root's first to load, goes ahead of the others.
+    assert!(matches!(
+        launch(&mut t, 4, "host2"),
+        Some(Response::Queued { position: 1, .. })
+    ));
+    assert_eq!(t.launch_queue[0].peer.uid, 0);
+    assert_eq!(t.launch_queue[1].peer.uid, 999);
+    // Behind others, a launch says it waits for its turn (not for what the head waits for).
+    match launch(&mut t, 5, "late") {
+        Some(Response::Queued {
+            position,
+            waiting_for,
+        }) => {
+            assert_eq!(position, 3);
+            assert!(waiting_for.starts_with("its turn"), "{waiting_for}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Red-team finding 5: one user's request loop made thousands of warning events a second.
+/// They are info, at most `limit::PER_UID` per uid and window are kept (so they cannot crowd
+/// another user's events out of the table's per-tick cap), the rest are counted and summed up
+/// once the window ends.
+#[test]
+fn one_uids_flood_of_timeouts_is_rate_limited_and_does_not_crowd_out_another_uids_events() {
+    use super::limit::{PER_UID, WINDOW};
+    let mut t = Reservations::new(config(
+        "[[model]]\nname = \"served\"\nmatch = { comm = \"x\" }\nusers = [\"1001\", \"1002\"]\n",
+    ));
+    t.tick(Duration::ZERO, capacity(4 * GIB));
+    for (conn, uid) in [(1, 1001), (2, 1002)] {
+        let peer = Peer {
+            uid,
+            pid: uid as i32,
+            start_time: 1,
+        };
+        t.join(conn, peer, Duration::ZERO);
+    }
+    let now = Duration::from_secs(1);
+    // 1001: 1000 requests that can never be granted in time, in batches (its waiting cap).
+    for batch in 0..10 {
+        for id in 0..100 {
+            assert_eq!(t.acquire(1, ask(14, batch * 100 + id + 1), now), None);
+        }
+        t.expire(now + Duration::from_secs(2));
+    }
+    // 1002: one of its own, which times out too.
+    assert_eq!(t.acquire(2, ask(14, 1), now), None);
+    t.expire(now + Duration::from_secs(2));
+    let report = t.tick(now + Duration::from_secs(2), capacity(4 * GIB));
+    let of = |uid| {
+        report
+            .events
+            .iter()
+            .filter(move |e| e.about.uid == Some(uid) && e.kind == EventKind::PermitTimedOut)
+    };
+    assert_eq!(of(1001).count(), PER_UID as usize);
+    assert_eq!(of(1002).count(), 1, "the other uid's event is kept");
+    assert!(of(1001)
+        .chain(of(1002))
+        .all(|e| e.severity == Severity::Info));
+    assert_eq!(report.events_suppressed, 1000 - PER_UID as u64);
+    assert!(report
+        .events
+        .iter()
+        .all(|e| e.kind != EventKind::EventsDropped));
+    // The window ends: one summary, for the uid that had events suppressed.
+    let report = t.tick(WINDOW + Duration::from_secs(1), capacity(4 * GIB));
+    let summaries: Vec<&Event> = report
+        .events
+        .iter()
+        .filter(|e| e.kind == EventKind::EventsSuppressed)
+        .collect();
+    assert_eq!(summaries.len(), 1, "{summaries:?}");
+    assert_eq!(summaries[0].about.uid, Some(1001));
+    assert!(
+        summaries[0]
+            .message
+            .contains("980 more events (permit_timed_out)"),
+        "{}",
+        summaries[0].message
+    );
+}
+
+#[test]
+fn cuda_visible_devices_naming_a_gpu_twice_is_refused_not_half_reserved() {
+    let mut two = capacity(0);
+    let mut second = two.gpus[0].clone();
+    second.index = 1;
+    second.uuid = "GPU-b".into();
+    two.gpus.push(second);
+    assert_eq!(parse_visible_devices("1, 0", &two), Ok(vec![1, 0]));
+    assert_eq!(parse_visible_devices("GPU-b,0", &two), Ok(vec![1, 0]));
+    let err = parse_visible_devices("0,0", &two).unwrap_err();
+    assert!(err.contains("GPU 0 is named twice"), "{err}");
+    let err = parse_visible_devices("GPU-a,0", &two).unwrap_err();
+    assert!(err.contains("GPU 0 is named twice"), "{err}");
+}
+
+#[test]
+fn permits_fill_the_room_then_wait_then_time_out_with_what_was_free() {
+    let mut t = table();
+    let now = Duration::from_secs(1);
+    for id in 1..=3 {
+        assert!(
+            matches!(
+                t.acquire(1, ask(3, id), now),
+                Some(Response::Granted { .. })
+            ),
+            "{id}"
+        );
+    }
+    // A tick with the same use keeps the baseline (the permits are not taken yet).
+    t.tick(now, capacity(4 * GIB));
+    assert_eq!(t.acquire(1, ask(3, 4), now), None, "waits");
+    assert!(matches!(
+        t.acquire(1, ask(20, 5), now),
+        Some(Response::Refused {
+            reason: RefusalReason::TooLarge,
+            ..
+        })
+    ));
+    t.expire(now + Duration::from_secs(2));
+    match mail(&mut t, 1).remove(0) {
+        Response::Refused {
+            id, reason, free, ..
+        } => {
+            assert_eq!((id, reason), (Some(4), RefusalReason::Timeout));
+            assert_eq!(free.gpu_bytes, Some(2 * GIB));
+        }
+        other => panic!("{other:?}"),
+    }
+}
