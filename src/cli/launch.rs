@@ -10,8 +10,8 @@ use std::time::Duration;
 use clap::Args;
 
 use super::exit;
-use crate::ipc::client::{ClientError, Connection};
 use crate::config::DEFAULT_SOCKET;
+use crate::ipc::client::{ClientError, Connection};
 use crate::protocol::{LaunchRequest, RefusalReason, Request, Response};
 use crate::units::{parse_duration, Amount};
 

@@ -15,9 +15,9 @@ use clap::{Parser, Subcommand};
 
 use crate::act::signal::PidfdControl;
 use crate::act::{undo_leftovers, Leftovers};
+use crate::config::DEFAULT_SOCKET;
 use crate::config::{Config, DaemonConfig};
 use crate::daemon::{Daemon, Roots};
-use crate::config::DEFAULT_SOCKET;
 use crate::state_dir::{StateDir, StateDirError};
 
 /// Exit codes, documented in the README and the man page.

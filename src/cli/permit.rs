@@ -13,8 +13,8 @@ use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 
 use super::exit;
 use super::launch::parse_size;
-use crate::ipc::client::Connection;
 use crate::config::DEFAULT_SOCKET;
+use crate::ipc::client::Connection;
 use crate::protocol::{AcquireRequest, RefusalReason, Request, Response};
 use crate::units::{fmt_bytes, parse_duration};
 

@@ -10,12 +10,12 @@ use comfy_table::presets::UTF8_BORDERS_ONLY;
 use comfy_table::{Cell, Table};
 
 use super::exit;
-use crate::ipc::client::ask;
 use crate::config::DEFAULT_SOCKET;
-use crate::protocol::{Request, Response};
+use crate::ipc::client::ask;
 use crate::plan::{
     gpus, plan, Architecture, CapacityPlan, Dtype, GpuChoice, ParamCount, PlanRequest, Weights,
 };
+use crate::protocol::{Request, Response};
 use crate::sample::nvml::{GpuSource, NvmlGpuSource};
 use crate::units::{fmt_bytes, Amount};
 

@@ -8,10 +8,10 @@
 //! (immediate ones and those the table sends later: a permit granted after waiting, a launch
 //! admitted). Accept errors (out of file descriptors) back off instead of spinning.
 
+use std::ops::{Deref, DerefMut};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -273,7 +273,10 @@ async fn serve(
         let mut table = shared.table();
         table.join(conn, peer, since);
         let connections = table.connections();
-        (connections.attach(conn, tx.clone()), connections.idle_timeout())
+        (
+            connections.attach(conn, tx.clone()),
+            connections.idle_timeout(),
+        )
     };
     let (read, write) = stream.into_split();
     let mut writer = tokio::spawn(write_answers(write, rx));

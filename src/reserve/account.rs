@@ -385,8 +385,7 @@ impl Account {
         }
         self.shared
             .observe(&outside, members, consistent, capacity.gpu_sampled_at);
-        self.learner
-            .observe(self.held_beyond_base());
+        self.learner.observe(self.held_beyond_base());
         self.usage = usage;
     }
 
@@ -591,6 +590,43 @@ impl Account {
     /// True while nothing refers to the pool any more (it may be forgotten).
     pub fn unused(&self) -> bool {
         self.idle() && self.learner.busy.is_none() && self.holders.is_empty()
+    }
+}
+
+/// What the books say is reserved, for the ledger's own checks (`reserve::tests`).
+#[cfg(test)]
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Reserved {
+    /// Per GPU, over every reservation.
+    pub gpu: PerGpu,
+    /// Per GPU, how many reservations of a size above 0.
+    pub count: BTreeMap<u32, u64>,
+    pub ram: u64,
+}
+
+#[cfg(test)]
+impl Account {
+    /// The pool's books, and the holders' and shared books summed: both must say the same.
+    pub fn reserved(&self) -> (Reserved, Reserved) {
+        let pool = Reserved {
+            gpu: self.pool.reserved.clone(),
+            count: self.pool.count.clone(),
+            ram: self.reserved_ram,
+        };
+        let mut parts = Reserved {
+            ram: self.reserved_ram,
+            ..Reserved::default()
+        };
+        for books in self.holders.values().chain([&self.shared]) {
+            for (g, b) in &books.reserved {
+                *parts.gpu.entry(*g).or_default() += b;
+            }
+            for (g, n) in &books.count {
+                *parts.count.entry(*g).or_default() += n;
+            }
+        }
+        parts.gpu.retain(|_, b| *b > 0);
+        (pool, parts)
     }
 }
 

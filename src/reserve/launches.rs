@@ -465,7 +465,6 @@ impl Reservations {
         }
     }
 
-
     /// Leases whose process died, or whose model became ready.
     pub(super) fn watch_leases(&mut self, now: Duration) {
         let settle = self.config.launch.settle;

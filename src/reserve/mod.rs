@@ -383,7 +383,12 @@ impl Reservations {
             .values()
             .filter(|h| h.loading() && h.peer.uid == uid)
             .count();
-        loading + self.launch_queue.iter().filter(|w| w.peer.uid == uid).count()
+        loading
+            + self
+                .launch_queue
+                .iter()
+                .filter(|w| w.peer.uid == uid)
+                .count()
     }
 
     /// Permits held in `pool`.

@@ -4,7 +4,6 @@
 use super::*;
 
 impl Reservations {
-
     /// A permit request. Answers at once (granted or refused), or `None`: it waits, and its
     /// answer goes out on the connection's reply channel.
     pub fn acquire(

@@ -4,7 +4,6 @@
 use super::*;
 
 impl Reservations {
-
     /// A pool's books; a new one starts from the pool's use now (its baseline).
     pub(super) fn account(&mut self, pool: &Pool) -> &mut Account {
         account_in(&mut self.pools, &self.capacity, pool)

@@ -44,16 +44,15 @@ fn capacity(used: u64) -> Capacity {
 /// The answers the ledger decided for `conn` since it was last asked (the rest stay in the
 /// outbox).
 fn mail(t: &mut Reservations, conn: ConnId) -> Vec<Response> {
-    let (mine, rest): (Vec<_>, Vec<_>) =
-        t.take_outbox().into_iter().partition(|(c, _)| *c == conn);
+    let (mine, rest): (Vec<_>, Vec<_>) = t.take_outbox().into_iter().partition(|(c, _)| *c == conn);
     t.outbox = rest;
     mine.into_iter().map(|(_, r)| r).collect()
 }
 
 /// A launched process for the ledger: alive until told otherwise, its ready URL never answers.
 #[derive(Default)]
-struct FakeProcess {
-    exited: std::sync::atomic::AtomicBool,
+pub(super) struct FakeProcess {
+    pub(super) exited: std::sync::atomic::AtomicBool,
 }
 
 struct Silent;
@@ -316,7 +315,12 @@ fn a_launched_model_gives_permits_only_out_of_what_it_declared() {
         command: vec!["x".into()],
         ..Default::default()
     };
-    let answer = t.launch(1, launch(None), Arc::new(FakeProcess::default()), Duration::ZERO);
+    let answer = t.launch(
+        1,
+        launch(None),
+        Arc::new(FakeProcess::default()),
+        Duration::ZERO,
+    );
     assert!(
         matches!(answer, Some(Response::Admitted { .. })),
         "{answer:?}"
@@ -354,7 +358,12 @@ fn a_users_launch_never_holds_back_the_hosts_own() {
             command: vec!["x".into()],
             ..Default::default()
         };
-        t.launch(conn, request, Arc::new(FakeProcess::default()), Duration::ZERO)
+        t.launch(
+            conn,
+            request,
+            Arc::new(FakeProcess::default()),
+            Duration::ZERO,
+        )
     };
     // A user's launch takes the lock and loads (for hours, say)...
     assert!(matches!(
@@ -505,3 +514,5 @@ fn permits_fill_the_room_then_wait_then_time_out_with_what_was_free() {
         other => panic!("{other:?}"),
     }
 }
+
+mod properties;

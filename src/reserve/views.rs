@@ -3,7 +3,6 @@
 use super::*;
 
 impl Reservations {
-
     /// True while anything is reserved or waiting: the loop then ticks often, with fresh GPU
     /// process lists.
     pub fn busy(&self) -> bool {

@@ -4,7 +4,6 @@
 use super::*;
 
 impl Reservations {
-
     /// Requests whose wait is over are refused; permits past their TTL are revoked.
     pub fn expire(&mut self, now: Duration) {
         let mut changed = false;
