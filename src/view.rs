@@ -6,7 +6,8 @@
 
 use std::fmt;
 
-use crate::alert::Subject;
+use serde::Serialize;
+
 use crate::config::Mode;
 use crate::kinds::Level;
 use crate::policy::{Overage, Resource, Stage};
@@ -167,6 +168,35 @@ pub struct OverBudget {
 pub struct Stuck {
     pub resource: Resource,
     pub victim: Option<Victim>,
+}
+
+/// Who or what a notice is about. Every field is optional: each event fills what it knows.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Subject {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// "RAM" or "GPU 0".
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resource: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pid: Option<i32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub comm: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cmdline: Option<String>,
+    /// Every process of the target (a model has several).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub pids: Vec<i32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub budget_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub floor_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub available_bytes: Option<u64>,
 }
 
 /// A victim as alerts name it.

@@ -32,6 +32,7 @@ use serde::Serialize;
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::policy::{Event, EventKind, Severity};
+use crate::view::Subject;
 use queue::Queue;
 
 /// Alertmanager forgets an alert that is not re-posted: active ones are refreshed this often
@@ -39,35 +40,6 @@ use queue::Queue;
 pub const ALERTMANAGER_REFRESH: Duration = Duration::from_secs(60);
 /// On shutdown, how long queued notices (the "stopping" one included) may take to go out.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
-
-/// Who or what a notice is about. Every field is optional: each event fills what it knows.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
-pub struct Subject {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub model: Option<String>,
-    /// "RAM" or "GPU 0".
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub resource: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub pid: Option<i32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub uid: Option<u32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub comm: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub cmdline: Option<String>,
-    /// Every process of the target (a model has several).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub pids: Vec<i32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage_bytes: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub budget_bytes: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub floor_bytes: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub available_bytes: Option<u64>,
-}
 
 /// The action a notice reports, when it reports one.
 #[derive(Clone, Debug, PartialEq, Serialize)]

@@ -41,10 +41,11 @@
 //! webhooks' view of the same state, read from the tick view and not worked out again.
 
 use crate::act::Outcome;
-use crate::alert::{ActionInfo, Condition, Subject};
+use crate::alert::{ActionInfo, Condition};
 use crate::kinds::{EventKind, ReasonKind};
 use crate::policy::{About, Action, Level, Resource, Severity, Target, Verb};
 use crate::status::ActionRow;
+use crate::view::Subject;
 use crate::view::{Floors, GpuView, ModelFigures, OverBudget, Stuck, TickView};
 
 use super::{unix_now, Daemon, RECENT_ACTIONS};
@@ -421,12 +422,12 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::conditions;
-    use crate::alert::Subject;
     use crate::config::Config;
     use crate::daemon::{Daemon, Roots};
     use crate::kinds::{EventKind, Level, Severity};
     use crate::policy::{Overage, Resource};
     use crate::snapshot::HostMemory;
+    use crate::view::Subject;
     use crate::view::{
         Floors, GpuView, ModelView, OverBudget, ProcessInfo, RamView, Stuck, TickView, Victim,
     };
