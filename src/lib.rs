@@ -14,6 +14,7 @@ pub mod daemon;
 pub mod http;
 pub mod ipc;
 pub mod kinds;
+mod layers;
 pub mod metrics;
 pub mod plan;
 pub mod policy;

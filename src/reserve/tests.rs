@@ -515,4 +515,36 @@ fn permits_fill_the_room_then_wait_then_time_out_with_what_was_free() {
     }
 }
 
+/// A launch that does not fit waits its whole queue timeout, on the daemon clock, then is told
+/// it timed out; it is never admitted.
+#[test]
+fn a_launch_that_does_not_fit_waits_its_queue_timeout_then_times_out() {
+    let mut t = table();
+    let request = LaunchRequest {
+        model: "big".into(),
+        gpu_memory_bytes: Some(14 * GIB),
+        queue_timeout_ms: Some(2000),
+        command: vec!["x".into()],
+        ..Default::default()
+    };
+    let start = Duration::from_secs(1);
+    let answer = t.launch(1, request, Arc::new(FakeProcess::default()), start);
+    assert!(
+        matches!(answer, Some(Response::Queued { position: 1, .. })),
+        "{answer:?}"
+    );
+    t.expire(start + Duration::from_millis(1999));
+    assert!(mail(&mut t, 1).is_empty());
+    assert_eq!(t.launch_queue.len(), 1);
+    t.expire(start + Duration::from_millis(2000));
+    match mail(&mut t, 1).as_slice() {
+        [Response::TimedOut { message }] => {
+            assert!(message.contains("queue timeout of 2s"), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(t.launch_queue.is_empty());
+    assert!(t.holdings.is_empty());
+}
+
 mod properties;

@@ -113,28 +113,21 @@ fn model_over_gpu_budget_summed_over_parent_and_child_is_stopped_after_grace() {
     let over = daemon.wait_for_event("budget_exceeded", Duration::from_secs(5), |e| {
         e["subject"]["model"] == "fam"
     });
-    let over_at = std::time::Instant::now();
     assert_eq!(over["subject"]["usage_bytes"], 10 * GIB, "{over}");
     assert_eq!(over["subject"]["budget_bytes"], 8 * GIB, "{over}");
-    // A tick that began after it was seen over budget finds it over budget and not yet
-    // stopped (unless the loop was so slow that the 2 s grace ran out meanwhile).
-    let report = daemon.next_tick_status();
-    if over_at.elapsed() < Duration::from_millis(1500) {
-        assert_eq!(
-            model_row(&report, "fam").map(|m| &m["state"]),
-            Some(&serde_json::json!("over_budget")),
-            "stopped before grace: {report}"
-        );
-        assert!(
-            !is_stopped(parent),
-            "stopped before grace:\n{}",
-            daemon.log_text()
-        );
-    }
     assert!(
         wait_stopped(&[parent, child], Duration::from_secs(5)),
         "{}",
         daemon.log_text()
+    );
+    // Stopped once its 2 s grace ran out, by the daemon's own clock (the grace itself is
+    // tested on the driven clock: policy::tests::budget_*).
+    let stop = daemon.wait_for_event("process_stopped", Duration::from_secs(5), |e| {
+        e["subject"]["model"] == "fam"
+    });
+    assert!(
+        between(&over, &stop) >= Duration::from_secs(2),
+        "{over}\n{stop}"
     );
 
     // Back under budget (the child released memory): both resumed.
@@ -181,7 +174,7 @@ fn unavailable_gpu_memory_never_leads_to_a_kill() {
 #[test]
 fn gpu_lost_while_running_keeps_the_daemon_up_and_guarding_ram() {
     let _lock = memory_pressure_lock();
-    let (t, hog_t) = (token("lost"), token("lost-hog"));
+    let hog_t = token("lost-hog");
     let fake = FakeNvml::new(&two_gpus(1, 1, &[]));
     let available = mem_available();
     let min = available - GIB;
@@ -195,7 +188,6 @@ fn gpu_lost_while_running_keeps_the_daemon_up_and_guarding_ram() {
     );
     let daemon = GuardDaemon::start_with_fake(&config, &fake);
     daemon.wait_gpus_on(Some(2), Duration::from_secs(5));
-    let _ = t;
 
     fake.set(&format!("{}error * 15 gpu=1\n", two_gpus(1, 1, &[])));
     // GPU 1 is lost: protection degraded.

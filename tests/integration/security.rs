@@ -430,7 +430,8 @@ fn a_user_who_spreads_gpu_memory_over_many_processes_is_ranked_by_its_sum() {
     );
     // Back above the warn floor: nothing else is touched.
     fake.set(&state(12 * 1024 + 512, &pids[2..]));
-    std::thread::sleep(Duration::from_secs(1));
+    // The guard has looked again since.
+    daemon.next_tick_status();
     assert!(server.alive(), "root's server was acted on");
     for c in spread.iter_mut().filter(|c| pids[2..].contains(&c.pid())) {
         assert!(!gone(c), "more of the user's processes than needed");
