@@ -1,0 +1,451 @@
+//! An incident, from the act floor crossed to the resource back above it: one victim at a time,
+//! stopped, terminated, killed, and the next once it is gone and the floor is still short.
+
+use super::*;
+
+/// One floor for one tick: the level is recorded (and its change said), then the reading is
+/// unknown (nothing decided), above the act floor (the incident closes) or below it (the
+/// incident acts).
+pub(in crate::policy) fn evaluate_floor_inner(
+    config: &Config,
+    snapshot: &Snapshot,
+    state: &mut PolicyState,
+    reading: &Reading,
+    plan: &mut Plan,
+) {
+    let level = note_level(state, reading, plan);
+    match level {
+        // A reading that is missing says nothing about the incident: leave it as it is, except
+        // that nobody stays stopped past max_stop on it.
+        Level::Unknown => end_stop_at_max_stop(config, snapshot, state, reading, plan),
+        Level::Ok | Level::Warn => close_incident(state, reading, plan),
+        Level::Act => act(config, snapshot, state, reading, plan),
+    }
+}
+
+/// Records the floor's level (and, for RAM, the Shmem baseline) and says when it changed.
+pub(in crate::policy) fn note_level(
+    state: &mut PolicyState,
+    reading: &Reading,
+    plan: &mut Plan,
+) -> Level {
+    let resource = reading.resource;
+    let level = reading.level();
+    let previous = state.levels.insert(resource, level);
+    if resource == Resource::Ram {
+        state.shmem_baseline = match (reading.shmem, state.shmem_baseline) {
+            (Some(now), _) if reading.above_warn() => Some(ShmemBaseline {
+                base: now,
+                peak: now,
+            }),
+            (Some(now), Some(ShmemBaseline { base, peak })) => Some(ShmemBaseline {
+                base,
+                peak: peak.max(now),
+            }),
+            (None, _) if reading.above_warn() => None,
+            (_, kept) => kept,
+        };
+    }
+    if previous == Some(level) {
+        return level;
+    }
+    let text = reading.describe();
+    match level {
+        Level::Unknown => plan.events.push(event(
+            Severity::Warning,
+            EventKind::ReadingUnknown,
+            format!("{text}: not acting on {resource} until it reads again"),
+        )),
+        Level::Warn if previous < Some(Level::Warn) => {
+            plan.events
+                .push(event(Severity::Warning, EventKind::FloorWarn, text))
+        }
+        Level::Act => plan
+            .events
+            .push(event(Severity::Critical, EventKind::FloorAct, text)),
+        Level::Ok if previous.is_some() => {
+            plan.events
+                .push(event(Severity::Info, EventKind::FloorCleared, text))
+        }
+        _ => {}
+    }
+    level
+}
+
+/// Back above the act floor: the incident (if any) is over; a victim it left stopped is held
+/// until `release` resumes it.
+pub(in crate::policy) fn close_incident(
+    state: &mut PolicyState,
+    reading: &Reading,
+    plan: &mut Plan,
+) {
+    let resource = reading.resource;
+    let Some(incident) = state.incidents.remove(&resource) else {
+        return;
+    };
+    match (&incident.victim, incident.stage) {
+        (Some(victim), Stage::Stopped) => state.held.push(Held {
+            target: victim.clone(),
+            resource,
+            since: incident.stage_since,
+        }),
+        (Some(victim), Stage::Terminated) => state.terminating.push(Terminating {
+            target: victim.clone(),
+            since: incident.stage_since,
+            term_baseline: incident.term_baseline,
+        }),
+        _ => {}
+    }
+    if incident.victim.is_some() {
+        plan.events.push(event(
+            Severity::Info,
+            EventKind::IncidentClosed,
+            format!(
+                "{resource} back above its act floor ({}); incident over after {} victim(s)",
+                reading.describe(),
+                incident.victims_done + 1
+            ),
+        ));
+    }
+}
+
+/// Below the act floor: the incident (opened now if it is new) chooses a victim or takes its
+/// victim's next step; a stale reading alerts only.
+pub(in crate::policy) fn act(
+    config: &Config,
+    snapshot: &Snapshot,
+    state: &mut PolicyState,
+    reading: &Reading,
+    plan: &mut Plan,
+) {
+    let now = snapshot.at;
+    let incident = state
+        .incidents
+        .entry(reading.resource)
+        .or_insert_with(|| Incident::open(now));
+    if !reading.may_act {
+        report_stale(incident, reading, plan);
+        end_stop_at_max_stop(config, snapshot, state, reading, plan);
+        return;
+    }
+    let far_below = far_below_confirmed(reading, incident);
+    let Some(victim) = incident.victim.clone() else {
+        choose_next(config, snapshot, state, reading, far_below, plan);
+        return;
+    };
+    let step = Step {
+        config,
+        snapshot,
+        reading,
+        victim: &victim,
+        far_below,
+        since: now.saturating_sub(incident.stage_since),
+    };
+    let alive = victim.any_alive(snapshot);
+    match incident.stage {
+        Stage::Alerted | Stage::Stuck | Stage::Throttled => {}
+        Stage::Stopped | Stage::Terminated | Stage::Killed if !alive => {
+            incident.stage = Stage::Gone;
+            incident.stage_since = now;
+        }
+        Stage::Stopped if step.since >= config.daemon.settle => {
+            terminate_after_stop(incident, &step, plan);
+        }
+        Stage::Terminated => kill_after_term(incident, &step, plan),
+        Stage::Killed if step.since >= config.daemon.kill_timeout => {
+            survived_kill(incident, &step, plan);
+        }
+        Stage::Gone => {
+            let next = next_after_gone(incident, &step, plan);
+            if next {
+                choose_next(config, snapshot, state, reading, far_below, plan);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// What the steps of an incident with a victim need this tick.
+pub(in crate::policy) struct Step<'a> {
+    config: &'a Config,
+    snapshot: &'a Snapshot,
+    reading: &'a Reading,
+    victim: &'a Target,
+    /// Far below the floor, confirmed by an earlier sample (`far_below_confirmed`).
+    far_below: bool,
+    /// How long the incident has been at its stage.
+    since: Duration,
+}
+
+/// The reading is stale: says so once per incident.
+pub(in crate::policy) fn report_stale(incident: &mut Incident, reading: &Reading, plan: &mut Plan) {
+    if incident.stale_reported {
+        return;
+    }
+    incident.stale_reported = true;
+    plan.events.push(event(
+        Severity::Warning,
+        EventKind::NotActingStale,
+        format!(
+            "{}: the reading is stale, alerting only",
+            reading.describe()
+        ),
+    ));
+}
+
+/// Stopped for `settle` and still below the floor: SIGTERM (SIGKILL when far below).
+pub(in crate::policy) fn terminate_after_stop(
+    incident: &mut Incident,
+    step: &Step,
+    plan: &mut Plan,
+) {
+    let reading = step.reading;
+    incident.available_at_stage = reading.available;
+    let verb = if step.far_below {
+        Verb::Kill
+    } else {
+        Verb::Terminate
+    };
+    incident.stage = if verb == Verb::Kill {
+        Stage::Killed
+    } else {
+        Stage::Terminated
+    };
+    incident.stage_since = step.snapshot.at;
+    plan.actions.push(action(
+        verb,
+        step.victim,
+        reading.kind(),
+        format!(
+            "{}; still below {} after stopping it",
+            reading.describe(),
+            humantime::format_duration(step.config.daemon.settle)
+        ),
+        reading.recheck(),
+    ));
+}
+
+/// SIGTERM sent: SIGKILL when far below, after `term_grace`, or as soon as the victim grows
+/// by more than `term_max_growth` (it is not shutting down).
+pub(in crate::policy) fn kill_after_term(incident: &mut Incident, step: &Step, plan: &mut Plan) {
+    let (snapshot, reading) = (step.snapshot, step.reading);
+    let limit = step
+        .config
+        .daemon
+        .term_max_growth
+        .resolve(snapshot.host.total_bytes);
+    let grown = grown_after_term(snapshot, reading.resource, incident, step.victim, limit);
+    if !(step.far_below || step.since >= step.config.daemon.term_grace || grown.is_some()) {
+        return;
+    }
+    let how = match grown {
+        Some(grown) => format!(
+            "its memory grew by {} after SIGTERM: it is not shutting down",
+            bytes(grown)
+        ),
+        None => "SIGTERM not enough".to_string(),
+    };
+    incident.stage = Stage::Killed;
+    incident.stage_since = snapshot.at;
+    plan.actions.push(action(
+        Verb::Kill,
+        step.victim,
+        reading.kind(),
+        format!("{}; {how}", reading.describe()),
+        reading.recheck(),
+    ));
+}
+
+/// Still there `kill_timeout` after SIGKILL: stuck; no more kills for this floor.
+pub(in crate::policy) fn survived_kill(incident: &mut Incident, step: &Step, plan: &mut Plan) {
+    let resource = step.reading.resource;
+    incident.stage = Stage::Stuck;
+    incident.stage_since = step.snapshot.at;
+    plan.events.push(event(
+        Severity::Critical,
+        EventKind::SurvivedKill,
+        format!("{} is still there {} after SIGKILL (uninterruptible, stuck in the driver?); not killing more for {resource}", step.victim, humantime::format_duration(step.since)),
+    ));
+}
+
+/// The victim is gone and this fresh sample is still below the floor. True when the next
+/// victim is to be chosen; a GPU that still lists the victim's pids past `release_timeout` is
+/// stuck instead (no more kills for it).
+pub(in crate::policy) fn next_after_gone(
+    incident: &mut Incident,
+    step: &Step,
+    plan: &mut Plan,
+) -> bool {
+    let resource = step.reading.resource;
+    let stuck: Vec<i32> = match resource {
+        Resource::Ram => Vec::new(),
+        Resource::Gpu(index) => stuck_pids(step.snapshot, step.victim, index),
+    };
+    if stuck.is_empty() {
+        incident.victims_done += 1;
+        incident.victim = None;
+        return true;
+    }
+    if step.since >= step.config.gpu.release_timeout {
+        incident.stage = Stage::Stuck;
+        incident.stage_since = step.snapshot.at;
+        plan.events.push(event(
+            Severity::Critical,
+            EventKind::StuckMemory,
+            format!(
+                "{} exited {} ago but {resource} still lists pid(s) {stuck:?} holding memory ({}): memory stuck in the driver; not killing more for {resource}",
+                step.victim,
+                humantime::format_duration(step.since),
+                step.reading.describe()
+            ),
+        ));
+    }
+    false
+}
+
+/// Far below the floor on this sample and on an earlier one: one sample alone (a glitch, a
+/// reading caught mid-update) never earns SIGKILL without SIGTERM's grace.
+pub(in crate::policy) fn far_below_confirmed(reading: &Reading, incident: &mut Incident) -> bool {
+    if !reading.far_below() {
+        incident.far_below_at = None;
+        return false;
+    }
+    match (incident.far_below_at, reading.sampled_at) {
+        (Some(first), Some(now)) => now > first,
+        (None, now) => {
+            incident.far_below_at = now;
+            false
+        }
+        (Some(_), None) => false,
+    }
+}
+
+/// A victim stopped for a floor whose reading is now unknown or stale: at `max_stop` it is
+/// resumed (never killed: nothing is decided on a reading that cannot be trusted), and the
+/// incident waits for a reading to choose again.
+pub(in crate::policy) fn end_stop_at_max_stop(
+    config: &Config,
+    snapshot: &Snapshot,
+    state: &mut PolicyState,
+    reading: &Reading,
+    plan: &mut Plan,
+) {
+    let max_stop = config.daemon.max_stop;
+    let Some(incident) = state.incidents.get_mut(&reading.resource) else {
+        return;
+    };
+    let Some(victim) = incident.victim.clone() else {
+        return;
+    };
+    if incident.stage != Stage::Stopped
+        || snapshot.at.saturating_sub(incident.stage_since) < max_stop
+    {
+        return;
+    }
+    incident.victim = None;
+    incident.stage = Stage::Alerted;
+    incident.stage_since = snapshot.at;
+    plan.actions.push(action(
+        Verb::Resume,
+        &victim,
+        ReasonKind::MaxStop,
+        format!(
+            "stopped for {} (max_stop) while {}: resumed, never killed on a reading that cannot be trusted",
+            humantime::format_duration(max_stop),
+            untrusted(reading)
+        ),
+        None,
+    ));
+}
+
+/// While a victim has SIGTERM, the loop ticks at least this often: a victim that ignores SIGTERM
+/// shows by growing, and every millisecond of growth is memory the host does not have.
+pub(in crate::policy) const TERM_WATCH_INTERVAL: Duration = Duration::from_millis(2);
+
+/// The victim's own memory now (RAM floors: RSS summed over its live processes; the daemon
+/// re-reads watched victims every tick). GPU memory is sampled too seldom to watch this way.
+pub(in crate::policy) fn victim_bytes(
+    snapshot: &Snapshot,
+    victim: &Target,
+    resource: Resource,
+) -> Option<u64> {
+    if resource != Resource::Ram {
+        return None;
+    }
+    let live: Vec<u64> = victim
+        .ids()
+        .filter_map(|id| snapshot.processes.get(id))
+        .filter(|p| !p.exited())
+        .map(|p| p.rss_bytes)
+        .collect();
+    (!live.is_empty()).then(|| live.iter().sum())
+}
+
+/// After SIGTERM, how much the victim has grown since the first reading taken after the signal,
+/// if by more than `limit` bytes: a process shutting down does not grow, so one that does is
+/// ignoring SIGTERM. Records that first reading.
+pub(in crate::policy) fn grown_after_term(
+    snapshot: &Snapshot,
+    resource: Resource,
+    incident: &mut Incident,
+    victim: &Target,
+    limit: Option<u64>,
+) -> Option<u64> {
+    let now = victim_bytes(snapshot, victim, resource)?;
+    match incident.term_baseline {
+        Some(TermBaseline { stage_since, bytes }) if stage_since == incident.stage_since => {
+            let grown = now.saturating_sub(bytes);
+            limit.is_some_and(|l| grown > l).then_some(grown)
+        }
+        // The tick that sent SIGTERM read the victim before sending it; any later tick read it
+        // after (the daemon re-reads watched victims first thing).
+        _ if snapshot.at > incident.stage_since => {
+            incident.term_baseline = Some(TermBaseline {
+                stage_since: incident.stage_since,
+                bytes: now,
+            });
+            None
+        }
+        _ => None,
+    }
+}
+
+/// One floor for one tick; every event it raises is about that resource (and its victim, if any).
+pub(in crate::policy) fn evaluate_floor(
+    config: &Config,
+    snapshot: &Snapshot,
+    state: &mut PolicyState,
+    reading: &Reading,
+    plan: &mut Plan,
+) {
+    let first = plan.events.len();
+    evaluate_floor_inner(config, snapshot, state, reading, plan);
+    let resource = reading.resource;
+    let about = match state
+        .incidents
+        .get(&resource)
+        .and_then(|i| i.victim.as_ref())
+    {
+        Some(victim) => About::target(victim, resource),
+        None => About {
+            resource: Some(resource),
+            ..About::default()
+        },
+    };
+    for e in &mut plan.events[first..] {
+        e.about = about.clone();
+    }
+}
+
+/// Pids of an exited victim that NVML still reports as holding memory on GPU `index`.
+pub(in crate::policy) fn stuck_pids(snapshot: &Snapshot, victim: &Target, index: u32) -> Vec<i32> {
+    let Some(gpu) = snapshot.gpus.devices.iter().find(|g| g.index == index) else {
+        return Vec::new();
+    };
+    victim
+        .members
+        .iter()
+        .map(|m| m.id.pid)
+        .filter(|pid| matches!(gpu.processes.get(pid), Some(Some(b)) if *b > 0))
+        .collect()
+}
