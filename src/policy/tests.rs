@@ -2379,6 +2379,24 @@ fn membership_is_by_identity_not_by_position_in_the_table() {
     assert_eq!(acts(&plan), "terminate vllm[101]");
 }
 
+/// What the RAM floor decides at `snapshot` when it chooses (`floors::choose`), as data.
+fn ram_choice(c: &Config, snapshot: &Snapshot, state: &mut PolicyState) -> floors::Choice {
+    let reading = floors::readings(c, snapshot, &[])
+        .into_iter()
+        .find(|r| r.resource == Resource::Ram)
+        .unwrap();
+    floors::choose(c, snapshot, state, &reading)
+}
+
+/// The Shmem rule's verdict in a choice.
+fn shmem_verdict(choice: floors::Choice) -> floors::ShmemVerdict {
+    match choice {
+        floors::Choice::HeldBack(v) => v,
+        floors::Choice::Victim(v) => v.shmem.expect("the Shmem rule applied"),
+        other => panic!("{other:?}"),
+    }
+}
+
 /// `snapshot` with `Shmem` (tmpfs, shared memory) at `shmem` bytes.
 fn with_shmem(mut snapshot: Snapshot, shmem: u64) -> Snapshot {
     snapshot.host.shmem_bytes = Some(shmem);
@@ -2598,8 +2616,27 @@ fn shmem_growth_beyond_the_shortfall_alerts_and_does_not_kill() {
         "{}",
         act.message
     );
+    assert_eq!(plans[1].events[1].severity, Severity::Critical);
+    // What it decided: Shmem grew by 3.5 GiB, more than the 1 GiB shortfall, and the first
+    // candidate cannot lift RAM above the warn floor.
+    let short = with_shmem(snap(200, Some(3 * GIB), small()), 4 * GIB + GIB / 2);
+    let v = shmem_verdict(ram_choice(&c, &short, &mut state));
+    assert_eq!(
+        (
+            v.growth.growth,
+            v.growth.shortfall,
+            v.unexplained,
+            v.judgement
+        ),
+        (
+            3 * GIB + GIB / 2,
+            GIB,
+            0,
+            floors::Judgement::TooSmallForWarn
+        )
+    );
+    // Said once, in words (the one test of the sentence).
     let shm = &plans[1].events[1];
-    assert_eq!(shm.severity, Severity::Critical);
     assert!(
         shm.message.contains("Shmem grew by 3.5 GiB")
             && shm.message.contains("shortfall of 1.0 GiB")
@@ -2715,18 +2752,16 @@ fn shmem_growth_explaining_part_of_the_shortfall_judges_only_the_rest() {
             (short(200, small()), "", ""),
         ],
     );
-    let shm = &plans[1].events[1];
-    assert_eq!(shm.severity, Severity::Critical);
-    assert!(
-        shm.message.contains("Shmem grew by 512.0 MiB")
-            && shm
-                .message
-                .contains("shortfall of 1.0 GiB (512.0 MiB unexplained)")
-            && shm
-                .message
-                .contains("not enough to lift RAM above the act floor"),
-        "{}",
-        shm.message
+    assert_eq!(plans[1].events[1].severity, Severity::Critical);
+    let v = shmem_verdict(ram_choice(&c, &short(200, small()), &mut state));
+    assert_eq!(
+        (
+            v.growth.growth,
+            v.growth.shortfall,
+            v.unexplained,
+            v.judgement
+        ),
+        (GIB / 2, GIB, GIB / 2, floors::Judgement::CannotLift)
     );
     // 2 GiB covers it and lifts RAM above the act floor: acted on.
     let mut big = small();
@@ -2736,11 +2771,10 @@ fn shmem_growth_explaining_part_of_the_shortfall_judges_only_the_rest() {
         (acts(&plan).as_str(), events(&plan).as_str()),
         ("terminate [300]", "")
     );
-    assert!(
-        plan.actions[0].reason.detail.contains("does not explain"),
-        "{}",
-        plan.actions[0].reason.detail
-    );
+    let mut big = small();
+    big.push(proc(300, "big", 2 * GIB, 1));
+    let v = shmem_verdict(ram_choice(&c, &short(300, big), &mut state));
+    assert_eq!(v.judgement, floors::Judgement::CoversTheRest);
 }
 
 /// The red team's bypass: a 3.5 GiB tmpfs file plus 1 GiB of anonymous memory in a process no
@@ -2783,15 +2817,11 @@ fn a_small_hog_beside_a_tmpfs_file_does_not_get_models_killed() {
             ),
         ],
     );
-    let shm = &plans[1].events[1];
-    assert!(
-        shm.message.contains("(512.0 MiB unexplained)")
-            && shm.message.contains("model 'a'")
-            && shm
-                .message
-                .contains("less than the 512.0 MiB Shmem growth does not explain"),
-        "{}",
-        shm.message
+    let now = with_shmem(snap(200, Some(8 * GIB), procs()), 4 * GIB + GIB / 2);
+    let v = shmem_verdict(ram_choice(&c, &now, &mut state));
+    assert_eq!(
+        (v.unexplained, v.target.model.as_deref(), v.judgement),
+        (GIB / 2, Some("a"), floors::Judgement::LessThanTheRest)
     );
 }
 

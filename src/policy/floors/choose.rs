@@ -3,18 +3,84 @@
 
 use super::*;
 
-/// Chooses a victim for an open incident and takes the first step of the floor's action.
-pub(in crate::policy) fn choose_next(
+/// What choosing the next victim came to, as data: `words` says it (events, the action's
+/// reason), `choose_next` applies it.
+#[derive(Clone, Debug)]
+pub(in crate::policy) enum Choice {
+    /// The brake holds; `Some` when it engaged just now (said once).
+    Braked(Option<BrakeEngaged>),
+    /// Nobody may be acted on: all protected or outside the candidates.
+    NoVictim,
+    /// The Shmem rule holds the floor back from its first candidate.
+    HeldBack(ShmemVerdict),
+    /// A victim.
+    Victim(Victim),
+}
+
+/// The brake engaged: `victims` acted on within `window` did not bring the resource back.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(in crate::policy) struct BrakeEngaged {
+    pub victims: usize,
+    pub max_victims: u32,
+    pub window: Duration,
+    /// Until the oldest of them leaves the window (the least the brake holds).
+    pub left: Duration,
+    /// RAM's `Shmem`, which no kill gives back.
+    pub shmem: Option<u64>,
+}
+
+/// The chosen process (or a user's largest processes) and what it holds of the short resource.
+#[derive(Clone, Debug)]
+pub(in crate::policy) struct Victim {
+    pub target: Target,
+    pub used: u64,
+    /// A user ranked by the sum over its processes: that sum and how many.
+    pub user_total: Option<(u64, usize)>,
+    /// The Shmem rule's verdict, when it applied.
+    pub shmem: Option<ShmemVerdict>,
+}
+
+/// The Shmem rule on the first candidate: Shmem grew by `growth.growth` since RAM was last above
+/// its warn floor, leaving `unexplained` of the shortfall to processes.
+#[derive(Clone, Debug)]
+pub(in crate::policy) struct ShmemVerdict {
+    pub growth: ShmemGrowth,
+    pub unexplained: u64,
+    pub target: Target,
+    pub used: u64,
+    pub judgement: Judgement,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(in crate::policy) enum Judgement {
+    /// All of the shortfall is new Shmem, and the candidate alone lifts RAM above the warn floor.
+    LiftsAboveWarn,
+    /// All of it is new Shmem, and the candidate does not hold enough to lift RAM above warn.
+    TooSmallForWarn,
+    /// Part of it is new Shmem; the candidate holds at least the rest and lifts RAM above the act
+    /// floor.
+    CoversTheRest,
+    /// It holds less than the part Shmem does not explain: something else caused it.
+    LessThanTheRest,
+    /// It holds the rest but not enough to lift RAM above the act floor.
+    CannotLift,
+}
+
+impl Judgement {
+    pub fn acts(self) -> bool {
+        matches!(self, Judgement::LiftsAboveWarn | Judgement::CoversTheRest)
+    }
+}
+
+/// Decides who the floor acts on next (the brake's engagement is recorded here).
+pub(in crate::policy) fn choose(
     config: &Config,
     snapshot: &Snapshot,
     state: &mut PolicyState,
     reading: &Reading,
-    far_below: bool,
-    plan: &mut Plan,
-) {
+) -> Choice {
     let resource = reading.resource;
     let now = snapshot.at;
-    let why = reading.describe();
     let Brake {
         max_victims,
         window,
@@ -23,35 +89,21 @@ pub(in crate::policy) fn choose_next(
     // A brake that holds releases only in `release_brakes` (back above the warn floor), never
     // here on time alone.
     if signals && max_victims > 0 && state.braked.contains(&resource) {
-        return;
+        return Choice::Braked(None);
     }
     if signals && max_victims > 0 {
         let recent = state.floor_victims.entry(resource).or_default();
         recent.retain(|v| now.saturating_sub(v.at) < window);
         if recent.len() >= max_victims as usize {
-            if state.braked.insert(resource) {
-                let first = recent.iter().map(|v| v.at).min().unwrap_or(now);
-                let left = (first + window).saturating_sub(now);
-                let shmem = match reading.shmem {
-                    Some(b) if resource == Resource::Ram => format!(
-                        "; Shmem is {} (tmpfs files, shared memory: no process holds it and no kill gives it back)",
-                        bytes(b)
-                    ),
-                    _ => String::new(),
-                };
-                plan.events.push(event(
-                    Severity::Critical,
-                    EventKind::FloorBrake,
-                    format!(
-                        "{why}; {} victim(s) acted on for {resource} within {} did not bring it back above its warn floor: not acting on {resource} until it is back above its warn floor, and for at least {} (brake: max_victims {} per victim_window){shmem}",
-                        recent.len(),
-                        humantime::format_duration(window),
-                        humantime::format_duration(round_secs(left)),
-                        max_victims,
-                    ),
-                ));
-            }
-            return;
+            let first = recent.iter().map(|v| v.at).min().unwrap_or(now);
+            let engaged = BrakeEngaged {
+                victims: recent.len(),
+                max_victims,
+                window,
+                left: (first + window).saturating_sub(now),
+                shmem: reading.shmem.filter(|_| resource == Resource::Ram),
+            };
+            return Choice::Braked(state.braked.insert(resource).then_some(engaged));
         }
     }
     let excluded = state
@@ -67,110 +119,104 @@ pub(in crate::policy) fn choose_next(
         &excluded,
         reading.need(),
     );
-    let shmem_growth = shmem_shortfall(reading, state.shmem_baseline);
-    let incident = state.incidents.get_mut(&resource).expect("incident exists");
     let Some(Chosen {
         target,
         used_bytes: used,
         user_total,
     }) = chosen
     else {
-        if !incident.no_victim_reported {
-            incident.no_victim_reported = true;
-            plan.events.push(event(
-                Severity::Critical,
-                EventKind::NoVictim,
-                format!(
-                    "{why}; no process may be acted on (all protected or outside the candidates)"
-                ),
-            ));
-        }
-        return;
+        return Choice::NoVictim;
     };
-    let what = match reading.short {
-        Short::Swap => "swap".to_string(),
-        _ => resource.to_string(),
-    };
-    let mut detail = match (user_total, target.members.first()) {
-        (Some((total, count)), Some(first)) if count > 1 => format!(
-            "{why}; largest eligible user of {what}: uid {}, {} in {count} processes; {} ",
-            first.uid,
-            bytes(total),
-            match target.members.len() {
-                1 => format!("its largest holds {}", bytes(used)),
-                n => format!("its {n} largest hold {}", bytes(used)),
-            }
-        ),
-        _ => format!("{why}; largest eligible user of {what}: {} ", bytes(used)),
-    };
-    if let Some(ShmemGrowth {
-        growth,
-        shortfall,
-        to_warn,
-    }) = shmem_growth
-    {
-        let unexplained = shortfall.saturating_sub(growth);
-        let (enough, verdict) = if unexplained == 0 {
+    let shmem = shmem_shortfall(reading, state.shmem_baseline).map(|growth| {
+        let unexplained = growth.shortfall.saturating_sub(growth.growth);
+        let judgement = if unexplained == 0 {
             // All of the shortfall is new Shmem: no process holds it. Act only on a victim whose
             // own memory alone lifts RAM back above the warn floor: a tmpfs write still under
             // way crosses the act floor by a few bytes first, and killing for that would only
             // buy the next few bytes.
-            let enough = used > to_warn;
-            let verdict = if enough {
-                format!("acting on {target} only because its own {} alone lifts RAM above the warn floor", bytes(used))
+            if used > growth.to_warn {
+                Judgement::LiftsAboveWarn
             } else {
-                format!("not acting: the first eligible candidate, {target}, holds {} of its own, not enough to lift RAM above the warn floor ({} short of it)", bytes(used), bytes(to_warn))
-            };
-            (enough, verdict)
+                Judgement::TooSmallForWarn
+            }
         } else {
             // Part of it is new Shmem, which no kill gives back: judge only the rest. A victim
             // holding less than that rest is not what caused it (something outside the
             // candidates is), and one that cannot lift RAM above the act floor buys nothing.
-            let covers = used >= unexplained;
-            let lifts = used > shortfall;
-            let verdict = match (covers, lifts) {
-                (true, true) => format!("acting on {target} only because its own {} is at least the {} Shmem does not explain and lifts RAM above the act floor", bytes(used), bytes(unexplained)),
-                (false, _) => format!("not acting: the first eligible candidate, {target}, holds {} of its own, less than the {} Shmem growth does not explain (the rest is held outside the candidates, or by nobody)", bytes(used), bytes(unexplained)),
-                (true, false) => format!("not acting: the first eligible candidate, {target}, holds {} of its own, not enough to lift RAM above the act floor ({} short of it)", bytes(used), bytes(shortfall)),
-            };
-            (covers && lifts, verdict)
+            match (used >= unexplained, used > growth.shortfall) {
+                (true, true) => Judgement::CoversTheRest,
+                (false, _) => Judgement::LessThanTheRest,
+                (true, false) => Judgement::CannotLift,
+            }
         };
-        if !incident.shmem_reported {
-            incident.shmem_reported = true;
-            let explains = if unexplained == 0 {
-                format!("more than the shortfall of {}", bytes(shortfall))
-            } else {
-                format!(
-                    "explaining that much of the shortfall of {} ({} unexplained)",
-                    bytes(shortfall),
-                    bytes(unexplained)
-                )
-            };
-            plan.events.push(event(
-                Severity::Critical,
-                EventKind::ShmemShortfall,
-                format!(
-                    "{why}; Shmem grew by {} since RAM was last above its warn floor, {explains}: memory in tmpfs files or shared memory that no process holds (look in /dev/shm and other tmpfs mounts); {verdict}",
-                    bytes(growth),
-                ),
-            ));
+        ShmemVerdict {
+            growth,
+            unexplained,
+            target: target.clone(),
+            used,
+            judgement,
         }
-        if !enough {
-            return;
-        }
-        if unexplained == 0 {
-            detail.push_str(&format!(
-                "(enough alone to lift RAM above the warn floor; Shmem grew by {}) ",
-                bytes(growth)
-            ));
-        } else {
-            detail.push_str(&format!(
-                "(at least the {} Shmem growth of {} does not explain, and enough to lift RAM above the act floor) ",
-                bytes(unexplained),
-                bytes(growth)
-            ));
-        }
+    });
+    match shmem {
+        Some(verdict) if !verdict.judgement.acts() => Choice::HeldBack(verdict),
+        shmem => Choice::Victim(Victim {
+            target,
+            used,
+            user_total,
+            shmem,
+        }),
     }
+}
+
+/// Chooses a victim for an open incident and takes the first step of the floor's action; what
+/// is said once per incident is said once.
+pub(in crate::policy) fn choose_next(
+    config: &Config,
+    snapshot: &Snapshot,
+    state: &mut PolicyState,
+    reading: &Reading,
+    far_below: bool,
+    plan: &mut Plan,
+) {
+    let choice = choose(config, snapshot, state, reading);
+    let incident = state
+        .incidents
+        .get_mut(&reading.resource)
+        .expect("incident exists");
+    let shmem = match &choice {
+        Choice::HeldBack(v) => Some(v),
+        Choice::Victim(v) => v.shmem.as_ref(),
+        _ => None,
+    };
+    if let Some(verdict) = shmem.filter(|_| !incident.shmem_reported) {
+        incident.shmem_reported = true;
+        plan.events.push(words::shmem_shortfall(reading, verdict));
+    }
+    match choice {
+        Choice::Braked(Some(engaged)) => plan.events.push(words::braked(reading, &engaged)),
+        Choice::NoVictim if !incident.no_victim_reported => {
+            incident.no_victim_reported = true;
+            plan.events.push(words::no_victim(reading));
+        }
+        Choice::Victim(victim) => act_on(config, snapshot, state, reading, far_below, victim, plan),
+        Choice::Braked(None) | Choice::NoVictim | Choice::HeldBack(_) => {}
+    }
+}
+
+/// The first step on a chosen victim: the floor's action (SIGKILL at once when far below), or
+/// the SIGTERM an earlier incident sent it, taken up again.
+fn act_on(
+    config: &Config,
+    snapshot: &Snapshot,
+    state: &mut PolicyState,
+    reading: &Reading,
+    far_below: bool,
+    victim: Victim,
+    plan: &mut Plan,
+) {
+    let (resource, now) = (reading.resource, snapshot.at);
+    let detail = words::victim(reading, &victim);
+    let target = victim.target;
     let verb = match reading.action {
         FloorAction::Alert => None,
         FloorAction::Stop => Some(Verb::Stop),
@@ -198,34 +244,29 @@ pub(in crate::policy) fn choose_next(
         (Some(Verb::Kill), _) => Stage::Killed,
         _ => Stage::Terminated,
     };
-    incident.stage_since = snapshot.at;
+    incident.stage_since = now;
     incident.available_at_stage = reading.available;
     incident.victim = Some(target.clone());
-    let recheck = reading.recheck();
-    if verb.is_some() {
-        state
-            .floor_victims
-            .entry(resource)
-            .or_default()
-            .push(FloorVictim {
-                at: now,
-                target: target.clone(),
-                done: false,
-            });
-    }
     match verb {
-        Some(verb) => plan.actions.push(action(
-            verb,
-            &target,
-            reading.kind(),
-            detail.trim_end().to_string(),
-            recheck,
-        )),
-        None => plan.events.push(event(
-            Severity::Critical,
-            EventKind::FloorVictim,
-            format!("{detail}would act on {target} (action = \"alert\")"),
-        )),
+        Some(verb) => {
+            state
+                .floor_victims
+                .entry(resource)
+                .or_default()
+                .push(FloorVictim {
+                    at: now,
+                    target: target.clone(),
+                    done: false,
+                });
+            plan.actions.push(action(
+                verb,
+                &target,
+                reading.kind(),
+                detail,
+                reading.recheck(),
+            ));
+        }
+        None => plan.events.push(words::would_act(&detail, &target)),
     }
 }
 
@@ -273,13 +314,14 @@ pub(in crate::policy) fn round_secs(d: Duration) -> Duration {
 }
 
 /// RAM short of its act floor while `Shmem` grew: memory no process holds explains some of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(in crate::policy) struct ShmemGrowth {
     /// How much `Shmem` grew since RAM was last above its warn floor (to its peak since).
-    growth: u64,
+    pub growth: u64,
     /// `min_available` - MemAvailable.
-    shortfall: u64,
+    pub shortfall: u64,
     /// What a victim must give back to lift RAM above the warn floor (the act floor if none).
-    to_warn: u64,
+    pub to_warn: u64,
 }
 
 /// RAM below its act floor by MemAvailable, and `Shmem` grown since RAM was last above its warn

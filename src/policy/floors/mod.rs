@@ -29,6 +29,7 @@ use std::time::Duration;
 
 use crate::config::{Config, FloorAction, Mode};
 use crate::kinds::{EventKind, ReasonKind};
+use crate::policy::Event;
 use crate::snapshot::Snapshot;
 
 use super::victim::{self, Chosen, Short};
@@ -40,9 +41,12 @@ use super::{
 mod choose;
 mod incident;
 mod readings;
+mod words;
 
 use choose::*;
-pub(in crate::policy) use choose::{release_brakes, release_held};
+pub(in crate::policy) use choose::{
+    choose, release_brakes, release_held, Choice, Judgement, ShmemGrowth, ShmemVerdict,
+};
 pub(in crate::policy) use incident::{evaluate_floor, TERM_WATCH_INTERVAL};
 use readings::*;
 pub(in crate::policy) use readings::{readings, Reading};
