@@ -2800,7 +2800,7 @@ fn a_small_hog_beside_a_tmpfs_file_does_not_get_models_killed() {
         ]
     };
     let mut state = PolicyState::default();
-    let plans = play(
+    play(
         &c,
         &mut state,
         vec![

@@ -44,9 +44,9 @@ mod readings;
 mod words;
 
 use choose::*;
-pub(in crate::policy) use choose::{
-    choose, release_brakes, release_held, Choice, Judgement, ShmemGrowth, ShmemVerdict,
-};
+#[cfg(test)]
+pub(in crate::policy) use choose::{choose, Choice, Judgement, ShmemVerdict};
+pub(in crate::policy) use choose::{release_brakes, release_held};
 pub(in crate::policy) use incident::{evaluate_floor, TERM_WATCH_INTERVAL};
 use readings::*;
 pub(in crate::policy) use readings::{readings, Reading};
