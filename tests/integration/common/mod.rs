@@ -859,13 +859,6 @@ pub fn event_at(e: &serde_json::Value) -> std::time::SystemTime {
     humantime::parse_rfc3339(at).unwrap_or_else(|err| panic!("{at}: {err}"))
 }
 
-/// How long after `earlier` the daemon raised `later`.
-pub fn between(earlier: &serde_json::Value, later: &serde_json::Value) -> Duration {
-    event_at(later)
-        .duration_since(event_at(earlier))
-        .unwrap_or_else(|_| panic!("{later} came before {earlier}"))
-}
-
 pub fn actions_on(events: &[serde_json::Value], model: &str) -> Vec<serde_json::Value> {
     events
         .iter()
