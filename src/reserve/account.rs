@@ -371,11 +371,15 @@ impl Account {
             observe_holder(books, *holder, capacity);
         }
         self.holders.retain(|_, b| !b.forgettable());
-        // The model's memory outside the trees of its holders that are its members.
+        // The model's memory outside its holders' trees: what of it each holder's tree holds
+        // (the holder is a member, or it started members) is in that holder's books already.
         let (mut outside, mut members) = (usage.gpu_bytes.clone(), usage.members);
         for (holder, books) in &self.holders {
-            if model.is_some() && capacity.member_of.get(holder).map(String::as_str) == model {
-                for (g, b) in &books.usage {
+            let of_model = model
+                .and_then(|m| capacity.tree(*holder).and_then(|t| t.by_model.get(m)))
+                .filter(|b| !b.is_empty());
+            if let Some(of_model) = of_model {
+                for (g, b) in of_model {
                     if let Some(o) = outside.get_mut(g) {
                         *o = o.saturating_sub(*b);
                     }
@@ -1001,6 +1005,45 @@ mod tests {
         grown.trees.get_mut(&A).unwrap().members += 1;
         a.observe(None, &grown);
         assert_eq!(a.gpu_promised_to(A, &nothing(), 0, true), 0);
+    }
+
+    /// A client that started its model's server has the server in its process tree: the growth
+    /// is in the client's books, and must not be counted again as the model's memory outside
+    /// them. A reading taken while NVML's process lists moved (not consistent) is not "at rest"
+    /// for the books outside every holder: there it counted a second time (CI saw the learner
+    /// take 6 GiB per permit for 3).
+    #[test]
+    fn a_client_that_started_its_models_server_is_counted_once() {
+        let client = A;
+        let model = |gib: u64, consistent: bool| {
+            let mut c = reading(&[(client, gib)], consistent);
+            let bytes = BTreeMap::from([(0, gib * GIB)]);
+            c.models.insert(
+                "m".into(),
+                ModelUse {
+                    gpu_bytes: bytes.clone(),
+                    members: 7,
+                    ..Default::default()
+                },
+            );
+            let tree = c.trees.get_mut(&client).unwrap();
+            tree.by_model.insert("m".into(), bytes);
+            c
+        };
+        let mut a = fresh();
+        for _ in 0..3 {
+            a.observe(Some("m"), &model(4, true));
+        }
+        for _ in 0..SAMPLES_FOR_DEFAULT {
+            take(&mut a, &model(4, true), client, 1);
+            a.observe(Some("m"), &model(7, false));
+            a.observe(Some("m"), &model(7, true));
+            give_back(&mut a, client, 1);
+            for _ in 0..3 {
+                a.observe(Some("m"), &model(4, true));
+            }
+        }
+        assert_eq!(a.learner.quantile(0.95), Some(3 * GIB));
     }
 
     #[test]

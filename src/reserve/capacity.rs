@@ -77,6 +77,9 @@ pub struct TreeUse {
     pub gpu_unknown: bool,
     /// Changes whenever the set of processes holding GPU memory in the tree changes.
     pub members: u64,
+    /// Of `gpu_bytes`, what members of each model hold (a client that started its model's
+    /// server has the server in its tree).
+    pub by_model: BTreeMap<String, BTreeMap<u32, u64>>,
 }
 
 impl ModelUse {
@@ -125,7 +128,6 @@ impl Capacity {
                     format!("{r} is below its warn floor; launches pause until it recovers")
                 }
             });
-        let (trees, unscanned) = trees(snapshot);
         let mut models = HashMap::new();
         let mut member_of = HashMap::new();
         for usage in &state.attribution.models {
@@ -144,6 +146,7 @@ impl Capacity {
                 },
             );
         }
+        let (trees, unscanned) = trees(snapshot, &member_of);
         Capacity {
             gpus,
             ram,
@@ -182,7 +185,10 @@ const MAX_TREE_DEPTH: usize = 64;
 /// [`Capacity::trees`]: each GPU holder's memory added to itself and every ancestor the process
 /// scan knows, up to the first of another (real) uid and never pid 1 (every process descends
 /// from it); and [`Capacity::unscanned`].
-fn trees(snapshot: &Snapshot) -> (HashMap<ProcessId, TreeUse>, HashMap<i32, TreeUse>) {
+fn trees(
+    snapshot: &Snapshot,
+    member_of: &HashMap<ProcessId, String>,
+) -> (HashMap<ProcessId, TreeUse>, HashMap<i32, TreeUse>) {
     let table = &snapshot.processes;
     let by_pid = |pid: i32| {
         let procs = &table.processes;
@@ -199,9 +205,16 @@ fn trees(snapshot: &Snapshot) -> (HashMap<ProcessId, TreeUse>, HashMap<i32, Tree
             let mut member = std::collections::hash_map::DefaultHasher::new();
             (pid, gpu.index).hash(&mut member);
             let member = member.finish();
+            let model = by_pid(pid).and_then(|p| member_of.get(&p.id()));
             let add = |tree: &mut TreeUse| {
                 match bytes.filter(|_| trusted) {
-                    Some(b) => *tree.gpu_bytes.entry(gpu.index).or_default() += b,
+                    Some(b) => {
+                        *tree.gpu_bytes.entry(gpu.index).or_default() += b;
+                        if let Some(m) = model {
+                            let of_model = tree.by_model.entry(m.clone()).or_default();
+                            *of_model.entry(gpu.index).or_default() += b;
+                        }
+                    }
                     None => tree.gpu_unknown = true,
                 }
                 tree.members = tree.members.wrapping_add(member);
@@ -277,7 +290,7 @@ mod tests {
             },
             ..Default::default()
         };
-        let (first, unscanned) = trees(&snapshot(&[(101, 5), (102, 3), (300, 1)]));
+        let (first, unscanned) = trees(&snapshot(&[(101, 5), (102, 3), (300, 1)]), &HashMap::new());
         let on0 = |t: &TreeUse| t.gpu_bytes.get(&0).copied();
         assert_eq!(
             on0(&first[&id(100)]),
@@ -290,7 +303,7 @@ mod tests {
         // A process that started after the scan: what it holds itself, by pid.
         assert_eq!(on0(&unscanned[&300]), Some(GIB));
         // A new child holding memory changes the tree's members (its baseline is void).
-        let (grown, _) = trees(&snapshot(&[(101, 5), (100, 2)]));
+        let (grown, _) = trees(&snapshot(&[(101, 5), (100, 2)]), &HashMap::new());
         assert_ne!(grown[&id(100)].members, first[&id(100)].members);
         assert_eq!(grown[&id(101)].members, first[&id(101)].members);
     }
