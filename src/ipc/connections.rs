@@ -1,6 +1,11 @@
 //! The socket's connections: the caps on how many are open (per uid and in all), where each
 //! one's answers go, and what wakes it when it leaves its answers unread. The reservation ledger
 //! decides; this delivers its answers (`Desk`), so the ledger never sees a channel.
+//!
+//! Root always keeps a way in: the accounts other than root share `max_connections` less one
+//! uid's share (`max_connections_per_uid`), which stays root's, so no number of accounts (or one
+//! account's subordinate uids) can fill the socket and leave `gpuguard status` or root's
+//! `launch` outside.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -37,10 +42,11 @@ impl Connections {
     /// A new connection from `uid`: refused when it would pass a connection cap.
     pub fn connect(&mut self, conn: ConnId, uid: u32) -> Result<(), String> {
         let c = &self.caps;
-        if self.open.len() >= c.max_connections {
+        let others = self.open.values().filter(|o| o.uid != 0).count();
+        let root_share = c.max_connections_per_uid.min(c.max_connections);
+        if uid != 0 && others >= c.max_connections.saturating_sub(root_share) {
             return Err(format!(
-                "{} connections open (clients.max_connections)",
-                self.open.len()
+                "{others} connections of accounts other than root open (clients.max_connections less root's share of max_connections_per_uid)"
             ));
         }
         let of_uid = self.open.values().filter(|o| o.uid == uid).count();
@@ -130,5 +136,47 @@ impl Desk {
         for (conn, response) in self.ledger.take_outbox() {
             self.connections.deliver(conn, response);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn connections(text: &str) -> Connections {
+        Connections::new(&Config::parse(text, std::path::Path::new("t.toml")).unwrap())
+    }
+
+    /// Round three's lockout: accounts other than root fill the socket together (four of them,
+    /// or one with subordinate uids); root still gets its share.
+    #[test]
+    fn accounts_other_than_root_never_take_roots_share() {
+        let mut c = connections("[clients]\nmax_connections = 256\nmax_connections_per_uid = 64\n");
+        let mut conn = 0;
+        let mut refused = 0;
+        for uid in [1001, 1002, 1003, 1004, 100_000, 100_001] {
+            for _ in 0..64 {
+                conn += 1;
+                if c.connect(conn, uid).is_err() {
+                    refused += 1;
+                }
+            }
+        }
+        assert_eq!(c.open.len(), 192, "the others share 256 less root's 64");
+        assert_eq!(refused, 6 * 64 - 192);
+        for _ in 0..64 {
+            conn += 1;
+            c.connect(conn, 0).expect("root's share");
+        }
+        assert!(
+            c.connect(conn + 1, 0).is_err(),
+            "root has a per-uid cap too"
+        );
+        assert_eq!(c.open.len(), 256);
+        // One leaves: another account may take its place, not more.
+        let first = *c.open.keys().find(|k| c.open[k].uid == 1001).unwrap();
+        c.disconnect(first);
+        c.connect(conn + 2, 1005).unwrap();
+        assert!(c.connect(conn + 3, 1005).is_err());
     }
 }

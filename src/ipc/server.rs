@@ -282,10 +282,17 @@ async fn serve(
     let mut writer = tokio::spawn(write_answers(write, rx));
     let mut reader = BufReader::new(read);
     let mut first = true;
+    // Since when the connection has held nothing and waited for nothing: past `idle` it is
+    // closed, whatever it sends meanwhile (a refused request or a cancel of nothing does not
+    // keep a connection, and with it a share of the caps, open).
+    let mut idle_since = Instant::now();
+    let mut was_engaged = false;
     loop {
-        // Silence past `idle` ends a connection only if it holds nothing and waits for nothing
-        // (checked when the timeout fires, not on every message).
-        let wait = if first { FIRST_REQUEST_TIMEOUT } else { idle };
+        let wait = if first {
+            FIRST_REQUEST_TIMEOUT
+        } else {
+            idle.saturating_sub(idle_since.elapsed())
+        };
         let read = tokio::select! {
             read = tokio::time::timeout(wait, read_line(&mut reader)) => read,
             () = overflow.notified() => {
@@ -302,7 +309,11 @@ async fn serve(
                     .await;
                 break;
             }
-            Err(_) if shared.table().engaged(conn) => continue,
+            Err(_) if shared.table().engaged(conn) => {
+                idle_since = Instant::now();
+                was_engaged = true;
+                continue;
+            }
             Err(_) => break,
             Ok(Ok(None)) => break,
             Ok(Ok(Some(line))) => line,
@@ -349,6 +360,12 @@ async fn serve(
         };
         // The request may have added something with a deadline: the expiry task looks again.
         shared.expiry.notify_one();
+        // Engaged, or just done with what it held: the idle time starts again.
+        let engaged = shared.table().engaged(conn);
+        if engaged || was_engaged {
+            idle_since = Instant::now();
+        }
+        was_engaged = engaged;
         if let Some(answer) = answer {
             if tx.send(answer).await.is_err() {
                 break;

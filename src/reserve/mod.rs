@@ -362,7 +362,11 @@ impl Reservations {
 
     /// Permits `uid` holds or waits for (`None`: everyone's).
     fn permits_of(&self, uid: Option<u32>) -> usize {
-        let mine = |u: u32| uid.is_none_or(|x| x == u);
+        self.permits_where(|u| uid.is_none_or(|x| x == u))
+    }
+
+    /// Permits held or waited for by the uids `mine` picks.
+    fn permits_where(&self, mine: impl Fn(u32) -> bool) -> usize {
         let held = self
             .holdings
             .values()

@@ -55,10 +55,17 @@ impl Reservations {
         }
         let limits = self.config.permits.clone();
         let total = self.permits_of(None);
+        // Root's share of max_total (one uid's, max_per_uid) is never given to the others.
+        let others = self.permits_where(|u| u != 0);
+        let root_share = limits.max_per_uid.min(limits.max_total);
         let over_cap = if self.permits_of(Some(peer.uid)) >= limits.max_per_uid {
             Some(format!(
                 "uid {} holds or waits for {} permits (permits.max_per_uid)",
                 peer.uid, limits.max_per_uid
+            ))
+        } else if peer.uid != 0 && others >= limits.max_total - root_share {
+            Some(format!(
+                "{others} permits held or waiting by accounts other than root (permits.max_total less root's share of max_per_uid)"
             ))
         } else if total >= limits.max_total {
             Some(format!(

@@ -547,4 +547,49 @@ fn a_launch_that_does_not_fit_waits_its_queue_timeout_then_times_out() {
     assert!(t.holdings.is_empty());
 }
 
+/// Round three: accounts other than root filled permits.max_total with slots of their own model
+/// (size 0: they always fit) and root's requests were refused. Root keeps its share.
+#[test]
+fn accounts_other_than_root_never_take_roots_share_of_permits() {
+    let mut t = Reservations::new(config(
+        "[[model]]\nname = \"served\"\nmatch = { comm = \"x\" }\nusers = [\"1001\", \"1002\", \"1003\"]\n\
+         [permits]\nmax_per_uid = 2\nmax_total = 6\n",
+    ));
+    t.tick(Duration::ZERO, capacity(4 * GIB));
+    for (conn, uid) in [(1, 1001), (2, 1002), (3, 1003), (4, 0)] {
+        let peer = Peer {
+            uid,
+            pid: 100 + uid as i32,
+            start_time: 1,
+        };
+        t.join(conn, peer, Duration::ZERO);
+    }
+    let slot = |id| AcquireRequest {
+        id,
+        model: Some("served".into()),
+        gpu_bytes: Some(0),
+        timeout_ms: Some(0),
+        ..Default::default()
+    };
+    let mut granted = 0;
+    for conn in 1..=3 {
+        for id in 1..=2 {
+            match t.acquire(conn, slot(id), Duration::ZERO) {
+                Some(Response::Granted { .. }) => granted += 1,
+                Some(Response::Refused { reason, .. }) => {
+                    assert_eq!(reason, RefusalReason::QueueFull)
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+    assert_eq!(granted, 4, "the others share 6 less root's 2");
+    for id in 1..=2 {
+        assert!(matches!(
+            t.acquire(4, slot(id), Duration::ZERO),
+            Some(Response::Granted { .. })
+        ));
+    }
+}
+
 mod properties;

@@ -200,6 +200,9 @@ fn check(t: &mut Reservations, clients: &mut Clients) -> Result<(), String> {
             return Err(format!("uid {uid} over permits.max_per_uid"));
         }
     }
+    if t.permits_where(|u| u != 0) > limits.max_total - limits.max_per_uid {
+        return Err("the accounts other than root took root's share".into());
+    }
     Ok(())
 }
 
