@@ -390,12 +390,65 @@ pub struct PolicyState {
 
 /// `Shmem` when RAM was last above its warn floor, and the most it has been since: growth
 /// (peak - base) that is more than the shortfall is memory no process holds. The peak, not the
-/// latest reading: while a tmpfs file is being removed, `Shmem` falls before MemAvailable rises,
-/// and that moment must not look like a shortfall of processes.
+/// latest reading, while a tmpfs file is being removed: `Shmem` falls before MemAvailable rises,
+/// and that moment must not look like a shortfall of processes. Only that moment: once
+/// MemAvailable has risen by half of what `Shmem` gave back, or `SHMEM_FALL_GRACE` after it
+/// fell, the peak is what `Shmem` is now (a deleted file must not hide the processes that keep
+/// RAM short after it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ShmemBaseline {
     pub base: u64,
     pub peak: u64,
+    /// MemAvailable when `Shmem` was at its peak.
+    pub available_at_peak: Option<u64>,
+    /// When `Shmem` was first read below its peak (daemon clock).
+    pub fell_at: Option<Duration>,
+}
+
+/// How long the peak of `Shmem` outlives a fall that MemAvailable does not show.
+pub const SHMEM_FALL_GRACE: Duration = Duration::from_secs(2);
+
+impl ShmemBaseline {
+    /// Above the warn floor: everything since starts from `shmem`.
+    pub fn new(shmem: u64, available: Option<u64>) -> ShmemBaseline {
+        ShmemBaseline {
+            base: shmem,
+            peak: shmem,
+            available_at_peak: available,
+            fell_at: None,
+        }
+    }
+
+    /// A reading below the warn floor at `at`.
+    pub fn next(self, shmem: u64, available: Option<u64>, at: Duration) -> ShmemBaseline {
+        if shmem >= self.peak {
+            return ShmemBaseline {
+                peak: shmem,
+                available_at_peak: available,
+                fell_at: None,
+                ..self
+            };
+        }
+        let gave_back = self.peak - shmem;
+        let shown = matches!(
+            (available, self.available_at_peak),
+            (Some(a), Some(p)) if a.saturating_sub(p) >= gave_back / 2
+        );
+        let fell_at = self.fell_at.unwrap_or(at);
+        if shown || at.saturating_sub(fell_at) >= SHMEM_FALL_GRACE {
+            ShmemBaseline {
+                peak: shmem.max(self.base),
+                available_at_peak: available,
+                fell_at: None,
+                ..self
+            }
+        } else {
+            ShmemBaseline {
+                fell_at: Some(fell_at),
+                ..self
+            }
+        }
+    }
 }
 
 /// What an attribution was computed from: it is worked out again only when one changes.

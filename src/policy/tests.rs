@@ -2681,6 +2681,58 @@ fn shmem_growth_beyond_the_shortfall_alerts_and_does_not_kill() {
     );
 }
 
+/// Round three: a tmpfs file written, hogs started, the file deleted. The Shmem rule kept the
+/// peak of Shmem and hid the hogs for as long as RAM stayed short. Now the peak outlives a fall
+/// of Shmem only until MemAvailable shows what it gave back, or `SHMEM_FALL_GRACE`.
+#[test]
+fn a_deleted_tmpfs_file_does_not_hide_the_hogs_that_keep_ram_short() {
+    let c = config(RAM_FLOORS);
+    let hogs = |rss| vec![proc(100, "hog1", rss, 1), proc(200, "hog2", rss + MIB, 1)];
+    let at = |ms, avail, shmem, rss| with_shmem(snap(ms, Some(avail), hogs(rss)), shmem);
+    // MemAvailable shows the file's 4 GiB given back (still short: the hogs): acted on at once.
+    let mut state = PolicyState::default();
+    play(
+        &c,
+        &mut state,
+        vec![
+            (at(0, 16 * GIB, 0, MIB), "", ""),
+            (
+                at(100, GIB, 4 * GIB, 1536 * MIB),
+                "",
+                "floor_act, shmem_shortfall",
+            ),
+            (at(200, 3 * GIB, 9 * MIB, 1536 * MIB), "terminate [200]", ""),
+        ],
+    );
+    // The hogs grew as the file went (MemAvailable rose by less than half of it): the peak is
+    // kept for the moment a removal takes, then the hogs are acted on.
+    let mut state = PolicyState::default();
+    let grace = crate::policy::SHMEM_FALL_GRACE.as_millis() as u64;
+    play(
+        &c,
+        &mut state,
+        vec![
+            (at(0, 16 * GIB, 0, MIB), "", ""),
+            (
+                at(100, GIB, 4 * GIB, 1536 * MIB),
+                "",
+                "floor_act, shmem_shortfall",
+            ),
+            (at(200, 2 * GIB + GIB / 2, 9 * MIB, 3 * GIB), "", ""),
+            (
+                at(200 + grace - 1, 2 * GIB + GIB / 2, 9 * MIB, 3 * GIB),
+                "",
+                "",
+            ),
+            (
+                at(200 + grace, 2 * GIB + GIB / 2, 9 * MIB, 3 * GIB),
+                "terminate [200]",
+                "",
+            ),
+        ],
+    );
+}
+
 /// Shmem that did not grow leaves the floor acting as before; so does a Shmem baseline that is
 /// unknown (RAM was never seen above its warn floor).
 #[test]

@@ -495,6 +495,46 @@ fn a_tmpfs_file_under_the_floor_is_alerted_and_kills_nobody() {
     }
 }
 
+/// Round three: a tmpfs file, then two anonymous hogs, then the file deleted. The Shmem rule
+/// kept the peak of Shmem and hid the hogs while RAM stayed under the act floor. Once
+/// MemAvailable shows the file's memory given back, the hogs are what keeps RAM short: one is
+/// acted on.
+#[test]
+fn hogs_behind_a_deleted_tmpfs_file_are_acted_on() {
+    let _lock = memory_pressure_lock();
+    let tokens = [token("behind-shm0"), token("behind-shm1")];
+    let models: Vec<(&str, &str, &str)> = vec![("h0", &tokens[0], ""), ("h1", &tokens[1], "")];
+    let now = mem_available();
+    let floors = format!(
+        "min_available = {}\nwarn_available = {}\n",
+        now - 3 * GIB / 2,
+        now - GIB / 2
+    );
+    let daemon = GuardDaemon::start(&config("", &floors, &models));
+    daemon.next_tick_status();
+    // 2 GiB in a file: under the act floor, all of it Shmem.
+    let shm = ShmFile::write(&token("behind-shm"), 2 * GIB);
+    daemon.wait_for_event("floor_act", Duration::from_secs(20), |_| true);
+    // Two hogs of 1.15 GiB each: neither alone lifts RAM above the act floor, and Shmem
+    // explains most of the shortfall: held back.
+    let mut hogs: Vec<Hog> = tokens.iter().map(|t| Hog::start(t, 0, 1178, 120)).collect();
+    assert!(
+        wait_until(Duration::from_secs(30), || hogs
+            .iter()
+            .all(|h| rss_bytes(h.pid()) >= 1170 * MIB)),
+        "{}",
+        daemon.log_text()
+    );
+    daemon.next_tick_status();
+    // The file goes; the hogs keep RAM under the act floor.
+    drop(shm);
+    let acted = daemon.wait_for_event("process_killed", Duration::from_secs(20), |e| {
+        matches!(e["subject"]["model"].as_str(), Some("h0" | "h1"))
+    });
+    assert_eq!(acted["action"]["reason"], "ram_floor", "{acted}");
+    assert!(hogs.iter_mut().any(|h| !h.alive()), "{}", daemon.log_text());
+}
+
 /// The brake on the real binary: RAM is under the act floor for memory none of the candidates
 /// holds (here the floor is set above what is available; an attacker's tmpfs file written
 /// before the daemon looked is the same), so each kill gives back too little. Of five servers,

@@ -333,7 +333,7 @@ pub(in crate::policy) fn shmem_shortfall(
     if reading.resource != Resource::Ram || reading.short != Short::Ram {
         return None;
     }
-    let (Some(available), Some(min), Some(ShmemBaseline { base, peak })) =
+    let (Some(available), Some(min), Some(ShmemBaseline { base, peak, .. })) =
         (reading.available, reading.min, baseline)
     else {
         return None;

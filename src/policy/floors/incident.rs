@@ -33,15 +33,10 @@ pub(in crate::policy) fn note_level(
     let level = reading.level();
     let previous = state.levels.insert(resource, level);
     if resource == Resource::Ram {
+        let (available, at) = (reading.available, reading.sampled_at.unwrap_or_default());
         state.shmem_baseline = match (reading.shmem, state.shmem_baseline) {
-            (Some(now), _) if reading.above_warn() => Some(ShmemBaseline {
-                base: now,
-                peak: now,
-            }),
-            (Some(now), Some(ShmemBaseline { base, peak })) => Some(ShmemBaseline {
-                base,
-                peak: peak.max(now),
-            }),
+            (Some(now), _) if reading.above_warn() => Some(ShmemBaseline::new(now, available)),
+            (Some(now), Some(b)) => Some(b.next(now, available, at)),
             (None, _) if reading.above_warn() => None,
             (_, kept) => kept,
         };
