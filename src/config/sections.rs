@@ -21,8 +21,9 @@ pub struct ClientsConfig {
     /// A connection that holds nothing and sends nothing for this long is closed.
     #[serde(with = "duration")]
     pub idle_timeout: Duration,
-    /// What one uid other than root may hold reserved at once (loading launches and permits):
-    /// a size or a share of all GPU memory (and, separately, of RAM). `None`: no cap.
+    /// What one uid may hold reserved at once (loading launches and permits): a size or a share
+    /// of all GPU memory (and, separately, of RAM); half by default. Root is not capped, nor a
+    /// `[[model]]`'s users for that model ("100%" turns the cap off).
     pub max_reserved_per_uid: Option<Amount>,
 }
 
@@ -35,7 +36,7 @@ impl Default for ClientsConfig {
             max_leases_per_uid: 32,
             max_leases: 256,
             idle_timeout: Duration::from_secs(60),
-            max_reserved_per_uid: None,
+            max_reserved_per_uid: Some(Amount::Percent(50.0)),
         }
     }
 }

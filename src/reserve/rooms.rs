@@ -78,7 +78,7 @@ impl Reservations {
 
     /// Does `demand` fit `pool` now: its model's slots and budget, then the memory.
     pub(super) fn fit(&self, peer: &Peer, pool: &Pool, demand: &Demand, permit: bool) -> Fit {
-        if let Some(f) = self.uid_cap_fit(peer.uid, demand) {
+        if let Some(f) = self.uid_cap_fit(peer.uid, pool, demand) {
             return f;
         }
         if let Some(name) = pool {
@@ -150,11 +150,17 @@ impl Reservations {
             })
     }
 
-    /// `[clients] max_reserved_per_uid`: what a uid other than root holds reserved (loading
-    /// launches and permits) plus `demand`, against the cap: `None` when within it.
-    pub(super) fn uid_cap_fit(&self, uid: u32, demand: &Demand) -> Option<Fit> {
+    /// `[clients] max_reserved_per_uid` (half of the memory by default): what a uid holds
+    /// reserved (loading launches and permits) plus `demand`, against the cap: `None` when
+    /// within it. Root is not capped, nor a uid the config names for the model it asks for
+    /// (a `[[model]]`'s users): the model's budget bounds them.
+    pub(super) fn uid_cap_fit(&self, uid: u32, pool: &Pool, demand: &Demand) -> Option<Fit> {
         let cap = self.config.clients.max_reserved_per_uid?;
-        if uid == 0 {
+        let named = pool
+            .as_deref()
+            .and_then(|name| self.config.model(name))
+            .is_some_and(|m| m.allowed_users().may_act(uid));
+        if uid == 0 || named {
             return None;
         }
         let (gpu_held, ram_held) = self

@@ -273,11 +273,11 @@ fn the_host_wide_pool_is_for_its_users_only() {
 
 #[test]
 fn a_uid_holds_at_most_its_share_reserved_and_root_is_not_capped() {
-    let text = "[clients]\nmax_reserved_per_uid = \"50%\"\n[[model]]\nname = \"m\"\n\
-                match = { comm = \"x\" }\nusers = [\"1001\"]\n";
+    // Permits of the host-wide pool (no `[[model]]` names their users): capped.
+    let text = "[clients]\nmax_reserved_per_uid = \"50%\"\n[permits]\nusers = [\"1001\"]\n";
     let ask = |id, gib| AcquireRequest {
         id,
-        model: Some("m".into()),
+        model: None,
         gpu_bytes: Some(gib * GIB),
         timeout_ms: Some(0),
         ..Default::default()
@@ -590,6 +590,67 @@ fn accounts_other_than_root_never_take_roots_share_of_permits() {
             Some(Response::Granted { .. })
         ));
     }
+}
+
+/// Round three: on the default config, a user launched a model the config does not know with
+/// most of the GPU declared (`--gpu-mem 65GiB`, a process that never touches the GPU) and held
+/// root's launches back until its ready timeout. Half of the memory is all one account may hold
+/// reserved by default; root, and a `[[model]]`'s users for that model, are not capped.
+#[test]
+fn by_default_one_account_cannot_declare_most_of_the_gpu_for_a_model_the_config_does_not_know() {
+    let mut t = Reservations::new(config(
+        "[[model]]\nname = \"served\"\nmatch = { comm = \"x\" }\nusers = [\"1001\"]\n",
+    ));
+    t.tick(Duration::ZERO, capacity(GIB));
+    for (conn, uid) in [(1, 1001), (2, 0), (3, 1001)] {
+        let peer = Peer {
+            uid,
+            pid: 100 + conn as i32,
+            start_time: 1,
+        };
+        t.join(conn, peer, Duration::ZERO);
+    }
+    let launch = |t: &mut Reservations, conn, model: &str, gib| {
+        let request = LaunchRequest {
+            model: model.into(),
+            gpu_memory_bytes: Some(gib * GIB),
+            command: vec!["x".into()],
+            ..Default::default()
+        };
+        t.launch(
+            conn,
+            request,
+            Arc::new(FakeProcess::default()),
+            Duration::ZERO,
+        )
+    };
+    // 9 GiB of the 16 GiB card for an ad-hoc model: more than half, refused at once.
+    let (reason, message) = refusal(launch(&mut t, 1, "mine", 9));
+    assert_eq!(reason, RefusalReason::TooLarge, "{message}");
+    assert!(message.contains("max_reserved_per_uid"), "{message}");
+    // Root's launch of the same size is admitted.
+    assert!(matches!(
+        launch(&mut t, 2, "host", 9),
+        Some(Response::Admitted { .. })
+    ));
+    // A user the config names for its model is bounded by the model's budget, not the cap.
+    let mut t2 = Reservations::new(config(
+        "[[model]]\nname = \"served\"\nmatch = { comm = \"x\" }\nusers = [\"1001\"]\n",
+    ));
+    t2.tick(Duration::ZERO, capacity(GIB));
+    t2.join(
+        3,
+        Peer {
+            uid: 1001,
+            pid: 103,
+            start_time: 1,
+        },
+        Duration::ZERO,
+    );
+    assert!(matches!(
+        launch(&mut t2, 3, "served", 9),
+        Some(Response::Admitted { .. })
+    ));
 }
 
 mod properties;

@@ -1018,3 +1018,56 @@ fn accounts_filling_the_socket_never_lock_root_out() {
         g.daemon.log_text()
     );
 }
+
+/// Round three, on the default config: a user launched a model the config does not know with
+/// most of the memory declared and a process that never uses it, and root's launch then waited
+/// ("promised ...") until the user's ready timeout. One account may hold at most half of the
+/// memory reserved by default (here RAM: this host has no GPU): the user's launch is refused
+/// at once, root's starts.
+#[test]
+fn a_users_declared_memory_cannot_hold_roots_launch_back() {
+    let attacker = Attacker::create();
+    let g = guard(
+        "min_available = \"0%\"\nwarn_available = \"0%\"\n",
+        "ready_timeout = \"1h\"\n",
+    );
+    let total = mem_total();
+    let mut user = attacker
+        .command(BIN)
+        .args(["launch", "--model", "greedy", "--ram"])
+        .arg((total * 6 / 10).to_string())
+        .args(["--", "/bin/sleep", "60"])
+        .env("GPUGUARD_SOCKET", &g.socket)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Either refused (it exits) or admitted (its lease shows).
+    let mut exited = None;
+    assert!(wait_until(Duration::from_secs(10), || {
+        exited = user.try_wait().unwrap();
+        exited.is_some()
+            || g.daemon.status()["leases"]
+                .as_array()
+                .is_some_and(|l| l.iter().any(|r| r["model"] == "greedy"))
+    }));
+    let root = Command::new(BIN)
+        .args([
+            "launch",
+            "--model",
+            "roots",
+            "--queue-timeout",
+            "5s",
+            "--ram",
+        ])
+        .arg((total / 5).to_string())
+        .args(["--", "/bin/true"])
+        .env("GPUGUARD_SOCKET", &g.socket)
+        .output()
+        .unwrap();
+    let _ = user.kill();
+    let out = user.wait_with_output().unwrap();
+    assert!(root.status.success(), "root's launch: {root:?}");
+    assert!(exited.is_some(), "the user's launch was admitted");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("max_reserved_per_uid"), "{err}");
+}
