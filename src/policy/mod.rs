@@ -277,6 +277,8 @@ pub struct Executed {
 pub struct FloorVictim {
     pub at: Duration,
     pub target: Target,
+    /// What it held of the short resource when chosen.
+    pub used: u64,
     /// The executor carried out (or, in observe mode, logged) the first action on it; until
     /// then an action skipped or failed takes it off the count.
     pub done: bool,

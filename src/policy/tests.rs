@@ -2877,6 +2877,65 @@ fn a_small_hog_beside_a_tmpfs_file_does_not_get_models_killed() {
     );
 }
 
+/// Round three: an account keeps RAM short with small processes it lets die; after
+/// `max_victims` of them the brake held, and the account's 3.5 GiB hog then ran below the act
+/// floor untouched. The brake holds only against victims like those that did not help: a
+/// candidate that alone lifts RAM above the act floor and holds more than any of them is acted
+/// on.
+#[test]
+fn sacrificial_kills_do_not_spend_the_brake_for_the_hog() {
+    let c = config(&format!("{RAM_FLOORS}max_victims = 2\n"));
+    let user = |p: Process| Process { uid: 1001, ..p };
+    let procs = |list: &[(i32, &str, u64)]| {
+        let mut v = vec![proc(50, "idle", 10 * MIB, 1)];
+        v.extend(
+            list.iter()
+                .map(|&(pid, name, rss)| user(proc(pid, name, rss, 1))),
+        );
+        v
+    };
+    let mut state = PolicyState::default();
+    play(
+        &c,
+        &mut state,
+        vec![
+            (
+                snap(0, Some(3 * GIB), procs(&[(101, "sac1", 600 * MIB)])),
+                "terminate [101]",
+                "floor_act",
+            ),
+            // It died (SIGTERM); the account's next one keeps RAM short.
+            (
+                snap(500, Some(3 * GIB), procs(&[(102, "sac2", 600 * MIB)])),
+                "",
+                "",
+            ),
+            (
+                snap(600, Some(3 * GIB), procs(&[(102, "sac2", 600 * MIB)])),
+                "terminate [102]",
+                "",
+            ),
+            (
+                snap(1000, Some(3 * GIB), procs(&[(103, "sac3", 600 * MIB)])),
+                "",
+                "",
+            ),
+            // Two victims that did not help: the brake holds against the third small one...
+            (
+                snap(1100, Some(3 * GIB), procs(&[(103, "sac3", 600 * MIB)])),
+                "",
+                "floor_brake",
+            ),
+            // ...not against the hog that alone lifts RAM above the act floor.
+            (
+                snap(1500, Some(3 * GIB), procs(&[(104, "hog", 3584 * MIB)])),
+                "terminate [104]",
+                "",
+            ),
+        ],
+    );
+}
+
 /// The GPU floor shares the brake (`[gpu] max_victims`, per GPU): with 1, a second victim on
 /// the same GPU within the window is not taken; another GPU has its own count.
 #[test]

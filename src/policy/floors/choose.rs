@@ -38,6 +38,11 @@ pub(in crate::policy) struct Victim {
     pub user_total: Option<(u64, usize)>,
     /// The Shmem rule's verdict, when it applied.
     pub shmem: Option<ShmemVerdict>,
+    /// Chosen while the brake holds: it alone lifts the resource above its act floor and holds
+    /// more than any victim the brake counted (the brake is for victims like those that did not
+    /// help; an account that keeps a floor short with small processes it lets die cannot spend
+    /// it for the hog that causes the shortage).
+    pub despite_brake: bool,
 }
 
 /// The Shmem rule on the first candidate: Shmem grew by `growth.growth` since RAM was last above
@@ -86,24 +91,24 @@ pub(in crate::policy) fn choose(
         window,
     } = Brake::of(config, resource);
     let signals = reading.action != FloorAction::Alert;
-    // A brake that holds releases only in `release_brakes` (back above the warn floor), never
-    // here on time alone.
+    // The brake: `Some` while it holds (with how it engaged, when that is new). A brake that
+    // holds releases only in `release_brakes` (back above the warn floor), never here on time
+    // alone.
+    let mut brake = None;
     if signals && max_victims > 0 && state.braked.contains(&resource) {
-        return Choice::Braked(None);
-    }
-    if signals && max_victims > 0 {
+        brake = Some(None);
+    } else if signals && max_victims > 0 {
         let recent = state.floor_victims.entry(resource).or_default();
         recent.retain(|v| now.saturating_sub(v.at) < window);
         if recent.len() >= max_victims as usize {
             let first = recent.iter().map(|v| v.at).min().unwrap_or(now);
-            let engaged = BrakeEngaged {
+            brake = Some(Some(BrakeEngaged {
                 victims: recent.len(),
                 max_victims,
                 window,
                 left: (first + window).saturating_sub(now),
                 shmem: reading.shmem.filter(|_| resource == Resource::Ram),
-            };
-            return Choice::Braked(state.braked.insert(resource).then_some(engaged));
+            }));
         }
     }
     let excluded = state
@@ -119,6 +124,24 @@ pub(in crate::policy) fn choose(
         &excluded,
         reading.need(),
     );
+    // Under the brake, only a victim unlike those that did not help: one that alone lifts the
+    // resource above its act floor and holds more than the largest of them.
+    let shortfall = match (reading.min, reading.available) {
+        (Some(min), Some(available)) => min.saturating_sub(available),
+        _ => u64::MAX,
+    };
+    let largest_counted = state
+        .floor_victims
+        .get(&resource)
+        .and_then(|v| v.iter().map(|v| v.used).max())
+        .unwrap_or(0);
+    let lifts = chosen
+        .as_ref()
+        .is_some_and(|c| c.used_bytes > shortfall && c.used_bytes > largest_counted);
+    if let (Some(engaged), false) = (brake.clone(), lifts) {
+        let newly = state.braked.insert(resource);
+        return Choice::Braked(engaged.filter(|_| newly));
+    }
     let Some(Chosen {
         target,
         used_bytes: used,
@@ -164,6 +187,7 @@ pub(in crate::policy) fn choose(
             used,
             user_total,
             shmem,
+            despite_brake: brake.is_some(),
         }),
     }
 }
@@ -256,6 +280,7 @@ fn act_on(
                 .push(FloorVictim {
                     at: now,
                     target: target.clone(),
+                    used: victim.used,
                     done: false,
                 });
             plan.actions.push(action(

@@ -117,6 +117,11 @@ pub(in crate::policy) fn victim(reading: &Reading, v: &Victim) -> String {
         )),
         None => {}
     }
+    if v.despite_brake {
+        detail.push_str(
+            " (the brake holds, but this victim alone lifts it above its act floor: the brake is only for victims that cannot)",
+        );
+    }
     detail
 }
 
