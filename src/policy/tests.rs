@@ -1724,6 +1724,23 @@ fn stuck_gpu_memory_is_reported_not_killed_around() {
             (gsnap(60_000, b(), devices()), "", ""),
         ],
     );
+    // Round three: the victim's pid reused by a new process that holds GPU memory. That is not
+    // the victim's memory stuck: the incident goes on to the next holder (the largest: the new
+    // process itself).
+    let reused = || {
+        let mut new = proc(100, "new", GIB, 1);
+        new.start_time += 1;
+        vec![new, proc(200, "notebook", GIB, 1)]
+    };
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (gsnap(0, ab(), devices()), "terminate [100]", "floor_act"),
+            (gsnap(1000, reused(), devices()), "", ""),
+            (gsnap(2000, reused(), devices()), "terminate [100]", ""),
+        ],
+    );
     // Released in time: on to the next holder.
     let released = || vec![gpu(0, low, &[(200, Some(2 * GIB))])];
     play(

@@ -437,9 +437,19 @@ pub(in crate::policy) fn stuck_pids(snapshot: &Snapshot, victim: &Target, index:
     let Some(gpu) = snapshot.gpus.devices.iter().find(|g| g.index == index) else {
         return Vec::new();
     };
+    // NVML lists pids only: a pid the process scan now shows as another process (reused after
+    // the victim exited) holds that process's memory, not the victim's.
+    let reused = |id: ProcessId| {
+        snapshot
+            .processes
+            .processes
+            .iter()
+            .any(|p| p.pid == id.pid && p.id() != id)
+    };
     victim
         .members
         .iter()
+        .filter(|m| !reused(m.id))
         .map(|m| m.id.pid)
         .filter(|pid| matches!(gpu.processes.get(pid), Some(Some(b)) if *b > 0))
         .collect()

@@ -30,7 +30,7 @@ use std::time::Duration;
 use crate::config::{Config, FloorAction, Mode};
 use crate::kinds::{EventKind, ReasonKind};
 use crate::policy::Event;
-use crate::snapshot::Snapshot;
+use crate::snapshot::{ProcessId, Snapshot};
 
 use super::victim::{self, Chosen, Short};
 use super::{
