@@ -2340,6 +2340,29 @@ fn spawned_workers_mapping_the_same_weights_on_one_gpu_are_reported_once() {
     assert_eq!(plans[0].events[0].about.model.as_deref(), Some("server"));
 }
 
+/// Round three: another account's process that maps a model's weights file (any user may read
+/// it) on the same GPU made the duplicate warning blame the model, anew each time the attacker
+/// restarted. Only processes of one uid are one load twice.
+#[test]
+fn another_accounts_process_mapping_a_models_weights_is_not_a_duplicate_of_it() {
+    let c = config(&model("server", ""));
+    let attacker = Process {
+        uid: 1001,
+        ..proc(200, "python3", GIB, 1)
+    };
+    let mut s = gsnap(
+        0,
+        vec![proc(100, "server", GIB, 1), attacker],
+        vec![gpu(0, 4 * GIB, &[(100, Some(4 * GIB)), (200, Some(GIB))])],
+    );
+    s.mapped_weights = [100, 200]
+        .into_iter()
+        .map(|p| (p, vec![weights_file(7)]))
+        .collect();
+    let plan = once(&c, &s);
+    assert_eq!(events(&plan), "", "{:#?}", plan.events);
+}
+
 #[test]
 fn identical_commands_already_reported_by_their_weights_are_not_reported_twice() {
     let c = config("");

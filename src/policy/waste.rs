@@ -66,19 +66,29 @@ fn duplicate_weights(
     groups
 }
 
+/// Per GPU, processes of one uid that map the same weights: a process of another account that
+/// maps a model's file (any user may read it) does not make that model "loaded twice".
 fn weights_groups(snapshot: &Snapshot) -> Vec<WeightsGroup> {
+    let uid_of: HashMap<i32, u32> = snapshot
+        .processes
+        .processes
+        .iter()
+        .map(|p| (p.pid, p.uid))
+        .collect();
     let mut groups = Vec::new();
     for gpu in &snapshot.gpus.devices {
-        // File -> the pids holding memory on this GPU that map it.
-        let mut holders: BTreeMap<(&str, u64), (BTreeSet<i32>, &MappedFile)> = BTreeMap::new();
+        // (file, uid) -> the pids of that uid holding memory on this GPU that map it.
+        type Key<'a> = ((&'a str, u64), u32);
+        let mut holders: BTreeMap<Key, (BTreeSet<i32>, &MappedFile)> = BTreeMap::new();
         for (pid, used) in &gpu.processes {
-            let Some(files) = snapshot.mapped_weights.get(pid) else {
+            let (Some(files), Some(&uid)) = (snapshot.mapped_weights.get(pid), uid_of.get(pid))
+            else {
                 continue;
             };
             if used.is_some_and(|b| b > 0) {
                 for f in files {
                     holders
-                        .entry(f.key())
+                        .entry((f.key(), uid))
                         .or_insert((BTreeSet::new(), f))
                         .0
                         .insert(*pid);

@@ -76,7 +76,8 @@ pub fn parse_maps(lines: impl Iterator<Item = String>) -> Vec<MappedFile> {
         files
             .entry((device.to_string(), inode))
             .or_insert_with(|| MappedFile {
-                path: path.to_string(),
+                // A user names its files: no control characters reach logs, events or status.
+                path: crate::snapshot::printable(path).into_owned(),
                 device: device.to_string(),
                 inode,
                 mapped_bytes: 0,
@@ -101,6 +102,18 @@ fn mapping_length(range: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Round three: a user names its weights file with an escape sequence, a bell and a carriage
+    /// return; they reached the log, events, webhooks and `status` as they were.
+    #[test]
+    fn control_characters_in_a_path_are_escaped() {
+        let line = "7f0000000000-7f0040000000 r--s 00000000 fd:01 9 /tmp/\u{1b}[2J\u{7}x\rERROR.safetensors";
+        let files = parse_maps(std::iter::once(line.to_string()));
+        assert_eq!(files.len(), 1);
+        let path = &files[0].path;
+        assert!(!path.chars().any(char::is_control), "{path:?}");
+        assert!(path.contains("\\u{1b}[2J\\u{7}x\\u{d}ERROR"), "{path:?}");
+    }
 
     #[test]
     fn keeps_weights_files_by_device_and_inode() {
