@@ -845,8 +845,10 @@ fn connections_that_stop_reading_stay_counted_and_are_closed() {
     // While the attacker holds its stalled connections and keeps opening more, the daemon holds
     // at most the per-uid cap (a socket and a pidfd each), and it closes the stalled ones once
     // their answers have waited 5 s to be read (the attacker sees them closed 12 s in).
+    // (Probes come every 0.5 s; on a slow machine the closing may take longer than the 12 s
+    // after which the attacker starts counting: wait for all, up to a minute.)
     let mut closed = None;
-    for _ in 0..30 {
+    for _ in 0..150 {
         let probe = lines.next().unwrap().unwrap();
         let fields: Vec<i64> = probe
             .split_whitespace()
@@ -860,7 +862,9 @@ fn connections_that_stop_reading_stay_counted_and_are_closed() {
         );
         if fields[1] >= 0 {
             closed = Some((fields[1], fields[2]));
-            break;
+            if fields[1] == fields[2] {
+                break;
+            }
         }
     }
     let (closed, held) = closed.expect("the attacker reported nothing");
