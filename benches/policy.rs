@@ -87,6 +87,7 @@ fn processes() -> Vec<Process> {
                 rss_bytes: (1 + (i as u64 * 7919) % 4096) << 20,
                 swap_bytes: Some(0),
                 kernel_thread: false,
+                exe: None,
             }
         })
         .collect()

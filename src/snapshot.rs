@@ -104,6 +104,18 @@ pub struct Process {
     pub rss_bytes: u64,
     pub swap_bytes: Option<u64>,
     pub kernel_thread: bool,
+    /// The executable of a system account's process (uid 1-999; read for those only): what the
+    /// `[protect]` name rules trust instead of the name it gives itself.
+    pub exe: Option<Exe>,
+}
+
+/// A process's executable, as `/proc/PID/exe` shows it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Exe {
+    /// Its file name (`sshd`).
+    pub name: String,
+    /// Owned by root and writable by nobody else: not a file the account made or could change.
+    pub system: bool,
 }
 
 impl Process {

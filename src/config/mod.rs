@@ -544,16 +544,46 @@ mod tests {
         let c = parse("").unwrap();
         assert_eq!(c.daemon.mode, Mode::Enforce);
         assert_eq!(c.ram.min_available, Some(Amount::Percent(5.0)));
-        assert!(c
+        assert!(c.protect.protects(
+            "sshd",
+            0,
+            "/usr/sbin/sshd -D",
+            "/system.slice/ssh.service",
+            None
+        ));
+        assert!(c.protect.protects("nvidia-persiste", 0, "", "/", None));
+        assert!(c.protect.protects("systemd-journal", 0, "", "/", None));
+        assert!(!c
             .protect
-            .protects("sshd", 0, "/usr/sbin/sshd -D", "/system.slice/ssh.service"));
-        assert!(c.protect.protects("nvidia-persiste", 0, "", "/"));
-        assert!(c.protect.protects("systemd-journal", 0, "", "/"));
-        assert!(!c.protect.protects("python3", 1000, "python3 -m vllm", "/"));
+            .protects("python3", 1000, "python3 -m vllm", "/", None));
+        // A system account is trusted by its executable, not the name it gives itself.
+        let exe = |name: &str, system| crate::snapshot::Exe {
+            name: name.into(),
+            system,
+        };
+        let sshd =
+            |e: Option<&crate::snapshot::Exe>| c.protect.protects("sshd", 33, "sshd", "/", e);
+        assert!(!sshd(None), "no executable read: not trusted");
+        assert!(
+            !sshd(Some(&exe("python3.11", true))),
+            "a system python calling itself sshd"
+        );
+        assert!(
+            !sshd(Some(&exe("sshd", false))),
+            "a copy of sshd the account owns"
+        );
+        assert!(sshd(Some(&exe("sshd", true))));
+        assert!(c.protect.protects(
+            "nvidia-persiste",
+            107,
+            "",
+            "/",
+            Some(&exe("nvidia-persistenced", true))
+        ));
         // A user's process that calls itself sshd is not protected (issue #11).
         assert!(!c
             .protect
-            .protects("sshd", 1001, "/usr/sbin/sshd -D", "/user.slice"));
+            .protects("sshd", 1001, "/usr/sbin/sshd -D", "/user.slice", None));
     }
 
     #[test]

@@ -2,14 +2,17 @@
 //! budgets, users), and the URLs a model or a launch may name.
 
 use super::*;
+use crate::snapshot::Exe;
 
 /// Processes never to touch. `pid 1`, kernel threads and gpuguard itself are always protected.
 ///
 /// A process chooses its own name and command line (`prctl(PR_SET_NAME, "sshd")`), so the
-/// `comm` and `cmdline` rules (the built-in list too) protect only processes of root and the
-/// system accounts (uid below 1000): a user's hog named `sshd` is an ordinary candidate. What
-/// users cannot fake: their uid (`users`), and the cgroup systemd put a service in (`units`,
-/// `cgroups`).
+/// `comm` and `cmdline` rules (the built-in list too) protect only processes of root and, by what
+/// they are, of the system accounts (uid below 1000): a system account's process only when its
+/// executable is a root-owned file nobody else may write, and for a name rule only when that
+/// file's name matches the rule too (uid 33's python calling itself `sshd` is not sshd). A
+/// user's hog named `sshd` is an ordinary candidate. What users cannot fake: their uid (`users`),
+/// and the cgroup systemd put a service in (`units`, `cgroups`).
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ProtectConfig {
@@ -65,8 +68,16 @@ pub const DEFAULT_PROTECTED_COMM: &[&str] = &[
 ];
 
 impl ProtectConfig {
-    /// True if a process with this name, uid, command line and cgroup must never be touched.
-    pub fn protects(&self, comm: &str, uid: u32, cmdline: &str, cgroup: &str) -> bool {
+    /// True if a process with this name, uid, command line, cgroup and executable (read for
+    /// system accounts) must never be touched.
+    pub fn protects(
+        &self,
+        comm: &str,
+        uid: u32,
+        cmdline: &str,
+        cgroup: &str,
+        exe: Option<&Exe>,
+    ) -> bool {
         if self.users.iter().any(|u| u.uid == uid)
             || self
                 .units
@@ -76,10 +87,22 @@ impl ProtectConfig {
         {
             return true;
         }
-        // Names and command lines are the process's own choice: trusted from system uids only.
-        if uid >= FIRST_USER_UID {
-            return false;
-        }
+        // Names and command lines are the process's own choice: trusted from root, and from a
+        // system account only with a system executable (whose name matches a name rule).
+        let exe = match uid {
+            0 => None,
+            u if u < FIRST_USER_UID => match exe {
+                Some(e) if e.system => Some(e),
+                _ => return false,
+            },
+            _ => return false,
+        };
+        let exe_matches = |pattern: &str| {
+            exe.is_none_or(|e| {
+                let name: String = e.name.chars().take(15).collect();
+                comm_matches(pattern, &name) || comm_matches(pattern, &e.name)
+            })
+        };
         let builtin = if self.defaults {
             DEFAULT_PROTECTED_COMM
         } else {
@@ -89,7 +112,7 @@ impl ProtectConfig {
             .iter()
             .copied()
             .chain(self.comm.iter().map(String::as_str))
-            .any(|p| comm_matches(p, comm))
+            .any(|p| comm_matches(p, comm) && exe_matches(p))
             || self.cmdline.iter().any(|p| p.0.is_match(cmdline))
     }
 }

@@ -73,6 +73,7 @@ fn process(pid: i32, comm: &str, rss_bytes: u64) -> Process {
         rss_bytes,
         swap_bytes: None,
         kernel_thread: false,
+        exe: None,
     }
 }
 

@@ -66,6 +66,7 @@ fn snapshot(ms: u64, available: u64, rss: u64, state: char) -> Snapshot {
         rss_bytes,
         swap_bytes: Some(0),
         kernel_thread: false,
+        exe: None,
     };
     Snapshot {
         at,

@@ -47,6 +47,7 @@ fn proc(pid: i32, comm: &str, rss: u64, ppid: i32) -> Process {
         rss_bytes: rss,
         swap_bytes: Some(0),
         kernel_thread: false,
+        exe: None,
     }
 }
 
@@ -238,6 +239,7 @@ fn protected_processes_are_never_victims() {
             "",
             Process {
                 kernel_thread: true,
+                exe: None,
                 ..proc(2, "kworker/0:1", big, 2)
             },
         ),

@@ -40,7 +40,7 @@ pub(super) fn is_protected(config: &Config, snapshot: &Snapshot, p: &Process) ->
         || p.exited()
         || config
             .protect
-            .protects(&p.comm, p.uid, &p.cmdline, &p.cgroup)
+            .protects(&p.comm, p.uid, &p.cmdline, &p.cgroup, p.exe.as_ref())
 }
 
 /// What a floor is short of, and so what its victims are ranked by.

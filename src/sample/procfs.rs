@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use rustix::fs::{openat, seek, Mode, OFlags, RawDir, SeekFrom};
 use rustix::io::{pread, read, Errno};
 
-use crate::snapshot::{printable, HostMemory, Process, ProcessId};
+use crate::snapshot::{printable, Exe, HostMemory, Process, ProcessId};
 
 use super::ProcSource;
 
@@ -615,8 +615,28 @@ impl ProcReader {
                 rss_bytes: vitals.rss_bytes,
                 swap_bytes,
                 kernel_thread,
+                exe: (!kernel_thread && uid > 0 && uid < crate::config::FIRST_USER_UID)
+                    .then(|| self.exe(pid))
+                    .flatten(),
             },
             stat,
+        })
+    }
+
+    /// `/proc/PID/exe`: the executable's name, and whether root owns it and nobody else may
+    /// write it (`stat` through the link reaches the very file, in any mount namespace).
+    pub fn exe(&self, pid: i32) -> Option<Exe> {
+        let link = self.root.join(pid.to_string()).join("exe");
+        let target = std::fs::read_link(&link).ok()?;
+        let text = target.to_string_lossy();
+        let deleted = text.ends_with(" (deleted)");
+        let name = target.file_name()?.to_string_lossy();
+        let name = name.strip_suffix(" (deleted)").unwrap_or(&name);
+        let meta = std::fs::metadata(&link).ok()?;
+        use std::os::unix::fs::MetadataExt;
+        Some(Exe {
+            name: crate::snapshot::printable(name).into_owned(),
+            system: !deleted && meta.uid() == 0 && meta.mode() & 0o022 == 0,
         })
     }
 }
@@ -850,6 +870,15 @@ mod tests {
         source.host_memory();
         assert_eq!(source.read(4242).unwrap().swap_bytes, Some(512 * 1024));
         assert_eq!(source.vitals(4242).unwrap().swap_bytes, Some(512 * 1024));
+    }
+
+    #[test]
+    fn reads_an_executable_through_proc() {
+        let exe = ProcReader::new("/proc")
+            .exe(std::process::id() as i32)
+            .expect("own executable");
+        assert!(exe.name.starts_with("gpuguard"), "{exe:?}");
+        assert!(ProcReader::new("/proc").exe(i32::MAX).is_none());
     }
 
     #[test]

@@ -370,6 +370,7 @@ fn process(pid: i32) -> impl Strategy<Value = Process> {
                 rss_bytes: rss,
                 swap_bytes: swap,
                 kernel_thread: kthread && comm.starts_with("kworker"),
+                exe: None,
             },
         )
 }
@@ -579,7 +580,7 @@ fn protected(config: &Config, s: &Snapshot, action: &Action) -> Option<String> {
             || p.pid == s.self_pid
             || config
                 .protect
-                .protects(&p.comm, p.uid, &p.cmdline, &p.cgroup);
+                .protects(&p.comm, p.uid, &p.cmdline, &p.cgroup, p.exe.as_ref());
         bad.then(|| format!("pid {} ({})", p.pid, p.comm))
     })
 }

@@ -533,7 +533,13 @@ fn hogs_behind_a_deleted_tmpfs_file_are_acted_on() {
         matches!(e["subject"]["model"].as_str(), Some("h0" | "h1"))
     });
     assert_eq!(acted["action"]["reason"], "ram_floor", "{acted}");
-    assert!(hogs.iter_mut().any(|h| !h.alive()), "{}", daemon.log_text());
+    assert!(
+        wait_until(Duration::from_secs(20), || hogs
+            .iter_mut()
+            .any(|h| !h.alive())),
+        "{}",
+        daemon.log_text()
+    );
 }
 
 /// The brake on the real binary: RAM is under the act floor for memory none of the candidates

@@ -26,6 +26,15 @@ struct Attacker {
 
 impl Attacker {
     fn create() -> Attacker {
+        Self::create_as(false)
+    }
+
+    /// A system account (uid below 1000), as a package creates for its daemon.
+    fn create_system() -> Attacker {
+        Self::create_as(true)
+    }
+
+    fn create_as(system: bool) -> Attacker {
         require_root();
         require_tool("useradd", "passwd");
         require_tool("setpriv", "util-linux");
@@ -37,6 +46,7 @@ impl Attacker {
         );
         let out = Command::new("useradd")
             .args(["--no-create-home", "--shell", "/usr/sbin/nologin", &name])
+            .args(system.then_some("--system"))
             .output()
             .unwrap();
         assert!(out.status.success(), "useradd: {out:?}");
@@ -45,7 +55,7 @@ impl Attacker {
             .expect("the user just created")
             .uid
             .as_raw();
-        assert!(uid >= 1000, "an ordinary user, not a system account: {uid}");
+        assert_eq!(uid < 1000, system, "uid {uid}");
         Attacker { name, uid }
     }
 
@@ -446,8 +456,19 @@ fn a_user_who_spreads_gpu_memory_over_many_processes_is_ranked_by_its_sum() {
 
 #[test]
 fn a_users_hog_that_calls_itself_sshd_is_chosen_and_roots_sshd_is_not() {
+    fake_sshd_is_chosen_and_roots_sshd_is_not(Attacker::create());
+}
+
+/// Round three: a system account's process (uid 33, say: a web server's) calling itself `sshd`
+/// was protected by the name rule and another account's process went instead. A system
+/// account's process is protected by what it is: a root-owned executable of that name.
+#[test]
+fn a_system_accounts_hog_that_calls_itself_sshd_is_chosen() {
+    fake_sshd_is_chosen_and_roots_sshd_is_not(Attacker::create_system());
+}
+
+fn fake_sshd_is_chosen_and_roots_sshd_is_not(attacker: Attacker) {
     let _lock = memory_pressure_lock();
-    let attacker = Attacker::create();
     let (hog_t, root_t) = (token("fake-sshd"), token("root-sshd"));
     let floors = floors_below_now().1;
     let min: u64 = floors
