@@ -3,8 +3,10 @@
 //! memory and weights files each holds.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use crate::policy::ModelUsage;
+use crate::sample::engine::{stale_after, Target};
 use crate::snapshot::GpuStatus;
 use crate::status::{EngineRow, ProcessGpu, ProcessRow};
 
@@ -17,12 +19,24 @@ const RESERVED: f64 = 0.9;
 
 impl Daemon {
     /// Model name -> metrics URL for every model that has one: its `[[model]]`'s, else the one
-    /// given at launch.
-    pub(super) fn engine_targets(&self) -> BTreeMap<String, String> {
+    /// given at launch. Trusted: the config's, and root's launches.
+    pub(super) fn engine_targets(&self) -> BTreeMap<String, Target> {
         let models = self.state.models(&self.config);
         models
             .iter()
-            .filter_map(|m| Some((m.name.clone(), models.metrics_url(&m.name)?.to_string())))
+            .filter_map(|m| {
+                let url = models.metrics_url(&m.name)?.to_string();
+                let from_config = self
+                    .config
+                    .model(&m.name)
+                    .is_some_and(|c| c.metrics_url.is_some());
+                let by_root = m
+                    .users
+                    .as_ref()
+                    .is_some_and(|u| u.iter().all(|u| u.uid == 0));
+                let trusted = from_config || (self.config.model(&m.name).is_none() && by_root);
+                Some((m.name.clone(), Target { url, trusted }))
+            })
             .collect()
     }
 
@@ -37,7 +51,19 @@ impl Daemon {
                     age_seconds: r.at.map(|t| t.elapsed().as_secs_f64()),
                     ..EngineRow::default()
                 };
+                let stale = stale_after(self.config.daemon.scan_interval);
+                let age = r.at.map(|t| t.elapsed());
                 match r.result {
+                    Ok(stats) if age.is_some_and(|a| a > stale) => {
+                        row.state = "stale".into();
+                        row.error = Some(format!(
+                            "last answer {} ago",
+                            humantime::format_duration(Duration::from_secs(
+                                age.unwrap_or_default().as_secs()
+                            ))
+                        ));
+                        row.stats = stats;
+                    }
                     Ok(stats) => {
                         row.state = "ok".into();
                         row.stats = stats;

@@ -15,7 +15,7 @@ use super::prometheus::{self, Sample};
 /// One request (connect, send, read) may take at most this long.
 const TIMEOUT: Duration = Duration::from_secs(2);
 /// The largest answer read (vLLM's, histograms included, is a few hundred KiB).
-const MAX_BODY_BYTES: u64 = 8 << 20;
+const MAX_BODY_BYTES: u64 = 2 << 20;
 
 /// What an engine reported, in the units gpuguard uses. `None`: the engine did not say. Also
 /// the figures of `status --json`'s `models[].engine` (`status::EngineRow`).
@@ -102,13 +102,29 @@ pub struct EngineReading {
     pub result: Result<EngineStats, String>,
 }
 
+/// A model's engine to scrape.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Target {
+    pub url: String,
+    /// The URL is the config's, or root launched the model: scraped apart from URLs other
+    /// accounts gave, so that theirs (slow, or never answering) cannot leave it stale.
+    pub trusted: bool,
+}
+
 #[derive(Default)]
 struct Shared {
-    /// Model name -> metrics URL.
-    targets: BTreeMap<String, String>,
+    /// Model name -> what to scrape.
+    targets: BTreeMap<String, Target>,
     interval: Duration,
     readings: BTreeMap<String, EngineReading>,
-    running: bool,
+    /// A thread per lane (trusted, others), started with the lane's first target.
+    running: [bool; 2],
+}
+
+/// A reading older than this is stale (the engine stopped answering within its timeout, or its
+/// lane is slow): status says so instead of showing old figures as current.
+pub fn stale_after(interval: Duration) -> Duration {
+    interval * 3 + TIMEOUT * 2
 }
 
 /// Scrapes every target every `interval` on its own thread (started with the first target).
@@ -118,34 +134,39 @@ pub struct EngineScraper {
 }
 
 impl EngineScraper {
-    /// Sets the models to scrape (model name -> URL) and how often.
-    pub fn set_targets(&self, targets: BTreeMap<String, String>, interval: Duration) {
+    /// Sets the models to scrape and how often.
+    pub fn set_targets(&self, targets: BTreeMap<String, Target>, interval: Duration) {
         let mut s = self.lock();
         if s.targets == targets && s.interval == interval {
             return;
         }
         s.readings
-            .retain(|model, r| targets.get(model) == Some(&r.url));
-        for (model, url) in &targets {
+            .retain(|model, r| targets.get(model).is_some_and(|t| t.url == r.url));
+        for (model, target) in &targets {
             s.readings
                 .entry(model.clone())
                 .or_insert_with(|| EngineReading {
-                    url: url.clone(),
+                    url: target.url.clone(),
                     at: None,
                     result: Err("not scraped yet".into()),
                 });
         }
         s.targets = targets;
         s.interval = interval.max(Duration::from_millis(100));
-        if !s.running && !s.targets.is_empty() {
-            s.running = true;
+        for trusted in [true, false] {
+            let lane = usize::from(!trusted);
+            let wanted = s.targets.values().any(|t| t.trusted == trusted);
+            if s.running[lane] || !wanted {
+                continue;
+            }
+            s.running[lane] = true;
             let weak = Arc::downgrade(&self.shared);
             let spawned = std::thread::Builder::new()
                 .name("engine-metrics".into())
-                .spawn(move || scrape_loop(weak));
+                .spawn(move || scrape_loop(weak, trusted));
             if let Err(e) = spawned {
-                s.running = false;
-                tracing::warn!("engine metrics: cannot start the scraper thread: {e}");
+                s.running[lane] = false;
+                tracing::warn!("engine metrics: cannot start a scraper thread: {e}");
             }
         }
     }
@@ -170,8 +191,9 @@ impl EngineScraper {
     }
 }
 
-/// Until the daemon drops the scraper: scrape every target, store, sleep.
-fn scrape_loop(shared: Weak<Mutex<Shared>>) {
+/// Until the daemon drops the scraper: scrape every target of one lane (trusted or not), store,
+/// sleep.
+fn scrape_loop(shared: Weak<Mutex<Shared>>, trusted: bool) {
     let agent = crate::http::agent(TIMEOUT);
     loop {
         let Some(strong) = shared.upgrade() else {
@@ -179,7 +201,13 @@ fn scrape_loop(shared: Weak<Mutex<Shared>>) {
         };
         let (targets, interval) = {
             let s = strong.lock().unwrap_or_else(|e| e.into_inner());
-            (s.targets.clone(), s.interval)
+            let mine: Vec<(String, String)> = s
+                .targets
+                .iter()
+                .filter(|(_, t)| t.trusted == trusted)
+                .map(|(m, t)| (m.clone(), t.url.clone()))
+                .collect();
+            (mine, s.interval)
         };
         drop(strong);
         for (model, url) in targets {
@@ -191,7 +219,7 @@ fn scrape_loop(shared: Weak<Mutex<Shared>>) {
                 return;
             };
             let mut s = strong.lock().unwrap_or_else(|e| e.into_inner());
-            if s.targets.get(&model) == Some(&url) {
+            if s.targets.get(&model).is_some_and(|t| t.url == url) {
                 s.readings.insert(
                     model,
                     EngineReading {
@@ -244,6 +272,62 @@ vllm:num_preemptions_created{engine="0",model_name="Qwen/Qwen2.5-7B"} 1.7e9
 vllm:cache_config_info{block_size="16",cache_dtype="auto",gpu_memory_utilization="0.95",num_gpu_blocks="27000",num_cpu_blocks="2048"} 1.0
 vllm:e2e_request_latency_seconds_bucket{le="1.0",model_name="Qwen/Qwen2.5-7B"} 12.0
 "#;
+
+    /// Round three: ten metrics URLs a user launched that accept and never answer made root's
+    /// model's engine figures stale (one thread, 2 s each in turn) while status said `ok`. The
+    /// config's and root's URLs are scraped on a lane of their own.
+    #[test]
+    fn urls_that_never_answer_do_not_hold_up_the_trusted_lane() {
+        use std::io::{Read, Write};
+        let hang = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let serve = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let serve_port = serve.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            for mut conn in serve.incoming().map_while(Result::ok) {
+                let mut buf = [0u8; 1024];
+                let _ = conn.read(&mut buf);
+                let body = VLLM;
+                let _ = write!(
+                    conn,
+                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            }
+        });
+        let hang_port = hang.local_addr().unwrap().port();
+        let mut targets: BTreeMap<String, Target> = (0..10)
+            .map(|i| {
+                let url = format!("http://127.0.0.1:{hang_port}/m{i}");
+                (
+                    format!("a{i}"),
+                    Target {
+                        url,
+                        trusted: false,
+                    },
+                )
+            })
+            .collect();
+        let url = format!("http://127.0.0.1:{serve_port}/metrics");
+        targets.insert("zzz".into(), Target { url, trusted: true });
+        let scraper = EngineScraper::default();
+        scraper.set_targets(targets, Duration::from_millis(100));
+        // The trusted model's figures come while the hung ones still wait (20 s on one lane).
+        let mut ok = false;
+        for _ in 0..100 {
+            let readings = scraper.readings();
+            if readings["zzz"].result.is_ok() {
+                ok = true;
+                let hung = readings
+                    .iter()
+                    .filter(|(m, r)| *m != "zzz" && r.at.is_none());
+                assert!(hung.count() >= 5, "the hung lane moved on: {readings:?}");
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(ok, "{:?}", scraper.readings());
+        drop(hang);
+    }
 
     #[test]
     fn reads_vllm_names_over_engines() {
