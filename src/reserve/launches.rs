@@ -122,6 +122,8 @@ impl Reservations {
     ) -> Result<LaunchRequest, (RefusalReason, String)> {
         let invalid = |e: String| (RefusalReason::Invalid, e);
         check_model_name(&r.model).map_err(|e| invalid(format!("--model: {e}")))?;
+        r.model = self.scoped(&r.model, peer.uid);
+        check_model_name(&r.model).map_err(|e| invalid(format!("--model: {e}")))?;
         if let Some(url) = &r.ready_url {
             check_url("--ready-url", url).map_err(invalid)?;
             crate::config::check_ready_url(url).map_err(|e| invalid(format!("--ready-url {e}")))?;

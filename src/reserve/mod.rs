@@ -295,6 +295,19 @@ impl Reservations {
         self.next_id
     }
 
+    /// The name of a model the config does not know, for `uid`: the models other accounts launch
+    /// are in their own namespace (`NAME@UID`), so nobody can take a name that root (or another
+    /// account) launches under, nor slip into its model. Root's launches and `[[model]]`s keep
+    /// their names.
+    fn scoped(&self, name: &str, uid: u32) -> String {
+        let own = format!("@{uid}");
+        if uid == 0 || self.config.model(name).is_some() || name.ends_with(&own) {
+            name.to_string()
+        } else {
+            format!("{name}{own}")
+        }
+    }
+
     /// An answer for a client, delivered by the transport after the call (`take_outbox`).
     fn send(&mut self, conn: ConnId, response: Response) {
         if self.clients.contains_key(&conn) {

@@ -162,6 +162,7 @@ impl Reservations {
             return Ok(own);
         };
         check_model_name(name).map_err(|e| (RefusalReason::Invalid, e))?;
+        let name = &self.scoped(name, peer.uid);
         let Some(users) = self.users_of(name) else {
             return Err((
                 RefusalReason::Invalid,

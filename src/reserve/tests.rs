@@ -653,4 +653,87 @@ fn by_default_one_account_cannot_declare_most_of_the_gpu_for_a_model_the_config_
     ));
 }
 
+/// Round three: with no `[[model]]` for a name, the first launcher's declaration won while its
+/// process lived: root's later launch of that name was refused, or admitted into the user's
+/// model (the user's budget, pids and metrics URL). Another account's launched models are in
+/// its own namespace: root's launch of the name is root's model.
+#[test]
+fn a_user_cannot_take_the_name_of_a_model_root_launches() {
+    let mut t = table_for("", 1001);
+    t.join(
+        2,
+        Peer {
+            uid: 0,
+            pid: 7,
+            start_time: 1,
+        },
+        Duration::ZERO,
+    );
+    let launch = |t: &mut Reservations, conn, gib| {
+        let request = LaunchRequest {
+            model: "llama".into(),
+            gpu_memory_bytes: Some(gib * GIB),
+            metrics_url: (conn == 1).then(|| "http://127.0.0.1:9/metrics".into()),
+            command: vec!["x".into()],
+            ..Default::default()
+        };
+        t.launch(
+            conn,
+            request,
+            Arc::new(FakeProcess::default()),
+            Duration::ZERO,
+        )
+    };
+    let user = launch(&mut t, 1, 2);
+    assert!(matches!(user, Some(Response::Admitted { .. })), "{user:?}");
+    // Root's launch of the same name, bigger than the user declared, loads too (root's launch
+    // lock is its own): as root's model, not the user's.
+    let root = launch(&mut t, 2, 6);
+    assert!(matches!(root, Some(Response::Admitted { .. })), "{root:?}");
+    let mut models: Vec<String> = t
+        .rows(Duration::ZERO)
+        .leases
+        .into_iter()
+        .map(|l| l.model)
+        .collect();
+    models.sort();
+    assert_eq!(models, ["llama", "llama@1001"]);
+    let launched = &t.launched;
+    assert_eq!(
+        launched["llama@1001"].metrics_url.as_deref(),
+        Some("http://127.0.0.1:9/metrics")
+    );
+    let owners = |name: &str| -> Vec<u32> {
+        launched[name]
+            .users
+            .iter()
+            .flatten()
+            .map(|u| u.uid)
+            .collect()
+    };
+    assert_eq!(
+        (owners("llama"), owners("llama@1001")),
+        (vec![0], vec![1001])
+    );
+    assert_eq!(launched["llama"].metrics_url, None);
+    // The user's permits naming its model go to its own.
+    let ask = AcquireRequest {
+        id: 1,
+        model: Some("llama".into()),
+        gpu_bytes: Some(0),
+        timeout_ms: Some(0),
+        ..Default::default()
+    };
+    let answer = t.acquire(1, ask, Duration::ZERO);
+    assert!(
+        matches!(answer, Some(Response::Granted { .. })),
+        "{answer:?}"
+    );
+    assert!(t
+        .rows(Duration::ZERO)
+        .permits
+        .iter()
+        .any(|p| p.model == "llama@1001" && p.held == 1));
+}
+
 mod properties;

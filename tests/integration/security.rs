@@ -647,9 +647,10 @@ fn what_a_user_sends_is_bounded_and_the_daemon_stays_small_and_answers() {
         .spawn()
         .unwrap();
     assert!(wait_until(Duration::from_secs(10), || {
-        g.daemon.status()["leases"]
-            .as_array()
-            .is_some_and(|l| l.iter().any(|r| r["model"] == "capped"))
+        g.daemon.status()["leases"].as_array().is_some_and(|l| {
+            l.iter()
+                .any(|r| r["model"] == format!("capped@{}", attacker.uid))
+        })
     }));
     let leases = g.daemon.status()["leases"].clone();
     assert_eq!(leases[0]["ready_timeout_seconds"], 3600.0, "{leases}");
@@ -670,9 +671,11 @@ fn what_a_user_sends_is_bounded_and_the_daemon_stays_small_and_answers() {
         .spawn()
         .unwrap();
     let lease = |model: &str| {
-        g.daemon.status()["leases"]
-            .as_array()
-            .and_then(|l| l.iter().find(|r| r["model"] == model).cloned())
+        g.daemon.status()["leases"].as_array().and_then(|l| {
+            l.iter()
+                .find(|r| r["model"] == format!("{model}@{}", attacker.uid))
+                .cloned()
+        })
     };
     // The launch lock is one: "polled" waits for "capped"; release both in turn.
     let release = |model: &str| {
@@ -941,9 +944,10 @@ fn a_users_loading_launch_does_not_hold_roots_back() {
         .spawn()
         .unwrap();
     assert!(wait_until(Duration::from_secs(10), || {
-        g.daemon.status()["leases"]
-            .as_array()
-            .is_some_and(|l| l.iter().any(|r| r["model"] == "slow"))
+        g.daemon.status()["leases"].as_array().is_some_and(|l| {
+            l.iter()
+                .any(|r| r["model"] == format!("slow@{}", attacker.uid))
+        })
     }));
     let out = Command::new(BIN)
         .args(["launch", "--model", "roots", "--queue-timeout", "5s"])
@@ -1071,9 +1075,10 @@ fn a_users_declared_memory_cannot_hold_roots_launch_back() {
     assert!(wait_until(Duration::from_secs(10), || {
         exited = user.try_wait().unwrap();
         exited.is_some()
-            || g.daemon.status()["leases"]
-                .as_array()
-                .is_some_and(|l| l.iter().any(|r| r["model"] == "greedy"))
+            || g.daemon.status()["leases"].as_array().is_some_and(|l| {
+                l.iter()
+                    .any(|r| r["model"] == format!("greedy@{}", attacker.uid))
+            })
     }));
     let root = Command::new(BIN)
         .args([
