@@ -72,6 +72,7 @@ named! {
         /// RAM is short by less than Shmem grew: memory in tmpfs or shared memory that no
         /// process holds, which no kill gives back.
         ShmemShortfall = "shmem_shortfall",
+        OutsideShortfall = "outside_shortfall",
         // Budgets (the policy).
         BudgetExceeded = "budget_exceeded",
         BudgetEnforced = "budget_enforced",

@@ -388,6 +388,9 @@ pub struct PolicyState {
     pub braked: BTreeSet<Resource>,
     /// `Shmem` when RAM was last above its warn floor, and the most it has been since.
     pub shmem_baseline: Option<ShmemBaseline>,
+    /// Per GPU, with `candidates = "models"`: the memory held outside every model when the GPU
+    /// was last above its warn floor, and the most it has been since (`floors::outside_models`).
+    pub outside_baseline: BTreeMap<u32, (u64, u64)>,
 }
 
 /// `Shmem` when RAM was last above its warn floor, and the most it has been since: growth

@@ -2978,6 +2978,70 @@ fn sacrificial_kills_do_not_spend_the_brake_for_the_hog() {
     );
 }
 
+/// Round three: with `candidates = "models"`, memory held outside every model (67 GiB on the
+/// GPU) made a model within its budget the victim. When what processes of no model hold grew by
+/// the shortfall since the GPU was last above its warn floor, a model within its budget is left
+/// alone (a critical `outside_shortfall` says why); one over its budget is still acted on, and a
+/// model that grows itself is acted on as before.
+#[test]
+fn memory_outside_the_models_does_not_make_a_model_within_its_budget_the_victim() {
+    let c = |budget: &str| {
+        config(&format!(
+            "[daemon]\ncandidates = \"models\"\n[gpu]\nmin_free = \"2GiB\"\nwarn_free = \"3GiB\"\n{}",
+            model("vict", &format!("gpu_memory = \"{budget}\"\n"))
+        ))
+    };
+    let procs = || vec![proc(100, "vict", GIB, 1), proc(300, "notebook", GIB, 1)];
+    // GPU 0 (16 GiB): the model holds 5 GiB; the notebook, no model's, 4 GiB then 10 GiB.
+    let at = |ms, vict: u64, notebook: u64| {
+        let free = 16 * GIB - vict - notebook;
+        gsnap(
+            ms,
+            procs(),
+            vec![gpu(0, free, &[(100, Some(vict)), (300, Some(notebook))])],
+        )
+    };
+    play(
+        &c("8GiB"),
+        &mut PolicyState::default(),
+        vec![
+            (at(0, 5 * GIB, 4 * GIB), "", ""),
+            (
+                at(100, 5 * GIB, 10 * GIB),
+                "",
+                "floor_act, outside_shortfall",
+            ),
+            (at(200, 5 * GIB, 10 * GIB), "", ""),
+        ],
+    );
+    // Over its budget, the model is still the victim.
+    play(
+        &c("4GiB"),
+        &mut PolicyState::default(),
+        vec![
+            (at(0, 5 * GIB, 4 * GIB), "", "budget_exceeded"),
+            (
+                at(100, 5 * GIB, 10 * GIB),
+                "terminate vict[100]",
+                "floor_act",
+            ),
+        ],
+    );
+    // The model itself grew into the shortfall: acted on as before.
+    play(
+        &c("16GiB"),
+        &mut PolicyState::default(),
+        vec![
+            (at(0, 5 * GIB, 4 * GIB), "", ""),
+            (
+                at(100, 11 * GIB, 4 * GIB),
+                "terminate vict[100]",
+                "floor_act",
+            ),
+        ],
+    );
+}
+
 /// The GPU floor shares the brake (`[gpu] max_victims`, per GPU): with 1, a second victim on
 /// the same GPU within the window is not taken; another GPU has its own count.
 #[test]

@@ -134,6 +134,8 @@ pub(super) struct Chosen {
     pub used_bytes: u64,
     /// A user: what all its candidate processes hold, and how many they are.
     pub user_total: Option<(u64, usize)>,
+    /// A model over its budget for the resource.
+    pub over_budget: bool,
 }
 
 /// Picks the victim for a floor short of `short`, or `None` if nobody may be touched.
@@ -220,6 +222,7 @@ pub(super) fn choose(
             .then(a.priority.cmp(&b.priority))
             .then(b.usage_bytes.cmp(&a.usage_bytes))
     })?;
+    let over_budget = chosen.over_budget_bytes.is_some();
     let mut target = chosen.target;
     let mut used_bytes = chosen.usage_bytes;
     let mut user_total = None;
@@ -245,5 +248,6 @@ pub(super) fn choose(
         target,
         used_bytes,
         user_total,
+        over_budget,
     })
 }

@@ -3,6 +3,68 @@
 
 use super::*;
 
+/// With `candidates = "models"`, the GPU memory that processes of no model hold (as NVML lists
+/// them: not `used` less the models, which a model's own growth would inflate while NVML's
+/// per-process figures lag behind it).
+pub(in crate::policy) fn outside_models(
+    snapshot: &Snapshot,
+    state: &PolicyState,
+    index: u32,
+) -> Option<u64> {
+    let gpu = snapshot.gpus.devices.iter().find(|g| g.index == index)?;
+    if gpu.untrusted().is_some() {
+        return None;
+    }
+    let in_model = |pid: i32| {
+        snapshot
+            .processes
+            .processes
+            .iter()
+            .find(|p| p.pid == pid)
+            .is_some_and(|p| state.attribution.model_of(p.id()).is_some())
+    };
+    Some(
+        gpu.processes
+            .iter()
+            .filter(|(pid, _)| !in_model(**pid))
+            .filter_map(|(_, bytes)| *bytes)
+            .sum(),
+    )
+}
+
+/// Records the GPU's memory outside the models: its baseline when the GPU is above its warn
+/// floor, the most it has been since otherwise.
+pub(in crate::policy) fn note_outside_models(
+    config: &Config,
+    snapshot: &Snapshot,
+    state: &mut PolicyState,
+    reading: &Reading,
+    index: u32,
+) {
+    if config.daemon.candidates != Candidates::Models {
+        return;
+    }
+    let Some(now) = outside_models(snapshot, state, index) else {
+        return;
+    };
+    if reading.above_warn() {
+        state.outside_baseline.insert(index, (now, now));
+    } else if let Some((_, peak)) = state.outside_baseline.get_mut(&index) {
+        *peak = (*peak).max(now);
+    }
+}
+
+/// The memory outside every model grew by at least the GPU's shortfall since it was last above
+/// its warn floor: the models are not what made it short.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(in crate::policy) struct OutsideVerdict {
+    pub growth: u64,
+    pub shortfall: u64,
+    pub outside: u64,
+    /// The first candidate, left alone: within its budget.
+    pub target: Target,
+}
+
 /// What choosing the next victim came to, as data: `words` says it (events, the action's
 /// reason), `choose_next` applies it.
 #[derive(Clone, Debug)]
@@ -13,6 +75,8 @@ pub(in crate::policy) enum Choice {
     NoVictim,
     /// The Shmem rule holds the floor back from its first candidate.
     HeldBack(ShmemVerdict),
+    /// Memory outside the models made the GPU short: a model within its budget is left alone.
+    Outside(OutsideVerdict),
     /// A victim.
     Victim(Victim),
 }
@@ -146,10 +210,30 @@ pub(in crate::policy) fn choose(
         target,
         used_bytes: used,
         user_total,
+        over_budget,
     }) = chosen
     else {
         return Choice::NoVictim;
     };
+    if let (Resource::Gpu(index), false) = (resource, over_budget) {
+        let baseline = state.outside_baseline.get(&index).copied();
+        let now = outside_models(snapshot, state, index);
+        let shortfall = match (reading.min, reading.available) {
+            (Some(min), Some(available)) => min.saturating_sub(available),
+            _ => 0,
+        };
+        if let (Some((base, peak)), Some(outside)) = (baseline, now) {
+            let growth = peak.saturating_sub(base);
+            if shortfall > 0 && growth >= shortfall {
+                return Choice::Outside(OutsideVerdict {
+                    growth,
+                    shortfall,
+                    outside,
+                    target,
+                });
+            }
+        }
+    }
     let shmem = shmem_shortfall(reading, state.shmem_baseline).map(|growth| {
         let unexplained = growth.shortfall.saturating_sub(growth.growth);
         let judgement = if unexplained == 0 {
@@ -207,6 +291,13 @@ pub(in crate::policy) fn choose_next(
         .incidents
         .get_mut(&reading.resource)
         .expect("incident exists");
+    if let Choice::Outside(v) = &choice {
+        if !incident.shmem_reported {
+            incident.shmem_reported = true;
+            plan.events.push(words::outside_shortfall(reading, v));
+        }
+        return;
+    }
     let shmem = match &choice {
         Choice::HeldBack(v) => Some(v),
         Choice::Victim(v) => v.shmem.as_ref(),
@@ -223,7 +314,7 @@ pub(in crate::policy) fn choose_next(
             plan.events.push(words::no_victim(reading));
         }
         Choice::Victim(victim) => act_on(config, snapshot, state, reading, far_below, victim, plan),
-        Choice::Braked(None) | Choice::NoVictim | Choice::HeldBack(_) => {}
+        Choice::Braked(None) | Choice::NoVictim | Choice::HeldBack(_) | Choice::Outside(_) => {}
     }
 }
 

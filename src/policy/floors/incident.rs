@@ -14,6 +14,9 @@ pub(in crate::policy) fn evaluate_floor_inner(
     plan: &mut Plan,
 ) {
     let level = note_level(state, reading, plan);
+    if let Resource::Gpu(index) = reading.resource {
+        note_outside_models(config, snapshot, state, reading, index);
+    }
     match level {
         // A reading that is missing says nothing about the incident: leave it as it is, except
         // that nobody stays stopped past max_stop on it.

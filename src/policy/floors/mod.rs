@@ -27,7 +27,7 @@
 
 use std::time::Duration;
 
-use crate::config::{Config, FloorAction, Mode};
+use crate::config::{Candidates, Config, FloorAction, Mode};
 use crate::kinds::{EventKind, ReasonKind};
 use crate::policy::Event;
 use crate::snapshot::{ProcessId, Snapshot};

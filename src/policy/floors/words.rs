@@ -86,6 +86,24 @@ pub(in crate::policy) fn shmem_shortfall(reading: &Reading, v: &ShmemVerdict) ->
     )
 }
 
+/// Memory outside every model made the GPU short (critical `outside_shortfall`): the models
+/// within their budgets are left alone.
+pub(in crate::policy) fn outside_shortfall(reading: &Reading, v: &OutsideVerdict) -> Event {
+    event(
+        Severity::Critical,
+        EventKind::OutsideShortfall,
+        format!(
+            "{}; memory held outside every model grew by {} since {} was last above its warn floor ({} now), at least the shortfall of {}: not acting on {}, within its budget (candidates = \"models\"; look at the GPU's processes outside the models)",
+            reading.describe(),
+            bytes(v.growth),
+            reading.resource,
+            bytes(v.outside),
+            bytes(v.shortfall),
+            v.target
+        ),
+    )
+}
+
 /// Why the victim: the reading, what it (or its user) holds, and the Shmem rule's reason.
 pub(in crate::policy) fn victim(reading: &Reading, v: &Victim) -> String {
     let what = match reading.short {
