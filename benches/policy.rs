@@ -88,6 +88,7 @@ fn processes() -> Vec<Process> {
                 swap_bytes: Some(0),
                 kernel_thread: false,
                 exe: None,
+                pss_bytes: None,
             }
         })
         .collect()

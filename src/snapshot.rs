@@ -107,6 +107,10 @@ pub struct Process {
     /// The executable of a system account's process (uid 1-999; read for those only): what the
     /// `[protect]` name rules trust instead of the name it gives itself.
     pub exe: Option<Exe>,
+    /// Proportional set size (`/proc/PID/smaps_rollup`): its private pages plus its share of
+    /// the pages it shares. Read only near the RAM floor, for processes of accounts other than
+    /// root: what ranks an account by the memory killing its processes would really free.
+    pub pss_bytes: Option<u64>,
 }
 
 /// A process's executable, as `/proc/PID/exe` shows it.

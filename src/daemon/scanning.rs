@@ -37,6 +37,8 @@ const FULL_SCAN_MAX_AGE: Duration = Duration::from_secs(2);
 /// A policy that keeps asking for a fresh table (a floor crossed and no victim found) gets a full
 /// round at most this often.
 const FORCED_FULL_SCAN_EVERY: Duration = Duration::from_millis(100);
+/// Processes holding less than this are not worth a PSS read (the kernel walks their page tables).
+const PSS_MIN_RSS: u64 = 32 << 20;
 
 /// Makes a process-table source: the first at start, another if the scan thread dies.
 pub type MakeTables = Box<dyn Fn() -> Box<dyn TableSource> + Send>;
@@ -230,6 +232,34 @@ impl Daemon {
                     p.rss_bytes = 0;
                 }
                 Err(_) => {}
+            }
+        }
+    }
+
+    /// Near the RAM floor (MemAvailable below its warn floor in this tick's reading): the
+    /// proportional set size of the processes of accounts other than root that hold at least
+    /// `PSS_MIN_RSS`, so the floor ranks an account by what killing its processes would really
+    /// free (forked workers share their pages; their RSS would count them once each). Costly
+    /// (the kernel walks each process's page tables), so only then, only for those, and once per
+    /// process as the scan last read it (not every tick: near a floor the loop ticks every few
+    /// milliseconds).
+    pub(super) fn read_pss_near_floor(&mut self) {
+        let host = &self.snapshot.host;
+        let (warn, min) = self.config.ram.floor_bytes(host.total_bytes);
+        let near = matches!(
+            (host.available_bytes, warn.or(min)),
+            (Some(available), Some(floor)) if available < floor
+        );
+        for p in self.snapshot.processes.processes.iter_mut() {
+            if !near {
+                p.pss_bytes = None;
+            } else if p.pss_bytes.is_none()
+                && p.uid != 0
+                && !p.kernel_thread
+                && !p.exited()
+                && p.rss_bytes >= PSS_MIN_RSS
+            {
+                p.pss_bytes = self.procs.pss(p.pid);
             }
         }
     }

@@ -34,6 +34,9 @@ struct World {
     exit_before_signal: Vec<i32>,
     /// Pids that exit on SIGTERM (the others ignore it); SIGKILL always ends a process.
     exit_on_term: Vec<i32>,
+    /// Proportional set size per pid, and the pids whose PSS was read, in order.
+    pss: BTreeMap<i32, u64>,
+    pss_reads: Vec<i32>,
 }
 
 type Shared = Arc<Mutex<World>>;
@@ -74,6 +77,7 @@ fn process(pid: i32, comm: &str, rss_bytes: u64) -> Process {
         swap_bytes: None,
         kernel_thread: false,
         exe: None,
+        pss_bytes: None,
     }
 }
 
@@ -88,6 +92,11 @@ impl ProcSource for FakeProc {
     }
     fn host_has_swap(&self) -> bool {
         false
+    }
+    fn pss(&mut self, pid: i32) -> Option<u64> {
+        let mut w = world(&self.0);
+        w.pss_reads.push(pid);
+        w.pss.get(&pid).copied()
     }
     fn vitals(&mut self, pid: i32) -> Result<Vitals, ReadError> {
         let w = world(&self.0);
@@ -301,6 +310,44 @@ fn ram_below_the_floor_stops_the_largest_unprotected_process() {
     // The held process is on record for the next start and for `status`.
     let held: Vec<i32> = h.daemon.executor.held().iter().map(|p| p.pid).collect();
     assert_eq!(held, [200]);
+}
+
+/// Round three: near the RAM floor the daemon reads the proportional share (PSS) of the
+/// processes of accounts other than root, and ranks an account by their sum: five 700 MiB
+/// processes of one account go before another account's single 1.2 GiB one. Away from the
+/// floor, nothing is read.
+#[test]
+fn near_the_ram_floor_accounts_are_ranked_by_the_pss_of_their_processes() {
+    let mut w = World {
+        host: host(64 * GIB, 16 * GIB),
+        ..World::default()
+    };
+    for pid in 101..=105 {
+        w.spawn(pid, "part", 700 * MIB);
+        w.procs.get_mut(&pid).unwrap().uid = 1001;
+        w.pss.insert(pid, 700 * MIB);
+    }
+    w.spawn(200, "single", 1228 * MIB);
+    w.procs.get_mut(&200).unwrap().uid = 1002;
+    w.pss.insert(200, 1228 * MIB);
+    w.spawn(300, "tiny", MIB);
+    w.procs.get_mut(&300).unwrap().uid = 1002;
+    let mut h = Harness::new(
+        w,
+        "[ram]\nwarn_available = \"8GiB\"\nmin_available = \"4GiB\"\naction = \"stop\"\n\
+         [gpu]\nenabled = false\n",
+    );
+    h.ticks(3, 10 * MS);
+    assert!(h.world().pss_reads.is_empty(), "read away from the floor");
+    h.world().host = host(64 * GIB, 3 * GIB);
+    h.ticks(4, 10 * MS);
+    let reads = h.world().pss_reads.clone();
+    assert!(reads.contains(&101) && reads.contains(&200), "{reads:?}");
+    assert!(
+        !reads.contains(&300),
+        "too small to be worth a read: {reads:?}"
+    );
+    assert_eq!(h.signals(), [(101, Sig::Stop)], "{:?}", h.actions());
 }
 
 /// (b) A model over its GPU budget: SIGSTOP after `grace`, SIGKILL at `max_stop`, to the model's

@@ -67,6 +67,7 @@ fn snapshot(ms: u64, available: u64, rss: u64, state: char) -> Snapshot {
         swap_bytes: Some(0),
         kernel_thread: false,
         exe: None,
+        pss_bytes: None,
     };
     Snapshot {
         at,

@@ -48,6 +48,7 @@ fn proc(pid: i32, comm: &str, rss: u64, ppid: i32) -> Process {
         swap_bytes: Some(0),
         kernel_thread: false,
         exe: None,
+        pss_bytes: None,
     }
 }
 
@@ -240,6 +241,7 @@ fn protected_processes_are_never_victims() {
             Process {
                 kernel_thread: true,
                 exe: None,
+                pss_bytes: None,
                 ..proc(2, "kworker/0:1", big, 2)
             },
         ),
@@ -3040,6 +3042,38 @@ fn memory_outside_the_models_does_not_make_a_model_within_its_budget_the_victim(
             ),
         ],
     );
+}
+
+/// Round three: five 700 MiB processes of one account against another account's single 1.2 GiB
+/// process, and the RAM floor ranked per process: the other account's went. Near the floor the
+/// daemon reads each account's processes' proportional share (PSS): an account is ranked by the
+/// sum, which forked workers' shared pages do not inflate.
+#[test]
+fn on_the_ram_floor_an_account_is_ranked_by_the_pss_of_its_processes() {
+    let c = config(RAM_FLOORS);
+    let with_pss = |p: Process, uid: u32, pss: u64| Process {
+        uid,
+        pss_bytes: Some(pss),
+        ..p
+    };
+    let mut procs: Vec<Process> = (101..=105)
+        .map(|pid| with_pss(proc(pid, "part", 700 * MIB, 1), 1001, 700 * MIB))
+        .collect();
+    procs.push(with_pss(
+        proc(200, "single", 1228 * MIB, 1),
+        1002,
+        1228 * MIB,
+    ));
+    let plan = once(&c, &snap(0, Some(3 * GIB), procs.clone()));
+    // (All five cannot lift RAM to its warn floor: the largest first, one victim at a time.)
+    assert_eq!(acts(&plan), "terminate [101]");
+    // Forked workers: 1 GiB of RSS each, mostly the same pages: 200 MiB of PSS each.
+    for p in procs.iter_mut().filter(|p| p.uid == 1001) {
+        p.rss_bytes = GIB;
+        p.pss_bytes = Some(200 * MIB);
+    }
+    let plan = once(&c, &snap(0, Some(3 * GIB), procs));
+    assert_eq!(acts(&plan), "terminate [200]");
 }
 
 /// The GPU floor shares the brake (`[gpu] max_victims`, per GPU): with 1, a second victim on

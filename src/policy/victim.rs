@@ -182,11 +182,17 @@ pub(super) fn choose(
             if in_model || is_protected(config, snapshot, p) || excluded.contains(&p.id()) {
                 continue;
             }
-            let used = usage(snapshot, p, short);
+            // A user's processes are ranked together by what killing them would free: GPU
+            // memory, or RAM where their proportional share (PSS) was read; else alone.
+            let used = match (short, p.pss_bytes) {
+                (Short::Ram, Some(pss)) => pss,
+                _ => usage(snapshot, p, short),
+            };
             if used == 0 {
                 continue;
             }
-            if p.uid == 0 || need.is_none() {
+            let alone = short == Short::Ram && p.pss_bytes.is_none();
+            if p.uid == 0 || need.is_none() || alone {
                 candidates.push(Candidate {
                     target: Target {
                         model: None,

@@ -28,6 +28,10 @@ pub trait ProcSource: Send {
     fn host_has_swap(&self) -> bool;
     /// State and memory of one process; `Err(Gone)` only when it has exited.
     fn vitals(&mut self, pid: i32) -> Result<Vitals, ReadError>;
+    /// A process's proportional set size (costly: read near the RAM floor only).
+    fn pss(&mut self, _pid: i32) -> Option<u64> {
+        None
+    }
 }
 
 /// Rounds of the process table: what changed since the previous round (`scan::Scanner` over

@@ -618,6 +618,7 @@ impl ProcReader {
                 exe: (!kernel_thread && uid > 0 && uid < crate::config::FIRST_USER_UID)
                     .then(|| self.exe(pid))
                     .flatten(),
+                pss_bytes: None,
             },
             stat,
         })
@@ -731,6 +732,19 @@ impl ProcSource for ProcfsSource {
     fn vitals(&mut self, pid: i32) -> Result<Vitals, ReadError> {
         self.reader.vitals(pid, self.host_has_swap)
     }
+
+    fn pss(&mut self, pid: i32) -> Option<u64> {
+        let path = self.reader.root.join(pid.to_string()).join("smaps_rollup");
+        parse_pss(&std::fs::read_to_string(path).ok()?)
+    }
+}
+
+/// `Pss:` of /proc/PID/smaps_rollup, in bytes.
+pub fn parse_pss(text: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix("Pss:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .and_then(|kib| kib.checked_mul(1024))
 }
 
 #[cfg(test)]
@@ -870,6 +884,15 @@ mod tests {
         source.host_memory();
         assert_eq!(source.read(4242).unwrap().swap_bytes, Some(512 * 1024));
         assert_eq!(source.vitals(4242).unwrap().swap_bytes, Some(512 * 1024));
+    }
+
+    #[test]
+    fn pss_is_read_from_smaps_rollup() {
+        let rollup = "00400000-7ffd1 ---p 00000000 00:00 0    [rollup]\nRss:   2048 kB\nPss:   1536 kB\nPss_Anon: 1000 kB\n";
+        assert_eq!(parse_pss(rollup), Some(1536 * 1024));
+        assert_eq!(parse_pss("Rss: 5 kB\n"), None);
+        let own = ProcfsSource::new("/proc").pss(std::process::id() as i32);
+        assert!(own.is_some_and(|b| b > 0), "{own:?}");
     }
 
     #[test]

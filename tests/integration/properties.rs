@@ -371,6 +371,7 @@ fn process(pid: i32) -> impl Strategy<Value = Process> {
                 swap_bytes: swap,
                 kernel_thread: kthread && comm.starts_with("kworker"),
                 exe: None,
+                pss_bytes: None,
             },
         )
 }

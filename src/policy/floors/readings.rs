@@ -39,11 +39,12 @@ impl Reading {
         }
     }
 
-    /// A GPU floor: what a victim must give back for the GPU to recover, up to the warn floor
-    /// (where the brake forgets the victim), else the act floor. `None` for RAM and swap, whose
-    /// per-process figures count shared and copy-on-write pages in every process that maps them.
+    /// What a victim must give back for the resource to recover, up to the warn floor (where
+    /// the brake forgets the victim), else the act floor. `None` for swap, whose per-process
+    /// figures count shared pages in every process that maps them (RAM's are summed only where
+    /// the daemon read their proportional share, PSS).
     pub(in crate::policy) fn need(&self) -> Option<u64> {
-        if !matches!(self.short, Short::Gpu(_)) {
+        if self.short == Short::Swap {
             return None;
         }
         let floor = self.warn.or(self.min)?;
