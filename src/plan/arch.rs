@@ -50,7 +50,9 @@ pub struct ParamCount {
 
 impl ParamCount {
     pub fn total(&self) -> u64 {
-        self.embeddings + self.layers + self.vision
+        self.embeddings
+            .saturating_add(self.layers)
+            .saturating_add(self.vision)
     }
 }
 
@@ -120,6 +122,10 @@ impl Lookup<'_> {
         for key in keys {
             if let Some(v) = self.value(key) {
                 return match v.as_u64() {
+                    Some(n) if n > MAX_CONFIG_NUMBER => Err(format!(
+                        "{}{key}: {n} is beyond any model (at most {MAX_CONFIG_NUMBER})",
+                        self.prefix
+                    )),
                     Some(n) => Ok(Some(n)),
                     None => Err(format!("{}{key}: '{v}' is not a whole number", self.prefix)),
                 };
@@ -340,31 +346,49 @@ struct Shape {
     mlp: Mlp,
 }
 
+/// A dimension, count or length in a config.json above this is nonsense (the largest models
+/// have hidden sizes in the tens of thousands and contexts of ten million tokens).
+const MAX_CONFIG_NUMBER: u64 = 1 << 32;
+
+/// A parameter count worked out in 128 bits, saturated to 64 (a config within the bounds can
+/// still multiply past 64 bits: never wrap around to a small model).
+fn saturate(n: u128) -> u64 {
+    u64::try_from(n).unwrap_or(u64::MAX)
+}
+
 impl Shape {
     fn embedding_params(&self) -> u64 {
-        self.vocab * self.hidden * if self.tied { 1 } else { 2 }
+        let tied: u128 = if self.tied { 1 } else { 2 };
+        saturate(self.vocab as u128 * self.hidden as u128 * tied)
     }
 
     /// Every layer: q and o (heads × head_dim), k and v (KV heads × head_dim), the MLP, two norm
     /// vectors; then the final norm. Biases are left out (< 0.01% where a model has them).
     fn layer_params(&self) -> u64 {
-        let (d, m) = (self.hidden, &self.mlp);
-        let attention = 2 * d * self.heads * self.head_dim + 2 * d * self.kv_heads * self.head_dim;
-        let matrices = if m.gated { 3 } else { 2 };
-        let width = m.width.unwrap_or(0);
-        let mlp = if m.experts > 0 {
+        let m = &self.mlp;
+        let d = self.hidden as u128;
+        let (heads, kv_heads, head_dim) = (
+            self.heads as u128,
+            self.kv_heads as u128,
+            self.head_dim as u128,
+        );
+        let attention = 2 * d * heads * head_dim + 2 * d * kv_heads * head_dim;
+        let matrices: u128 = if m.gated { 3 } else { 2 };
+        let width = m.width.unwrap_or(0) as u128;
+        let (experts, shared) = (m.experts as u128, m.shared_width as u128);
+        let mlp = if experts > 0 {
             // Experts, the router, and a shared expert with its gate (Qwen-MoE).
-            m.experts * matrices * d * width
-                + d * m.experts
-                + if m.shared_width > 0 {
-                    matrices * d * m.shared_width + d
+            experts * matrices * d * width
+                + d * experts
+                + if shared > 0 {
+                    matrices * d * shared + d
                 } else {
                     0
                 }
         } else {
             matrices * d * width
         };
-        self.layers * (attention + mlp + 2 * d) + d
+        saturate(self.layers as u128 * (attention + mlp + 2 * d) + d)
     }
 }
 
@@ -430,6 +454,7 @@ fn vision_params(config: &Value, text_hidden: u64, notes: &mut Vec<String>) -> R
     let get = |keys: &[&str]| {
         keys.iter()
             .find_map(|k| vision.get(*k).and_then(Value::as_u64))
+            .map(|n| n.min(MAX_CONFIG_NUMBER))
     };
     let width = get(&["embed_dim", "hidden_size", "width"]);
     let layers = get(&["num_hidden_layers", "depth", "layers"]);
@@ -446,14 +471,18 @@ fn vision_params(config: &Value, text_hidden: u64, notes: &mut Vec<String>) -> R
     };
     let patch = get(&["patch_size"]).unwrap_or(14);
     let channels = get(&["num_channels", "in_channels"]).unwrap_or(3);
-    let positions = get(&["image_size"]).map_or(0, |size| (size / patch).pow(2));
+    let positions = get(&["image_size"]).map_or(0, |size| ((size / patch.max(1)) as u128).pow(2));
+    let [d, layers, ffn, patch, channels, text_hidden] =
+        [d, layers, ffn, patch, channels, text_hidden].map(u128::from);
     let per_layer = 4 * d * d + 4 * d + 2 * d * ffn + ffn + d + 4 * d;
-    let total = layers * per_layer
-        + channels * patch * patch * d
-        + d
-        + positions * d
-        + 2 * d
-        + d * text_hidden;
+    let total = saturate(
+        layers * per_layer
+            + channels * patch * patch * d
+            + d
+            + positions * d
+            + 2 * d
+            + d * text_hidden,
+    );
     notes.push(format!(
         "vision tower counted as a ViT from vision_config ({layers} layers of {d}, MLP {ffn}, patch {patch}): {:.2}B parameters, kept in 16 bits",
         total as f64 / 1e9

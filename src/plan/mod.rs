@@ -279,9 +279,30 @@ pub fn plan(r: &PlanRequest) -> Result<CapacityPlan, String> {
     })
 }
 
+/// A model whose weights or KV cache of one request pass this (a pebibyte) is beyond any GPU
+/// host: refused before any arithmetic, which then stays far from overflowing.
+const MAX_FIGURE: u128 = 1 << 50;
+
 fn validate(r: &PlanRequest) -> Result<(), String> {
     if r.max_model_len == 0 {
         return Err("--max-model-len must be above 0".into());
+    }
+    let a = &r.arch;
+    let kv_per_request = a.layers as u128
+        * 2
+        * u128::from(a.attention_heads.max(a.kv_heads))
+        * a.head_dim as u128
+        * 4
+        * r.max_model_len as u128;
+    let weights = match r.weights {
+        Weights::Bytes(b) => b as u128,
+        Weights::Dtype(_) => a.params.map_or(0, |p| p.total() as u128 * 4),
+    };
+    if kv_per_request > MAX_FIGURE || weights > MAX_FIGURE {
+        return Err(format!(
+            "the model's weights or one request's KV cache come to more than {} (1 PiB): beyond any GPU host; check the sizes in its config",
+            crate::units::fmt_bytes(MAX_FIGURE as u64)
+        ));
     }
     if !(r.gpu_memory_utilization > 0.0 && r.gpu_memory_utilization <= 1.0) {
         return Err(format!(

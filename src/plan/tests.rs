@@ -358,3 +358,41 @@ fn layer_types_list_which_layers_are_windowed() {
         .iter()
         .any(|n| n.contains("use_sliding_window = false")));
 }
+
+/// Round three: huge values in a config.json wrapped silently (a u64::MAX hidden size gave
+/// "21.47B parameters"; 2^62 experts "Recommended: 1 × H100"). A value beyond any model is an
+/// error naming the key; products within the bounds saturate, never wrap to a small model.
+#[test]
+fn huge_config_values_are_refused_or_saturate_never_wrap() {
+    let mut config = fixture("llama-3-8b");
+    config["hidden_size"] = serde_json::json!(u64::MAX);
+    let err = Architecture::from_hf_config(&config).unwrap_err();
+    assert!(
+        err.contains("hidden_size") && err.contains("beyond any model"),
+        "{err}"
+    );
+    let mut config = fixture("llama-3-8b");
+    config["num_local_experts"] = serde_json::json!(1u64 << 62);
+    config["num_experts_per_tok"] = serde_json::json!(2);
+    let err = Architecture::from_hf_config(&config).unwrap_err();
+    assert!(err.contains("num_local_experts"), "{err}");
+    // Every number at the bound: the count saturates, it does not wrap.
+    let mut config = fixture("llama-3-8b");
+    for key in [
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "vocab_size",
+    ] {
+        config[key] = serde_json::json!(1u64 << 32);
+    }
+    config["num_attention_heads"] = serde_json::json!(1);
+    config["num_key_value_heads"] = serde_json::json!(1);
+    let (a, notes) = Architecture::from_hf_config(&config).unwrap();
+    assert_eq!(a.params.unwrap().total(), u64::MAX);
+    // And a plan for it says it fits nowhere, without overflowing on the way.
+    let mut r = request("llama-3-8b", 8192);
+    (r.arch, r.notes) = (a, notes);
+    let err = plan(&r).unwrap_err();
+    assert!(err.contains("beyond any GPU host"), "{err}");
+}
