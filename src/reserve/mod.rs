@@ -124,11 +124,15 @@ struct Waiter {
 }
 
 impl Waiter {
-    /// When it is refused for waiting too long.
-    fn deadline_with_grace(&self) -> Duration {
-        match self.unplaced {
-            Some(_) => self.deadline + UNPLACED_GRACE,
-            None => self.deadline,
+    /// When it is refused for waiting too long: its deadline, or, while what it waits for is
+    /// what the daemon needs to decide (a process scan to find its model, a GPU reading newer
+    /// than itself: `decide_pending`), up to `UNPLACED_GRACE` past it. A `timeout_ms` of 0
+    /// waits for those only.
+    fn deadline_with_grace(&self, decide_pending: bool) -> Duration {
+        if self.unplaced.is_some() || decide_pending {
+            self.deadline + UNPLACED_GRACE
+        } else {
+            self.deadline
         }
     }
 }

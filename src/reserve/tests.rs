@@ -736,4 +736,44 @@ fn a_user_cannot_take_the_name_of_a_model_root_launches() {
         .any(|p| p.model == "llama@1001" && p.held == 1));
 }
 
+/// Round three: an acquire with `timeout_ms: 0` that needs GPU memory was always refused: it
+/// waits for a GPU reading newer than itself, which the protocol says a timeout of 0 still gets
+/// ("only for what the daemon needs to decide, a few ms").
+#[test]
+fn a_timeout_of_zero_still_waits_for_the_gpu_reading_the_daemon_needs() {
+    let mut t = table();
+    let connected = Duration::from_millis(5);
+    t.join(
+        2,
+        Peer {
+            uid: 0,
+            pid: 43,
+            start_time: 1,
+        },
+        connected,
+    );
+    let ask = AcquireRequest {
+        timeout_ms: Some(0),
+        ..ask(1, 1)
+    };
+    assert_eq!(
+        t.acquire(2, ask, connected),
+        None,
+        "waits for a fresh reading"
+    );
+    assert!(t.wants_fresh_gpu());
+    t.expire(connected + Duration::from_millis(100));
+    assert!(
+        mail(&mut t, 2).is_empty(),
+        "not refused for the daemon's own wait"
+    );
+    let mut fresh = capacity(4 * GIB);
+    fresh.gpu_sampled_at = Some(connected + Duration::from_millis(50));
+    t.tick(connected + Duration::from_millis(120), fresh);
+    assert!(matches!(
+        mail(&mut t, 2).as_slice(),
+        [Response::Granted { id: 1, .. }]
+    ));
+}
+
 mod properties;

@@ -9,11 +9,12 @@ impl Reservations {
         let mut changed = false;
         let pools: Vec<Pool> = self.waiting.keys().cloned().collect();
         for pool in pools {
-            while let Some(i) = self
-                .waiting
-                .get(&pool)
-                .and_then(|q| q.iter().position(|w| w.deadline_with_grace() <= now))
-            {
+            while let Some(i) = self.waiting.get(&pool).and_then(|q| {
+                q.iter().position(|w| {
+                    let pending = self.stale_for(&w.demand, w.fresh_after);
+                    w.deadline_with_grace(pending) <= now
+                })
+            }) {
                 let w = self.waiting.get_mut(&pool).and_then(|q| q.remove(i));
                 let Some(w) = w else { break };
                 self.time_out_permit(w, now);
@@ -310,8 +311,10 @@ impl Reservations {
             account.observe(pool.as_deref(), &self.capacity);
         }
         self.watch_leases(now);
-        self.expire(now);
+        // What fits on the new reading first: a request that waited for a reading newer than
+        // itself is decided on it, not refused because its (zero) timeout passed meanwhile.
         self.admit_waiting(now);
+        self.expire(now);
         self.forget_unused();
         let summaries = self.event_limit.roll(now);
         self.events.extend(summaries);
