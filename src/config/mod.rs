@@ -532,7 +532,6 @@ fn describe(e: &toml::de::Error, text: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::models::local_addresses;
     use super::*;
 
     fn parse(text: &str) -> Result<Config, String> {

@@ -239,6 +239,18 @@ pub fn check_ready_url(url: &str) -> Result<(), String> {
     }
 }
 
+/// Whether a ready URL names a loopback host (`localhost`, 127.0.0.0/8, `::1`): what an account
+/// other than root may have the daemon poll (root may name the host's other addresses too).
+pub fn ready_url_is_loopback(url: &str) -> bool {
+    let Ok(host) = url_host(url, &["http", "https"], "") else {
+        return false;
+    };
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
 /// The host of an absolute URL with one of `schemes` and no credentials.
 fn url_host(url: &str, schemes: &[&str], what: &str) -> Result<String, String> {
     let bad = |why: &str| Err(format!("'{url}' {why}"));
@@ -265,7 +277,7 @@ fn url_host(url: &str, schemes: &[&str], what: &str) -> Result<String, String> {
 }
 
 /// The IP addresses of this host's interfaces.
-pub(super) fn local_addresses() -> Vec<std::net::IpAddr> {
+pub fn local_addresses() -> Vec<std::net::IpAddr> {
     let Ok(addresses) = nix::ifaddrs::getifaddrs() else {
         return Vec::new();
     };

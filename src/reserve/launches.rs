@@ -127,6 +127,13 @@ impl Reservations {
         if let Some(url) = &r.ready_url {
             check_url("--ready-url", url).map_err(invalid)?;
             crate::config::check_ready_url(url).map_err(|e| invalid(format!("--ready-url {e}")))?;
+            // Another account may not have root poll the host's other addresses (services of
+            // other users there) every 250 ms at a path of its choosing.
+            if peer.uid != 0 && !crate::config::ready_url_is_loopback(url) {
+                return Err(invalid(format!(
+                    "--ready-url '{url}': only a loopback address (localhost, 127.0.0.1, ::1) for an account other than root"
+                )));
+            }
         }
         if let Some(url) = &r.metrics_url {
             crate::config::check_metrics_url(url)
@@ -342,7 +349,8 @@ impl Reservations {
         let ready_url = request
             .ready_url
             .clone()
-            .or_else(|| lease::guess_ready_url(&request.command));
+            .or_else(|| lease::guess_ready_url(&request.command))
+            .filter(|url| w.peer.uid == 0 || crate::config::ready_url_is_loopback(url));
         self.event(
             Event::new(
                 Severity::Info,

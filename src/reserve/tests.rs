@@ -776,4 +776,49 @@ fn a_timeout_of_zero_still_waits_for_the_gpu_reading_the_daemon_needs() {
     ));
 }
 
+/// Round three: a user's launch had root poll a ready URL on the host's own non-loopback address
+/// every 250 ms at a path of the user's choosing. An account other than root may name loopback
+/// ready URLs only; root may name the host's addresses.
+#[test]
+fn only_root_may_have_a_ready_url_off_loopback_polled() {
+    let host_ip = crate::config::local_addresses()
+        .into_iter()
+        .find(|ip| !ip.is_loopback() && ip.is_ipv4());
+    let Some(ip) = host_ip else {
+        return; // A host with no address but loopback: nothing to tell apart.
+    };
+    let mut t = table_for("", 1001);
+    t.join(
+        2,
+        Peer {
+            uid: 0,
+            pid: 7,
+            start_time: 1,
+        },
+        Duration::ZERO,
+    );
+    let launch = |t: &mut Reservations, conn, model: &str, url: String| {
+        let request = LaunchRequest {
+            model: model.into(),
+            ready_url: Some(url),
+            command: vec!["x".into()],
+            ..Default::default()
+        };
+        t.launch(
+            conn,
+            request,
+            Arc::new(FakeProcess::default()),
+            Duration::ZERO,
+        )
+    };
+    let off = format!("http://{ip}:8080/admin");
+    let (reason, message) = refusal(launch(&mut t, 1, "mine", off.clone()));
+    assert_eq!(reason, RefusalReason::Invalid, "{message}");
+    assert!(message.contains("only a loopback address"), "{message}");
+    let ok = launch(&mut t, 1, "mine", "http://127.0.0.1:8000/health".into());
+    assert!(matches!(ok, Some(Response::Admitted { .. })), "{ok:?}");
+    let root = launch(&mut t, 2, "host", off);
+    assert!(matches!(root, Some(Response::Admitted { .. })), "{root:?}");
+}
+
 mod properties;
