@@ -23,6 +23,9 @@ pub struct Snapshot {
     pub self_pid: i32,
     /// The weights files each GPU-holding process maps (/proc/PID/maps), read on scans.
     pub mapped_weights: BTreeMap<i32, Vec<MappedFile>>,
+    /// Bytes of tmpfs files (`/dev/shm`, `/run/user/*`) per owning uid: memory no process holds,
+    /// charged to whoever owns it. Read while RAM is below its warn floor only.
+    pub tmpfs_owners: BTreeMap<u32, u64>,
 }
 
 /// A weights file (`.safetensors`, `.bin`, `.gguf`, `.pt`) a process has memory-mapped. The

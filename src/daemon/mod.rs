@@ -401,7 +401,7 @@ impl Daemon {
         // A round the scan thread finished since the last tick, then the victims we wait on.
         let scan = self.merge_scan();
         self.reread_watched();
-        self.read_pss_near_floor();
+        self.read_pss_near_floor(scan);
 
         let mut events = Vec::new();
         let mut gpu_sample = Duration::ZERO;

@@ -243,13 +243,19 @@ impl Daemon {
     /// (the kernel walks each process's page tables), so only then, only for those, and once per
     /// process as the scan last read it (not every tick: near a floor the loop ticks every few
     /// milliseconds).
-    pub(super) fn read_pss_near_floor(&mut self) {
+    pub(super) fn read_pss_near_floor(&mut self, scanned: bool) {
         let host = &self.snapshot.host;
         let (warn, min) = self.config.ram.floor_bytes(host.total_bytes);
         let near = matches!(
             (host.available_bytes, warn.or(min)),
             (Some(available), Some(floor)) if available < floor
         );
+        // Who owns the tmpfs files (once per scan round: a walk of /dev/shm and /run/user).
+        if !near {
+            self.snapshot.tmpfs_owners.clear();
+        } else if scanned || self.snapshot.tmpfs_owners.is_empty() {
+            self.snapshot.tmpfs_owners = self.procs.tmpfs_owners();
+        }
         for p in self.snapshot.processes.processes.iter_mut() {
             if !near {
                 p.pss_bytes = None;

@@ -72,6 +72,7 @@ fn snap(at_ms: u64, available: Option<u64>, procs: Vec<Process>) -> Snapshot {
         gpus: GpuSnapshot::default(),
         self_pid: SELF_PID,
         mapped_weights: Default::default(),
+        tmpfs_owners: Default::default(),
     }
 }
 
@@ -2775,6 +2776,57 @@ fn a_deleted_tmpfs_file_does_not_hide_the_hogs_that_keep_ram_short() {
             ),
         ],
     );
+}
+
+/// Round three: 2.5 GiB in `/dev/shm` plus a 1.2 GiB hog ended in nobody acted on below the act
+/// floor. The daemon reads who owns the tmpfs files: when the candidate's account owns them, the
+/// memory no process holds is that account's, and its hog is acted on; another account's file
+/// still holds the floor back.
+#[test]
+fn the_account_that_owns_the_tmpfs_files_is_acted_on() {
+    let c = config(RAM_FLOORS);
+    let hog = || {
+        vec![Process {
+            uid: 1001,
+            ..proc(100, "hog", 1229 * MIB, 1)
+        }]
+    };
+    let at = |ms, avail, shmem, owner: Option<u32>| {
+        let mut s = with_shmem(snap(ms, Some(avail), hog()), shmem);
+        if let Some(uid) = owner {
+            s.tmpfs_owners.insert(uid, shmem);
+        }
+        s
+    };
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (at(0, 16 * GIB, 0, None), "", ""),
+            (
+                at(100, 3 * GIB, 5 * GIB / 2, Some(1001)),
+                "terminate [100]",
+                "floor_act, shmem_shortfall",
+            ),
+        ],
+    );
+    let mut state = PolicyState::default();
+    play(
+        &c,
+        &mut state,
+        vec![
+            (at(0, 16 * GIB, 0, None), "", ""),
+            (
+                at(100, 3 * GIB, 5 * GIB / 2, Some(1002)),
+                "",
+                "floor_act, shmem_shortfall",
+            ),
+        ],
+    );
+    let short = at(200, 3 * GIB, 5 * GIB / 2, Some(1002));
+    let v = shmem_verdict(ram_choice(&c, &short, &mut state));
+    assert_eq!(v.judgement, floors::Judgement::TooSmallForWarn);
+    assert_eq!(v.owners, [(1002, 5 * GIB / 2)]);
 }
 
 /// Shmem that did not grow leaves the floor acting as before; so does a Shmem baseline that is

@@ -9,6 +9,7 @@ pub mod proc_events;
 pub mod procfs;
 pub mod prometheus;
 pub mod scan;
+pub mod tmpfs;
 pub mod weights;
 
 use crate::snapshot::HostMemory;
@@ -31,6 +32,10 @@ pub trait ProcSource: Send {
     /// A process's proportional set size (costly: read near the RAM floor only).
     fn pss(&mut self, _pid: i32) -> Option<u64> {
         None
+    }
+    /// Bytes of tmpfs files per owning uid (read near the RAM floor only).
+    fn tmpfs_owners(&mut self) -> std::collections::BTreeMap<u32, u64> {
+        std::collections::BTreeMap::new()
     }
 }
 

@@ -733,6 +733,14 @@ impl ProcSource for ProcfsSource {
         self.reader.vitals(pid, self.host_has_swap)
     }
 
+    fn tmpfs_owners(&mut self) -> std::collections::BTreeMap<u32, u64> {
+        let dirs: Vec<&Path> = crate::sample::tmpfs::TMPFS_DIRS
+            .iter()
+            .map(Path::new)
+            .collect();
+        crate::sample::tmpfs::owners(&dirs)
+    }
+
     fn pss(&mut self, pid: i32) -> Option<u64> {
         let path = self.reader.root.join(pid.to_string()).join("smaps_rollup");
         parse_pss(&std::fs::read_to_string(path).ok()?)

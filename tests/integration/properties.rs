@@ -508,6 +508,7 @@ fn snapshot() -> impl Strategy<Value = Snapshot> {
                 },
                 self_pid: SELF_PID,
                 mapped_weights: Default::default(),
+                tmpfs_owners: Default::default(),
             }
         })
 }

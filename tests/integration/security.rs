@@ -1101,3 +1101,88 @@ fn a_users_declared_memory_cannot_hold_roots_launch_back() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("max_reserved_per_uid"), "{err}");
 }
+
+/// Writes `bytes` into a new file at `path` (tmpfs), then exits.
+const WRITE_SHM_PY: &str = r#"
+import sys
+path, size = sys.argv[1], int(sys.argv[2])
+chunk = b"\x01" * (16 << 20)
+with open(path, "wb") as f:
+    for _ in range(size // len(chunk)):
+        f.write(chunk)
+print("written", flush=True)
+"#;
+
+/// Takes `bytes` of anonymous memory (every page touched), says so, holds it.
+const HOLD_PY: &str = r#"
+import sys, time
+token, size = sys.argv[1], int(sys.argv[2])
+b = bytearray(size)
+for i in range(0, size, 4096):
+    b[i] = 1
+print("full", flush=True)
+time.sleep(600)
+"#;
+
+/// Round three: a user's 2.5 GiB in /dev/shm plus its 1.2 GiB hog, and the RAM floor acted on
+/// nobody: the memory no process holds was charged to nobody. The daemon reads who owns the
+/// tmpfs files: the account that owns them is the one whose processes are acted on.
+#[test]
+fn an_account_whose_tmpfs_files_keep_ram_short_has_its_hog_acted_on() {
+    let _lock = memory_pressure_lock();
+    let attacker = Attacker::create();
+    let hog_t = token("shm-owner");
+    let now = mem_available();
+    let min = now - 3 * GIB / 2;
+    let g = guard(
+        &format!(
+            "min_available = {min}\nwarn_available = {}\n",
+            min + GIB / 2
+        ),
+        &model_toml(
+            "shmowner",
+            &hog_t,
+            &format!("users = [\"{}\"]\n", attacker.name),
+        ),
+    );
+    let file = format!("/dev/shm/{}", token("owned"));
+    struct Remove(String);
+    impl Drop for Remove {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+    let _remove = Remove(file.clone());
+    let out = attacker
+        .python(WRITE_SHM_PY)
+        .args([&file, &(5 * GIB / 2).to_string()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let mut hog = KillOnDrop(
+        attacker
+            .python(HOLD_PY)
+            .args([&hog_t, &(1229 * MIB).to_string()])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let acted = g
+        .daemon
+        .wait_for_event("process_killed", Duration::from_secs(30), |e| {
+            e["subject"]["model"] == "shmowner"
+        });
+    assert_eq!(acted["action"]["reason"], "ram_floor", "{acted}");
+    let shm = g.daemon.events_of("shmem_shortfall");
+    assert!(
+        shm.iter().any(|e| e["summary"]
+            .as_str()
+            .is_some_and(|s| s.contains(&format!("uid {}", attacker.uid)))),
+        "{shm:?}"
+    );
+    assert!(
+        wait_child(&mut hog.0, Duration::from_secs(20)).is_some(),
+        "{}",
+        g.daemon.log_text()
+    );
+}

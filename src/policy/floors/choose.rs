@@ -118,6 +118,8 @@ pub(in crate::policy) struct ShmemVerdict {
     pub target: Target,
     pub used: u64,
     pub judgement: Judgement,
+    /// The largest owners of tmpfs files (uid, bytes), for the alert.
+    pub owners: Vec<(u32, u64)>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -133,11 +135,17 @@ pub(in crate::policy) enum Judgement {
     LessThanTheRest,
     /// It holds the rest but not enough to lift RAM above the act floor.
     CannotLift,
+    /// Its account owns tmpfs files of at least half of what Shmem grew by: the memory no
+    /// process holds is that account's, and what its processes hold is what acting can free.
+    OwnsTheFiles,
 }
 
 impl Judgement {
     pub fn acts(self) -> bool {
-        matches!(self, Judgement::LiftsAboveWarn | Judgement::CoversTheRest)
+        matches!(
+            self,
+            Judgement::LiftsAboveWarn | Judgement::CoversTheRest | Judgement::OwnsTheFiles
+        )
     }
 }
 
@@ -256,12 +264,29 @@ pub(in crate::policy) fn choose(
                 (true, false) => Judgement::CannotLift,
             }
         };
+        let mut owners: Vec<(u32, u64)> = snapshot
+            .tmpfs_owners
+            .iter()
+            .map(|(u, b)| (*u, *b))
+            .collect();
+        owners.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        owners.truncate(3);
+        // The files' owner is the account that made RAM short: its processes are acted on.
+        let owner = target.members.first().map(|m| m.uid);
+        let owned = owner.and_then(|u| snapshot.tmpfs_owners.get(&u)).copied();
+        let judgement = match owned {
+            Some(b) if !judgement.acts() && owner != Some(0) && b >= growth.growth / 2 => {
+                Judgement::OwnsTheFiles
+            }
+            _ => judgement,
+        };
         ShmemVerdict {
             growth,
             unexplained,
             target: target.clone(),
             used,
             judgement,
+            owners,
         }
     });
     match shmem {

@@ -74,12 +74,25 @@ pub(in crate::policy) fn shmem_shortfall(reading: &Reading, v: &ShmemVerdict) ->
             "not acting: the first eligible candidate, {target}, holds {used} of its own, not enough to lift RAM above the act floor ({} short of it)",
             bytes(shortfall)
         ),
+        Judgement::OwnsTheFiles => format!(
+            "acting on {target} (its own {used}): its account owns the tmpfs files that made RAM short"
+        ),
+    };
+    let owners = if v.owners.is_empty() {
+        String::new()
+    } else {
+        let list: Vec<String> = v
+            .owners
+            .iter()
+            .map(|(uid, b)| format!("uid {uid} {}", bytes(*b)))
+            .collect();
+        format!("; tmpfs files by owner: {}", list.join(", "))
     };
     event(
         Severity::Critical,
         EventKind::ShmemShortfall,
         format!(
-            "{}; Shmem grew by {} since RAM was last above its warn floor, {explains}: memory in tmpfs files or shared memory that no process holds (look in /dev/shm and other tmpfs mounts); {verdict}",
+            "{}; Shmem grew by {} since RAM was last above its warn floor, {explains}: memory in tmpfs files or shared memory that no process holds (look in /dev/shm and other tmpfs mounts){owners}; {verdict}",
             reading.describe(),
             bytes(growth),
         ),
@@ -124,6 +137,10 @@ pub(in crate::policy) fn victim(reading: &Reading, v: &Victim) -> String {
         _ => format!("{why}; largest eligible user of {what}: {}", bytes(v.used)),
     };
     match &v.shmem {
+        Some(s) if s.judgement == Judgement::OwnsTheFiles => detail.push_str(&format!(
+            " (its account owns the tmpfs files Shmem grew by {})",
+            bytes(s.growth.growth)
+        )),
         Some(s) if s.unexplained == 0 => detail.push_str(&format!(
             " (enough alone to lift RAM above the warn floor; Shmem grew by {})",
             bytes(s.growth.growth)
