@@ -1186,3 +1186,75 @@ fn an_account_whose_tmpfs_files_keep_ram_short_has_its_hog_acted_on() {
         g.daemon.log_text()
     );
 }
+
+/// Round three: with no `[[model]]` for a name, a user who launched it first owned it: root's
+/// later launch of the name was refused or admitted into the user's model. A user's launched
+/// model is `NAME@UID`; root's launch of `NAME` is root's own. And a user may not have the
+/// daemon poll a ready URL off loopback (the host's own address, at a path of its choosing).
+#[test]
+fn a_user_cannot_take_a_model_name_nor_aim_the_ready_poller_off_loopback() {
+    let attacker = Attacker::create();
+    let g = guard(
+        "min_available = \"0%\"\nwarn_available = \"0%\"\n",
+        "ready_timeout = \"1h\"\n",
+    );
+    let mut user = attacker
+        .command(BIN)
+        .args(["launch", "--model", "llama", "--", "/bin/sleep", "60"])
+        .env("GPUGUARD_SOCKET", &g.socket)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let leases = || {
+        g.daemon.status()["leases"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    };
+    let theirs = format!("llama@{}", attacker.uid);
+    assert!(wait_until(Duration::from_secs(10), || leases()
+        .iter()
+        .any(|l| l["model"] == theirs.as_str())));
+    // Root's launch of the name loads as root's own model, beside the user's.
+    let mut root = KillOnDrop(
+        Command::new(BIN)
+            .args(["launch", "--model", "llama", "--queue-timeout", "5s"])
+            .args(["--", "/bin/sleep", "60"])
+            .env("GPUGUARD_SOCKET", &g.socket)
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    assert!(
+        wait_until(Duration::from_secs(10), || leases()
+            .iter()
+            .any(|l| l["model"] == "llama" && l["uid"] == 0)),
+        "{:?}",
+        leases()
+    );
+    let _ = root.0.kill();
+    let _ = user.kill();
+    let _ = user.wait();
+    // The host's own address (not loopback) as a user's ready URL: refused.
+    let host_ip = std::net::UdpSocket::bind("0.0.0.0:0")
+        .and_then(|s| s.connect("192.0.2.1:9").map(|_| s))
+        .and_then(|s| s.local_addr())
+        .map(|a| a.ip())
+        .ok()
+        .filter(|ip| !ip.is_loopback() && !ip.is_unspecified());
+    if let Some(ip) = host_ip {
+        let out = attacker
+            .command(BIN)
+            .args(["launch", "--model", "far", "--ready-url"])
+            .arg(format!("http://{ip}:8080/admin"))
+            .args(["--", "/bin/true"])
+            .env("GPUGUARD_SOCKET", &g.socket)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains("only a loopback address"),
+            "{out:?}"
+        );
+    }
+}
