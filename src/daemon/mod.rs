@@ -55,7 +55,9 @@ use crate::config::Config;
 use crate::ipc::server::Shared;
 use crate::kinds::EventKind;
 use crate::metrics::Metrics;
-use crate::policy::{evaluate, About, Event, Executed, PolicyState, Resource, Severity, Target};
+use crate::policy::{
+    evaluate, About, Action, Event, Executed, PolicyState, Resource, Severity, Target,
+};
 use crate::reserve::Capacity;
 use crate::sample::engine::EngineScraper;
 use crate::sample::nvml::{GpuMonitor, GpuSource, NvmlGpuSource};
@@ -178,6 +180,13 @@ pub struct Daemon {
     engines: EngineScraper,
     /// What the last tick saw, decided and did (status, metrics and conditions read it).
     view: TickView,
+}
+
+/// What the reservation ledger's tick gives the loop.
+struct Reserved {
+    events: Vec<Event>,
+    /// A permit request waits for a scan to find its caller's model.
+    scan_wanted: bool,
 }
 
 /// What wakes the loop between ticks.
@@ -392,17 +401,43 @@ impl Daemon {
         self.tick_at(Instant::now(), since_last)
     }
 
-    /// One pass of the pipeline as at `now` (tests drive the clock); returns how long to sleep.
+    /// One pass of the pipeline as at `now` (tests drive the clock); returns how long to sleep:
+    /// sample, decide (the policy's plan, the reservation ledger's tick), tell (events to the
+    /// log and alerts), act, report (status, metrics, conditions), then ask for the next
+    /// samples.
     fn tick_at(&mut self, now: Instant, since_last: Duration) -> Duration {
         let at = now.saturating_duration_since(self.started);
+        let (scan, mut events, gpu_sample) = self.sample(now, at, since_last);
+        let plan = evaluate(&self.config, &self.snapshot, &mut self.state);
+        let reserved = self.reserve(at, scan);
+        events.extend(reserved.events);
+        self.tell(events.iter().chain(&plan.events));
+        self.act(plan.actions);
+        // A permit request waits for a scan to find its caller's model: one now.
+        self.max_scan_age = if reserved.scan_wanted {
+            Duration::ZERO
+        } else {
+            plan.max_scan_age
+        };
+        self.watch = plan.watch;
+        self.report(now);
+        self.schedule(now, at, plan.next_interval, scan, gpu_sample)
+    }
+
+    /// Host memory, the process table (a round the scan thread finished, the victims waited
+    /// on, PSS and tmpfs owners near the RAM floor) and the GPUs (with their Xid events).
+    /// Returns whether a scan was merged, the events sampling raised, and how long NVML took.
+    fn sample(
+        &mut self,
+        now: Instant,
+        at: Duration,
+        since_last: Duration,
+    ) -> (bool, Vec<Event>, Duration) {
         self.snapshot.at = at;
         self.snapshot.host = self.procs.host_memory();
-
-        // A round the scan thread finished since the last tick, then the victims we wait on.
         let scan = self.merge_scan();
         self.reread_watched();
         self.read_pss_near_floor(scan);
-
         let mut events = Vec::new();
         let mut gpu_sample = Duration::ZERO;
         if let Some(gpus) = &self.gpus {
@@ -433,8 +468,12 @@ impl Daemon {
         self.note_gpu_status(&mut events);
         self.note_lost_gpus(&mut events);
         self.metrics.observe_sample(now.elapsed());
+        (scan, events, gpu_sample)
+    }
 
-        let plan = evaluate(&self.config, &self.snapshot, &mut self.state);
+    /// The reservation ledger's tick on this tick's capacity: its events, and the launches it
+    /// registered for the policy; a fresh GPU reading or scan when a request waits for one.
+    fn reserve(&mut self, at: Duration, scan: bool) -> Reserved {
         if scan {
             let targets = self.engine_targets();
             self.engines
@@ -455,15 +494,26 @@ impl Daemon {
         }
         self.state
             .set_launches(report.registered, report.launched_models);
-        events.extend(report.events);
         self.metrics.count_suppressed(report.events_suppressed);
-        for e in events.iter().chain(&plan.events) {
+        Reserved {
+            events: report.events,
+            scan_wanted,
+        }
+    }
+
+    /// Every event of the tick to the log and the alerts.
+    fn tell<'e>(&mut self, events: impl Iterator<Item = &'e Event>) {
+        for e in events {
             log_event(e);
             let subject = self.event_subject(&e.about);
             self.alerter.event(e, subject);
         }
-        let mut outcomes = Vec::with_capacity(plan.actions.len());
-        for action in plan.actions {
+    }
+
+    /// The plan's actions through the executor; their outcomes move the policy's stages.
+    fn act(&mut self, actions: Vec<Action>) {
+        let mut outcomes = Vec::with_capacity(actions.len());
+        for action in actions {
             let cgroup = own_cgroup(&self.snapshot, &action.target);
             let procs = &mut self.procs;
             let mut reread = |r: Resource| match r {
@@ -480,14 +530,11 @@ impl Daemon {
             outcomes.push(Executed { action, outcome });
         }
         self.state.apply(&outcomes);
-        // A permit request waits for a scan to find its caller's model: one now.
-        self.max_scan_age = if scan_wanted {
-            Duration::ZERO
-        } else {
-            plan.max_scan_age
-        };
-        self.watch = plan.watch;
-        // The full view only when the status and metrics are due (every `STATUS_REFRESH`).
+    }
+
+    /// The tick's view for the alert conditions, and the status and metrics when they are due
+    /// (every `STATUS_REFRESH`).
+    fn report(&mut self, now: Instant) {
         let publish = self
             .status_published
             .is_none_or(|t| now.duration_since(t) >= STATUS_REFRESH);
@@ -500,11 +547,23 @@ impl Daemon {
         if publish {
             self.publish(now);
         }
+    }
+
+    /// How long to sleep (the policy's interval, shorter while launches or permits are out),
+    /// and the next process table and GPU sample asked for now: they arrive while the loop
+    /// sleeps.
+    fn schedule(
+        &mut self,
+        now: Instant,
+        at: Duration,
+        mut next: Duration,
+        scan: bool,
+        gpu_sample: Duration,
+    ) -> Duration {
         let (launching, reserving) = {
             let table = self.shared.table();
             (table.launching(), table.busy())
         };
-        let mut next = plan.next_interval;
         if launching {
             // Admission and readiness are checked every tick: look often while launches wait.
             self.max_scan_age = self.max_scan_age.min(LAUNCH_TICK);
@@ -514,7 +573,6 @@ impl Daemon {
             next = next.min(PERMIT_TICK);
         }
         self.reservations_busy = reserving;
-        // The next process table and GPU sample are asked for now; they arrive while we sleep.
         // Permits are admitted against each model's use beside the GPU's free memory: the GPU
         // process lists are read in the same pass while any reservation is out.
         let scan_request = self.schedule_scan(at);

@@ -149,7 +149,8 @@ impl Judgement {
     }
 }
 
-/// Decides who the floor acts on next (the brake's engagement is recorded here).
+/// Decides who the floor acts on next (the brake's engagement is recorded here): the brake, the
+/// candidate, then what memory outside the candidates says of it.
 pub(in crate::policy) fn choose(
     config: &Config,
     snapshot: &Snapshot,
@@ -157,32 +158,7 @@ pub(in crate::policy) fn choose(
     reading: &Reading,
 ) -> Choice {
     let resource = reading.resource;
-    let now = snapshot.at;
-    let Brake {
-        max_victims,
-        window,
-    } = Brake::of(config, resource);
-    let signals = reading.action != FloorAction::Alert;
-    // The brake: `Some` while it holds (with how it engaged, when that is new). A brake that
-    // holds releases only in `release_brakes` (back above the warn floor), never here on time
-    // alone.
-    let mut brake = None;
-    if signals && max_victims > 0 && state.braked.contains(&resource) {
-        brake = Some(None);
-    } else if signals && max_victims > 0 {
-        let recent = state.floor_victims.entry(resource).or_default();
-        recent.retain(|v| now.saturating_sub(v.at) < window);
-        if recent.len() >= max_victims as usize {
-            let first = recent.iter().map(|v| v.at).min().unwrap_or(now);
-            brake = Some(Some(BrakeEngaged {
-                victims: recent.len(),
-                max_victims,
-                window,
-                left: (first + window).saturating_sub(now),
-                shmem: reading.shmem.filter(|_| resource == Resource::Ram),
-            }));
-        }
-    }
+    let brake = brake(config, snapshot.at, state, reading);
     let excluded = state
         .incidents
         .get(&resource)
@@ -198,15 +174,12 @@ pub(in crate::policy) fn choose(
     );
     // Under the brake, only a victim unlike those that did not help: one that alone lifts the
     // resource above its act floor and holds more than the largest of them.
-    let shortfall = match (reading.min, reading.available) {
-        (Some(min), Some(available)) => min.saturating_sub(available),
-        _ => u64::MAX,
-    };
     let largest_counted = state
         .floor_victims
         .get(&resource)
         .and_then(|v| v.iter().map(|v| v.used).max())
         .unwrap_or(0);
+    let shortfall = shortfall(reading).unwrap_or(u64::MAX);
     let lifts = chosen
         .as_ref()
         .is_some_and(|c| c.used_bytes > shortfall && c.used_bytes > largest_counted);
@@ -224,72 +197,11 @@ pub(in crate::policy) fn choose(
         return Choice::NoVictim;
     };
     if let (Resource::Gpu(index), false) = (resource, over_budget) {
-        let baseline = state.outside_baseline.get(&index).copied();
-        let now = outside_models(snapshot, state, index);
-        let shortfall = match (reading.min, reading.available) {
-            (Some(min), Some(available)) => min.saturating_sub(available),
-            _ => 0,
-        };
-        if let (Some((base, peak)), Some(outside)) = (baseline, now) {
-            let growth = peak.saturating_sub(base);
-            if shortfall > 0 && growth >= shortfall {
-                return Choice::Outside(OutsideVerdict {
-                    growth,
-                    shortfall,
-                    outside,
-                    target,
-                });
-            }
+        if let Some(v) = outside_verdict(snapshot, state, reading, index, &target) {
+            return Choice::Outside(v);
         }
     }
-    let shmem = shmem_shortfall(reading, state.shmem_baseline).map(|growth| {
-        let unexplained = growth.shortfall.saturating_sub(growth.growth);
-        let judgement = if unexplained == 0 {
-            // All of the shortfall is new Shmem: no process holds it. Act only on a victim whose
-            // own memory alone lifts RAM back above the warn floor: a tmpfs write still under
-            // way crosses the act floor by a few bytes first, and killing for that would only
-            // buy the next few bytes.
-            if used > growth.to_warn {
-                Judgement::LiftsAboveWarn
-            } else {
-                Judgement::TooSmallForWarn
-            }
-        } else {
-            // Part of it is new Shmem, which no kill gives back: judge only the rest. A victim
-            // holding less than that rest is not what caused it (something outside the
-            // candidates is), and one that cannot lift RAM above the act floor buys nothing.
-            match (used >= unexplained, used > growth.shortfall) {
-                (true, true) => Judgement::CoversTheRest,
-                (false, _) => Judgement::LessThanTheRest,
-                (true, false) => Judgement::CannotLift,
-            }
-        };
-        let mut owners: Vec<(u32, u64)> = snapshot
-            .tmpfs_owners
-            .iter()
-            .map(|(u, b)| (*u, *b))
-            .collect();
-        owners.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-        owners.truncate(3);
-        // The files' owner is the account that made RAM short: its processes are acted on.
-        let owner = target.members.first().map(|m| m.uid);
-        let owned = owner.and_then(|u| snapshot.tmpfs_owners.get(&u)).copied();
-        let judgement = match owned {
-            Some(b) if !judgement.acts() && owner != Some(0) && b >= growth.growth / 2 => {
-                Judgement::OwnsTheFiles
-            }
-            _ => judgement,
-        };
-        ShmemVerdict {
-            growth,
-            unexplained,
-            target: target.clone(),
-            used,
-            judgement,
-            owners,
-        }
-    });
-    match shmem {
+    match shmem_verdict(snapshot, state, reading, &target, used) {
         Some(verdict) if !verdict.judgement.acts() => Choice::HeldBack(verdict),
         shmem => Choice::Victim(Victim {
             target,
@@ -299,6 +211,123 @@ pub(in crate::policy) fn choose(
             despite_brake: brake.is_some(),
         }),
     }
+}
+
+/// How far below its act floor the reading is (`None`: unknown).
+fn shortfall(reading: &Reading) -> Option<u64> {
+    Some(reading.min?.saturating_sub(reading.available?))
+}
+
+/// The brake: `Some` while it holds (with how it engaged, when that is new). A brake that holds
+/// releases only in `release_brakes` (back above the warn floor), never here on time alone.
+fn brake(
+    config: &Config,
+    now: Duration,
+    state: &mut PolicyState,
+    reading: &Reading,
+) -> Option<Option<BrakeEngaged>> {
+    let resource = reading.resource;
+    let Brake {
+        max_victims,
+        window,
+    } = Brake::of(config, resource);
+    if reading.action == FloorAction::Alert || max_victims == 0 {
+        return None;
+    }
+    if state.braked.contains(&resource) {
+        return Some(None);
+    }
+    let recent = state.floor_victims.entry(resource).or_default();
+    recent.retain(|v| now.saturating_sub(v.at) < window);
+    if recent.len() < max_victims as usize {
+        return None;
+    }
+    let first = recent.iter().map(|v| v.at).min().unwrap_or(now);
+    Some(Some(BrakeEngaged {
+        victims: recent.len(),
+        max_victims,
+        window,
+        left: (first + window).saturating_sub(now),
+        shmem: reading.shmem.filter(|_| resource == Resource::Ram),
+    }))
+}
+
+/// A GPU whose memory outside the models grew by its shortfall: the verdict on `target`, a
+/// model within its budget (left alone).
+fn outside_verdict(
+    snapshot: &Snapshot,
+    state: &PolicyState,
+    reading: &Reading,
+    index: u32,
+    target: &Target,
+) -> Option<OutsideVerdict> {
+    let (base, peak) = state.outside_baseline.get(&index).copied()?;
+    let outside = outside_models(snapshot, state, index)?;
+    let shortfall = shortfall(reading).filter(|&s| s > 0)?;
+    let growth = peak.saturating_sub(base);
+    (growth >= shortfall).then(|| OutsideVerdict {
+        growth,
+        shortfall,
+        outside,
+        target: target.clone(),
+    })
+}
+
+/// The Shmem rule's verdict on `target`, holding `used` of its own, when Shmem grew by enough
+/// to matter.
+fn shmem_verdict(
+    snapshot: &Snapshot,
+    state: &PolicyState,
+    reading: &Reading,
+    target: &Target,
+    used: u64,
+) -> Option<ShmemVerdict> {
+    let growth = shmem_shortfall(reading, state.shmem_baseline)?;
+    let unexplained = growth.shortfall.saturating_sub(growth.growth);
+    let judgement = if unexplained == 0 {
+        // All of the shortfall is new Shmem: no process holds it. Act only on a victim whose own
+        // memory alone lifts RAM back above the warn floor: a tmpfs write still under way
+        // crosses the act floor by a few bytes first, and killing for that would only buy the
+        // next few bytes.
+        if used > growth.to_warn {
+            Judgement::LiftsAboveWarn
+        } else {
+            Judgement::TooSmallForWarn
+        }
+    } else {
+        // Part of it is new Shmem, which no kill gives back: judge only the rest. A victim
+        // holding less than that rest is not what caused it (something outside the candidates
+        // is), and one that cannot lift RAM above the act floor buys nothing.
+        match (used >= unexplained, used > growth.shortfall) {
+            (true, true) => Judgement::CoversTheRest,
+            (false, _) => Judgement::LessThanTheRest,
+            (true, false) => Judgement::CannotLift,
+        }
+    };
+    let mut owners: Vec<(u32, u64)> = snapshot
+        .tmpfs_owners
+        .iter()
+        .map(|(u, b)| (*u, *b))
+        .collect();
+    owners.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    owners.truncate(3);
+    // The files' owner is the account that made RAM short: its processes are acted on.
+    let owner = target.members.first().map(|m| m.uid);
+    let owned = owner.and_then(|u| snapshot.tmpfs_owners.get(&u)).copied();
+    let judgement = match owned {
+        Some(b) if !judgement.acts() && owner != Some(0) && b >= growth.growth / 2 => {
+            Judgement::OwnsTheFiles
+        }
+        _ => judgement,
+    };
+    Some(ShmemVerdict {
+        growth,
+        unexplained,
+        target: target.clone(),
+        used,
+        judgement,
+        owners,
+    })
 }
 
 /// Chooses a victim for an open incident and takes the first step of the floor's action; what
