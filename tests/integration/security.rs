@@ -1258,3 +1258,80 @@ fn a_user_cannot_take_a_model_name_nor_aim_the_ready_poller_off_loopback() {
         );
     }
 }
+
+/// Serves vLLM-like metrics on 127.0.0.1 (root's model server), one connection at a time.
+fn serve_metrics() -> u16 {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for mut conn in listener.incoming().map_while(Result::ok) {
+            let mut buf = [0u8; 2048];
+            let _ = conn.read(&mut buf);
+            let body = "vllm:num_requests_running{model_name=\"m\"} 3.0\nvllm:num_requests_waiting{model_name=\"m\"} 0.0\nvllm:kv_cache_usage_perc{model_name=\"m\"} 0.5\n";
+            let _ = write!(
+                conn,
+                "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    port
+}
+
+/// Round three: ten metrics URLs a user launched that accept and never answer made root's
+/// model's engine figures 12 s stale while status said `ok`. The config's and root's URLs are
+/// scraped on a lane of their own: root's model has its figures while the user's still wait.
+#[test]
+fn a_users_hung_metrics_urls_do_not_leave_roots_engine_figures_stale() {
+    let attacker = Attacker::create();
+    let hang = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let hang_port = hang.local_addr().unwrap().port();
+    let port = serve_metrics();
+    let g = guard(
+        "min_available = \"0%\"\nwarn_available = \"0%\"\n",
+        &format!(
+            "max_loading = 16\n{}",
+            model_toml(
+                "rootm",
+                &token("rootm"),
+                &format!("metrics_url = \"http://127.0.0.1:{port}/metrics\"\n")
+            )
+        ),
+    );
+    let mut launched: Vec<KillOnDrop> = (0..8)
+        .map(|i| {
+            KillOnDrop(
+                attacker
+                    .command(BIN)
+                    .args(["launch", "--model", &format!("a{i}"), "--metrics-url"])
+                    .arg(format!("http://127.0.0.1:{hang_port}/m{i}"))
+                    .args(["--", "/bin/sleep", "60"])
+                    .env("GPUGUARD_SOCKET", &g.socket)
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .unwrap(),
+            )
+        })
+        .collect();
+    assert!(wait_until(Duration::from_secs(10), || g.daemon.status()
+        ["leases"]
+        .as_array()
+        .is_some_and(|l| l.len() == 8)));
+    let engine = |name: &str| {
+        let status = g.daemon.status();
+        model_row(&status, name).map(|m| m["engine"]["state"].clone())
+    };
+    // Root's model's figures come while the user's hung URLs are still being waited on.
+    assert!(
+        wait_until(Duration::from_secs(10), || engine("rootm")
+            == Some(serde_json::json!("ok"))),
+        "{:?}\n{}",
+        engine("rootm"),
+        g.daemon.log_text()
+    );
+    for c in &mut launched {
+        let _ = c.0.kill();
+    }
+    drop(hang);
+}
