@@ -202,3 +202,44 @@ fn spawn_started_workers_mapping_the_same_weights_are_reported_once() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("no model 'nope' (models: server)"));
 }
+
+/// Round three: a weights file named with an escape sequence, a bell and a carriage return
+/// reached the log, the events and the status as it was. Paths read from /proc/PID/maps are
+/// escaped.
+#[test]
+fn a_weights_path_with_control_characters_is_escaped_everywhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = token("weights-esc");
+    let weights = dir.path().join("m\u{1b}[2J\u{7}x\rERROR.safetensors");
+    std::fs::write(&weights, vec![7u8; 4 << 20]).unwrap();
+    let server = Server::start(dir.path(), &weights, &t);
+    let (main, w1) = (server.pids[0], server.pids[1]);
+    let fake = FakeNvml::new(&format!(
+        "device 0 name=\"Fake A100\" total={} used={}\nprocess 0 {main} {}\nprocess 0 {w1} {}\n",
+        16 * GIB,
+        8 * GIB,
+        4 * GIB,
+        4 * GIB
+    ));
+    let config = format!(
+        "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"models\"\ninterval = \"200ms\"\nscan_interval = \"200ms\"\n\
+         [ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n\
+         [gpu]\nnvml_library = \"{}\"\n\
+         [[model]]\nname = \"server\"\nmatch = {{ cmdline = \"{t}\" }}\n",
+        FakeNvml::library()
+    );
+    let daemon = GuardDaemon::start_with_fake(&config, &fake);
+    let dup = daemon.wait_for_event("duplicate_load", Duration::from_secs(20), |_| true);
+    let summary = dup["summary"].as_str().unwrap();
+    assert!(
+        summary.contains("m\\u{1b}[2J\\u{7}x\\u{d}ERROR"),
+        "{summary}"
+    );
+    let shown = status_model(&daemon, "server", false);
+    for text in [summary, &shown, &daemon.log_text()] {
+        assert!(
+            !text.contains('\u{1b}') && !text.contains('\u{7}') && !text.contains('\r'),
+            "{text:?}"
+        );
+    }
+}
