@@ -3081,6 +3081,34 @@ fn memory_outside_the_models_does_not_make_a_model_within_its_budget_the_victim(
             ),
         ],
     );
+    // NVML's per-process lists lag its free memory: a crossing seen on lists older than it waits
+    // for fresh ones (which show the notebook grew) ...
+    let stale = |ms, vict, notebook| {
+        let mut s = at(ms, vict, notebook);
+        s.gpus.processes_fresh = false;
+        s.gpus.devices[0].processes = [(100, Some(vict)), (300, Some(4 * GIB))].into();
+        s
+    };
+    play(
+        &c("8GiB"),
+        &mut PolicyState::default(),
+        vec![
+            (at(0, 5 * GIB, 4 * GIB), "", ""),
+            (stale(100, 5 * GIB, 10 * GIB), "", "floor_act"),
+            (at(200, 5 * GIB, 10 * GIB), "", "outside_shortfall"),
+        ],
+    );
+    // ... but not for longer than `[gpu] sample_timeout` (then as before).
+    play(
+        &c("8GiB"),
+        &mut PolicyState::default(),
+        vec![
+            (at(0, 5 * GIB, 4 * GIB), "", ""),
+            (stale(100, 5 * GIB, 10 * GIB), "", "floor_act"),
+            (stale(599, 5 * GIB, 10 * GIB), "", ""),
+            (stale(600, 5 * GIB, 10 * GIB), "terminate vict[100]", ""),
+        ],
+    );
     // The model itself grew into the shortfall: acted on as before.
     play(
         &c("16GiB"),

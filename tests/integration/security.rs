@@ -1335,3 +1335,129 @@ fn a_users_hung_metrics_urls_do_not_leave_roots_engine_figures_stale() {
     }
     drop(hang);
 }
+
+/// Holds `count` permits of model `model` (1 MiB of RAM each, no wait) on one connection:
+/// prints how many were granted, then holds them.
+const HOLD_PERMITS_PY: &str = r#"
+import json, socket, sys, time
+path, model, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(path)
+f = s.makefile("rwb")
+granted = 0
+for i in range(count):
+    f.write((json.dumps({"version": 1, "type": "acquire", "id": i + 1, "model": model,
+                         "ram_bytes": 1 << 20, "timeout_ms": 0}) + "\n").encode())
+    f.flush()
+    answer = json.loads(f.readline())
+    granted += answer.get("type") == "granted"
+print(granted, flush=True)
+time.sleep(600)
+"#;
+
+/// Round three: accounts other than root filled `permits.max_total` (4x `max_per_uid`), and
+/// root's permits were refused. Root keeps a share of one uid's cap.
+#[test]
+fn accounts_filling_the_permits_never_leave_root_without() {
+    let attackers: Vec<Attacker> = (0..3).map(|_| Attacker::create()).collect();
+    let names: Vec<String> = attackers
+        .iter()
+        .map(|a| format!("\"{}\"", a.name))
+        .collect();
+    let g = guard(
+        "min_available = \"0%\"\nwarn_available = \"0%\"\n",
+        &format!(
+            "[permits]\nmax_per_uid = 2\nmax_total = 6\n{}",
+            model_toml(
+                "shared",
+                &token("shared"),
+                &format!("users = [{}]\n", names.join(", "))
+            )
+        ),
+    );
+    let mut holders = Vec::new();
+    let mut granted = 0;
+    for attacker in &attackers {
+        let mut child = KillOnDrop(
+            attacker
+                .python(HOLD_PERMITS_PY)
+                .args([&path(&g.socket), "shared", "2"])
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+        let mut line = String::new();
+        BufReader::new(child.0.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        granted += line.trim().parse::<usize>().unwrap();
+        holders.push(child);
+    }
+    assert_eq!(granted, 4, "the others share 6 less root's 2");
+    let out = Command::new(python3())
+        .args(["-c", HOLD_PERMITS_PY, &path(&g.socket), "shared", "2"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut root = KillOnDrop(out);
+    let mut line = String::new();
+    BufReader::new(root.0.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "2", "root's permits");
+}
+
+/// Round three: with `candidates = "models"`, a user's process outside every model took the GPU
+/// (67 GiB there), and root's model, within its budget, was made the victim. When what processes
+/// of no model hold grew by the shortfall, a model within its budget is left alone and a
+/// critical `outside_shortfall` says why.
+#[test]
+fn a_users_gpu_memory_outside_the_models_does_not_get_roots_model_killed() {
+    let attacker = Attacker::create();
+    let server_t = token("outside-server");
+    let mut server = Hog::idle(&server_t);
+    let hog = KillOnDrop(
+        attacker
+            .python("import time; time.sleep(600)")
+            .spawn()
+            .unwrap(),
+    );
+    // GPU 0, 16 GiB: root's model 5 GiB (budget 12 GiB), the user's process `user_gib`.
+    let state = |user_gib: u64| {
+        format!(
+            "device 0 name=\"Fake A100\" uuid=GPU-aaaa total={} used={} util=50\nprocess 0 {} {}\nprocess 0 {} {}\n",
+            16 * GIB,
+            (5 + user_gib) * GIB,
+            server.pid(),
+            5 * GIB,
+            hog.pid(),
+            user_gib * GIB
+        )
+    };
+    let fake = FakeNvml::new(&state(4));
+    let daemon = GuardDaemon::start_with_fake(
+        &gpu_daemon_config(
+            "models",
+            "min_free = \"2GiB\"\nwarn_free = \"3GiB\"",
+            &[(
+                "server",
+                &server_t,
+                "gpu_memory = \"12GiB\"\naction = \"kill\"",
+            )],
+        ),
+        &fake,
+    );
+    daemon.wait_gpus_on(Some(1), Duration::from_secs(5));
+    daemon.next_tick_status();
+    // The user's process takes 6 GiB more: 1 GiB free, under the act floor.
+    fake.set(&state(10));
+    let outside = daemon.wait_for_event("outside_shortfall", Duration::from_secs(10), |_| true);
+    assert_eq!(outside["severity"], "critical", "{outside}");
+    daemon.next_tick_status();
+    assert!(
+        server.alive(),
+        "root's model was acted on:\n{}",
+        daemon.log_text()
+    );
+    assert_eq!(daemon.verbs_on("server"), Vec::<String>::new());
+}

@@ -77,6 +77,9 @@ pub(in crate::policy) enum Choice {
     HeldBack(ShmemVerdict),
     /// Memory outside the models made the GPU short: a model within its budget is left alone.
     Outside(OutsideVerdict),
+    /// Nothing this tick: the GPU's per-process lists are older than its free memory (NVML's
+    /// per-process figures lag), and what the models hold is judged on lists read with it.
+    Wait,
     /// A victim.
     Victim(Victim),
 }
@@ -197,6 +200,20 @@ pub(in crate::policy) fn choose(
         return Choice::NoVictim;
     };
     if let (Resource::Gpu(index), false) = (resource, over_budget) {
+        // Whether memory outside the models made it short is judged on process lists read with
+        // the free memory; a crossing seen on older lists waits for them (the loop asks for
+        // them at once), at most `[gpu] sample_timeout` into the incident.
+        let opened = state
+            .incidents
+            .get(&resource)
+            .map_or(snapshot.at, |i| i.opened_at);
+        let waited = snapshot.at.saturating_sub(opened);
+        if config.daemon.candidates == Candidates::Models
+            && !snapshot.gpus.processes_fresh
+            && waited < config.gpu.sample_timeout
+        {
+            return Choice::Wait;
+        }
         if let Some(v) = outside_verdict(snapshot, state, reading, index, &target) {
             return Choice::Outside(v);
         }
@@ -368,7 +385,11 @@ pub(in crate::policy) fn choose_next(
             plan.events.push(words::no_victim(reading));
         }
         Choice::Victim(victim) => act_on(config, snapshot, state, reading, far_below, victim, plan),
-        Choice::Braked(None) | Choice::NoVictim | Choice::HeldBack(_) | Choice::Outside(_) => {}
+        Choice::Braked(None)
+        | Choice::NoVictim
+        | Choice::HeldBack(_)
+        | Choice::Outside(_)
+        | Choice::Wait => {}
     }
 }
 
