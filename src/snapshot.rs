@@ -158,6 +158,14 @@ impl ProcessTable {
         }
     }
 
+    /// The process the scan saw with this pid, whichever it is (pid order: a binary search).
+    pub fn by_pid(&self, pid: i32) -> Option<&Process> {
+        match self.processes.binary_search_by_key(&pid, |p| p.pid) {
+            Ok(i) => Some(&self.processes[i]),
+            Err(_) => self.processes.iter().find(|p| p.pid == pid),
+        }
+    }
+
     /// True if the process is still there and has not exited.
     pub fn alive(&self, id: ProcessId) -> bool {
         self.get(id).is_some_and(|p| !p.exited())

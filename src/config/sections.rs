@@ -9,6 +9,7 @@ use super::*;
 #[serde(deny_unknown_fields, default)]
 pub struct ClientsConfig {
     /// Socket connections at once, all users together; beyond it new ones are closed at once.
+    /// Accounts other than root share it less root's share (`max_connections_per_uid`).
     pub max_connections: usize,
     /// Socket connections at once per uid (root included).
     pub max_connections_per_uid: usize,
@@ -18,7 +19,7 @@ pub struct ClientsConfig {
     pub max_leases_per_uid: usize,
     /// Launched models whose process still runs, all users together.
     pub max_leases: usize,
-    /// A connection that holds nothing and sends nothing for this long is closed.
+    /// A connection that holds and waits for nothing this long is closed, whatever it sends.
     #[serde(with = "duration")]
     pub idle_timeout: Duration,
     /// What one uid may hold reserved at once (loading launches and permits): a size or a share
@@ -62,7 +63,8 @@ pub struct PermitsConfig {
     pub queue: usize,
     /// Permits held plus requests waiting, per uid (root included).
     pub max_per_uid: usize,
-    /// Permits held plus requests waiting, all users together.
+    /// Permits held plus requests waiting, all users together; accounts other than root share
+    /// it less root's share (`max_per_uid`).
     pub max_total: usize,
     /// Who may take permits from the host-wide pool (a request that names no model, from a
     /// process in none), beside root (the default: root only). Anyone else takes them under a

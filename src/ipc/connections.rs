@@ -99,13 +99,14 @@ impl Connections {
     /// answers: it is woken to be closed, which ends what it holds, so no permit stays granted
     /// to someone who never heard of it.
     fn deliver(&self, conn: ConnId, response: Response) {
-        let Some(reply) = self.open.get(&conn).and_then(|c| c.reply.as_ref()) else {
+        let Some(c) = self.open.get(&conn) else {
             return;
         };
-        if reply.try_send(response).is_err() {
-            if let Some(c) = self.open.get(&conn) {
-                c.overflow.notify_one();
-            }
+        if c.reply
+            .as_ref()
+            .is_some_and(|r| r.try_send(response).is_err())
+        {
+            c.overflow.notify_one();
         }
     }
 }

@@ -189,14 +189,7 @@ fn trees(
     snapshot: &Snapshot,
     member_of: &HashMap<ProcessId, String>,
 ) -> (HashMap<ProcessId, TreeUse>, HashMap<i32, TreeUse>) {
-    let table = &snapshot.processes;
-    let by_pid = |pid: i32| {
-        let procs = &table.processes;
-        match procs.binary_search_by_key(&pid, |p| p.pid) {
-            Ok(i) => Some(&procs[i]),
-            Err(_) => procs.iter().find(|p| p.pid == pid),
-        }
-    };
+    let by_pid = |pid: i32| snapshot.processes.by_pid(pid);
     let mut trees: HashMap<ProcessId, TreeUse> = HashMap::new();
     let mut unscanned: HashMap<i32, TreeUse> = HashMap::new();
     for gpu in &snapshot.gpus.devices {

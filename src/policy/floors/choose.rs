@@ -18,9 +18,7 @@ pub(in crate::policy) fn outside_models(
     let in_model = |pid: i32| {
         snapshot
             .processes
-            .processes
-            .iter()
-            .find(|p| p.pid == pid)
+            .by_pid(pid)
             .is_some_and(|p| state.attribution.model_of(p.id()).is_some())
     };
     Some(
@@ -182,7 +180,7 @@ pub(in crate::policy) fn choose(
         .get(&resource)
         .and_then(|v| v.iter().map(|v| v.used).max())
         .unwrap_or(0);
-    let shortfall = shortfall(reading).unwrap_or(u64::MAX);
+    let shortfall = reading.shortfall().unwrap_or(u64::MAX);
     let lifts = chosen
         .as_ref()
         .is_some_and(|c| c.used_bytes > shortfall && c.used_bytes > largest_counted);
@@ -230,11 +228,6 @@ pub(in crate::policy) fn choose(
     }
 }
 
-/// How far below its act floor the reading is (`None`: unknown).
-fn shortfall(reading: &Reading) -> Option<u64> {
-    Some(reading.min?.saturating_sub(reading.available?))
-}
-
 /// The brake: `Some` while it holds (with how it engaged, when that is new). A brake that holds
 /// releases only in `release_brakes` (back above the warn floor), never here on time alone.
 fn brake(
@@ -280,7 +273,7 @@ fn outside_verdict(
 ) -> Option<OutsideVerdict> {
     let (base, peak) = state.outside_baseline.get(&index).copied()?;
     let outside = outside_models(snapshot, state, index)?;
-    let shortfall = shortfall(reading).filter(|&s| s > 0)?;
+    let shortfall = reading.shortfall().filter(|&s| s > 0)?;
     let growth = peak.saturating_sub(base);
     (growth >= shortfall).then(|| OutsideVerdict {
         growth,
@@ -529,7 +522,7 @@ pub(in crate::policy) fn shmem_shortfall(
     else {
         return None;
     };
-    let shortfall = min.checked_sub(available).filter(|&s| s > 0)?;
+    let shortfall = reading.shortfall().filter(|&s| s > 0)?;
     let growth = peak.saturating_sub(base);
     let to_warn = reading
         .warn

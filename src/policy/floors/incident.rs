@@ -445,9 +445,8 @@ pub(in crate::policy) fn stuck_pids(snapshot: &Snapshot, victim: &Target, index:
     let reused = |id: ProcessId| {
         snapshot
             .processes
-            .processes
-            .iter()
-            .any(|p| p.pid == id.pid && p.id() != id)
+            .by_pid(id.pid)
+            .is_some_and(|p| p.id() != id)
     };
     victim
         .members

@@ -51,6 +51,11 @@ impl Reading {
         Some(floor.saturating_sub(self.available?))
     }
 
+    /// How far below its act floor the reading is (`None`: unknown).
+    pub(in crate::policy) fn shortfall(&self) -> Option<u64> {
+        Some(self.min?.saturating_sub(self.available?))
+    }
+
     /// Far below the floor (under half of it): no time for SIGTERM's grace.
     pub(in crate::policy) fn far_below(&self) -> bool {
         matches!((self.available, self.min), (Some(a), Some(m)) if a < m / 2)
