@@ -78,11 +78,7 @@ fn table() -> Reservations {
         "[[model]]\nname = \"served\"\nmatch = { comm = \"x\" }\n",
     ));
     t.tick(Duration::ZERO, capacity(4 * GIB));
-    let peer = Peer {
-        uid: 0,
-        pid: 42,
-        start_time: 1,
-    };
+    let peer = peer(0, 42);
     t.join(1, peer, Duration::ZERO);
     t
 }
@@ -97,15 +93,20 @@ fn ask(gpu_gib: u64, id: u64) -> AcquireRequest {
     }
 }
 
+/// A client's identity as the socket would pin it (start time 1).
+fn peer(uid: u32, pid: i32) -> Peer {
+    Peer {
+        uid,
+        pid,
+        start_time: 1,
+    }
+}
+
 /// `table()` with `config_text` and a caller of `uid` on connection 1.
 fn table_for(config_text: &str, uid: u32) -> Reservations {
     let mut t = Reservations::new(config(config_text));
     t.tick(Duration::ZERO, capacity(4 * GIB));
-    let peer = Peer {
-        uid,
-        pid: std::process::id() as i32,
-        start_time: 1,
-    };
+    let peer = peer(uid, std::process::id() as i32);
     t.join(1, peer, Duration::ZERO);
     t
 }
@@ -341,11 +342,7 @@ fn a_launched_model_gives_permits_only_out_of_what_it_declared() {
 fn a_users_launch_never_holds_back_the_hosts_own() {
     let mut t = table_for("", 1001);
     let join = |t: &mut Reservations, conn: ConnId, uid: u32| {
-        let peer = Peer {
-            uid,
-            pid: std::process::id() as i32,
-            start_time: 1,
-        };
+        let peer = peer(uid, std::process::id() as i32);
         t.join(conn, peer, Duration::ZERO);
     };
     join(&mut t, 2, 999);
@@ -412,11 +409,7 @@ fn one_uids_flood_of_timeouts_is_rate_limited_and_does_not_crowd_out_another_uid
     ));
     t.tick(Duration::ZERO, capacity(4 * GIB));
     for (conn, uid) in [(1, 1001), (2, 1002)] {
-        let peer = Peer {
-            uid,
-            pid: uid as i32,
-            start_time: 1,
-        };
+        let peer = peer(uid, uid as i32);
         t.join(conn, peer, Duration::ZERO);
     }
     let now = Duration::from_secs(1);
@@ -557,11 +550,7 @@ fn accounts_other_than_root_never_take_roots_share_of_permits() {
     ));
     t.tick(Duration::ZERO, capacity(4 * GIB));
     for (conn, uid) in [(1, 1001), (2, 1002), (3, 1003), (4, 0)] {
-        let peer = Peer {
-            uid,
-            pid: 100 + uid as i32,
-            start_time: 1,
-        };
+        let peer = peer(uid, 100 + uid as i32);
         t.join(conn, peer, Duration::ZERO);
     }
     let slot = |id| AcquireRequest {
@@ -603,11 +592,7 @@ fn by_default_one_account_cannot_declare_most_of_the_gpu_for_a_model_the_config_
     ));
     t.tick(Duration::ZERO, capacity(GIB));
     for (conn, uid) in [(1, 1001), (2, 0), (3, 1001)] {
-        let peer = Peer {
-            uid,
-            pid: 100 + conn as i32,
-            start_time: 1,
-        };
+        let peer = peer(uid, 100 + conn as i32);
         t.join(conn, peer, Duration::ZERO);
     }
     let launch = |t: &mut Reservations, conn, model: &str, gib| {
@@ -638,15 +623,7 @@ fn by_default_one_account_cannot_declare_most_of_the_gpu_for_a_model_the_config_
         "[[model]]\nname = \"served\"\nmatch = { comm = \"x\" }\nusers = [\"1001\"]\n",
     ));
     t2.tick(Duration::ZERO, capacity(GIB));
-    t2.join(
-        3,
-        Peer {
-            uid: 1001,
-            pid: 103,
-            start_time: 1,
-        },
-        Duration::ZERO,
-    );
+    t2.join(3, peer(1001, 103), Duration::ZERO);
     assert!(matches!(
         launch(&mut t2, 3, "served", 9),
         Some(Response::Admitted { .. })
@@ -660,15 +637,7 @@ fn by_default_one_account_cannot_declare_most_of_the_gpu_for_a_model_the_config_
 #[test]
 fn a_user_cannot_take_the_name_of_a_model_root_launches() {
     let mut t = table_for("", 1001);
-    t.join(
-        2,
-        Peer {
-            uid: 0,
-            pid: 7,
-            start_time: 1,
-        },
-        Duration::ZERO,
-    );
+    t.join(2, peer(0, 7), Duration::ZERO);
     let launch = |t: &mut Reservations, conn, gib| {
         let request = LaunchRequest {
             model: "llama".into(),
@@ -743,15 +712,7 @@ fn a_user_cannot_take_the_name_of_a_model_root_launches() {
 fn a_timeout_of_zero_still_waits_for_the_gpu_reading_the_daemon_needs() {
     let mut t = table();
     let connected = Duration::from_millis(5);
-    t.join(
-        2,
-        Peer {
-            uid: 0,
-            pid: 43,
-            start_time: 1,
-        },
-        connected,
-    );
+    t.join(2, peer(0, 43), connected);
     let ask = AcquireRequest {
         timeout_ms: Some(0),
         ..ask(1, 1)
@@ -788,15 +749,7 @@ fn only_root_may_have_a_ready_url_off_loopback_polled() {
         return; // A host with no address but loopback: nothing to tell apart.
     };
     let mut t = table_for("", 1001);
-    t.join(
-        2,
-        Peer {
-            uid: 0,
-            pid: 7,
-            start_time: 1,
-        },
-        Duration::ZERO,
-    );
+    t.join(2, peer(0, 7), Duration::ZERO);
     let launch = |t: &mut Reservations, conn, model: &str, url: String| {
         let request = LaunchRequest {
             model: model.into(),
