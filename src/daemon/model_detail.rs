@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use crate::policy::ModelUsage;
-use crate::sample::engine::{stale_after, Target};
+use crate::sample::engine::{stale_after, EngineReading, Target};
 use crate::snapshot::GpuStatus;
 use crate::status::{EngineRow, ProcessGpu, ProcessRow};
 
@@ -42,39 +42,11 @@ impl Daemon {
 
     /// The latest scrape of each model's engine.
     pub(super) fn engine_rows(&self) -> BTreeMap<String, EngineRow> {
+        let stale = stale_after(self.config.daemon.scan_interval);
         self.engines
             .readings()
             .into_iter()
-            .map(|(model, r)| {
-                let mut row = EngineRow {
-                    url: r.url,
-                    age_seconds: r.at.map(|t| t.elapsed().as_secs_f64()),
-                    ..EngineRow::default()
-                };
-                let stale = stale_after(self.config.daemon.scan_interval);
-                let age = r.at.map(|t| t.elapsed());
-                match r.result {
-                    Ok(stats) if age.is_some_and(|a| a > stale) => {
-                        row.state = "stale".into();
-                        row.error = Some(format!(
-                            "last answer {} ago",
-                            humantime::format_duration(Duration::from_secs(
-                                age.unwrap_or_default().as_secs()
-                            ))
-                        ));
-                        row.stats = stats;
-                    }
-                    Ok(stats) => {
-                        row.state = "ok".into();
-                        row.stats = stats;
-                    }
-                    Err(e) => {
-                        row.state = if r.at.is_some() { "error" } else { "pending" }.into();
-                        row.error = Some(e);
-                    }
-                }
-                (model, row)
-            })
+            .map(|(model, r)| (model, engine_row(r, stale)))
             .collect()
     }
 
@@ -175,6 +147,36 @@ pub(super) fn describe_limit(reserved: Option<f64>, engine: Option<&EngineRow>) 
     })
 }
 
+/// One engine reading as status shows it: `ok`, `stale` (its last answer older than `stale`:
+/// the figures are kept, marked old), `error` or `pending`.
+fn engine_row(r: EngineReading, stale: Duration) -> EngineRow {
+    let age = r.at.map(|t| t.elapsed());
+    let mut row = EngineRow {
+        url: r.url,
+        age_seconds: age.map(|a| a.as_secs_f64()),
+        ..EngineRow::default()
+    };
+    match r.result {
+        Ok(stats) if age.is_some_and(|a| a > stale) => {
+            row.state = "stale".into();
+            row.error = Some(format!(
+                "last answer {} ago",
+                humantime::format_duration(Duration::from_secs(age.unwrap_or_default().as_secs()))
+            ));
+            row.stats = stats;
+        }
+        Ok(stats) => {
+            row.state = "ok".into();
+            row.stats = stats;
+        }
+        Err(e) => {
+            row.state = if r.at.is_some() { "error" } else { "pending" }.into();
+            row.error = Some(e);
+        }
+    }
+    row
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -191,6 +193,30 @@ mod tests {
             },
             ..EngineRow::default()
         }
+    }
+
+    /// Round three: a reading whose engine stopped answering showed as `ok` with its old figures.
+    /// Older than `stale_after`, it is `stale`, figures kept and marked.
+    #[test]
+    fn an_old_reading_is_stale_not_ok() {
+        let reading = |ago: Duration| EngineReading {
+            url: "http://127.0.0.1:9/metrics".into(),
+            at: std::time::Instant::now().checked_sub(ago),
+            result: Ok(EngineStats {
+                requests_running: Some(3),
+                ..EngineStats::default()
+            }),
+        };
+        let stale = stale_after(Duration::from_millis(200));
+        let fresh = engine_row(reading(Duration::ZERO), stale);
+        assert_eq!(fresh.state, "ok");
+        let old = engine_row(reading(stale + Duration::from_secs(1)), stale);
+        assert_eq!(old.state, "stale");
+        assert_eq!(old.stats.requests_running, Some(3));
+        assert!(old
+            .error
+            .as_deref()
+            .is_some_and(|e| e.starts_with("last answer")));
     }
 
     #[test]

@@ -329,6 +329,30 @@ vllm:e2e_request_latency_seconds_bucket{le="1.0",model_name="Qwen/Qwen2.5-7B"} 1
         drop(hang);
     }
 
+    /// Round three: 8 MiB answers grew the daemon by 100 MB. An answer over `MAX_BODY_BYTES` is
+    /// an error, not read on.
+    #[test]
+    fn an_answer_over_the_limit_is_an_error() {
+        use std::io::{Read, Write};
+        let serve = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = serve.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            for mut conn in serve.incoming().map_while(Result::ok) {
+                let mut buf = [0u8; 1024];
+                let _ = conn.read(&mut buf);
+                let body = VLLM.repeat((MAX_BODY_BYTES as usize / VLLM.len()) + 2);
+                let _ = write!(
+                    conn,
+                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            }
+        });
+        let agent = crate::http::agent(TIMEOUT);
+        let err = scrape(&agent, &format!("http://127.0.0.1:{port}/metrics")).unwrap_err();
+        assert!(err.starts_with("reading the answer"), "{err}");
+    }
+
     #[test]
     fn reads_vllm_names_over_engines() {
         let s = EngineStats::from_vllm(VLLM).unwrap();
