@@ -96,6 +96,9 @@ row "releasing (cudaFree per request), 16 GiB, 3 GiB" 16 "" --allocator release
 row "PyTorch caching, 16 GiB, 3 GiB" 16 "" --allocator caching
 row "PyTorch caching, 16 GiB, 1-4 GiB" 16 "" --allocator caching --request-size 1GiB-4GiB --seed 3
 row "PyTorch caching, 24 GiB, 1-4 GiB" 24 "" --allocator caching --request-size 1GiB-4GiB --seed 3
+row "PyTorch caching, 16 GiB, 1-4 GiB, allocator=\"torch\"" 16 "" --allocator caching --request-size 1GiB-4GiB --seed 3 --torch
+row "PyTorch caching, 24 GiB, 1-4 GiB, allocator=\"torch\"" 24 "" --allocator caching --request-size 1GiB-4GiB --seed 3 --torch
+row "PyTorch caching, 2 forked workers, 16 GiB, 3 GiB, allocator=\"torch\"" 16 "" --allocator caching --workers 2 --torch
 row "PyTorch caching, 2 forked workers, 24 GiB, 3 GiB" 24 "" --allocator caching --workers 2
 row "the same, allocator=\"torch\" (reports the cache, empties it on trim)" 24 "" --allocator caching --workers 2 --torch
 row "the same, whole bursts to one worker in turn, allocator=\"torch\"" 24 "" --allocator caching --workers 2 --dispatch by-burst --torch

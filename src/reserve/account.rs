@@ -264,8 +264,10 @@ impl Books {
             .promised_for(gpu, consistent, 0)
             .max(stranded - on(&self.peak_reserved, gpu) as i64);
         match self.reported_cache.get(&gpu) {
+            // The report says how much is cached, not in what blocks: what serving the
+            // reservations from it may strand counts as it does for NVML's figure.
             Some(&cache) if consistent && self.consistent => {
-                seen.min(reserved - cache.min(on(&self.usage, gpu)) as i64)
+                seen.min(reserved + stranded - cache.min(on(&self.usage, gpu)) as i64)
             }
             _ => seen,
         }
@@ -577,6 +579,20 @@ impl Account {
         books.reported_cache.clear();
         if let (Some(gpu), None) = (gpus.next(), gpus.next()) {
             books.reported_cache.insert(gpu, bytes);
+        }
+        tracing::debug!(
+            "pid {}: its allocator reports {bytes} B cached, taken as {:?}",
+            holder.pid,
+            books.reported_cache
+        );
+    }
+
+    /// A holder's books as the debug log shows them (why a permit waits).
+    pub fn describe_holder(&self, holder: ProcessId) -> String {
+        match (self.holders.get(&holder), self.shared_holders.get(&holder)) {
+            (Some(books), _) => format!("own books {books:?}"),
+            (None, Some(_)) => format!("shared books {:?}", self.shared),
+            (None, None) => "no books yet".into(),
         }
     }
 
@@ -973,6 +989,32 @@ mod tests {
             take(&mut b, &c, A, 3);
         }
         assert_eq!(b.gpu_promised(0, true), 9 * GIB);
+    }
+
+    #[test]
+    fn a_reported_cache_still_keeps_room_for_what_splitting_it_strands() {
+        // Seen on a real H100 with PyTorch 2.11 (bench/gpu/real-permits.sh): the client
+        // reported its cache (4 GiB and 4 GiB blocks), a 1 GiB permit split one of them and a
+        // 4 GiB permit then needed a new segment from the driver: CUDA OOM. The report says how
+        // much is cached, not in what blocks, so stranding counts as it does for NVML's figure.
+        let (mut a, c) = settled(4);
+        take(&mut a, &c, A, 4);
+        take(&mut a, &c, A, 4);
+        give_back(&mut a, A, 4);
+        give_back(&mut a, A, 4);
+        a.observe(None, &reading(&[(A, 12)], true));
+        a.observe(None, &reading(&[(A, 12)], true));
+        a.report_cache(A, &c, 8 * GIB);
+        take(&mut a, &c, A, 4); // served from one cached block
+        take(&mut a, &c, A, 1); // split the other: 3 GiB of it stranded
+        let held = reading(&[(A, 12)], true);
+        a.observe(None, &held);
+        a.report_cache(A, &held, 8 * GIB);
+        assert_eq!(
+            a.gpu_promised_to(A, &held, 0, true),
+            0,
+            "a next 4 GiB permit needs 4 GiB of free memory, not the 3 GiB left in the split block"
+        );
     }
 
     #[test]

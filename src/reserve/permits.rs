@@ -118,6 +118,16 @@ impl Reservations {
                 Some(self.refusal_with(id, &pool, &demand, RefusalReason::TooLarge, message, &s))
             }
             Fit::Later(s) => {
+                tracing::debug!(
+                    "{}: permit of pid {} waits: {} (GPU reading consistent: {}; {})",
+                    model_label(&pool),
+                    peer.pid,
+                    s.message,
+                    self.capacity.gpu_consistent,
+                    self.pools
+                        .get(&pool)
+                        .map_or("no pool yet".into(), |a| a.describe_holder(peer.process()))
+                );
                 if queued >= limits.queue {
                     let reason = if s.message.contains("max_permits") {
                         RefusalReason::MaxPermits

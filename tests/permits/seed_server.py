@@ -22,7 +22,7 @@ Prints one JSON line of results on stdout:
 Every request is served, refused (backpressure), an overflow, or an error.
 
 Options:
-  --state PATH            the fake NVML state file to write (required)
+  --state PATH            the fake NVML state file to write (required unless --real-gpu)
   --card-total SIZE       the card's memory (default 16GiB)
   --weights SIZE          the model's weights, resident all along (default 4GiB)
   --context SIZE          the CUDA context each server process holds (default 0)
@@ -49,7 +49,10 @@ Options:
                           permits, before the first burst: the cache is warm when the daemon
                           first sees the server ask (as after a restart of the daemon)
   --torch                 a fake `torch` module answers from the allocator, and the client
-                          reports its cache (`allocator="torch"`)
+                          reports its cache (`allocator="torch"`); with --real-gpu, the real one
+  --real-gpu              serve on the real GPU 0 with PyTorch's own caching allocator
+                          (realgpu.py; --state, --card-total, --context, --allocator, --others
+                          and --prealloc do not apply: the card is what the driver has free)
   --client thread|async   threads with gpuguard.Client, or asyncio tasks with AsyncClient
   --socket PATH           the daemon's socket (default $GPUGUARD_SOCKET, else the system one)
   --others PATH           other processes on the card (see fakegpu.py)
@@ -165,13 +168,15 @@ def report(parts: List[Dict[str, Any]], args: argparse.Namespace, fit: Optional[
         "fit": fit,
         "expired": sum(p["expired"] for p in parts),
         "max_waited_s": round(max(p["max_waited_s"] for p in parts), 3),
-        "card_total_bytes": args.card_total,
+        "card_total_bytes": cards[0]["card_total_bytes"] if args.real_gpu else args.card_total,
         "weights_bytes": args.weights,
-        "allocator": args.allocator,
+        "allocator": "torch-cuda" if args.real_gpu else args.allocator,
         "workers": args.workers,
         "permits": not args.no_permits and not args.semaphore,
         "semaphore": args.semaphore,
         "client": args.client,
+        **({"real_gpu": [{k: c.get(k) for k in ("ooms", "cache_reports")} for c in cards]}
+           if args.real_gpu else {}),
     }
 
 
@@ -201,6 +206,8 @@ def run_threads(
     done: Any,
 ) -> None:
     client = gpuguard.Client(args.socket, allocator="torch" if args.torch else None)
+    if args.real_gpu and client._cache_reader is not None:
+        client._cache_reader = card.traced(client._cache_reader)
     semaphore = threading.Semaphore(args.semaphore) if args.semaphore else None
 
     def work(size: int) -> str:
@@ -309,7 +316,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="The seed scenario's model server (see the top of this file)."
     )
-    parser.add_argument("--state", required=True)
+    parser.add_argument("--state", default=None)
     parser.add_argument("--card-total", type=parse_size, default=parse_size("16GiB"))
     parser.add_argument("--weights", type=parse_size, default=parse_size("4GiB"))
     parser.add_argument("--context", type=parse_size, default=0)
@@ -332,6 +339,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--warm", type=int, default=0)
     parser.add_argument("--warm-size", type=parse_size, default=parse_size("3GiB"))
     parser.add_argument("--torch", action="store_true")
+    parser.add_argument("--real-gpu", action="store_true")
     parser.add_argument("--client", choices=["thread", "async"], default="thread")
     parser.add_argument("--socket", default=None)
     parser.add_argument("--others", default=None)
@@ -344,6 +352,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             parse_size(args.permit_size, "--permit-size")
     except (ValueError, TypeError) as err:
         parser.error(str(err))
+    if args.state is None and not args.real_gpu:
+        parser.error("--state is required (the fake NVML state file) unless --real-gpu")
     if args.burst < 1 or args.bursts < 1 or args.workers < 1:
         parser.error("--burst, --bursts and --workers must be at least 1")
     if not 0 < args.prealloc <= 1:
@@ -362,17 +372,23 @@ def serve(
     and returns its counts. `loaded` is called once the weights are on the card, `done` after
     the last burst, its connection to the daemon still open, before it exits (and its memory
     goes back to the driver)."""
-    card = FakeCard(
-        args.state,
-        args.card_total,
-        args.weights,
-        others_path=args.others,
-        allocator=args.allocator,
-        prealloc=args.prealloc,
-        context_bytes=args.context,
-    )
-    if args.torch:
-        install_fake_torch(card)
+    card: Any
+    if args.real_gpu:
+        from realgpu import RealCard
+
+        card = RealCard(args.weights)
+    else:
+        card = FakeCard(
+            args.state,
+            args.card_total,
+            args.weights,
+            others_path=args.others,
+            allocator=args.allocator,
+            prealloc=args.prealloc,
+            context_bytes=args.context,
+        )
+        if args.torch:
+            install_fake_torch(card)
     if args.warm:
         # Requests served before the first burst (and before the daemon's permits): the
         # allocator's cache is already warm when the daemon first sees the process ask.
@@ -380,6 +396,7 @@ def serve(
         for handle in handles:
             if handle is not None:
                 card.finish(handle)
+        del handles, handle  # a real tensor lives while anything refers to it
     if loaded:
         loaded()
     results = Results()
@@ -471,7 +488,8 @@ def main() -> None:
         if failed:
             raise SystemExit(f"seed_server.py: a worker failed: {failed}")
     low, high = parse_size_range(args.request_size)
-    fit = (args.card_total - args.weights - args.context) // low if low == high else None
+    fixed = low == high and not args.real_gpu
+    fit = (args.card_total - args.weights - args.context) // low if fixed else None
     print(json.dumps(report(parts, args, fit)), flush=True)
 
 
