@@ -84,7 +84,7 @@ grep -v DEBUG "$OUT/daemon-budget.log" "$OUT/daemon-floor.log" | cut -c1-400
 
 say "GPU memory back after the kill: $(nvidia-smi --query-gpu=memory.free --format=csv,noheader -i 0) free"
 say "sample cost per tick (µs): whole tick, and the NVML sample on its worker thread"
-grep -h 'DEBUG tick' "$OUT"/daemon-*.log | sed -E 's/.*took_us=([0-9]+) scan=([a-z]+) gpu_sample_us=([0-9]+).*/\1 \2 \3/' > "$OUT/ticks.txt"
+grep -h 'DEBUG tick' "$OUT"/daemon-*.log | sed -E 's/.*took_us=([0-9]+) scan=([a-z]+) .*gpu_sample_us=([0-9]+).*/\1 \2 \3/' > "$OUT/ticks.txt"
 python3 - "$OUT/ticks.txt" <<'PY'
 import sys, statistics as st
 rows = [l.split() for l in open(sys.argv[1]) if l.strip()]
