@@ -2117,6 +2117,33 @@ fn floor_events_follow_the_level_unknown_included() {
 }
 
 #[test]
+fn below_a_floor_before_the_first_process_scan_waits_for_it_instead_of_saying_no_victim() {
+    // Seen on a real H100: the daemon started with the GPU below min_free, and its first tick
+    // (no process scan yet) raised a critical `no_victim` 82 ms before it chose the victim.
+    let c = config("[gpu]\nmin_free = \"2GiB\"\n");
+    let unscanned = |at_ms| Snapshot {
+        processes: ProcessTable::default(),
+        ..gsnap(at_ms, vec![], vec![gpu(0, GIB, &[(100, Some(4 * GIB))])])
+    };
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (unscanned(0), "", "floor_act"),
+            (
+                gsnap(
+                    100,
+                    vec![proc(100, "python3", GIB, 1)],
+                    vec![gpu(0, GIB, &[(100, Some(4 * GIB))])],
+                ),
+                "terminate [100]",
+                "",
+            ),
+        ],
+    );
+}
+
+#[test]
 fn a_stopped_victim_is_resumed_at_max_stop_when_its_gpu_is_lost() {
     let c = config(GPU_STOP);
     let procs = || vec![proc(100, "vllm", GIB, 1)];

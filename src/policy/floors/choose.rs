@@ -75,7 +75,8 @@ pub(in crate::policy) enum Choice {
     HeldBack(ShmemVerdict),
     /// Memory outside the models made the GPU short: a model within its budget is left alone.
     Outside(OutsideVerdict),
-    /// Nothing this tick: the GPU's per-process lists are older than its free memory (NVML's
+    /// Nothing this tick: no process scan yet (the daemon just started below a floor; the loop
+    /// takes one at once), or the GPU's per-process lists are older than its free memory (NVML's
     /// per-process figures lag), and what the models hold is judged on lists read with it.
     Wait,
     /// A victim.
@@ -195,6 +196,9 @@ pub(in crate::policy) fn choose(
         over_budget,
     }) = chosen
     else {
+        if snapshot.processes.scanned_at.is_none() {
+            return Choice::Wait; // nobody is known yet, so nobody is "no victim" yet
+        }
         return Choice::NoVictim;
     };
     if let (Resource::Gpu(index), false) = (resource, over_budget) {
