@@ -130,8 +130,37 @@ fn bad_input_exits_2_naming_the_file_key_and_value() {
     let not_json = dir.path().join("x.json");
     std::fs::write(&not_json, "{").unwrap();
     let not_json = not_json.to_string_lossy().into_owned();
+    // Round three: hostile numbers wrapped silently (a u64::MAX hidden size gave "21.47B
+    // parameters", 2^62 experts "1 x H100"); beyond any model is an error naming the key.
+    let huge = dir.path().join("huge.json");
+    std::fs::write(
+        &huge,
+        r#"{"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 18446744073709551615,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+            "intermediate_size": 14336}"#,
+    )
+    .unwrap();
+    let huge = huge.to_string_lossy().into_owned();
+    let experts = dir.path().join("experts.json");
+    std::fs::write(
+        &experts,
+        r#"{"model_type": "mixtral", "num_hidden_layers": 32, "hidden_size": 4096,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+            "intermediate_size": 14336, "num_local_experts": 4611686018427387904,
+            "num_experts_per_tok": 2}"#,
+    )
+    .unwrap();
+    let experts = experts.to_string_lossy().into_owned();
     let llama = fixture("llama-3-8b");
     let cases: Vec<(Vec<&str>, String)> = vec![
+        (
+            vec![&huge],
+            format!("{huge}: hidden_size: 18446744073709551615 is beyond any model"),
+        ),
+        (
+            vec![&experts],
+            format!("{experts}: num_local_experts: 4611686018427387904 is beyond any model"),
+        ),
         (
             vec![&bad],
             format!("{bad}: num_hidden_layers: '\"many\"' is not a whole number"),

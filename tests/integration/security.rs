@@ -1461,3 +1461,133 @@ fn a_users_gpu_memory_outside_the_models_does_not_get_roots_model_killed() {
     );
     assert_eq!(daemon.verbs_on("server"), Vec::<String>::new());
 }
+
+/// Maps the weights file `argv[1]` and holds it (`argv[2]`, if any, is a token to match).
+const MAP_WEIGHTS_PY: &str = r#"
+import mmap, sys, time
+f = open(sys.argv[1], "rb")
+m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+m[0]
+print("mapped", flush=True)
+time.sleep(600)
+"#;
+
+/// Waits for the "mapped" line of a MAP_WEIGHTS_PY child.
+fn mapped(mut child: Child) -> KillOnDrop {
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "mapped");
+    KillOnDrop(child)
+}
+
+/// Round three, medium: a user mapping root's model's weights file made the duplicate-load
+/// warning blame root's model (anew each time the user restarted). Groups are per uid: the
+/// user's own two processes are reported together, root's server is never in their group.
+#[test]
+fn a_user_mapping_roots_weights_is_not_reported_as_roots_model_loaded_twice() {
+    let attacker = Attacker::create();
+    let (shared, _) = shared_socket_dir("gpuguard-sec-weights");
+    let weights = shared.path().join("model.safetensors");
+    std::fs::write(&weights, vec![7u8; 4 << 20]).unwrap();
+    std::fs::set_permissions(
+        &weights,
+        std::os::unix::fs::PermissionsExt::from_mode(0o644),
+    )
+    .unwrap();
+    let t = token("weights-owner");
+    let server = mapped(
+        Command::new(python3())
+            .args(["-c", MAP_WEIGHTS_PY])
+            .arg(&weights)
+            .arg(&t)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    // Two command lines of their own (the command rule would group them otherwise).
+    let copies: Vec<KillOnDrop> = (0..2)
+        .map(|i| {
+            mapped(
+                attacker
+                    .python(MAP_WEIGHTS_PY)
+                    .arg(&weights)
+                    .arg(format!("copy{i}"))
+                    .stdout(Stdio::piped())
+                    .spawn()
+                    .unwrap(),
+            )
+        })
+        .collect();
+    let (a1, a2) = (copies[0].pid(), copies[1].pid());
+    let fake = FakeNvml::new(&format!(
+        "device 0 name=\"Fake A100\" total={} used={}\nprocess 0 {} {}\nprocess 0 {a1} {}\nprocess 0 {a2} {}\n",
+        16 * GIB,
+        8 * GIB,
+        server.pid(),
+        4 * GIB,
+        2 * GIB,
+        2 * GIB
+    ));
+    let daemon = GuardDaemon::start_with_fake(
+        &gpu_daemon_config("models", "", &[("server", &t, "")]),
+        &fake,
+    );
+    let dup = daemon.wait_for_event("duplicate_load", Duration::from_secs(20), |_| true);
+    let summary = dup["summary"].as_str().unwrap().to_string();
+    let (lo, hi) = (a1.min(a2), a1.max(a2));
+    assert!(
+        summary.starts_with(&format!(
+            "GPU 0: 2 processes [{lo}, {hi}] map the same weights"
+        )),
+        "{summary}"
+    );
+    // A tick that began after it: still no group with root's server in it.
+    daemon.next_tick_status();
+    for e in daemon.events_of("duplicate_load") {
+        let text = e.to_string();
+        assert!(
+            !text.contains("model 'server'") && !text.contains(&server.pid().to_string()),
+            "root's model blamed: {text}"
+        );
+    }
+}
+
+/// Round three, low: an acquire with `timeout_ms: 0` that needs GPU memory was always refused
+/// (decided before the daemon had a GPU reading newer than the request), though the protocol
+/// says 0 waits only for what the daemon needs to decide.
+#[test]
+fn a_users_permit_with_a_timeout_of_zero_is_granted_when_the_gpu_has_room() {
+    let attacker = Attacker::create();
+    let (_shared, socket) = shared_socket_dir("gpuguard-sec-t0");
+    let fake = FakeNvml::new(&format!(
+        "device 0 name=\"Fake A100\" total={} used={}\n",
+        16 * GIB,
+        GIB
+    ));
+    let daemon = GuardDaemon::start_with_fake(
+        &format!(
+            "{}\n[launch]\nsocket = \"{}\"\n[permits]\nusers = [\"{}\"]\n",
+            gpu_daemon_config("models", "warn_free = \"1GiB\"", &[]),
+            socket.display(),
+            attacker.name
+        ),
+        &fake,
+    );
+    daemon.wait_gpus_on(Some(1), Duration::from_secs(5));
+    let answers = raw(
+        &attacker,
+        &socket,
+        &[format!(
+            r#"{{"version":1,"type":"acquire","id":1,"gpu_bytes":{},"timeout_ms":0}}"#,
+            GIB
+        )],
+    );
+    assert_eq!(
+        answers.first().map(|a| a["type"].clone()),
+        Some("granted".into()),
+        "{answers:?}\n{}",
+        daemon.log_text()
+    );
+}
