@@ -331,37 +331,56 @@ async fn serve(
             }
         };
         let now = shared.now();
-        let (answer, last) = match request {
-            Request::Status => (Some(Response::Status(Box::new(shared.status()))), true),
-            Request::Release { lease } => {
-                (Some(shared.table().release_lease(peer, lease, now)), true)
-            }
+        // Each request and whether the connection is engaged after it, under one lock.
+        let (answer, last, engaged) = match request {
+            Request::Status => (
+                Some(Response::Status(Box::new(shared.status()))),
+                true,
+                false,
+            ),
+            Request::Release { lease } => (
+                Some(shared.table().release_lease(peer, lease, now)),
+                true,
+                false,
+            ),
             Request::Launch(launch) => {
-                let answer = shared.table().launch(conn, launch, process.clone(), now);
+                let (answer, engaged) = {
+                    let mut table = shared.table();
+                    let answer = table.launch(conn, launch, process.clone(), now);
+                    (answer, table.engaged(conn))
+                };
                 let waits = matches!(answer, None | Some(Response::Queued { .. }));
                 if waits {
                     (shared.wake)();
                 }
                 // A waiting launch keeps the connection: its answer comes from the table.
-                (answer, !waits)
+                (answer, !waits, engaged)
             }
             Request::Acquire(acquire) => {
-                let answer = shared.table().acquire(conn, acquire, now);
+                let (answer, engaged) = {
+                    let mut table = shared.table();
+                    let answer = table.acquire(conn, acquire, now);
+                    (answer, table.engaged(conn))
+                };
                 if answer.is_none() {
                     (shared.wake)();
                 }
-                (answer, false)
+                (answer, false, engaged)
             }
-            Request::ReleasePermit { id, permit } => (
-                Some(shared.table().release_permit(conn, id, permit, now)),
-                false,
-            ),
-            Request::Cancel { id } => (shared.table().cancel(conn, id), false),
+            Request::ReleasePermit { id, permit } => {
+                let mut table = shared.table();
+                let answer = table.release_permit(conn, id, permit, now);
+                (Some(answer), false, table.engaged(conn))
+            }
+            Request::Cancel { id } => {
+                let mut table = shared.table();
+                let answer = table.cancel(conn, id);
+                (answer, false, table.engaged(conn))
+            }
         };
         // The request may have added something with a deadline: the expiry task looks again.
         shared.expiry.notify_one();
         // Engaged, or just done with what it held: the idle time starts again.
-        let engaged = shared.table().engaged(conn);
         if engaged || was_engaged {
             idle_since = Instant::now();
         }
