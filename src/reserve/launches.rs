@@ -23,14 +23,16 @@ impl Reservations {
             Err((reason, message)) => return refuse(reason, message),
         };
         let l = &self.config.launch;
-        let ready_timeout = request
-            .ready_timeout_ms
-            .map_or(l.ready_timeout, Duration::from_millis)
-            .min(l.max_ready_timeout);
-        let queue_timeout = request
-            .queue_timeout_ms
-            .map_or(l.queue_timeout, Duration::from_millis)
-            .min(l.max_queue_timeout);
+        let ready_timeout = asked_ms(
+            request.ready_timeout_ms,
+            l.ready_timeout,
+            l.max_ready_timeout,
+        );
+        let queue_timeout = asked_ms(
+            request.queue_timeout_ms,
+            l.queue_timeout,
+            l.max_queue_timeout,
+        );
         let demand = match self.launch_demand(&request) {
             Ok(d) => d,
             Err(message) => return refuse(RefusalReason::Invalid, message),

@@ -421,6 +421,12 @@ impl Reservations {
     }
 }
 
+/// A duration a request asks for in milliseconds: the config's `default` when it names none,
+/// never more than the config's `max`.
+fn asked_ms(ms: Option<u64>, default: Duration, max: Duration) -> Duration {
+    ms.map_or(default, Duration::from_millis).min(max)
+}
+
 /// `pool`'s books in `pools`; a new one starts from the pool's use now (its baseline).
 fn account_in<'a>(
     pools: &'a mut BTreeMap<Pool, Account>,

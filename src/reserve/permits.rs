@@ -218,14 +218,8 @@ impl Reservations {
         if gpu_bytes > MAX_BYTES || ram_bytes > MAX_BYTES {
             return Err("gpu_bytes and ram_bytes must be below 1 PiB".into());
         }
-        let ttl = r
-            .ttl_ms
-            .map_or(limits.default_ttl, Duration::from_millis)
-            .min(limits.max_ttl);
-        let timeout = r
-            .timeout_ms
-            .map_or(limits.default_timeout, Duration::from_millis)
-            .min(limits.max_timeout);
+        let ttl = asked_ms(r.ttl_ms, limits.default_ttl, limits.max_ttl);
+        let timeout = asked_ms(r.timeout_ms, limits.default_timeout, limits.max_timeout);
         let demand = Demand {
             gpu_bytes_per_gpu: gpu_bytes,
             gpu_count: u32::from(gpu_bytes > 0 || r.gpu.is_some()),
