@@ -28,27 +28,8 @@ start_daemon() {
     kill_pids $daemon
     printf 'device 0 uuid=GPU-bench total=%d used=0\n' $(($1 * GIB)) >"$work/nvml"
     rm -rf "$work/nvml.procs"
-    cat >"$work/config.toml" <<TOML
-[daemon]
-state_dir = "$work/state"
-candidates = "models"
-mode = "observe"
-interval = "200ms"
-scan_interval = "200ms"
-[ram]
-min_available = "0%"
-warn_available = "0%"
-[gpu]
-nvml_library = "$BUILD_DIR/libnvidia-ml.so.1"
-warn_free = "512MiB"
-sample_timeout = "500ms"
-[launch]
-socket = "$work/sock"
-[[model]]
-name = "seed"
-match = { cmdline = "tests/permits/seed_server\\\\.py" }
-${2:-}
-TOML
+    seed_daemon_config "$work" "nvml_library = \"$BUILD_DIR/libnvidia-ml.so.1\"
+sample_timeout = \"500ms\"" "${2:-}"
     rm -f "$work/sock"
     FAKE_NVML_STATE="$work/nvml" "$GPUGUARD" daemon --config "$work/config.toml" >"$work/log" 2>&1 &
     daemon=$!

@@ -153,3 +153,29 @@ for line in sys.stdin:
     [[ -x $exe ]] || { echo "could not build benches/permits.rs" >&2; return 1; }
     mkdir -p "$BUILD_DIR" && cp "$exe" "$PERMIT_LOAD"
 }
+
+# seed_daemon_config DIR GPU_TOML [MODEL_TOML]: the permit scenarios' daemon config in
+# DIR/config.toml (state and socket in DIR): observe mode, no RAM floors, a 512 MiB GPU warn
+# floor plus GPU_TOML under [gpu], model "seed" (tests/permits/seed_server.py) plus MODEL_TOML.
+seed_daemon_config() {
+    cat >"$1/config.toml" <<TOML
+[daemon]
+state_dir = "$1/state"
+candidates = "models"
+mode = "observe"
+interval = "200ms"
+scan_interval = "200ms"
+[ram]
+min_available = "0%"
+warn_available = "0%"
+[gpu]
+warn_free = "512MiB"
+$2
+[launch]
+socket = "$1/sock"
+[[model]]
+name = "seed"
+match = { cmdline = "tests/permits/seed_server\\\\.py" }
+${3:-}
+TOML
+}

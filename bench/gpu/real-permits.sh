@@ -19,6 +19,7 @@ BIN=$(realpath "${1:?usage: real-permits.sh PATH/TO/gpuguard OUTDIR [CARD_GIB]}"
 OUT=$(realpath -m "${2:?OUTDIR}")
 CARD=${3:-16}
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
+source "$REPO/bench/lib.sh"
 mkdir -p "$OUT"
 WORK=$(mktemp -d)
 export PYTHONPATH="$REPO/clients/python/src:$REPO/tests/permits${PYTHONPATH:+:$PYTHONPATH}"
@@ -34,25 +35,7 @@ say() { echo "== $(date +%T) $*"; }
 start_daemon() { # a fresh daemon on the real NVML; $1 = extra model lines
     if [ -n "$DAEMON" ]; then kill "$DAEMON"; wait "$DAEMON" 2>/dev/null; fi
     rm -rf "$WORK/state" "$WORK/sock"
-    cat >"$WORK/config.toml" <<TOML
-[daemon]
-state_dir = "$WORK/state"
-candidates = "models"
-mode = "observe"
-interval = "200ms"
-scan_interval = "200ms"
-[ram]
-min_available = "0%"
-warn_available = "0%"
-[gpu]
-warn_free = "512MiB"
-[launch]
-socket = "$WORK/sock"
-[[model]]
-name = "seed"
-match = { cmdline = "seed_server\\\\.py" }
-${1:-}
-TOML
+    seed_daemon_config "$WORK" "" "${1:-}"
     "$BIN" daemon --config "$WORK/config.toml" >>"$OUT/daemon.log" 2>&1 &
     DAEMON=$!
     for _ in $(seq 100); do [ -S "$WORK/sock" ] && break; sleep 0.1; done
