@@ -368,9 +368,16 @@ async fn serve(
                 (answer, false, engaged)
             }
             Request::ReleasePermit { id, permit } => {
-                let mut table = shared.table();
-                let answer = table.release_permit(conn, id, permit, now);
-                (Some(answer), false, table.engaged(conn))
+                let (answer, engaged, fresh_wanted) = {
+                    let mut table = shared.table();
+                    let answer = table.release_permit(conn, id, permit, now);
+                    (answer, table.engaged(conn), table.wants_fresh_gpu())
+                };
+                if fresh_wanted {
+                    // Others wait: the reading that shows what became of its memory, now.
+                    (shared.wake)();
+                }
+                (Some(answer), false, engaged)
             }
             Request::Cancel { id } => {
                 let mut table = shared.table();

@@ -40,7 +40,7 @@ impl Reservations {
             Err(message) => return refuse(RefusalReason::Invalid, message),
         };
         if !unplaced {
-            self.report_cache(&pool, &peer, &request);
+            self.report_cache(&pool, &peer, &request, now);
         }
         let duplicate = self
             .waiting
@@ -193,12 +193,20 @@ impl Reservations {
     }
 
     /// What the caller's allocator says it caches (`cache_bytes`), for its books in `pool`.
-    pub(super) fn report_cache(&mut self, pool: &Pool, peer: &Peer, request: &AcquireRequest) {
+    /// The request's `cache_bytes`, made when it arrived at `arrived`.
+    pub(super) fn report_cache(
+        &mut self,
+        pool: &Pool,
+        peer: &Peer,
+        request: &AcquireRequest,
+        arrived: Duration,
+    ) {
         if let Some(bytes) = request.cache_bytes {
             account_in(&mut self.pools, &self.capacity, pool).report_cache(
                 peer.process(),
                 &self.capacity,
                 bytes.min(MAX_BYTES),
+                arrived,
             );
         }
     }
@@ -279,6 +287,13 @@ impl Reservations {
         );
         account.permit_granted(held);
         account.counts.granted += 1;
+        tracing::debug!(
+            "permit {permit} of {} granted to pid {}: GPU {} on {gpus:?} ({})",
+            model_label(&pool),
+            peer.pid,
+            fmt_bytes(demand.gpu_bytes_per_gpu),
+            account.describe_holder(peer.process())
+        );
         let waited = now.saturating_sub(arrived);
         if !waited.is_zero() {
             account.counts.granted_after_wait += 1;
@@ -336,7 +351,7 @@ impl Reservations {
         reason: RefusalReason,
         message: String,
     ) -> Response {
-        let (gpus, ram) = self.rooms(pool, peer.process());
+        let (gpus, ram) = self.rooms(pool, peer.process(), demand.gpu_bytes_per_gpu);
         let best = demand
             .pinned
             .as_ref()

@@ -23,9 +23,15 @@ impl Reservations {
         self.model_config(name).map(|m| m.allowed_users())
     }
 
-    /// The room for `holder`'s next reservation of `pool` on every GPU and in RAM: free memory
-    /// minus the floors and what every reservation may still take, less the holder's own cache.
-    pub(super) fn rooms(&self, pool: &Pool, holder: ProcessId) -> (Vec<GpuRoom>, RamRoom) {
+    /// The room for `holder`'s next reservation of `pool` (`gpu_bytes` per GPU) on every GPU and
+    /// in RAM: free memory minus the floors and what every reservation may still take, what the
+    /// next one would strand of the holder's cache included, less the holder's own cache.
+    pub(super) fn rooms(
+        &self,
+        pool: &Pool,
+        holder: ProcessId,
+        gpu_bytes: u64,
+    ) -> (Vec<GpuRoom>, RamRoom) {
         let consistent = self.capacity.gpu_consistent;
         let own = self.pools.get(pool);
         let gpus = self
@@ -40,7 +46,7 @@ impl Reservations {
                     .map(|(_, a)| a.gpu_promised(g.index, consistent) as i64)
                     .sum();
                 let mine = own.map_or(0, |a| {
-                    a.gpu_promised_to(holder, &self.capacity, g.index, consistent)
+                    a.gpu_promised_beside(holder, &self.capacity, g.index, consistent, gpu_bytes)
                 });
                 let room = (g.usable)
                     .then(|| g.free.map(|f| f as i64 - g.floor as i64 - others - mine))
@@ -88,7 +94,7 @@ impl Reservations {
                 }
             }
         }
-        let (gpus, ram) = self.rooms(pool, peer.process());
+        let (gpus, ram) = self.rooms(pool, peer.process(), demand.gpu_bytes_per_gpu);
         place(demand, &gpus, &ram)
     }
 
@@ -116,14 +122,20 @@ impl Reservations {
         demand.gpus_wanted() > 0 && self.capacity.gpu_sampled_at.is_none_or(|t| t < fresh_after)
     }
 
-    /// True while a request waits only for a GPU reading newer than itself: the loop then has
-    /// one taken at once.
+    /// True while a GPU reading taken now could let a request in: one waits only for a reading
+    /// newer than itself, or a permit ended while requests wait (what became of its memory,
+    /// cached for its holder or free, is known from the first reading after its end). The loop
+    /// then has one taken at once, instead of at its next tick.
     pub fn wants_fresh_gpu(&self) -> bool {
-        self.waiting
+        let stale_head = self
+            .waiting
             .values()
             .filter_map(VecDeque::front)
             .chain(self.launch_queue.front())
-            .any(|w| self.stale_for(&w.demand, w.fresh_after))
+            .any(|w| self.stale_for(&w.demand, w.fresh_after));
+        let ended_while_waiting = (!self.waiting.is_empty() || !self.launch_queue.is_empty())
+            && self.pools.values().any(Account::ended_unseen);
+        stale_head || ended_while_waiting
     }
 
     /// Whether `demand` would come wholly out of the memory its caller's processes already hold

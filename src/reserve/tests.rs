@@ -2,7 +2,7 @@
 
 use super::launches::parse_visible_devices;
 use super::*;
-use crate::reserve::capacity::{GpuCapacity, ModelUse, RamCapacity};
+use crate::reserve::capacity::{GpuCapacity, ModelUse, RamCapacity, TreeUse};
 
 const GIB: u64 = 1 << 30;
 
@@ -703,6 +703,88 @@ fn a_user_cannot_take_the_name_of_a_model_root_launches() {
         .permits
         .iter()
         .any(|p| p.model == "llama@1001" && p.held == 1));
+}
+
+/// Two workers of model "served" (pids 42 and 43, 2 GiB of weights each) on a 16 GiB GPU with a
+/// 1 GiB floor, holding `a` and `b` GiB in all, in a reading sampled at `sampled_at`.
+fn workers(a: u64, b: u64, sampled_at: Duration) -> Capacity {
+    let mut c = capacity(a * GIB + b * GIB);
+    let tree = |gib: u64, pid: i32| TreeUse {
+        gpu_bytes: BTreeMap::from([(0, gib * GIB)]),
+        members: pid as u64,
+        ..Default::default()
+    };
+    c.trees = HashMap::from([
+        (peer(0, 42).process(), tree(a, 42)),
+        (peer(0, 43).process(), tree(b, 43)),
+    ]);
+    c.member_of = HashMap::from([
+        (peer(0, 42).process(), "served".to_string()),
+        (peer(0, 43).process(), "served".to_string()),
+    ]);
+    c.models.get_mut("served").expect("in capacity()").members = 2;
+    c.gpu_sampled_at = Some(sampled_at);
+    c.scanned_at = Some(sampled_at);
+    c
+}
+
+/// Issue #22, forked workers with PyTorch's cache: a worker's permit ended while requests
+/// waited, and nothing looked at the GPU again before the loop's next tick (200 ms while permits
+/// are out): whether the ended permit's memory stayed cached for its worker or went back to the
+/// driver decides the waiting requests, and until a reading says which, it stays promised. The
+/// workers then took turns by ticks instead of by requests (1.0 s median where a per-worker
+/// semaphore had 0.61 s). A permit that ends while others wait has a reading taken at once.
+#[test]
+fn a_permit_that_ends_while_others_wait_has_a_gpu_reading_taken_at_once() {
+    let ms = Duration::from_millis;
+    let mut t = table();
+    t.join(2, peer(0, 43), Duration::ZERO);
+    t.tick(ms(1), workers(2, 2, ms(1)));
+    t.tick(ms(2), workers(2, 2, ms(2)));
+    // Worker 42 takes two permits of 5 GiB (room: 16 - 4 - 1 = 11 GiB); worker 43 waits.
+    let mut permits = Vec::new();
+    for id in [1, 2] {
+        match t.acquire(1, ask(5, id), ms(3)) {
+            Some(Response::Granted { permit, .. }) => permits.push(permit),
+            other => panic!("permit {id}: {other:?}"),
+        }
+    }
+    assert_eq!(t.acquire(2, ask(5, 3), ms(3)), None, "no room left");
+    t.tick(ms(10), workers(12, 2, ms(10)));
+    assert!(
+        !t.wants_fresh_gpu(),
+        "nothing ended: the latest reading is as good as any"
+    );
+
+    // One of worker 42's permits ends; its 5 GiB are its cache now, or free: a reading says.
+    let _ = t.release_permit(1, 1, permits[0], ms(20));
+    assert!(t.wants_fresh_gpu(), "a permit ended while one waits");
+    t.tick(ms(21), workers(12, 2, ms(15)));
+    assert!(
+        t.wants_fresh_gpu(),
+        "a reading from before the end does not say"
+    );
+    // The reading after the end shows it cached (PyTorch keeps freed blocks): worker 42's
+    // next request is served from it at once; worker 43's still waits (for a trim).
+    t.tick(ms(22), workers(12, 2, ms(21)));
+    assert!(!t.wants_fresh_gpu(), "the reading after the end is in");
+    assert!(matches!(
+        t.acquire(1, ask(5, 4), ms(23)),
+        Some(Response::Granted { .. })
+    ));
+    assert!(!mail(&mut t, 2)
+        .iter()
+        .any(|r| matches!(r, Response::Granted { .. })));
+
+    // Nobody waits: a permit that ends asks for nothing.
+    let mut alone = table();
+    alone.tick(ms(1), workers(2, 2, ms(1)));
+    alone.tick(ms(2), workers(2, 2, ms(2)));
+    let Some(Response::Granted { permit, .. }) = alone.acquire(1, ask(5, 1), ms(3)) else {
+        panic!("granted");
+    };
+    let _ = alone.release_permit(1, 1, permit, ms(4));
+    assert!(!alone.wants_fresh_gpu());
 }
 
 /// Round three: an acquire with `timeout_ms: 0` that needs GPU memory was always refused: it

@@ -275,7 +275,7 @@ impl Reservations {
             });
             match placed {
                 Ok((pool, demand)) => {
-                    self.report_cache(&pool, &w.peer, &request);
+                    self.report_cache(&pool, &w.peer, &request, w.arrived);
                     w.pool = pool.clone();
                     w.demand = demand;
                     // A wait that ended while its model was looked for is decided now.

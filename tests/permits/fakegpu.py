@@ -64,6 +64,18 @@ def parse_size_range(text: str) -> Tuple[int, int]:
     return bounds
 
 
+def _trace(text: str) -> None:
+    """With FAKEGPU_TRACE=PATH, every change to the card (and every failed cudaMalloc, with who
+    held what) is appended to PATH with its UTC time, to set beside the daemon's debug log."""
+    path = os.environ.get("FAKEGPU_TRACE")
+    if path:
+        import datetime
+
+        now = datetime.datetime.now(datetime.timezone.utc).strftime("%H:%M:%S.%f")
+        with open(path, "a") as f:
+            f.write(f"{now} {text}\n")
+
+
 class Card:
     """Device 0 as the driver keeps it: what each process holds, shared by every process of the
     scenario through `STATE.procs/` and a lock file. `malloc` and `free` are the driver calls."""
@@ -107,7 +119,10 @@ class Card:
             others_bytes, other_lines = self._others()
             used = sum(h for h, _ in holders.values()) + others_bytes
             if must_fit and used + held_delta > self.total_bytes:
+                held_mib = {p: h >> 20 for p, (h, _) in holders.items()}
+                _trace(f"OOM pid {pid} wants {held_delta >> 20} MiB, used {used >> 20} MiB, {held_mib}")
                 return False
+            _trace(f"pid {pid} {held_delta >> 20:+} MiB, {flight_delta:+} in flight, used {(used + held_delta) >> 20} MiB")
             held, in_flight = holders.get(pid, (0, 0))
             holders[pid] = (max(held + held_delta, 0), max(in_flight + flight_delta, 0))
             path = os.path.join(self.procs_dir, str(pid))
