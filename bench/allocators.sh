@@ -83,6 +83,8 @@ row "PyTorch caching, 2 forked workers, 16 GiB, 3 GiB, allocator=\"torch\"" 16 "
 row "PyTorch caching, 2 forked workers, 24 GiB, 3 GiB" 24 "" --allocator caching --workers 2
 row "the same, allocator=\"torch\" (reports the cache, empties it on trim)" 24 "" --allocator caching --workers 2 --torch
 row "the same, whole bursts to one worker in turn, allocator=\"torch\"" 24 "" --allocator caching --workers 2 --dispatch by-burst --torch
+row "PyTorch caching, 2 forked workers, 16 GiB, 1-4 GiB, allocator=\"torch\"" 16 "" --allocator caching --workers 2 --request-size 1GiB-4GiB --seed 1 --torch
+row "PyTorch caching, 3 forked workers, 24 GiB, 1-4 GiB, allocator=\"torch\"" 24 "" --allocator caching --workers 3 --request-size 1GiB-4GiB --seed 1 --torch
 row "PyTorch caching warm before its first permit, 16 GiB, 3 GiB" 16 "" --allocator caching --warm 3
 row "the same, allocator=\"torch\"" 16 "" --allocator caching --warm 3 --torch
 row "preallocating engine (vLLM, 0.9), max_permits 4, 16 GiB, 3 GiB (permits of size 0)" 16 "max_permits = 4" --allocator prealloc --permit-size none

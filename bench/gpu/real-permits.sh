@@ -118,5 +118,9 @@ start_daemon; case_run "permits, warm 3 before, 3GiB" --warm 3; status_after "pe
 start_daemon; case_run "permits allocator=torch, warm 3 before, 3GiB" --torch --warm 3
 start_daemon; case_run "permits allocator=torch, 2 workers, 3GiB" --torch --workers 2
 start_daemon; case_run "Semaphore(1) per worker, 2 workers, 3GiB" --semaphore 1 --workers 2
+for seed in 1 2; do
+    start_daemon; case_run "permits allocator=torch, 2 workers, 1-4GiB, seed $seed" --torch --workers 2 --request-size 1GiB-4GiB --seed $seed
+    case_run "Semaphore(1) per worker, 2 workers, 1-4GiB, seed $seed" --semaphore 1 --workers 2 --request-size 1GiB-4GiB --seed $seed
+done
 say "done"
 } 2>&1 | tee "$OUT/log"

@@ -127,6 +127,13 @@ impl Books {
         consistent: bool,
         sampled_at: Option<Duration>,
     ) {
+        if !consistent {
+            // Figures from more than one NVML pass, or a process's unknown: they may leave out
+            // what it holds, or one of its processes. Nothing learned from them; until a
+            // consistent one, its cache is nobody's to count on (see `promised_for`).
+            self.consistent = false;
+            return;
+        }
         if self.members != Some(members) {
             self.members = Some(members);
             self.base = None;
@@ -372,7 +379,10 @@ impl Books {
 
     /// Nothing worth remembering: no reservation and nothing held beyond the baseline.
     fn forgettable(&self) -> bool {
-        self.idle() && self.quiet_readings >= 2 && self.held_beyond_base().is_none_or(|b| b == 0)
+        self.idle()
+            && self.quiet_readings >= 2
+            && self.report_pending.is_none()
+            && self.held_beyond_base().is_none_or(|b| b == 0)
     }
 }
 
@@ -1223,6 +1233,51 @@ mod tests {
             a.gpu_promised_beside(A, &c, 0, true, 4 * GIB),
             4 * GIB as i64
         );
+    }
+
+    #[test]
+    fn a_reading_from_more_than_one_nvml_pass_never_voids_what_was_learned() {
+        // Seen on a real H200: a worker's tree was missing from one inconsistent reading; its
+        // books started over, the next baseline took its cache for weights, and its cache was
+        // then nobody's (no credit, no trim hint): two workers' requests waited 10 s for each
+        // other's invisible caches.
+        let (mut a, c) = settled(4);
+        take(&mut a, &c, A, 3);
+        a.observe(None, &reading(&[(A, 7)], true));
+        give_back(&mut a, A, 3);
+        a.observe(None, &reading(&[(A, 7)], true));
+        a.observe(None, &reading(&[(A, 7)], true));
+        assert_eq!(
+            a.gpu_promised_to(A, &c, 0, true),
+            -3 * GIB as i64,
+            "3 GiB cached"
+        );
+        a.observe(None, &reading(&[], false));
+        for _ in 0..3 {
+            a.observe(None, &reading(&[(A, 7)], true));
+        }
+        assert_eq!(
+            a.gpu_promised_to(A, &c, 0, true),
+            -3 * GIB as i64,
+            "still its cache"
+        );
+    }
+
+    #[test]
+    fn a_report_waiting_for_its_reading_keeps_idle_books() {
+        // The daemon restarted under a busy server (9 GiB cached, taken for weights): idle books
+        // with nothing seen beyond their baseline are let go at each reading, and a report that
+        // came after that reading's sample went with them, every time: 0/30 served in one run.
+        let mut a = fresh();
+        for _ in 0..3 {
+            a.observe(None, &reading(&[(A, 13)], true));
+        }
+        let before = reading(&[(A, 13)], true);
+        a.report_cache(A, &before, 9 * GIB, tick());
+        a.observe(None, &before);
+        let after = reading(&[(A, 13)], true);
+        a.observe(None, &after);
+        assert_eq!(a.gpu_promised_to(A, &after, 0, true), -9 * GIB as i64);
     }
 
     #[test]

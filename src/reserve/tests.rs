@@ -787,6 +787,45 @@ fn a_permit_that_ends_while_others_wait_has_a_gpu_reading_taken_at_once() {
     assert!(!alone.wants_fresh_gpu());
 }
 
+/// Seen on a real H200 with two forked workers: worker 43's books were let go while it held
+/// nothing, its new baseline took its cache for weights (NVML cannot tell them apart), and no
+/// hint went to it while worker 42 waited 10 s for the memory it kept. A process of the model
+/// with nothing reserved is asked too: it keeps nothing a permit needs.
+#[test]
+fn a_starved_request_asks_idle_workers_to_give_back_what_they_may_cache() {
+    let ms = Duration::from_millis;
+    let mut t = table();
+    t.join(2, peer(0, 43), Duration::ZERO);
+    t.tick(ms(1), workers(2, 9, ms(1)));
+    t.tick(ms(2), workers(2, 9, ms(2)));
+    // Worker 43's permit is served from a cache NVML counts in its 9 GiB baseline.
+    let Some(Response::Granted { permit, .. }) = t.acquire(2, ask(1, 7), ms(3)) else {
+        panic!("granted");
+    };
+    t.tick(ms(4), workers(2, 9, ms(4)));
+    let _ = t.release_permit(2, 7, permit, ms(5));
+    t.tick(ms(6), workers(2, 9, ms(6)));
+    t.tick(ms(7), workers(2, 9, ms(7)));
+    let _ = mail(&mut t, 2);
+    assert_eq!(
+        t.acquire(1, ask(5, 1), ms(8)),
+        None,
+        "room: 16 - 11 - 1 = 4 GiB"
+    );
+    t.tick(ms(9), workers(2, 9, ms(9)));
+    let hints = mail(&mut t, 2);
+    assert!(
+        hints
+            .iter()
+            .any(|r| matches!(r, Response::Trim { gpu: 0, .. })),
+        "{hints:?}"
+    );
+    // Worker 42's own connection gets no hint for its own wait.
+    assert!(!mail(&mut t, 1)
+        .iter()
+        .any(|r| matches!(r, Response::Trim { .. })));
+}
+
 /// Round three: an acquire with `timeout_ms: 0` that needs GPU memory was always refused: it
 /// waits for a GPU reading newer than itself, which the protocol says a timeout of 0 still gets
 /// ("only for what the daemon needs to decide, a few ms").

@@ -200,20 +200,55 @@ impl Reservations {
         }
     }
 
-    /// The head of `pool`'s queue waits for GPU memory: the pool's other holders that keep
+    /// The head of `pool`'s queue waits for GPU memory: the pool's other processes that may keep
     /// memory cached unused are asked to give it back (`Response::Trim`, at most once per
     /// `TRIM_EVERY` each), those of the waiting request's uid only: a request never costs
-    /// another user's server its cache.
+    /// another user's server its cache. Those are the holders seen keeping memory beyond
+    /// their reservations, and the model's connected processes with nothing reserved, whose
+    /// cache NVML cannot tell from their own memory once it was there when their baseline was
+    /// taken (their books are let go while they hold nothing): they keep nothing a permit needs.
     pub(super) fn ask_to_trim(&mut self, pool: &Pool, waiting: &Peer, now: Duration) {
         let Some(account) = self.pools.get(pool) else {
             return;
         };
+        let usable: Vec<u32> = self
+            .capacity
+            .gpus
+            .iter()
+            .filter(|g| g.usable)
+            .map(|g| g.index)
+            .collect();
         let mut asks: Vec<(ProcessId, u32, u64)> = Vec::new();
-        for g in self.capacity.gpus.iter().filter(|g| g.usable) {
-            for (holder, bytes) in account.idle_caches(&self.capacity, g.index) {
+        for &gpu in &usable {
+            for (holder, bytes) in account.idle_caches(&self.capacity, gpu) {
                 if holder != waiting.process() && !asks.iter().any(|(h, ..)| *h == holder) {
-                    asks.push((holder, g.index, bytes));
+                    asks.push((holder, gpu, bytes));
                 }
+            }
+        }
+        for client in self.clients.values() {
+            let process = client.peer.process();
+            let member = pool
+                .as_ref()
+                .is_some_and(|model| self.capacity.member_of.get(&process) == Some(model));
+            if !member
+                || process == waiting.process()
+                || asks.iter().any(|(h, ..)| *h == process)
+                || self
+                    .holdings
+                    .values()
+                    .any(|h| h.peer.process() == process && h.reserving())
+            {
+                continue;
+            }
+            let held_on = self.capacity.tree(process).and_then(|t| {
+                usable
+                    .iter()
+                    .copied()
+                    .find(|g| t.gpu_bytes.get(g).is_some_and(|&b| b > 0))
+            });
+            if let Some(gpu) = held_on {
+                asks.push((process, gpu, 0));
             }
         }
         self.trims.retain(|_, at| now < *at + TRIM_EVERY);
