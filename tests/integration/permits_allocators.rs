@@ -201,7 +201,11 @@ fn forked_workers_with_mixed_sizes_never_overflow() {
         ];
         let r = run(&s, None, &with(&SEED, &options));
         assert_safe(&r);
-        assert_eq!(count(&r, "served"), 30, "{card} GiB, {workers} workers: {r}");
+        assert_eq!(
+            count(&r, "served"),
+            30,
+            "{card} GiB, {workers} workers: {r}"
+        );
         assert!(count(&r, "max_used_bytes") <= card * GIB, "{r}");
     }
 }
