@@ -87,6 +87,10 @@ pub struct Books {
     /// last reading as held, while that reading's free figure still counts it free: set against
     /// each other, they would count it twice.
     reported_cache: PerGpu,
+    /// What NVML showed it hold in the reading that took that report in: once it holds less,
+    /// its allocator gave memory back (a trim, or PyTorch's own release when a `cudaMalloc`
+    /// failed) and the report may count memory that is gone.
+    reported_with: PerGpu,
     /// A newer report, with when it came (daemon clock), until a reading sampled after it.
     report_pending: Option<(Duration, PerGpu)>,
 }
@@ -109,6 +113,7 @@ impl Default for Books {
             last_sample: None,
             ended: BTreeMap::new(),
             reported_cache: PerGpu::new(),
+            reported_with: PerGpu::new(),
             report_pending: None,
         }
     }
@@ -140,9 +145,19 @@ impl Books {
             self.forget_sizes();
             self.forget_report();
         }
+        // Memory given back since the report was taken in, or since the reading before a
+        // report that waits (it may have been made before): the report may count it.
+        let gave_back = |since: &PerGpu| since.iter().any(|(g, &held)| on(usage, *g) < held);
+        if gave_back(&self.reported_with) {
+            self.reported_cache.clear();
+            self.reported_with.clear();
+        }
         if let (Some(at), Some((reported_at, _))) = (sampled_at, &self.report_pending) {
-            if at >= *reported_at {
+            if gave_back(&self.usage) {
+                self.report_pending = None;
+            } else if at >= *reported_at {
                 self.reported_cache = self.report_pending.take().expect("matched").1;
+                self.reported_with = usage.clone();
             }
         }
         let new_sample = sampled_at.is_some() && sampled_at != self.last_sample;
@@ -374,6 +389,7 @@ impl Books {
 
     fn forget_report(&mut self) {
         self.reported_cache.clear();
+        self.reported_with.clear();
         self.report_pending = None;
     }
 
@@ -1278,6 +1294,25 @@ mod tests {
         let after = reading(&[(A, 13)], true);
         a.observe(None, &after);
         assert_eq!(a.gpu_promised_to(A, &after, 0, true), -9 * GIB as i64);
+    }
+
+    #[test]
+    fn a_report_holds_only_while_the_process_holds_what_it_held_then() {
+        // Seen on a real H200: PyTorch gave 9 GiB of its cache back on its own (a cudaMalloc
+        // failed), and its last report (11 GiB held for work) still counted, up to all the
+        // process held: permits were let in on memory that was gone, and one overflowed.
+        let warm = reading(&[(A, 13)], true);
+        let mut a = fresh();
+        take(&mut a, &warm, A, 3);
+        report(&mut a, &warm, 9);
+        assert_eq!(a.gpu_promised_to(A, &nothing(), 0, true), -6 * GIB as i64);
+        let gave_back = reading(&[(A, 7)], true);
+        a.observe(None, &gave_back);
+        assert_eq!(
+            a.gpu_promised_to(A, &nothing(), 0, true),
+            9 * GIB as i64,
+            "the report is void: NVML alone, against the baseline it had"
+        );
     }
 
     #[test]
