@@ -48,8 +48,10 @@ Options:
   --warm N                serve N requests of --warm-size (default 3GiB) at start, without
                           permits, before the first burst: the cache is warm when the daemon
                           first sees the server ask (as after a restart of the daemon)
-  --torch                 a fake `torch` module answers from the allocator, and the client
-                          reports its cache (`allocator="torch"`); with --real-gpu, the real one
+  --torch                 the client reports the allocator's cache (`allocator="torch"`). With
+                          or without it, a fake `torch` module answering from the allocator is
+                          loaded, as torch is in a PyTorch server (the client empties its cache
+                          on the daemon's `trim`); with --real-gpu, the real one
   --real-gpu              serve on the real GPU 0 with PyTorch's own caching allocator
                           (realgpu.py; --state, --card-total, --context, --allocator, --others
                           and --prealloc do not apply: the card is what the driver has free)
@@ -387,8 +389,7 @@ def serve(
             prealloc=args.prealloc,
             context_bytes=args.context,
         )
-        if args.torch:
-            install_fake_torch(card)
+        install_fake_torch(card)
     if args.warm:
         # Requests served before the first burst (and before the daemon's permits): the
         # allocator's cache is already warm when the daemon first sees the process ask.

@@ -151,14 +151,24 @@ class Sent(FakeDaemonCase, FakeTorch):
                 pass
         self.assertEqual(getattr(cuda, "emptied", 0), 1)
         client.close()
-        # Without the option, a trim is read and ignored.
+        # Without the option too: a PyTorch server's forked workers starve each other if the
+        # one holding a cache never gives it back (issue #22: 15/30 served on two workers).
         plain = Client(self.socket)
         self.addCleanup(plain.close)
         with plain.permit(gpu_bytes="1GiB", timeout=5):
             self.daemon.send_all({"type": "trim", "gpu": 0, "bytes": GIB})
             with plain.permit(gpu_bytes="1GiB", timeout=5):
                 pass
-        self.assertEqual(cuda.emptied, 1)
+        self.assertEqual(cuda.emptied, 2)
+        plain.close()
+        # A function of the caller's own for its allocator: its cache is none of PyTorch's.
+        own = Client(self.socket, allocator=lambda: GIB)
+        self.addCleanup(own.close)
+        with own.permit(gpu_bytes="1GiB", timeout=5):
+            self.daemon.send_all({"type": "trim", "gpu": 0, "bytes": GIB})
+            with own.permit(gpu_bytes="1GiB", timeout=5):
+                pass
+        self.assertEqual(cuda.emptied, 2)
 
     def test_the_async_client_empties_it_too(self):
         cuda = FakeCuda({0: 5 * GIB}, {0: 4 * GIB})

@@ -16,8 +16,11 @@ this process (a process that never touched CUDA has nothing cached); anything el
 nothing, and the request goes out as it would without it.
 
 The other way round, the daemon may send `trim` when another process of the same model waits
-for GPU memory that this process keeps cached unused (a forked worker's cache serves no other
-worker): with "torch" the client then calls `torch.cuda.empty_cache()`.
+for GPU memory that this process may keep cached unused (a forked worker's cache serves no other
+worker): the client then calls `torch.cuda.empty_cache()` if torch is loaded with CUDA
+initialised, with `allocator="torch"` or none at all (a PyTorch server's workers starve each
+other otherwise: freed blocks stay in the process until its own `cudaMalloc` fails). A caller
+that names a function of its own for its allocator empties nothing.
 """
 
 from __future__ import annotations
@@ -91,8 +94,10 @@ def torch_empty_cache() -> None:
 
 
 def cache_trimmer(allocator: Union[None, str, CacheReader]) -> Optional[Callable[[], None]]:
-    """What gives the cache back when the daemon asks (`trim`): PyTorch's for "torch"."""
-    return torch_empty_cache if allocator == "torch" else None
+    """What gives the cache back when the daemon asks (`trim`): PyTorch's, for "torch" and for
+    no allocator named (it does nothing unless torch is loaded with CUDA initialised); nothing
+    for a function of the caller's own."""
+    return torch_empty_cache if allocator in (None, "torch") else None
 
 
 def with_cache(fields: dict, reader: Optional[CacheReader], idle: bool) -> dict:

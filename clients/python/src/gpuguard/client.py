@@ -165,9 +165,10 @@ class Client:
     ``allocator="torch"`` sends with each request what PyTorch's caching allocator holds unused
     on the current device (read only when torch is imported and CUDA initialised; see
     `gpuguard.allocator`), so the daemon lets this process's own cache serve its permits even
-    when it cannot tell the cache from the weights, and empties that cache
-    (`torch.cuda.empty_cache()`) when the daemon says another process of its model waits for
-    it. A function returning bytes works too (it is only read).
+    when it cannot tell the cache from the weights. A function returning bytes works too (it is
+    only read). Whatever ``allocator`` says, short of a function, the client empties PyTorch's
+    cache (`torch.cuda.empty_cache()`, when torch is loaded with CUDA initialised) when the
+    daemon says another process of its model waits for it (`trim`).
     """
 
     def __init__(
