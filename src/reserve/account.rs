@@ -600,6 +600,14 @@ impl Account {
             .any(|b| !b.ended.is_empty())
     }
 
+    /// Whether `holder`'s allocator says what it caches (a report in force or waiting for its
+    /// reading): its cache is known, not to be guessed at.
+    pub fn reports(&self, holder: ProcessId) -> bool {
+        self.holders
+            .get(&holder)
+            .is_some_and(|b| !b.reported_cache.is_empty() || b.report_pending.is_some())
+    }
+
     /// `holder` was asked to give its cache back: what its allocator said it caches is void
     /// until it says again.
     pub fn forget_report(&mut self, holder: ProcessId) {

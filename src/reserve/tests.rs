@@ -813,6 +813,11 @@ fn a_starved_request_asks_idle_workers_to_give_back_what_they_may_cache() {
         "room: 16 - 11 - 1 = 4 GiB"
     );
     t.tick(ms(9), workers(2, 9, ms(9)));
+    assert!(
+        mail(&mut t, 2).is_empty(),
+        "not at once: a report may be on its way"
+    );
+    t.tick(ms(1008), workers(2, 9, ms(1008)));
     let hints = mail(&mut t, 2);
     assert!(
         hints
@@ -820,10 +825,39 @@ fn a_starved_request_asks_idle_workers_to_give_back_what_they_may_cache() {
             .any(|r| matches!(r, Response::Trim { gpu: 0, .. })),
         "{hints:?}"
     );
-    // Worker 42's own connection gets no hint for its own wait.
-    assert!(!mail(&mut t, 1)
+}
+
+/// A server whose cache was warm before the daemon first saw it (a restart of either): NVML
+/// shows it all as the server's own, and its requests waited for memory it kept itself (0/30
+/// served, every one refused with backpressure). With nothing reserved, it is asked too.
+#[test]
+fn a_starved_request_with_nothing_reserved_asks_its_own_process_too() {
+    let ms = Duration::from_millis;
+    let mut t = table();
+    t.tick(ms(1), workers(13, 0, ms(1)));
+    t.tick(ms(2), workers(13, 0, ms(2)));
+    let patient = AcquireRequest {
+        timeout_ms: Some(5000),
+        ..ask(3, 1)
+    };
+    assert_eq!(
+        t.acquire(1, patient, ms(3)),
+        None,
+        "room: 16 - 13 - 1 = 2 GiB"
+    );
+    t.tick(ms(1003), workers(13, 0, ms(1003)));
+    let hints = mail(&mut t, 1);
+    assert!(
+        hints
+            .iter()
+            .any(|r| matches!(r, Response::Trim { gpu: 0, .. })),
+        "{hints:?}"
+    );
+    // It gave 9 GiB back: its baseline falls with it, and the request fits.
+    t.tick(ms(1005), workers(4, 0, ms(1005)));
+    assert!(mail(&mut t, 1)
         .iter()
-        .any(|r| matches!(r, Response::Trim { .. })));
+        .any(|r| matches!(r, Response::Granted { id: 1, .. })));
 }
 
 /// Round three: an acquire with `timeout_ms: 0` that needs GPU memory was always refused: it

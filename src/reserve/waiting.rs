@@ -161,7 +161,7 @@ impl Reservations {
                         if let Some(w) = self.waiting.get_mut(&pool).and_then(|q| q.get_mut(i)) {
                             w.waiting_for = s.message;
                             if !blocked && w.demand.gpu_bytes_total() > 0 {
-                                starved.push((pool.clone(), w.peer));
+                                starved.push((pool.clone(), w.peer, w.arrived));
                             }
                         }
                         blocked = true;
@@ -171,8 +171,8 @@ impl Reservations {
             }
         }
         self.waiting.retain(|_, q| !q.is_empty());
-        for (pool, peer) in starved {
-            self.ask_to_trim(&pool, &peer, now);
+        for (pool, peer, arrived) in starved {
+            self.ask_to_trim(&pool, &peer, now.saturating_sub(arrived), now);
         }
         while let Some(head) = self.launch_queue.front() {
             match self.launch_fit(head) {
@@ -204,13 +204,19 @@ impl Reservations {
     /// memory cached unused are asked to give it back (`Response::Trim`, at most once per
     /// `TRIM_EVERY` each), those of the waiting request's uid only: a request never costs
     /// another user's server its cache. Those are the holders seen keeping memory beyond
-    /// their reservations, and the model's connected processes with nothing reserved, whose
-    /// cache NVML cannot tell from their own memory once it was there when their baseline was
-    /// taken (their books are let go while they hold nothing): they keep nothing a permit needs.
-    pub(super) fn ask_to_trim(&mut self, pool: &Pool, waiting: &Peer, now: Duration) {
-        let Some(account) = self.pools.get(pool) else {
-            return;
-        };
+    /// their reservations, and, once the request has `waited` `TRIM_EVERY`, the model's
+    /// connected processes with nothing reserved and no report of their cache, the waiting
+    /// one's own included, whose cache NVML cannot tell from their own memory once it was there
+    /// when their baseline was taken (their books are let go while they hold nothing): they
+    /// keep nothing a permit needs, and what they give back is free memory. (Not at once: a
+    /// process new to the daemon has its cache reported with its next requests.)
+    pub(super) fn ask_to_trim(
+        &mut self,
+        pool: &Pool,
+        waiting: &Peer,
+        waited: Duration,
+        now: Duration,
+    ) {
         let usable: Vec<u32> = self
             .capacity
             .gpus
@@ -219,20 +225,24 @@ impl Reservations {
             .map(|g| g.index)
             .collect();
         let mut asks: Vec<(ProcessId, u32, u64)> = Vec::new();
-        for &gpu in &usable {
-            for (holder, bytes) in account.idle_caches(&self.capacity, gpu) {
-                if holder != waiting.process() && !asks.iter().any(|(h, ..)| *h == holder) {
-                    asks.push((holder, gpu, bytes));
+        if let Some(account) = self.pools.get(pool) {
+            for &gpu in &usable {
+                for (holder, bytes) in account.idle_caches(&self.capacity, gpu) {
+                    if holder != waiting.process() && !asks.iter().any(|(h, ..)| *h == holder) {
+                        asks.push((holder, gpu, bytes));
+                    }
                 }
             }
         }
-        for client in self.clients.values() {
+        let unknown_too = waited >= TRIM_EVERY;
+        for client in self.clients.values().filter(|_| unknown_too) {
             let process = client.peer.process();
             let member = pool
                 .as_ref()
                 .is_some_and(|model| self.capacity.member_of.get(&process) == Some(model));
+            let reports = self.pools.get(pool).is_some_and(|a| a.reports(process));
             if !member
-                || process == waiting.process()
+                || reports
                 || asks.iter().any(|(h, ..)| *h == process)
                 || self
                     .holdings
