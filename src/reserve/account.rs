@@ -941,6 +941,18 @@ mod tests {
         (a, at_rest)
     }
 
+    /// `settled(4)` after one 3 GiB permit of A's ended, its memory cached: the reading that
+    /// shows A holding 7 GiB.
+    fn cached_one() -> (Account, Capacity) {
+        let (mut a, c) = settled(4);
+        take(&mut a, &c, A, 3);
+        a.observe(None, &reading(&[(A, 7)], true));
+        give_back(&mut a, A, 3);
+        let cached = reading(&[(A, 7)], true);
+        a.observe(None, &cached);
+        (a, cached)
+    }
+
     thread_local! {
         /// Permits held in the test's account (the ledger counts its holdings).
         static HELD: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
@@ -1175,12 +1187,7 @@ mod tests {
         // its next request reported 6 GiB held for work, before any reading showed the second
         // 3 GiB taken. Set against that reading's free memory, the report made A's permits look
         // wholly held, and two more were granted on memory that was not there.
-        let (mut a, c) = settled(4);
-        take(&mut a, &c, A, 3);
-        a.observe(None, &reading(&[(A, 7)], true));
-        give_back(&mut a, A, 3);
-        let cached = reading(&[(A, 7)], true);
-        a.observe(None, &cached);
+        let (mut a, cached) = cached_one();
         take(&mut a, &cached, A, 3);
         take(&mut a, &cached, A, 3);
         a.report_cache(A, &cached, 6 * GIB, tick());
@@ -1228,12 +1235,7 @@ mod tests {
         );
         // Requests no larger than the smallest ever taken fit any cached segment: the cache
         // serves them, for everyone's books.
-        let (mut a, c) = settled(4);
-        take(&mut a, &c, A, 3);
-        a.observe(None, &reading(&[(A, 7)], true));
-        give_back(&mut a, A, 3);
-        let cached = reading(&[(A, 7)], true);
-        a.observe(None, &cached);
+        let (mut a, cached) = cached_one();
         take(&mut a, &cached, A, 3);
         assert_eq!(a.gpu_promised_to(B, &cached, 0, true), 0);
     }
@@ -1265,11 +1267,7 @@ mod tests {
         // books started over, the next baseline took its cache for weights, and its cache was
         // then nobody's (no credit, no trim hint): two workers' requests waited 10 s for each
         // other's invisible caches.
-        let (mut a, c) = settled(4);
-        take(&mut a, &c, A, 3);
-        a.observe(None, &reading(&[(A, 7)], true));
-        give_back(&mut a, A, 3);
-        a.observe(None, &reading(&[(A, 7)], true));
+        let (mut a, c) = cached_one();
         a.observe(None, &reading(&[(A, 7)], true));
         assert_eq!(
             a.gpu_promised_to(A, &c, 0, true),
