@@ -281,10 +281,7 @@ impl Books {
     /// memory held beyond baseline and reservations (cache). `consistent`: the capacity's GPU
     /// figures are from one pass.
     fn promised(&self, gpu: u32, consistent: bool) -> i64 {
-        let ended = self.ended.get(&gpu).map_or(0, |ends| {
-            ends.iter().fold(0u64, |sum, (_, b)| sum.saturating_add(*b))
-        });
-        self.promised_for(gpu, consistent, ended, 0)
+        self.promised_for(gpu, consistent, self.ended_larger_than(gpu, 0), 0)
             .max(self.outgrowing(gpu).min(i64::MAX as u64) as i64)
     }
 
@@ -304,12 +301,17 @@ impl Books {
                     sum.saturating_add(size.saturating_mul(*n))
                 })
         });
-        let ended = self.ended.get(&gpu).map_or(0, |ends| {
+        out.saturating_add(self.ended_larger_than(gpu, smallest))
+    }
+
+    /// What the reservations that ended on `gpu`, of more than `size` each, held, while no
+    /// reading since their end says what became of it.
+    fn ended_larger_than(&self, gpu: u32, size: u64) -> u64 {
+        self.ended.get(&gpu).map_or(0, |ends| {
             ends.iter()
-                .filter(|(_, size)| *size > smallest)
-                .fold(0u64, |sum, (_, size)| sum.saturating_add(*size))
-        });
-        out.saturating_add(ended)
+                .filter(|(_, held)| *held > size)
+                .fold(0u64, |sum, (_, held)| sum.saturating_add(*held))
+        })
     }
 
     /// `promised`, with `ended` of the reservations that ended not yet seen given back, had it
@@ -1319,6 +1321,15 @@ mod tests {
             9 * GIB as i64,
             "the report is void: NVML alone, against the baseline it had"
         );
+        // A report still waiting for its reading when the process gave memory back may have
+        // been made before: it is dropped, not taken in.
+        let warm = reading(&[(A, 13)], true);
+        let mut a = fresh();
+        take(&mut a, &warm, A, 3);
+        a.report_cache(A, &warm, 9 * GIB, tick());
+        let gave_back = reading(&[(A, 7)], true);
+        a.observe(None, &gave_back);
+        assert_eq!(a.gpu_promised_to(A, &nothing(), 0, true), 9 * GIB as i64);
     }
 
     #[test]

@@ -860,6 +860,30 @@ fn a_starved_request_with_nothing_reserved_asks_its_own_process_too() {
         .any(|r| matches!(r, Response::Granted { id: 1, .. })));
 }
 
+/// A process whose allocator reports its cache is not asked blind: what it caches is known, and
+/// emptying it on a guess threw away a warm cache its report was about to credit.
+#[test]
+fn a_process_that_reports_its_cache_is_not_asked_to_give_back_what_it_may_cache() {
+    let ms = Duration::from_millis;
+    let mut t = table();
+    t.tick(ms(1), workers(13, 0, ms(1)));
+    t.tick(ms(2), workers(13, 0, ms(2)));
+    let reported = AcquireRequest {
+        timeout_ms: Some(5000),
+        cache_bytes: Some(GIB / 2),
+        ..ask(3, 1)
+    };
+    assert_eq!(
+        t.acquire(1, reported, ms(3)),
+        None,
+        "room: 16 - 13 - 1 = 2 GiB, and 0.5 GiB of its cache once a reading takes the report in"
+    );
+    t.tick(ms(1003), workers(13, 0, ms(1003)));
+    assert!(!mail(&mut t, 1)
+        .iter()
+        .any(|r| matches!(r, Response::Trim { .. })));
+}
+
 /// Round three: an acquire with `timeout_ms: 0` that needs GPU memory was always refused: it
 /// waits for a GPU reading newer than itself, which the protocol says a timeout of 0 still gets
 /// ("only for what the daemon needs to decide, a few ms").

@@ -224,8 +224,9 @@ impl Reservations {
             .filter(|g| g.usable)
             .map(|g| g.index)
             .collect();
+        let account = self.pools.get(pool);
         let mut asks: Vec<(ProcessId, u32, u64)> = Vec::new();
-        if let Some(account) = self.pools.get(pool) {
+        if let Some(account) = account {
             for &gpu in &usable {
                 for (holder, bytes) in account.idle_caches(&self.capacity, gpu) {
                     if holder != waiting.process() && !asks.iter().any(|(h, ..)| *h == holder) {
@@ -234,31 +235,34 @@ impl Reservations {
                 }
             }
         }
-        let unknown_too = waited >= TRIM_EVERY;
-        for client in self.clients.values().filter(|_| unknown_too) {
-            let process = client.peer.process();
-            let member = pool
-                .as_ref()
-                .is_some_and(|model| self.capacity.member_of.get(&process) == Some(model));
-            let reports = self.pools.get(pool).is_some_and(|a| a.reports(process));
-            if !member
-                || reports
-                || asks.iter().any(|(h, ..)| *h == process)
-                || self
-                    .holdings
-                    .values()
-                    .any(|h| h.peer.process() == process && h.reserving())
-            {
-                continue;
-            }
-            let held_on = self.capacity.tree(process).and_then(|t| {
-                usable
-                    .iter()
-                    .copied()
-                    .find(|g| t.gpu_bytes.get(g).is_some_and(|&b| b > 0))
-            });
-            if let Some(gpu) = held_on {
-                asks.push((process, gpu, 0));
+        if waited >= TRIM_EVERY {
+            let reserving: std::collections::HashSet<ProcessId> = self
+                .holdings
+                .values()
+                .filter(|h| h.reserving())
+                .map(|h| h.peer.process())
+                .collect();
+            for client in self.clients.values() {
+                let process = client.peer.process();
+                let member = pool
+                    .as_ref()
+                    .is_some_and(|model| self.capacity.member_of.get(&process) == Some(model));
+                if !member
+                    || reserving.contains(&process)
+                    || account.is_some_and(|a| a.reports(process))
+                    || asks.iter().any(|(h, ..)| *h == process)
+                {
+                    continue;
+                }
+                let held_on = self.capacity.tree(process).and_then(|t| {
+                    usable
+                        .iter()
+                        .copied()
+                        .find(|g| t.gpu_bytes.get(g).is_some_and(|&b| b > 0))
+                });
+                if let Some(gpu) = held_on {
+                    asks.push((process, gpu, 0));
+                }
             }
         }
         self.trims.retain(|_, at| now < *at + TRIM_EVERY);
