@@ -13,7 +13,8 @@
 # CARD_GIB + 1 GiB free. Writes OUTDIR/results.jsonl (one JSON line per case, with "case"),
 # OUTDIR/status.jsonl (the daemon's status --json after each permit case), OUTDIR/nvml.json,
 # OUTDIR/jax.json and OUTDIR/log. ONLY=REGEX runs only the cases whose names match; PROBES=0
-# skips the JAX and NVML probes; GPUGUARD_LOG=debug gives the daemon's reasons in daemon.log.
+# skips the JAX and NVML probes; SEEDS="1 2 ..." are the draws of mixed sizes (default "1 2");
+# GPUGUARD_LOG=debug gives the daemon's reasons in daemon.log.
 set -uo pipefail
 BIN=$(realpath "${1:?usage: real-permits.sh PATH/TO/gpuguard OUTDIR [CARD_GIB]}")
 OUT=$(realpath -m "${2:?OUTDIR}")
@@ -109,8 +110,9 @@ for n in 3 4 5 6; do case_run "Semaphore($n), 1-4GiB" --semaphore $n --request-s
 start_daemon; case_run "permits, 3GiB" ; status_after "permits, 3GiB"
 start_daemon; case_run "permits allocator=torch, 3GiB" --torch; status_after "permits allocator=torch, 3GiB"
 start_daemon; case_run "permits allocator=torch, 1-4GiB" --torch --request-size 1GiB-4GiB; status_after "permits allocator=torch, 1-4GiB"
-for seed in 1 2; do
+for seed in ${SEEDS:-1 2}; do
     start_daemon; case_run "permits allocator=torch, 1-4GiB, seed $seed" --torch --request-size 1GiB-4GiB --seed $seed
+    start_daemon; case_run "permits, 1-4GiB, seed $seed" --request-size 1GiB-4GiB --seed $seed
     case_run "Semaphore(3), 1-4GiB, seed $seed" --semaphore 3 --request-size 1GiB-4GiB --seed $seed
 done
 start_daemon; case_run "permits, 1-4GiB" --request-size 1GiB-4GiB
@@ -118,7 +120,7 @@ start_daemon; case_run "permits, warm 3 before, 3GiB" --warm 3; status_after "pe
 start_daemon; case_run "permits allocator=torch, warm 3 before, 3GiB" --torch --warm 3
 start_daemon; case_run "permits allocator=torch, 2 workers, 3GiB" --torch --workers 2
 start_daemon; case_run "Semaphore(1) per worker, 2 workers, 3GiB" --semaphore 1 --workers 2
-for seed in 1 2; do
+for seed in ${SEEDS:-1 2}; do
     start_daemon; case_run "permits allocator=torch, 2 workers, 1-4GiB, seed $seed" --torch --workers 2 --request-size 1GiB-4GiB --seed $seed
     case_run "Semaphore(1) per worker, 2 workers, 1-4GiB, seed $seed" --semaphore 1 --workers 2 --request-size 1GiB-4GiB --seed $seed
 done

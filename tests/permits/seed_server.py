@@ -15,7 +15,8 @@ Prints one JSON line of results on stdout:
   requests, served, refused, refused_by_reason {reason: n}, refused_without_retry_after,
   retry_after_s {min, max} (null when nothing was refused), errors, error_messages (first 5),
   overflows (CUDA OOMs), max_in_flight (on the card, across workers), max_used_bytes,
-  median_latency_s (from a request's arrival to the end of its work, served ones), fit (how
+  median_latency_s (from a request's arrival to the end of its work, served ones), latencies_s
+  (each served one's, sorted), fit (how
   many requests fit beside the weights with a fixed size, else null), expired (permits revoked
   while working), max_waited_s, card_total_bytes, weights_bytes, allocator, workers, permits
   (bool), semaphore, client ("thread"/"async").
@@ -167,6 +168,7 @@ def report(parts: List[Dict[str, Any]], args: argparse.Namespace, fit: Optional[
         "max_in_flight": max(c["max_in_flight"] for c in cards),
         "max_used_bytes": max(c["max_used_bytes"] for c in cards),
         "median_latency_s": round(latencies[len(latencies) // 2], 3) if latencies else None,
+        "latencies_s": [round(x, 3) for x in latencies],
         "fit": fit,
         "expired": sum(p["expired"] for p in parts),
         "max_waited_s": round(max(p["max_waited_s"] for p in parts), 3),
