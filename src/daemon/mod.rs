@@ -205,6 +205,10 @@ const LAUNCH_TICK: Duration = Duration::from_millis(100);
 /// While permits are held or wait, the loop ticks at least this often, reading the GPU process
 /// lists each time, so admission sees each model's use beside the GPU's free memory.
 const PERMIT_TICK: Duration = Duration::from_millis(200);
+/// The least time between the end of one tick and a tick the socket or the GPU sampler woke
+/// early: a client that loops acquire/cancel or acquire/release wakes the loop with every
+/// request, and would otherwise have it tick as fast as the CPU allows.
+const MIN_WAKE_GAP: Duration = Duration::from_millis(2);
 /// The status report (and the metrics' gauges) are refreshed at most this often (counters and
 /// the histogram always); the socket serves the latest with the reservation table's live rows.
 const STATUS_REFRESH: Duration = Duration::from_millis(250);
@@ -376,7 +380,7 @@ impl Daemon {
                     );
                     break;
                 }
-                Ok(DaemonEvent::Wake) => next_tick = Instant::now(),
+                Ok(DaemonEvent::Wake) => next_tick = woken(next_tick, last_tick, Instant::now()),
                 Ok(DaemonEvent::Scan(result)) => {
                     self.scans.arrived(*result);
                     if self.max_scan_age.is_zero() {
@@ -729,6 +733,12 @@ impl Daemon {
         self.alerter
             .lifecycle(EventKind::DaemonStarted, Severity::Info, message);
     }
+}
+
+/// When to tick after a wake-up that came at `now`: at once, but never sooner than
+/// `MIN_WAKE_GAP` after the last tick, and never later than the tick already due.
+fn woken(next_tick: Instant, last_tick: Instant, now: Instant) -> Instant {
+    next_tick.min(now.max(last_tick + MIN_WAKE_GAP))
 }
 
 /// All threads allocate from one malloc arena: glibc gives each thread that allocates an arena of

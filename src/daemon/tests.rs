@@ -607,3 +607,19 @@ fn shmem_growth_past_the_floor_alerts_and_signals_nobody() {
     let status = super::report::status_report(&h.daemon.view(super::view::Detail::Full));
     assert_eq!(status.memory.shmem_bytes, Some(4 * GIB + GIB / 2));
 }
+
+#[test]
+fn a_wake_up_ticks_at_once_but_never_sooner_than_the_gap_after_the_last_tick() {
+    use super::{woken, MIN_WAKE_GAP};
+    let last = std::time::Instant::now();
+    let due = last + Duration::from_millis(200);
+    // Right after a tick, a wake-up waits out the gap (a client looping requests cannot make
+    // the loop spin).
+    assert_eq!(woken(due, last, last), last + MIN_WAKE_GAP);
+    // Later, it ticks at once.
+    let later = last + Duration::from_millis(50);
+    assert_eq!(woken(due, last, later), later);
+    // And never postpones a tick already due sooner.
+    let soon = last + Duration::from_millis(1);
+    assert_eq!(woken(soon, last, last), soon);
+}
