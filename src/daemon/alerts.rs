@@ -91,7 +91,7 @@ impl Daemon {
             severity
         };
         let mut subject = self.target_subject(&action.target);
-        let s = &self.snapshot;
+        let s = &self.sampler.snapshot;
         if let Some(recheck) = action.recheck {
             subject.resource = Some(recheck.resource.to_string());
             subject.floor_bytes = Some(recheck.below_bytes);
@@ -145,7 +145,7 @@ impl Daemon {
     pub(super) fn target_subject(&self, target: &Target) -> Subject {
         let first = target.members.first();
         let cmdline = first
-            .and_then(|m| self.snapshot.processes.get(m.id))
+            .and_then(|m| self.sampler.snapshot.processes.get(m.id))
             .map(|p| p.cmdline.chars().take(1024).collect());
         Subject {
             model: target.model.clone(),
@@ -162,7 +162,8 @@ impl Daemon {
     /// line and the model's usage where the daemon knows them.
     pub(super) fn event_subject(&self, about: &About) -> Subject {
         let process = about.pid.and_then(|pid| {
-            self.snapshot
+            self.sampler
+                .snapshot
                 .processes
                 .processes
                 .iter()
@@ -192,7 +193,7 @@ impl Daemon {
 
     /// A model's budgets in bytes (its use left at zero), if it has a config.
     pub(super) fn budget_figures(&self, name: &str) -> ModelFigures {
-        let s = &self.snapshot;
+        let s = &self.sampler.snapshot;
         let (ram_budget_bytes, gpu_budget_bytes) =
             crate::policy::model_config(&self.config, &self.state, name)
                 .map_or((None, None), |c| {

@@ -12,6 +12,7 @@ use crate::config::{Config, ConfigError, GpuTotal, HostTotals};
 use crate::kinds::EventKind;
 use crate::policy::{About, Event, Resource, Severity};
 
+use super::sampler::Sampler;
 use super::Daemon;
 
 /// At start, how long the GPU floors' check waits for NVML's first answer (loading NVML takes
@@ -24,10 +25,10 @@ impl Daemon {
     /// that answers later has such a floor left unenforced by the policy, and a reload then
     /// refuses it).
     pub fn check_floors_at_start(&mut self) -> Result<(), ConfigError> {
-        let host = self.procs.host_memory();
+        let host = self.sampler.procs.host_memory();
         let g = &self.config.gpu;
         let gpu_floors = g.warn_free.is_some() || g.min_free.is_some() || !g.devices.is_empty();
-        let gpus = match &self.gpus {
+        let gpus = match &self.sampler.gpus {
             Some(monitor) if gpu_floors => {
                 monitor.request(false);
                 monitor.wait_first(FIRST_GPU_ANSWER);
@@ -51,7 +52,7 @@ impl Daemon {
     /// A reloaded config, checked against this host's totals as last sampled; `state_dir`
     /// stays what the daemon started with (it changes only at restart).
     pub(super) fn vet_reload(&self, mut config: Config) -> Result<Config, ConfigError> {
-        let s = &self.snapshot;
+        let s = &self.sampler.snapshot;
         let totals = HostTotals {
             ram_bytes: s.host.total_bytes,
             swap_bytes: s.host.swap_total_bytes,
@@ -67,7 +68,9 @@ impl Daemon {
         }
         Ok(config)
     }
+}
 
+impl Sampler {
     /// Says once when a GPU is lost (GPU_IS_LOST, or gone from NVML's device list) and when it
     /// is back. The condition `gpu_lost` (alerts), status and metrics follow the snapshot.
     pub(super) fn note_lost_gpus(&mut self, events: &mut Vec<Event>) {

@@ -2,14 +2,16 @@
 //! reload and SIGTERM/SIGINT shutdown that resumes every process gpuguard holds stopped.
 //! `view.rs` derives the tick view once per tick; from it `alerts.rs` works out the alert
 //! conditions (it also feeds actions to the alert pipeline), `report.rs` what operators see and
-//! `Metrics::update` the gauges. `scanning.rs` schedules the process scans (on a thread of their
-//! own), `warm.rs` runs the kill path once at start, `systemd.rs` speaks sd_notify.
+//! `Metrics::update` the gauges. `sampler.rs` is the sampling part: it owns the sources, the
+//! snapshot it builds from them and what it remembers about them; `scanning.rs` (part of it)
+//! schedules the process scans (on a thread of their own). `warm.rs` runs the kill path once at
+//! start, `systemd.rs` speaks sd_notify.
 //!
 //! # Threads
 //!
 //! Each thread owns its own state; they talk to the loop through channels and a few locks, never
 //! by waiting on each other's I/O.
-//! - *the control loop* (the thread that calls `run`): owns `Daemon` (config, snapshot, policy
+//! - *the control loop* (the thread that calls `run`): owns `Daemon` (config, sampler and snapshot, policy
 //!   state, executor, alerter). Ends on SIGTERM/SIGINT, lets go of what it holds
 //!   (`Executor::shutdown`) and shuts the others down.
 //! - `signals`: turns SIGHUP/SIGTERM/SIGINT into `DaemonEvent::Signal`; ends when `run` closes
@@ -36,9 +38,8 @@
 //! GPU source, a process control): `Sources::real` in the binary, fakes in `tests.rs`, which
 //! drive whole ticks in process with the clock in hand (`tick_at`).
 
-use std::collections::{BTreeSet, HashSet, VecDeque};
+use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -55,15 +56,13 @@ use crate::config::Config;
 use crate::ipc::server::Shared;
 use crate::kinds::EventKind;
 use crate::metrics::Metrics;
-use crate::policy::{
-    evaluate, About, Action, Event, Executed, PolicyState, Resource, Severity, Target,
-};
+use crate::policy::{evaluate, Action, Event, Executed, PolicyState, Resource, Severity, Target};
 use crate::reserve::Capacity;
 use crate::sample::engine::EngineScraper;
 use crate::sample::nvml::{GpuMonitor, GpuSource, NvmlGpuSource};
 use crate::sample::scan::ScanResult;
 use crate::sample::{ProcSource, ProcfsSource};
-use crate::snapshot::{GpuStatus, ProcessId, Snapshot};
+use crate::snapshot::Snapshot;
 use crate::state_dir::StateDir;
 use crate::status::ActionRow;
 use crate::view::TickView;
@@ -72,11 +71,13 @@ mod alerts;
 mod faults;
 mod model_detail;
 mod report;
+mod sampler;
 mod scanning;
 mod systemd;
 #[cfg(test)]
 mod tests;
 mod view;
+use sampler::Sampler;
 use view::Detail;
 mod warm;
 
@@ -143,39 +144,22 @@ impl Default for Roots {
 pub struct Daemon {
     config_path: PathBuf,
     config: Config,
-    /// Host memory every tick, and the loop's own reads of single processes.
-    procs: Box<dyn ProcSource>,
-    scans: scanning::Scans,
-    gpus: Option<GpuMonitor>,
+    /// What the loop knows of the host (sources, snapshot), and what it reads next.
+    sampler: Sampler,
     executor: Executor,
     state: PolicyState,
-    snapshot: Snapshot,
     started: Instant,
-    gpu_status: GpuStatus,
-    unknown_gpu_pids: HashSet<i32>,
     /// The reservation table and the status report, shared with the socket thread.
     shared: Arc<Shared>,
     events: Receiver<DaemonEvent>,
     events_tx: Sender<DaemonEvent>,
-    /// Set while a request waits for a GPU reading newer than itself: the NVML worker then
-    /// wakes the loop when its next sample is in.
-    fresh_gpu_wanted: Arc<AtomicBool>,
     recent_actions: VecDeque<ActionRow>,
-    /// From the last plan: how fresh the process table must be, and which pids to re-read.
-    max_scan_age: Duration,
-    watch: Vec<ProcessId>,
     metrics: Metrics,
     /// When the metrics' gauges were last refreshed (`None`: metrics off).
     metrics_updated: Option<Instant>,
     /// When the status report was last published.
     status_published: Option<Instant>,
-    /// Reservations were out at the last tick (GPU process lists are then read every tick).
-    reservations_busy: bool,
     alerter: Alerter,
-    /// NVML has worked at least once: losing it now is an alert, not a host without GPUs.
-    gpu_seen_ok: bool,
-    /// GPUs reported lost (GPU_IS_LOST, or gone from NVML's list), said once each.
-    lost_gpus: BTreeSet<u32>,
     /// Scrapes the model servers' metrics URLs on a thread of its own.
     engines: EngineScraper,
     /// What the last tick saw, decided and did (status, metrics and conditions read it).
@@ -259,15 +243,7 @@ impl Daemon {
         let mut alerter = Alerter::new(&config, &metrics).context("[alert]")?;
         faults::announce_leftovers(&mut alerter, &leftovers);
         let (events_tx, events) = channel();
-        let fresh_gpu_wanted = Arc::new(AtomicBool::new(false));
-        if let Some(gpus) = &gpus {
-            let (wanted, wake) = (fresh_gpu_wanted.clone(), events_tx.clone());
-            gpus.after_each_sample(Box::new(move || {
-                if wanted.swap(false, Ordering::AcqRel) {
-                    let _ = wake.send(DaemonEvent::Wake);
-                }
-            }));
-        }
+        let sampler = Sampler::new(procs, scans, gpus, snapshot, events_tx.clone());
         let wake = events_tx.clone();
         let shared = Arc::new(Shared::new(
             &config,
@@ -280,29 +256,18 @@ impl Daemon {
         Ok(Daemon {
             config_path: config_path.to_path_buf(),
             config,
-            procs,
-            scans,
-            gpus,
+            sampler,
             executor,
             state: PolicyState::default(),
-            snapshot,
             started: shared.epoch,
-            gpu_status: GpuStatus::Off,
-            unknown_gpu_pids: HashSet::new(),
             shared,
             events,
             events_tx,
-            fresh_gpu_wanted,
             recent_actions: VecDeque::new(),
-            max_scan_age: Duration::ZERO,
-            watch: Vec::new(),
             metrics,
             metrics_updated: None,
             status_published: None,
-            reservations_busy: false,
             alerter,
-            gpu_seen_ok: false,
-            lost_gpus: BTreeSet::new(),
             engines: EngineScraper::default(),
             view: TickView::default(),
         })
@@ -330,7 +295,8 @@ impl Daemon {
             })?;
         self.shared
             .publish_status(report::status_report(&self.view(Detail::Full)));
-        self.scans
+        self.sampler
+            .scans
             .start(self.events_tx.clone())
             .context("starting the process scan thread")?;
         let _socket = crate::ipc::server::spawn(&self.config.launch.socket, self.shared.clone())?;
@@ -382,8 +348,8 @@ impl Daemon {
                 }
                 Ok(DaemonEvent::Wake) => next_tick = woken(next_tick, last_tick, Instant::now()),
                 Ok(DaemonEvent::Scan(result)) => {
-                    self.scans.arrived(*result);
-                    if self.max_scan_age.is_zero() {
+                    self.sampler.scans.arrived(*result);
+                    if self.sampler.max_scan_age.is_zero() {
                         // The policy is waiting for this table (a floor crossed, no victim yet).
                         next_tick = Instant::now();
                     }
@@ -411,68 +377,22 @@ impl Daemon {
     /// samples.
     fn tick_at(&mut self, now: Instant, since_last: Duration) -> Duration {
         let at = now.saturating_duration_since(self.started);
-        let (scan, mut events, gpu_sample) = self.sample(now, at, since_last);
-        let plan = evaluate(&self.config, &self.snapshot, &mut self.state);
+        let (scan, mut events, gpu_sample) = self.sampler.sample(&self.config, now, at, since_last);
+        self.metrics.observe_sample(now.elapsed());
+        let plan = evaluate(&self.config, &self.sampler.snapshot, &mut self.state);
         let reserved = self.reserve(at, scan);
         events.extend(reserved.events);
         self.tell(events.iter().chain(&plan.events));
         self.act(plan.actions);
         // A permit request waits for a scan to find its caller's model: one now.
-        self.max_scan_age = if reserved.scan_wanted {
+        self.sampler.max_scan_age = if reserved.scan_wanted {
             Duration::ZERO
         } else {
             plan.max_scan_age
         };
-        self.watch = plan.watch;
+        self.sampler.watch = plan.watch;
         self.report(now);
         self.schedule(now, at, plan.next_interval, scan, gpu_sample)
-    }
-
-    /// Host memory, the process table (a round the scan thread finished, the victims waited
-    /// on, PSS and tmpfs owners near the RAM floor) and the GPUs (with their Xid events).
-    /// Returns whether a scan was merged, the events sampling raised, and how long NVML took.
-    fn sample(
-        &mut self,
-        now: Instant,
-        at: Duration,
-        since_last: Duration,
-    ) -> (bool, Vec<Event>, Duration) {
-        self.snapshot.at = at;
-        self.snapshot.host = self.procs.host_memory();
-        let scan = self.merge_scan();
-        self.reread_watched();
-        self.read_pss_near_floor(scan);
-        let mut events = Vec::new();
-        let mut gpu_sample = Duration::ZERO;
-        if let Some(gpus) = &self.gpus {
-            let (gpu_snapshot, xids, took) = gpus.snapshot(now, at, since_last);
-            gpu_sample = took;
-            self.snapshot.gpus = gpu_snapshot;
-            for x in xids {
-                let gpu = x
-                    .gpu
-                    .map_or("unknown GPU".to_string(), |g| format!("GPU {g}"));
-                let (severity, kind) = if x.critical() {
-                    (Severity::Critical, EventKind::XidCritical)
-                } else {
-                    (Severity::Warning, EventKind::Xid)
-                };
-                let about = About {
-                    resource: x.gpu.map(Resource::Gpu),
-                    ..About::default()
-                };
-                events.push(
-                    Event::new(severity, kind, format!("Xid {} on {gpu}", x.xid)).about(about),
-                );
-            }
-            if scan {
-                self.note_unknown_gpu_pids();
-            }
-        }
-        self.note_gpu_status(&mut events);
-        self.note_lost_gpus(&mut events);
-        self.metrics.observe_sample(now.elapsed());
-        (scan, events, gpu_sample)
     }
 
     /// The reservation ledger's tick on this tick's capacity: its events, and the launches it
@@ -484,17 +404,15 @@ impl Daemon {
                 .set_targets(targets, self.config.daemon.scan_interval);
         }
         let (report, fresh_wanted, scan_wanted) = {
-            let mut capacity = Capacity::from_tick(&self.config, &self.snapshot, &self.state);
+            let mut capacity =
+                Capacity::from_tick(&self.config, &self.sampler.snapshot, &self.state);
             capacity.preallocated = self.engines.preallocated();
             let mut table = self.shared.table();
             let report = table.tick(at, capacity);
             (report, table.wants_fresh_gpu(), table.wants_fresh_scan())
         };
-        if let (true, Some(gpus)) = (fresh_wanted, &self.gpus) {
-            // A request waits for a GPU reading newer than itself: have one taken now, and be
-            // woken when it is in.
-            self.fresh_gpu_wanted.store(true, Ordering::Release);
-            gpus.request(true);
+        if fresh_wanted {
+            self.sampler.want_fresh_gpu();
         }
         self.state
             .set_launches(report.registered, report.launched_models);
@@ -518,8 +436,8 @@ impl Daemon {
     fn act(&mut self, actions: Vec<Action>) {
         let mut outcomes = Vec::with_capacity(actions.len());
         for action in actions {
-            let cgroup = own_cgroup(&self.snapshot, &action.target);
-            let procs = &mut self.procs;
+            let cgroup = own_cgroup(&self.sampler.snapshot, &action.target);
+            let procs = &mut self.sampler.procs;
             let mut reread = |r: Resource| match r {
                 Resource::Ram => procs.host_memory().available_bytes,
                 Resource::Gpu(_) => None,
@@ -570,16 +488,16 @@ impl Daemon {
         };
         if launching {
             // Admission and readiness are checked every tick: look often while launches wait.
-            self.max_scan_age = self.max_scan_age.min(LAUNCH_TICK);
+            self.sampler.max_scan_age = self.sampler.max_scan_age.min(LAUNCH_TICK);
             next = next.min(LAUNCH_TICK);
         }
         if reserving {
             next = next.min(PERMIT_TICK);
         }
-        self.reservations_busy = reserving;
+        self.sampler.reservations_busy = reserving;
         // Permits are admitted against each model's use beside the GPU's free memory: the GPU
         // process lists are read in the same pass while any reservation is out.
-        let scan_request = self.schedule_scan(at);
+        let scan_request = self.sampler.schedule_scan(&self.config, &self.state, at);
         let scan_requested = scan_request.is_some();
         debug!(
             took_us = now.elapsed().as_micros() as u64,
@@ -590,11 +508,11 @@ impl Daemon {
             "tick"
         );
         // Last: the threads these wake may take the CPU from the loop for a while.
-        if let Some(gpus) = &self.gpus {
+        if let Some(gpus) = &self.sampler.gpus {
             gpus.request(scan_requested || reserving);
         }
         if let Some(request) = scan_request {
-            self.send_scan(request);
+            self.sampler.send_scan(request);
         }
         next
     }
@@ -609,62 +527,6 @@ impl Daemon {
         }
         self.shared
             .publish_status(report::status_report(&self.view));
-    }
-
-    fn note_gpu_status(&mut self, events: &mut Vec<Event>) {
-        let status = match &self.gpus {
-            None => GpuStatus::Off,
-            Some(_) if self.snapshot.gpus.sampled_at.is_none() => return,
-            Some(_) => self.snapshot.gpus.status.clone(),
-        };
-        if status == self.gpu_status {
-            return;
-        }
-        self.gpu_seen_ok |= status == GpuStatus::Ok;
-        let event = match &status {
-            GpuStatus::Ok => Event::new(
-                Severity::Info,
-                EventKind::GpuOk,
-                format!(
-                    "GPU protection on: {} GPU(s) seen through NVML",
-                    self.snapshot.gpus.devices.len()
-                ),
-            ),
-            GpuStatus::Unavailable(why) => Event::new(
-                Severity::Warning,
-                EventKind::GpuUnavailable,
-                format!(
-                    "GPU protection is off: {why}; guarding host RAM only, retrying NVML every {}",
-                    humantime::format_duration(self.config.gpu.retry_init)
-                ),
-            ),
-            GpuStatus::Off => Event::new(
-                Severity::Info,
-                EventKind::GpuOff,
-                "GPU protection disabled by config ([gpu] enabled = false)".into(),
-            ),
-        };
-        events.push(event);
-        self.gpu_status = status;
-    }
-
-    /// NVML can report pids /proc does not know (other pid namespaces, garbage from old drivers).
-    fn note_unknown_gpu_pids(&mut self) {
-        let table = &self.snapshot.processes;
-        for gpu in &self.snapshot.gpus.devices {
-            for pid in gpu.processes.keys() {
-                // The table is in pid order.
-                let known = table.processes.binary_search_by_key(pid, |p| p.pid).is_ok();
-                if !known && self.unknown_gpu_pids.insert(*pid) {
-                    warn!(
-                        gpu = gpu.index,
-                        pid,
-                        "GPU {} reports pid {pid}, which /proc does not know: ignored",
-                        gpu.index
-                    );
-                }
-            }
-        }
     }
 
     fn reload(&mut self) {
@@ -693,7 +555,7 @@ impl Daemon {
                 self.config = config;
                 self.state.config_changed();
                 // Rescan at once so new matchers and budgets apply now.
-                self.scans.want_full();
+                self.sampler.scans.want_full();
                 info!("config {} reloaded", self.config_path.display());
             }
             Err(e) => {
@@ -708,6 +570,7 @@ impl Daemon {
     fn log_start(&mut self) {
         let c = &self.config;
         let total = self
+            .sampler
             .snapshot
             .host
             .total_bytes

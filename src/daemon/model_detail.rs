@@ -52,7 +52,7 @@ impl Daemon {
 
     /// The model's GPU memory over the total of the GPUs it holds memory on.
     pub(super) fn gpu_reserved_ratio(&self, m: &ModelUsage) -> Option<f64> {
-        let gpus = &self.snapshot.gpus;
+        let gpus = &self.sampler.snapshot.gpus;
         if gpus.status != GpuStatus::Ok || m.gpu_bytes.is_empty() {
             return None;
         }
@@ -66,7 +66,7 @@ impl Daemon {
 
     /// The model's live processes: pid, role, RAM, GPU memory per GPU, mapped weights.
     pub(super) fn process_rows(&self, m: &ModelUsage) -> Vec<ProcessRow> {
-        let s = &self.snapshot;
+        let s = &self.sampler.snapshot;
         let table = &s.processes.processes;
         let attribution = &self.state.attribution;
         let own = self

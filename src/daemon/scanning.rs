@@ -28,7 +28,11 @@ use crate::sample::scan::{
 use crate::sample::TableSource;
 use crate::snapshot::Process;
 
-use super::{Daemon, DaemonEvent};
+use crate::config::Config;
+use crate::policy::PolicyState;
+
+use super::sampler::Sampler;
+use super::DaemonEvent;
 
 /// Near a floor, a full round once MemAvailable has moved by this much since the last one...
 const FULL_SCAN_DRIFT_BYTES: u64 = 64 << 20;
@@ -173,7 +177,7 @@ impl Scans {
     }
 }
 
-impl Daemon {
+impl Sampler {
     /// Merges a round that arrived into the table; true if there was one.
     pub(super) fn merge_scan(&mut self) -> bool {
         if let (Some(request), Some(source)) = (self.scans.pending.take(), &mut self.scans.idle) {
@@ -243,9 +247,9 @@ impl Daemon {
     /// (the kernel walks each process's page tables), so only then, only for those, and once per
     /// process as the scan last read it (not every tick: near a floor the loop ticks every few
     /// milliseconds).
-    pub(super) fn read_pss_near_floor(&mut self, scanned: bool) {
+    pub(super) fn read_pss_near_floor(&mut self, config: &Config, scanned: bool) {
         let host = &self.snapshot.host;
-        let (warn, min) = self.config.ram.floor_bytes(host.total_bytes);
+        let (warn, min) = config.ram.floor_bytes(host.total_bytes);
         let near = matches!(
             (host.available_bytes, warn.or(min)),
             (Some(available), Some(floor)) if available < floor
@@ -273,7 +277,12 @@ impl Daemon {
     /// At the end of a tick: the round to ask for, if the table is older than the policy wants
     /// and none is under way (`send_scan` sends it, as the tick's very last step: the scan
     /// thread it wakes may take the CPU from the loop).
-    pub(super) fn schedule_scan(&mut self, at: Duration) -> Option<ScanRequest> {
+    pub(super) fn schedule_scan(
+        &mut self,
+        config: &Config,
+        state: &PolicyState,
+        at: Duration,
+    ) -> Option<ScanRequest> {
         self.scans.restart_if_dead();
         if self.scans.in_flight || self.scans.ready.is_some() || !self.scans.running() {
             return None;
@@ -294,8 +303,7 @@ impl Daemon {
         if age < min_age && !self.scans.want_full {
             return None;
         }
-        let near =
-            |r: &Resource| matches!(self.state.levels.get(r), Some(Level::Warn | Level::Act));
+        let near = |r: &Resource| matches!(state.levels.get(r), Some(Level::Warn | Level::Act));
         let ram_near = near(&Resource::Ram);
         let available = self.snapshot.host.available_bytes;
         let drifted = |(t, then): (Duration, Option<u64>)| {
@@ -308,12 +316,11 @@ impl Daemon {
         // Only the RAM floor wants fresh tables (no GPU floor near, no budget over, no launch):
         // nothing can have changed enough to matter while MemAvailable stays where it was.
         let ram_only = ram_near
-            && !self
-                .state
+            && !state
                 .levels
                 .keys()
                 .any(|r| matches!(r, Resource::Gpu(_)) && near(r))
-            && !self.state.budgets.values().any(|b| b.over_since.is_some())
+            && !state.budgets.values().any(|b| b.over_since.is_some())
             && !self.reservations_busy;
         let quiet =
             !forced && !self.scans.want_full && self.scans.last_round.is_some_and(|r| !drifted(r));
@@ -328,9 +335,9 @@ impl Daemon {
             at,
             full,
             largest: ram_near,
-            hot: self.hot_pids(),
+            hot: self.hot_pids(state),
             host_has_swap: self.procs.host_has_swap(),
-            rotation_period: self.config.daemon.scan_interval * ROTATION_SCANS,
+            rotation_period: config.daemon.scan_interval * ROTATION_SCANS,
             young: YOUNG,
             maps: self.gpus.as_ref().map(|_| self.gpu_holders()),
         };
@@ -373,12 +380,12 @@ impl Daemon {
     }
 
     /// Members of every model, the victims watched, launched processes.
-    fn hot_pids(&self) -> Vec<i32> {
+    fn hot_pids(&self, state: &PolicyState) -> Vec<i32> {
         let mut hot: Vec<i32> = self.watch.iter().map(|id| id.pid).collect();
-        for model in &self.state.attribution.models {
+        for model in &state.attribution.models {
             hot.extend(model.members.iter().map(|id| id.pid));
         }
-        hot.extend(self.state.registered.keys().map(|id| id.pid));
+        hot.extend(state.registered.keys().map(|id| id.pid));
         hot.sort_unstable();
         hot.dedup();
         hot

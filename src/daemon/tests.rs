@@ -228,7 +228,7 @@ impl Harness {
         };
         let mut daemon = Daemon::with_sources(&path, config, sources).unwrap();
         // The fake pids are not the test's own.
-        daemon.snapshot.self_pid = i32::MAX;
+        daemon.sampler.snapshot.self_pid = i32::MAX;
         Harness {
             daemon,
             world: shared,

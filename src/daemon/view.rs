@@ -38,9 +38,9 @@ impl Daemon {
             mode: self.config.daemon.mode,
             uptime_seconds: self.started.elapsed().as_secs_f64(),
             ram: self.ram_view(),
-            gpu_status: self.snapshot.gpus.status.clone(),
+            gpu_status: self.sampler.snapshot.gpus.status.clone(),
             gpu_protection: self.gpu_protection(),
-            nvml_lost: match (self.gpu_seen_ok, &self.gpu_status) {
+            nvml_lost: match (self.sampler.gpu_seen_ok, &self.sampler.gpu_status) {
                 (true, GpuStatus::Unavailable(why)) => Some(why.clone()),
                 _ => None,
             },
@@ -49,7 +49,7 @@ impl Daemon {
             over_budget: self.over_budget(),
             stuck: self.stuck(),
             reservations: if full {
-                self.shared.table().rows(self.snapshot.at)
+                self.shared.table().rows(self.sampler.snapshot.at)
             } else {
                 Default::default()
             },
@@ -76,12 +76,12 @@ impl Daemon {
     }
 
     fn ram_view(&self) -> RamView {
-        let host = &self.snapshot.host;
+        let host = &self.sampler.snapshot.host;
         RamView {
             memory: *host,
             floors: self.config.ram.floor_bytes(host.total_bytes).into(),
             level: self.level(Resource::Ram),
-            error: self.procs.host_error().map(str::to_string),
+            error: self.sampler.procs.host_error().map(str::to_string),
         }
     }
 
@@ -95,7 +95,7 @@ impl Daemon {
     }
 
     fn gpu_protection(&self) -> GpuProtection {
-        let gpus = &self.snapshot.gpus;
+        let gpus = &self.sampler.snapshot.gpus;
         let lost: Vec<String> = gpus
             .devices
             .iter()
@@ -112,7 +112,7 @@ impl Daemon {
             GpuStatus::Ok if !lost.is_empty() => ("degraded", Some(lost.join("; ")), gpus.stale),
             GpuStatus::Ok => ("ok", None, gpus.stale),
             GpuStatus::Unavailable(why) => ("unavailable", Some(why.clone()), gpus.stale),
-            GpuStatus::Off if self.gpus.is_some() => {
+            GpuStatus::Off if self.sampler.gpus.is_some() => {
                 ("starting", Some("NVML has not answered yet".into()), false)
             }
             GpuStatus::Off => ("off", Some("disabled by config".into()), false),
@@ -125,7 +125,8 @@ impl Daemon {
     }
 
     fn gpu_views(&self) -> Vec<GpuView> {
-        self.snapshot
+        self.sampler
+            .snapshot
             .gpus
             .devices
             .iter()
@@ -155,7 +156,7 @@ impl Daemon {
         } else {
             Default::default()
         };
-        let gpu_known = self.snapshot.gpus.status == GpuStatus::Ok;
+        let gpu_known = self.sampler.snapshot.gpus.status == GpuStatus::Ok;
         self.state
             .attribution
             .models
@@ -227,6 +228,7 @@ impl Daemon {
     /// A process of the table by pid, as alerts name it.
     fn process_info(&self, pid: i32) -> Option<ProcessInfo> {
         let p = self
+            .sampler
             .snapshot
             .processes
             .processes
