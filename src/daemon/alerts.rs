@@ -48,7 +48,7 @@ use crate::status::ActionRow;
 use crate::view::Subject;
 use crate::view::{Floors, GpuView, ModelFigures, OverBudget, Stuck, TickView};
 
-use super::{unix_now, Daemon, RECENT_ACTIONS};
+use super::{unix_now, Daemon};
 
 impl Daemon {
     pub(super) fn record_action(&mut self, action: &Action, outcome: &Outcome) {
@@ -61,10 +61,7 @@ impl Daemon {
             Outcome::Failed(why) => format!("failed: {why}"),
         };
         self.alert_action(action, &outcome, failed, skipped);
-        if self.recent_actions.len() == RECENT_ACTIONS {
-            self.recent_actions.pop_front();
-        }
-        self.recent_actions.push_back(ActionRow {
+        self.reporter.remember(ActionRow {
             at_unix: unix_now(),
             verb: action.verb.as_str().into(),
             target: action.target.to_string(),
@@ -127,7 +124,7 @@ impl Daemon {
             action.target,
             action.reason.detail
         );
-        self.alerter.action(
+        self.reporter.alerter.action(
             event,
             severity,
             summary,

@@ -116,7 +116,7 @@ impl Daemon {
     /// Tells the alert pipeline what a run found left held before the daemon was set up (the
     /// sweep of the state directory before the config was read).
     pub fn announce_leftovers(&mut self, leftovers: &Leftovers) {
-        announce_leftovers(&mut self.alerter, leftovers);
+        announce_leftovers(&mut self.reporter.alerter, leftovers);
     }
 }
 

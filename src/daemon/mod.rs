@@ -38,7 +38,6 @@
 //! GPU source, a process control): `Sources::real` in the binary, fakes in `tests.rs`, which
 //! drive whole ticks in process with the clock in hand (`tick_at`).
 
-use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
@@ -64,8 +63,6 @@ use crate::sample::scan::ScanResult;
 use crate::sample::{ProcSource, ProcfsSource};
 use crate::snapshot::Snapshot;
 use crate::state_dir::StateDir;
-use crate::status::ActionRow;
-use crate::view::TickView;
 
 mod alerts;
 mod faults;
@@ -77,6 +74,7 @@ mod systemd;
 #[cfg(test)]
 mod tests;
 mod view;
+use report::Reporter;
 use sampler::Sampler;
 use view::Detail;
 mod warm;
@@ -153,17 +151,10 @@ pub struct Daemon {
     shared: Arc<Shared>,
     events: Receiver<DaemonEvent>,
     events_tx: Sender<DaemonEvent>,
-    recent_actions: VecDeque<ActionRow>,
-    metrics: Metrics,
-    /// When the metrics' gauges were last refreshed (`None`: metrics off).
-    metrics_updated: Option<Instant>,
-    /// When the status report was last published.
-    status_published: Option<Instant>,
-    alerter: Alerter,
+    /// What operators and alert receivers are told (alerts, metrics, status).
+    reporter: Reporter,
     /// Scrapes the model servers' metrics URLs on a thread of its own.
     engines: EngineScraper,
-    /// What the last tick saw, decided and did (status, metrics and conditions read it).
-    view: TickView,
 }
 
 /// What the reservation ledger's tick gives the loop.
@@ -182,8 +173,6 @@ pub enum DaemonEvent {
     Scan(Box<ScanResult>),
 }
 
-/// How many actions `status` shows.
-const RECENT_ACTIONS: usize = 50;
 /// While launches wait or load, the loop ticks at least this often.
 const LAUNCH_TICK: Duration = Duration::from_millis(100);
 /// While permits are held or wait, the loop ticks at least this often, reading the GPU process
@@ -193,9 +182,6 @@ const PERMIT_TICK: Duration = Duration::from_millis(200);
 /// early: a client that loops acquire/cancel or acquire/release wakes the loop with every
 /// request, and would otherwise have it tick as fast as the CPU allows.
 const MIN_WAKE_GAP: Duration = Duration::from_millis(2);
-/// The status report (and the metrics' gauges) are refreshed at most this often (counters and
-/// the histogram always); the socket serves the latest with the reservation table's live rows.
-const STATUS_REFRESH: Duration = Duration::from_millis(250);
 
 impl Daemon {
     /// Sets the daemon up on the real system: /proc, NVML, pidfd signals (`Sources::real`).
@@ -263,13 +249,8 @@ impl Daemon {
             shared,
             events,
             events_tx,
-            recent_actions: VecDeque::new(),
-            metrics,
-            metrics_updated: None,
-            status_published: None,
-            alerter,
+            reporter: Reporter::new(alerter, metrics),
             engines: EngineScraper::default(),
-            view: TickView::default(),
         })
     }
 
@@ -301,11 +282,10 @@ impl Daemon {
             .context("starting the process scan thread")?;
         let _socket = crate::ipc::server::spawn(&self.config.launch.socket, self.shared.clone())?;
         if let Some(address) = self.config.metrics.address() {
-            let bound =
-                crate::metrics::serve(address, self.metrics.clone()).context("[metrics] listen")?;
+            let bound = crate::metrics::serve(address, self.reporter.metrics.clone())
+                .context("[metrics] listen")?;
             info!("metrics on http://{bound}/metrics");
-            // Refreshed with the status report.
-            self.metrics_updated = Some(Instant::now());
+            self.reporter.metrics_served();
         }
         for warning in self.config.warnings() {
             warn!("config {}: {warning}", self.config_path.display());
@@ -337,7 +317,7 @@ impl Daemon {
                     let name =
                         nix::sys::signal::Signal::try_from(signal).map_or("signal", |s| s.as_str());
                     info!("{name}: resuming held processes and stopping");
-                    self.alerter.lifecycle(
+                    self.reporter.alerter.lifecycle(
                         EventKind::DaemonStopping,
                         Severity::Warning,
                         format!(
@@ -361,7 +341,7 @@ impl Daemon {
         let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
         self.executor.shutdown();
         signal_thread.close();
-        self.alerter.shutdown();
+        self.reporter.alerter.shutdown();
         info!("gpuguard stopped");
         Ok(())
     }
@@ -378,7 +358,7 @@ impl Daemon {
     fn tick_at(&mut self, now: Instant, since_last: Duration) -> Duration {
         let at = now.saturating_duration_since(self.started);
         let (scan, mut events, gpu_sample) = self.sampler.sample(&self.config, now, at, since_last);
-        self.metrics.observe_sample(now.elapsed());
+        self.reporter.metrics.observe_sample(now.elapsed());
         let plan = evaluate(&self.config, &self.sampler.snapshot, &mut self.state);
         let reserved = self.reserve(at, scan);
         events.extend(reserved.events);
@@ -416,7 +396,9 @@ impl Daemon {
         }
         self.state
             .set_launches(report.registered, report.launched_models);
-        self.metrics.count_suppressed(report.events_suppressed);
+        self.reporter
+            .metrics
+            .count_suppressed(report.events_suppressed);
         Reserved {
             events: report.events,
             scan_wanted,
@@ -428,7 +410,7 @@ impl Daemon {
         for e in events {
             log_event(e);
             let subject = self.event_subject(&e.about);
-            self.alerter.event(e, subject);
+            self.reporter.alerter.event(e, subject);
         }
     }
 
@@ -457,17 +439,16 @@ impl Daemon {
     /// The tick's view for the alert conditions, and the status and metrics when they are due
     /// (every `STATUS_REFRESH`).
     fn report(&mut self, now: Instant) {
-        let publish = self
-            .status_published
-            .is_none_or(|t| now.duration_since(t) >= STATUS_REFRESH);
-        self.view = self.view(if publish {
+        let publish = self.reporter.due(now);
+        self.reporter.view = self.view(if publish {
             Detail::Full
         } else {
             Detail::Conditions
         });
-        self.alerter.conditions(now, alerts::conditions(&self.view));
+        let r = &mut self.reporter;
+        r.alerter.conditions(now, alerts::conditions(&r.view));
         if publish {
-            self.publish(now);
+            r.publish(now, &self.shared);
         }
     }
 
@@ -517,18 +498,6 @@ impl Daemon {
         next
     }
 
-    /// Refreshes what operators read from the full view: the status report the socket serves,
-    /// and the metrics.
-    fn publish(&mut self, now: Instant) {
-        self.status_published = Some(now);
-        if self.metrics_updated.is_some() {
-            self.metrics.update(&self.view);
-            self.metrics_updated = Some(now);
-        }
-        self.shared
-            .publish_status(report::status_report(&self.view));
-    }
-
     fn reload(&mut self) {
         match Config::load(&self.config_path).and_then(|c| self.vet_reload(c)) {
             Ok(config) => {
@@ -540,11 +509,11 @@ impl Daemon {
                 if config.metrics.listen != self.config.metrics.listen {
                     warn!("metrics.listen changes only at restart");
                 }
-                if let Err(e) = self.alerter.configure(&config) {
+                if let Err(e) = self.reporter.alerter.configure(&config) {
                     let message =
                         format!("config reload failed, keeping the previous config: {e:#}");
                     error!("{message}");
-                    self.alerter.lifecycle(
+                    self.reporter.alerter.lifecycle(
                         EventKind::ConfigReloadFailed,
                         Severity::Warning,
                         message,
@@ -561,8 +530,11 @@ impl Daemon {
             Err(e) => {
                 let message = format!("config reload failed, keeping the previous config: {e}");
                 error!("{message}");
-                self.alerter
-                    .lifecycle(EventKind::ConfigReloadFailed, Severity::Warning, message);
+                self.reporter.alerter.lifecycle(
+                    EventKind::ConfigReloadFailed,
+                    Severity::Warning,
+                    message,
+                );
             }
         }
     }
@@ -593,7 +565,8 @@ impl Daemon {
             if c.gpu.enabled { "NVML starting" } else { "disabled" },
         );
         info!("{message}");
-        self.alerter
+        self.reporter
+            .alerter
             .lifecycle(EventKind::DaemonStarted, Severity::Info, message);
     }
 }

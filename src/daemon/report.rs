@@ -1,9 +1,78 @@
-//! The daemon's own view for operators: the `gpuguard status` report and systemd's STATUS line,
-//! both worked out from the tick view alone.
+//! The loop's reporting part (`Reporter`): the alert pipeline, the metrics, the actions status
+//! shows and the tick view they are all told from; and the daemon's own view for operators, the
+//! `gpuguard status` report and systemd's STATUS line, both worked out from the tick view alone.
 
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use crate::alert::Alerter;
+use crate::ipc::server::Shared;
+use crate::metrics::Metrics;
 use crate::snapshot::GpuStatus;
+use crate::status::ActionRow;
 use crate::status::{GpuRow, MemoryStatus, ModelRow, StatusReport, STATUS_SCHEMA_VERSION};
 use crate::view::{GpuView, ModelView, RamView, TickView};
+
+/// How many actions `status` shows.
+const RECENT_ACTIONS: usize = 50;
+/// The status report (and the metrics' gauges) are refreshed at most this often (counters and
+/// the histogram always); the socket serves the latest with the reservation table's live rows.
+const STATUS_REFRESH: Duration = Duration::from_millis(250);
+
+/// What operators and alert receivers are told, and what it is told from.
+pub(super) struct Reporter {
+    pub alerter: Alerter,
+    pub metrics: Metrics,
+    /// The metrics are served (`[metrics] listen`): their gauges follow the status report.
+    metrics_served: bool,
+    /// When the status report was last published.
+    status_published: Option<Instant>,
+    pub recent_actions: VecDeque<ActionRow>,
+    /// What the last tick saw, decided and did (status, metrics and conditions read it).
+    pub view: TickView,
+}
+
+impl Reporter {
+    pub(super) fn new(alerter: Alerter, metrics: Metrics) -> Reporter {
+        Reporter {
+            alerter,
+            metrics,
+            metrics_served: false,
+            status_published: None,
+            recent_actions: VecDeque::new(),
+            view: TickView::default(),
+        }
+    }
+
+    /// The metrics are served from now on.
+    pub(super) fn metrics_served(&mut self) {
+        self.metrics_served = true;
+    }
+
+    /// The status report and the metrics' gauges are due for a refresh at `now`.
+    pub(super) fn due(&self, now: Instant) -> bool {
+        self.status_published
+            .is_none_or(|t| now.duration_since(t) >= STATUS_REFRESH)
+    }
+
+    /// Keeps `row` among the actions status shows (the latest `RECENT_ACTIONS`).
+    pub(super) fn remember(&mut self, row: ActionRow) {
+        if self.recent_actions.len() == RECENT_ACTIONS {
+            self.recent_actions.pop_front();
+        }
+        self.recent_actions.push_back(row);
+    }
+
+    /// Refreshes what operators read from the (full) view: the status report the socket
+    /// serves, and the metrics.
+    pub(super) fn publish(&mut self, now: Instant, shared: &Shared) {
+        self.status_published = Some(now);
+        if self.metrics_served {
+            self.metrics.update(&self.view);
+        }
+        shared.publish_status(status_report(&self.view));
+    }
+}
 
 /// The status report for `gpuguard status`.
 pub(super) fn status_report(v: &TickView) -> StatusReport {

@@ -266,6 +266,7 @@ impl Harness {
     /// The recorded actions, as "verb pid...: outcome".
     fn actions(&self) -> Vec<String> {
         self.daemon
+            .reporter
             .recent_actions
             .iter()
             .map(|a| format!("{} {}: {}", a.verb, a.target, a.outcome))

@@ -55,7 +55,7 @@ impl Daemon {
             },
             held: if full { self.held_rows() } else { Vec::new() },
             recent_actions: if full {
-                self.recent_actions.iter().cloned().collect()
+                self.reporter.recent_actions.iter().cloned().collect()
             } else {
                 Vec::new()
             },
