@@ -69,6 +69,10 @@ const UNPLACED: &str = "a process scan newer than the request (to find the calle
 const UNPLACED_GRACE: Duration = Duration::from_secs(2);
 /// A holder is asked to give its cache back (`Response::Trim`) at most this often.
 const TRIM_EVERY: Duration = Duration::from_secs(1);
+/// How long a request waits for GPU memory before processes whose cache NVML cannot see are
+/// asked to give back what they may cache (not at once: a process's report of its cache comes
+/// with its requests, and most waits end within a reading or two).
+const BLIND_TRIM_AFTER: Duration = Duration::from_millis(250);
 
 /// A client's pinned identity (`ipc::peer::pin`): pid + start time name one process, and the
 /// uid is the one it connected as.

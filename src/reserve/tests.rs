@@ -845,16 +845,23 @@ fn a_starved_request_with_nothing_reserved_asks_its_own_process_too() {
         None,
         "room: 16 - 13 - 1 = 2 GiB"
     );
-    t.tick(ms(1003), workers(13, 0, ms(1003)));
+    t.tick(ms(200), workers(13, 0, ms(200)));
+    assert!(
+        !mail(&mut t, 1)
+            .iter()
+            .any(|r| matches!(r, Response::Trim { .. })),
+        "not within the first readings: most waits end there"
+    );
+    t.tick(ms(253), workers(13, 0, ms(253)));
     let hints = mail(&mut t, 1);
     assert!(
         hints
             .iter()
             .any(|r| matches!(r, Response::Trim { gpu: 0, .. })),
-        "{hints:?}"
+        "asked once it has waited BLIND_TRIM_AFTER: {hints:?}"
     );
     // It gave 9 GiB back: its baseline falls with it, and the request fits.
-    t.tick(ms(1005), workers(4, 0, ms(1005)));
+    t.tick(ms(255), workers(4, 0, ms(255)));
     assert!(mail(&mut t, 1)
         .iter()
         .any(|r| matches!(r, Response::Granted { id: 1, .. })));

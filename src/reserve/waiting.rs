@@ -204,12 +204,11 @@ impl Reservations {
     /// memory cached unused are asked to give it back (`Response::Trim`, at most once per
     /// `TRIM_EVERY` each), those of the waiting request's uid only: a request never costs
     /// another user's server its cache. Those are the holders seen keeping memory beyond
-    /// their reservations, and, once the request has `waited` `TRIM_EVERY`, the model's
+    /// their reservations, and, once the request has `waited` `BLIND_TRIM_AFTER`, the model's
     /// connected processes with nothing reserved and no report of their cache, the waiting
     /// one's own included, whose cache NVML cannot tell from their own memory once it was there
     /// when their baseline was taken (their books are let go while they hold nothing): they
-    /// keep nothing a permit needs, and what they give back is free memory. (Not at once: a
-    /// process new to the daemon has its cache reported with its next requests.)
+    /// keep nothing a permit needs, and what they give back is free memory.
     pub(super) fn ask_to_trim(
         &mut self,
         pool: &Pool,
@@ -235,7 +234,7 @@ impl Reservations {
                 }
             }
         }
-        if waited >= TRIM_EVERY {
+        if waited >= BLIND_TRIM_AFTER {
             let reserving: std::collections::HashSet<ProcessId> = self
                 .holdings
                 .values()
