@@ -11,7 +11,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use gpuguard::config::Config;
-use gpuguard::policy::{evaluate, PolicyState};
+use gpuguard::policy::{evaluate, Launches, PolicyState};
 use gpuguard::snapshot::{HostMemory, Process, ProcessTable, Snapshot};
 
 const GIB: u64 = 1 << 30;
@@ -137,13 +137,18 @@ fn main() {
     // Near the floor, same process scan as last tick: attribution is cached.
     let mut state = PolicyState::default();
     let snap = snapshot(Duration::from_secs(1), warn, &procs, Duration::from_secs(1));
-    evaluate(&config, &snap, &mut state);
+    evaluate(&config, &snap, &Launches::default(), &mut state);
     let mut samples = Vec::with_capacity(iterations);
     for i in 0..iterations {
         let mut s = snap.clone();
         s.at = Duration::from_secs(1) + Duration::from_millis(10 * i as u64);
         let t = Instant::now();
-        black_box(evaluate(&config, black_box(&s), &mut state));
+        black_box(evaluate(
+            &config,
+            black_box(&s),
+            &Launches::default(),
+            &mut state,
+        ));
         samples.push(t.elapsed());
     }
     report("near floor (warn), no new scan", samples);
@@ -154,7 +159,12 @@ fn main() {
         let at = Duration::from_secs(1) + Duration::from_millis(10 * i as u64);
         let s = snapshot(at, warn, &procs, at);
         let t = Instant::now();
-        black_box(evaluate(&config, black_box(&s), &mut state));
+        black_box(evaluate(
+            &config,
+            black_box(&s),
+            &Launches::default(),
+            &mut state,
+        ));
         samples.push(t.elapsed());
     }
     report("near floor (warn), fresh scan", samples);
@@ -165,11 +175,16 @@ fn main() {
     for _ in 0..iterations {
         let mut state = PolicyState::default();
         let w = snapshot(Duration::from_secs(1), warn, &procs, Duration::from_secs(1));
-        evaluate(&config, &w, &mut state);
+        evaluate(&config, &w, &Launches::default(), &mut state);
         let at = Duration::from_millis(1010);
         let s = snapshot(at, act, &procs, at);
         let t = Instant::now();
-        let plan = black_box(evaluate(&config, black_box(&s), &mut state));
+        let plan = black_box(evaluate(
+            &config,
+            black_box(&s),
+            &Launches::default(),
+            &mut state,
+        ));
         samples.push(t.elapsed());
         assert_eq!(plan.actions.len(), 1, "one victim at the crossing");
     }
@@ -181,7 +196,12 @@ fn main() {
         let mut state = PolicyState::default();
         let s = snapshot(Duration::from_secs(1), act, &procs, Duration::from_secs(1));
         let t = Instant::now();
-        black_box(evaluate(&config, black_box(&s), &mut state));
+        black_box(evaluate(
+            &config,
+            black_box(&s),
+            &Launches::default(),
+            &mut state,
+        ));
         samples.push(t.elapsed());
     }
     report("crossing from a cold state (empty match cache)", samples);

@@ -192,7 +192,7 @@ impl Daemon {
     pub(super) fn budget_figures(&self, name: &str) -> ModelFigures {
         let s = &self.sampler.snapshot;
         let (ram_budget_bytes, gpu_budget_bytes) =
-            crate::policy::model_config(&self.config, &self.state, name)
+            crate::policy::model_config(&self.config, &self.launches, name)
                 .map_or((None, None), |c| {
                     c.budget_bytes(s.host.total_bytes, s.gpus.largest_total_bytes())
                 });

@@ -55,7 +55,9 @@ use crate::config::Config;
 use crate::ipc::server::Shared;
 use crate::kinds::EventKind;
 use crate::metrics::Metrics;
-use crate::policy::{evaluate, Action, Event, Executed, PolicyState, Resource, Severity, Target};
+use crate::policy::{
+    evaluate, Action, Event, Executed, Launches, PolicyState, Resource, Severity, Target,
+};
 use crate::reserve::Capacity;
 use crate::sample::engine::EngineScraper;
 use crate::sample::nvml::{GpuMonitor, GpuSource, NvmlGpuSource};
@@ -146,6 +148,8 @@ pub struct Daemon {
     sampler: Sampler,
     executor: Executor,
     state: PolicyState,
+    /// What `gpuguard launch` registered, from the reservation ledger's latest tick.
+    launches: Launches,
     started: Instant,
     /// The reservation table and the status report, shared with the socket thread.
     shared: Arc<Shared>,
@@ -245,6 +249,7 @@ impl Daemon {
             sampler,
             executor,
             state: PolicyState::default(),
+            launches: Launches::default(),
             started: shared.epoch,
             shared,
             events,
@@ -359,7 +364,12 @@ impl Daemon {
         let at = now.saturating_duration_since(self.started);
         let (scan, mut events, gpu_sample) = self.sampler.sample(&self.config, now, at, since_last);
         self.reporter.metrics.observe_sample(now.elapsed());
-        let plan = evaluate(&self.config, &self.sampler.snapshot, &mut self.state);
+        let plan = evaluate(
+            &self.config,
+            &self.sampler.snapshot,
+            &self.launches,
+            &mut self.state,
+        );
         let reserved = self.reserve(at, scan);
         events.extend(reserved.events);
         self.tell(events.iter().chain(&plan.events));
@@ -394,8 +404,11 @@ impl Daemon {
         if fresh_wanted {
             self.sampler.want_fresh_gpu();
         }
-        self.state
-            .set_launches(report.registered, report.launched_models);
+        let launches = Launches::new(report.registered, report.launched_models);
+        if !launches.same_members(&self.launches) {
+            self.state.launches_changed();
+        }
+        self.launches = launches;
         self.reporter
             .metrics
             .count_suppressed(report.events_suppressed);
@@ -478,7 +491,9 @@ impl Daemon {
         self.sampler.reservations_busy = reserving;
         // Permits are admitted against each model's use beside the GPU's free memory: the GPU
         // process lists are read in the same pass while any reservation is out.
-        let scan_request = self.sampler.schedule_scan(&self.config, &self.state, at);
+        let scan_request =
+            self.sampler
+                .schedule_scan(&self.config, &self.state, &self.launches, at);
         let scan_requested = scan_request.is_some();
         debug!(
             took_us = now.elapsed().as_micros() as u64,

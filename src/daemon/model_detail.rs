@@ -21,7 +21,7 @@ impl Daemon {
     /// Model name -> metrics URL for every model that has one: its `[[model]]`'s, else the one
     /// given at launch. Trusted: the config's, and root's launches.
     pub(super) fn engine_targets(&self) -> BTreeMap<String, Target> {
-        let models = self.state.models(&self.config);
+        let models = self.launches.models(&self.config);
         models
             .iter()
             .filter_map(|m| {
@@ -83,7 +83,7 @@ impl Daemon {
                     .iter()
                     .find(|q| q.pid == p.ppid)
                     .is_some_and(|q| attribution.model_of(q.id()) == own);
-                let role = if self.state.registered.contains_key(&p.id()) {
+                let role = if self.launches.registered.contains_key(&p.id()) {
                     "launched"
                 } else if parent_same {
                     "child"

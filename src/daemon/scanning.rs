@@ -29,7 +29,7 @@ use crate::sample::TableSource;
 use crate::snapshot::Process;
 
 use crate::config::Config;
-use crate::policy::PolicyState;
+use crate::policy::{Launches, PolicyState};
 
 use super::sampler::Sampler;
 use super::DaemonEvent;
@@ -281,6 +281,7 @@ impl Sampler {
         &mut self,
         config: &Config,
         state: &PolicyState,
+        launches: &Launches,
         at: Duration,
     ) -> Option<ScanRequest> {
         self.scans.restart_if_dead();
@@ -335,7 +336,7 @@ impl Sampler {
             at,
             full,
             largest: ram_near,
-            hot: self.hot_pids(state),
+            hot: self.hot_pids(state, launches),
             host_has_swap: self.procs.host_has_swap(),
             rotation_period: config.daemon.scan_interval * ROTATION_SCANS,
             young: YOUNG,
@@ -380,12 +381,12 @@ impl Sampler {
     }
 
     /// Members of every model, the victims watched, launched processes.
-    fn hot_pids(&self, state: &PolicyState) -> Vec<i32> {
+    fn hot_pids(&self, state: &PolicyState, launches: &Launches) -> Vec<i32> {
         let mut hot: Vec<i32> = self.watch.iter().map(|id| id.pid).collect();
         for model in &state.attribution.models {
             hot.extend(model.members.iter().map(|id| id.pid));
         }
-        hot.extend(state.registered.keys().map(|id| id.pid));
+        hot.extend(launches.registered.keys().map(|id| id.pid));
         hot.sort_unstable();
         hot.dedup();
         hot

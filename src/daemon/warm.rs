@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use crate::act::ProcessControl;
 use crate::config::Config;
-use crate::policy::{evaluate, PolicyState};
+use crate::policy::{evaluate, Launches, PolicyState};
 use crate::snapshot::{HostMemory, Process, ProcessTable, Snapshot};
 
 const GIB: u64 = 1 << 30;
@@ -45,6 +45,7 @@ fn floor_incident() -> Vec<&'static str> {
         let plan = evaluate(
             &config,
             &snapshot(ms, available, rss, state_letter),
+            &Launches::default(),
             &mut state,
         );
         verbs.extend(plan.actions.iter().map(|a| a.verb.as_str()));

@@ -9,8 +9,8 @@ use crate::snapshot::Snapshot;
 
 use super::victim::model_target;
 use super::{
-    action, bytes, event, About, BudgetState, Enforcement, ModelUsage, Overage, Plan, PolicyState,
-    Severity, Stage, Target, Verb,
+    action, bytes, event, About, BudgetState, Enforcement, Launches, ModelUsage, Overage, Plan,
+    PolicyState, Severity, Stage, Target, Verb,
 };
 
 /// A model over its budget this tick, as the transitions below need it.
@@ -25,6 +25,7 @@ struct Over {
 pub(super) fn evaluate_budgets(
     config: &Config,
     snapshot: &Snapshot,
+    launches: &Launches,
     state: &mut PolicyState,
     plan: &mut Plan,
 ) {
@@ -32,8 +33,8 @@ pub(super) fn evaluate_budgets(
         return;
     }
     let now = snapshot.at;
-    let models: Vec<ModelConfig> = state.models(config).iter().cloned().collect();
-    for model in &models {
+    let models = launches.models(config);
+    for model in models.iter() {
         let Some(index) = state
             .attribution
             .models

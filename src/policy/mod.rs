@@ -14,7 +14,7 @@ mod waste;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::time::Duration;
 
@@ -25,7 +25,7 @@ use crate::snapshot::{ProcessId, Snapshot};
 use crate::units::fmt_bytes;
 
 pub use crate::kinds::{EventKind, Level, ReasonKind, Severity};
-pub use models::{attribute, Attribution, MatchCache, ModelUsage, ModelsInForce};
+pub use models::{attribute, Attribution, Launches, MatchCache, ModelUsage, ModelsInForce};
 
 /// The memory a floor or budget is about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
@@ -369,10 +369,6 @@ pub struct PolicyState {
     pub budgets: BTreeMap<String, BudgetState>,
     pub held: Vec<Held>,
     pub terminating: Vec<Terminating>,
-    /// Processes registered by `gpuguard launch` as members of a model.
-    pub registered: HashMap<ProcessId, String>,
-    /// Budgets of launched models that have no `[[model]]` in the config (from `launch` flags).
-    launched_models: BTreeMap<String, ModelConfig>,
     pub match_cache: MatchCache,
     /// The attribution of the latest scan (for status and metrics).
     pub attribution: Attribution,
@@ -466,32 +462,6 @@ struct AttributionInputs {
 }
 
 impl PolicyState {
-    /// The launched processes (each a member of its model) and the launched models that have no
-    /// `[[model]]`, as the reservation table has them now.
-    pub fn set_launches(
-        &mut self,
-        registered: HashMap<ProcessId, String>,
-        launched_models: Vec<ModelConfig>,
-    ) {
-        if registered != self.registered {
-            self.registered = registered;
-            self.attributed = None;
-        }
-        let launched: BTreeMap<String, ModelConfig> = launched_models
-            .into_iter()
-            .map(|m| (m.name.clone(), m))
-            .collect();
-        if launched.keys().ne(self.launched_models.keys()) {
-            self.attributed = None;
-        }
-        self.launched_models = launched;
-    }
-
-    /// The models in force: the config's, then those launched without a `[[model]]`.
-    pub fn models<'a>(&'a self, config: &'a Config) -> ModelsInForce<'a> {
-        ModelsInForce::new(config, &self.launched_models)
-    }
-
     /// Resources with an incident, a level or a held process: they keep getting a reading.
     fn tracked_resources(&self) -> Vec<Resource> {
         let mut out: Vec<Resource> = self
@@ -509,6 +479,12 @@ impl PolicyState {
     /// Forget derived data that depends on the config (call after a reload).
     pub fn config_changed(&mut self) {
         self.match_cache.clear();
+        self.attributed = None;
+    }
+
+    /// Launched processes or models changed (`Launches::same_members`): membership is worked
+    /// out again.
+    pub fn launches_changed(&mut self) {
         self.attributed = None;
     }
 
@@ -561,8 +537,14 @@ const GPU_FILL_BYTES_PER_SEC: f64 = 32.0 * (1u64 << 30) as f64;
 /// Near a floor, processes are rescanned at least this often so a victim is ready at the crossing.
 const NEAR_FLOOR_SCAN_AGE: Duration = Duration::from_millis(100);
 
-/// Decides what to do about one snapshot.
-pub fn evaluate(config: &Config, snapshot: &Snapshot, state: &mut PolicyState) -> Plan {
+/// Decides what to do about one snapshot, with the launches the reservation ledger has
+/// registered.
+pub fn evaluate(
+    config: &Config,
+    snapshot: &Snapshot,
+    launches: &Launches,
+    state: &mut PolicyState,
+) -> Plan {
     let mut plan = Plan {
         next_interval: config.daemon.interval,
         max_scan_age: config.daemon.scan_interval,
@@ -579,8 +561,8 @@ pub fn evaluate(config: &Config, snapshot: &Snapshot, state: &mut PolicyState) -
             config,
             &snapshot.processes,
             &snapshot.gpus,
-            &state.registered,
-            &state.launched_models,
+            &launches.registered,
+            &launches.models,
             &mut state.match_cache,
         );
         state.attributed = Some(inputs);
@@ -594,7 +576,7 @@ pub fn evaluate(config: &Config, snapshot: &Snapshot, state: &mut PolicyState) -
         floors::evaluate_floor(config, snapshot, state, reading, &mut plan);
     }
     floors::release_held(config, snapshot, state, &readings, &mut plan);
-    budgets::evaluate_budgets(config, snapshot, state, &mut plan);
+    budgets::evaluate_budgets(config, snapshot, launches, state, &mut plan);
 
     // Sleep no longer than a fast hog needs to reach the nearest floor.
     for r in &readings {
@@ -654,10 +636,10 @@ pub fn evaluate(config: &Config, snapshot: &Snapshot, state: &mut PolicyState) -
 /// A model's config: its `[[model]]`, else what `gpuguard launch` registered for it.
 pub fn model_config<'a>(
     config: &'a Config,
-    state: &'a PolicyState,
+    launches: &'a Launches,
     name: &str,
 ) -> Option<&'a ModelConfig> {
-    state.models(config).get(name)
+    launches.models(config).get(name)
 }
 
 /// Victims whose exit or state we wait for.

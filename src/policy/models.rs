@@ -17,6 +17,34 @@ use std::hash::BuildHasher;
 use crate::config::{Config, ModelConfig, Users};
 use crate::snapshot::{GpuSnapshot, ProcessId, ProcessTable};
 
+/// What `gpuguard launch` registered, as the reservation ledger has it: each launched process
+/// with its model, and the launched models that have no `[[model]]` (their budgets from the
+/// launch). The loop keeps it and hands it to the policy with each snapshot.
+#[derive(Clone, Debug, Default)]
+pub struct Launches {
+    pub registered: HashMap<ProcessId, String>,
+    pub models: BTreeMap<String, ModelConfig>,
+}
+
+impl Launches {
+    pub fn new(registered: HashMap<ProcessId, String>, models: Vec<ModelConfig>) -> Launches {
+        Launches {
+            registered,
+            models: models.into_iter().map(|m| (m.name.clone(), m)).collect(),
+        }
+    }
+
+    /// The models in force with `config`.
+    pub fn models<'a>(&'a self, config: &'a Config) -> ModelsInForce<'a> {
+        ModelsInForce::new(config, &self.models)
+    }
+
+    /// Whether `other` puts processes in other models: other launched processes or models.
+    pub fn same_members(&self, other: &Launches) -> bool {
+        self.registered == other.registered && self.models.keys().eq(other.models.keys())
+    }
+}
+
 /// The models in force: the `[[model]]`s, then the launched models that have none (their budgets
 /// from `gpuguard launch`). The one place the two are merged: the policy, the loop and the
 /// reservation table all look models up through it. A launched model that also has a `[[model]]`
@@ -72,6 +100,8 @@ impl Attribution {
 #[derive(Clone, Debug, Default)]
 pub struct ModelUsage {
     pub name: String,
+    /// Its config when the attribution was made: its `[[model]]`, else what its launch gave.
+    pub config: Option<ModelConfig>,
     /// The live members, in pid order.
     pub members: Vec<ProcessId>,
     pub rss_bytes: u64,
@@ -203,6 +233,7 @@ pub fn attribute(
         .iter()
         .map(|n| ModelUsage {
             name: n.clone(),
+            config: ModelsInForce::new(config, launched).get(n).cloned(),
             ..Default::default()
         })
         .collect();

@@ -131,11 +131,16 @@ fn events(plan: &Plan) -> String {
         .join(", ")
 }
 
+/// One tick of the policy with nothing launched.
+fn decide(config: &Config, snapshot: &Snapshot, state: &mut PolicyState) -> Plan {
+    evaluate(config, snapshot, &Launches::default(), state)
+}
+
 /// Evaluates the snapshots in order, checking each plan's actions and event kinds.
 fn play(config: &Config, state: &mut PolicyState, steps: Vec<(Snapshot, &str, &str)>) -> Vec<Plan> {
     let mut plans = Vec::new();
     for (i, (snapshot, want_acts, want_events)) in steps.into_iter().enumerate() {
-        let plan = evaluate(config, &snapshot, state);
+        let plan = decide(config, &snapshot, state);
         assert_eq!(
             (acts(&plan).as_str(), events(&plan).as_str()),
             (want_acts, want_events),
@@ -150,7 +155,7 @@ fn play(config: &Config, state: &mut PolicyState, steps: Vec<(Snapshot, &str, &s
 
 /// One tick from a fresh state.
 fn once(config: &Config, snapshot: &Snapshot) -> Plan {
-    evaluate(config, snapshot, &mut PolicyState::default())
+    decide(config, snapshot, &mut PolicyState::default())
 }
 
 /// The executor skips an action whose recheck reads at or above `below_bytes`: a recheck must not
@@ -588,7 +593,7 @@ fn descendants_belong_to_the_model() {
     ];
     let s = snap(0, Some(3 * GIB), procs);
     let mut state = PolicyState::default();
-    let plan = evaluate(&c, &s, &mut state);
+    let plan = decide(&c, &s, &mut state);
 
     let usage = &state.attribution.models[0];
     assert_eq!(
@@ -1086,7 +1091,7 @@ fn unknown_ram_reading_never_acts() {
         vec![(snap(0, Some(3 * GIB), a()), "terminate [100]", "floor_act")],
     );
     for at in [1000, 2000, 30_000] {
-        let plan = evaluate(&c, &snap(at, None, a()), &mut state);
+        let plan = decide(&c, &snap(at, None, a()), &mut state);
         assert_eq!(acts(&plan), "", "at {at}");
         assert!(
             at > 1000 || plan.events.iter().any(|e| e.kind == "reading_unknown"),
@@ -1506,7 +1511,7 @@ fn a_user_split_over_small_gpu_processes_is_one_victim_and_the_gpu_recovers() {
     let holders: Vec<(i32, Option<u64>)> = (1000..1010).map(|pid| (pid, Some(GIB))).collect();
     let mut state = PolicyState::default();
     // 1 GiB free, 2 GiB under the warn floor: two of the ten, in one action.
-    let plan = evaluate(
+    let plan = decide(
         &c,
         &gsnap(0, procs.clone(), vec![gpu(0, GIB, &holders)]),
         &mut state,
@@ -1516,7 +1521,7 @@ fn a_user_split_over_small_gpu_processes_is_one_victim_and_the_gpu_recovers() {
         ("terminate [1000,1001]", "floor_act")
     );
     // They are gone and gave their 2 GiB back: above the warn floor, the victim does not count.
-    let plan = evaluate(
+    let plan = decide(
         &c,
         &gsnap(
             500,
@@ -1641,7 +1646,7 @@ fn unavailable_gpu_memory_never_makes_a_victim() {
     // ...and makes a model's GPU figures a lower bound.
     let c = config(&model("mystery", ""));
     let mut state = PolicyState::default();
-    evaluate(
+    decide(
         &c,
         &gsnap(0, procs(), vec![gpu(0, low, &[(100, None)])]),
         &mut state,
@@ -1813,7 +1818,7 @@ fn a_victim_that_cannot_be_signalled_is_passed_over_for_the_next() {
         ]
     };
     let mut state = PolicyState::default();
-    let first = evaluate(&c, &snap(0, Some(GIB), procs()), &mut state);
+    let first = decide(&c, &snap(0, Some(GIB), procs()), &mut state);
     assert_eq!(first.actions[0].target.members[0].id.pid, 100);
     // The executor reports EPERM for pid 100.
     let refused = Outcome::Failed("permission denied".into());
@@ -1821,7 +1826,7 @@ fn a_victim_that_cannot_be_signalled_is_passed_over_for_the_next() {
         action: first.actions[0].clone(),
         outcome: refused,
     }]);
-    let second = evaluate(&c, &snap(10, Some(GIB), procs()), &mut state);
+    let second = decide(&c, &snap(10, Some(GIB), procs()), &mut state);
     assert_eq!(second.actions.len(), 1, "{:?}", second.actions);
     assert_eq!(
         second.actions[0].target.members[0].id.pid, 200,
@@ -1841,34 +1846,16 @@ fn a_model_restarted_after_a_budget_kill_gets_a_new_grace_and_round() {
             .map(|a| format!("{} {}", a.verb.as_str(), a.target.members[0].id.pid))
             .collect::<Vec<_>>()
     };
-    assert!(verbs(&evaluate(&c, &snap(0, Some(20 * GIB), old()), &mut state)).is_empty());
+    assert!(verbs(&decide(&c, &snap(0, Some(20 * GIB), old()), &mut state)).is_empty());
     assert_eq!(
-        verbs(&evaluate(
-            &c,
-            &snap(1000, Some(20 * GIB), old()),
-            &mut state
-        )),
+        verbs(&decide(&c, &snap(1000, Some(20 * GIB), old()), &mut state)),
         ["terminate 100"]
     );
     // Its supervisor restarted it, still over budget: a new grace, then a new terminate.
-    assert!(verbs(&evaluate(
-        &c,
-        &snap(1500, Some(20 * GIB), new()),
-        &mut state
-    ))
-    .is_empty());
-    assert!(verbs(&evaluate(
-        &c,
-        &snap(2000, Some(20 * GIB), new()),
-        &mut state
-    ))
-    .is_empty());
+    assert!(verbs(&decide(&c, &snap(1500, Some(20 * GIB), new()), &mut state)).is_empty());
+    assert!(verbs(&decide(&c, &snap(2000, Some(20 * GIB), new()), &mut state)).is_empty());
     assert_eq!(
-        verbs(&evaluate(
-            &c,
-            &snap(2600, Some(20 * GIB), new()),
-            &mut state
-        )),
+        verbs(&decide(&c, &snap(2600, Some(20 * GIB), new()), &mut state)),
         ["terminate 300"]
     );
 }
@@ -1890,7 +1877,7 @@ fn a_victim_that_grows_after_sigterm_is_killed_at_once() {
     let c = config(RAM_FLOORS);
     let mut state = PolicyState::default();
     let at = |ms, rss| snap(ms, Some(3 * GIB), term_victims(rss));
-    let first = evaluate(&c, &at(0, 6 * GIB), &mut state);
+    let first = decide(&c, &at(0, 6 * GIB), &mut state);
     assert_eq!(verbs(&first), ["terminate"]);
     assert_eq!(
         first.next_interval,
@@ -1899,18 +1886,18 @@ fn a_victim_that_grows_after_sigterm_is_killed_at_once() {
     );
     // The first reading after SIGTERM is the baseline: growth before the signal (the table was
     // older than the signal) is not held against it.
-    assert!(verbs(&evaluate(&c, &at(2, 6 * GIB + 512 * MIB), &mut state)).is_empty());
+    assert!(verbs(&decide(&c, &at(2, 6 * GIB + 512 * MIB), &mut state)).is_empty());
     // A little growth is noise (a process shutting down may still touch some memory)...
-    assert!(verbs(&evaluate(&c, &at(4, 6 * GIB + 516 * MIB), &mut state)).is_empty());
+    assert!(verbs(&decide(&c, &at(4, 6 * GIB + 516 * MIB), &mut state)).is_empty());
     // ...more than term_max_growth (8 MiB) is a victim ignoring SIGTERM, long before term_grace.
-    let plan = evaluate(&c, &at(6, 6 * GIB + 532 * MIB), &mut state);
+    let plan = decide(&c, &at(6, 6 * GIB + 532 * MIB), &mut state);
     assert_eq!(verbs(&plan), ["kill"]);
     let detail = &plan.actions[0].reason.detail;
     assert!(
         detail.contains("grew by 20.0 MiB after SIGTERM"),
         "{detail}"
     );
-    assert!(verbs(&evaluate(&c, &at(8, 7 * GIB), &mut state)).is_empty());
+    assert!(verbs(&decide(&c, &at(8, 7 * GIB), &mut state)).is_empty());
 }
 
 /// RAM wobbling around the act floor while the victim shuts down (it stopped growing right at
@@ -1959,7 +1946,7 @@ fn a_victim_shutting_down_keeps_its_grace_while_memory_falls_elsewhere() {
     let mut state = PolicyState::default();
     let at = |ms, avail, rss| snap(ms, Some(avail), term_victims(rss));
     assert_eq!(
-        verbs(&evaluate(&c, &at(0, 3 * GIB, 6 * GIB), &mut state)),
+        verbs(&decide(&c, &at(0, 3 * GIB, 6 * GIB), &mut state)),
         ["terminate"]
     );
     // Someone else keeps taking memory (still above half the floor) while the victim shrinks:
@@ -1970,11 +1957,11 @@ fn a_victim_shutting_down_keeps_its_grace_while_memory_falls_elsewhere() {
         (999, 2 * GIB + 100 * MIB, 4 * GIB),
     ] {
         assert!(
-            verbs(&evaluate(&c, &at(ms, avail, rss), &mut state)).is_empty(),
+            verbs(&decide(&c, &at(ms, avail, rss), &mut state)).is_empty(),
             "{ms} ms"
         );
     }
-    let plan = evaluate(&c, &at(1000, 2 * GIB + 100 * MIB, 4 * GIB), &mut state);
+    let plan = decide(&c, &at(1000, 2 * GIB + 100 * MIB, 4 * GIB), &mut state);
     assert_eq!(verbs(&plan), ["kill"]);
     assert!(plan.actions[0].reason.detail.contains("SIGTERM not enough"));
 }
@@ -2014,7 +2001,7 @@ fn inconsistent_gpu_readings_are_unknown_and_never_act() {
         assert!(bad.inconsistency().is_some(), "{name}");
         let mut state = PolicyState::default();
         for at in [0, 100, 200] {
-            let plan = evaluate(&c, &gsnap(at, procs(), vec![bad.clone()]), &mut state);
+            let plan = decide(&c, &gsnap(at, procs(), vec![bad.clone()]), &mut state);
             assert_eq!(acts(&plan), "", "{name}");
             if at == 0 {
                 assert_eq!(events(&plan), "reading_unknown", "{name}");
@@ -2443,11 +2430,11 @@ fn membership_is_by_identity_not_by_position_in_the_table() {
         proc(100, "vllm", 2 * GIB, 1),
         proc(101, "worker", GIB, 100),
     ];
-    evaluate(&c, &snap(0, Some(32 * GIB), table), &mut state);
+    decide(&c, &snap(0, Some(32 * GIB), table), &mut state);
     // Same scan time (the attribution is kept), fewer and other processes.
     let mut changed = snap(0, Some(GIB), vec![proc(101, "worker", GIB, 100)]);
     changed.at = Duration::from_millis(10);
-    let plan = evaluate(&c, &changed, &mut state);
+    let plan = decide(&c, &changed, &mut state);
     assert_eq!(acts(&plan), "terminate vllm[101]");
 }
 
@@ -2577,14 +2564,14 @@ fn victims_whose_kill_lifted_ram_above_the_warn_floor_do_not_count_towards_the_b
     for (i, pid) in [100, 200, 300, 400, 500].into_iter().enumerate() {
         let at = i as u64 * 1000;
         let hog = vec![proc(pid, "sacrifice", 3 * GIB, 1)];
-        let plan = evaluate(&c, &snap(at, Some(3 * GIB), hog), &mut state);
+        let plan = decide(&c, &snap(at, Some(3 * GIB), hog), &mut state);
         assert_eq!(
             (acts(&plan), events(&plan)),
             (format!("terminate [{pid}]"), "floor_act".to_string())
         );
         assert_eq!(state.floor_victims[&Resource::Ram].len(), 1);
         // It is gone and gave its 3 GiB back: RAM is above the warn floor.
-        let plan = evaluate(&c, &snap(at + 500, Some(9 * GIB), vec![]), &mut state);
+        let plan = decide(&c, &snap(at + 500, Some(9 * GIB), vec![]), &mut state);
         assert!(events(&plan).contains("floor_cleared"), "{}", events(&plan));
         assert!(state.floor_victims[&Resource::Ram].is_empty());
     }
@@ -2598,7 +2585,7 @@ fn only_victims_actually_acted_on_count_towards_the_brake() {
     let c = config(&format!("{RAM_FLOORS}max_victims = 1\n"));
     let procs = || vec![proc(100, "a", 800 * MIB, 1), proc(200, "b", 600 * MIB, 1)];
     let mut state = PolicyState::default();
-    let plan = evaluate(&c, &snap(0, Some(3 * GIB), procs()), &mut state);
+    let plan = decide(&c, &snap(0, Some(3 * GIB), procs()), &mut state);
     assert_eq!(acts(&plan), "terminate [100]");
     let skipped: Vec<_> = plan
         .actions
@@ -2610,7 +2597,7 @@ fn only_victims_actually_acted_on_count_towards_the_brake() {
         .collect();
     state.apply(&skipped);
     assert!(state.floor_victims[&Resource::Ram].is_empty());
-    let plan = evaluate(&c, &snap(100, Some(3 * GIB), procs()), &mut state);
+    let plan = decide(&c, &snap(100, Some(3 * GIB), procs()), &mut state);
     assert_eq!(
         acts(&plan),
         "terminate [100]",
@@ -2627,8 +2614,8 @@ fn only_victims_actually_acted_on_count_towards_the_brake() {
     state.apply(&done);
     assert_eq!(state.floor_victims[&Resource::Ram].len(), 1);
     let gone = vec![proc(200, "b", 600 * MIB, 1)];
-    evaluate(&c, &snap(200, Some(3 * GIB), gone.clone()), &mut state);
-    let plan = evaluate(&c, &snap(300, Some(3 * GIB), gone), &mut state);
+    decide(&c, &snap(200, Some(3 * GIB), gone.clone()), &mut state);
+    let plan = decide(&c, &snap(300, Some(3 * GIB), gone), &mut state);
     assert_eq!(
         (acts(&plan).as_str(), events(&plan).as_str()),
         ("", "floor_brake")
@@ -2647,10 +2634,10 @@ fn max_victims_zero_turns_the_brake_off() {
             .filter(|&p| p >= pid)
             .map(|p| proc(p, "x", (1000 - p as u64) * MIB, 1))
             .collect();
-        let plan = evaluate(&c, &snap(at, Some(3 * GIB), procs.clone()), &mut state);
+        let plan = decide(&c, &snap(at, Some(3 * GIB), procs.clone()), &mut state);
         assert_eq!(acts(&plan), format!("terminate [{pid}]"));
         let rest: Vec<Process> = procs.into_iter().filter(|p| p.pid != pid).collect();
-        evaluate(&c, &snap(at + 100, Some(5 * GIB), rest), &mut state);
+        decide(&c, &snap(at + 100, Some(5 * GIB), rest), &mut state);
     }
 }
 
@@ -2720,7 +2707,7 @@ fn shmem_growth_beyond_the_shortfall_alerts_and_does_not_kill() {
     // short): a tmpfs write still under way would take that back. Not acted on.
     let mut mid = small();
     mid.push(proc(300, "mid", 2 * GIB, 1));
-    let plan = evaluate(
+    let plan = decide(
         &c,
         &with_shmem(snap(250, Some(3 * GIB), mid.clone()), 4 * GIB + GIB / 2),
         &mut state,
@@ -2728,7 +2715,7 @@ fn shmem_growth_beyond_the_shortfall_alerts_and_does_not_kill() {
     assert_eq!((acts(&plan).as_str(), events(&plan).as_str()), ("", ""));
     // The file is being removed: Shmem falls before MemAvailable rises. Still the same
     // shortfall of memory no process held (Shmem's peak counts): nobody is signalled.
-    let plan = evaluate(
+    let plan = decide(
         &c,
         &with_shmem(snap(280, Some(3 * GIB), mid.clone()), GIB + GIB / 2),
         &mut state,
@@ -2737,7 +2724,7 @@ fn shmem_growth_beyond_the_shortfall_alerts_and_does_not_kill() {
     // A candidate whose own memory alone lifts RAM above the warn floor may still be acted on.
     let mut big = mid;
     big.push(proc(400, "big", 6 * GIB, 1));
-    let plan = evaluate(
+    let plan = decide(
         &c,
         &with_shmem(snap(300, Some(3 * GIB), big), 4 * GIB + GIB / 2),
         &mut state,
@@ -2941,7 +2928,7 @@ fn shmem_growth_explaining_part_of_the_shortfall_judges_only_the_rest() {
     // 2 GiB covers it and lifts RAM above the act floor: acted on.
     let mut big = small();
     big.push(proc(300, "big", 2 * GIB, 1));
-    let plan = evaluate(&c, &short(300, big), &mut state);
+    let plan = decide(&c, &short(300, big), &mut state);
     assert_eq!(
         (acts(&plan).as_str(), events(&plan).as_str()),
         ("terminate [300]", "")
@@ -3240,8 +3227,7 @@ fn models_in_force_merge_config_and_launches_in_one_place() {
         ram: None,
         ..c.models[0].clone()
     };
-    let mut state = PolicyState::default();
-    state.set_launches(
+    let launches = Launches::new(
         HashMap::new(),
         vec![
             launched("a", Some("http://127.0.0.1:1/metrics")),
@@ -3249,7 +3235,7 @@ fn models_in_force_merge_config_and_launches_in_one_place() {
             launched("m", None),
         ],
     );
-    let models = state.models(&c);
+    let models = launches.models(&c);
     let names: Vec<&str> = models.iter().map(|m| m.name.as_str()).collect();
     assert_eq!(names, ["a", "b", "m", "z"]);
     assert!(models.get("a").unwrap().ram.is_some(), "the [[model]] wins");
@@ -3258,5 +3244,38 @@ fn models_in_force_merge_config_and_launches_in_one_place() {
     assert_eq!(models.metrics_url("z"), Some("http://127.0.0.1:2/metrics"));
     assert_eq!(models.metrics_url("m"), None);
     assert!(models.get("nope").is_none());
-    assert_eq!(model_config(&c, &state, "z").unwrap().name, "z");
+    assert_eq!(model_config(&c, &launches, "z").unwrap().name, "z");
+}
+
+/// A model launched without a `[[model]]` (`gpuguard launch --ram ...`) has the budget its
+/// launch gave, through the launches the loop hands the policy with each snapshot; once the
+/// ledger no longer has the launch, its processes belong to no model and nothing holds them.
+#[test]
+fn a_launched_models_budget_comes_with_the_launches_the_policy_is_given() {
+    let c = config("");
+    let procs = || {
+        vec![
+            proc(100, "server", 3 * GIB, 1),
+            proc(101, "worker", GIB / 2, 100),
+        ]
+    };
+    let mut budget = config(&model(
+        "served",
+        "ram = \"2GiB\"\naction = \"stop\"\ngrace = \"1s\"\n",
+    ));
+    let launches = Launches::new(
+        HashMap::from([(procs()[0].id(), "served".to_string())]),
+        vec![budget.models.remove(0)],
+    );
+    let mut state = PolicyState::default();
+    let ok = Some(32 * GIB);
+    let at = |ms| snap(ms, ok, procs());
+    let plan = evaluate(&c, &at(0), &launches, &mut state);
+    assert_eq!(events(&plan), "budget_exceeded");
+    let plan = evaluate(&c, &at(1000), &launches, &mut state);
+    assert_eq!(acts(&plan), "stop served[100,101]");
+    // The launch is gone from the ledger: nothing launched, nothing over a budget.
+    state.launches_changed();
+    let plan = evaluate(&c, &at(2000), &Launches::default(), &mut state);
+    assert_eq!(acts(&plan), "resume served[100,101]");
 }

@@ -108,15 +108,13 @@ pub(super) fn model_target(
 
 /// How far a model is over its budget for this resource, if it is.
 pub(super) fn over_budget(
-    config: &Config,
     snapshot: &Snapshot,
     state: &PolicyState,
     model: usize,
     resource: Resource,
 ) -> Option<u64> {
     let usage = &state.attribution.models[model];
-    let cfg = super::model_config(config, state, &usage.name)?;
-    let (ram_budget, gpu_budget) = cfg.budget_bytes(
+    let (ram_budget, gpu_budget) = usage.config.as_ref()?.budget_bytes(
         snapshot.host.total_bytes,
         snapshot.gpus.largest_total_bytes(),
     );
@@ -169,8 +167,8 @@ pub(super) fn choose(
         }
         candidates.push(Candidate {
             target,
-            over_budget_bytes: over_budget(config, snapshot, state, m, resource),
-            priority: super::model_config(config, state, &usage.name).map_or(0, |c| c.priority),
+            over_budget_bytes: over_budget(snapshot, state, m, resource),
+            priority: usage.config.as_ref().map_or(0, |c| c.priority),
             usage_bytes: used,
         });
     }

@@ -14,7 +14,7 @@ use proptest::prelude::*;
 use proptest::test_runner::Config as ProptestConfig;
 
 use gpuguard::config::{Config, GpuTotal, HostTotals};
-use gpuguard::policy::{evaluate, Action, PolicyState, Verb};
+use gpuguard::policy::{evaluate, Action, Launches, PolicyState, Verb};
 use gpuguard::sample::{ProcSource, ProcfsSource};
 use gpuguard::snapshot::{
     Gpu, GpuSnapshot, GpuStatus, HostMemory, Process, ProcessTable, Snapshot,
@@ -245,7 +245,7 @@ proptest! {
             processes: ProcessTable { scanned_at: Some(Duration::ZERO), processes: scanned },
             ..Default::default()
         };
-        evaluate(&config, &snapshot, &mut PolicyState::default());
+        evaluate(&config, &snapshot, &Launches::default(), &mut PolicyState::default());
     }
 }
 
@@ -607,7 +607,7 @@ proptest! {
             s.processes.scanned_at = Some(at);
             s.gpus.sampled_at = Some(at);
             s.gpus.process_lists_read = i as u64;
-            let plan = evaluate(&config, &s, &mut state);
+            let plan = evaluate(&config, &s, &Launches::default(), &mut state);
             let mut victims: BTreeMap<String, Vec<_>> = BTreeMap::new();
             for a in &plan.actions {
                 if matches!(a.verb, Verb::Resume | Verb::Unthrottle) {

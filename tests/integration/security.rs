@@ -130,15 +130,6 @@ fn fds(pid: u32) -> usize {
         .unwrap_or(0)
 }
 
-/// CPU time (user + system) of a process, in clock ticks.
-fn cpu_ticks(pid: u32) -> u64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..]
-        .split_whitespace()
-        .collect();
-    fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
-}
-
 /// Resident memory of a process, from /proc/PID/status.
 fn vm_rss(pid: u32) -> u64 {
     rss_bytes(pid)
@@ -213,7 +204,7 @@ time.sleep(600)
 "#;
 
 #[test]
-fn a_thousand_connections_neither_blind_the_guard_nor_spin_it() {
+fn a_thousand_connections_do_not_blind_the_guard() {
     let _lock = memory_pressure_lock();
     let attacker = Attacker::create();
     let (hog_t, sentinel_t) = (token("blind-hog"), token("blind-sentinel"));
@@ -265,11 +256,7 @@ fn a_thousand_connections_neither_blind_the_guard_nor_spin_it() {
         open < fds_before + 2 * 64 + 32 + 16,
         "the daemon holds {open} descriptors (was {fds_before})"
     );
-    // Not spinning on refused connections: well under a core over two seconds.
-    let before = cpu_ticks(pid);
-    std::thread::sleep(Duration::from_secs(2));
-    let used = cpu_ticks(pid) - before;
-    assert!(used < 100, "the daemon used {used} ticks in 2 s");
+    // What the daemon's CPU comes to meanwhile is measured by bench/socket-load.sh ("held").
     // Root can still ask for status while the attacker holds its share.
     assert_eq!(g.daemon.status()["schema_version"], 2);
 

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use gpuguard::config::Config;
-use gpuguard::policy::{evaluate, PolicyState};
+use gpuguard::policy::{evaluate, Launches, PolicyState};
 use gpuguard::sample::nvml::{GpuSource, NvmlGpuSource};
 use gpuguard::snapshot::{GpuSnapshot, HostMemory, ProcessTable, Snapshot};
 use proptest::prelude::*;
@@ -123,7 +123,12 @@ fn any_nvml_state_is_sampled_without_panicking() {
             };
             let config =
                 Config::parse("[gpu]\nmin_free = \"1GiB\"\n", Path::new("c.toml")).unwrap();
-            evaluate(&config, &snapshot, &mut PolicyState::default());
+            evaluate(
+                &config,
+                &snapshot,
+                &Launches::default(),
+                &mut PolicyState::default(),
+            );
         }
         source.take_xids();
         Ok(())
