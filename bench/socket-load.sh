@@ -86,7 +86,7 @@ for bin in "$@"; do
         sleep 1
         t0=$(ticks) c0=$(cpu $daemon)
         if [ $case = held ]; then
-            n=$(setpriv --reuid=65534 --regid=65534 --clear-groups python3 "$work/hold.py" "$work/sock" "$seconds")
+            n=$(setpriv --reuid=65534 --regid=65534 --clear-groups /usr/bin/python3 "$work/hold.py" "$work/sock" "$seconds")
         else
             n=$(python3 "$work/loop.py" "$work/sock" "$seconds")
         fi
