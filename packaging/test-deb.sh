@@ -380,8 +380,15 @@ RESTARTS=$(prop NRestarts)
 [ "$RESTARTS" = 0 ] ||
     fail "gpuguard died and was restarted $RESTARTS time(s) on the kill path (journal below)"
 # Its state directory is writable under ProtectSystem=strict (the event log is written there).
-[ "$(in_guest stat -c %a /var/lib/gpuguard)" = 700 ] || fail "/var/lib/gpuguard is not 0700"
+[ "$(in_guest stat -c %a /var/lib/gpuguard)" = 711 ] || fail "/var/lib/gpuguard is not 0711"
 in_guest find /var/lib/gpuguard -type f -size +0 | grep -q . || fail "nothing written to /var/lib/gpuguard"
+# The flight recorder's history is there, and any user can read it (not the rest of the directory).
+in_guest setpriv --reuid=65534 --regid=65534 --clear-groups gpuguard history --at now --json |
+    grep -q '"schema_version"' || fail "a non-root user cannot read the history"
+in_guest setpriv --reuid=65534 --regid=65534 --clear-groups ls /var/lib/gpuguard >/dev/null 2>&1 &&
+    fail "a non-root user can list /var/lib/gpuguard"
+in_guest setpriv --reuid=65534 --regid=65534 --clear-groups gpuguard history --since '1h ago' |
+    grep -q 'e2e-victim' || fail "the history does not show the kill of the victim"
 
 # ---------------------------------------------------------------------------------------------
 say "the watchdog fires: a daemon that stops answering is killed and restarted"

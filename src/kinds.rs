@@ -106,6 +106,10 @@ named! {
         ConfigReloadFailed = "config_reload_failed",
         LeftoversUndone = "leftovers_undone",
         StateFileCorrupt = "state_file_corrupt",
+        /// The run before this one ended without a clean stop (from the flight recorder).
+        PreviousRunUnclean = "previous_run_unclean",
+        /// The flight recorder stopped recording (a nearly full disk, a write error).
+        HistoryStopped = "history_stopped",
         EventsDropped = "events_dropped",
         /// One uid's client-caused events past the per-uid rate limit, summed up once a window.
         EventsSuppressed = "events_suppressed",

@@ -1,8 +1,8 @@
 //! The layering of the crate, checked: every top-level module (a file or a folder of `src/`)
 //! imports only from its own layer or below, and no two import each other, directly or around a
 //! circle. Read top-down, the layers are the pipeline: the CLI starts the daemon, which samples
-//! (`sample`), decides (`policy`, `reserve`), acts (`act`), tells (`alert`, `metrics`) and serves
-//! (`ipc`).
+//! (`sample`), decides (`policy`, `reserve`), acts (`act`), tells (`alert`, `metrics`),
+//! remembers (`history`) and serves (`ipc`).
 
 #![cfg(test)]
 
@@ -14,7 +14,7 @@ const LAYERS: &[&[&str]] = &[
     &["main", "lib", "layers"],
     &["cli"],
     &["daemon"],
-    &["ipc", "act", "alert", "metrics"],
+    &["ipc", "act", "alert", "metrics", "history"],
     &["view"],
     &["policy", "reserve", "plan"],
     &["config", "snapshot", "sample", "protocol", "status"],

@@ -2,7 +2,8 @@
 //!
 //! The pipeline, one module per stage:
 //! `sample` (/proc, NVML) -> `snapshot` (plain data) -> `policy` (pure decisions) -> `act`
-//! (signals, throttles) -> logs, `alert` (webhooks, event log) and `metrics` (Prometheus),
+//! (signals, throttles) -> logs, `alert` (webhooks, event log), `metrics` (Prometheus) and
+//! `history` (the flight recorder, read by `gpuguard history`),
 //! driven by the `daemon` loop. `config` holds the TOML config, `units` the sizes and durations
 //! it is written in.
 
@@ -11,6 +12,7 @@ pub mod alert;
 pub mod cli;
 pub mod config;
 pub mod daemon;
+pub mod history;
 pub mod http;
 pub mod ipc;
 pub mod kinds;

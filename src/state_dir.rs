@@ -170,6 +170,43 @@ impl StateDir {
         })
     }
 
+    /// A directory `name` in it that any user may read (the flight recorder's, for `gpuguard
+    /// history`), created 0755 if missing, opened without following a symlink and checked as the
+    /// state directory is (this user's, not writable by group or others). The state directory
+    /// itself is made traversable (`o+x`, never readable: its own files stay 0600 and unlisted).
+    pub fn public_subdir(&self, name: &str) -> std::io::Result<OwnedFd> {
+        let st = fstat(&self.fd)?;
+        let mode = st.st_mode & 0o7777;
+        if mode & 0o011 != 0o011 {
+            nix::sys::stat::fchmod(&self.fd, Mode::from_bits_truncate(mode | 0o011))?;
+        }
+        match nix::sys::stat::mkdirat(&self.fd, name, Mode::from_bits_truncate(0o755)) {
+            Ok(()) | Err(Errno::EEXIST) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let fd = openat(
+            &self.fd,
+            name,
+            OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )?;
+        let st = fstat(&fd)?;
+        let me = nix::unistd::geteuid().as_raw();
+        if st.st_uid != me || st.st_mode & 0o022 != 0 {
+            return Err(std::io::Error::other(format!(
+                "{}/{name} is not gpuguard's own (owner uid {}, mode {:04o}): refusing to write there",
+                self.path.display(),
+                st.st_uid,
+                st.st_mode & 0o7777
+            )));
+        }
+        // Whatever the umask made of it (the systemd unit runs with 0077).
+        if st.st_mode & 0o7777 != 0o755 {
+            nix::sys::stat::fchmod(&fd, Mode::from_bits_truncate(0o755))?;
+        }
+        Ok(fd)
+    }
+
     /// The (device, inode) of `name` itself (a symlink is not followed), if it exists.
     pub fn identity(&self, name: &str) -> std::io::Result<Option<FileIdentity>> {
         match fstatat(&self.fd, name, AtFlags::AT_SYMLINK_NOFOLLOW) {

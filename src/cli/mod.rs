@@ -1,6 +1,7 @@
 //! The `gpuguard` command line: one binary, one subcommand per job. `main.rs` only calls `main`.
 
 mod generate;
+mod history;
 mod launch;
 mod permit;
 mod plan;
@@ -91,6 +92,9 @@ enum Command {
         #[arg(long, env = "GPUGUARD_SOCKET", default_value = DEFAULT_SOCKET)]
         socket: PathBuf,
     },
+    /// What the flight recorder kept: the status at a moment (--at), host RAM and GPU memory
+    /// over time with floors and actions, the events; works with the daemon down.
+    History(history::HistoryArgs),
     /// Wait for memory through the daemon's launch queue, then exec CMD (same pid).
     Launch(launch::LaunchArgs),
     /// Hold a memory permit while CMD runs: waits until its memory fits (exit 75 if not in time).
@@ -152,6 +156,7 @@ pub fn main() -> ExitCode {
         Command::Launch(args) => launch::run(args),
         Command::Permit(args) => permit::run(args),
         Command::Plan(args) => plan::run(*args),
+        Command::History(args) => history::run(args),
         Command::Release { lease, socket } => release(&socket, lease),
         Command::GenerateAssets { dir } => generate::run(&dir),
     };

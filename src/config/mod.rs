@@ -71,6 +71,8 @@ pub struct Config {
     pub clients: ClientsConfig,
     #[serde(default)]
     pub permits: PermitsConfig,
+    #[serde(default)]
+    pub history: HistoryConfig,
 }
 
 impl Config {
@@ -180,6 +182,31 @@ impl Config {
                     format!("'{}' is not an http:// or https:// URL", w.redacted_url()),
                 ));
             }
+        }
+        let h = &self.history;
+        if !matches!(h.max_size, Amount::Bytes(b) if b >= 1 << 20) {
+            return Err((
+                "history.max_size".into(),
+                format!("'{}' must be a size of at least 1MiB", h.max_size),
+            ));
+        }
+        if h.interval.is_zero() || h.interval > Duration::from_secs(3600) {
+            return Err((
+                "history.interval".into(),
+                format!(
+                    "'{}' must be above 0 and at most 1h",
+                    humantime::format_duration(h.interval)
+                ),
+            ));
+        }
+        if h.retention < Duration::from_secs(60) {
+            return Err((
+                "history.retention".into(),
+                format!(
+                    "'{}' must be at least 1m",
+                    humantime::format_duration(h.retention)
+                ),
+            ));
         }
         let mut names = HashSet::new();
         for (i, m) in self.models.iter().enumerate() {

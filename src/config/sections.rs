@@ -524,3 +524,40 @@ impl GpuOverride {
         }
     }
 }
+
+/// `[history]`: the flight recorder (`src/history`), on by default.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HistoryConfig {
+    pub enabled: bool,
+    /// The most the history directory holds; the oldest records go first.
+    pub max_size: Amount,
+    /// Records older than this go.
+    #[serde(with = "duration")]
+    pub retention: Duration,
+    /// How often a sample is kept while every floor reads ok (near a floor: every second, and at
+    /// the act floor every sample).
+    #[serde(with = "duration")]
+    pub interval: Duration,
+}
+
+impl Default for HistoryConfig {
+    fn default() -> Self {
+        HistoryConfig {
+            enabled: true,
+            max_size: Amount::Bytes(64 << 20),
+            retention: Duration::from_secs(7 * 24 * 3600),
+            interval: Duration::from_secs(10),
+        }
+    }
+}
+
+impl HistoryConfig {
+    /// `max_size` in bytes (validated to be a size).
+    pub fn max_size_bytes(&self) -> u64 {
+        match self.max_size {
+            Amount::Bytes(b) => b,
+            Amount::Percent(_) => 64 << 20,
+        }
+    }
+}

@@ -213,7 +213,7 @@ impl Daemon {
         } = sources;
         warm::warm_up(control.as_ref());
         let dir = Arc::new(StateDir::create(&config.daemon.state_dir)?);
-        let (executor, leftovers) = Executor::new(control, dir, &cgroup_root);
+        let (executor, leftovers) = Executor::new(control, dir.clone(), &cgroup_root);
         leftovers.log();
         let timeout = config.gpu.sample_timeout;
         let gpus = gpus.map(|source| match inline {
@@ -232,6 +232,7 @@ impl Daemon {
         let metrics = Metrics::new();
         let mut alerter = Alerter::new(&config, &metrics).context("[alert]")?;
         faults::announce_leftovers(&mut alerter, &leftovers);
+        let reporter = Reporter::new(alerter, metrics).recording(&dir, &config.history);
         let (events_tx, events) = channel();
         let sampler = Sampler::new(procs, scans, gpus, snapshot, events_tx.clone());
         let wake = events_tx.clone();
@@ -254,7 +255,7 @@ impl Daemon {
             shared,
             events,
             events_tx,
-            reporter: Reporter::new(alerter, metrics),
+            reporter,
             engines: EngineScraper::default(),
         })
     }
@@ -322,7 +323,7 @@ impl Daemon {
                     let name =
                         nix::sys::signal::Signal::try_from(signal).map_or("signal", |s| s.as_str());
                     info!("{name}: resuming held processes and stopping");
-                    self.reporter.alerter.lifecycle(
+                    self.reporter.lifecycle(
                         EventKind::DaemonStopping,
                         Severity::Warning,
                         format!(
@@ -345,6 +346,7 @@ impl Daemon {
         }
         let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
         self.executor.shutdown();
+        self.reporter.stop_recording();
         signal_thread.close();
         self.reporter.alerter.shutdown();
         info!("gpuguard stopped");
@@ -423,6 +425,7 @@ impl Daemon {
         for e in events {
             log_event(e);
             let subject = self.event_subject(&e.about);
+            self.reporter.remember_event(e);
             self.reporter.alerter.event(e, subject);
         }
     }
@@ -463,6 +466,7 @@ impl Daemon {
         if publish {
             r.publish(now, &self.shared);
         }
+        r.check_recorder();
     }
 
     /// How long to sleep (the policy's interval, shorter while launches or permits are out),
@@ -528,7 +532,7 @@ impl Daemon {
                     let message =
                         format!("config reload failed, keeping the previous config: {e:#}");
                     error!("{message}");
-                    self.reporter.alerter.lifecycle(
+                    self.reporter.lifecycle(
                         EventKind::ConfigReloadFailed,
                         Severity::Warning,
                         message,
@@ -545,11 +549,8 @@ impl Daemon {
             Err(e) => {
                 let message = format!("config reload failed, keeping the previous config: {e}");
                 error!("{message}");
-                self.reporter.alerter.lifecycle(
-                    EventKind::ConfigReloadFailed,
-                    Severity::Warning,
-                    message,
-                );
+                self.reporter
+                    .lifecycle(EventKind::ConfigReloadFailed, Severity::Warning, message);
             }
         }
     }
@@ -581,7 +582,6 @@ impl Daemon {
         );
         info!("{message}");
         self.reporter
-            .alerter
             .lifecycle(EventKind::DaemonStarted, Severity::Info, message);
     }
 }

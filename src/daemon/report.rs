@@ -6,9 +6,14 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use crate::alert::Alerter;
+use crate::config::HistoryConfig;
+use crate::history::{self, now_ms, Pressure, Record, Recorder};
 use crate::ipc::server::Shared;
+use crate::kinds::{EventKind, Level, Severity};
 use crate::metrics::Metrics;
+use crate::policy::Event;
 use crate::snapshot::GpuStatus;
+use crate::state_dir::StateDir;
 use crate::status::ActionRow;
 use crate::status::{GpuRow, MemoryStatus, ModelRow, StatusReport, STATUS_SCHEMA_VERSION};
 use crate::view::{GpuView, ModelView, RamView, TickView};
@@ -30,6 +35,8 @@ pub(super) struct Reporter {
     pub recent_actions: VecDeque<ActionRow>,
     /// What the last tick saw, decided and did (status, metrics and conditions read it).
     pub view: TickView,
+    /// The flight recorder (`[history]`), if on.
+    pub recorder: Option<Recorder>,
 }
 
 impl Reporter {
@@ -41,6 +48,116 @@ impl Reporter {
             status_published: None,
             recent_actions: VecDeque::new(),
             view: TickView::default(),
+            recorder: None,
+        }
+    }
+
+    /// With the flight recorder on (`[history] enabled`): reads what the previous run left in
+    /// the state directory's `history/` (a post-mortem event if it did not stop cleanly), then
+    /// starts recording there. A recorder that cannot start is a critical event, not a failed
+    /// start: guarding comes first.
+    pub(super) fn recording(mut self, dir: &StateDir, config: &HistoryConfig) -> Reporter {
+        if !config.enabled {
+            return self;
+        }
+        let path = dir.path().join(history::DIR);
+        let started = dir
+            .public_subdir(history::DIR)
+            .and_then(|fd| Recorder::start(fd, config));
+        let recorder = match started {
+            Ok(r) => r,
+            Err(e) => {
+                let why = format!("history: cannot record in {}: {e}", path.display());
+                tracing::error!("{why}");
+                self.lifecycle(EventKind::HistoryStopped, Severity::Critical, why);
+                return self;
+            }
+        };
+        let previous = history::read(&path);
+        let boot_id = boot_id();
+        recorder.record(
+            Record::Start {
+                at_ms: now_ms(),
+                version: env!("CARGO_PKG_VERSION").into(),
+                boot_id: boot_id.clone(),
+            },
+            Pressure::Act,
+        );
+        self.recorder = Some(recorder);
+        match previous {
+            Ok(h) => {
+                for w in &h.warnings {
+                    tracing::warn!("history: {w}");
+                }
+                if let Some(line) = history::unclean_end(&h, &boot_id) {
+                    tracing::warn!("{line}");
+                    self.lifecycle(EventKind::PreviousRunUnclean, Severity::Warning, line);
+                }
+            }
+            Err(e) => tracing::warn!("history: cannot read {}: {e}", path.display()),
+        }
+        self
+    }
+
+    /// How close the host is to a floor, as the flight recorder keeps samples.
+    fn pressure(&self) -> Pressure {
+        let v = &self.view;
+        let levels = std::iter::once(v.ram.level).chain(v.gpus.iter().map(|g| g.level));
+        if !v.held.is_empty() || levels.clone().any(|l| l == Level::Act) {
+            Pressure::Act
+        } else if levels.into_iter().any(|l| l == Level::Warn) {
+            Pressure::Warn
+        } else {
+            Pressure::Quiet
+        }
+    }
+
+    fn record(&self, record: Record) {
+        if let Some(r) = &self.recorder {
+            r.record(record, self.pressure());
+        }
+    }
+
+    /// An event of the tick: to the flight recorder (the caller logs and alerts it).
+    pub(super) fn remember_event(&self, e: &Event) {
+        self.record(Record::Event {
+            at_ms: now_ms(),
+            severity: e.severity.as_str().into(),
+            kind: e.kind.as_str().into(),
+            message: e.message.clone(),
+        });
+    }
+
+    /// The daemon's own notices (started, stopping, reload failed...): to the alert pipeline and
+    /// the flight recorder.
+    pub(super) fn lifecycle(&mut self, kind: EventKind, severity: Severity, message: String) {
+        self.record(Record::Event {
+            at_ms: now_ms(),
+            severity: severity.as_str().into(),
+            kind: kind.as_str().into(),
+            message: message.clone(),
+        });
+        self.alerter.lifecycle(kind, severity, message);
+    }
+
+    /// Says once, as a critical event, that the flight recorder stopped recording.
+    pub(super) fn check_recorder(&mut self) {
+        let why = self.recorder.as_ref().and_then(Recorder::stopped);
+        if let Some(why) = why {
+            tracing::error!("history: {why}");
+            self.lifecycle(
+                EventKind::HistoryStopped,
+                Severity::Critical,
+                format!("history: {why}"),
+            );
+        }
+    }
+
+    /// A clean stop, recorded and synced (the next start finds it and writes no post-mortem).
+    pub(super) fn stop_recording(&mut self) {
+        if let Some(mut r) = self.recorder.take() {
+            r.record(Record::Stop { at_ms: now_ms() }, Pressure::Act);
+            r.shutdown();
         }
     }
 
@@ -55,8 +172,13 @@ impl Reporter {
             .is_none_or(|t| now.duration_since(t) >= STATUS_REFRESH)
     }
 
-    /// Keeps `row` among the actions status shows (the latest `RECENT_ACTIONS`).
+    /// Keeps `row` among the actions status shows (the latest `RECENT_ACTIONS`), and in the
+    /// flight recorder.
     pub(super) fn remember(&mut self, row: ActionRow) {
+        self.record(Record::Action {
+            at_ms: now_ms(),
+            action: row.clone(),
+        });
         if self.recent_actions.len() == RECENT_ACTIONS {
             self.recent_actions.pop_front();
         }
@@ -70,8 +192,26 @@ impl Reporter {
         if self.metrics_served {
             self.metrics.update(&self.view);
         }
-        shared.publish_status(status_report(&self.view));
+        let report = status_report(&self.view);
+        let pressure = self.pressure();
+        if let Some(r) = self.recorder.as_mut() {
+            if r.sample_due(now, pressure) {
+                let sample = Record::Sample {
+                    at_ms: now_ms(),
+                    status: Box::new(report.clone()),
+                };
+                r.record(sample, pressure);
+            }
+        }
+        shared.publish_status(report);
     }
+}
+
+/// This boot's id (`/proc/sys/kernel/random/boot_id`), empty if unknown.
+fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
 }
 
 /// The status report for `gpuguard status`.

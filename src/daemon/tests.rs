@@ -207,7 +207,11 @@ struct Harness {
 impl Harness {
     /// `config` is the config file's text after `[daemon]`'s state directory.
     fn new(world_now: World, config: &str) -> Harness {
-        let dir = tempfile::tempdir().unwrap();
+        Harness::in_dir(tempfile::tempdir().unwrap(), world_now, config)
+    }
+
+    /// The same in `dir` (what an earlier daemon left there included).
+    fn in_dir(dir: tempfile::TempDir, world_now: World, config: &str) -> Harness {
         let text = format!(
             "[daemon]\nstate_dir = \"{}\"\n{config}",
             dir.path().join("state").display()
@@ -623,4 +627,103 @@ fn a_wake_up_ticks_at_once_but_never_sooner_than_the_gap_after_the_last_tick() {
     // And never postpones a tick already due sooner.
     let soon = last + Duration::from_millis(1);
     assert_eq!(woken(soon, last, last), soon);
+}
+
+/// Issue 25: the flight recorder keeps what the daemon saw and did. An incident (RAM below the
+/// floor, a hog stopped) is in the history as it happened: the status at that moment with RAM
+/// at the act floor, the action, the events. The daemon is then killed (no clean stop): the
+/// next start writes a post-mortem event that names the last action and the RAM it last saw.
+#[test]
+fn the_history_keeps_an_incident_and_the_next_start_writes_its_post_mortem() {
+    let config = "[ram]\nwarn_available = \"8GiB\"\nmin_available = \"4GiB\"\naction = \"stop\"\n\
+                  [gpu]\nenabled = false\n";
+    let mut w = World {
+        host: host(64 * GIB, 2 * GIB),
+        ..World::default()
+    };
+    w.spawn(200, "hog", 12 * GIB);
+    let mut h = Harness::new(w, config);
+    h.ticks(4, 100 * MS);
+    assert_eq!(h.signals(), [(200, Sig::Stop)]);
+    h.daemon.reporter.recorder.as_ref().unwrap().flush();
+    let dir = h._dir.path().join("state").join(crate::history::DIR);
+    let history = crate::history::read(&dir).unwrap();
+    assert!(history.warnings.is_empty(), "{:?}", history.warnings);
+    assert!(matches!(
+        history.records[0],
+        crate::history::Record::Start { .. }
+    ));
+    let action = history
+        .records
+        .iter()
+        .find_map(|r| match r {
+            crate::history::Record::Action { at_ms, action } => Some((*at_ms, action)),
+            _ => None,
+        })
+        .expect("the action is recorded");
+    assert_eq!(
+        (action.1.verb.as_str(), action.1.target.as_str()),
+        ("stop", "pid 200(hog)")
+    );
+    let (_, status) = history
+        .status_at(crate::history::now_ms())
+        .expect("a sample");
+    assert_eq!(status.memory.level, "act");
+    assert_eq!(status.memory.available_bytes, Some(2 * GIB));
+    assert_eq!(status.held.len(), 1, "{:?}", status.held);
+    assert!(history.records.iter().any(|r| matches!(r,
+        crate::history::Record::Event { kind, .. } if kind == "floor_act")));
+
+    // Killed: no clean stop. The next daemon on the same state directory says how it ended.
+    let Harness { daemon, _dir, .. } = h;
+    drop(daemon);
+    let w = World {
+        host: host(64 * GIB, 40 * GIB),
+        ..World::default()
+    };
+    let h = Harness::in_dir(_dir, w, config);
+    h.daemon.reporter.recorder.as_ref().unwrap().flush();
+    let history = crate::history::read(&dir).unwrap();
+    let post_mortem = history
+        .records
+        .iter()
+        .find_map(|r| match r {
+            crate::history::Record::Event { kind, message, .. }
+                if kind == "previous_run_unclean" =>
+            {
+                Some(message.clone())
+            }
+            _ => None,
+        })
+        .expect("a post-mortem event");
+    assert!(
+        post_mortem.contains("ended without a clean stop"),
+        "{post_mortem}"
+    );
+    assert!(
+        post_mortem.contains("RAM 2.0 GiB available (act)"),
+        "{post_mortem}"
+    );
+    assert!(post_mortem.contains("stop pid 200(hog)"), "{post_mortem}");
+    // The history runs on: the first run, then this one.
+    assert_eq!(history.runs.len(), 2);
+
+    // A clean stop leaves no post-mortem for the start after it.
+    let Harness {
+        mut daemon, _dir, ..
+    } = h;
+    daemon.reporter.stop_recording();
+    drop(daemon);
+    let h = Harness::in_dir(_dir, World::default(), config);
+    h.daemon.reporter.recorder.as_ref().unwrap().flush();
+    let history = crate::history::read(&dir).unwrap();
+    let post_mortems = history
+        .records
+        .iter()
+        .filter(|r| {
+            matches!(r,
+            crate::history::Record::Event { kind, .. } if kind == "previous_run_unclean")
+        })
+        .count();
+    assert_eq!(post_mortems, 1, "only the one after the kill");
 }

@@ -1,6 +1,7 @@
 //! GPU protection through the real binary and the real NVML code path (nvml-wrapper -> dlopen),
 //! against the scripted fake libnvidia-ml.so.1 in tests/fake_nvml, on real child processes.
 
+use std::io::Write;
 use std::os::unix::process::ExitStatusExt;
 use std::time::Duration;
 
@@ -372,4 +373,131 @@ fn driver_library_mismatch_is_a_state_not_a_crash() {
     );
     let (code, _) = daemon.stop();
     assert_eq!(code, Some(0));
+}
+
+/// `gpuguard history` on what the flight recorder of a real daemon kept (issue 25): a model over
+/// its GPU budget, stopped; `--at` prints the status as it was and `--since` draws it with the
+/// action marked. The daemon is then killed (SIGKILL, mid-incident) and garbage lands at the end
+/// of its segment: the history reads up to the damage with a warning, and the next start writes
+/// a post-mortem event naming the action.
+#[test]
+fn a_budget_incident_is_in_the_history_and_a_killed_daemon_gets_a_post_mortem() {
+    let t = token("hist");
+    let family = Family::start(&t);
+    let (parent, child) = (family.parent.id(), family.child_pid);
+    let fake = FakeNvml::new(&two_gpus(
+        6,
+        6,
+        &[(0, parent, "5368709120"), (1, child, "5368709120")],
+    ));
+    let config = gpu_config(
+        "",
+        &[(
+            "hist",
+            &t,
+            "gpu_memory = \"8GiB\"\naction = \"stop\"\ngrace = \"1s\"",
+        )],
+    );
+    let daemon = GuardDaemon::start_with_fake(&config, &fake);
+    assert!(
+        wait_stopped(&[parent, child], Duration::from_secs(10)),
+        "{}",
+        daemon.log_text()
+    );
+    let dir = daemon.state_dir().join("history");
+    let history = |args: &[&str]| {
+        let out = std::process::Command::new(BIN)
+            .arg("history")
+            .arg("--dir")
+            .arg(&dir)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        (
+            String::from_utf8(out.stdout).unwrap(),
+            String::from_utf8(out.stderr).unwrap(),
+        )
+    };
+    // Actions are synced as they are taken; the samples while held come every tick.
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            let (records, _) = history(&["--json"]);
+            records.contains("\"type\":\"action\"")
+                && history(&["--at", "now", "--json"])
+                    .0
+                    .contains("\"stopped\"")
+        }),
+        "{}",
+        history(&["--json"]).0
+    );
+    let (at, _) = history(&["--at", "now", "--json"]);
+    let status: serde_json::Value = serde_json::from_str(&at).unwrap();
+    let model = status["models"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == "hist")
+        .unwrap()
+        .clone();
+    assert_eq!(model["state"], "stopped", "{model}");
+    assert_eq!(model["gpu_bytes"], 10 * GIB, "{model}");
+    assert_eq!(status["held"].as_array().unwrap().len(), 2, "{status}");
+    let (table, _) = history(&["--at", "now"]);
+    assert!(table.starts_with("as recorded at "), "{table}");
+    assert!(table.contains("hist"), "{table}");
+    let (chart, _) = history(&["--since", "10m ago"]);
+    assert!(
+        chart.contains("GPU 0 free") && chart.contains("GPU 1 free"),
+        "{chart}"
+    );
+    assert!(chart.contains("action   stop"), "{chart}");
+    assert!(
+        chart.lines().any(|l| l.contains('*') && l.contains('#')),
+        "the stretch with the action is marked: {chart}"
+    );
+
+    // Killed mid-incident; garbage at the end of its segment.
+    let state = daemon.crash();
+    let segment = std::fs::read_dir(state.path().join("state/history"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .max()
+        .unwrap();
+    let whole = std::fs::read(&segment).unwrap().len();
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(&segment)
+        .unwrap()
+        .write_all(b"\x00\x00\x00\x10garbage after a crash")
+        .unwrap();
+    let dir = state.path().join("state/history");
+    let out = std::process::Command::new(BIN)
+        .args(["history", "--json", "--dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let (records, warning) = (
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8(out.stderr).unwrap(),
+    );
+    assert!(out.status.success(), "{warning}");
+    assert!(
+        warning.contains(&format!("at byte {whole}")) && warning.contains("read up to there"),
+        "{warning}"
+    );
+    assert!(
+        records.contains("\"type\":\"action\""),
+        "kept before the damage"
+    );
+
+    let daemon = GuardDaemon::start_in_with_fake(state, &config, &fake);
+    let post_mortem =
+        daemon.wait_for_event("previous_run_unclean", Duration::from_secs(10), |_| true);
+    let message = post_mortem["summary"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{post_mortem}"));
+    assert!(message.contains("ended without a clean stop"), "{message}");
+    assert!(message.contains("did not reboot"), "{message}");
+    assert!(message.contains("stop model 'hist' pids"), "{message}");
 }

@@ -1,0 +1,460 @@
+//! `gpuguard history`: what the flight recorder kept (`src/history`), read-only, for any user
+//! that can read the history directory, whether the daemon runs or not. `--at` prints the status
+//! as it was (the same table and JSON as `status`); a time range draws host RAM and each GPU's
+//! free memory over time with the floors and the actions marked, then lists the events; `--json`
+//! (records, one per line) and `--csv` (samples) are for scripts.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use clap::Args;
+
+use super::exit;
+use super::status::render;
+use crate::config::Config;
+use crate::history::{self, Record};
+use crate::status::StatusReport;
+use crate::units::fmt_bytes;
+
+#[derive(Args)]
+pub struct HistoryArgs {
+    /// The status as it was at TIME (the latest sample at or before it).
+    #[arg(long, conflicts_with_all = ["since", "until"])]
+    at: Option<String>,
+    /// From TIME (default: 1h ago). TIME: RFC 3339 ("2026-11-26T07:30:00Z", an offset), local
+    /// time ("2026-11-26 07:30", "07:30" today), "now", or relative ("30m ago", "2h ago").
+    #[arg(long)]
+    since: Option<String>,
+    /// Up to TIME (default: now).
+    #[arg(long)]
+    until: Option<String>,
+    /// Only this GPU in the chart and CSV.
+    #[arg(long)]
+    gpu: Option<u32>,
+    /// Print records as JSON, one per line (with --at: the status report as `status --json`).
+    #[arg(long, conflicts_with = "csv")]
+    json: bool,
+    /// Print the samples as CSV (time, RAM and each GPU's figures).
+    #[arg(long)]
+    csv: bool,
+    /// The config file whose `daemon.state_dir` holds the history.
+    #[arg(long, short, default_value = "/etc/gpuguard/config.toml")]
+    config: PathBuf,
+    /// The history directory itself (overrides --config).
+    #[arg(long)]
+    dir: Option<PathBuf>,
+}
+
+pub fn run(args: HistoryArgs) -> u8 {
+    let dir = match &args.dir {
+        Some(d) => d.clone(),
+        None => match Config::load(&args.config) {
+            Ok(c) => c.daemon.state_dir.join(history::DIR),
+            // No config file: the default state directory.
+            Err(_) if !args.config.exists() => crate::config::DaemonConfig::default()
+                .state_dir
+                .join(history::DIR),
+            // A config only root may read (webhook secrets): the default state directory.
+            Err(_) if std::fs::File::open(&args.config).is_err() => {
+                let dir = crate::config::DaemonConfig::default()
+                    .state_dir
+                    .join(history::DIR);
+                eprintln!(
+                    "gpuguard: cannot read {}: reading {} (--dir to choose)",
+                    args.config.display(),
+                    dir.display()
+                );
+                dir
+            }
+            Err(e) => {
+                eprintln!("gpuguard: {e}");
+                return exit::CONFIG;
+            }
+        },
+    };
+    let now = history::now_ms();
+    let parse = |flag: &str, text: &Option<String>, default: u64| match text {
+        None => Ok(default),
+        Some(t) => parse_time(t, now).map_err(|e| format!("--{flag} '{t}': {e}")),
+    };
+    let (at, since, until) = match (
+        args.at
+            .as_ref()
+            .map(|t| parse_time(t, now).map_err(|e| format!("--at '{t}': {e}"))),
+        parse("since", &args.since, now.saturating_sub(3_600_000)),
+        parse("until", &args.until, now),
+    ) {
+        (Some(Err(e)), ..) | (_, Err(e), _) | (_, _, Err(e)) => {
+            eprintln!("gpuguard: {e}");
+            return exit::CONFIG;
+        }
+        (at, Ok(since), Ok(until)) => (at.map(Result::unwrap), since, until),
+    };
+    let h = match history::read(&dir) {
+        Ok(h) => h,
+        Err(e) => {
+            eprintln!(
+                "gpuguard: cannot read the history in {}: {e}",
+                dir.display()
+            );
+            return exit::FAILURE;
+        }
+    };
+    for w in &h.warnings {
+        eprintln!("gpuguard: warning: {w}");
+    }
+    if let Some(at) = at {
+        let Some((taken, status)) = h.status_at(at) else {
+            eprintln!(
+                "gpuguard: no sample at or before {} in {}",
+                local(at),
+                dir.display()
+            );
+            return exit::FAILURE;
+        };
+        if args.json {
+            println!(
+                "{}",
+                serde_json::to_string(status).expect("a report serializes")
+            );
+        } else {
+            println!(
+                "as recorded at {} ({})",
+                local(taken),
+                history::format_ms(taken)
+            );
+            print!("{}", render(status));
+        }
+        return exit::OK;
+    }
+    if since > until {
+        eprintln!("gpuguard: --since is after --until");
+        return exit::CONFIG;
+    }
+    let records: Vec<&Record> = h.between(since, until).collect();
+    if args.json {
+        for r in records {
+            println!("{}", serde_json::to_string(r).expect("a record serializes"));
+        }
+    } else if args.csv {
+        print!("{}", csv(&records, args.gpu));
+    } else {
+        print!("{}", chart(&records, args.gpu, since, until, &dir));
+    }
+    exit::OK
+}
+
+/// Parses a time given on the command line into Unix milliseconds.
+fn parse_time(text: &str, now_ms: u64) -> Result<u64, String> {
+    let t = text.trim();
+    if t == "now" {
+        return Ok(now_ms);
+    }
+    if let Some(ago) = t.strip_suffix(" ago").or_else(|| t.strip_suffix("ago")) {
+        let d = humantime::parse_duration(ago.trim()).map_err(|e| e.to_string())?;
+        return Ok(now_ms.saturating_sub(d.as_millis() as u64));
+    }
+    if let Ok(ts) = t.parse::<jiff::Timestamp>() {
+        return Ok(ts.as_millisecond().max(0) as u64);
+    }
+    let tz = jiff::tz::TimeZone::system();
+    let civil = t
+        .parse::<jiff::civil::DateTime>()
+        .or_else(|_| {
+            let today = jiff::Timestamp::from_millisecond(now_ms as i64)
+                .map_err(|e| e.to_string())?
+                .to_zoned_datetime(tz.clone())
+                .date();
+            t.parse::<jiff::civil::Time>()
+                .map(|time| today.to_datetime(time))
+                .map_err(|e| e.to_string())
+        })
+        .map_err(|_| {
+            "not a time: give RFC 3339, local \"YYYY-MM-DD HH:MM[:SS]\" or \"HH:MM\", \"now\" or \"30m ago\"".to_string()
+        })?;
+    let zoned = civil.to_zoned_datetime(tz).map_err(|e| e.to_string())?;
+    Ok(zoned.timestamp().as_millisecond().max(0) as u64)
+}
+
+/// A Unix time in milliseconds in the local time zone, to the second.
+fn local(ms: u64) -> String {
+    jiff::Timestamp::from_millisecond(ms as i64)
+        .map(|t| {
+            t.to_zoned_datetime(jiff::tz::TimeZone::system())
+                .strftime("%Y-%m-%d %H:%M:%S %Z")
+                .to_string()
+        })
+        .unwrap_or_else(|_| history::format_ms(ms))
+}
+
+fn samples<'a>(records: &[&'a Record]) -> Vec<(u64, &'a StatusReport)> {
+    records
+        .iter()
+        .filter_map(|r| match r {
+            Record::Sample { at_ms, status } => Some((*at_ms, status.as_ref())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The samples as CSV: time, RAM available and its floors, then per GPU free and used.
+fn csv(records: &[&Record], only_gpu: Option<u32>) -> String {
+    let samples = samples(records);
+    let gpus: Vec<u32> = gpu_indices(&samples, only_gpu);
+    let mut out = String::from(
+        "time,ram_available_bytes,ram_total_bytes,ram_warn_bytes,ram_min_bytes,ram_level",
+    );
+    for g in &gpus {
+        let _ = write!(
+            out,
+            ",gpu{g}_free_bytes,gpu{g}_used_bytes,gpu{g}_warn_free_bytes,gpu{g}_min_free_bytes,gpu{g}_level"
+        );
+    }
+    out.push('\n');
+    let n = |v: Option<u64>| v.map_or(String::new(), |b| b.to_string());
+    for (at, s) in samples {
+        let m = &s.memory;
+        let _ = write!(
+            out,
+            "{},{},{},{},{},{}",
+            history::format_ms(at),
+            n(m.available_bytes),
+            n(m.total_bytes),
+            n(m.warn_available_bytes),
+            n(m.min_available_bytes),
+            m.level
+        );
+        for g in &gpus {
+            match s.gpus.iter().find(|r| r.index == *g) {
+                Some(r) => {
+                    let _ = write!(
+                        out,
+                        ",{},{},{},{},{}",
+                        n(r.free_bytes),
+                        n(r.used_bytes),
+                        n(r.warn_free_bytes),
+                        n(r.min_free_bytes),
+                        r.level
+                    );
+                }
+                None => out.push_str(",,,,,"),
+            }
+        }
+        out.push('\n');
+    }
+    out
+}
+
+fn gpu_indices(samples: &[(u64, &StatusReport)], only: Option<u32>) -> Vec<u32> {
+    let mut gpus: Vec<u32> = samples
+        .iter()
+        .flat_map(|(_, s)| s.gpus.iter().map(|g| g.index))
+        .filter(|i| only.is_none_or(|o| o == *i))
+        .collect();
+    gpus.sort_unstable();
+    gpus.dedup();
+    gpus
+}
+
+/// Rows of the chart at most (each the lowest figures of its stretch of time).
+const ROWS: usize = 30;
+/// Width of one bar.
+const BAR: usize = 24;
+
+/// A bar of `width` for `free` of `total`, with the floors marked: `|` the warn floor, `!` the
+/// act floor (`min`), `#` what is free.
+fn bar(free: Option<u64>, total: Option<u64>, warn: Option<u64>, min: Option<u64>) -> String {
+    let (Some(free), Some(total)) = (free, total.filter(|&t| t > 0)) else {
+        return format!("{:width$}", "?", width = BAR);
+    };
+    let cell = |b: u64| ((b as f64 / total as f64) * BAR as f64).round() as usize;
+    let filled = cell(free).min(BAR);
+    let mut s: Vec<char> = (0..BAR)
+        .map(|i| if i < filled { '#' } else { '.' })
+        .collect();
+    for (floor, mark) in [(warn, '|'), (min, '!')] {
+        if let Some(f) = floor {
+            s[cell(f).min(BAR - 1)] = mark;
+        }
+    }
+    s.into_iter().collect()
+}
+
+/// Host RAM and each GPU's free memory over time (one row per stretch of time, its lowest
+/// figures), floors marked, `*` where actions were taken; then the events and actions.
+fn chart(records: &[&Record], only_gpu: Option<u32>, since: u64, until: u64, dir: &Path) -> String {
+    let samples = samples(records);
+    let mut out = String::new();
+    if samples.is_empty() {
+        let _ = writeln!(
+            out,
+            "no samples from {} to {} in {}",
+            local(since),
+            local(until),
+            dir.display()
+        );
+    } else {
+        let gpus = gpu_indices(&samples, only_gpu);
+        let first = samples[0].0;
+        let last = samples[samples.len() - 1].0;
+        let step = ((last - first) / ROWS as u64).max(1);
+        let _ = write!(
+            out,
+            "{:19}  {:width$}",
+            "time (local)",
+            "RAM available",
+            width = BAR + 10
+        );
+        for g in &gpus {
+            let _ = write!(
+                out,
+                "  {:width$}",
+                format!("GPU {g} free"),
+                width = BAR + 10
+            );
+        }
+        out.push('\n');
+        let actions: Vec<u64> = records
+            .iter()
+            .filter_map(|r| match r {
+                Record::Action { at_ms, .. } => Some(*at_ms),
+                _ => None,
+            })
+            .collect();
+        let mut i = 0;
+        while i < samples.len() {
+            let start = samples[i].0;
+            let mut j = i;
+            while j + 1 < samples.len() && samples[j + 1].0 < start + step {
+                j += 1;
+            }
+            let stretch = &samples[i..=j];
+            let lowest = |f: &dyn Fn(&StatusReport) -> Option<u64>| {
+                stretch.iter().filter_map(|(_, s)| f(s)).min()
+            };
+            let s0 = stretch[0].1;
+            let ram = lowest(&|s| s.memory.available_bytes);
+            let acted = actions
+                .iter()
+                .any(|&a| a >= start && a < samples.get(j + 1).map_or(u64::MAX, |n| n.0));
+            let when = jiff::Timestamp::from_millisecond(start as i64)
+                .map(|t| {
+                    t.to_zoned_datetime(jiff::tz::TimeZone::system())
+                        .strftime("%m-%d %H:%M:%S")
+                        .to_string()
+                })
+                .unwrap_or_default();
+            let _ = write!(
+                out,
+                "{when:14}{:>5}  {} {:>9}",
+                if acted { "*" } else { "" },
+                bar(
+                    ram,
+                    s0.memory.total_bytes,
+                    s0.memory.warn_available_bytes,
+                    s0.memory.min_available_bytes
+                ),
+                ram.map_or("?".into(), fmt_bytes)
+            );
+            for g in &gpus {
+                let row = s0.gpus.iter().find(|r| r.index == *g);
+                let free = lowest(&|s| s.gpus.iter().find(|r| r.index == *g)?.free_bytes);
+                let _ = write!(
+                    out,
+                    "  {} {:>9}",
+                    bar(
+                        free,
+                        row.and_then(|r| r.total_bytes),
+                        row.and_then(|r| r.warn_free_bytes),
+                        row.and_then(|r| r.min_free_bytes)
+                    ),
+                    free.map_or("?".into(), fmt_bytes)
+                );
+            }
+            out.push('\n');
+            i = j + 1;
+        }
+        let _ = writeln!(
+            out,
+            "# free, | warn floor, ! act floor, * actions taken; each row the lowest of its {}s",
+            (step / 1000).max(1)
+        );
+    }
+    let notes: Vec<String> = records
+        .iter()
+        .filter_map(|r| match r {
+            Record::Event {
+                at_ms,
+                severity,
+                kind,
+                message,
+            } if severity != "info" || kind == "daemon_started" => {
+                Some(format!("{}  {severity:8} {kind}: {message}", local(*at_ms)))
+            }
+            Record::Action { at_ms, action } => Some(format!(
+                "{}  action   {} {}: {} ({})",
+                local(*at_ms),
+                action.verb,
+                action.target,
+                action.reason,
+                action.outcome
+            )),
+            Record::Start { at_ms, version, .. } => {
+                Some(format!("{}  start    gpuguard {version}", local(*at_ms)))
+            }
+            Record::Stop { at_ms } => Some(format!("{}  stop     clean", local(*at_ms))),
+            _ => None,
+        })
+        .collect();
+    if !notes.is_empty() {
+        out.push('\n');
+        for n in notes {
+            out.push_str(&n);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn times_in_every_form_a_user_types() {
+        let now = 1_764_140_000_000; // 2025-11-26T06:53:20Z
+        assert_eq!(parse_time("now", now), Ok(now));
+        assert_eq!(parse_time("30m ago", now), Ok(now - 30 * 60_000));
+        assert_eq!(parse_time("2h ago", now), Ok(now - 7_200_000));
+        assert_eq!(
+            parse_time("2025-11-26T06:00:00Z", now),
+            Ok(1_764_136_800_000)
+        );
+        assert_eq!(
+            parse_time("2025-11-26T07:00:00+01:00", now),
+            Ok(1_764_136_800_000)
+        );
+        // Local forms depend on the machine's zone: they come back as that zone reads them.
+        let local_form = parse_time("2025-11-26 06:00", now).unwrap();
+        let zone = jiff::tz::TimeZone::system();
+        let back = jiff::Timestamp::from_millisecond(local_form as i64)
+            .unwrap()
+            .to_zoned_datetime(zone)
+            .strftime("%Y-%m-%d %H:%M")
+            .to_string();
+        assert_eq!(back, "2025-11-26 06:00");
+        assert!(parse_time("yesterday-ish", now).is_err());
+        assert!(parse_time("5 parsecs ago", now).is_err());
+    }
+
+    #[test]
+    fn a_bar_marks_what_is_free_and_both_floors() {
+        let g = 1 << 30;
+        let b = bar(Some(12 * g), Some(24 * g), Some(6 * g), Some(3 * g));
+        assert_eq!(b.chars().count(), BAR);
+        assert_eq!(b.chars().filter(|&c| c == '#').count(), 12 - 2, "{b}");
+        assert_eq!(b.find('|'), Some(6), "{b}");
+        assert_eq!(b.find('!'), Some(3), "{b}");
+        assert!(bar(None, Some(g), None, None).starts_with('?'));
+    }
+}

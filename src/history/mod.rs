@@ -1,0 +1,264 @@
+//! The flight recorder: what the daemon saw, decided and did, kept on disk across crashes and
+//! reboots, for `gpuguard history` and for the post-mortem the next start writes.
+//!
+//! The store is a directory of append-only segment files (`segment.rs`: framed JSON records
+//! with checksums), `history/` under the state directory. Plain files, not a database: a crash or
+//! a full disk can tear the last record of a segment and nothing else, a reader keeps everything
+//! before the damage, no reader can lock the writer out, and the records are JSON that
+//! `gpuguard history --json` prints for `jq` and friends. Bounded: segments roll at a sixteenth of
+//! `[history] max_size`, the oldest go first when the total would pass it or when they are older
+//! than `retention`, and recording stops (a critical event says why) when the file system is
+//! nearly full.
+//!
+//! The control loop never waits on the disk: records go to the `history` thread through a
+//! bounded queue (a record that does not fit is dropped and counted). How often a sample is kept
+//! and how often the file is synced follow the pressure on the host (`Pressure`): every 10 s
+//! and synced every minute when quiet, every second and synced every 5 s near a floor, every
+//! sample and synced at once at the act floor, because the minutes before a crash are the ones
+//! that matter.
+
+pub mod segment;
+mod writer;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::status::{ActionRow, StatusReport};
+
+pub use writer::{Pressure, Recorder};
+
+/// The directory under the state directory.
+pub const DIR: &str = "history";
+/// Segment files are named by the time their first record was written: `<unix ms>.seg`.
+const SUFFIX: &str = ".seg";
+
+/// One record.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Record {
+    /// The daemon started.
+    Start {
+        at_ms: u64,
+        version: String,
+        boot_id: String,
+    },
+    /// What `gpuguard status` would have printed at that moment.
+    Sample {
+        at_ms: u64,
+        status: Box<StatusReport>,
+    },
+    /// An event the daemon logged and alerted.
+    Event {
+        at_ms: u64,
+        severity: String,
+        kind: String,
+        message: String,
+    },
+    /// An action on a process and its outcome.
+    Action { at_ms: u64, action: ActionRow },
+    /// The daemon stopped cleanly.
+    Stop { at_ms: u64 },
+}
+
+impl Record {
+    /// When it was recorded (Unix time in milliseconds).
+    pub fn at_ms(&self) -> u64 {
+        match self {
+            Record::Start { at_ms, .. }
+            | Record::Sample { at_ms, .. }
+            | Record::Event { at_ms, .. }
+            | Record::Action { at_ms, .. }
+            | Record::Stop { at_ms } => *at_ms,
+        }
+    }
+}
+
+/// Everything a history directory holds, oldest first, with what could not be read.
+#[derive(Debug, Default)]
+pub struct History {
+    pub records: Vec<Record>,
+    /// One line per damaged segment or record ("<file>: at byte N: why").
+    pub warnings: Vec<String>,
+    /// The records of each run (a run begins at a `Start`), in order: (first, last) indices.
+    pub runs: Vec<(usize, usize)>,
+}
+
+/// The segment files of `dir`, oldest first (by name: the time they were started).
+pub fn segments(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+    let mut named: BTreeMap<u64, PathBuf> = BTreeMap::new();
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let name = entry.file_name();
+        let Some(stem) = name.to_str().and_then(|n| n.strip_suffix(SUFFIX)) else {
+            continue;
+        };
+        if let Ok(started) = stem.parse::<u64>() {
+            named.insert(started, entry.path());
+        }
+    }
+    Ok(named.into_values().collect())
+}
+
+/// Reads every segment of `dir` (read-only; works whether the daemon runs or not).
+pub fn read(dir: &Path) -> std::io::Result<History> {
+    let mut history = History::default();
+    for path in segments(dir)? {
+        let file = match std::fs::File::open(&path) {
+            Ok(f) => f,
+            // Dropped by the daemon's cap while we listed: nothing to read.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => {
+                return Err(std::io::Error::new(
+                    e.kind(),
+                    format!("{}: {e}", path.display()),
+                ))
+            }
+        };
+        let segment = segment::read_segment(&mut std::io::BufReader::new(file))?;
+        for bytes in segment.records {
+            match serde_json::from_slice::<Record>(&bytes) {
+                Ok(r) => history.records.push(r),
+                Err(e) => history
+                    .warnings
+                    .push(format!("{}: a record that is not one: {e}", path.display())),
+            }
+        }
+        if let Some(damage) = segment.damage {
+            history
+                .warnings
+                .push(format!("{}: {damage}; read up to there", path.display()));
+        }
+    }
+    let mut start = None;
+    for (i, r) in history.records.iter().enumerate() {
+        if matches!(r, Record::Start { .. }) {
+            if let Some(s) = start.replace(i) {
+                history.runs.push((s, i - 1));
+            }
+        }
+    }
+    if let Some(s) = start {
+        history.runs.push((s, history.records.len() - 1));
+    }
+    Ok(history)
+}
+
+impl History {
+    /// The latest sample taken at or before `at_ms`.
+    pub fn status_at(&self, at_ms: u64) -> Option<(u64, &StatusReport)> {
+        self.records.iter().rev().find_map(|r| match r {
+            Record::Sample { at_ms: t, status } if *t <= at_ms => Some((*t, status.as_ref())),
+            _ => None,
+        })
+    }
+
+    /// The records from `since_ms` to `until_ms` (both included).
+    pub fn between(&self, since_ms: u64, until_ms: u64) -> impl Iterator<Item = &Record> {
+        self.records
+            .iter()
+            .filter(move |r| (since_ms..=until_ms).contains(&r.at_ms()))
+    }
+}
+
+/// How the latest run in `history` ended, as far as its records tell (`None`: it stopped
+/// cleanly, or there is none): one line for the post-mortem event. `boot_id`: this boot's, to
+/// say whether the host went down with it.
+pub fn unclean_end(history: &History, boot_id: &str) -> Option<String> {
+    let &(first, last) = history.runs.last()?;
+    let run = &history.records[first..=last];
+    if matches!(run.last(), Some(Record::Stop { .. })) {
+        return None;
+    }
+    let last_at = run.last()?.at_ms();
+    let rebooted = match &run[0] {
+        Record::Start { boot_id: then, .. } if !then.is_empty() && !boot_id.is_empty() => {
+            if then == boot_id {
+                " (the host did not reboot: the daemon was killed or crashed)"
+            } else {
+                " (the host went down with it: a reboot, crash or power loss since)"
+            }
+        }
+        _ => "",
+    };
+    let mut out = format!(
+        "the previous run of gpuguard (started {}) ended without a clean stop{rebooted}; its last record is from {}",
+        format_ms(run[0].at_ms()),
+        format_ms(last_at)
+    );
+    if let Some(Record::Sample { at_ms, status }) = run
+        .iter()
+        .rev()
+        .find(|r| matches!(r, Record::Sample { .. }))
+    {
+        let m = &status.memory;
+        out.push_str(&format!(
+            "; at {}: RAM {} available ({})",
+            format_ms(*at_ms),
+            opt_bytes(m.available_bytes),
+            m.level
+        ));
+        for g in &status.gpus {
+            out.push_str(&format!(
+                ", GPU {} {} free ({})",
+                g.index,
+                opt_bytes(g.free_bytes),
+                g.level
+            ));
+        }
+        let mut models: Vec<_> = status.models.iter().collect();
+        models.sort_by_key(|m| std::cmp::Reverse(m.ram_bytes + m.gpu_bytes.unwrap_or(0)));
+        let largest: Vec<String> = models
+            .iter()
+            .take(3)
+            .map(|m| {
+                format!(
+                    "{} (RAM {}, GPU {})",
+                    m.name,
+                    crate::units::fmt_bytes(m.ram_bytes),
+                    opt_bytes(m.gpu_bytes)
+                )
+            })
+            .collect();
+        if !largest.is_empty() {
+            out.push_str(&format!("; largest models: {}", largest.join(", ")));
+        }
+    }
+    let actions: Vec<String> = run
+        .iter()
+        .filter_map(|r| match r {
+            Record::Action { at_ms, action } => Some(format!(
+                "{} {} {} ({})",
+                format_ms(*at_ms),
+                action.verb,
+                action.target,
+                action.outcome
+            )),
+            _ => None,
+        })
+        .collect();
+    if !actions.is_empty() {
+        let from = actions.len().saturating_sub(3);
+        out.push_str(&format!("; last actions: {}", actions[from..].join(", ")));
+    }
+    Some(out)
+}
+
+fn opt_bytes(bytes: Option<u64>) -> String {
+    bytes.map_or_else(|| "?".into(), crate::units::fmt_bytes)
+}
+
+/// A Unix time in milliseconds as RFC 3339 in UTC, to the second.
+pub fn format_ms(ms: u64) -> String {
+    jiff::Timestamp::from_millisecond(ms as i64)
+        .map(|t| t.strftime("%Y-%m-%dT%H:%M:%SZ").to_string())
+        .unwrap_or_else(|_| format!("{ms} ms"))
+}
+
+/// Now, as a Unix time in milliseconds.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}

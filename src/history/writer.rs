@@ -1,0 +1,493 @@
+//! The `history` thread: takes records from the loop through a bounded queue and appends them to
+//! the current segment, rolls segments, keeps the directory within its cap and retention, syncs
+//! as often as the pressure on the host asks, and stops recording when the file system is nearly
+//! full.
+
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nix::errno::Errno;
+use nix::fcntl::{openat, OFlag};
+use nix::sys::stat::Mode;
+use nix::unistd::{unlinkat, UnlinkatFlags};
+
+use super::{now_ms, segment, Record, SUFFIX};
+use crate::config::HistoryConfig;
+
+/// Records waiting for the thread; beyond, new ones are dropped (and counted).
+const QUEUE: usize = 1024;
+/// Recording stops when the file system has less than this share free...
+const MIN_FREE_SHARE: f64 = 0.02;
+/// ...or less than this.
+const MIN_FREE_BYTES: u64 = 256 << 20;
+/// Segments are at least this large (and at most a sixteenth of the cap above it).
+const MIN_SEGMENT: u64 = 256 << 10;
+
+/// How close the host is to a floor: how often samples are kept and the file synced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Pressure {
+    /// Every floor reads ok: a sample every `[history] interval`, synced every 6 of them.
+    Quiet,
+    /// A floor reads warn: a sample every second, synced every 5 s.
+    Warn,
+    /// A floor reads act (or a process is held): every sample, synced at once.
+    Act,
+}
+
+impl Pressure {
+    fn sample_every(self, quiet: Duration) -> Duration {
+        match self {
+            Pressure::Quiet => quiet,
+            Pressure::Warn => Duration::from_secs(1),
+            Pressure::Act => Duration::ZERO,
+        }
+    }
+
+    fn sync_every(self, quiet: Duration) -> Duration {
+        match self {
+            Pressure::Quiet => quiet * 6,
+            Pressure::Warn => Duration::from_secs(5),
+            Pressure::Act => Duration::ZERO,
+        }
+    }
+}
+
+enum Message {
+    Record(Record, Pressure),
+    /// Sync what was written; answered when done.
+    Flush(SyncSender<()>),
+}
+
+/// The loop's handle on the recorder.
+pub struct Recorder {
+    tx: Option<SyncSender<Message>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    shared: Arc<Shared>,
+    config: HistoryConfig,
+    last_sample: Option<Instant>,
+}
+
+#[derive(Default)]
+struct Shared {
+    /// Why recording stopped, once it did (taken once by `stopped`).
+    stopped: Mutex<Option<String>>,
+    dropped: AtomicU64,
+}
+
+impl Recorder {
+    /// Starts the thread on `dir` (the history directory, open), with a new segment.
+    pub fn start(dir: OwnedFd, config: &HistoryConfig) -> std::io::Result<Recorder> {
+        Recorder::start_with(dir, config, MIN_FREE_BYTES)
+    }
+
+    /// `start`, stopping when the file system has less than `min_free` bytes free (tests).
+    fn start_with(
+        dir: OwnedFd,
+        config: &HistoryConfig,
+        min_free: u64,
+    ) -> std::io::Result<Recorder> {
+        let shared = Arc::new(Shared::default());
+        let (tx, rx) = sync_channel(QUEUE);
+        let mut writer = Writer::new(dir, config, shared.clone());
+        writer.min_free = min_free;
+        writer.enforce_bounds(now_ms())?;
+        let thread = std::thread::Builder::new()
+            .name("history".into())
+            .spawn(move || writer.run(rx))?;
+        Ok(Recorder {
+            tx: Some(tx),
+            thread: Some(thread),
+            shared,
+            config: config.clone(),
+            last_sample: None,
+        })
+    }
+
+    /// Queues a record (never waits: dropped if the queue is full).
+    pub fn record(&self, record: Record, pressure: Pressure) {
+        if let Some(tx) = &self.tx {
+            if let Err(TrySendError::Full(_)) = tx.try_send(Message::Record(record, pressure)) {
+                self.shared.dropped.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Whether a sample taken at `now` under `pressure` is due (and if so, counts it as taken).
+    pub fn sample_due(&mut self, now: Instant, pressure: Pressure) -> bool {
+        let every = pressure.sample_every(self.config.interval);
+        let due = self
+            .last_sample
+            .is_none_or(|t| now.saturating_duration_since(t) >= every);
+        if due {
+            self.last_sample = Some(now);
+        }
+        due
+    }
+
+    /// Why recording stopped, the first time this is asked after it did.
+    pub fn stopped(&self) -> Option<String> {
+        self.shared.stopped.lock().unwrap().take()
+    }
+
+    /// Records dropped because the queue was full, since the start.
+    pub fn dropped(&self) -> u64 {
+        self.shared.dropped.load(Ordering::Relaxed)
+    }
+
+    /// Waits until everything queued so far is written and synced.
+    pub fn flush(&self) {
+        if let Some(tx) = &self.tx {
+            let (done, wait) = sync_channel(1);
+            if tx.send(Message::Flush(done)).is_ok() {
+                let _ = wait.recv();
+            }
+        }
+    }
+
+    /// Writes what is queued, syncs and ends the thread.
+    pub fn shutdown(&mut self) {
+        self.tx = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Recorder {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// The thread's state.
+struct Writer {
+    dir: OwnedFd,
+    max_size: u64,
+    segment_size: u64,
+    retention: Duration,
+    quiet: Duration,
+    shared: Arc<Shared>,
+    /// The segment being written: its name, file and size.
+    current: Option<(String, File, u64)>,
+    synced: Instant,
+    dirty: bool,
+    stopped: bool,
+    writes: u64,
+    /// Recording stops below this much free space (or `MIN_FREE_SHARE`).
+    min_free: u64,
+    /// Since the start: bytes written and syncs (said when the thread ends).
+    written: u64,
+    syncs: u64,
+}
+
+impl Writer {
+    fn new(dir: OwnedFd, config: &HistoryConfig, shared: Arc<Shared>) -> Writer {
+        let max_size = config.max_size_bytes();
+        Writer {
+            dir,
+            max_size,
+            segment_size: (max_size / 16).max(MIN_SEGMENT),
+            retention: config.retention,
+            quiet: config.interval,
+            shared,
+            current: None,
+            synced: Instant::now(),
+            dirty: false,
+            stopped: false,
+            writes: 0,
+            min_free: MIN_FREE_BYTES,
+            written: 0,
+            syncs: 0,
+        }
+    }
+
+    fn run(mut self, rx: Receiver<Message>) {
+        for message in rx {
+            match message {
+                Message::Record(record, pressure) => {
+                    if let Err(e) = self.write(&record, pressure) {
+                        self.stop(format!("cannot write: {e}"));
+                    }
+                }
+                Message::Flush(done) => {
+                    self.sync();
+                    let _ = done.send(());
+                }
+            }
+        }
+        self.sync();
+        tracing::info!(
+            "history: {} records, {} written, {} syncs since the start",
+            self.writes,
+            crate::units::fmt_bytes(self.written),
+            self.syncs
+        );
+    }
+
+    fn stop(&mut self, why: String) {
+        if !self.stopped {
+            self.stopped = true;
+            self.current = None;
+            *self.shared.stopped.lock().unwrap() = Some(why);
+        }
+    }
+
+    fn write(&mut self, record: &Record, pressure: Pressure) -> std::io::Result<()> {
+        if self.stopped {
+            return Ok(());
+        }
+        let bytes = serde_json::to_vec(record).map_err(std::io::Error::other)?;
+        let full = self
+            .current
+            .as_ref()
+            .is_none_or(|(_, _, size)| size + bytes.len() as u64 + 8 > self.segment_size);
+        if full || self.writes % 256 == 0 {
+            if let Some(why) = self.disk_nearly_full() {
+                self.stop(why);
+                return Ok(());
+            }
+        }
+        if full {
+            self.roll(record.at_ms())?;
+        }
+        let (_, file, size) = self.current.as_mut().expect("a segment after roll");
+        segment::write_record(file, &bytes)?;
+        *size += bytes.len() as u64 + 8;
+        self.written += bytes.len() as u64 + 8;
+        self.writes += 1;
+        self.dirty = true;
+        let critical = matches!(record, Record::Event { severity, .. } if severity == "critical")
+            || matches!(record, Record::Action { .. } | Record::Stop { .. });
+        if critical || self.synced.elapsed() >= pressure.sync_every(self.quiet) {
+            self.sync();
+        }
+        Ok(())
+    }
+
+    fn sync(&mut self) {
+        if let (true, Some((_, file, _))) = (self.dirty, &self.current) {
+            let _ = file.sync_data();
+            self.syncs += 1;
+        }
+        self.dirty = false;
+        self.synced = Instant::now();
+    }
+
+    /// Ends the current segment and starts one named by `at_ms`; then drops what the cap and
+    /// the retention do not keep.
+    fn roll(&mut self, at_ms: u64) -> std::io::Result<()> {
+        self.sync();
+        let mut name = format!("{at_ms:016}{SUFFIX}");
+        if self.current.as_ref().is_some_and(|(n, ..)| *n >= name) {
+            // Clock went back (or two in one millisecond): keep names in write order.
+            let last: u64 = self.current.as_ref().unwrap().0[..16].parse().unwrap_or(0);
+            name = format!("{:016}{SUFFIX}", last + 1);
+        }
+        let flags =
+            OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+        let fd = openat(
+            &self.dir,
+            name.as_str(),
+            flags,
+            Mode::from_bits_truncate(0o644),
+        )?;
+        // Readable by any user (`gpuguard history`), whatever the umask (0077 under systemd).
+        nix::sys::stat::fchmod(&fd, Mode::from_bits_truncate(0o644))?;
+        let mut file = File::from(fd);
+        file.write_all(segment::MAGIC)?;
+        self.current = Some((name, file, segment::MAGIC.len() as u64));
+        self.enforce_bounds(at_ms)
+    }
+
+    /// Drops the oldest segments (never the current one) while all of them together would pass
+    /// the cap once the current one is full, and those whose newest record is older than the
+    /// retention (a segment's modification time).
+    fn enforce_bounds(&mut self, now_ms: u64) -> std::io::Result<()> {
+        let mut segments = self.list()?;
+        let current = self.current.as_ref().map(|(n, ..)| n.clone());
+        segments.retain(|(name, ..)| Some(name) != current.as_ref());
+        let mut total: u64 = segments.iter().map(|(_, size, _)| size).sum();
+        let budget = self.max_size.saturating_sub(self.segment_size);
+        let retention_ms = self.retention.as_millis() as u64;
+        for (name, size, modified_ms) in segments {
+            let expired = now_ms.saturating_sub(modified_ms) > retention_ms;
+            if total <= budget && !expired {
+                continue;
+            }
+            match unlinkat(&self.dir, name.as_str(), UnlinkatFlags::NoRemoveDir) {
+                Ok(()) | Err(Errno::ENOENT) => total = total.saturating_sub(size),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+
+    /// The segments: (name, size, modified at in Unix ms), oldest first.
+    fn list(&self) -> std::io::Result<Vec<(String, u64, u64)>> {
+        let mut dir = nix::dir::Dir::openat(
+            &self.dir,
+            ".",
+            OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )?;
+        let mut out = Vec::new();
+        for entry in dir.iter() {
+            let entry = entry?;
+            let Ok(name) = entry.file_name().to_str() else {
+                continue;
+            };
+            let Some(stem) = name.strip_suffix(SUFFIX) else {
+                continue;
+            };
+            if stem.len() != 16 || !stem.bytes().all(|b| b.is_ascii_digit()) {
+                continue;
+            }
+            let st = match nix::sys::stat::fstatat(
+                &self.dir,
+                name,
+                nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+            ) {
+                Ok(st) => st,
+                Err(Errno::ENOENT) => continue,
+                Err(e) => return Err(e.into()),
+            };
+            let modified_ms = (st.st_mtime.max(0) as u64) * 1000;
+            out.push((name.to_string(), st.st_size.max(0) as u64, modified_ms));
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    /// Why recording must stop, if the file system is nearly full.
+    fn disk_nearly_full(&self) -> Option<String> {
+        let st = nix::sys::statvfs::fstatvfs(self.dir.as_fd()).ok()?;
+        let block = st.fragment_size().max(1);
+        let free = st.blocks_available() * block;
+        let total = st.blocks() * block;
+        let share = if total > 0 {
+            free as f64 / total as f64
+        } else {
+            1.0
+        };
+        (free < self.min_free || share < MIN_FREE_SHARE).then(|| {
+            format!(
+                "the file system of the history has {} free ({:.1}%): recording stopped so the disk never fills (it starts again with the daemon)",
+                crate::units::fmt_bytes(free),
+                share * 100.0
+            )
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::history::{read, segments};
+    use crate::units::Amount;
+
+    fn dir_fd(path: &std::path::Path) -> OwnedFd {
+        nix::fcntl::open(
+            path,
+            OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .unwrap()
+    }
+
+    fn event(at_ms: u64, size: usize) -> Record {
+        Record::Event {
+            at_ms,
+            severity: "warning".into(),
+            kind: "test".into(),
+            message: "x".repeat(size),
+        }
+    }
+
+    fn total_size(path: &std::path::Path) -> u64 {
+        segments(path)
+            .unwrap()
+            .iter()
+            .map(|p| std::fs::metadata(p).unwrap().len())
+            .sum()
+    }
+
+    /// A long run at the act rate (synced at every record) keeps the directory within its cap:
+    /// the oldest segments go, the newest records stay, and what is left reads back whole.
+    #[test]
+    fn the_cap_holds_over_a_long_run_and_the_newest_records_stay() {
+        let tmp = tempfile::tempdir().unwrap();
+        let config = HistoryConfig {
+            max_size: Amount::Bytes(1 << 20),
+            ..HistoryConfig::default()
+        };
+        let now = now_ms();
+        let recorder = Recorder::start(dir_fd(tmp.path()), &config).unwrap();
+        // 6 MiB of 4 KiB records: six times the cap.
+        for i in 0..1536u64 {
+            recorder.record(event(now + i, 4096), Pressure::Quiet);
+            if i % 256 == 255 {
+                recorder.flush();
+                assert!(total_size(tmp.path()) <= 1 << 20, "after {i} records");
+            }
+        }
+        recorder.flush();
+        assert_eq!(recorder.dropped(), 0);
+        let h = read(tmp.path()).unwrap();
+        assert!(h.warnings.is_empty(), "{:?}", h.warnings);
+        assert_eq!(h.records.last().unwrap().at_ms(), now + 1535);
+        let kept = h.records.len() as u64;
+        assert!((150..256).contains(&kept), "{kept} records kept of 1536");
+        // Contiguous: nothing lost in the middle.
+        let first = h.records[0].at_ms();
+        assert_eq!(first + kept - 1, now + 1535);
+    }
+
+    /// Segments whose newest record is older than the retention go when the recorder starts
+    /// (and at every roll).
+    #[test]
+    fn segments_past_the_retention_go() {
+        let tmp = tempfile::tempdir().unwrap();
+        let config = HistoryConfig::default();
+        {
+            let r = Recorder::start(dir_fd(tmp.path()), &config).unwrap();
+            r.record(event(1_000, 10), Pressure::Act);
+        }
+        let old = segments(tmp.path()).unwrap();
+        assert_eq!(old.len(), 1);
+        // Eight days old.
+        let eight_days = std::time::SystemTime::now() - Duration::from_secs(8 * 24 * 3600);
+        std::fs::File::options()
+            .write(true)
+            .open(&old[0])
+            .unwrap()
+            .set_modified(eight_days)
+            .unwrap();
+        let r = Recorder::start(dir_fd(tmp.path()), &config).unwrap();
+        r.record(event(now_ms(), 10), Pressure::Act);
+        r.flush();
+        let left = segments(tmp.path()).unwrap();
+        assert_eq!(left.len(), 1);
+        assert_ne!(left[0], old[0]);
+    }
+
+    /// A file system nearly full: recording stops, says why once, and writes nothing more.
+    #[test]
+    fn a_nearly_full_file_system_stops_the_recording() {
+        let tmp = tempfile::tempdir().unwrap();
+        let r =
+            Recorder::start_with(dir_fd(tmp.path()), &HistoryConfig::default(), u64::MAX).unwrap();
+        r.record(event(1, 10), Pressure::Act);
+        r.flush();
+        let why = r.stopped().expect("stopped");
+        assert!(why.contains("recording stopped"), "{why}");
+        assert_eq!(r.stopped(), None, "said once");
+        r.record(event(2, 10), Pressure::Act);
+        r.flush();
+        assert!(read(tmp.path()).unwrap().records.is_empty());
+    }
+}
