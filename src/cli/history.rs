@@ -31,6 +31,10 @@ pub struct HistoryArgs {
     /// Only this GPU in the chart and CSV.
     #[arg(long)]
     gpu: Option<u32>,
+    /// One model: its RAM and GPU memory against its budgets (instead of the free memory), its
+    /// actions and the events that name it.
+    #[arg(long)]
+    model: Option<String>,
     /// Print records as JSON, one per line (with --at: the status report as `status --json`).
     #[arg(long, conflicts_with = "csv")]
     json: bool,
@@ -137,9 +141,19 @@ pub fn run(args: HistoryArgs) -> u8 {
             println!("{}", serde_json::to_string(r).expect("a record serializes"));
         }
     } else if args.csv {
-        print!("{}", csv(&records, args.gpu));
+        print!("{}", csv(&records, args.gpu, args.model.as_deref()));
     } else {
-        print!("{}", chart(&records, args.gpu, since, until, &dir));
+        print!(
+            "{}",
+            chart(
+                &records,
+                args.gpu,
+                args.model.as_deref(),
+                since,
+                until,
+                &dir
+            )
+        );
     }
     exit::OK
 }
@@ -197,9 +211,32 @@ fn samples<'a>(records: &[&'a Record]) -> Vec<(u64, &'a StatusReport)> {
         .collect()
 }
 
-/// The samples as CSV: time, RAM available and its floors, then per GPU free and used.
-fn csv(records: &[&Record], only_gpu: Option<u32>) -> String {
+/// The samples as CSV: time, RAM available and its floors, then per GPU free and used; with a
+/// model, its use and budgets instead.
+fn csv(records: &[&Record], only_gpu: Option<u32>, model: Option<&str>) -> String {
     let samples = samples(records);
+    let n = |v: Option<u64>| v.map_or(String::new(), |b| b.to_string());
+    if let Some(name) = model {
+        let mut out = String::from(
+            "time,model,state,ram_bytes,ram_budget_bytes,gpu_bytes,gpu_budget_bytes\n",
+        );
+        for (at, s) in samples {
+            if let Some(m) = s.models.iter().find(|m| m.name == name) {
+                let _ = writeln!(
+                    out,
+                    "{},{},{},{},{},{},{}",
+                    history::format_ms(at),
+                    m.name,
+                    m.state,
+                    m.ram_bytes,
+                    n(m.ram_budget_bytes),
+                    n(m.gpu_bytes),
+                    n(m.gpu_budget_bytes)
+                );
+            }
+        }
+        return out;
+    }
     let gpus: Vec<u32> = gpu_indices(&samples, only_gpu);
     let mut out = String::from(
         "time,ram_available_bytes,ram_total_bytes,ram_warn_bytes,ram_min_bytes,ram_level",
@@ -211,7 +248,6 @@ fn csv(records: &[&Record], only_gpu: Option<u32>) -> String {
         );
     }
     out.push('\n');
-    let n = |v: Option<u64>| v.map_or(String::new(), |b| b.to_string());
     for (at, s) in samples {
         let m = &s.memory;
         let _ = write!(
@@ -280,11 +316,112 @@ fn bar(free: Option<u64>, total: Option<u64>, warn: Option<u64>, min: Option<u64
     s.into_iter().collect()
 }
 
-/// Host RAM and each GPU's free memory over time (one row per stretch of time, its lowest
-/// figures), floors marked, `*` where actions were taken; then the events and actions.
-fn chart(records: &[&Record], only_gpu: Option<u32>, since: u64, until: u64, dir: &Path) -> String {
+/// What a column reads of a sample.
+type Reader = Box<dyn Fn(&StatusReport) -> Option<Figure>>;
+
+/// One column of the chart: a figure of each sample drawn as a bar of `scale`, with two marks.
+struct Column {
+    title: String,
+    /// The figure, its scale (the bar's full width) and the two marks (`|` and `!`).
+    read: Reader,
+    /// Each row shows the lowest figure of its stretch (free memory), else the highest (use).
+    lowest: bool,
+}
+
+struct Figure {
+    value: u64,
+    scale: Option<u64>,
+    marks: (Option<u64>, Option<u64>),
+}
+
+/// The columns: host RAM and each GPU's free memory against the floors (`|` warn, `!` act), or
+/// with a model, its RAM and GPU memory against its budgets (`!`).
+fn columns(samples: &[(u64, &StatusReport)], gpu: Option<u32>, model: Option<&str>) -> Vec<Column> {
+    if let Some(name) = model {
+        let name = name.to_string();
+        let model = move |s: &StatusReport| s.models.iter().find(|m| m.name == name).cloned();
+        let (m1, m2) = (model.clone(), model);
+        let peak_gpu: u64 = samples
+            .iter()
+            .filter_map(|(_, s)| m1(s)?.gpu_bytes)
+            .max()
+            .unwrap_or(0);
+        let peak_ram: u64 = samples
+            .iter()
+            .filter_map(|(_, s)| Some(m1(s)?.ram_bytes))
+            .max()
+            .unwrap_or(0);
+        let m3 = m1.clone();
+        return vec![
+            Column {
+                title: "model RAM used".into(),
+                read: Box::new(move |s| {
+                    let m = m3(s)?;
+                    Some(Figure {
+                        value: m.ram_bytes,
+                        scale: Some(peak_ram.max(m.ram_budget_bytes.unwrap_or(0))),
+                        marks: (None, m.ram_budget_bytes),
+                    })
+                }),
+                lowest: false,
+            },
+            Column {
+                title: "model GPU used".into(),
+                read: Box::new(move |s| {
+                    let m = m2(s)?;
+                    Some(Figure {
+                        value: m.gpu_bytes?,
+                        scale: Some(peak_gpu.max(m.gpu_budget_bytes.unwrap_or(0))),
+                        marks: (None, m.gpu_budget_bytes),
+                    })
+                }),
+                lowest: false,
+            },
+        ];
+    }
+    let mut out = vec![Column {
+        title: "RAM available".into(),
+        read: Box::new(|s| {
+            let m = &s.memory;
+            Some(Figure {
+                value: m.available_bytes?,
+                scale: m.total_bytes,
+                marks: (m.warn_available_bytes, m.min_available_bytes),
+            })
+        }),
+        lowest: true,
+    }];
+    for g in gpu_indices(samples, gpu) {
+        out.push(Column {
+            title: format!("GPU {g} free"),
+            read: Box::new(move |s| {
+                let r = s.gpus.iter().find(|r| r.index == g)?;
+                Some(Figure {
+                    value: r.free_bytes?,
+                    scale: r.total_bytes,
+                    marks: (r.warn_free_bytes, r.min_free_bytes),
+                })
+            }),
+            lowest: true,
+        });
+    }
+    out
+}
+
+/// Host RAM and each GPU's free memory (or one model's use) over time, one row per stretch of
+/// time (its lowest free memory, or its highest use), floors or budgets marked, `*` where
+/// actions were taken; then the events and actions.
+fn chart(
+    records: &[&Record],
+    gpu: Option<u32>,
+    model: Option<&str>,
+    since: u64,
+    until: u64,
+    dir: &Path,
+) -> String {
     let samples = samples(records);
     let mut out = String::new();
+    let about_model = |text: &str| model.is_none_or(|m| text.contains(&format!("'{m}'")));
     if samples.is_empty() {
         let _ = writeln!(
             out,
@@ -294,30 +431,19 @@ fn chart(records: &[&Record], only_gpu: Option<u32>, since: u64, until: u64, dir
             dir.display()
         );
     } else {
-        let gpus = gpu_indices(&samples, only_gpu);
+        let columns = columns(&samples, gpu, model);
         let first = samples[0].0;
         let last = samples[samples.len() - 1].0;
         let step = ((last - first) / ROWS as u64).max(1);
-        let _ = write!(
-            out,
-            "{:19}  {:width$}",
-            "time (local)",
-            "RAM available",
-            width = BAR + 10
-        );
-        for g in &gpus {
-            let _ = write!(
-                out,
-                "  {:width$}",
-                format!("GPU {g} free"),
-                width = BAR + 10
-            );
+        let _ = write!(out, "{:19}", "time (local)");
+        for c in &columns {
+            let _ = write!(out, "  {:width$}", c.title, width = BAR + 10);
         }
         out.push('\n');
         let actions: Vec<u64> = records
             .iter()
             .filter_map(|r| match r {
-                Record::Action { at_ms, .. } => Some(*at_ms),
+                Record::Action { at_ms, action } if about_model(&action.target) => Some(*at_ms),
                 _ => None,
             })
             .collect();
@@ -329,14 +455,8 @@ fn chart(records: &[&Record], only_gpu: Option<u32>, since: u64, until: u64, dir
                 j += 1;
             }
             let stretch = &samples[i..=j];
-            let lowest = |f: &dyn Fn(&StatusReport) -> Option<u64>| {
-                stretch.iter().filter_map(|(_, s)| f(s)).min()
-            };
-            let s0 = stretch[0].1;
-            let ram = lowest(&|s| s.memory.available_bytes);
-            let acted = actions
-                .iter()
-                .any(|&a| a >= start && a < samples.get(j + 1).map_or(u64::MAX, |n| n.0));
+            let end = samples.get(j + 1).map_or(u64::MAX, |n| n.0);
+            let acted = actions.iter().any(|&a| a >= start && a < end);
             let when = jiff::Timestamp::from_millisecond(start as i64)
                 .map(|t| {
                     t.to_zoned_datetime(jiff::tz::TimeZone::system())
@@ -344,39 +464,36 @@ fn chart(records: &[&Record], only_gpu: Option<u32>, since: u64, until: u64, dir
                         .to_string()
                 })
                 .unwrap_or_default();
-            let _ = write!(
-                out,
-                "{when:14}{:>5}  {} {:>9}",
-                if acted { "*" } else { "" },
-                bar(
-                    ram,
-                    s0.memory.total_bytes,
-                    s0.memory.warn_available_bytes,
-                    s0.memory.min_available_bytes
-                ),
-                ram.map_or("?".into(), fmt_bytes)
-            );
-            for g in &gpus {
-                let row = s0.gpus.iter().find(|r| r.index == *g);
-                let free = lowest(&|s| s.gpus.iter().find(|r| r.index == *g)?.free_bytes);
-                let _ = write!(
-                    out,
-                    "  {} {:>9}",
-                    bar(
-                        free,
-                        row.and_then(|r| r.total_bytes),
-                        row.and_then(|r| r.warn_free_bytes),
-                        row.and_then(|r| r.min_free_bytes)
+            let _ = write!(out, "{when:14}{:>5}", if acted { "*" } else { "" });
+            for c in &columns {
+                let figures = stretch.iter().filter_map(|(_, s)| (c.read)(s));
+                let chosen = if c.lowest {
+                    figures.min_by_key(|f| f.value)
+                } else {
+                    figures.max_by_key(|f| f.value)
+                };
+                let _ = match chosen {
+                    Some(f) => write!(
+                        out,
+                        "  {} {:>9}",
+                        bar(Some(f.value), f.scale, f.marks.0, f.marks.1),
+                        fmt_bytes(f.value)
                     ),
-                    free.map_or("?".into(), fmt_bytes)
-                );
+                    None => write!(out, "  {} {:>9}", bar(None, None, None, None), "?"),
+                };
             }
             out.push('\n');
             i = j + 1;
         }
         let _ = writeln!(
             out,
-            "# free, | warn floor, ! act floor, * actions taken; each row the lowest of its {}s",
+            "{}, * actions taken; each row the {} of its {}s",
+            if model.is_some() {
+                "# used, ! budget"
+            } else {
+                "# free, | warn floor, ! act floor"
+            },
+            if model.is_some() { "highest" } else { "lowest" },
             (step / 1000).max(1)
         );
     }
@@ -388,10 +505,10 @@ fn chart(records: &[&Record], only_gpu: Option<u32>, since: u64, until: u64, dir
                 severity,
                 kind,
                 message,
-            } if severity != "info" || kind == "daemon_started" => {
+            } if (severity != "info" || kind == "daemon_started") && about_model(message) => {
                 Some(format!("{}  {severity:8} {kind}: {message}", local(*at_ms)))
             }
-            Record::Action { at_ms, action } => Some(format!(
+            Record::Action { at_ms, action } if about_model(&action.target) => Some(format!(
                 "{}  action   {} {}: {} ({})",
                 local(*at_ms),
                 action.verb,

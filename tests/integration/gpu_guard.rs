@@ -456,6 +456,24 @@ fn a_budget_incident_is_in_the_history_and_a_killed_daemon_gets_a_post_mortem() 
         chart.lines().any(|l| l.contains('*') && l.contains('#')),
         "the stretch with the action is marked: {chart}"
     );
+    // One model: its use against its budget (10 GiB over 8: the bar is full, `!` at the budget).
+    let (model_chart, _) = history(&["--since", "10m ago", "--model", "hist"]);
+    assert!(model_chart.contains("model GPU used"), "{model_chart}");
+    assert!(
+        model_chart
+            .lines()
+            .any(|l| l.contains("10.0 GiB") && l.contains('!')),
+        "{model_chart}"
+    );
+    let (model_csv, _) = history(&["--since", "10m ago", "--model", "hist", "--csv"]);
+    let (gib10, gib8) = ((10 * GIB).to_string(), (8 * GIB).to_string());
+    assert!(
+        model_csv.lines().any(|l| {
+            let f: Vec<&str> = l.split(',').collect();
+            f[1..3] == ["hist", "stopped"] && f[5] == gib10 && f[6] == gib8
+        }),
+        "{model_csv}"
+    );
 
     // Killed mid-incident; garbage at the end of its segment.
     let state = daemon.crash();
