@@ -539,6 +539,19 @@ pub struct HistoryConfig {
     /// the act floor every sample).
     #[serde(with = "duration")]
     pub interval: Duration,
+    /// Critical events and kills to the kernel log too (`/dev/kmsg`): "auto" on Google Compute
+    /// Engine only (its serial console keeps them outside the VM), "on", "off".
+    pub kernel_log: KernelLogSetting,
+}
+
+/// `[history] kernel_log`.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum KernelLogSetting {
+    #[default]
+    Auto,
+    On,
+    Off,
 }
 
 impl Default for HistoryConfig {
@@ -548,6 +561,7 @@ impl Default for HistoryConfig {
             max_size: Amount::Bytes(64 << 20),
             retention: Duration::from_secs(7 * 24 * 3600),
             interval: Duration::from_secs(10),
+            kernel_log: KernelLogSetting::Auto,
         }
     }
 }

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use crate::alert::Alerter;
 use crate::config::HistoryConfig;
+use crate::history::kernel_log::{self, KernelLog};
 use crate::history::{self, now_ms, Pressure, Record, Recorder};
 use crate::ipc::server::Shared;
 use crate::kinds::{EventKind, Level, Severity};
@@ -37,6 +38,8 @@ pub(super) struct Reporter {
     pub view: TickView,
     /// The flight recorder (`[history]`), if on.
     pub recorder: Option<Recorder>,
+    /// Critical events and kills also go to the kernel log (`[history] kernel_log`; on GCE).
+    pub(super) kernel_log: Option<KernelLog>,
 }
 
 impl Reporter {
@@ -49,6 +52,7 @@ impl Reporter {
             recent_actions: VecDeque::new(),
             view: TickView::default(),
             recorder: None,
+            kernel_log: None,
         }
     }
 
@@ -57,6 +61,10 @@ impl Reporter {
     /// starts recording there. A recorder that cannot start is a critical event, not a failed
     /// start: guarding comes first.
     pub(super) fn recording(mut self, dir: &StateDir, config: &HistoryConfig) -> Reporter {
+        match KernelLog::open(config.kernel_log, &kernel_log::Paths::real()) {
+            Ok(log) => self.kernel_log = log,
+            Err(why) => tracing::warn!("history.kernel_log: {why}"),
+        }
         if !config.enabled {
             return self;
         }
@@ -118,8 +126,12 @@ impl Reporter {
         }
     }
 
-    /// An event of the tick: to the flight recorder (the caller logs and alerts it).
+    /// An event of the tick: to the flight recorder (the caller logs and alerts it), and to the
+    /// kernel log if critical.
     pub(super) fn remember_event(&self, e: &Event) {
+        if let (Severity::Critical, Some(k)) = (e.severity, &self.kernel_log) {
+            k.critical(&format!("{}: {}", e.kind.as_str(), e.message));
+        }
         self.record(Record::Event {
             at_ms: now_ms(),
             severity: e.severity.as_str().into(),
@@ -131,6 +143,9 @@ impl Reporter {
     /// The daemon's own notices (started, stopping, reload failed...): to the alert pipeline and
     /// the flight recorder.
     pub(super) fn lifecycle(&mut self, kind: EventKind, severity: Severity, message: String) {
+        if let (Severity::Critical, Some(k)) = (severity, &self.kernel_log) {
+            k.critical(&format!("{}: {message}", kind.as_str()));
+        }
         self.record(Record::Event {
             at_ms: now_ms(),
             severity: severity.as_str().into(),
@@ -175,6 +190,15 @@ impl Reporter {
     /// Keeps `row` among the actions status shows (the latest `RECENT_ACTIONS`), and in the
     /// flight recorder.
     pub(super) fn remember(&mut self, row: ActionRow) {
+        if let (true, Some(k)) = (
+            matches!(row.verb.as_str(), "kill" | "terminate"),
+            &self.kernel_log,
+        ) {
+            k.critical(&format!(
+                "{} {}: {} ({})",
+                row.verb, row.target, row.reason, row.outcome
+            ));
+        }
         self.record(Record::Action {
             at_ms: now_ms(),
             action: row.clone(),

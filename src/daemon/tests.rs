@@ -643,8 +643,23 @@ fn the_history_keeps_an_incident_and_the_next_start_writes_its_post_mortem() {
     };
     w.spawn(200, "hog", 12 * GIB);
     let mut h = Harness::new(w, config);
+    // The kernel log as on GCE (a file here).
+    let kmsg = h._dir.path().join("kmsg");
+    std::fs::write(&kmsg, "").unwrap();
+    let paths = crate::history::kernel_log::Paths {
+        dmi_product_name: &kmsg,
+        kmsg: &kmsg,
+    };
+    h.daemon.reporter.kernel_log =
+        crate::history::kernel_log::KernelLog::open(crate::config::KernelLogSetting::On, &paths)
+            .unwrap();
     h.ticks(4, 100 * MS);
     assert_eq!(h.signals(), [(200, Sig::Stop)]);
+    let kernel_log = std::fs::read_to_string(&kmsg).unwrap();
+    assert!(
+        kernel_log.starts_with("<2>gpuguard: floor_act: "),
+        "the critical event: {kernel_log}"
+    );
     h.daemon.reporter.recorder.as_ref().unwrap().flush();
     let dir = h._dir.path().join("state").join(crate::history::DIR);
     let history = crate::history::read(&dir).unwrap();

@@ -17,6 +17,7 @@
 //! sample and synced at once at the act floor, because the minutes before a crash are the ones
 //! that matter.
 
+pub mod kernel_log;
 pub mod segment;
 mod writer;
 
