@@ -36,9 +36,26 @@ pub fn memory_pressure_lock() -> PressureLock {
     let machine = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
         .map_err(|(_, e)| e)
         .unwrap();
+    // What the test before gave back may still be coming back to MemAvailable (freed pages of a
+    // process that just died, a tmpfs file just deleted): floors taken from it now would be too
+    // low, and a crossing the test counts on would come later than it thinks.
+    settle_mem_available();
     PressureLock {
         _in_process: in_process,
         _machine: machine,
+    }
+}
+
+/// Waits (at most 10 s) until MemAvailable holds within 32 MiB over half a second.
+fn settle_mem_available() {
+    let mut last = mem_available();
+    for _ in 0..20 {
+        std::thread::sleep(Duration::from_millis(500));
+        let now = mem_available();
+        if now.abs_diff(last) < 32 * MIB {
+            return;
+        }
+        last = now;
     }
 }
 
