@@ -94,8 +94,27 @@ pub fn run(args: HistoryArgs) -> u8 {
         }
         (at, Ok(since), Ok(until)) => (at.map(Result::unwrap), since, until),
     };
-    let h = match history::read(&dir) {
-        Ok(h) => h,
+    if since > until && at.is_none() {
+        eprintln!("gpuguard: --since is after --until");
+        return exit::CONFIG;
+    }
+    // One segment in memory at a time: only what is asked for is kept.
+    let mut latest: Option<(u64, Box<StatusReport>)> = None;
+    let mut kept: Vec<Record> = Vec::new();
+    let read = history::visit(&dir, |r| match (at, r) {
+        (Some(at), Record::Sample { at_ms, status }) if at_ms <= at => {
+            latest = Some((at_ms, status));
+        }
+        (Some(_), _) => {}
+        (None, r) if (since..=until).contains(&r.at_ms()) => kept.push(r),
+        (None, _) => {}
+    });
+    match read {
+        Ok(warnings) => {
+            for w in &warnings {
+                eprintln!("gpuguard: warning: {w}");
+            }
+        }
         Err(e) => {
             eprintln!(
                 "gpuguard: cannot read the history in {}: {e}",
@@ -103,12 +122,9 @@ pub fn run(args: HistoryArgs) -> u8 {
             );
             return exit::FAILURE;
         }
-    };
-    for w in &h.warnings {
-        eprintln!("gpuguard: warning: {w}");
     }
     if let Some(at) = at {
-        let Some((taken, status)) = h.status_at(at) else {
+        let Some((taken, status)) = latest else {
             eprintln!(
                 "gpuguard: no sample at or before {} in {}",
                 local(at),
@@ -119,7 +135,7 @@ pub fn run(args: HistoryArgs) -> u8 {
         if args.json {
             println!(
                 "{}",
-                serde_json::to_string(status).expect("a report serializes")
+                serde_json::to_string(&status).expect("a report serializes")
             );
         } else {
             println!(
@@ -127,15 +143,11 @@ pub fn run(args: HistoryArgs) -> u8 {
                 local(taken),
                 history::format_ms(taken)
             );
-            print!("{}", render(status));
+            print!("{}", render(&status));
         }
         return exit::OK;
     }
-    if since > until {
-        eprintln!("gpuguard: --since is after --until");
-        return exit::CONFIG;
-    }
-    let records: Vec<&Record> = h.between(since, until).collect();
+    let records: Vec<&Record> = kept.iter().collect();
     if args.json {
         for r in records {
             println!("{}", serde_json::to_string(r).expect("a record serializes"));

@@ -81,7 +81,7 @@ impl Reporter {
                 return self;
             }
         };
-        let previous = history::read(&path);
+        let previous = history::last_run(&path);
         let boot_id = boot_id();
         recorder.record(
             Record::Start {
@@ -93,11 +93,11 @@ impl Reporter {
         );
         self.recorder = Some(recorder);
         match previous {
-            Ok(h) => {
-                for w in &h.warnings {
+            Ok((run, warnings)) => {
+                for w in &warnings {
                     tracing::warn!("history: {w}");
                 }
-                if let Some(line) = history::unclean_end(&h, &boot_id) {
+                if let Some(line) = run.and_then(|r| history::unclean_end(&r, &boot_id)) {
                     tracing::warn!("{line}");
                     self.lifecycle(EventKind::PreviousRunUnclean, Severity::Warning, line);
                 }

@@ -721,7 +721,7 @@ fn the_history_keeps_an_incident_and_the_next_start_writes_its_post_mortem() {
     );
     assert!(post_mortem.contains("stop pid 200(hog)"), "{post_mortem}");
     // The history runs on: the first run, then this one.
-    assert_eq!(history.runs.len(), 2);
+    assert_eq!(history.runs(), 2);
 
     // A clean stop leaves no post-mortem for the start after it.
     let Harness {

@@ -76,17 +76,18 @@ impl Record {
     }
 }
 
-/// Everything a history directory holds, oldest first, with what could not be read.
+/// Everything a history directory holds, oldest first, with what could not be read (tests and
+/// small histories; the CLI and the daemon read through `visit` and `last_run`, which keep only
+/// what they need).
 #[derive(Debug, Default)]
 pub struct History {
     pub records: Vec<Record>,
     /// One line per damaged segment or record ("<file>: at byte N: why").
     pub warnings: Vec<String>,
-    /// The records of each run (a run begins at a `Start`), in order: (first, last) indices.
-    pub runs: Vec<(usize, usize)>,
 }
 
-/// The segment files of `dir`, oldest first (by name: the time they were started).
+/// The segment files of `dir`, oldest first (by name: the time they were started). A run of the
+/// daemon starts a segment of its own, so the first record of a run's first segment is `Start`.
 pub fn segments(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
     let mut named: BTreeMap<u64, PathBuf> = BTreeMap::new();
     for entry in std::fs::read_dir(dir)? {
@@ -102,48 +103,50 @@ pub fn segments(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
     Ok(named.into_values().collect())
 }
 
-/// Reads every segment of `dir` (read-only; works whether the daemon runs or not).
-pub fn read(dir: &Path) -> std::io::Result<History> {
-    let mut history = History::default();
+/// The records of one segment, and what could not be read of it (a line each).
+fn read_one(path: &Path, warnings: &mut Vec<String>) -> std::io::Result<Vec<Record>> {
+    let file = match std::fs::File::open(path) {
+        Ok(f) => f,
+        // Dropped by the daemon's cap while we listed: nothing to read.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => {
+            return Err(std::io::Error::new(
+                e.kind(),
+                format!("{}: {e}", path.display()),
+            ))
+        }
+    };
+    let segment = segment::read_segment(&mut std::io::BufReader::new(file))?;
+    let mut out = Vec::with_capacity(segment.records.len());
+    for bytes in segment.records {
+        match serde_json::from_slice::<Record>(&bytes) {
+            Ok(r) => out.push(r),
+            Err(e) => warnings.push(format!("{}: a record that is not one: {e}", path.display())),
+        }
+    }
+    if let Some(damage) = segment.damage {
+        warnings.push(format!("{}: {damage}; read up to there", path.display()));
+    }
+    Ok(out)
+}
+
+/// Hands every record of `dir` to `each`, oldest first, one segment in memory at a time
+/// (read-only; works whether the daemon runs or not). Returns what could not be read.
+pub fn visit(dir: &Path, mut each: impl FnMut(Record)) -> std::io::Result<Vec<String>> {
+    let mut warnings = Vec::new();
     for path in segments(dir)? {
-        let file = match std::fs::File::open(&path) {
-            Ok(f) => f,
-            // Dropped by the daemon's cap while we listed: nothing to read.
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-            Err(e) => {
-                return Err(std::io::Error::new(
-                    e.kind(),
-                    format!("{}: {e}", path.display()),
-                ))
-            }
-        };
-        let segment = segment::read_segment(&mut std::io::BufReader::new(file))?;
-        for bytes in segment.records {
-            match serde_json::from_slice::<Record>(&bytes) {
-                Ok(r) => history.records.push(r),
-                Err(e) => history
-                    .warnings
-                    .push(format!("{}: a record that is not one: {e}", path.display())),
-            }
-        }
-        if let Some(damage) = segment.damage {
-            history
-                .warnings
-                .push(format!("{}: {damage}; read up to there", path.display()));
-        }
+        read_one(&path, &mut warnings)?
+            .into_iter()
+            .for_each(&mut each);
     }
-    let mut start = None;
-    for (i, r) in history.records.iter().enumerate() {
-        if matches!(r, Record::Start { .. }) {
-            if let Some(s) = start.replace(i) {
-                history.runs.push((s, i - 1));
-            }
-        }
-    }
-    if let Some(s) = start {
-        history.runs.push((s, history.records.len() - 1));
-    }
-    Ok(history)
+    Ok(warnings)
+}
+
+/// Every record of `dir`.
+pub fn read(dir: &Path) -> std::io::Result<History> {
+    let mut records = Vec::new();
+    let warnings = visit(dir, |r| records.push(r))?;
+    Ok(History { records, warnings })
 }
 
 impl History {
@@ -155,26 +158,72 @@ impl History {
         })
     }
 
-    /// The records from `since_ms` to `until_ms` (both included).
-    pub fn between(&self, since_ms: u64, until_ms: u64) -> impl Iterator<Item = &Record> {
+    /// How many runs it holds (each begins at a `Start`).
+    pub fn runs(&self) -> usize {
         self.records
             .iter()
-            .filter(move |r| (since_ms..=until_ms).contains(&r.at_ms()))
+            .filter(|r| matches!(r, Record::Start { .. }))
+            .count()
     }
 }
 
-/// How the latest run in `history` ended, as far as its records tell (`None`: it stopped
-/// cleanly, or there is none): one line for the post-mortem event. `boot_id`: this boot's, to
-/// say whether the host went down with it.
-pub fn unclean_end(history: &History, boot_id: &str) -> Option<String> {
-    let &(first, last) = history.runs.last()?;
-    let run = &history.records[first..=last];
-    if matches!(run.last(), Some(Record::Stop { .. })) {
+/// What the post-mortem needs of the latest run.
+#[derive(Debug, Default)]
+pub struct LastRun {
+    /// Its `Start` (when, which boot), if its first segment is still there.
+    pub start: Option<(u64, String)>,
+    /// Its last record's time, and whether that record is a clean `Stop`.
+    pub last_at: u64,
+    pub stopped: bool,
+    pub last_sample: Option<(u64, StatusReport)>,
+    /// Its last few actions, oldest first.
+    pub last_actions: Vec<(u64, ActionRow)>,
+}
+
+/// Actions the post-mortem names.
+const POST_MORTEM_ACTIONS: usize = 3;
+
+/// The latest run of `dir`, read from its newest segment back to the one it started with, one
+/// segment in memory at a time (`None`: no records at all).
+pub fn last_run(dir: &Path) -> std::io::Result<(Option<LastRun>, Vec<String>)> {
+    let mut warnings = Vec::new();
+    let mut run: Option<LastRun> = None;
+    for path in segments(dir)?.iter().rev() {
+        let records = read_one(path, &mut warnings)?;
+        for r in records.into_iter().rev() {
+            let run = run.get_or_insert_with(|| LastRun {
+                last_at: r.at_ms(),
+                stopped: matches!(r, Record::Stop { .. }),
+                ..LastRun::default()
+            });
+            match r {
+                Record::Sample { at_ms, status } if run.last_sample.is_none() => {
+                    run.last_sample = Some((at_ms, *status));
+                }
+                Record::Action { at_ms, action }
+                    if run.last_actions.len() < POST_MORTEM_ACTIONS =>
+                {
+                    run.last_actions.insert(0, (at_ms, action));
+                }
+                Record::Start { at_ms, boot_id, .. } => {
+                    run.start = Some((at_ms, boot_id));
+                    return Ok((Some(std::mem::take(run)), warnings));
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok((run, warnings))
+}
+
+/// How the latest run ended, as far as its records tell (`None`: it stopped cleanly): one line
+/// for the post-mortem event. `boot_id`: this boot's, to say whether the host went down with it.
+pub fn unclean_end(run: &LastRun, boot_id: &str) -> Option<String> {
+    if run.stopped {
         return None;
     }
-    let last_at = run.last()?.at_ms();
-    let rebooted = match &run[0] {
-        Record::Start { boot_id: then, .. } if !then.is_empty() && !boot_id.is_empty() => {
+    let rebooted = match &run.start {
+        Some((_, then)) if !then.is_empty() && !boot_id.is_empty() => {
             if then == boot_id {
                 " (the host did not reboot: the daemon was killed or crashed)"
             } else {
@@ -183,16 +232,15 @@ pub fn unclean_end(history: &History, boot_id: &str) -> Option<String> {
         }
         _ => "",
     };
-    let mut out = format!(
-        "the previous run of gpuguard (started {}) ended without a clean stop{rebooted}; its last record is from {}",
-        format_ms(run[0].at_ms()),
-        format_ms(last_at)
+    let started = run.start.as_ref().map_or_else(
+        || "at an unknown time".into(),
+        |(at, _)| format!("at {}", format_ms(*at)),
     );
-    if let Some(Record::Sample { at_ms, status }) = run
-        .iter()
-        .rev()
-        .find(|r| matches!(r, Record::Sample { .. }))
-    {
+    let mut out = format!(
+        "the previous run of gpuguard (started {started}) ended without a clean stop{rebooted}; its last record is from {}",
+        format_ms(run.last_at)
+    );
+    if let Some((at_ms, status)) = &run.last_sample {
         let m = &status.memory;
         out.push_str(&format!(
             "; at {}: RAM {} available ({})",
@@ -226,22 +274,21 @@ pub fn unclean_end(history: &History, boot_id: &str) -> Option<String> {
             out.push_str(&format!("; largest models: {}", largest.join(", ")));
         }
     }
-    let actions: Vec<String> = run
-        .iter()
-        .filter_map(|r| match r {
-            Record::Action { at_ms, action } => Some(format!(
-                "{} {} {} ({})",
-                format_ms(*at_ms),
-                action.verb,
-                action.target,
-                action.outcome
-            )),
-            _ => None,
-        })
-        .collect();
-    if !actions.is_empty() {
-        let from = actions.len().saturating_sub(3);
-        out.push_str(&format!("; last actions: {}", actions[from..].join(", ")));
+    if !run.last_actions.is_empty() {
+        let actions: Vec<String> = run
+            .last_actions
+            .iter()
+            .map(|(at_ms, a)| {
+                format!(
+                    "{} {} {} ({})",
+                    format_ms(*at_ms),
+                    a.verb,
+                    a.target,
+                    a.outcome
+                )
+            })
+            .collect();
+        out.push_str(&format!("; last actions: {}", actions.join(", ")));
     }
     Some(out)
 }

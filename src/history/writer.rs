@@ -282,20 +282,29 @@ impl Writer {
     /// the retention do not keep.
     fn roll(&mut self, at_ms: u64) -> std::io::Result<()> {
         self.sync();
-        let mut name = format!("{at_ms:016}{SUFFIX}");
-        if self.current.as_ref().is_some_and(|(n, ..)| *n >= name) {
-            // Clock went back (or two in one millisecond): keep names in write order.
-            let last: u64 = self.current.as_ref().unwrap().0[..16].parse().unwrap_or(0);
-            name = format!("{:016}{SUFFIX}", last + 1);
-        }
+        // Named by the time of its first record, after every segment there (the clock may have
+        // gone back, within a run or across a reboot): names stay in write order.
+        let newest = self
+            .list()?
+            .last()
+            .and_then(|(n, ..)| n[..16].parse::<u64>().ok());
+        let mut number = newest.map_or(at_ms, |n| at_ms.max(n + 1));
         let flags =
             OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
-        let fd = openat(
-            &self.dir,
-            name.as_str(),
-            flags,
-            Mode::from_bits_truncate(0o644),
-        )?;
+        let (name, fd) = loop {
+            let name = format!("{number:016}{SUFFIX}");
+            match openat(
+                &self.dir,
+                name.as_str(),
+                flags,
+                Mode::from_bits_truncate(0o644),
+            ) {
+                Ok(fd) => break (name, fd),
+                // Something else took the name meanwhile: the next one.
+                Err(Errno::EEXIST) => number += 1,
+                Err(e) => return Err(e.into()),
+            }
+        };
         // Readable by any user (`gpuguard history`), whatever the umask (0077 under systemd).
         nix::sys::stat::fchmod(&fd, Mode::from_bits_truncate(0o644))?;
         let mut file = File::from(fd);
@@ -475,6 +484,31 @@ mod tests {
         assert_ne!(left[0], old[0]);
     }
 
+    /// A clock that went back (a reboot with a wrong RTC, an NTP step): the new run's segment is
+    /// still named after the newest one there, so it is read after it.
+    #[test]
+    fn a_clock_that_went_back_keeps_segments_in_write_order() {
+        let tmp = tempfile::tempdir().unwrap();
+        let config = HistoryConfig::default();
+        {
+            let r = Recorder::start(dir_fd(tmp.path()), &config).unwrap();
+            r.record(event(now_ms() + 3_600_000, 10), Pressure::Act);
+        }
+        let r = Recorder::start(dir_fd(tmp.path()), &config).unwrap();
+        r.record(event(now_ms(), 20), Pressure::Act);
+        r.flush();
+        let h = read(tmp.path()).unwrap();
+        let sizes: Vec<usize> = h
+            .records
+            .iter()
+            .map(|r| match r {
+                Record::Event { message, .. } => message.len(),
+                _ => 0,
+            })
+            .collect();
+        assert_eq!(sizes, [10, 20]);
+    }
+
     /// A file system nearly full: recording stops, says why once, and writes nothing more.
     #[test]
     fn a_nearly_full_file_system_stops_the_recording() {
@@ -489,5 +523,121 @@ mod tests {
         r.record(event(2, 10), Pressure::Act);
         r.flush();
         assert!(read(tmp.path()).unwrap().records.is_empty());
+    }
+}
+
+#[cfg(test)]
+mod last_run_tests {
+    use super::*;
+    use crate::history::{last_run, unclean_end};
+    use crate::status::{ActionRow, StatusReport};
+
+    /// The post-mortem reads the latest run back to its `Start`, across the segments it filled,
+    /// and not into the run before it.
+    #[test]
+    fn the_last_run_is_read_back_to_its_start_across_segments() {
+        let tmp = tempfile::tempdir().unwrap();
+        let fd = || {
+            nix::fcntl::open(
+                tmp.path(),
+                OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+                Mode::empty(),
+            )
+            .unwrap()
+        };
+        let config = HistoryConfig {
+            max_size: crate::units::Amount::Bytes(4 << 20),
+            ..HistoryConfig::default()
+        };
+        let action = |verb: &str| ActionRow {
+            verb: verb.into(),
+            target: "pid 7(hog)".into(),
+            outcome: "done".into(),
+            ..ActionRow::default()
+        };
+        {
+            // An earlier run that stopped cleanly.
+            let r = Recorder::start(fd(), &config).unwrap();
+            r.record(
+                Record::Start {
+                    at_ms: 1,
+                    version: "0".into(),
+                    boot_id: "a".into(),
+                },
+                Pressure::Act,
+            );
+            r.record(
+                Record::Action {
+                    at_ms: 2,
+                    action: action("kill"),
+                },
+                Pressure::Act,
+            );
+            r.record(Record::Stop { at_ms: 3 }, Pressure::Act);
+        }
+        let r = Recorder::start(fd(), &config).unwrap();
+        r.record(
+            Record::Start {
+                at_ms: 10,
+                version: "0".into(),
+                boot_id: "b".into(),
+            },
+            Pressure::Act,
+        );
+        for i in 0..4 {
+            r.record(
+                Record::Action {
+                    at_ms: 11 + i,
+                    action: action("stop"),
+                },
+                Pressure::Act,
+            );
+        }
+        let mut status = StatusReport::default();
+        status.memory.level = "act".into();
+        r.record(
+            Record::Sample {
+                at_ms: 20,
+                status: Box::new(status),
+            },
+            Pressure::Act,
+        );
+        // A megabyte of events after it: the run spans several segments.
+        for i in 0..256 {
+            r.record(
+                Record::Event {
+                    at_ms: 30 + i,
+                    severity: "warning".into(),
+                    kind: "test".into(),
+                    message: "x".repeat(4096),
+                },
+                Pressure::Quiet,
+            );
+            if i % 64 == 63 {
+                r.flush();
+            }
+        }
+        r.flush();
+        assert!(crate::history::segments(tmp.path()).unwrap().len() >= 4);
+        let (run, warnings) = last_run(tmp.path()).unwrap();
+        assert!(warnings.is_empty(), "{warnings:?}");
+        let run = run.unwrap();
+        assert_eq!(run.start, Some((10, "b".to_string())));
+        assert_eq!((run.last_at, run.stopped), (285, false));
+        assert_eq!(run.last_sample.as_ref().map(|(at, _)| *at), Some(20));
+        let at: Vec<u64> = run.last_actions.iter().map(|(at, _)| *at).collect();
+        assert_eq!(
+            at,
+            [12, 13, 14],
+            "the last three, not the earlier run's kill"
+        );
+        let line = unclean_end(&run, "b").unwrap();
+        assert!(
+            line.contains("did not reboot") && line.contains("(act)"),
+            "{line}"
+        );
+        assert!(unclean_end(&run, "c")
+            .unwrap()
+            .contains("went down with it"));
     }
 }
