@@ -110,6 +110,10 @@ named! {
         PreviousRunUnclean = "previous_run_unclean",
         /// The flight recorder stopped recording (a nearly full disk, a write error).
         HistoryStopped = "history_stopped",
+        // The cloud (GCE's metadata server).
+        GceMaintenance = "gce_maintenance",
+        GcePreempted = "gce_preempted",
+        GceNoticeWithdrawn = "gce_notice_withdrawn",
         EventsDropped = "events_dropped",
         /// One uid's client-caused events past the per-uid rate limit, summed up once a window.
         EventsSuppressed = "events_suppressed",

@@ -97,6 +97,10 @@ pub enum RefusalReason {
     NotAllowed,
     Invalid,
     Cancelled,
+    /// The host drains before maintenance its cloud announced (GCE: `maintenance-event`).
+    HostMaintenance,
+    /// The host is being preempted (a GCE Spot or preemptible VM).
+    Preempted,
 }
 
 impl RefusalReason {
@@ -109,6 +113,8 @@ impl RefusalReason {
             RefusalReason::NotAllowed => "not_allowed",
             RefusalReason::Invalid => "invalid",
             RefusalReason::Cancelled => "cancelled",
+            RefusalReason::HostMaintenance => "host_maintenance",
+            RefusalReason::Preempted => "preempted",
         }
     }
 }

@@ -38,6 +38,8 @@ pub struct TickView {
     pub reservations: Rows,
     /// Processes gpuguard holds stopped or throttled.
     pub held: Vec<HeldRow>,
+    /// The cloud's notice in force for this VM ("host_maintenance", "preempted"), if any.
+    pub cloud_notice: Option<&'static str>,
     /// The latest actions, newest last.
     pub recent_actions: Vec<ActionRow>,
 }

@@ -73,6 +73,8 @@ pub struct Config {
     pub permits: PermitsConfig,
     #[serde(default)]
     pub history: HistoryConfig,
+    #[serde(default)]
+    pub gce: GceConfig,
 }
 
 impl Config {
@@ -206,6 +208,13 @@ impl Config {
                     "'{}' must be at least 1m",
                     humantime::format_duration(h.retention)
                 ),
+            ));
+        }
+        let url = self.gce.metadata_url.trim();
+        if !url.starts_with("http://") || url.len() < 10 {
+            return Err((
+                "gce.metadata_url".into(),
+                format!("'{url}' is not an http:// URL (the metadata server speaks plain http)"),
             ));
         }
         let mut names = HashSet::new();

@@ -541,13 +541,14 @@ pub struct HistoryConfig {
     pub interval: Duration,
     /// Critical events and kills to the kernel log too (`/dev/kmsg`): "auto" on Google Compute
     /// Engine only (its serial console keeps them outside the VM), "on", "off".
-    pub kernel_log: KernelLogSetting,
+    pub kernel_log: OnGce,
 }
 
-/// `[history] kernel_log`.
+/// A feature for Google Compute Engine (`[history] kernel_log`, `[gce] watch`): "auto" turns it
+/// on there only (told by the DMI product name), "on", "off".
 #[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
-pub enum KernelLogSetting {
+pub enum OnGce {
     #[default]
     Auto,
     On,
@@ -561,7 +562,7 @@ impl Default for HistoryConfig {
             max_size: Amount::Bytes(64 << 20),
             retention: Duration::from_secs(7 * 24 * 3600),
             interval: Duration::from_secs(10),
-            kernel_log: KernelLogSetting::Auto,
+            kernel_log: OnGce::Auto,
         }
     }
 }
@@ -572,6 +573,29 @@ impl HistoryConfig {
         match self.max_size {
             Amount::Bytes(b) => b,
             Amount::Percent(_) => 64 << 20,
+        }
+    }
+}
+
+/// `[gce]`: Google Compute Engine's maintenance and preemption notices (`sample::gce`).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GceConfig {
+    /// "auto" (on GCE only, told by the DMI product name), "on", "off".
+    pub watch: OnGce,
+    /// The metadata server's base URL (plain http: it is link-local on GCE).
+    pub metadata_url: String,
+    /// A command run (`/bin/sh -c`, as the daemon's user) once per notice, with
+    /// `GPUGUARD_NOTICE` set to what was announced (e.g. to checkpoint a job). Empty: none.
+    pub on_notice: String,
+}
+
+impl Default for GceConfig {
+    fn default() -> Self {
+        GceConfig {
+            watch: OnGce::Auto,
+            metadata_url: "http://metadata.google.internal/computeMetadata/v1".into(),
+            on_notice: String::new(),
         }
     }
 }

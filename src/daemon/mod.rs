@@ -68,6 +68,7 @@ use crate::state_dir::StateDir;
 
 mod alerts;
 mod faults;
+mod gce;
 mod model_detail;
 mod report;
 mod sampler;
@@ -159,6 +160,8 @@ pub struct Daemon {
     reporter: Reporter,
     /// Scrapes the model servers' metrics URLs on a thread of its own.
     engines: EngineScraper,
+    /// GCE's notices as last acted on (`gce.rs`).
+    gce_notices: crate::sample::gce::Notices,
 }
 
 /// What the reservation ledger's tick gives the loop.
@@ -234,7 +237,8 @@ impl Daemon {
         faults::announce_leftovers(&mut alerter, &leftovers);
         let reporter = Reporter::new(alerter, metrics).recording(&dir, &config.history);
         let (events_tx, events) = channel();
-        let sampler = Sampler::new(procs, scans, gpus, snapshot, events_tx.clone());
+        let mut sampler = Sampler::new(procs, scans, gpus, snapshot, events_tx.clone());
+        sampler.gce = gce::start(&config);
         let wake = events_tx.clone();
         let shared = Arc::new(Shared::new(
             &config,
@@ -257,6 +261,7 @@ impl Daemon {
             events_tx,
             reporter,
             engines: EngineScraper::default(),
+            gce_notices: Default::default(),
         })
     }
 
@@ -365,6 +370,7 @@ impl Daemon {
     fn tick_at(&mut self, now: Instant, since_last: Duration) -> Duration {
         let at = now.saturating_duration_since(self.started);
         let (scan, mut events, gpu_sample) = self.sampler.sample(&self.config, now, at, since_last);
+        self.note_gce(&mut events);
         self.reporter.metrics.observe_sample(now.elapsed());
         let plan = evaluate(
             &self.config,

@@ -43,6 +43,8 @@ pub(super) struct Sampler {
     pub watch: Vec<ProcessId>,
     /// Reservations were out at the last tick (GPU process lists are then read every tick).
     pub reservations_busy: bool,
+    /// GCE's maintenance and preemption notices (`[gce] watch`), if watched.
+    pub gce: Option<crate::sample::gce::GceWatcher>,
 }
 
 impl Sampler {
@@ -76,6 +78,7 @@ impl Sampler {
             max_scan_age: Duration::ZERO,
             watch: Vec::new(),
             reservations_busy: false,
+            gce: None,
         }
     }
 

@@ -651,8 +651,7 @@ fn the_history_keeps_an_incident_and_the_next_start_writes_its_post_mortem() {
         kmsg: &kmsg,
     };
     h.daemon.reporter.kernel_log =
-        crate::history::kernel_log::KernelLog::open(crate::config::KernelLogSetting::On, &paths)
-            .unwrap();
+        crate::history::kernel_log::KernelLog::open(crate::config::OnGce::On, &paths).unwrap();
     h.ticks(4, 100 * MS);
     assert_eq!(h.signals(), [(200, Sig::Stop)]);
     let kernel_log = std::fs::read_to_string(&kmsg).unwrap();

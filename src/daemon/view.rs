@@ -54,6 +54,7 @@ impl Daemon {
                 Default::default()
             },
             held: if full { self.held_rows() } else { Vec::new() },
+            cloud_notice: super::gce::drain_for(&self.gce_notices).map(|d| d.reason.as_str()),
             recent_actions: if full {
                 self.reporter.recent_actions.iter().cloned().collect()
             } else {

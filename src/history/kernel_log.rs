@@ -8,7 +8,7 @@ use std::fs::File;
 use std::io::Write;
 use std::path::Path;
 
-use crate::config::KernelLogSetting;
+use crate::config::OnGce;
 
 /// The DMI product name GCE VMs report.
 const GCE_PRODUCT: &str = "Google Compute Engine";
@@ -44,11 +44,11 @@ pub fn on_gce(dmi_product_name: &Path) -> bool {
 
 impl KernelLog {
     /// The kernel log if `setting` asks for it here; `Err` says why it could not be opened.
-    pub fn open(setting: KernelLogSetting, paths: &Paths) -> Result<Option<KernelLog>, String> {
+    pub fn open(setting: OnGce, paths: &Paths) -> Result<Option<KernelLog>, String> {
         let wanted = match setting {
-            KernelLogSetting::Off => false,
-            KernelLogSetting::On => true,
-            KernelLogSetting::Auto => on_gce(paths.dmi_product_name),
+            OnGce::Off => false,
+            OnGce::On => true,
+            OnGce::Auto => on_gce(paths.dmi_product_name),
         };
         if !wanted {
             return Ok(None);
@@ -91,21 +91,13 @@ mod tests {
             kmsg: &kmsg,
         };
         // No DMI at all (a container), or another cloud: off in auto.
-        assert!(KernelLog::open(KernelLogSetting::Auto, &paths)
-            .unwrap()
-            .is_none());
+        assert!(KernelLog::open(OnGce::Auto, &paths).unwrap().is_none());
         std::fs::write(&dmi, "Amazon EC2\n").unwrap();
-        assert!(KernelLog::open(KernelLogSetting::Auto, &paths)
-            .unwrap()
-            .is_none());
-        assert!(KernelLog::open(KernelLogSetting::On, &paths)
-            .unwrap()
-            .is_some());
+        assert!(KernelLog::open(OnGce::Auto, &paths).unwrap().is_none());
+        assert!(KernelLog::open(OnGce::On, &paths).unwrap().is_some());
         std::fs::write(&dmi, "Google Compute Engine\n").unwrap();
-        assert!(KernelLog::open(KernelLogSetting::Off, &paths)
-            .unwrap()
-            .is_none());
-        let log = KernelLog::open(KernelLogSetting::Auto, &paths)
+        assert!(KernelLog::open(OnGce::Off, &paths).unwrap().is_none());
+        let log = KernelLog::open(OnGce::Auto, &paths)
             .unwrap()
             .expect("on GCE");
         log.critical("kill model 'qwen' pids [1234(vllm)]: RAM 0.9 GiB available");
@@ -127,6 +119,6 @@ mod tests {
             dmi_product_name: &dmi,
             kmsg: &missing,
         };
-        assert!(KernelLog::open(KernelLogSetting::Auto, &paths).is_err());
+        assert!(KernelLog::open(OnGce::Auto, &paths).is_err());
     }
 }

@@ -323,6 +323,7 @@ pub(super) struct LoopFamilies {
     pub(super) held: Gauge,
     pub(super) nvml_state: Family<StateLabels, Gauge>,
     pub(super) gpu_stale: Gauge,
+    pub(super) cloud_notice: Family<StateLabels, Gauge>,
     pub(super) sample_duration: Histogram,
 }
 
@@ -358,6 +359,12 @@ impl LoopFamilies {
                 "gpuguard_gpu_sample_stale",
                 "1 if the latest GPU sample is late (alerts only, no kills)",
                 Gauge::default(),
+            ),
+            cloud_notice: register(
+                r,
+                "gpuguard_cloud_notice",
+                "1 while the cloud announces it for this VM (GCE: state \"host_maintenance\" or \"preempted\"; the host drains), else 0",
+                Family::default(),
             ),
             sample_duration: register(
                 r,

@@ -268,6 +268,14 @@ impl Metrics {
         self.loop_state
             .gpu_stale
             .set(i64::from(v.gpu_protection.stale));
+        for notice in ["host_maintenance", "preempted"] {
+            self.loop_state
+                .cloud_notice
+                .get_or_create(&StateLabels {
+                    state: notice.into(),
+                })
+                .set(i64::from(v.cloud_notice == Some(notice)));
+        }
     }
 
     fn update_permits(&self, permits: &[PermitPoolRow]) {

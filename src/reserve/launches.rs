@@ -18,6 +18,9 @@ impl Reservations {
         let Some(&Client { peer, since }) = self.clients.get(&conn) else {
             return refuse(RefusalReason::Invalid, "connection not ready".into());
         };
+        if let Some(refused) = self.drained(None) {
+            return Some(refused);
+        }
         let request = match self.check_launch(&peer, request) {
             Ok(r) => r,
             Err((reason, message)) => return refuse(reason, message),

@@ -19,6 +19,7 @@
 
 pub mod account;
 pub mod capacity;
+mod drain;
 mod launches;
 pub mod lease;
 mod limit;
@@ -26,6 +27,8 @@ mod permits;
 mod rooms;
 mod views;
 mod waiting;
+
+pub use drain::Drain;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
@@ -247,6 +250,8 @@ pub struct Reservations {
     /// Answers decided outside a client's own request (a wait that ended, a TTL, a trim hint),
     /// in order, until the transport takes them.
     outbox: Vec<(ConnId, Response)>,
+    /// The host drains (a maintenance or preemption notice): new requests are refused.
+    drain: Option<Drain>,
 }
 
 fn model_label(pool: &Pool) -> String {
@@ -274,6 +279,7 @@ impl Reservations {
             event_limit: PerUid::default(),
             trims: HashMap::new(),
             outbox: Vec::new(),
+            drain: None,
         }
     }
 

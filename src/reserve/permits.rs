@@ -21,6 +21,9 @@ impl Reservations {
         else {
             return refuse(RefusalReason::Invalid, "connection not ready".into());
         };
+        if let Some(refused) = self.drained(Some(id)) {
+            return Some(refused);
+        }
         // Only a uid that may be some model's member waits for a scan to find its model (the
         // daemon forces scans for it): anyone else's request is decided now.
         let unplaced = request.model.is_none()

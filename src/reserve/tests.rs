@@ -961,3 +961,78 @@ fn only_root_may_have_a_ready_url_off_loopback_polled() {
 }
 
 mod properties;
+
+/// Issue 25: the host drains on a maintenance or preemption notice. A new request is refused at
+/// once with the reason and a retry hint, one that waited is refused when the drain begins, and
+/// a permit held stays held (and can be given back). A notice withdrawn lifts the drain.
+#[test]
+fn a_draining_host_refuses_new_and_waiting_requests_and_leaves_held_permits_alone() {
+    let mut t = table();
+    let Some(Response::Granted { permit, .. }) = t.acquire(1, ask(8, 1), Duration::ZERO) else {
+        panic!("8 of 11 GiB of room");
+    };
+    assert_eq!(
+        t.acquire(1, ask(8, 2), Duration::ZERO),
+        None,
+        "waits: 3 GiB of room"
+    );
+    t.drain(Some(Drain {
+        reason: RefusalReason::HostMaintenance,
+        message: "GCE: TERMINATE_ON_HOST_MAINTENANCE".into(),
+        retry_after: Duration::from_secs(60),
+    }));
+    let waited = mail(&mut t, 1);
+    assert!(
+        matches!(
+            &waited[..],
+            [Response::Refused {
+                id: Some(2),
+                reason: RefusalReason::HostMaintenance,
+                retry_after_ms: Some(60_000),
+                ..
+            }]
+        ),
+        "{waited:?}"
+    );
+    let now = t.acquire(1, ask(1, 3), Duration::ZERO);
+    assert!(
+        matches!(
+            now,
+            Some(Response::Refused {
+                id: Some(3),
+                reason: RefusalReason::HostMaintenance,
+                retry_after_ms: Some(60_000),
+                ..
+            })
+        ),
+        "{now:?}"
+    );
+    // The held permit is untouched, and given back as usual.
+    assert!(matches!(
+        t.release_permit(1, 4, permit, Duration::ZERO),
+        Response::Released { .. }
+    ));
+    // A launch is refused the same way.
+    let launch = LaunchRequest {
+        model: "big".into(),
+        gpu_memory_bytes: Some(GIB),
+        command: vec!["x".into()],
+        ..Default::default()
+    };
+    let answer = t.launch(1, launch, Arc::new(FakeProcess::default()), Duration::ZERO);
+    assert!(
+        matches!(
+            answer,
+            Some(Response::Refused {
+                reason: RefusalReason::HostMaintenance,
+                ..
+            })
+        ),
+        "{answer:?}"
+    );
+    t.drain(None);
+    assert!(matches!(
+        t.acquire(1, ask(8, 5), Duration::ZERO),
+        Some(Response::Granted { .. })
+    ));
+}

@@ -4,6 +4,7 @@
 //! keeps the process table current on a thread of its own, `nvml.rs` samples GPUs on another.
 
 pub mod engine;
+pub mod gce;
 pub mod nvml;
 pub mod proc_events;
 pub mod procfs;

@@ -438,3 +438,156 @@ fn the_size_a_permit_really_takes_is_learned_and_used_when_none_is_given() {
         other => panic!("{other:?}"),
     }
 }
+
+/// A metadata server on 127.0.0.1 as Google documents it: a plain read answers the value and
+/// its ETag; a wait-for-change with the current ETag hangs until the value changes (each
+/// connection on a thread of its own, as the daemon watches two keys at once). `preempted` stays
+/// `FALSE` (its waits hang for their timeout).
+struct FakeMetadata {
+    port: u16,
+    state: std::sync::Arc<(std::sync::Mutex<(String, u32)>, std::sync::Condvar)>,
+}
+
+impl FakeMetadata {
+    fn start() -> FakeMetadata {
+        use std::io::{BufRead, BufReader, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let state = std::sync::Arc::new((
+            std::sync::Mutex::new(("NONE".to_string(), 0u32)),
+            std::sync::Condvar::new(),
+        ));
+        let shared = state.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                let shared = shared.clone();
+                std::thread::spawn(move || {
+                    let mut reader = BufReader::new(stream.try_clone().unwrap());
+                    let mut head = String::new();
+                    let mut line = String::new();
+                    while reader.read_line(&mut line).unwrap_or(0) > 2 {
+                        head.push_str(&line);
+                        line.clear();
+                    }
+                    let path = head.split_whitespace().nth(1).unwrap_or("").to_string();
+                    if !head
+                        .to_ascii_lowercase()
+                        .contains("metadata-flavor: google")
+                    {
+                        let _ = write!(stream, "HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+                        return;
+                    }
+                    let wait = path.contains("wait_for_change=true");
+                    let (body, etag) = if path.contains("/instance/preempted") {
+                        if wait {
+                            std::thread::sleep(Duration::from_secs(60));
+                        }
+                        ("FALSE".to_string(), "p0".to_string())
+                    } else {
+                        let (lock, changed) = &*shared;
+                        let mut s = lock.lock().unwrap();
+                        if wait && path.contains(&format!("last_etag=e{}", s.1)) {
+                            let version = s.1;
+                            s = changed
+                                .wait_timeout_while(s, Duration::from_secs(60), |s| s.1 == version)
+                                .unwrap()
+                                .0;
+                        }
+                        (s.0.clone(), format!("e{}", s.1))
+                    };
+                    let _ = write!(
+                        stream,
+                        "HTTP/1.1 200 OK\r\nMetadata-Flavor: Google\r\nETag: {etag}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                });
+            }
+        });
+        FakeMetadata { port, state }
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}/computeMetadata/v1", self.port)
+    }
+
+    fn set(&self, maintenance: &str) {
+        let (lock, changed) = &*self.state;
+        let mut s = lock.lock().unwrap();
+        *s = (maintenance.to_string(), s.1 + 1);
+        changed.notify_all();
+    }
+}
+
+/// Issue 25: GCE announces host maintenance (its metadata server, played on 127.0.0.1). A
+/// critical event says so, `[gce] on_notice` runs with the notice, new permits are refused at
+/// once with `host_maintenance` and a retry hint while one held keeps running; the notice
+/// withdrawn, permits are granted again.
+#[test]
+fn a_gce_maintenance_notice_drains_new_permits_and_leaves_held_ones() {
+    let metadata = FakeMetadata::start();
+    let notes = tempfile::tempdir().unwrap();
+    let noticed = notes.path().join("notice");
+    let port = free_port();
+    let c = card(
+        "",
+        &format!(
+            "[gce]\nwatch = \"on\"\nmetadata_url = \"{}\"\non_notice = \"echo $GPUGUARD_NOTICE > {}\"\n\
+             [metrics]\nlisten = \"127.0.0.1:{port}\"\n",
+            metadata.url(),
+            noticed.display()
+        ),
+    );
+    let metrics_url = format!("http://127.0.0.1:{port}/metrics");
+    let notice_gauge = |state: &str| {
+        get(&metrics_url)
+            .and_then(|m| sample(&m, &format!("gpuguard_cloud_notice{{state=\"{state}\"}}")))
+    };
+    assert!(wait_until(Duration::from_secs(5), || notice_gauge(
+        "host_maintenance"
+    ) == Some(0.0)));
+    let socket = c.daemon.socket();
+    let (mut holder, answer) = PermitClient::acquire(&socket, acquire("served", 2 * GIB, 5000));
+    let permit = granted(&answer);
+
+    metadata.set("TERMINATE_ON_HOST_MAINTENANCE");
+    let notice = c
+        .daemon
+        .wait_for_event("gce_maintenance", Duration::from_secs(15), |_| true);
+    assert_eq!(notice["severity"], "critical", "{notice}");
+    let (_, refused) = PermitClient::acquire(&socket, acquire("served", GIB, 5000));
+    match &refused {
+        Response::Refused {
+            reason: RefusalReason::HostMaintenance,
+            retry_after_ms: Some(60_000),
+            message,
+            ..
+        } => assert!(
+            message.contains("TERMINATE_ON_HOST_MAINTENANCE"),
+            "{message}"
+        ),
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        pool(&c.daemon.status(), "served").is_some_and(|p| p["held"] == 1),
+        "the held permit is left alone"
+    );
+    assert!(
+        wait_until(Duration::from_secs(10), || std::fs::read_to_string(
+            &noticed
+        )
+        .is_ok_and(|n| n.trim() == "TERMINATE_ON_HOST_MAINTENANCE")),
+        "on_notice did not run"
+    );
+    assert!(wait_until(Duration::from_secs(5), || notice_gauge(
+        "host_maintenance"
+    ) == Some(1.0)));
+    assert_eq!(notice_gauge("preempted"), Some(0.0));
+
+    metadata.set("NONE");
+    c.daemon
+        .wait_for_event("gce_notice_withdrawn", Duration::from_secs(15), |_| true);
+    let (_, again) = PermitClient::acquire(&socket, acquire("served", GIB, 5000));
+    granted(&again);
+    assert!(matches!(holder.release(permit), Response::Released { .. }));
+}

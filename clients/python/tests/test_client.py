@@ -103,6 +103,13 @@ class Grants(FakeDaemonCase):
         self.assertTrue(refused.transient)
         self.assertIn("timeout", str(refused))
 
+    def test_a_draining_host_is_a_transient_refusal(self):
+        # A load balancer should send the request elsewhere (503 + Retry-After), not fail it.
+        for reason in ("host_maintenance", "preempted"):
+            refused = PermitRefused(reason, "GCE announced host maintenance", retry_after=60.0)
+            self.assertTrue(refused.transient, reason)
+        self.assertFalse(PermitRefused("too_large", "never fits").transient)
+
     def test_too_large_is_refused_at_once(self):
         with self.assertRaises(PermitRefused) as caught:
             self.client.acquire("100GiB", timeout=60)

@@ -23,7 +23,8 @@ class PermitRefused(GpuguardError):
     """No permit: the daemon refused it (or no answer came in time).
 
     `reason` is the daemon's word for why (`timeout`, `too_large`, `queue_full`, `max_permits`,
-    `not_allowed`, `invalid`, `cancelled`); `retry_after` is the daemon's estimate in seconds of
+    `not_allowed`, `invalid`, `cancelled`, and while the host drains before its cloud's
+    maintenance or preemption, `host_maintenance` and `preempted`); `retry_after` is the daemon's estimate in seconds of
     when to try again (None when it gave none): what a server needs to answer 503 with a
     `Retry-After` header. `needed` and `free` are the daemon's dicts of what was asked and what
     was available (`gpu_bytes`, `ram_bytes`, `gpu`), or None where it did not say.
@@ -53,4 +54,6 @@ class PermitRefused(GpuguardError):
 
 
 #: Refusal reasons after which the same request may succeed later.
-TRANSIENT_REASONS = frozenset({"timeout", "queue_full", "max_permits", "cancelled"})
+TRANSIENT_REASONS = frozenset(
+    {"timeout", "queue_full", "max_permits", "cancelled", "host_maintenance", "preempted"}
+)

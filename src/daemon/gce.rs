@@ -1,0 +1,128 @@
+//! GCE's notices (`sample::gce`) as the loop acts on them: each change said once as an event
+//! (critical when announced, info when withdrawn; the alert pipeline takes them to the webhooks),
+//! the host drained through the reservation ledger while one is in force (new launches and
+//! permits refused with `host_maintenance` or `preempted` and a retry hint; held ones keep
+//! running), and `[gce] on_notice` run once per notice.
+
+use std::time::Duration;
+
+use tracing::{error, info};
+
+use crate::config::{Config, OnGce};
+use crate::history::kernel_log::{on_gce, Paths};
+use crate::kinds::EventKind;
+use crate::policy::{Event, Severity};
+use crate::protocol::RefusalReason;
+use crate::reserve::Drain;
+use crate::sample::gce::{GceWatcher, Notices};
+
+use super::Daemon;
+
+/// How long a drained request is told to wait before it tries again.
+const RETRY_AFTER: Duration = Duration::from_secs(60);
+
+/// Starts watching the metadata server if `[gce] watch` asks for it here.
+pub(super) fn start(config: &Config) -> Option<GceWatcher> {
+    let wanted = match config.gce.watch {
+        OnGce::Off => false,
+        OnGce::On => true,
+        OnGce::Auto => on_gce(Paths::real().dmi_product_name),
+    };
+    if !wanted {
+        return None;
+    }
+    match GceWatcher::start(&config.gce.metadata_url) {
+        Ok(w) => {
+            info!("watching GCE's maintenance and preemption notices");
+            Some(w)
+        }
+        Err(e) => {
+            error!("cannot watch GCE's notices: {e}");
+            None
+        }
+    }
+}
+
+/// The drain a notice asks for (`None`: none in force).
+pub(super) fn drain_for(n: &Notices) -> Option<Drain> {
+    if n.preempted {
+        return Some(Drain {
+            reason: RefusalReason::Preempted,
+            message: "GCE is preempting this VM (about 30 s left): no new launches or permits here; held ones keep running".into(),
+            retry_after: RETRY_AFTER,
+        });
+    }
+    n.maintenance.as_ref().map(|event| Drain {
+        reason: RefusalReason::HostMaintenance,
+        message: format!(
+            "GCE announced host maintenance ({event}): no new launches or permits here until it is withdrawn; held ones keep running"
+        ),
+        retry_after: RETRY_AFTER,
+    })
+}
+
+impl Daemon {
+    /// A change in GCE's notices since the last tick: an event, the drain, `on_notice`.
+    pub(super) fn note_gce(&mut self, events: &mut Vec<Event>) {
+        let Some(watcher) = &self.sampler.gce else {
+            return;
+        };
+        let now = watcher.notices();
+        if (now.preempted, &now.maintenance)
+            == (self.gce_notices.preempted, &self.gce_notices.maintenance)
+        {
+            return;
+        }
+        let drain = drain_for(&now);
+        let event = match (&drain, now.preempted) {
+            (Some(d), true) => Event::new(
+                Severity::Critical,
+                EventKind::GcePreempted,
+                d.message.clone(),
+            ),
+            (Some(d), false) => Event::new(
+                Severity::Critical,
+                EventKind::GceMaintenance,
+                d.message.clone(),
+            ),
+            (None, _) => Event::new(
+                Severity::Info,
+                EventKind::GceNoticeWithdrawn,
+                "GCE withdrew its notice: launches and permits are taken again".into(),
+            ),
+        };
+        events.push(event);
+        let announced = if now.preempted {
+            Some("PREEMPTED".to_string())
+        } else {
+            now.maintenance.clone()
+        };
+        self.shared.table().drain(drain);
+        if let (Some(notice), false) = (announced, self.config.gce.on_notice.trim().is_empty()) {
+            run_on_notice(&self.config.gce.on_notice, &notice);
+        }
+        self.gce_notices = now;
+    }
+}
+
+/// Runs `[gce] on_notice` with `GPUGUARD_NOTICE` set; reaped on a thread of its own.
+fn run_on_notice(command: &str, notice: &str) {
+    let spawned = std::process::Command::new("/bin/sh")
+        .arg("-c")
+        .arg(command)
+        .env("GPUGUARD_NOTICE", notice)
+        .stdin(std::process::Stdio::null())
+        .spawn();
+    match spawned {
+        Ok(mut child) => {
+            info!(pid = child.id(), "gce.on_notice started for {notice}");
+            let _ = std::thread::Builder::new()
+                .name("gce-on-notice".into())
+                .spawn(move || {
+                    let status = child.wait();
+                    info!("gce.on_notice ended: {status:?}");
+                });
+        }
+        Err(e) => error!("gce.on_notice could not start: {e}"),
+    }
+}

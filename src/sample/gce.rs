@@ -1,0 +1,218 @@
+//! Google Compute Engine's notices of what is about to happen to the VM, from its metadata
+//! server: `instance/maintenance-event` (`NONE`, or `TERMINATE_ON_HOST_MAINTENANCE` about an
+//! hour ahead for GPU VMs, which cannot live-migrate; `MIGRATE_ON_HOST_MAINTENANCE` elsewhere)
+//! and `instance/preempted` (`TRUE` about 30 s before a Spot or preemptible VM is stopped).
+//! One thread per key, each a long poll as Google documents it: a first plain read for the value
+//! and its `ETag`, then `?wait_for_change=true&last_etag=...&timeout_sec=...`, which the server
+//! answers when the value changes (at once if it already differs from that ETag). Errors back off
+//! (1 s doubling to 60 s) and are kept for status; nothing here acts: the loop reads `notices`.
+//!
+//! Only on GCE (`[gce] watch = "auto"`: the DMI product name says so; no network probe
+//! elsewhere). The metadata URL is configurable: tests play Google's answers on 127.0.0.1.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// What the metadata server says now.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Notices {
+    /// `maintenance-event` when it is not `NONE` (`TERMINATE_ON_HOST_MAINTENANCE`, ...).
+    pub maintenance: Option<String>,
+    /// `preempted` is `TRUE`.
+    pub preempted: bool,
+    /// The latest error of either watch, until it answers again.
+    pub error: Option<String>,
+}
+
+/// How long one wait-for-change asks the server to hang (it answers then even with no change).
+const WAIT_SECS: u64 = 60;
+/// What an answer may hold.
+const MAX_BODY: u64 = 4096;
+
+/// The watch threads, and what they saw.
+pub struct GceWatcher {
+    notices: Arc<Mutex<Notices>>,
+}
+
+impl GceWatcher {
+    /// Starts watching under `base` (`http://metadata.google.internal/computeMetadata/v1`).
+    pub fn start(base: &str) -> std::io::Result<GceWatcher> {
+        let notices = Arc::new(Mutex::new(Notices::default()));
+        for key in ["maintenance-event", "preempted"] {
+            let (url, notices) = (
+                format!("{}/instance/{key}", base.trim_end_matches('/')),
+                notices.clone(),
+            );
+            std::thread::Builder::new()
+                .name(format!("gce-{key}"))
+                .spawn(move || watch(&url, key, &notices))?;
+        }
+        Ok(GceWatcher { notices })
+    }
+
+    pub fn notices(&self) -> Notices {
+        self.notices
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+/// Long-polls one key for as long as the process lives.
+fn watch(url: &str, key: &str, notices: &Mutex<Notices>) {
+    let agent = crate::http::agent(Duration::from_secs(WAIT_SECS + 10));
+    let mut etag: Option<String> = None;
+    let mut backoff = Duration::from_secs(1);
+    loop {
+        let request = match &etag {
+            None => url.to_string(),
+            Some(e) => format!("{url}?wait_for_change=true&last_etag={e}&timeout_sec={WAIT_SECS}"),
+        };
+        let asked = std::time::Instant::now();
+        match read(&agent, &request) {
+            Ok((value, tag)) => {
+                backoff = Duration::from_secs(1);
+                if etag.is_some() && tag == etag && asked.elapsed() < Duration::from_secs(1) {
+                    // A wait that did not wait (a server that does not hang): not a tight loop.
+                    std::thread::sleep(Duration::from_secs(1));
+                }
+                // An ETag is a hex digest: anything else is not put back into a URL.
+                etag = tag.filter(|t| {
+                    !t.is_empty() && t.len() <= 64 && t.bytes().all(|b| b.is_ascii_alphanumeric())
+                });
+                let mut n = notices.lock().unwrap_or_else(|e| e.into_inner());
+                n.error = None;
+                match key {
+                    "preempted" => n.preempted = value.eq_ignore_ascii_case("TRUE"),
+                    _ => {
+                        n.maintenance =
+                            (!value.is_empty() && value != "NONE").then(|| value.clone());
+                    }
+                }
+                if etag.is_none() {
+                    // No ETag to wait on: read again in a while rather than in a tight loop.
+                    std::thread::sleep(Duration::from_secs(5));
+                }
+            }
+            Err(e) => {
+                notices.lock().unwrap_or_else(|e| e.into_inner()).error =
+                    Some(format!("{key}: {e}"));
+                etag = None;
+                std::thread::sleep(backoff);
+                backoff = (backoff * 2).min(Duration::from_secs(60));
+            }
+        }
+    }
+}
+
+/// One GET with the header the metadata server requires: the value (printable ASCII, trimmed)
+/// and the ETag. A key the server does not have (404) reads as empty.
+fn read(agent: &ureq::Agent, url: &str) -> Result<(String, Option<String>), String> {
+    let mut response = agent
+        .get(url)
+        .header("Metadata-Flavor", "Google")
+        .call()
+        .map_err(|e| format!("unreachable: {e}"))?;
+    let status = response.status();
+    let etag = response
+        .headers()
+        .get("etag")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    if status == 404 {
+        return Ok((String::new(), etag));
+    }
+    if !status.is_success() {
+        return Err(format!("HTTP {status}"));
+    }
+    let text = response
+        .body_mut()
+        .with_config()
+        .limit(MAX_BODY)
+        .read_to_string()
+        .map_err(|e| format!("reading the answer: {e}"))?;
+    let value: String = text
+        .trim()
+        .chars()
+        .filter(|c| c.is_ascii_graphic())
+        .take(64)
+        .collect();
+    Ok((value, etag))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{BufRead, BufReader, Write};
+    use std::net::TcpListener;
+    use std::sync::mpsc;
+
+    /// A metadata server as Google documents it, for one key at a time: a plain read answers the
+    /// value and its ETag; a wait-for-change with the current ETag hangs until the value changes.
+    #[test]
+    fn a_maintenance_notice_is_seen_when_it_comes_and_when_it_is_withdrawn() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (set, values) = mpsc::channel::<&'static str>();
+        let (seen_tx, seen) = mpsc::channel::<String>();
+        std::thread::spawn(move || {
+            let mut value = "NONE";
+            let mut version = 0;
+            for stream in listener.incoming() {
+                let mut stream = stream.unwrap();
+                let mut reader = BufReader::new(stream.try_clone().unwrap());
+                let mut request = String::new();
+                let mut line = String::new();
+                while reader.read_line(&mut line).unwrap() > 2 {
+                    request.push_str(&line);
+                    line.clear();
+                }
+                let path = request.split_whitespace().nth(1).unwrap().to_string();
+                let _ = seen_tx.send(request.clone());
+                let body = if path.contains("preempted") {
+                    "FALSE"
+                } else {
+                    if path.contains("wait_for_change=true")
+                        && path.contains(&format!("last_etag=e{version}"))
+                    {
+                        // Hang until the test changes the value.
+                        value = values.recv().unwrap();
+                        version += 1;
+                    }
+                    value
+                };
+                let etag = if path.contains("preempted") {
+                    "p0".to_string()
+                } else {
+                    format!("e{version}")
+                };
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 200 OK\r\nMetadata-Flavor: Google\r\nETag: {etag}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            }
+        });
+        let w = GceWatcher::start(&format!("http://127.0.0.1:{port}/computeMetadata/v1")).unwrap();
+        let wait_for = |want: &dyn Fn(&Notices) -> bool| {
+            for _ in 0..500 {
+                if want(&w.notices()) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            panic!("never saw it: {:?}", w.notices());
+        };
+        // Every request carries the header the server requires.
+        let first = seen.recv().unwrap();
+        assert!(
+            first.contains("Metadata-Flavor: Google") || first.contains("metadata-flavor: Google"),
+            "{first}"
+        );
+        set.send("TERMINATE_ON_HOST_MAINTENANCE").unwrap();
+        wait_for(&|n| n.maintenance.as_deref() == Some("TERMINATE_ON_HOST_MAINTENANCE"));
+        assert!(!w.notices().preempted);
+        set.send("NONE").unwrap();
+        wait_for(&|n| n.maintenance.is_none());
+    }
+}
