@@ -126,3 +126,34 @@ fn run_on_notice(command: &str, notice: &str) {
         Err(e) => error!("gce.on_notice could not start: {e}"),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn preemption_goes_before_maintenance_and_none_lifts_the_drain() {
+        let maintenance = Notices {
+            maintenance: Some("TERMINATE_ON_HOST_MAINTENANCE".into()),
+            ..Notices::default()
+        };
+        let d = drain_for(&maintenance).unwrap();
+        assert_eq!(d.reason, RefusalReason::HostMaintenance);
+        assert!(
+            d.message.contains("TERMINATE_ON_HOST_MAINTENANCE"),
+            "{}",
+            d.message
+        );
+        let both = Notices {
+            preempted: true,
+            ..maintenance
+        };
+        assert_eq!(drain_for(&both).unwrap().reason, RefusalReason::Preempted);
+        // An error alone (the metadata server unreachable) drains nothing.
+        let error = Notices {
+            error: Some("maintenance-event: unreachable".into()),
+            ..Notices::default()
+        };
+        assert_eq!(drain_for(&error), None);
+    }
+}
