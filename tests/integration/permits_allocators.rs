@@ -288,12 +288,16 @@ fn a_cache_warm_before_the_first_permit_counts_once_the_allocator_reports_it() {
     assert_eq!(count(&blind, "served"), 10, "{blind}");
     drop(s);
     // The client reports PyTorch's `memory_reserved - memory_allocated` (a fake torch.cuda
-    // answering from the same allocator): the cache serves the requests.
+    // answering from the same allocator): the cache serves the requests. (No tight permit
+    // timeout: one of 1 s, meant to tell this path from the trim, failed about one run in four
+    // on a loaded machine, and since the blind trim comes after 250 ms it no longer tells them
+    // apart; that a reporting process is not asked blind is `reserve::tests::
+    // a_process_that_reports_its_cache_is_not_asked_to_give_back_what_it_may_cache`.)
     let s = setup_with(16, SEED_MODEL);
     let told = run(
         &s,
         None,
-        &with(&SEED, &["--warm", "3", "--permit-timeout", "1", "--torch"]),
+        &with(&SEED, &["--warm", "3", "--permit-timeout", "30", "--torch"]),
     );
     assert_safe(&told);
     assert_eq!(count(&told, "served"), 30, "{told}");
