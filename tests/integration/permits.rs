@@ -439,13 +439,13 @@ fn the_size_a_permit_really_takes_is_learned_and_used_when_none_is_given() {
     }
 }
 
-/// A metadata server on 127.0.0.1 as Google documents it: a plain read answers the value and
-/// its ETag; a wait-for-change with the current ETag hangs until the value changes (each
-/// connection on a thread of its own, as the daemon watches two keys at once). `preempted` stays
-/// `FALSE` (its waits hang for their timeout).
+/// A metadata server on 127.0.0.1 as Google documents it: a plain read answers a key's value
+/// and its ETag; a wait-for-change with the current ETag hangs until the value changes (each
+/// connection on a thread of its own, as the daemon watches two keys at once).
 struct FakeMetadata {
     port: u16,
-    state: std::sync::Arc<(std::sync::Mutex<(String, u32)>, std::sync::Condvar)>,
+    /// (maintenance-event, preempted, version): one version for both keys.
+    state: std::sync::Arc<(std::sync::Mutex<(String, String, u32)>, std::sync::Condvar)>,
 }
 
 impl FakeMetadata {
@@ -454,7 +454,7 @@ impl FakeMetadata {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let state = std::sync::Arc::new((
-            std::sync::Mutex::new(("NONE".to_string(), 0u32)),
+            std::sync::Mutex::new(("NONE".to_string(), "FALSE".to_string(), 0u32)),
             std::sync::Condvar::new(),
         ));
         let shared = state.clone();
@@ -478,24 +478,21 @@ impl FakeMetadata {
                         let _ = write!(stream, "HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
                         return;
                     }
-                    let wait = path.contains("wait_for_change=true");
-                    let (body, etag) = if path.contains("/instance/preempted") {
-                        if wait {
-                            std::thread::sleep(Duration::from_secs(60));
-                        }
-                        ("FALSE".to_string(), "p0".to_string())
-                    } else {
-                        let (lock, changed) = &*shared;
-                        let mut s = lock.lock().unwrap();
-                        if wait && path.contains(&format!("last_etag=e{}", s.1)) {
-                            let version = s.1;
-                            s = changed
-                                .wait_timeout_while(s, Duration::from_secs(60), |s| s.1 == version)
-                                .unwrap()
-                                .0;
-                        }
-                        (s.0.clone(), format!("e{}", s.1))
-                    };
+                    let preempted = path.contains("/instance/preempted");
+                    let (lock, changed) = &*shared;
+                    let mut s = lock.lock().unwrap();
+                    if path.contains("wait_for_change=true")
+                        && path.contains(&format!("last_etag=e{}", s.2))
+                    {
+                        let version = s.2;
+                        s = changed
+                            .wait_timeout_while(s, Duration::from_secs(60), |s| s.2 == version)
+                            .unwrap()
+                            .0;
+                    }
+                    let body = if preempted { s.1.clone() } else { s.0.clone() };
+                    let etag = format!("e{}", s.2);
+                    drop(s);
                     let _ = write!(
                         stream,
                         "HTTP/1.1 200 OK\r\nMetadata-Flavor: Google\r\nETag: {etag}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
@@ -511,10 +508,11 @@ impl FakeMetadata {
         format!("http://127.0.0.1:{}/computeMetadata/v1", self.port)
     }
 
-    fn set(&self, maintenance: &str) {
+    /// Sets both keys; every wait on either answers with them.
+    fn set(&self, maintenance: &str, preempted: &str) {
         let (lock, changed) = &*self.state;
         let mut s = lock.lock().unwrap();
-        *s = (maintenance.to_string(), s.1 + 1);
+        *s = (maintenance.to_string(), preempted.to_string(), s.2 + 1);
         changed.notify_all();
     }
 }
@@ -522,9 +520,9 @@ impl FakeMetadata {
 /// Issue 25: GCE announces host maintenance (its metadata server, played on 127.0.0.1). A
 /// critical event says so, `[gce] on_notice` runs with the notice, new permits are refused at
 /// once with `host_maintenance` and a retry hint while one held keeps running; the notice
-/// withdrawn, permits are granted again.
+/// withdrawn, permits are granted again. Then the VM is preempted: the same, as `preempted`.
 #[test]
-fn a_gce_maintenance_notice_drains_new_permits_and_leaves_held_ones() {
+fn gce_maintenance_and_preemption_notices_drain_new_permits_and_leave_held_ones() {
     let metadata = FakeMetadata::start();
     let notes = tempfile::tempdir().unwrap();
     let noticed = notes.path().join("notice");
@@ -550,7 +548,7 @@ fn a_gce_maintenance_notice_drains_new_permits_and_leaves_held_ones() {
     let (mut holder, answer) = PermitClient::acquire(&socket, acquire("served", 2 * GIB, 5000));
     let permit = granted(&answer);
 
-    metadata.set("TERMINATE_ON_HOST_MAINTENANCE");
+    metadata.set("TERMINATE_ON_HOST_MAINTENANCE", "FALSE");
     let notice = c
         .daemon
         .wait_for_event("gce_maintenance", Duration::from_secs(15), |_| true);
@@ -584,10 +582,39 @@ fn a_gce_maintenance_notice_drains_new_permits_and_leaves_held_ones() {
     ) == Some(1.0)));
     assert_eq!(notice_gauge("preempted"), Some(0.0));
 
-    metadata.set("NONE");
+    metadata.set("NONE", "FALSE");
     c.daemon
         .wait_for_event("gce_notice_withdrawn", Duration::from_secs(15), |_| true);
     let (_, again) = PermitClient::acquire(&socket, acquire("served", GIB, 5000));
     granted(&again);
     assert!(matches!(holder.release(permit), Response::Released { .. }));
+
+    // A Spot VM preempted: about 30 s left, the same drain with its own reason.
+    metadata.set("NONE", "TRUE");
+    let preempted = c
+        .daemon
+        .wait_for_event("gce_preempted", Duration::from_secs(15), |_| true);
+    assert_eq!(preempted["severity"], "critical", "{preempted}");
+    let (_, refused) = PermitClient::acquire(&socket, acquire("served", GIB, 5000));
+    assert!(
+        matches!(
+            refused,
+            Response::Refused {
+                reason: RefusalReason::Preempted,
+                retry_after_ms: Some(60_000),
+                ..
+            }
+        ),
+        "{refused:?}"
+    );
+    assert!(wait_until(Duration::from_secs(5), || notice_gauge(
+        "preempted"
+    ) == Some(1.0)));
+    assert!(
+        wait_until(Duration::from_secs(10), || std::fs::read_to_string(
+            &noticed
+        )
+        .is_ok_and(|n| n.trim() == "PREEMPTED")),
+        "on_notice did not run for the preemption"
+    );
 }
