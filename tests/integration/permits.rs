@@ -444,9 +444,11 @@ fn the_size_a_permit_really_takes_is_learned_and_used_when_none_is_given() {
 /// connection on a thread of its own, as the daemon watches two keys at once).
 struct FakeMetadata {
     port: u16,
-    /// (maintenance-event, preempted, version): one version for both keys.
-    state: std::sync::Arc<(std::sync::Mutex<(String, String, u32)>, std::sync::Condvar)>,
+    state: MetadataState,
 }
+
+/// (maintenance-event, preempted, version: one for both keys), and who waits for a change.
+type MetadataState = std::sync::Arc<(std::sync::Mutex<(String, String, u32)>, std::sync::Condvar)>;
 
 impl FakeMetadata {
     fn start() -> FakeMetadata {
