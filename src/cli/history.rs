@@ -13,6 +13,7 @@ use super::exit;
 use super::status::render;
 use crate::config::Config;
 use crate::history::{self, Record};
+use crate::snapshot::printable;
 use crate::status::StatusReport;
 use crate::units::fmt_bytes;
 
@@ -143,7 +144,7 @@ pub fn run(args: HistoryArgs) -> u8 {
                 local(taken),
                 history::format_ms(taken)
             );
-            print!("{}", render(&status));
+            show(&render(&status));
         }
         return exit::OK;
     }
@@ -153,21 +154,31 @@ pub fn run(args: HistoryArgs) -> u8 {
             println!("{}", serde_json::to_string(r).expect("a record serializes"));
         }
     } else if args.csv {
-        print!("{}", csv(&records, args.gpu, args.model.as_deref()));
+        show(&csv(&records, args.gpu, args.model.as_deref()));
     } else {
-        print!(
-            "{}",
-            chart(
-                &records,
-                args.gpu,
-                args.model.as_deref(),
-                since,
-                until,
-                &dir
-            )
-        );
+        show(&chart(
+            &records,
+            args.gpu,
+            args.model.as_deref(),
+            since,
+            until,
+            &dir,
+        ));
     }
     exit::OK
+}
+
+/// Prints what was read from the history directory line by line, its control characters
+/// escaped: the daemon escapes the names processes chose when it samples them, but `--dir` may
+/// point at files anyone wrote, and they must not rewrite the reader's terminal.
+fn show(text: &str) {
+    print!("{}", shown(text));
+}
+
+fn shown(text: &str) -> String {
+    text.lines()
+        .map(|l| format!("{}\n", printable(l)))
+        .collect()
 }
 
 /// Parses a time given on the command line into Unix milliseconds.
@@ -574,6 +585,21 @@ mod tests {
         assert_eq!(back, "2025-11-26 06:00");
         assert!(parse_time("yesterday-ish", now).is_err());
         assert!(parse_time("5 parsecs ago", now).is_err());
+    }
+
+    #[test]
+    fn what_a_history_file_says_cannot_rewrite_the_terminal() {
+        let forged = Record::Event {
+            at_ms: 1_764_140_000_000,
+            severity: "critical".into(),
+            kind: "x".into(),
+            message: "\u{1b}[2J\u{1b}]0;owned\u{7}\r\u{202e}gnirts".into(),
+        };
+        let text = chart(&[&forged], None, None, 0, u64::MAX, Path::new("/x"));
+        let out = shown(&text);
+        assert!(!out.chars().any(|c| c.is_control() && c != '\n'), "{out:?}");
+        assert!(out.contains("\\u{1b}[2J"), "{out}");
+        assert_eq!(out.lines().count(), text.lines().count());
     }
 
     #[test]
