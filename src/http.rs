@@ -25,6 +25,19 @@ pub fn agent(timeout: Duration) -> ureq::Agent {
         .into()
 }
 
+/// An answer's body as text, read up to `limit` bytes (more is an error, never a larger buffer).
+pub fn body_text(
+    response: &mut ureq::http::Response<ureq::Body>,
+    limit: u64,
+) -> Result<String, String> {
+    response
+        .body_mut()
+        .with_config()
+        .limit(limit)
+        .read_to_string()
+        .map_err(|e| format!("reading the answer: {e}"))
+}
+
 #[cfg(test)]
 mod tests {
     use std::io::{Read, Write};

@@ -9,6 +9,11 @@ use bytesize::ByteSize;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// Formats a byte count the way operators read it: `1.5 GiB`.
+/// `fmt_bytes`, or `?` for a figure not known.
+pub fn fmt_opt_bytes(bytes: Option<u64>) -> String {
+    bytes.map_or_else(|| "?".into(), fmt_bytes)
+}
+
 pub fn fmt_bytes(bytes: u64) -> String {
     ByteSize(bytes).display().iec().to_string()
 }

@@ -215,10 +215,15 @@ fn parse_time(text: &str, now_ms: u64) -> Result<u64, String> {
 
 /// A Unix time in milliseconds in the local time zone, to the second.
 fn local(ms: u64) -> String {
+    local_as(ms, "%Y-%m-%d %H:%M:%S %Z")
+}
+
+/// A Unix time in milliseconds in the local time zone, as `format` (strftime) writes it.
+fn local_as(ms: u64, format: &str) -> String {
     jiff::Timestamp::from_millisecond(ms as i64)
         .map(|t| {
             t.to_zoned_datetime(jiff::tz::TimeZone::system())
-                .strftime("%Y-%m-%d %H:%M:%S %Z")
+                .strftime(format)
                 .to_string()
         })
         .unwrap_or_else(|_| history::format_ms(ms))
@@ -480,13 +485,7 @@ fn chart(
             let stretch = &samples[i..=j];
             let end = samples.get(j + 1).map_or(u64::MAX, |n| n.0);
             let acted = actions.iter().any(|&a| a >= start && a < end);
-            let when = jiff::Timestamp::from_millisecond(start as i64)
-                .map(|t| {
-                    t.to_zoned_datetime(jiff::tz::TimeZone::system())
-                        .strftime("%m-%d %H:%M:%S")
-                        .to_string()
-                })
-                .unwrap_or_default();
+            let when = local_as(start, "%m-%d %H:%M:%S");
             let _ = write!(out, "{when:14}{:>5}", if acted { "*" } else { "" });
             for c in &columns {
                 let figures = stretch.iter().filter_map(|(_, s)| (c.read)(s));

@@ -14,7 +14,7 @@ use crate::status::{
     ActionRow, EngineRow, GpuProtection, GpuRow, HeldRow, LeaseRow, MemoryStatus, ModelRow,
     QueuedRow, StatusReport,
 };
-use crate::units::fmt_bytes;
+use crate::units::{fmt_bytes, fmt_opt_bytes as bytes};
 
 pub fn run(socket: &Path, json: bool, watch: Option<Duration>, model: Option<&str>) -> u8 {
     loop {
@@ -58,10 +58,6 @@ pub fn run(socket: &Path, json: bool, watch: Option<Duration>, model: Option<&st
             std::thread::sleep(every);
         }
     }
-}
-
-fn bytes(b: Option<u64>) -> String {
-    b.map_or("?".into(), fmt_bytes)
 }
 
 fn table(headers: &[&str]) -> Table {

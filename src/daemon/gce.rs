@@ -4,17 +4,17 @@
 //! permits refused with `host_maintenance` or `preempted` and a retry hint; held ones keep
 //! running), and `[gce] on_notice` run once per notice.
 
+use std::path::Path;
 use std::time::Duration;
 
 use tracing::{error, info};
 
-use crate::config::{Config, OnGce};
-use crate::history::kernel_log::{on_gce, Paths};
+use crate::config::Config;
 use crate::kinds::EventKind;
 use crate::policy::{Event, Severity};
 use crate::protocol::RefusalReason;
 use crate::reserve::Drain;
-use crate::sample::gce::{GceWatcher, Notices};
+use crate::sample::gce::{self, GceWatcher, Notices};
 
 use super::Daemon;
 
@@ -23,12 +23,7 @@ const RETRY_AFTER: Duration = Duration::from_secs(60);
 
 /// Starts watching the metadata server if `[gce] watch` asks for it here.
 pub(super) fn start(config: &Config) -> Option<GceWatcher> {
-    let wanted = match config.gce.watch {
-        OnGce::Off => false,
-        OnGce::On => true,
-        OnGce::Auto => on_gce(Paths::real().dmi_product_name),
-    };
-    if !wanted {
+    if !gce::wanted(config.gce.watch, Path::new(gce::DMI_PRODUCT_NAME)) {
         return None;
     }
     match GceWatcher::start(&config.gce.metadata_url) {
@@ -43,20 +38,29 @@ pub(super) fn start(config: &Config) -> Option<GceWatcher> {
     }
 }
 
+/// The notice in force, as requests are refused for it (preemption before maintenance).
+pub(super) fn notice_in_force(n: &Notices) -> Option<RefusalReason> {
+    if n.preempted {
+        Some(RefusalReason::Preempted)
+    } else {
+        n.maintenance
+            .as_ref()
+            .map(|_| RefusalReason::HostMaintenance)
+    }
+}
+
 /// The drain a notice asks for (`None`: none in force).
 pub(super) fn drain_for(n: &Notices) -> Option<Drain> {
-    if n.preempted {
-        return Some(Drain {
-            reason: RefusalReason::Preempted,
-            message: "GCE is preempting this VM (about 30 s left): no new launches or permits here; held ones keep running".into(),
-            retry_after: RETRY_AFTER,
-        });
-    }
-    n.maintenance.as_ref().map(|event| Drain {
-        reason: RefusalReason::HostMaintenance,
-        message: format!(
+    let reason = notice_in_force(n)?;
+    let message = match (reason, &n.maintenance) {
+        (RefusalReason::HostMaintenance, Some(event)) => format!(
             "GCE announced host maintenance ({event}): no new launches or permits here until it is withdrawn; held ones keep running"
         ),
+        _ => "GCE is preempting this VM (about 30 s left): no new launches or permits here; held ones keep running".into(),
+    };
+    Some(Drain {
+        reason,
+        message,
         retry_after: RETRY_AFTER,
     })
 }

@@ -129,20 +129,18 @@ impl Reporter {
     /// An event of the tick: to the flight recorder (the caller logs and alerts it), and to the
     /// kernel log if critical.
     pub(super) fn remember_event(&self, e: &Event) {
-        if let (Severity::Critical, Some(k)) = (e.severity, &self.kernel_log) {
-            k.critical(&format!("{}: {}", e.kind.as_str(), e.message));
-        }
-        self.record(Record::Event {
-            at_ms: now_ms(),
-            severity: e.severity.as_str().into(),
-            kind: e.kind.as_str().into(),
-            message: e.message.clone(),
-        });
+        self.note(e.kind, e.severity, &e.message);
     }
 
-    /// The daemon's own notices (started, stopping, reload failed...): to the alert pipeline and
-    /// the flight recorder.
+    /// The daemon's own notices (started, stopping, reload failed...): to the alert pipeline,
+    /// the flight recorder and (critical ones) the kernel log.
     pub(super) fn lifecycle(&mut self, kind: EventKind, severity: Severity, message: String) {
+        self.note(kind, severity, &message);
+        self.alerter.lifecycle(kind, severity, message);
+    }
+
+    /// An event to the flight recorder, and to the kernel log if critical.
+    fn note(&self, kind: EventKind, severity: Severity, message: &str) {
         if let (Severity::Critical, Some(k)) = (severity, &self.kernel_log) {
             k.critical(&format!("{}: {message}", kind.as_str()));
         }
@@ -150,9 +148,8 @@ impl Reporter {
             at_ms: now_ms(),
             severity: severity.as_str().into(),
             kind: kind.as_str().into(),
-            message: message.clone(),
+            message: message.into(),
         });
-        self.alerter.lifecycle(kind, severity, message);
     }
 
     /// Says once, as a critical event, that the flight recorder stopped recording.

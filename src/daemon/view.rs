@@ -3,6 +3,7 @@
 //! and the alert conditions are then worked out from the view alone.
 
 use crate::policy::{ModelUsage, Resource, Stage};
+use crate::protocol::RefusalReason;
 use crate::snapshot::GpuStatus;
 use crate::status::{GpuProtection, HeldRow};
 use crate::view::{
@@ -54,7 +55,7 @@ impl Daemon {
                 Default::default()
             },
             held: if full { self.held_rows() } else { Vec::new() },
-            cloud_notice: super::gce::drain_for(&self.gce_notices).map(|d| d.reason.as_str()),
+            cloud_notice: super::gce::notice_in_force(&self.gce_notices).map(RefusalReason::as_str),
             recent_actions: if full {
                 self.reporter.recent_actions.iter().cloned().collect()
             } else {

@@ -9,9 +9,8 @@ use std::io::Write;
 use std::path::Path;
 
 use crate::config::OnGce;
+use crate::sample::gce;
 
-/// The DMI product name GCE VMs report.
-const GCE_PRODUCT: &str = "Google Compute Engine";
 /// A kernel log record holds about 1 KiB; longer lines are cut (on a character boundary).
 const MAX_LINE: usize = 900;
 
@@ -31,26 +30,16 @@ impl Paths<'static> {
     /// This host's.
     pub fn real() -> Paths<'static> {
         Paths {
-            dmi_product_name: Path::new("/sys/class/dmi/id/product_name"),
+            dmi_product_name: Path::new(gce::DMI_PRODUCT_NAME),
             kmsg: Path::new("/dev/kmsg"),
         }
     }
 }
 
-/// Whether this VM runs on Google Compute Engine (its DMI product name).
-pub fn on_gce(dmi_product_name: &Path) -> bool {
-    std::fs::read_to_string(dmi_product_name).is_ok_and(|p| p.trim() == GCE_PRODUCT)
-}
-
 impl KernelLog {
     /// The kernel log if `setting` asks for it here; `Err` says why it could not be opened.
     pub fn open(setting: OnGce, paths: &Paths) -> Result<Option<KernelLog>, String> {
-        let wanted = match setting {
-            OnGce::Off => false,
-            OnGce::On => true,
-            OnGce::Auto => on_gce(paths.dmi_product_name),
-        };
-        if !wanted {
+        if !gce::wanted(setting, paths.dmi_product_name) {
             return Ok(None);
         }
         File::options()

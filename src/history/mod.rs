@@ -27,13 +27,28 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::status::{ActionRow, StatusReport};
+use crate::units::{fmt_bytes, fmt_opt_bytes};
 
 pub use writer::{Pressure, Recorder};
 
 /// The directory under the state directory.
 pub const DIR: &str = "history";
-/// Segment files are named by the time their first record was written: `<unix ms>.seg`.
+/// Segment files are named by the time their first record was written: `<unix ms>.seg`, the
+/// number in 16 digits so that names sort as numbers do.
 const SUFFIX: &str = ".seg";
+
+/// The number of a segment file's name (`None`: not a segment).
+fn segment_number(name: &str) -> Option<u64> {
+    let stem = name.strip_suffix(SUFFIX)?;
+    (stem.len() == 16 && stem.bytes().all(|b| b.is_ascii_digit()))
+        .then(|| stem.parse().ok())
+        .flatten()
+}
+
+/// The name of segment `number`.
+fn segment_name(number: u64) -> String {
+    format!("{number:016}{SUFFIX}")
+}
 
 /// One record.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -76,9 +91,9 @@ impl Record {
     }
 }
 
-/// Everything a history directory holds, oldest first, with what could not be read (tests and
-/// small histories; the CLI and the daemon read through `visit` and `last_run`, which keep only
-/// what they need).
+/// Everything a history directory holds, oldest first, with what could not be read (for tests:
+/// the CLI and the daemon read through `visit` and `last_run`, which keep only what they need).
+#[cfg(test)]
 #[derive(Debug, Default)]
 pub struct History {
     pub records: Vec<Record>,
@@ -92,12 +107,8 @@ pub fn segments(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
     let mut named: BTreeMap<u64, PathBuf> = BTreeMap::new();
     for entry in std::fs::read_dir(dir)? {
         let entry = entry?;
-        let name = entry.file_name();
-        let Some(stem) = name.to_str().and_then(|n| n.strip_suffix(SUFFIX)) else {
-            continue;
-        };
-        if let Ok(started) = stem.parse::<u64>() {
-            named.insert(started, entry.path());
+        if let Some(number) = entry.file_name().to_str().and_then(segment_number) {
+            named.insert(number, entry.path());
         }
     }
     Ok(named.into_values().collect())
@@ -143,12 +154,14 @@ pub fn visit(dir: &Path, mut each: impl FnMut(Record)) -> std::io::Result<Vec<St
 }
 
 /// Every record of `dir`.
+#[cfg(test)]
 pub fn read(dir: &Path) -> std::io::Result<History> {
     let mut records = Vec::new();
     let warnings = visit(dir, |r| records.push(r))?;
     Ok(History { records, warnings })
 }
 
+#[cfg(test)]
 impl History {
     /// The latest sample taken at or before `at_ms`.
     pub fn status_at(&self, at_ms: u64) -> Option<(u64, &StatusReport)> {
@@ -245,14 +258,14 @@ pub fn unclean_end(run: &LastRun, boot_id: &str) -> Option<String> {
         out.push_str(&format!(
             "; at {}: RAM {} available ({})",
             format_ms(*at_ms),
-            opt_bytes(m.available_bytes),
+            fmt_opt_bytes(m.available_bytes),
             m.level
         ));
         for g in &status.gpus {
             out.push_str(&format!(
                 ", GPU {} {} free ({})",
                 g.index,
-                opt_bytes(g.free_bytes),
+                fmt_opt_bytes(g.free_bytes),
                 g.level
             ));
         }
@@ -265,8 +278,8 @@ pub fn unclean_end(run: &LastRun, boot_id: &str) -> Option<String> {
                 format!(
                     "{} (RAM {}, GPU {})",
                     m.name,
-                    crate::units::fmt_bytes(m.ram_bytes),
-                    opt_bytes(m.gpu_bytes)
+                    fmt_bytes(m.ram_bytes),
+                    fmt_opt_bytes(m.gpu_bytes)
                 )
             })
             .collect();
@@ -291,10 +304,6 @@ pub fn unclean_end(run: &LastRun, boot_id: &str) -> Option<String> {
         out.push_str(&format!("; last actions: {}", actions.join(", ")));
     }
     Some(out)
-}
-
-fn opt_bytes(bytes: Option<u64>) -> String {
-    bytes.map_or_else(|| "?".into(), crate::units::fmt_bytes)
 }
 
 /// A Unix time in milliseconds as RFC 3339 in UTC, to the second.

@@ -16,7 +16,7 @@ use nix::fcntl::{openat, OFlag};
 use nix::sys::stat::Mode;
 use nix::unistd::{unlinkat, UnlinkatFlags};
 
-use super::{now_ms, segment, Record, SUFFIX};
+use super::{segment, segment_name, segment_number, Record};
 use crate::config::HistoryConfig;
 
 /// Records waiting for the thread; beyond, new ones are dropped (and counted).
@@ -95,7 +95,6 @@ impl Recorder {
         let (tx, rx) = sync_channel(QUEUE);
         let mut writer = Writer::new(dir, config, shared.clone());
         writer.min_free = min_free;
-        writer.enforce_bounds(now_ms())?;
         let thread = std::thread::Builder::new()
             .name("history".into())
             .spawn(move || writer.run(rx))?;
@@ -173,7 +172,7 @@ struct Writer {
     quiet: Duration,
     shared: Arc<Shared>,
     /// The segment being written: its name, file and size.
-    current: Option<(String, File, u64)>,
+    current: Option<(File, u64)>,
     synced: Instant,
     dirty: bool,
     stopped: bool,
@@ -245,7 +244,7 @@ impl Writer {
         let full = self
             .current
             .as_ref()
-            .is_none_or(|(_, _, size)| size + bytes.len() as u64 + 8 > self.segment_size);
+            .is_none_or(|(_, size)| size + bytes.len() as u64 + 8 > self.segment_size);
         if full || self.writes % 256 == 0 {
             if let Some(why) = self.disk_nearly_full() {
                 self.stop(why);
@@ -255,7 +254,7 @@ impl Writer {
         if full {
             self.roll(record.at_ms())?;
         }
-        let (_, file, size) = self.current.as_mut().expect("a segment after roll");
+        let (file, size) = self.current.as_mut().expect("a segment after roll");
         segment::write_record(file, &bytes)?;
         *size += bytes.len() as u64 + 8;
         self.written += bytes.len() as u64 + 8;
@@ -270,7 +269,7 @@ impl Writer {
     }
 
     fn sync(&mut self) {
-        if let (true, Some((_, file, _))) = (self.dirty, &self.current) {
+        if let (true, Some((file, _))) = (self.dirty, &self.current) {
             let _ = file.sync_data();
             self.syncs += 1;
         }
@@ -284,22 +283,21 @@ impl Writer {
         self.sync();
         // Named by the time of its first record, after every segment there (the clock may have
         // gone back, within a run or across a reboot): names stay in write order.
-        let newest = self
-            .list()?
+        let segments = self.list()?;
+        let mut number = segments
             .last()
-            .and_then(|(n, ..)| n[..16].parse::<u64>().ok());
-        let mut number = newest.map_or(at_ms, |n| at_ms.max(n + 1));
+            .map_or(at_ms, |(newest, ..)| at_ms.max(newest + 1));
         let flags =
             OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
-        let (name, fd) = loop {
-            let name = format!("{number:016}{SUFFIX}");
+        let fd = loop {
+            let name = segment_name(number);
             match openat(
                 &self.dir,
                 name.as_str(),
                 flags,
                 Mode::from_bits_truncate(0o644),
             ) {
-                Ok(fd) => break (name, fd),
+                Ok(fd) => break fd,
                 // Something else took the name meanwhile: the next one.
                 Err(Errno::EEXIST) => number += 1,
                 Err(e) => return Err(e.into()),
@@ -309,26 +307,31 @@ impl Writer {
         nix::sys::stat::fchmod(&fd, Mode::from_bits_truncate(0o644))?;
         let mut file = File::from(fd);
         file.write_all(segment::MAGIC)?;
-        self.current = Some((name, file, segment::MAGIC.len() as u64));
-        self.enforce_bounds(at_ms)
+        self.current = Some((file, segment::MAGIC.len() as u64));
+        self.enforce_bounds(at_ms, segments)
     }
 
-    /// Drops the oldest segments (never the current one) while all of them together would pass
-    /// the cap once the current one is full, and those whose newest record is older than the
-    /// retention (a segment's modification time).
-    fn enforce_bounds(&mut self, now_ms: u64) -> std::io::Result<()> {
-        let mut segments = self.list()?;
-        let current = self.current.as_ref().map(|(n, ..)| n.clone());
-        segments.retain(|(name, ..)| Some(name) != current.as_ref());
+    /// Drops the oldest of `segments` (those there before the current one) while all of them
+    /// together would pass the cap once the current one is full, and those whose newest record
+    /// is older than the retention (a segment's modification time).
+    fn enforce_bounds(
+        &mut self,
+        now_ms: u64,
+        segments: Vec<(u64, u64, u64)>,
+    ) -> std::io::Result<()> {
         let mut total: u64 = segments.iter().map(|(_, size, _)| size).sum();
         let budget = self.max_size.saturating_sub(self.segment_size);
         let retention_ms = self.retention.as_millis() as u64;
-        for (name, size, modified_ms) in segments {
+        for (number, size, modified_ms) in segments {
             let expired = now_ms.saturating_sub(modified_ms) > retention_ms;
             if total <= budget && !expired {
                 continue;
             }
-            match unlinkat(&self.dir, name.as_str(), UnlinkatFlags::NoRemoveDir) {
+            match unlinkat(
+                &self.dir,
+                segment_name(number).as_str(),
+                UnlinkatFlags::NoRemoveDir,
+            ) {
                 Ok(()) | Err(Errno::ENOENT) => total = total.saturating_sub(size),
                 Err(e) => return Err(e.into()),
             }
@@ -336,8 +339,8 @@ impl Writer {
         Ok(())
     }
 
-    /// The segments: (name, size, modified at in Unix ms), oldest first.
-    fn list(&self) -> std::io::Result<Vec<(String, u64, u64)>> {
+    /// The segments: (number, size, modified at in Unix ms), oldest first.
+    fn list(&self) -> std::io::Result<Vec<(u64, u64, u64)>> {
         let mut dir = nix::dir::Dir::openat(
             &self.dir,
             ".",
@@ -350,12 +353,9 @@ impl Writer {
             let Ok(name) = entry.file_name().to_str() else {
                 continue;
             };
-            let Some(stem) = name.strip_suffix(SUFFIX) else {
+            let Some(number) = segment_number(name) else {
                 continue;
             };
-            if stem.len() != 16 || !stem.bytes().all(|b| b.is_ascii_digit()) {
-                continue;
-            }
             let st = match nix::sys::stat::fstatat(
                 &self.dir,
                 name,
@@ -366,7 +366,7 @@ impl Writer {
                 Err(e) => return Err(e.into()),
             };
             let modified_ms = (st.st_mtime.max(0) as u64) * 1000;
-            out.push((name.to_string(), st.st_size.max(0) as u64, modified_ms));
+            out.push((number, st.st_size.max(0) as u64, modified_ms));
         }
         out.sort();
         Ok(out)
@@ -396,7 +396,7 @@ impl Writer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::history::{read, segments};
+    use crate::history::{now_ms, read, segments};
     use crate::units::Amount;
 
     fn dir_fd(path: &std::path::Path) -> OwnedFd {

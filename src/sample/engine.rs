@@ -242,12 +242,7 @@ fn scrape(agent: &ureq::Agent, url: &str) -> Result<EngineStats, String> {
     if !response.status().is_success() {
         return Err(format!("HTTP {}", response.status()));
     }
-    let text = response
-        .body_mut()
-        .with_config()
-        .limit(MAX_BODY_BYTES)
-        .read_to_string()
-        .map_err(|e| format!("reading the answer: {e}"))?;
+    let text = crate::http::body_text(&mut response, MAX_BODY_BYTES)?;
     EngineStats::from_vllm(&text)
 }
 

@@ -10,8 +10,31 @@
 //! Only on GCE (`[gce] watch = "auto"`: the DMI product name says so; no network probe
 //! elsewhere). The metadata URL is configurable: tests play Google's answers on 127.0.0.1.
 
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use crate::config::OnGce;
+
+/// Where Linux says which machine this is.
+pub const DMI_PRODUCT_NAME: &str = "/sys/class/dmi/id/product_name";
+/// The DMI product name GCE VMs report.
+const GCE_PRODUCT: &str = "Google Compute Engine";
+
+/// Whether this VM runs on Google Compute Engine (its DMI product name).
+pub fn on_gce(dmi_product_name: &Path) -> bool {
+    std::fs::read_to_string(dmi_product_name).is_ok_and(|p| p.trim() == GCE_PRODUCT)
+}
+
+/// Whether a feature for GCE (`[history] kernel_log`, `[gce] watch`) is on here: "auto" on GCE
+/// only.
+pub fn wanted(setting: OnGce, dmi_product_name: &Path) -> bool {
+    match setting {
+        OnGce::Off => false,
+        OnGce::On => true,
+        OnGce::Auto => on_gce(dmi_product_name),
+    }
+}
 
 /// What the metadata server says now.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -125,12 +148,7 @@ fn read(agent: &ureq::Agent, url: &str) -> Result<(String, Option<String>), Stri
     if !status.is_success() {
         return Err(format!("HTTP {status}"));
     }
-    let text = response
-        .body_mut()
-        .with_config()
-        .limit(MAX_BODY)
-        .read_to_string()
-        .map_err(|e| format!("reading the answer: {e}"))?;
+    let text = crate::http::body_text(&mut response, MAX_BODY)?;
     let value: String = text
         .trim()
         .chars()

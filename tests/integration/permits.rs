@@ -543,6 +543,12 @@ fn gce_maintenance_and_preemption_notices_drain_new_permits_and_leave_held_ones(
         get(&metrics_url)
             .and_then(|m| sample(&m, &format!("gpuguard_cloud_notice{{state=\"{state}\"}}")))
     };
+    // `[gce] on_notice` ran with GPUGUARD_NOTICE = `notice`.
+    let on_notice_ran = |notice: &str| {
+        wait_until(Duration::from_secs(10), || {
+            std::fs::read_to_string(&noticed).is_ok_and(|n| n.trim() == notice)
+        })
+    };
     assert!(wait_until(Duration::from_secs(5), || notice_gauge(
         "host_maintenance"
     ) == Some(0.0)));
@@ -573,10 +579,7 @@ fn gce_maintenance_and_preemption_notices_drain_new_permits_and_leave_held_ones(
         "the held permit is left alone"
     );
     assert!(
-        wait_until(Duration::from_secs(10), || std::fs::read_to_string(
-            &noticed
-        )
-        .is_ok_and(|n| n.trim() == "TERMINATE_ON_HOST_MAINTENANCE")),
+        on_notice_ran("TERMINATE_ON_HOST_MAINTENANCE"),
         "on_notice did not run"
     );
     assert!(wait_until(Duration::from_secs(5), || notice_gauge(
@@ -613,10 +616,7 @@ fn gce_maintenance_and_preemption_notices_drain_new_permits_and_leave_held_ones(
         "preempted"
     ) == Some(1.0)));
     assert!(
-        wait_until(Duration::from_secs(10), || std::fs::read_to_string(
-            &noticed
-        )
-        .is_ok_and(|n| n.trim() == "PREEMPTED")),
+        on_notice_ran("PREEMPTED"),
         "on_notice did not run for the preemption"
     );
 }
