@@ -741,3 +741,37 @@ fn the_history_keeps_an_incident_and_the_next_start_writes_its_post_mortem() {
         .count();
     assert_eq!(post_mortems, 1, "only the one after the kill");
 }
+
+/// On GCE the kernel log gets every kill (SIGTERM or SIGKILL) too, besides critical events:
+/// the serial console keeps what the guard did when the disk lost its last writes.
+#[test]
+fn a_kill_goes_to_the_kernel_log_as_well() {
+    let mut w = World {
+        host: host(64 * GIB, 2 * GIB),
+        ..World::default()
+    };
+    w.spawn(200, "hog", 12 * GIB);
+    w.exit_on_term.push(200);
+    let mut h = Harness::new(
+        w,
+        "[ram]\nwarn_available = \"8GiB\"\nmin_available = \"4GiB\"\naction = \"kill\"\n\
+         [gpu]\nenabled = false\n[history]\nenabled = false\n",
+    );
+    let kmsg = h._dir.path().join("kmsg");
+    std::fs::write(&kmsg, "").unwrap();
+    let paths = crate::history::kernel_log::Paths {
+        dmi_product_name: &kmsg,
+        kmsg: &kmsg,
+    };
+    h.daemon.reporter.kernel_log =
+        crate::history::kernel_log::KernelLog::open(crate::config::OnGce::On, &paths).unwrap();
+    h.ticks(3, 100 * MS);
+    assert_eq!(h.signals(), [(200, Sig::Term)], "{:?}", h.actions());
+    let kernel_log = std::fs::read_to_string(&kmsg).unwrap();
+    assert!(
+        kernel_log
+            .lines()
+            .any(|l| l.starts_with("<2>gpuguard: terminate pid 200(hog): ")),
+        "{kernel_log}"
+    );
+}
