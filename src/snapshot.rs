@@ -48,7 +48,7 @@ impl MappedFile {
 }
 
 /// Host memory from /proc/meminfo and /proc/pressure/memory, in bytes.
-#[derive(Clone, Copy, Debug, Default, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct HostMemory {
     pub total_bytes: Option<u64>,
     pub available_bytes: Option<u64>,
@@ -117,7 +117,7 @@ pub struct Process {
 }
 
 /// A process's executable, as `/proc/PID/exe` shows it.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Exe {
     /// Its file name (`sshd`).
     pub name: String,
@@ -195,7 +195,7 @@ impl GpuSnapshot {
     }
 }
 
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "state", content = "reason", rename_all = "snake_case")]
 pub enum GpuStatus {
     /// No GPU support configured or NVML never loaded.
@@ -205,7 +205,7 @@ pub enum GpuStatus {
     Ok,
 }
 
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Gpu {
     pub index: u32,
     pub uuid: String,
@@ -220,7 +220,10 @@ pub struct Gpu {
     pub error: Option<String>,
     /// The GPU fell off the bus (NVML says GPU_IS_LOST) or is no longer in NVML's device list.
     pub lost: bool,
-    /// GPU memory per pid; `None` where NVML says the figure is unavailable.
+    /// GPU memory per pid; `None` where NVML says the figure is unavailable. (In JSON a list of
+    /// `[pid, bytes]`: the flight recorder's records are an internally tagged enum, whose maps
+    /// cannot have number keys.)
+    #[serde(with = "pid_pairs")]
     pub processes: BTreeMap<i32, Option<u64>>,
     /// False if the process list could not be read this time (the map above is then empty).
     pub processes_known: bool,
@@ -228,6 +231,28 @@ pub struct Gpu {
     /// held no more than the card's used memory: this GPU's free memory and its processes'
     /// figures describe one moment.
     pub processes_steady: bool,
+}
+
+/// A map by pid as a list of `[pid, value]` pairs.
+mod pid_pairs {
+    use std::collections::BTreeMap;
+
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub fn serialize<S: Serializer>(
+        map: &BTreeMap<i32, Option<u64>>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        map.iter().collect::<Vec<_>>().serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<BTreeMap<i32, Option<u64>>, D::Error> {
+        Ok(Vec::<(i32, Option<u64>)>::deserialize(d)?
+            .into_iter()
+            .collect())
+    }
 }
 
 /// How far `used + free + reserved` may be from `total` before a GPU reading counts as

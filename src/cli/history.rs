@@ -103,11 +103,17 @@ pub fn run(args: HistoryArgs) -> u8 {
     let mut latest: Option<(u64, Box<StatusReport>)> = None;
     let mut kept: Vec<Record> = Vec::new();
     let read = history::visit(&dir, |r| match (at, r) {
-        (Some(at), Record::Sample { at_ms, status }) if at_ms <= at => {
+        (Some(at), Record::Sample { at_ms, status, .. }) if at_ms <= at => {
             latest = Some((at_ms, status));
         }
         (Some(_), _) => {}
-        (None, r) if (since..=until).contains(&r.at_ms()) => kept.push(r),
+        (None, mut r) if (since..=until).contains(&r.at_ms()) => {
+            // The policy's input is printed by --json only (the chart draws the status).
+            if let (false, Record::Sample { input, .. }) = (args.json, &mut r) {
+                *input = None;
+            }
+            kept.push(r)
+        }
         (None, _) => {}
     });
     match read {
@@ -171,7 +177,7 @@ pub fn run(args: HistoryArgs) -> u8 {
 /// Prints what was read from the history directory line by line, its control characters
 /// escaped: the daemon escapes the names processes chose when it samples them, but `--dir` may
 /// point at files anyone wrote, and they must not rewrite the reader's terminal.
-fn show(text: &str) {
+pub(super) fn show(text: &str) {
     print!("{}", shown(text));
 }
 
@@ -182,7 +188,7 @@ fn shown(text: &str) -> String {
 }
 
 /// Parses a time given on the command line into Unix milliseconds.
-fn parse_time(text: &str, now_ms: u64) -> Result<u64, String> {
+pub(super) fn parse_time(text: &str, now_ms: u64) -> Result<u64, String> {
     let t = text.trim();
     if t == "now" {
         return Ok(now_ms);
@@ -214,12 +220,12 @@ fn parse_time(text: &str, now_ms: u64) -> Result<u64, String> {
 }
 
 /// A Unix time in milliseconds in the local time zone, to the second.
-fn local(ms: u64) -> String {
+pub(super) fn local(ms: u64) -> String {
     local_as(ms, "%Y-%m-%d %H:%M:%S %Z")
 }
 
 /// A Unix time in milliseconds in the local time zone, as `format` (strftime) writes it.
-fn local_as(ms: u64, format: &str) -> String {
+pub(super) fn local_as(ms: u64, format: &str) -> String {
     jiff::Timestamp::from_millisecond(ms as i64)
         .map(|t| {
             t.to_zoned_datetime(jiff::tz::TimeZone::system())
@@ -233,7 +239,7 @@ fn samples<'a>(records: &[&'a Record]) -> Vec<(u64, &'a StatusReport)> {
     records
         .iter()
         .filter_map(|r| match r {
-            Record::Sample { at_ms, status } => Some((*at_ms, status.as_ref())),
+            Record::Sample { at_ms, status, .. } => Some((*at_ms, status.as_ref())),
             _ => None,
         })
         .collect()

@@ -5,6 +5,7 @@ mod history;
 mod launch;
 mod permit;
 mod plan;
+mod replay;
 mod status;
 
 use std::path::{Path, PathBuf};
@@ -95,6 +96,9 @@ enum Command {
     /// What the flight recorder kept: the status at a moment (--at), host RAM and GPU memory
     /// over time with floors and actions, the events; works with the daemon down.
     History(history::HistoryArgs),
+    /// What-if: the recorded samples through the policy with another config, beside the
+    /// actions that were taken (to tune floors and budgets before enforcing them).
+    Replay(replay::ReplayArgs),
     /// Wait for memory through the daemon's launch queue, then exec CMD (same pid).
     Launch(launch::LaunchArgs),
     /// Hold a memory permit while CMD runs: waits until its memory fits (exit 75 if not in time).
@@ -157,6 +161,7 @@ pub fn main() -> ExitCode {
         Command::Permit(args) => permit::run(args),
         Command::Plan(args) => plan::run(*args),
         Command::History(args) => history::run(args),
+        Command::Replay(args) => replay::run(args),
         Command::Release { lease, socket } => release(&socket, lease),
         Command::GenerateAssets { dir } => generate::run(&dir),
     };

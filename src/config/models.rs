@@ -292,6 +292,28 @@ pub fn local_addresses() -> Vec<std::net::IpAddr> {
 }
 
 impl ModelConfig {
+    /// A launched model with no `[[model]]`: its flags are its budgets (0: none), it is only
+    /// alerted on, and only its launcher's processes belong to it.
+    pub fn launched(name: &str, owner: u32, ram_bytes: u64, gpu_bytes: u64) -> ModelConfig {
+        let amount = |b: u64| (b > 0).then_some(Amount::Bytes(b));
+        ModelConfig {
+            name: name.to_string(),
+            matcher: Matcher::default(),
+            ram: amount(ram_bytes),
+            gpu_memory: amount(gpu_bytes),
+            action: ModelAction::Alert,
+            grace: Duration::from_secs(10),
+            priority: 0,
+            users: Some(vec![User {
+                name: owner.to_string(),
+                uid: owner,
+            }]),
+            max_permits: None,
+            permit_gpu_memory: None,
+            metrics_url: None,
+        }
+    }
+
     /// Who may run the model's processes and act for it (see `users`).
     pub fn allowed_users(&self) -> Users {
         match (&self.users, &self.matcher.user) {

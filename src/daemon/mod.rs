@@ -381,6 +381,9 @@ impl Daemon {
         let reserved = self.reserve(at, scan);
         events.extend(reserved.events);
         self.tell(events.iter().chain(&plan.events));
+        // A tick that decided something is recorded whatever the pressure: a replay must see
+        // the moments its decisions turn on.
+        let decided = !plan.events.is_empty() || !plan.actions.is_empty();
         self.act(plan.actions);
         // A permit request waits for a scan to find its caller's model: one now.
         self.sampler.max_scan_age = if reserved.scan_wanted {
@@ -389,7 +392,7 @@ impl Daemon {
             plan.max_scan_age
         };
         self.sampler.watch = plan.watch;
-        self.report(now);
+        self.report(now, decided);
         self.schedule(now, at, plan.next_interval, scan, gpu_sample)
     }
 
@@ -459,9 +462,9 @@ impl Daemon {
     }
 
     /// The tick's view for the alert conditions, and the status and metrics when they are due
-    /// (every `STATUS_REFRESH`).
-    fn report(&mut self, now: Instant) {
-        let publish = self.reporter.due(now);
+    /// (every `STATUS_REFRESH`, and on a tick that `decided` something: its sample is kept).
+    fn report(&mut self, now: Instant, decided: bool) {
+        let publish = decided || self.reporter.due(now);
         self.reporter.view = self.view(if publish {
             Detail::Full
         } else {
@@ -470,7 +473,12 @@ impl Daemon {
         let r = &mut self.reporter;
         r.alerter.conditions(now, alerts::conditions(&r.view));
         if publish {
-            r.publish(now, &self.shared);
+            let decided_from = (
+                &self.sampler.snapshot,
+                &self.launches,
+                &self.state.attribution,
+            );
+            r.publish(now, &self.shared, decided_from, decided);
         }
         r.check_recorder();
     }

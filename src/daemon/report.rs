@@ -2,18 +2,19 @@
 //! shows and the tick view they are all told from; and the daemon's own view for operators, the
 //! `gpuguard status` report and systemd's STATUS line, both worked out from the tick view alone.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use crate::alert::Alerter;
 use crate::config::HistoryConfig;
+use crate::history::input::{self, PolicyInput};
 use crate::history::kernel_log::{self, KernelLog};
 use crate::history::{self, now_ms, Pressure, Record, Recorder};
 use crate::ipc::server::Shared;
 use crate::kinds::{EventKind, Level, Severity};
 use crate::metrics::Metrics;
-use crate::policy::Event;
-use crate::snapshot::GpuStatus;
+use crate::policy::{Attribution, Event, Launches};
+use crate::snapshot::{GpuStatus, ProcessId, Snapshot};
 use crate::state_dir::StateDir;
 use crate::status::ActionRow;
 use crate::status::{GpuRow, MemoryStatus, ModelRow, StatusReport, STATUS_SCHEMA_VERSION};
@@ -40,6 +41,8 @@ pub(super) struct Reporter {
     pub recorder: Option<Recorder>,
     /// Critical events and kills also go to the kernel log (`[history] kernel_log`; on GCE).
     pub(super) kernel_log: Option<KernelLog>,
+    /// When each process the recorder keeps last had its details written (`history::input`).
+    details_written: HashMap<ProcessId, Instant>,
 }
 
 impl Reporter {
@@ -53,6 +56,7 @@ impl Reporter {
             view: TickView::default(),
             recorder: None,
             kernel_log: None,
+            details_written: HashMap::new(),
         }
     }
 
@@ -113,7 +117,7 @@ impl Reporter {
         let levels = std::iter::once(v.ram.level).chain(v.gpus.iter().map(|g| g.level));
         if !v.held.is_empty() || levels.clone().any(|l| l == Level::Act) {
             Pressure::Act
-        } else if levels.into_iter().any(|l| l == Level::Warn) {
+        } else if !v.over_budget.is_empty() || levels.into_iter().any(|l| l == Level::Warn) {
             Pressure::Warn
         } else {
             Pressure::Quiet
@@ -208,7 +212,16 @@ impl Reporter {
 
     /// Refreshes what operators read from the (full) view: the status report the socket
     /// serves, and the metrics.
-    pub(super) fn publish(&mut self, now: Instant, shared: &Shared) {
+    /// `decided_from`: the tick's snapshot, launches and attribution (what the policy decided
+    /// from: recorded with the sample for `gpuguard replay`); `decided`: the policy said or did
+    /// something this tick (the sample is kept whatever the pressure).
+    pub(super) fn publish(
+        &mut self,
+        now: Instant,
+        shared: &Shared,
+        decided_from: (&Snapshot, &Launches, &Attribution),
+        decided: bool,
+    ) {
         self.status_published = Some(now);
         if self.metrics_served {
             self.metrics.update(&self.view);
@@ -216,10 +229,37 @@ impl Reporter {
         let report = status_report(&self.view);
         let pressure = self.pressure();
         if let Some(r) = self.recorder.as_mut() {
-            if r.sample_due(now, pressure) {
+            if r.sample_due(now, pressure) || decided {
+                let (snapshot, launches, attribution) = decided_from;
+                let details = &mut self.details_written;
+                let input = PolicyInput::of_tick(
+                    snapshot,
+                    launches,
+                    attribution,
+                    pressure != Pressure::Quiet,
+                    |id| match details.get(&id) {
+                        Some(t) if now.saturating_duration_since(*t) < input::DETAIL_EVERY => false,
+                        _ => {
+                            details.insert(id, now);
+                            true
+                        }
+                    },
+                );
+                // Forget the processes this sample did not keep (they get details again if
+                // they come back).
+                let kept: HashSet<ProcessId> = input
+                    .processes
+                    .iter()
+                    .map(|p| ProcessId {
+                        pid: p.pid,
+                        start_time: p.start_time,
+                    })
+                    .collect();
+                details.retain(|id, _| kept.contains(id));
                 let sample = Record::Sample {
                     at_ms: now_ms(),
                     status: Box::new(report.clone()),
+                    input: Some(Box::new(input)),
                 };
                 r.record(sample, pressure);
             }

@@ -13,11 +13,15 @@
 //! The control loop never waits on the disk: records go to the `history` thread through a
 //! bounded queue (a record that does not fit is dropped and counted). How often a sample is kept
 //! and how often the file is synced follow the pressure on the host (`Pressure`): every 10 s
-//! and synced every minute when quiet, every second and synced every 5 s near a floor, every
-//! sample and synced at once at the act floor, because the minutes before a crash are the ones
-//! that matter.
+//! and synced every minute when quiet, every second and synced every 5 s near a floor or with a
+//! model over its budget, every sample and synced at once at the act floor, because the minutes
+//! before a crash are the ones that matter; and every tick on which the policy decided something
+//! (an event, an action). Each sample keeps what the policy decided from (`input.rs`), so that
+//! `gpuguard replay` runs it through the policy again with another config (`replay.rs`).
 
+pub mod input;
 pub mod kernel_log;
+pub mod replay;
 pub mod segment;
 mod writer;
 
@@ -28,6 +32,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::status::{ActionRow, StatusReport};
 use crate::units::{fmt_bytes, fmt_opt_bytes};
+use input::PolicyInput;
 
 pub use writer::{Pressure, Recorder};
 
@@ -60,10 +65,13 @@ pub enum Record {
         version: String,
         boot_id: String,
     },
-    /// What `gpuguard status` would have printed at that moment.
+    /// What `gpuguard status` would have printed at that moment, and what the policy decided
+    /// from (for `gpuguard replay`; absent from records of versions before it).
     Sample {
         at_ms: u64,
         status: Box<StatusReport>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        input: Option<Box<PolicyInput>>,
     },
     /// An event the daemon logged and alerted.
     Event {
@@ -166,7 +174,9 @@ impl History {
     /// The latest sample taken at or before `at_ms`.
     pub fn status_at(&self, at_ms: u64) -> Option<(u64, &StatusReport)> {
         self.records.iter().rev().find_map(|r| match r {
-            Record::Sample { at_ms: t, status } if *t <= at_ms => Some((*t, status.as_ref())),
+            Record::Sample {
+                at_ms: t, status, ..
+            } if *t <= at_ms => Some((*t, status.as_ref())),
             _ => None,
         })
     }
@@ -210,7 +220,7 @@ pub fn last_run(dir: &Path) -> std::io::Result<(Option<LastRun>, Vec<String>)> {
                 ..LastRun::default()
             });
             match r {
-                Record::Sample { at_ms, status } if run.last_sample.is_none() => {
+                Record::Sample { at_ms, status, .. } if run.last_sample.is_none() => {
                     run.last_sample = Some((at_ms, *status));
                 }
                 Record::Action { at_ms, action }

@@ -599,6 +599,7 @@ mod last_run_tests {
             Record::Sample {
                 at_ms: 20,
                 status: Box::new(status),
+                input: None,
             },
             Pressure::Act,
         );

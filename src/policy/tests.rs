@@ -1415,6 +1415,50 @@ fn gpu_floor_picks_the_largest_holder_on_that_gpu() {
     }
 }
 
+/// A model whose processes hold memory on two GPUs, both below their floor in one tick (found by
+/// `gpuguard replay`): one SIGTERM, not one per GPU, and not another when the second GPU's
+/// incident goes on; both incidents escalate to the one SIGKILL-worthy victim together.
+#[test]
+fn a_victim_short_on_two_gpus_at_once_gets_one_sigterm() {
+    let c = config(&format!(
+        "[daemon]\ncandidates = \"models\"\n[gpu]\nmin_free = \"12GiB\"\n{}",
+        model("srv", "")
+    ));
+    let procs = || vec![proc(100, "srv", GIB, 1), proc(101, "srv", GIB, 100)];
+    let s = |at| {
+        gsnap(
+            at,
+            procs(),
+            vec![
+                gpu(0, 10 * GIB, &[(100, Some(5 * GIB))]),
+                gpu(1, 10 * GIB, &[(101, Some(5 * GIB))]),
+            ],
+        )
+    };
+    let mut state = PolicyState::default();
+    let plans = play(
+        &c,
+        &mut state,
+        vec![
+            (s(0), "terminate srv[100,101]", "floor_act, floor_act"),
+            (s(100), "", ""),
+        ],
+    );
+    assert_eq!(plans[0].actions.len(), 1);
+    // Both incidents hold it, as terminated since the same moment.
+    let stages: Vec<_> = state
+        .incidents
+        .values()
+        .map(|i| (i.stage, i.stage_since, i.victim.is_some()))
+        .collect();
+    assert_eq!(
+        stages,
+        vec![(Stage::Terminated, Duration::ZERO, true); 2],
+        "{:#?}",
+        state.incidents
+    );
+}
+
 /// On a GPU floor a non-root user is one candidate, ranked by the GPU memory of all its
 /// processes outside the models, and gives back its largest processes until they cover what the
 /// floor needs (to its warn floor), in one action; root's processes are ranked one by one.

@@ -343,10 +343,9 @@ impl Reservations {
         // Also kept for a configured model launched with a metrics URL (its [[model]] wins
         // for everything else).
         if self.config.model(&model).is_none() || request.metrics_url.is_some() {
-            let launched = self
-                .launched
-                .entry(model.clone())
-                .or_insert_with(|| launched_model_config(&model, w.peer.uid, need));
+            let launched = self.launched.entry(model.clone()).or_insert_with(|| {
+                ModelConfig::launched(&model, w.peer.uid, need.ram_bytes, need.gpu_bytes_total())
+            });
             if request.metrics_url.is_some() {
                 launched.metrics_url = request.metrics_url.clone();
             }
@@ -565,28 +564,6 @@ impl Reservations {
 /// say, runs code it downloaded.)
 fn privileged(uid: u32) -> bool {
     uid == 0
-}
-
-/// A launched model with no `[[model]]`: its flags are its budgets, it is only alerted on, and
-/// only its launcher's processes belong to it.
-fn launched_model_config(name: &str, owner: u32, need: &Demand) -> ModelConfig {
-    let amount = |b: u64| (b > 0).then_some(Amount::Bytes(b));
-    ModelConfig {
-        name: name.to_string(),
-        matcher: Default::default(),
-        ram: amount(need.ram_bytes),
-        gpu_memory: amount(need.gpu_bytes_total()),
-        action: ModelAction::Alert,
-        grace: Duration::from_secs(10),
-        priority: 0,
-        users: Some(vec![User {
-            name: owner.to_string(),
-            uid: owner,
-        }]),
-        max_permits: None,
-        permit_gpu_memory: None,
-        metrics_url: None,
-    }
 }
 
 /// CUDA_VISIBLE_DEVICES as GPU indices: "0,2", or GPU UUIDs (full or a unique prefix). A GPU

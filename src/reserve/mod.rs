@@ -34,7 +34,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::config::{Config, ModelAction, ModelConfig, User, Users};
+use crate::config::{Config, ModelConfig, Users};
 use crate::kinds::EventKind;
 use crate::policy::admission::{place, Demand, Fit, GpuRoom, RamRoom, Shortfall};
 use crate::policy::{About, Event, ModelsInForce, Severity};
@@ -44,7 +44,7 @@ use crate::protocol::{
 };
 use crate::snapshot::ProcessId;
 use crate::status::{LeaseRow, PermitPoolRow, QueuedRow};
-use crate::units::{fmt_bytes, Amount};
+use crate::units::fmt_bytes;
 
 use account::{Account, SAMPLES_FOR_DEFAULT};
 pub use capacity::Capacity;

@@ -379,7 +379,8 @@ fn driver_library_mismatch_is_a_state_not_a_crash() {
 /// its GPU budget, stopped; `--at` prints the status as it was and `--since` draws it with the
 /// action marked. The daemon is then killed (SIGKILL, mid-incident) and garbage lands at the end
 /// of its segment: the history reads up to the damage with a warning, and the next start writes
-/// a post-mortem event naming the action.
+/// a post-mortem event naming the action. Before that, `gpuguard replay` runs the records
+/// through the policy with other configs.
 #[test]
 fn a_budget_incident_is_in_the_history_and_a_killed_daemon_gets_a_post_mortem() {
     let t = token("hist");
@@ -428,8 +429,9 @@ fn a_budget_incident_is_in_the_history_and_a_killed_daemon_gets_a_post_mortem() 
                     .0
                     .contains("\"stopped\"")
         }),
-        "{}",
-        history(&["--json"]).0
+        "{}\n{}",
+        history(&["--json"]).0,
+        daemon.log_text()
     );
     let (at, _) = history(&["--at", "now", "--json"]);
     let status: serde_json::Value = serde_json::from_str(&at).unwrap();
@@ -474,6 +476,52 @@ fn a_budget_incident_is_in_the_history_and_a_killed_daemon_gets_a_post_mortem() 
         }),
         "{model_csv}"
     );
+
+    // What-if replay of the same records: with the config they were recorded with, the stop
+    // is on both sides; with a higher budget it would not have happened; with a GPU floor above
+    // the free memory (10 GiB of 16), the model would have been terminated or killed as well.
+    let replay = |name: &str, config: &str| {
+        let path = daemon.state_dir().join(name);
+        let text = config.replace("{state_dir}", &daemon.state_dir().display().to_string());
+        std::fs::write(&path, text).unwrap();
+        let out = std::process::Command::new(BIN)
+            .args(["replay", "--since", "10m ago", "--config"])
+            .arg(&path)
+            .arg("--dir")
+            .arg(&dir)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let same = replay("same.toml", &config);
+    assert!(
+        same.contains("only with same.toml: none\nonly taken then: none\non both sides: 1\n"),
+        "{same}"
+    );
+    let budget = replay(
+        "budget.toml",
+        &config.replace("gpu_memory = \"8GiB\"", "gpu_memory = \"16GiB\""),
+    );
+    assert!(
+        budget.contains("only with budget.toml: none\nonly taken then: 1 stop\n"),
+        "{budget}"
+    );
+    assert!(budget.contains("taken: stop model 'hist' pids"), "{budget}");
+    let floor = replay(
+        "floor.toml",
+        &config.replace(
+            "[gpu]\n",
+            "[gpu]\nmin_free = \"12GiB\"\nwarn_free = \"13GiB\"\n",
+        ),
+    );
+    assert!(
+        floor.lines().any(|l| l.starts_with("only with floor.toml:")
+            && (l.contains("kill") || l.contains("terminate"))),
+        "{floor}"
+    );
+    assert!(floor.contains("would: "), "{floor}");
+    assert!(floor.contains("min_free 12.0 GiB"), "{floor}");
 
     // Killed mid-incident; garbage at the end of its segment.
     let state = daemon.crash();

@@ -424,6 +424,18 @@ fn act_on(
             return;
         }
     }
+    if let (Some(verb), false) = (verb, config.daemon.mode == Mode::Observe) {
+        if let Some(shared) = signalled_by_another(state, resource, &target, verb) {
+            // Another floor's incident has signalled this victim already (a model short on two
+            // GPUs at once): this one shares that step, no second signal (a second SIGTERM
+            // makes many servers quit without cleaning up), and no second victim for the brake.
+            let incident = state.incidents.get_mut(&resource).expect("incident exists");
+            (incident.stage, incident.stage_since, incident.term_baseline) = shared;
+            incident.available_at_stage = reading.available;
+            incident.victim = Some(target);
+            return;
+        }
+    }
     let incident = state.incidents.get_mut(&resource).expect("incident exists");
     incident.stage = match (verb, config.daemon.mode) {
         (None, _) | (_, Mode::Observe) => Stage::Alerted,
@@ -456,6 +468,37 @@ fn act_on(
         }
         None => plan.events.push(words::would_act(&detail, &target)),
     }
+}
+
+/// The step (stage, since, baseline) of another floor's incident whose victim shares a process
+/// with `target` and that has sent it `verb` or a stronger signal.
+fn signalled_by_another(
+    state: &PolicyState,
+    resource: Resource,
+    target: &Target,
+    verb: Verb,
+) -> Option<(Stage, Duration, Option<TermBaseline>)> {
+    let strength = |stage: Stage| match stage {
+        Stage::Stopped => 1,
+        Stage::Terminated => 2,
+        Stage::Killed | Stage::Gone | Stage::Stuck => 3,
+        Stage::Alerted | Stage::Throttled => 0,
+    };
+    let wanted = match verb {
+        Verb::Stop => 1,
+        Verb::Terminate => 2,
+        Verb::Kill => 3,
+        _ => return None,
+    };
+    state.incidents.iter().find_map(|(r, i)| {
+        let victim = i.victim.as_ref()?;
+        let shares = victim.ids().any(|id| target.ids().any(|c| c == id));
+        (*r != resource && shares && strength(i.stage) >= wanted).then_some((
+            i.stage,
+            i.stage_since,
+            i.term_baseline,
+        ))
+    })
 }
 
 /// The earlier SIGTERM of a process chosen again, if it is still within `term_grace` (taken out of
