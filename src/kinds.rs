@@ -114,6 +114,11 @@ named! {
         GceMaintenance = "gce_maintenance",
         GcePreempted = "gce_preempted",
         GceNoticeWithdrawn = "gce_notice_withdrawn",
+        /// `upcoming-maintenance`: maintenance scheduled ahead (a warning; no drain until
+        /// `maintenance-event` announces it), or no longer planned (info).
+        GceUpcomingMaintenance = "gce_upcoming_maintenance",
+        /// The metadata server does not answer (notices cannot be seen), or answers again.
+        GceWatchFailing = "gce_watch_failing",
         EventsDropped = "events_dropped",
         /// One uid's client-caused events past the per-uid rate limit, summed up once a window.
         EventsSuppressed = "events_suppressed",

@@ -72,6 +72,29 @@ impl Daemon {
             return;
         };
         let now = watcher.notices();
+        if now.failing.is_empty() != self.gce_notices.failing.is_empty() {
+            let failing: Vec<&str> = now.failing.values().map(String::as_str).collect();
+            events.push(match failing.first() {
+                Some(_) => Event::new(
+                    Severity::Warning,
+                    EventKind::GceWatchFailing,
+                    format!(
+                        "cannot read GCE's maintenance and preemption notices ({}): a notice would not be seen; retrying",
+                        failing.join("; ")
+                    ),
+                ),
+                None => Event::new(
+                    Severity::Info,
+                    EventKind::GceWatchFailing,
+                    "GCE's metadata server answers again: notices are seen".into(),
+                ),
+            });
+            self.gce_notices.failing = now.failing.clone();
+        }
+        if now.upcoming != self.gce_notices.upcoming {
+            events.push(upcoming_event(now.upcoming.as_deref()));
+            self.gce_notices.upcoming = now.upcoming.clone();
+        }
         if (now.preempted, &now.maintenance)
             == (self.gce_notices.preempted, &self.gce_notices.maintenance)
         {
@@ -106,6 +129,23 @@ impl Daemon {
             run_on_notice(&self.config.gce.on_notice, &notice);
         }
         self.gce_notices = now;
+    }
+}
+
+/// Scheduled maintenance ahead (`upcoming-maintenance`), or none any more: said, not drained
+/// (GPU VMs get `maintenance-event` about an hour before the window, and drain then).
+fn upcoming_event(upcoming: Option<&str>) -> Event {
+    match upcoming {
+        Some(line) => Event::new(
+            Severity::Warning,
+            EventKind::GceUpcomingMaintenance,
+            format!("GCE plans maintenance of this VM's host: {line}; launches and permits are refused from its maintenance-event notice on"),
+        ),
+        None => Event::new(
+            Severity::Info,
+            EventKind::GceUpcomingMaintenance,
+            "GCE no longer plans maintenance of this VM's host".into(),
+        ),
     }
 }
 
@@ -155,7 +195,7 @@ mod tests {
         assert_eq!(drain_for(&both).unwrap().reason, RefusalReason::Preempted);
         // An error alone (the metadata server unreachable) drains nothing.
         let error = Notices {
-            error: Some("maintenance-event: unreachable".into()),
+            failing: [("maintenance-event", "maintenance-event: unreachable".into())].into(),
             ..Notices::default()
         };
         assert_eq!(drain_for(&error), None);

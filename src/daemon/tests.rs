@@ -687,6 +687,21 @@ fn the_history_keeps_an_incident_and_the_next_start_writes_its_post_mortem() {
     assert_eq!(status.held.len(), 1, "{:?}", status.held);
     assert!(history.records.iter().any(|r| matches!(r,
         crate::history::Record::Event { kind, .. } if kind == "floor_act")));
+    // What the daemon recorded is enough to decide again: replayed with the same config, the
+    // policy stops the hog too; with the act floor under what was available, it does not.
+    let replay = |text: &str| {
+        let config = Config::parse(text, std::path::Path::new("new.toml")).unwrap();
+        let mut replay = crate::history::replay::Replay::new(&config, 0, u64::MAX);
+        history.records.iter().cloned().for_each(|r| replay.feed(r));
+        replay.finish()
+    };
+    let same = replay(config);
+    assert_eq!(same.recorded.len(), 1);
+    assert!(same.recorded[0].on_both_sides, "{same:?}");
+    assert_eq!(same.replayed.len(), 1, "{same:?}");
+    let lower = replay(&config.replace("min_available = \"4GiB\"", "min_available = \"1GiB\""));
+    assert!(lower.replayed.is_empty(), "{lower:?}");
+    assert!(!lower.recorded[0].on_both_sides);
 
     // Killed: no clean stop. The next daemon on the same state directory says how it ended.
     let Harness { daemon, _dir, .. } = h;

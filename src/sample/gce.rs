@@ -1,7 +1,10 @@
 //! Google Compute Engine's notices of what is about to happen to the VM, from its metadata
 //! server: `instance/maintenance-event` (`NONE`, or `TERMINATE_ON_HOST_MAINTENANCE` about an
 //! hour ahead for GPU VMs, which cannot live-migrate; `MIGRATE_ON_HOST_MAINTENANCE` elsewhere)
-//! and `instance/preempted` (`TRUE` about 30 s before a Spot or preemptible VM is stopped).
+//! and `instance/preempted` (`TRUE` about 30 s before a Spot or preemptible VM is stopped), and
+//! where the server has it `instance/upcoming-maintenance` (JSON: `type`, `maintenance_status`
+//! `PENDING` or `ONGOING`, `window_start_time`, `window_end_time`, `can_reschedule`; a 404 when
+//! none is planned), which tells of scheduled maintenance days ahead.
 //! One thread per key, each a long poll as Google documents it: a first plain read for the value
 //! and its `ETag`, then `?wait_for_change=true&last_etag=...&timeout_sec=...`, which the server
 //! answers when the value changes (at once if it already differs from that ETag). Errors back off
@@ -43,14 +46,18 @@ pub struct Notices {
     pub maintenance: Option<String>,
     /// `preempted` is `TRUE`.
     pub preempted: bool,
-    /// The latest error of either watch, until it answers again.
-    pub error: Option<String>,
+    /// `upcoming-maintenance`, when the server plans one: what and when, in one line.
+    pub upcoming: Option<String>,
+    /// Each watch's latest error, until it answers again.
+    pub failing: std::collections::BTreeMap<&'static str, String>,
 }
 
 /// How long one wait-for-change asks the server to hang (it answers then even with no change).
 const WAIT_SECS: u64 = 60;
 /// What an answer may hold.
 const MAX_BODY: u64 = 4096;
+/// The keys watched under `instance/`.
+const KEYS: [&str; 3] = ["maintenance-event", "preempted", "upcoming-maintenance"];
 
 /// The watch threads, and what they saw.
 pub struct GceWatcher {
@@ -61,7 +68,7 @@ impl GceWatcher {
     /// Starts watching under `base` (`http://metadata.google.internal/computeMetadata/v1`).
     pub fn start(base: &str) -> std::io::Result<GceWatcher> {
         let notices = Arc::new(Mutex::new(Notices::default()));
-        for key in ["maintenance-event", "preempted"] {
+        for key in KEYS {
             let (url, notices) = (
                 format!("{}/instance/{key}", base.trim_end_matches('/')),
                 notices.clone(),
@@ -82,7 +89,7 @@ impl GceWatcher {
 }
 
 /// Long-polls one key for as long as the process lives.
-fn watch(url: &str, key: &str, notices: &Mutex<Notices>) {
+fn watch(url: &str, key: &'static str, notices: &Mutex<Notices>) {
     let agent = crate::http::agent(Duration::from_secs(WAIT_SECS + 10));
     let mut etag: Option<String> = None;
     let mut backoff = Duration::from_secs(1);
@@ -104,22 +111,27 @@ fn watch(url: &str, key: &str, notices: &Mutex<Notices>) {
                     !t.is_empty() && t.len() <= 64 && t.bytes().all(|b| b.is_ascii_alphanumeric())
                 });
                 let mut n = notices.lock().unwrap_or_else(|e| e.into_inner());
-                n.error = None;
+                n.failing.remove(key);
                 match key {
-                    "preempted" => n.preempted = value.eq_ignore_ascii_case("TRUE"),
+                    "preempted" => n.preempted = printable(&value).eq_ignore_ascii_case("TRUE"),
+                    "upcoming-maintenance" => n.upcoming = upcoming(&value),
                     _ => {
-                        n.maintenance =
-                            (!value.is_empty() && value != "NONE").then(|| value.clone());
+                        let value = printable(&value);
+                        n.maintenance = (!value.is_empty() && value != "NONE").then_some(value);
                     }
                 }
+                drop(n);
                 if etag.is_none() {
                     // No ETag to wait on: read again in a while rather than in a tight loop.
                     std::thread::sleep(Duration::from_secs(5));
                 }
             }
             Err(e) => {
-                notices.lock().unwrap_or_else(|e| e.into_inner()).error =
-                    Some(format!("{key}: {e}"));
+                notices
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .failing
+                    .insert(key, format!("{key}: {e}"));
                 etag = None;
                 std::thread::sleep(backoff);
                 backoff = (backoff * 2).min(Duration::from_secs(60));
@@ -149,19 +161,88 @@ fn read(agent: &ureq::Agent, url: &str) -> Result<(String, Option<String>), Stri
         return Err(format!("HTTP {status}"));
     }
     let text = crate::http::body_text(&mut response, MAX_BODY)?;
-    let value: String = text
-        .trim()
+    Ok((text, etag))
+}
+
+/// A value as the notices keep it: printable ASCII, trimmed, at most 64 characters.
+fn printable(text: &str) -> String {
+    text.trim()
         .chars()
         .filter(|c| c.is_ascii_graphic())
         .take(64)
-        .collect();
-    Ok((value, etag))
+        .collect()
+}
+
+/// `upcoming-maintenance` in one line ("SCHEDULED maintenance PENDING, window
+/// 2026-12-01T10:00:00Z to 2026-12-01T18:00:00Z, can be rescheduled"); `None` when none is
+/// planned (empty, `{}`) or the answer is not the JSON Google documents.
+pub fn upcoming(body: &str) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_str(body.trim()).ok()?;
+    let field = |name: &str| {
+        v.get(name).and_then(|f| match f {
+            serde_json::Value::String(s) => Some(printable(s)),
+            serde_json::Value::Bool(b) => Some(b.to_string()),
+            _ => None,
+        })
+    };
+    let status = field("maintenance_status");
+    let start = field("window_start_time");
+    if status.is_none() && start.is_none() {
+        return None;
+    }
+    let mut line = format!(
+        "{} maintenance {}",
+        field("type").unwrap_or_else(|| "planned".into()),
+        status.unwrap_or_else(|| "PENDING".into())
+    );
+    if let Some(start) = start {
+        line.push_str(&format!(", window {start}"));
+        if let Some(end) = field("window_end_time") {
+            line.push_str(&format!(" to {end}"));
+        }
+    }
+    if field("can_reschedule").as_deref() == Some("true") {
+        line.push_str(", can be rescheduled (gcloud compute instances perform-maintenance)");
+    }
+    Some(line)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::io::{BufRead, BufReader, Write};
+
+    /// `upcoming-maintenance` as Google documents it (snake_case JSON), and what is not it.
+    #[test]
+    fn upcoming_maintenance_reads_as_one_line() {
+        let body = r#"{
+  "can_reschedule": true,
+  "latest_window_start_time": "2026-12-03T10:00:00Z",
+  "maintenance_status": "PENDING",
+  "type": "SCHEDULED",
+  "window_end_time": "2026-12-01T18:00:00Z",
+  "window_start_time": "2026-12-01T10:00:00Z"
+}"#;
+        assert_eq!(
+            upcoming(body).as_deref(),
+            Some("SCHEDULED maintenance PENDING, window 2026-12-01T10:00:00Z to 2026-12-01T18:00:00Z, can be rescheduled (gcloud compute instances perform-maintenance)")
+        );
+        let ongoing =
+            r#"{"maintenance_status":"ONGOING","type":"UNSCHEDULED","can_reschedule":false}"#;
+        assert_eq!(
+            upcoming(ongoing).as_deref(),
+            Some("UNSCHEDULED maintenance ONGOING")
+        );
+        for none in ["", "{}", "NONE", "<html>", "[1,2]"] {
+            assert_eq!(upcoming(none), None, "{none}");
+        }
+        // What the server sends is made printable before it goes into an event.
+        let hostile = "{\"maintenance_status\":\"PENDING\\u001b[2J\",\"type\":\"X\\nY\"}";
+        assert_eq!(
+            upcoming(hostile).as_deref(),
+            Some("XY maintenance PENDING[2J")
+        );
+    }
     use std::net::TcpListener;
     use std::sync::mpsc;
 
@@ -186,6 +267,14 @@ mod tests {
                     line.clear();
                 }
                 let path = request.split_whitespace().nth(1).unwrap().to_string();
+                if path.contains("upcoming-maintenance") {
+                    // None planned: Google answers 404.
+                    let _ = write!(
+                        stream,
+                        "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                    );
+                    continue;
+                }
                 let _ = seen_tx.send(request.clone());
                 let body = if path.contains("preempted") {
                     "FALSE"

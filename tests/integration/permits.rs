@@ -447,8 +447,22 @@ struct FakeMetadata {
     state: MetadataState,
 }
 
-/// (maintenance-event, preempted, version: one for both keys), and who waits for a change.
-type MetadataState = std::sync::Arc<(std::sync::Mutex<(String, String, u32)>, std::sync::Condvar)>;
+/// What the fake metadata server answers, and who waits for a change.
+type MetadataState = std::sync::Arc<(std::sync::Mutex<Metadata>, std::sync::Condvar)>;
+
+/// The keys' values (one version for all), and how the server misbehaves.
+#[derive(Clone, Default)]
+struct Metadata {
+    maintenance: String,
+    preempted: String,
+    /// `upcoming-maintenance`'s JSON; empty: none planned (Google answers 404).
+    upcoming: String,
+    version: u32,
+    /// Every request answered `503 Service Unavailable`.
+    failing: bool,
+    /// Every answer this late.
+    delay: Duration,
+}
 
 impl FakeMetadata {
     fn start() -> FakeMetadata {
@@ -456,7 +470,11 @@ impl FakeMetadata {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let state = std::sync::Arc::new((
-            std::sync::Mutex::new(("NONE".to_string(), "FALSE".to_string(), 0u32)),
+            std::sync::Mutex::new(Metadata {
+                maintenance: "NONE".into(),
+                preempted: "FALSE".into(),
+                ..Metadata::default()
+            }),
             std::sync::Condvar::new(),
         ));
         let shared = state.clone();
@@ -480,24 +498,39 @@ impl FakeMetadata {
                         let _ = write!(stream, "HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
                         return;
                     }
-                    let preempted = path.contains("/instance/preempted");
                     let (lock, changed) = &*shared;
                     let mut s = lock.lock().unwrap();
                     if path.contains("wait_for_change=true")
-                        && path.contains(&format!("last_etag=e{}", s.2))
+                        && path.contains(&format!("last_etag=e{}", s.version))
                     {
-                        let version = s.2;
+                        let version = s.version;
                         s = changed
-                            .wait_timeout_while(s, Duration::from_secs(60), |s| s.2 == version)
+                            .wait_timeout_while(s, Duration::from_secs(60), |s| {
+                                s.version == version
+                            })
                             .unwrap()
                             .0;
                     }
-                    let body = if preempted { s.1.clone() } else { s.0.clone() };
-                    let etag = format!("e{}", s.2);
+                    let now = s.clone();
                     drop(s);
+                    std::thread::sleep(now.delay);
+                    let etag = format!("e{}", now.version);
+                    let (status, body) = if now.failing {
+                        ("503 Service Unavailable", String::new())
+                    } else if path.contains("/instance/preempted") {
+                        ("200 OK", now.preempted)
+                    } else if path.contains("/instance/upcoming-maintenance") {
+                        if now.upcoming.is_empty() {
+                            ("404 Not Found", String::new())
+                        } else {
+                            ("200 OK", now.upcoming)
+                        }
+                    } else {
+                        ("200 OK", now.maintenance)
+                    };
                     let _ = write!(
                         stream,
-                        "HTTP/1.1 200 OK\r\nMetadata-Flavor: Google\r\nETag: {etag}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        "HTTP/1.1 {status}\r\nMetadata-Flavor: Google\r\nETag: {etag}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
                         body.len()
                     );
                 });
@@ -510,12 +543,21 @@ impl FakeMetadata {
         format!("http://127.0.0.1:{}/computeMetadata/v1", self.port)
     }
 
-    /// Sets both keys; every wait on either answers with them.
-    fn set(&self, maintenance: &str, preempted: &str) {
+    /// Changes what the server answers; every wait on any key answers with it.
+    fn change(&self, how: impl FnOnce(&mut Metadata)) {
         let (lock, changed) = &*self.state;
         let mut s = lock.lock().unwrap();
-        *s = (maintenance.to_string(), preempted.to_string(), s.2 + 1);
+        how(&mut s);
+        s.version += 1;
         changed.notify_all();
+    }
+
+    /// Sets `maintenance-event` and `preempted`.
+    fn set(&self, maintenance: &str, preempted: &str) {
+        self.change(|s| {
+            s.maintenance = maintenance.into();
+            s.preempted = preempted.into();
+        });
     }
 }
 
@@ -523,6 +565,8 @@ impl FakeMetadata {
 /// critical event says so, `[gce] on_notice` runs with the notice, new permits are refused at
 /// once with `host_maintenance` and a retry hint while one held keeps running; the notice
 /// withdrawn, permits are granted again. Then the VM is preempted: the same, as `preempted`.
+/// Before that the server fails (a warning, no drain), plans maintenance days ahead (a warning
+/// with the window, no drain), and answers slowly (the notice comes all the same).
 #[test]
 fn gce_maintenance_and_preemption_notices_drain_new_permits_and_leave_held_ones() {
     let metadata = FakeMetadata::start();
@@ -556,6 +600,44 @@ fn gce_maintenance_and_preemption_notices_drain_new_permits_and_leave_held_ones(
     let (mut holder, answer) = PermitClient::acquire(&socket, acquire("served", 2 * GIB, 5000));
     let permit = granted(&answer);
 
+    // The metadata server failing is said (a notice could be missed), and drains nothing.
+    metadata.change(|s| s.failing = true);
+    let failing = c
+        .daemon
+        .wait_for_event("gce_watch_failing", Duration::from_secs(15), |e| {
+            e["severity"] == "warning"
+        });
+    assert!(
+        failing["summary"].as_str().unwrap().contains("HTTP 503"),
+        "{failing}"
+    );
+    // (Granted; released as its connection closes.)
+    granted(&PermitClient::acquire(&socket, acquire("served", GIB, 5000)).1);
+    metadata.change(|s| s.failing = false);
+    c.daemon
+        .wait_for_event("gce_watch_failing", Duration::from_secs(30), |e| {
+            e["severity"] == "info"
+        });
+    // Scheduled maintenance days ahead: a warning with its window, no drain yet.
+    metadata.change(|s| {
+        s.upcoming = r#"{"can_reschedule":false,"latest_window_start_time":"2026-12-03T10:00:00Z","maintenance_status":"PENDING","type":"SCHEDULED","window_end_time":"2026-12-01T18:00:00Z","window_start_time":"2026-12-01T10:00:00Z"}"#.into();
+    });
+    let upcoming =
+        c.daemon
+            .wait_for_event("gce_upcoming_maintenance", Duration::from_secs(15), |_| {
+                true
+            });
+    assert_eq!(upcoming["severity"], "warning", "{upcoming}");
+    assert!(
+        upcoming["summary"].as_str().unwrap().contains(
+            "SCHEDULED maintenance PENDING, window 2026-12-01T10:00:00Z to 2026-12-01T18:00:00Z"
+        ),
+        "{upcoming}"
+    );
+    granted(&PermitClient::acquire(&socket, acquire("served", GIB, 5000)).1);
+
+    // Slow answers (3 s each) delay a notice, they do not lose it.
+    metadata.change(|s| s.delay = Duration::from_secs(3));
     metadata.set("TERMINATE_ON_HOST_MAINTENANCE", "FALSE");
     let notice = c
         .daemon
@@ -587,6 +669,7 @@ fn gce_maintenance_and_preemption_notices_drain_new_permits_and_leave_held_ones(
     ) == Some(1.0)));
     assert_eq!(notice_gauge("preempted"), Some(0.0));
 
+    metadata.change(|s| s.delay = Duration::ZERO);
     metadata.set("NONE", "FALSE");
     c.daemon
         .wait_for_event("gce_notice_withdrawn", Duration::from_secs(15), |_| true);
