@@ -43,6 +43,8 @@ pub(super) struct Reporter {
     pub(super) kernel_log: Option<KernelLog>,
     /// When each process the recorder keeps last had its details written (`history::input`).
     details_written: HashMap<ProcessId, Instant>,
+    /// When a sample last carried the policy's input.
+    input_recorded: Option<Instant>,
 }
 
 impl Reporter {
@@ -57,6 +59,7 @@ impl Reporter {
             recorder: None,
             kernel_log: None,
             details_written: HashMap::new(),
+            input_recorded: None,
         }
     }
 
@@ -230,42 +233,60 @@ impl Reporter {
         let pressure = self.pressure();
         if let Some(r) = self.recorder.as_mut() {
             if r.sample_due(now, pressure) || decided {
-                let (snapshot, launches, attribution) = decided_from;
-                let details = &mut self.details_written;
-                let input = PolicyInput::of_tick(
-                    snapshot,
-                    launches,
-                    attribution,
-                    pressure != Pressure::Quiet,
-                    |id| match details.get(&id) {
-                        Some(t) if now.saturating_duration_since(*t) < input::DETAIL_EVERY => false,
-                        _ => {
-                            details.insert(id, now);
-                            true
-                        }
-                    },
-                );
-                // Forget the processes this sample did not keep (they get details again if
-                // they come back).
-                let kept: HashSet<ProcessId> = input
-                    .processes
-                    .iter()
-                    .map(|p| ProcessId {
-                        pid: p.pid,
-                        start_time: p.start_time,
-                    })
-                    .collect();
-                details.retain(|id, _| kept.contains(id));
+                let input_due = decided
+                    || pressure != Pressure::Quiet
+                    || self
+                        .input_recorded
+                        .is_none_or(|t| now.saturating_duration_since(t) >= input::QUIET_EVERY);
+                let input = input_due.then(|| {
+                    self.input_recorded = Some(now);
+                    let details = &mut self.details_written;
+                    Box::new(policy_input(now, decided_from, pressure, details))
+                });
                 let sample = Record::Sample {
                     at_ms: now_ms(),
                     status: Box::new(report.clone()),
-                    input: Some(Box::new(input)),
+                    input,
                 };
                 r.record(sample, pressure);
             }
         }
         shared.publish_status(report);
     }
+}
+
+/// The policy's input at this tick, for the flight recorder (`history::input`). `details`: when
+/// each process kept last had its details written.
+fn policy_input(
+    now: Instant,
+    (snapshot, launches, attribution): (&Snapshot, &Launches, &Attribution),
+    pressure: Pressure,
+    details: &mut HashMap<ProcessId, Instant>,
+) -> PolicyInput {
+    let input = PolicyInput::of_tick(
+        snapshot,
+        launches,
+        attribution,
+        pressure != Pressure::Quiet,
+        |id| match details.get(&id) {
+            Some(t) if now.saturating_duration_since(*t) < input::DETAIL_EVERY => false,
+            _ => {
+                details.insert(id, now);
+                true
+            }
+        },
+    );
+    // Forget the processes this sample did not keep (they get details again if they come back).
+    let kept: HashSet<ProcessId> = input
+        .processes
+        .iter()
+        .map(|p| ProcessId {
+            pid: p.pid,
+            start_time: p.start_time,
+        })
+        .collect();
+    details.retain(|id, _| kept.contains(id));
+    input
 }
 
 /// This boot's id (`/proc/sys/kernel/random/boot_id`), empty if unknown.

@@ -6,7 +6,9 @@
 //! near a floor or a budget). What a process is (its parent, owner, names, cgroup, executable)
 //! changes rarely and is written with its first sample and every `DETAIL_EVERY` after, not with
 //! each; a reader carries it forward. The rest of the snapshot (host memory, the GPUs with their
-//! per-process figures, tmpfs owners, the launches) is kept whole.
+//! per-process figures, tmpfs owners, the launches) is kept whole. On a quiet host (every floor
+//! ok, no model over budget) the input goes with one sample a minute (`QUIET_EVERY`), not with
+//! each: nothing is being decided then, and it is most of what a quiet day would write.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
@@ -19,6 +21,8 @@ use crate::snapshot::{
     Exe, Gpu, GpuSnapshot, GpuStatus, HostMemory, Process, ProcessId, ProcessTable, Snapshot,
 };
 
+/// How often a quiet host's samples carry the policy's input.
+pub const QUIET_EVERY: Duration = Duration::from_secs(60);
 /// How often a process's details are written again (a reader that starts after its first
 /// sample, the segment with it dropped by the cap, finds them within this).
 pub const DETAIL_EVERY: Duration = Duration::from_secs(600);
@@ -54,8 +58,10 @@ pub struct PolicyInput {
     pub launched_models: Vec<LaunchedModel>,
 }
 
-/// One process at one tick.
+/// One process at one tick. In JSON a row, `[pid, start_time, state, rss_bytes, swap_bytes,
+/// pss_bytes, detail]` (a host with many GPU processes keeps hundreds a sample).
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(from = "ProcessRow", into = "ProcessRow")]
 pub struct ProcessSample {
     pub pid: i32,
     pub start_time: u64,
@@ -68,6 +74,48 @@ pub struct ProcessSample {
     /// What the process is: with its first sample and every `DETAIL_EVERY`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub detail: Option<ProcessDetail>,
+}
+
+/// `ProcessSample` as JSON writes it.
+#[derive(Serialize, Deserialize)]
+struct ProcessRow(
+    i32,
+    u64,
+    char,
+    u64,
+    Option<u64>,
+    Option<u64>,
+    #[serde(default)] Option<ProcessDetail>,
+);
+
+impl From<ProcessRow> for ProcessSample {
+    fn from(
+        ProcessRow(pid, start_time, state, rss_bytes, swap_bytes, pss_bytes, detail): ProcessRow,
+    ) -> Self {
+        ProcessSample {
+            pid,
+            start_time,
+            state,
+            rss_bytes,
+            swap_bytes,
+            pss_bytes,
+            detail,
+        }
+    }
+}
+
+impl From<ProcessSample> for ProcessRow {
+    fn from(p: ProcessSample) -> Self {
+        ProcessRow(
+            p.pid,
+            p.start_time,
+            p.state,
+            p.rss_bytes,
+            p.swap_bytes,
+            p.pss_bytes,
+            p.detail,
+        )
+    }
 }
 
 /// What a process is (it rarely changes).
