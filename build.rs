@@ -55,7 +55,7 @@ fn main() {
 /// resident (and locked, with `--lock-memory`) is a few contiguous MiB, not pages scattered over
 /// the whole binary, each bringing its neighbours in with it. Only when lld links the binary:
 /// rustc's default linker for x86_64 Linux since 1.90, unless the flags or the environment name
-/// another linker (GNU ld does not know the option), and `zig cc` (`cargo zigbuild`). Names the linker does not find (the list is
+/// another linker (GNU ld does not know the option). Names the linker does not find (the list is
 /// from an older build) are skipped without a warning: a stale list costs memory, not
 /// correctness. `GPUGUARD_NO_HOT_CODE_ORDER=1` turns it off.
 fn order_hot_code(out_dir: &Path) {
@@ -70,16 +70,13 @@ fn order_hot_code(out_dir: &Path) {
         return;
     }
     let flags = var("CARGO_ENCODED_RUSTFLAGS");
-    // `cargo zigbuild` (the release .deb, for glibc 2.28) links with `zig cc`, which is lld.
-    let linker = var("CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_LINKER");
     let lld = var("TARGET") == "x86_64-unknown-linux-gnu"
         && !["linker", "link-self-contained", "fuse-ld"]
             .iter()
             .any(|f| flags.contains(f))
-        && (linker.contains("zigcc")
-            || linker.is_empty()
-                // Last: it runs rustc.
-                && rustc_minor_version().is_some_and(|minor| minor >= 90));
+        && std::env::var_os("CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_LINKER").is_none()
+        // Last: it runs rustc.
+        && rustc_minor_version().is_some_and(|minor| minor >= 90);
     if !lld {
         return;
     }

@@ -28,7 +28,7 @@ fail() {
 }
 
 [ "$(id -u)" = 0 ] || fail "run as root (debootstrap, systemd-nspawn)"
-for tool in cargo cargo-deb lintian debootstrap systemd-nspawn nsenter dpkg-deb; do
+for tool in cargo cargo-deb cargo-zigbuild objdump lintian debootstrap systemd-nspawn nsenter dpkg-deb; do
     command -v "$tool" >/dev/null || fail "$tool not found (.ci/run installs it)"
 done
 
@@ -130,12 +130,16 @@ done
 CONFFILES=$(dpkg-deb --ctrl-tarfile "$DEB1" | tar -xO ./conffiles)
 [ "$CONFFILES" = /etc/gpuguard/config.toml ] || fail "conffiles: '$CONFFILES'"
 
-say "the daemon's hot code first in the release binary (build.rs, packaging/hot-code.order)"
-# From the release build the package was made of (whose function names are not stripped).
-HOT=$(python3 "$REPO/bench/analyze.py" hot-code-check --require-applied \
-    --binary "${CARGO_TARGET_DIR:-$REPO/target}/release/gpuguard" --order "$REPO/packaging/hot-code.order" 2>&1) ||
-    fail "the release binary was not linked with its hot code first: $HOT"
-echo "   $HOT"
+say "the packaged binary needs glibc 2.28 at most (Debian 10+, Ubuntu 20.04+, Rocky/RHEL 8+)"
+dpkg-deb --fsys-tarfile "$DEB1" | tar -xO ./usr/bin/gpuguard >"$WORK/gpuguard.packaged"
+NEWEST=$(objdump -T "$WORK/gpuguard.packaged" | grep -o 'GLIBC_[0-9.]*' | sort -uV | tail -n 1)
+[ "$(printf '%s\n' GLIBC_2.28 "$NEWEST" | sort -V | tail -n 1)" = GLIBC_2.28 ] ||
+    fail "the packaged binary needs $NEWEST"
+echo "   newest glibc symbol: $NEWEST"
+NEEDED=$(objdump -p "$WORK/gpuguard.packaged" | awk '/NEEDED/ {print $2}' | sort | tr '\n' ' ')
+echo "   needs: $NEEDED"
+case $NEEDED in *nvidia*) fail "linked against NVML (it must be dlopen'ed): $NEEDED" ;; esac
+dpkg-deb --field "$DEB1" Depends | grep -qF 'libc6 (>= 2.28)' || fail "Depends: $(dpkg-deb --field "$DEB1" Depends)"
 
 say "lintian"
 # --fail-on: any error or warning fails the test; info and pedantic tags are shown too.
@@ -147,7 +151,8 @@ sed 's/^/   /' "$WORK/lintian.log"
 echo "   lintian: no errors, no warnings"
 
 say "--lock-memory on this host (root, CAP_IPC_LOCK)"
-BIN=${CARGO_TARGET_DIR:-$REPO/target}/release/gpuguard
+BIN=$WORK/gpuguard.packaged
+chmod +x "$BIN"
 mkdir -p "$WORK/host"
 cat >"$WORK/host/config.toml" <<EOF
 [daemon]
