@@ -12,7 +12,8 @@
 #    binary is not static. 2. A binary that runs here writes the man pages, completions and the
 #    packaged config from its CLI definition and config.example.toml (`gpuguard
 #    generate-assets`): the amd64 one itself, the arm64 one under qemu-aarch64-static with
-#    Debian's arm64 glibc (packages qemu-user-static, libc6-arm64-cross). 3. `cargo deb
+#    Debian's arm64 glibc (packages qemu-user-static, libc6-arm64-cross). The binary is
+#    stripped with its architecture's strip (binutils-aarch64-linux-gnu for arm64). 3. `cargo deb
 #    --no-build --target` packages them with the unit from systemd/ ([package.metadata.deb] in
 #    Cargo.toml). DEB_VERSION overrides the package version (the tests build a second, newer
 #    package to test upgrades). Prints the path of the .deb on its last line.
@@ -27,8 +28,8 @@ TARGET=${CARGO_TARGET_DIR:-$PWD/target}
 ARCH=${GPUGUARD_ARCH:-amd64}
 GLIBC=${GPUGUARD_GLIBC:-2.28}
 case $ARCH in
-amd64) TRIPLE=x86_64-unknown-linux-gnu ;;
-arm64) TRIPLE=aarch64-unknown-linux-gnu ;;
+amd64) TRIPLE=x86_64-unknown-linux-gnu STRIP=strip ;;
+arm64) TRIPLE=aarch64-unknown-linux-gnu STRIP=aarch64-linux-gnu-strip ;;
 *)
     echo "build-deb: GPUGUARD_ARCH must be amd64 or arm64, not '$ARCH'" >&2
     exit 2
@@ -82,7 +83,10 @@ SOURCE_DATE_EPOCH=$DATE run_here generate-assets "$RELEASE/assets" >&2
 # gzipped (-n: no name or timestamp inside, for reproducible packages).
 gzip -9n "$RELEASE"/assets/man/*.1
 mkdir -p "$OUT"
+# Stripped here, with the strip of the binary's architecture (binutils-aarch64-linux-gnu for
+# arm64; cargo-deb would run this host's), as Debian's dh_strip does.
+"$STRIP" --strip-unneeded --remove-section=.comment --remove-section=.note "$RELEASE/gpuguard"
 # --target: cargo-deb takes target/release/... of the assets from target/TRIPLE/release/ and
 # sets the package's Architecture.
-SOURCE_DATE_EPOCH=$DATE cargo deb --no-build --locked --target "$TRIPLE" --output "$OUT" \
+SOURCE_DATE_EPOCH=$DATE cargo deb --no-build --no-strip --locked --target "$TRIPLE" --output "$OUT" \
     ${VERSION:+--deb-version "$VERSION"} | tail -n 1
