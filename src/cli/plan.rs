@@ -6,8 +6,6 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Args;
-use comfy_table::presets::UTF8_BORDERS_ONLY;
-use comfy_table::{Cell, Table};
 
 use super::exit;
 use crate::config::DEFAULT_SOCKET;
@@ -65,9 +63,14 @@ pub struct PlanArgs {
     /// Concurrent full-length requests wanted (default: say how many fit).
     #[arg(long)]
     concurrency: Option<u64>,
-    /// Tensor-parallel sizes, e.g. "1,2" (default: 1, or the smallest of 2, 4, 8 that fits).
-    #[arg(long, value_delimiter = ',')]
+    /// Tensor-parallel sizes, e.g. "1,2" (default: 1, or the smallest of 2, 4, 8 that fits);
+    /// `--count N` says the same: how many of the GPU the model is spread over.
+    #[arg(long, visible_alias = "count", value_delimiter = ',')]
     tp: Vec<u32>,
+    /// Plan in a cloud's terms: "gcp" lists the GPUs Google Compute Engine offers and the machine
+    /// type that carries each option (N1 + T4/V100, G2, G4, A2, A3, A4, A4X).
+    #[arg(long, value_parser = ["gcp"])]
+    cloud: Option<String>,
     /// GPUs by name (see --help) or "host" for this host's GPUs; default: every card in the table.
     #[arg(long, value_delimiter = ',', long_help = gpu_help())]
     gpu: Vec<String>,
@@ -306,15 +309,25 @@ fn kv_dtype(text: &str, arch: &Architecture, weights: Weights) -> Result<Dtype, 
 }
 
 fn gpu_choices(args: &PlanArgs) -> Result<Vec<GpuChoice>, Failure> {
+    let gcp = args.cloud.is_some();
     let table = |g: &gpus::KnownGpu| GpuChoice {
         name: g.name.into(),
         total_bytes: g.total_bytes(),
         free_bytes: None,
-        count: 8,
+        // In a cloud, as many as its largest machine type carries.
+        count: match (gcp, g.gcp.last()) {
+            (true, Some((n, _))) => *n,
+            _ => 8,
+        },
         live: false,
+        machines: if gcp { g.gcp } else { &[] },
     };
     if args.gpu.is_empty() {
-        return Ok(gpus::KNOWN_GPUS.iter().map(table).collect());
+        return Ok(gpus::KNOWN_GPUS
+            .iter()
+            .filter(|g| !gcp || !g.gcp.is_empty())
+            .map(table)
+            .collect());
     }
     let mut out = Vec::new();
     for name in &args.gpu {
@@ -330,6 +343,12 @@ fn gpu_choices(args: &PlanArgs) -> Result<Vec<GpuChoice>, Failure> {
                 gpus::keys()
             ))
         })?;
+        if gcp && gpu.gcp.is_empty() {
+            return Err(Failure::Usage(format!(
+                "--gpu '{name}': Google Compute Engine has no machine type with a {}",
+                gpu.name
+            )));
+        }
         out.push(table(gpu));
     }
     Ok(out)
@@ -380,6 +399,7 @@ fn host_gpus(socket: &Path, library: Option<PathBuf>) -> Result<Vec<GpuChoice>, 
                 free_bytes: free,
                 count: 1,
                 live: true,
+                machines: &[],
             }),
         }
     }
@@ -395,19 +415,24 @@ fn host_gpus(socket: &Path, library: Option<PathBuf>) -> Result<Vec<GpuChoice>, 
 /// The plan as text: the model's figures, a table of options, the recommendation, assumptions.
 pub fn render(p: &CapacityPlan) -> String {
     let m = &p.model;
-    let mut out = format!(
-        "Model {} ({}): {}weights {}{}\n",
-        m.name,
-        m.model_type,
-        m.params.map_or(String::new(), |n| format!(
-            "{:.2}B parameters, ",
-            n as f64 / 1e9
-        )),
-        fmt_bytes(m.weights_bytes),
-        m.weights_dtype.map_or(String::new(), |d| format!(" ({d})")),
+    let mut out = String::new();
+    out += &wrapped(
+        &format!(
+            "Model {} ({}): {}weights {}{}",
+            m.name,
+            m.model_type,
+            m.params.map_or(String::new(), |n| format!(
+                "{:.2}B parameters, ",
+                n as f64 / 1e9
+            )),
+            fmt_bytes(m.weights_bytes),
+            m.weights_dtype.map_or(String::new(), |d| format!(" ({d})")),
+        ),
+        "",
+        "  ",
     );
     out += &format!(
-        "KV cache ({}): {} per token; {} per {}-token request (naive, all {} heads and no window: {})\n",
+        "KV cache ({}): {} per token; {} per {}-token request\n  (naive, all {} heads and no window: {})\n",
         m.kv_dtype,
         fmt_bytes(m.kv_bytes_per_token),
         fmt_bytes(m.kv_bytes_per_request),
@@ -423,49 +448,148 @@ pub fn render(p: &CapacityPlan) -> String {
     out += &recommendation(p);
     out += "\nAssumptions:\n";
     for a in &p.assumptions {
-        out += &format!("  - {a}\n");
+        out += &wrapped(a, "  -", "    ");
     }
     out
 }
 
+/// The options as a table no wider than 100 columns: what does not fit in a cell (why an option
+/// does not fit, or what to watch) is numbered and said under the table.
 fn options_table(p: &CapacityPlan) -> String {
-    let mut t = Table::new();
-    t.load_preset(UTF8_BORDERS_ONLY).set_header(
-        [
-            "GPU",
-            "TP",
-            "total",
-            "engine share",
-            "weights",
-            "overhead",
-            "KV cache",
-            "requests",
-            "fits",
-        ]
-        .map(Cell::new),
-    );
+    let gcp = p.options.iter().any(|o| o.gcp_machine.is_some());
+    let mut header = vec![
+        "GPU", "TP", "usable", "weights", "overhead", "KV cache", "requests", "fits",
+    ];
+    if gcp {
+        header.push("GCP machine type");
+    }
+    let mut notes: Vec<String> = Vec::new();
+    let mut rows: Vec<Vec<String>> = vec![header.iter().map(|h| h.to_string()).collect()];
     for o in &p.options {
-        t.add_row(vec![
+        let fits = match &o.problem {
+            None => "yes".to_string(),
+            Some(problem) => {
+                notes.push(problem.clone());
+                format!("{} [{}]", if o.fits { "yes" } else { "no" }, notes.len())
+            }
+        };
+        let mut row = vec![
             o.gpu.clone(),
             o.tp.to_string(),
-            fmt_bytes(o.gpu_total_bytes),
-            format!(
-                "{} ({:.0}%)",
-                fmt_bytes(o.usable_bytes),
-                o.usable_bytes as f64 / o.gpu_total_bytes as f64 * 100.0
-            ),
+            fmt_bytes(o.usable_bytes),
             fmt_bytes(o.weights_bytes),
             fmt_bytes(o.overhead_bytes),
             fmt_bytes(o.kv_space_bytes),
             o.max_requests.to_string(),
-            match (&o.problem, o.fits) {
-                (None, _) => "yes".into(),
-                (Some(p), true) => format!("yes ({p})"),
-                (Some(p), false) => format!("no: {p}"),
-            },
-        ]);
+            fits,
+        ];
+        if gcp {
+            row.push(o.gcp_machine.clone().unwrap_or_else(|| "-".into()));
+        }
+        rows.push(row);
     }
-    format!("Per GPU (sizes per GPU; requests = concurrent full-length requests):\n{t}\n")
+    let share = p.options.first().map_or(String::new(), |o| {
+        format!(
+            "usable = {:.0}% of each GPU (--gpu-memory-utilization); ",
+            o.usable_bytes as f64 / o.gpu_total_bytes as f64 * 100.0
+        )
+    });
+    let mut out = wrapped(
+        &format!("Per GPU ({share}sizes per GPU; requests = concurrent full-length requests):"),
+        "",
+        "",
+    );
+    out.push('\n');
+    out.push_str(&columns(&rows));
+    if !notes.is_empty() {
+        out.push('\n');
+        for (n, note) in notes.iter().enumerate() {
+            out.push_str(&wrapped(note, &format!("[{}]", n + 1), "    "));
+        }
+    }
+    out
+}
+
+/// The width every line of the plan fits in.
+const WIDTH: usize = 100;
+
+/// `text` wrapped at word boundaries to `WIDTH`, the first line after `first`, the others after
+/// `rest` (a word longer than a line stays whole).
+fn wrapped(text: &str, first: &str, rest: &str) -> String {
+    let mut out = String::new();
+    let mut line = first.to_string();
+    // Whether the line holds no word yet (a prefix that is not blank counts as one).
+    let mut empty = first.trim().is_empty();
+    for word in text.split(' ').filter(|w| !w.is_empty()) {
+        if !empty && line.chars().count() + 1 + word.chars().count() > WIDTH {
+            out.push_str(&line);
+            out.push('\n');
+            line = rest.to_string();
+            empty = true;
+        }
+        if !empty {
+            line.push(' ');
+        }
+        line.push_str(word);
+        empty = false;
+    }
+    out.push_str(&line);
+    out.push('\n');
+    out
+}
+
+/// A command line wrapped to `WIDTH` with shell continuations, its flags kept with their values.
+fn command(indent: &str, words: &[String]) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for w in words {
+        match parts.last_mut() {
+            Some(last) if last.starts_with("--") && !w.starts_with("--") && !last.contains(' ') => {
+                last.push(' ');
+                last.push_str(w);
+            }
+            _ => parts.push(w.clone()),
+        }
+    }
+    let mut out = String::new();
+    let mut line = indent.to_string();
+    for (i, part) in parts.iter().enumerate() {
+        if i > 0 && line.chars().count() + 1 + part.chars().count() + 2 > WIDTH {
+            out.push_str(&line);
+            out.push_str(" \\\n");
+            line = format!("{indent}    ");
+        } else if i > 0 {
+            line.push(' ');
+        }
+        line.push_str(part);
+    }
+    out.push_str(&line);
+    out.push('\n');
+    out
+}
+
+/// Rows as left-aligned columns two spaces apart (the first row is the header).
+fn columns(rows: &[Vec<String>]) -> String {
+    let count = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..count)
+        .map(|i| {
+            rows.iter()
+                .filter_map(|r| r.get(i))
+                .map(|c| c.chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let mut out = String::new();
+    for row in rows {
+        let line: Vec<String> = row
+            .iter()
+            .zip(&widths)
+            .map(|(cell, w)| format!("{cell:<w$}"))
+            .collect();
+        out.push_str(line.join("  ").trim_end());
+        out.push('\n');
+    }
+    out
 }
 
 fn recommendation(p: &CapacityPlan) -> String {
@@ -474,13 +598,27 @@ fn recommendation(p: &CapacityPlan) -> String {
                 (--kv-dtype fp8, --dtype fp8) or fewer --concurrency.\n"
             .into();
     };
+    let vllm: Vec<String> = ["vllm", "serve", &p.model.name]
+        .iter()
+        .map(|w| w.to_string())
+        .chain(o.vllm_args.iter().cloned())
+        .collect();
+    let launch: Vec<String> = ["gpuguard", "launch"]
+        .iter()
+        .map(|w| w.to_string())
+        .chain(o.launch_args.iter().cloned())
+        .chain(["--", "vllm", "serve", "..."].map(String::from))
+        .collect();
+    let machine = o
+        .gcp_machine
+        .as_ref()
+        .map_or(String::new(), |m| format!(", on GCP {m}"));
     format!(
-        "\nRecommended: {} × {} (the least GPU memory that fits)\n  vllm serve {} {}\n  gpuguard launch {} -- vllm serve ...\n\nFor gpuguard's config:\n{}",
+        "\nRecommended: {} × {}{machine} (the least GPU memory that fits)\n{}{}\nFor gpuguard's config:\n{}",
         o.tp,
         o.gpu,
-        p.model.name,
-        o.vllm_args.join(" "),
-        o.launch_args.join(" "),
+        command("  ", &vllm),
+        command("  ", &launch),
         o.gpuguard_model
     )
 }

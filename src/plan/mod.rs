@@ -128,6 +128,8 @@ pub struct GpuChoice {
     pub count: u32,
     /// Read from this host's NVML.
     pub live: bool,
+    /// The cloud machine types that carry it (`gpus::KnownGpu::gcp`), if planning for a cloud.
+    pub machines: &'static [(u32, &'static str)],
 }
 
 /// Everything `plan` is asked.
@@ -210,6 +212,9 @@ pub struct GpuPlan {
     pub gpuguard_model: String,
     /// `gpuguard launch` flags that reserve the same memory.
     pub launch_args: Vec<String>,
+    /// The GCE machine type that carries `tp` of these GPUs (`plan --cloud gcp`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gcp_machine: Option<String>,
 }
 
 /// The answer: the model's figures, one row per option, the recommended row, every assumption.
@@ -428,7 +433,11 @@ fn option(r: &PlanRequest, model: &ModelFigures, gpu: &GpuChoice, tp: u32) -> Gp
     let max_requests = kv_space.checked_div(kv_request).unwrap_or(0);
     let wanted = r.concurrency.unwrap_or(1);
     let problem = if tp > gpu.count {
-        Some(format!("this host has {} of these GPUs", gpu.count))
+        Some(if gpu.live {
+            format!("this host has {} of these GPUs", gpu.count)
+        } else {
+            format!("no machine has more than {} of these GPUs", gpu.count)
+        })
     } else if a.attention_heads % tp64 != 0 || heads.is_none() {
         Some(format!(
             "{} attention heads and {} KV heads do not split over {tp} GPUs",
@@ -486,6 +495,7 @@ fn option(r: &PlanRequest, model: &ModelFigures, gpu: &GpuChoice, tp: u32) -> Gp
         vllm_args: Vec::new(),
         gpuguard_model: String::new(),
         launch_args: Vec::new(),
+        gcp_machine: gpus::gcp_machine(gpu.machines, tp),
     };
     o.vllm_args = vllm_args(r, &o, seqs);
     let (block, launch) = gpuguard_budget(r, model, &o);

@@ -26,6 +26,7 @@ fn h100() -> GpuChoice {
         free_bytes: None,
         count: 8,
         live: false,
+        machines: &[],
     }
 }
 
@@ -273,7 +274,11 @@ fn tensor_parallel_splits_weights_and_kv_heads_or_replicates_them() {
     assert!(!three.fits);
     // 8 KV heads over 16 GPUs: one (replicated) head each, so 1/8 of the KV, not 1/16.
     assert_eq!(sixteen.kv_bytes_per_request, 128 * MIB);
-    assert!(sixteen.problem.as_ref().unwrap().contains("has 8 of these"));
+    assert!(sixteen
+        .problem
+        .as_ref()
+        .unwrap()
+        .contains("no machine has more than 8 of these"));
 }
 
 #[test]

@@ -634,9 +634,9 @@ impl ScanThread {
             .name("proc-scan".into())
             .stack_size(256 << 10)
             .spawn(move || {
-                // SAFETY: setpriority on this thread's own id (Linux nice values are per thread).
-                // (The id from rustix's system call: glibc's gettid() is 2.30 and newer.)
+                // The id from rustix's system call: glibc's gettid() is 2.30 and newer.
                 let tid = rustix::thread::gettid().as_raw_nonzero().get();
+                // SAFETY: setpriority on this thread's own id (Linux nice values are per thread).
                 unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, SCAN_NICE) };
                 while let Ok(request) = incoming.recv() {
                     if !deliver(scanner.round(request)) {

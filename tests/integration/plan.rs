@@ -44,7 +44,9 @@ fn llama_3_8b_on_an_h100_table_says_how_many_fit_flags_budget_and_assumptions() 
         "{out}"
     );
     assert!(
-        out.contains("1.0 GiB per 8192-token request (naive, all 32 heads and no window: 4.0 GiB)"),
+        out.contains(
+            "1.0 GiB per 8192-token request\n  (naive, all 32 heads and no window: 4.0 GiB)"
+        ),
         "{out}"
     );
     assert!(out.contains("H100 80GB"), "{out}");
@@ -58,6 +60,89 @@ fn llama_3_8b_on_an_h100_table_says_how_many_fit_flags_budget_and_assumptions() 
         "{out}"
     );
     assert!(out.contains("CUDA graphs 1.0 GiB"), "{out}");
+}
+
+/// `--cloud gcp`: only the GPUs Google Compute Engine offers, each option with the machine type
+/// that carries it (the fewest GPUs that hold its TP: an H200 comes eight to a VM); `--gpu NAME
+/// --count N` checks one choice; every line of the text fits 100 columns (why an option does not
+/// fit is numbered under the table); `--json` keeps the machine type.
+#[test]
+fn gcp_machine_types_and_a_100_column_terminal() {
+    let (code, out, err) = run(&[&fixture("mixtral-8x7b"), "--cloud", "gcp"], &[]);
+    assert_eq!(code, 0, "{err}");
+    let row = |gpu: &str, tp: &str| {
+        out.lines()
+            .find(|l| {
+                l.starts_with(gpu) && l.split_whitespace().nth(gpu.split(' ').count()) == Some(tp)
+            })
+            .unwrap_or_else(|| panic!("no {gpu} TP {tp} row: {out}"))
+            .to_string()
+    };
+    assert!(
+        row("H100 80GB", "2").ends_with("yes     a3-highgpu-2g"),
+        "{out}"
+    );
+    assert!(row("L4 24GB", "8").ends_with("g2-standard-96"), "{out}");
+    assert!(row("H200 141GB", "1").ends_with("a3-ultragpu-8g"), "{out}");
+    assert!(row("GB200 186GB", "1").ends_with("a4x-highgpu-4g"), "{out}");
+    assert!(row("B200 180GB", "1").ends_with("a4-highgpu-8g"), "{out}");
+    assert!(row("H100 80GB", "1").contains("no [7]"), "{out}");
+    assert!(
+        out.contains("\n[7] weights 87.0 GiB + overhead 4.1 GiB exceed 90% of 79.6 GiB\n"),
+        "{out}"
+    );
+    assert!(
+        !out.contains("A10G") && !out.contains("RTX 4090"),
+        "not on GCE: {out}"
+    );
+    assert!(
+        out.contains("Recommended: 1 × H200 141GB, on GCP a3-ultragpu-8g"),
+        "{out}"
+    );
+    for args in [
+        vec![fixture("mixtral-8x7b"), "--cloud".into(), "gcp".into()],
+        vec![fixture("gemma-2-9b")],
+        vec![
+            fixture("llama-3-8b"),
+            "--gpu".into(),
+            "h100".into(),
+            "--count".into(),
+            "2".into(),
+        ],
+    ] {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (code, out, err) = run(&args, &[]);
+        assert_eq!(code, 0, "{err}");
+        let widest = out.lines().map(|l| l.chars().count()).max().unwrap();
+        assert!(widest <= 100, "{widest} columns for {args:?}:\n{out}");
+    }
+    // One choice: 2 of one GPU.
+    let one = json(
+        &[
+            &fixture("llama-3-8b"),
+            "--gpu",
+            "h100",
+            "--count",
+            "2",
+            "--cloud",
+            "gcp",
+        ],
+        &[],
+    );
+    let options = one["options"].as_array().unwrap();
+    assert_eq!(options.len(), 1, "{one}");
+    assert_eq!(options[0]["tp"], 2);
+    assert_eq!(options[0]["gcp_machine"], "a3-highgpu-2g");
+    // A GPU GCE does not offer, asked for in its terms.
+    let (code, _, err) = run(
+        &[&fixture("llama-3-8b"), "--gpu", "a10g", "--cloud", "gcp"],
+        &[],
+    );
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("Google Compute Engine has no machine type with a A10G 24GB"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -235,7 +320,15 @@ fn explicit_numbers_without_a_config() {
     // 24.4 GB + 4 GB overhead + 50 × 640 MiB = 62 GB: only the 80 GB and larger cards, alone.
     assert_eq!(
         fits,
-        ["H100 80GB", "A100 80GB", "H100 NVL 94GB", "H200 141GB"]
+        [
+            "H100 80GB",
+            "A100 80GB",
+            "H100 NVL 94GB",
+            "RTX PRO 6000 96GB",
+            "H200 141GB",
+            "B200 180GB",
+            "GB200 186GB"
+        ]
     );
 }
 
