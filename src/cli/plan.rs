@@ -50,8 +50,10 @@ pub struct PlanArgs {
     /// torch_dtype; float32 checkpoints are served in bf16, as vLLM does).
     #[arg(long)]
     dtype: Option<Dtype>,
-    /// The weights' size instead (e.g. a quantized checkpoint's size on disk: "4.9GiB").
-    #[arg(long, value_parser = parse_size, conflicts_with = "dtype")]
+    /// The weights' size instead (e.g. a quantized checkpoint's size on disk: "4.9GiB"). With
+    /// --dtype too, that is the dtype the model computes in (the KV cache's with --kv-dtype
+    /// auto).
+    #[arg(long, value_parser = parse_size)]
     weights: Option<u64>,
     /// KV-cache dtype: auto (the model's 16-bit dtype), fp16, bf16, fp8 or fp32.
     #[arg(long, default_value = "auto")]
@@ -177,7 +179,11 @@ fn build_request(args: &PlanArgs) -> Result<PlanRequest, Failure> {
         (None, Some(d)) => Weights::Dtype(d),
         (None, None) => Weights::Dtype(default_dtype(&arch, &mut notes)),
     };
-    let kv_dtype = kv_dtype(&args.kv_dtype, &arch, weights).map_err(Failure::Usage)?;
+    let compute = match weights {
+        Weights::Dtype(d) => Some(d),
+        Weights::Bytes(_) => args.dtype,
+    };
+    let kv_dtype = kv_dtype(&args.kv_dtype, &arch, compute).map_err(Failure::Usage)?;
     let max_model_len = match (args.max_model_len, arch.max_position_embeddings) {
         (Some(n), _) => n,
         (None, Some(n)) => {
@@ -297,12 +303,12 @@ fn default_dtype(arch: &Architecture, notes: &mut Vec<String>) -> Dtype {
 }
 
 /// `auto`: the model's 16-bit compute dtype (what vLLM's `--kv-cache-dtype auto` uses).
-fn kv_dtype(text: &str, arch: &Architecture, weights: Weights) -> Result<Dtype, String> {
+fn kv_dtype(text: &str, arch: &Architecture, compute: Option<Dtype>) -> Result<Dtype, String> {
     if text != "auto" {
         return text.parse();
     }
-    Ok(match (weights, arch.saved_dtype) {
-        (Weights::Dtype(d @ (Dtype::Bf16 | Dtype::Fp16)), _) => d,
+    Ok(match (compute, arch.saved_dtype) {
+        (Some(d @ (Dtype::Bf16 | Dtype::Fp16)), _) => d,
         (_, Some(d @ (Dtype::Bf16 | Dtype::Fp16))) => d,
         _ => Dtype::Bf16,
     })

@@ -256,11 +256,19 @@ impl Architecture {
                     tied,
                     mlp,
                 };
-                Some(ParamCount {
-                    embeddings: shape.embedding_params(),
-                    layers: shape.layer_params(),
-                    vision: vision_params(config, hidden, &mut l.notes)?,
-                })
+                // A vision tower that cannot be counted leaves the count unknown (--params or
+                // --weights then give it), not the config unreadable.
+                match vision_params(config, hidden, &mut l.notes) {
+                    Ok(vision) => Some(ParamCount {
+                        embeddings: shape.embedding_params(),
+                        layers: shape.layer_params(),
+                        vision,
+                    }),
+                    Err(why) => {
+                        l.notes.push(why);
+                        None
+                    }
+                }
             }
             _ => None,
         };

@@ -347,7 +347,7 @@ fn weights(r: &PlanRequest) -> Result<(u64, String), String> {
     let Some(p) = r.arch.params else {
         return Err(
             "the parameter count is unknown (the config lacks hidden_size, intermediate_size or \
-             vocab_size): give --params or --weights"
+             vocab_size, or its vision_config the sizes of its layers): give --params or --weights"
                 .into(),
         );
     };

@@ -202,6 +202,36 @@ fn multimodal_text_config_and_the_vision_tower_through_the_binary() {
     );
 }
 
+/// A multimodal config whose vision tower lacks a size: the count is unknown and `plan` says to
+/// give `--params`; given, the plan works. `--weights` goes with `--dtype` (the dtype the model
+/// computes in, so the KV cache's under `--kv-dtype auto`).
+#[test]
+fn an_uncountable_vision_tower_takes_params_and_weights_take_a_dtype() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("gemma-3-4b-it")).unwrap()).unwrap();
+    config["vision_config"]
+        .as_object_mut()
+        .unwrap()
+        .remove("intermediate_size");
+    let path = dir.path().join("config.json");
+    std::fs::write(&path, config.to_string()).unwrap();
+    let path = path.to_str().unwrap();
+    let (code, _, err) = run(&[path, "--gpu", "l4"], &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("give --params or --weights"), "{err}");
+    let p = json(&[path, "--gpu", "l4", "--params", "4.3B"], &[]);
+    assert_eq!(p["model"]["params"], 4_300_000_000u64);
+    let notes = p["assumptions"].to_string();
+    assert!(notes.contains("vision_config lacks"), "{notes}");
+    let p = json(
+        &[path, "--gpu", "l4", "--weights", "3GiB", "--dtype", "fp16"],
+        &[],
+    );
+    assert_eq!(p["model"]["weights_bytes"], 3u64 << 30);
+    assert_eq!(p["model"]["kv_dtype"], "fp16");
+}
+
 #[test]
 fn bad_input_exits_2_naming_the_file_key_and_value() {
     let dir = tempfile::tempdir().unwrap();
