@@ -330,21 +330,31 @@ fn gpu_indices(samples: &[(u64, &StatusReport)], only: Option<u32>) -> Vec<u32> 
 const ROWS: usize = 30;
 /// Width of one bar.
 const BAR: usize = 24;
+/// The terminal width the chart fits in.
+const WIDTH: usize = 100;
+/// Columns drawn side by side (RAM and two GPUs; more GPUs go in further blocks).
+const COLUMNS_PER_BLOCK: usize = 3;
 
 /// A bar of `width` for `free` of `total`, with the floors marked: `|` the warn floor, `!` the
 /// act floor (`min`), `#` what is free.
-fn bar(free: Option<u64>, total: Option<u64>, warn: Option<u64>, min: Option<u64>) -> String {
+fn bar(
+    width: usize,
+    free: Option<u64>,
+    total: Option<u64>,
+    warn: Option<u64>,
+    min: Option<u64>,
+) -> String {
     let (Some(free), Some(total)) = (free, total.filter(|&t| t > 0)) else {
-        return format!("{:width$}", "?", width = BAR);
+        return format!("{:width$}", "?");
     };
-    let cell = |b: u64| ((b as f64 / total as f64) * BAR as f64).round() as usize;
-    let filled = cell(free).min(BAR);
-    let mut s: Vec<char> = (0..BAR)
+    let cell = |b: u64| ((b as f64 / total as f64) * width as f64).round() as usize;
+    let filled = cell(free).min(width);
+    let mut s: Vec<char> = (0..width)
         .map(|i| if i < filled { '#' } else { '.' })
         .collect();
     for (floor, mark) in [(warn, '|'), (min, '!')] {
         if let Some(f) = floor {
-            s[cell(f).min(BAR - 1)] = mark;
+            s[cell(f).min(width - 1)] = mark;
         }
     }
     s.into_iter().collect()
@@ -469,11 +479,6 @@ fn chart(
         let first = samples[0].0;
         let last = samples[samples.len() - 1].0;
         let step = ((last - first) / ROWS as u64).max(1);
-        let _ = write!(out, "{:19}", "time (local)");
-        for c in &columns {
-            let _ = write!(out, "  {:width$}", c.title, width = BAR + 10);
-        }
-        out.push('\n');
         let actions: Vec<u64> = records
             .iter()
             .filter_map(|r| match r {
@@ -481,37 +486,53 @@ fn chart(
                 _ => None,
             })
             .collect();
-        let mut i = 0;
-        while i < samples.len() {
-            let start = samples[i].0;
-            let mut j = i;
-            while j + 1 < samples.len() && samples[j + 1].0 < start + step {
-                j += 1;
+        // At most three columns side by side, their bars as wide as 100 columns allow; more
+        // GPUs are drawn in further blocks of the same rows.
+        for (n, group) in columns.chunks(COLUMNS_PER_BLOCK).enumerate() {
+            if n > 0 {
+                out.push('\n');
             }
-            let stretch = &samples[i..=j];
-            let end = samples.get(j + 1).map_or(u64::MAX, |n| n.0);
-            let acted = actions.iter().any(|&a| a >= start && a < end);
-            let when = local_as(start, "%m-%d %H:%M:%S");
-            let _ = write!(out, "{when:14}{:>5}", if acted { "*" } else { "" });
-            for c in &columns {
-                let figures = stretch.iter().filter_map(|(_, s)| (c.read)(s));
-                let chosen = if c.lowest {
-                    figures.min_by_key(|f| f.value)
-                } else {
-                    figures.max_by_key(|f| f.value)
-                };
-                let _ = match chosen {
-                    Some(f) => write!(
-                        out,
-                        "  {} {:>9}",
-                        bar(Some(f.value), f.scale, f.marks.0, f.marks.1),
-                        fmt_bytes(f.value)
-                    ),
-                    None => write!(out, "  {} {:>9}", bar(None, None, None, None), "?"),
-                };
+            let width = ((WIDTH - 19) / group.len())
+                .saturating_sub(12)
+                .clamp(8, BAR);
+            let _ = write!(out, "{:19}", "time (local)");
+            for c in group {
+                let _ = write!(out, "  {:w$}", c.title, w = width + 10);
             }
+            out.truncate(out.trim_end_matches(' ').len());
             out.push('\n');
-            i = j + 1;
+            let mut i = 0;
+            while i < samples.len() {
+                let start = samples[i].0;
+                let mut j = i;
+                while j + 1 < samples.len() && samples[j + 1].0 < start + step {
+                    j += 1;
+                }
+                let stretch = &samples[i..=j];
+                let end = samples.get(j + 1).map_or(u64::MAX, |n| n.0);
+                let acted = actions.iter().any(|&a| a >= start && a < end);
+                let when = local_as(start, "%m-%d %H:%M:%S");
+                let _ = write!(out, "{when:14}{:>5}", if acted { "*" } else { "" });
+                for c in group {
+                    let figures = stretch.iter().filter_map(|(_, s)| (c.read)(s));
+                    let chosen = if c.lowest {
+                        figures.min_by_key(|f| f.value)
+                    } else {
+                        figures.max_by_key(|f| f.value)
+                    };
+                    let _ = match chosen {
+                        Some(f) => write!(
+                            out,
+                            "  {} {:>9}",
+                            bar(width, Some(f.value), f.scale, f.marks.0, f.marks.1),
+                            fmt_bytes(f.value)
+                        ),
+                        None => write!(out, "  {} {:>9}", bar(width, None, None, None, None), "?"),
+                    };
+                }
+                out.push('\n');
+                i = j + 1;
+            }
         }
         let _ = writeln!(
             out,
@@ -607,14 +628,50 @@ mod tests {
         assert_eq!(out.lines().count(), text.lines().count());
     }
 
+    /// RAM and eight GPUs over an hour: no line of the chart is wider than 100 columns (three
+    /// columns a block, the bars as wide as that leaves), every GPU is drawn, every row of each
+    /// block has the same width.
+    #[test]
+    fn the_chart_of_eight_gpus_fits_100_columns() {
+        let g = 1u64 << 30;
+        let mut status = StatusReport::default();
+        status.memory.total_bytes = Some(64 * g);
+        status.memory.available_bytes = Some(20 * g);
+        status.gpus = (0..8)
+            .map(|index| crate::status::GpuRow {
+                index,
+                total_bytes: Some(80 * g),
+                free_bytes: Some(u64::from(index + 1) * 8 * g),
+                ..Default::default()
+            })
+            .collect();
+        let records: Vec<Record> = (0..60u64)
+            .map(|minute| Record::Sample {
+                at_ms: 1_764_140_000_000 + minute * 60_000,
+                status: Box::new(status.clone()),
+                input: None,
+            })
+            .collect();
+        let refs: Vec<&Record> = records.iter().collect();
+        let text = chart(&refs, None, None, 0, u64::MAX, Path::new("/x"));
+        let widest = text.lines().map(|l| l.chars().count()).max().unwrap();
+        assert!(widest <= 100, "{widest}:\n{text}");
+        for index in 0..8 {
+            assert!(text.contains(&format!("GPU {index} free")), "{text}");
+        }
+        // RAM + GPU 0 + GPU 1, then 2-4, then 5-7: three blocks, 100 columns at three a block.
+        assert_eq!(text.matches("time (local)").count(), 3, "{text}");
+        assert!(text.lines().any(|l| l.chars().count() == 100), "{text}");
+    }
+
     #[test]
     fn a_bar_marks_what_is_free_and_both_floors() {
         let g = 1 << 30;
-        let b = bar(Some(12 * g), Some(24 * g), Some(6 * g), Some(3 * g));
+        let b = bar(BAR, Some(12 * g), Some(24 * g), Some(6 * g), Some(3 * g));
         assert_eq!(b.chars().count(), BAR);
         assert_eq!(b.chars().filter(|&c| c == '#').count(), 12 - 2, "{b}");
         assert_eq!(b.find('|'), Some(6), "{b}");
         assert_eq!(b.find('!'), Some(3), "{b}");
-        assert!(bar(None, Some(g), None, None).starts_with('?'));
+        assert!(bar(BAR, None, Some(g), None, None).starts_with('?'));
     }
 }

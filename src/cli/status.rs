@@ -5,7 +5,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use comfy_table::presets::UTF8_BORDERS_ONLY;
-use comfy_table::{Cell, Table};
+use comfy_table::{Cell, ContentArrangement, Table};
 
 use super::exit;
 use crate::ipc::client::ask;
@@ -60,9 +60,14 @@ pub fn run(socket: &Path, json: bool, watch: Option<Duration>, model: Option<&st
     }
 }
 
+/// The width every table of the report fits in (cells wrap; long reasons go under the table).
+const WIDTH: u16 = 100;
+
 fn table(headers: &[&str]) -> Table {
     let mut t = Table::new();
     t.load_preset(UTF8_BORDERS_ONLY)
+        .set_content_arrangement(ContentArrangement::Dynamic)
+        .set_width(WIDTH)
         .set_header(headers.iter().map(Cell::new));
     t
 }
@@ -93,7 +98,7 @@ fn render_header(r: &StatusReport) -> String {
 
 fn render_memory(m: &MemoryStatus) -> String {
     format!(
-        "Host memory: available {} of {} (warn {}, min {}) [{}]; shmem/tmpfs {}; swap free {} of {}; PSI some avg10 {}\n\n",
+        "Host memory: available {} of {} (warn {}, min {}) [{}]\n  shmem/tmpfs {}; swap free {} of {}; PSI some avg10 {}\n\n",
         bytes(m.available_bytes),
         bytes(m.total_bytes),
         bytes(m.warn_available_bytes),
@@ -128,7 +133,15 @@ fn render_gpus(g: &GpuProtection, gpus: &[GpuRow]) -> String {
         "warn/min free",
         "state",
     ]);
+    let mut notes = Vec::new();
     for gpu in gpus {
+        let state = match &gpu.error {
+            Some(e) => {
+                notes.push(format!("GPU {}: {e}", gpu.index));
+                format!("error [{}]", notes.len())
+            }
+            None => gpu.level.clone(),
+        };
         t.add_row(vec![
             gpu.index.to_string(),
             gpu.name.clone(),
@@ -142,10 +155,13 @@ fn render_gpus(g: &GpuProtection, gpus: &[GpuRow]) -> String {
                 bytes(gpu.warn_free_bytes),
                 bytes(gpu.min_free_bytes)
             ),
-            gpu.error.clone().unwrap_or_else(|| gpu.level.clone()),
+            state,
         ]);
     }
     out += &format!("{t}\n");
+    for (n, note) in notes.iter().enumerate() {
+        out += &format!("[{}] {note}\n", n + 1);
+    }
     out
 }
 
@@ -390,4 +406,72 @@ pub fn render_model(m: &ModelRow) -> String {
         ]);
     }
     out + &format!("{t}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::status::{EngineRow, GpuRow, ModelRow};
+
+    /// Eight GPUs (one with an NVML error), models with long names, budgets and an engine that
+    /// cannot be scraped: every line of `gpuguard status` fits 100 columns, and the GPU's error is
+    /// said under its table, numbered, not in a cell.
+    #[test]
+    fn the_report_fits_100_columns() {
+        let g = 1u64 << 30;
+        let mut r = StatusReport {
+            hostname: "a3-highgpu-8g-instance-1".into(),
+            ..StatusReport::default()
+        };
+        r.memory.total_bytes = Some(1800 * g);
+        r.memory.available_bytes = Some(900 * g);
+        r.gpus = (0..8)
+            .map(|index| GpuRow {
+                index,
+                name: "NVIDIA H100 80GB HBM3".into(),
+                total_bytes: Some(80 * g),
+                used_bytes: Some(70 * g),
+                free_bytes: Some(10 * g),
+                utilization_percent: Some(97),
+                warn_free_bytes: Some(4 * g),
+                min_free_bytes: Some(2 * g),
+                level: "ok".into(),
+                error: (index == 3).then(|| {
+                    "Unknown Error: the GPU has fallen off the bus or is otherwise inaccessible"
+                        .into()
+                }),
+                ..GpuRow::default()
+            })
+            .collect();
+        r.models = (0..3)
+            .map(|i| ModelRow {
+                name: format!("meta-llama-Llama-3.1-70B-Instruct-replica-{i}"),
+                source: "config".into(),
+                pids: (0..8).map(|p| 100_000 + p).collect(),
+                ram_bytes: 60 * g,
+                ram_budget_bytes: Some(96 * g),
+                gpu_bytes: Some(560 * g),
+                gpu_budget_bytes: Some(600 * g),
+                ram_headroom_bytes: Some(36 << 30),
+                gpu_headroom_bytes: Some(40 << 30),
+                state: "ok".into(),
+                gpu_reserved_ratio: Some(0.92),
+                engine: Some(EngineRow {
+                    url: "http://127.0.0.1:8000/metrics".into(),
+                    state: "error".into(),
+                    error: Some("unreachable: connection refused (os error 111)".into()),
+                    ..EngineRow::default()
+                }),
+                ..ModelRow::default()
+            })
+            .collect();
+        let text = render(&r);
+        let widest = text.lines().map(|l| l.chars().count()).max().unwrap();
+        assert!(widest <= 100, "{widest} columns:\n{text}");
+        assert!(text.contains("error [1]"), "{text}");
+        assert!(
+            text.contains("\n[1] GPU 3: Unknown Error: the GPU has fallen off the bus"),
+            "{text}"
+        );
+    }
 }
