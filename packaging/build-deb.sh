@@ -5,88 +5,24 @@
 #   GPUGUARD_ARCH=arm64 packaging/build-deb.sh OUTDIR        (the arm64 .deb, cross-built here)
 #   packaging/build-debs.sh OUTDIR                            (both, one command)
 #
-# 1. The release binary for the Debian architecture GPUGUARD_ARCH (amd64 by default: x86_64;
-#    arm64: aarch64), built with `cargo zigbuild` against glibc 2.28 (GPUGUARD_GLIBC; "native":
-#    plain `cargo build` against this host's glibc, amd64 only). 2.28 is Debian 10/11, Ubuntu
-#    20.04 and Rocky/RHEL 8; NVML is still dlopen'ed from the driver (libnvidia-ml.so.1), so the
-#    binary is not static. 2. A binary that runs here writes the man pages, completions and the
-#    packaged config from its CLI definition and config.example.toml (`gpuguard
-#    generate-assets`): the amd64 one itself, the arm64 one under qemu-aarch64-static with
-#    Debian's arm64 glibc (packages qemu-user-static, libc6-arm64-cross). The binary is
-#    stripped with its architecture's strip (binutils-aarch64-linux-gnu for arm64). 3. `cargo deb
-#    --no-build --target` packages them with the unit from systemd/ ([package.metadata.deb] in
-#    Cargo.toml). DEB_VERSION overrides the package version (the tests build a second, newer
-#    package to test upgrades). Prints the path of the .deb on its last line.
-# Needs cargo-deb (cargo install --locked cargo-deb) and cargo-zigbuild with zig (PyPI:
-# cargo-zigbuild, ziglang; .ci/run installs them in target/zig-venv and puts it on PATH), and
-# the Rust target (rustup target add aarch64-unknown-linux-gnu for arm64).
+# The binary and its assets from packaging/build-release.sh (what it needs is said there); then
+# `cargo deb --no-build --target` packages them with the unit from systemd/
+# ([package.metadata.deb] in Cargo.toml). DEB_VERSION overrides the package version (the tests
+# build a second, newer package to test upgrades). Prints the path of the .deb on its last line.
+# Needs cargo-deb (cargo install --locked cargo-deb).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: packaging/build-deb.sh OUTDIR [DEB_VERSION]}
 VERSION=${2:-}
-TARGET=${CARGO_TARGET_DIR:-$PWD/target}
-ARCH=${GPUGUARD_ARCH:-amd64}
-GLIBC=${GPUGUARD_GLIBC:-2.28}
-case $ARCH in
-amd64) TRIPLE=x86_64-unknown-linux-gnu STRIP=strip ;;
-arm64) TRIPLE=aarch64-unknown-linux-gnu STRIP=aarch64-linux-gnu-strip ;;
-*)
-    echo "build-deb: GPUGUARD_ARCH must be amd64 or arm64, not '$ARCH'" >&2
-    exit 2
-    ;;
-esac
-RELEASE=$TARGET/$TRIPLE/release
-
 command -v cargo-deb >/dev/null || {
     echo "build-deb: cargo-deb not found: cargo install --locked cargo-deb" >&2
     exit 1
 }
-# Reproducible dates in the man pages and the archive. (Not given to cargo build: some crates
-# rebuild whenever it changes.)
 DATE=${SOURCE_DATE_EPOCH:-$(git log -1 --format=%ct 2>/dev/null || date +%s)}
-
-if [ "$GLIBC" = native ]; then
-    [ "$ARCH" = amd64 ] || {
-        echo "build-deb: GPUGUARD_GLIBC=native builds amd64 only" >&2
-        exit 2
-    }
-    cargo build --release --locked --target "$TRIPLE" >&2
-else
-    command -v cargo-zigbuild >/dev/null || {
-        echo "build-deb: cargo-zigbuild not found: pip install cargo-zigbuild ziglang (in a venv on PATH)" >&2
-        exit 1
-    }
-    cargo zigbuild --release --locked --target "$TRIPLE.$GLIBC" >&2
-fi
-
-# The newest glibc symbol the binary needs: nothing above GLIBC.
-if [ "$GLIBC" != native ]; then
-    NEWEST=$(objdump -T "$RELEASE/gpuguard" | grep -o 'GLIBC_[0-9.]*' | sort -uV | tail -n 1)
-    [ "$(printf '%s\n' "GLIBC_$GLIBC" "$NEWEST" | sort -V | tail -n 1)" = "GLIBC_$GLIBC" ] || {
-        echo "build-deb: $RELEASE/gpuguard needs $NEWEST, newer than glibc $GLIBC" >&2
-        exit 1
-    }
-    echo "build-deb: $RELEASE/gpuguard needs glibc $NEWEST at most" >&2
-fi
-
-# gpuguard as it runs on this machine (the arm64 one under emulation).
-run_here() {
-    if [ "$ARCH" = arm64 ]; then
-        qemu-aarch64-static -L /usr/aarch64-linux-gnu "$RELEASE/gpuguard" "$@"
-    else
-        "$RELEASE/gpuguard" "$@"
-    fi
-}
-rm -rf "$RELEASE/assets"
-SOURCE_DATE_EPOCH=$DATE run_here generate-assets "$RELEASE/assets" >&2
-# cargo-deb compresses man pages only when they are not under target/release; Debian wants them
-# gzipped (-n: no name or timestamp inside, for reproducible packages).
-gzip -9n "$RELEASE"/assets/man/*.1
+RELEASE=$(packaging/build-release.sh | tail -n 1)
+TRIPLE=$(basename "$(dirname "$RELEASE")")
 mkdir -p "$OUT"
-# Stripped here, with the strip of the binary's architecture (binutils-aarch64-linux-gnu for
-# arm64; cargo-deb would run this host's), as Debian's dh_strip does.
-"$STRIP" --strip-unneeded --remove-section=.comment --remove-section=.note "$RELEASE/gpuguard"
 # --target: cargo-deb takes target/release/... of the assets from target/TRIPLE/release/ and
-# sets the package's Architecture.
-SOURCE_DATE_EPOCH=$DATE cargo deb --no-build --no-strip --locked --target "$TRIPLE" --output "$OUT" \
-    ${VERSION:+--deb-version "$VERSION"} | tail -n 1
+# sets the package's Architecture. Stripped already (build-release.sh).
+SOURCE_DATE_EPOCH=$DATE cargo deb --no-build --no-strip --locked --target "$TRIPLE" \
+    --output "$OUT" ${VERSION:+--deb-version "$VERSION"} | tail -n 1

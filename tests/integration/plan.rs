@@ -116,6 +116,41 @@ fn gcp_machine_types_and_a_100_column_terminal() {
         let widest = out.lines().map(|l| l.chars().count()).max().unwrap();
         assert!(widest <= 100, "{widest} columns for {args:?}:\n{out}");
     }
+    // Gemma-3-12B in fp16, 50 requests of 4096 tokens: one A100 40GB (a2-highgpu-1g) holds 16
+    // of them, two (a2-highgpu-2g) hold 73; one L4 does not hold the weights, four do.
+    let (code, gemma, err) = run(
+        &[
+            &fixture("gemma-3-12b-it"),
+            "--dtype",
+            "fp16",
+            "--max-model-len",
+            "4096",
+            "--concurrency",
+            "50",
+            "--cloud",
+            "gcp",
+        ],
+        &[],
+    );
+    assert_eq!(code, 0, "{err}");
+    let line = |machine: &str| {
+        gemma
+            .lines()
+            .find(|l| l.ends_with(&format!("  {machine}")))
+            .unwrap_or_else(|| panic!("no {machine} row: {gemma}"))
+            .to_string()
+    };
+    assert!(
+        line("a2-highgpu-1g").contains(" 16 ") && line("a2-highgpu-1g").contains("no ["),
+        "{gemma}"
+    );
+    assert!(
+        line("a2-highgpu-2g").contains(" 73 ") && line("a2-highgpu-2g").contains("yes"),
+        "{gemma}"
+    );
+    assert!(line("g2-standard-4").contains("no ["), "{gemma}");
+    assert!(line("g2-standard-48").contains("yes"), "{gemma}");
+    assert!(gemma.lines().all(|l| l.chars().count() <= 100), "{gemma}");
     // One choice: 2 of one GPU.
     let one = json(
         &[
