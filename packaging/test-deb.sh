@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The package test: builds the .deb, lints it, then boots a minimal Debian 12 with systemd in a
+# The package test: builds the .deb, lints it, then boots a minimal Debian (12, or 11 with
+# GPUGUARD_SUITE=bullseye: the package's glibc floor is below both) with systemd in a
 # container (systemd-nspawn) and checks the package there for real: install starts and enables
 # the service under its hardened unit, `gpuguard status` answers (root and another user), a
 # reload works and a bad config fails it, the watchdog is armed and fires, the kill path works
@@ -174,7 +175,8 @@ wait "$HOST_DAEMON" || fail "the daemon on the host exited with $?"
 echo "   ${HOST_LOCKED_KB} kB locked"
 
 # ---------------------------------------------------------------------------------------------
-say "a minimal Debian 12 with systemd"
+SUITE=${GPUGUARD_SUITE:-bookworm}
+say "a minimal Debian $SUITE with systemd"
 if [ -z "${GPUGUARD_DEBIAN_MIRROR:-}" ]; then
     GPUGUARD_DEBIAN_MIRROR=$(
         cat /etc/apt/sources.list /etc/apt/sources.list.d/*.sources /etc/apt/sources.list.d/*.list \
@@ -187,13 +189,13 @@ MIRROR=${GPUGUARD_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 # procps: the package depends on it (/bin/kill). man-db: systemd-analyze verify runs `man` for
 # the unit's Documentation=man:gpuguard(1).
 INCLUDE=systemd,systemd-sysv,init-system-helpers,procps,man-db
-KEY=$(printf '%s\n' bookworm minbase "$INCLUDE" "$MIRROR" | sha256sum | cut -c1-12)
-BASE=$CACHE/bookworm-$KEY
+KEY=$(printf '%s\n' "$SUITE" minbase "$INCLUDE" "$MIRROR" | sha256sum | cut -c1-12)
+BASE=$CACHE/$SUITE-$KEY
 if [ ! -f "$BASE/.complete" ]; then
-    echo "   debootstrap bookworm from $MIRROR into $BASE"
+    echo "   debootstrap $SUITE from $MIRROR into $BASE"
     rm -rf "$BASE"
     mkdir -p "$CACHE"
-    debootstrap --variant=minbase --include="$INCLUDE" bookworm "$BASE" "$MIRROR" \
+    debootstrap --variant=minbase --include="$INCLUDE" "$SUITE" "$BASE" "$MIRROR" \
         >"$WORK/debootstrap.log" 2>&1 || {
         tail -n 30 "$WORK/debootstrap.log" >&2
         fail "debootstrap failed"
