@@ -102,7 +102,7 @@ pub fn run(args: HistoryArgs) -> u8 {
     // One segment in memory at a time: only what is asked for is kept.
     let mut latest: Option<(u64, Box<StatusReport>)> = None;
     let mut kept: Vec<Record> = Vec::new();
-    let read = history::visit(&dir, |r| match (at, r) {
+    let read = visit(&dir, |r| match (at, r) {
         (Some(at), Record::Sample { at_ms, status, .. }) if at_ms <= at => {
             latest = Some((at_ms, status));
         }
@@ -116,19 +116,8 @@ pub fn run(args: HistoryArgs) -> u8 {
         }
         (None, _) => {}
     });
-    match read {
-        Ok(warnings) => {
-            for w in &warnings {
-                eprintln!("gpuguard: warning: {w}");
-            }
-        }
-        Err(e) => {
-            eprintln!(
-                "gpuguard: cannot read the history in {}: {e}",
-                dir.display()
-            );
-            return exit::FAILURE;
-        }
+    if let Err(code) = read {
+        return code;
     }
     if let Some(at) = at {
         let Some((taken, status)) = latest else {
@@ -172,6 +161,26 @@ pub fn run(args: HistoryArgs) -> u8 {
         ));
     }
     exit::OK
+}
+
+/// Hands every record of the history in `dir` to `each` (`history::visit`); says on stderr
+/// what could not be read, and fails with the exit code when the directory cannot be.
+pub(super) fn visit(dir: &Path, each: impl FnMut(Record)) -> Result<(), u8> {
+    match history::visit(dir, each) {
+        Ok(warnings) => {
+            for w in &warnings {
+                eprintln!("gpuguard: warning: {w}");
+            }
+            Ok(())
+        }
+        Err(e) => {
+            eprintln!(
+                "gpuguard: cannot read the history in {}: {e}",
+                dir.display()
+            );
+            Err(exit::FAILURE)
+        }
+    }
 }
 
 /// Prints what was read from the history directory line by line, its control characters

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use clap::Args;
 
 use super::exit;
-use super::history::{local, local_as, parse_time, show};
+use super::history::{local, local_as, parse_time, show, visit};
 use crate::config::Config;
 use crate::history::replay::{Replay, ReplayReport, Step};
 use crate::history::{self};
@@ -67,19 +67,8 @@ pub fn run(args: ReplayArgs) -> u8 {
         }
     };
     let mut replay = Replay::new(&config, since, until);
-    match history::visit(&dir, |r| replay.feed(r)) {
-        Ok(warnings) => {
-            for w in &warnings {
-                eprintln!("gpuguard: warning: {w}");
-            }
-        }
-        Err(e) => {
-            eprintln!(
-                "gpuguard: cannot read the history in {}: {e}",
-                dir.display()
-            );
-            return exit::FAILURE;
-        }
+    if let Err(code) = visit(&dir, |r| replay.feed(r)) {
+        return code;
     }
     let report = replay.finish();
     if args.json {
