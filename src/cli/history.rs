@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 
 use clap::Args;
 
-use super::exit;
 use super::status::render;
+use super::{exit, WIDTH};
 use crate::config::Config;
 use crate::history::{self, Record};
 use crate::snapshot::printable;
@@ -339,8 +339,6 @@ fn gpu_indices(samples: &[(u64, &StatusReport)], only: Option<u32>) -> Vec<u32> 
 const ROWS: usize = 30;
 /// Width of one bar.
 const BAR: usize = 24;
-/// The terminal width the chart fits in.
-const WIDTH: usize = 100;
 /// Columns drawn side by side (RAM and two GPUs; more GPUs go in further blocks).
 const COLUMNS_PER_BLOCK: usize = 3;
 

@@ -119,6 +119,34 @@ enum Command {
     GenerateAssets { dir: PathBuf },
 }
 
+/// The terminal width the human output of the CLI fits in (plan, status, history, replay).
+pub(crate) const WIDTH: usize = 100;
+
+/// `text` wrapped at word boundaries to `WIDTH`, the first line after `first`, the others after
+/// `rest` (a word longer than a line stays whole).
+pub(crate) fn wrapped(text: &str, first: &str, rest: &str) -> String {
+    let mut out = String::new();
+    let mut line = first.to_string();
+    // Whether the line holds no word yet (a prefix that is not blank counts as one).
+    let mut empty = first.trim().is_empty();
+    for word in text.split(' ').filter(|w| !w.is_empty()) {
+        if !empty && line.chars().count() + 1 + word.chars().count() > WIDTH {
+            out.push_str(&line);
+            out.push('\n');
+            line = rest.to_string();
+            empty = true;
+        }
+        if !empty {
+            line.push(' ');
+        }
+        line.push_str(word);
+        empty = false;
+    }
+    out.push_str(&line);
+    out.push('\n');
+    out
+}
+
 /// Runs the command line; returns the process exit code.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::Args;
 
-use super::exit;
+use super::{exit, wrapped, WIDTH};
 use crate::config::DEFAULT_SOCKET;
 use crate::ipc::client::ask;
 use crate::plan::{
@@ -513,34 +513,6 @@ fn options_table(p: &CapacityPlan) -> String {
             out.push_str(&wrapped(note, &format!("[{}]", n + 1), "    "));
         }
     }
-    out
-}
-
-/// The width every line of the plan fits in.
-const WIDTH: usize = 100;
-
-/// `text` wrapped at word boundaries to `WIDTH`, the first line after `first`, the others after
-/// `rest` (a word longer than a line stays whole).
-fn wrapped(text: &str, first: &str, rest: &str) -> String {
-    let mut out = String::new();
-    let mut line = first.to_string();
-    // Whether the line holds no word yet (a prefix that is not blank counts as one).
-    let mut empty = first.trim().is_empty();
-    for word in text.split(' ').filter(|w| !w.is_empty()) {
-        if !empty && line.chars().count() + 1 + word.chars().count() > WIDTH {
-            out.push_str(&line);
-            out.push('\n');
-            line = rest.to_string();
-            empty = true;
-        }
-        if !empty {
-            line.push(' ');
-        }
-        line.push_str(word);
-        empty = false;
-    }
-    out.push_str(&line);
-    out.push('\n');
     out
 }
 

@@ -61,7 +61,7 @@ pub fn run(socket: &Path, json: bool, watch: Option<Duration>, model: Option<&st
 }
 
 /// The width every table of the report fits in (cells wrap; long reasons go under the table).
-const WIDTH: u16 = 100;
+const WIDTH: u16 = super::WIDTH as u16;
 
 fn table(headers: &[&str]) -> Table {
     let mut t = Table::new();
@@ -177,16 +177,26 @@ fn render_models(models: &[ModelRow]) -> String {
         "RAM used/budget",
         "GPU used/budget",
         "headroom",
-        "engine",
         "state",
     ]);
     for model in models {
         t.add_row(model_cells(model));
     }
     out += &format!("{t}\n");
+    // What does not fit a cell: each model's engine, its share of its GPUs, the limit it is at.
     for model in models {
+        let mut said = Vec::new();
+        if model.engine.is_some() {
+            said.push(format!("engine {}", engine_cell(model.engine.as_ref())));
+        }
+        if let Some(r) = model.gpu_reserved_ratio {
+            said.push(format!("holds {:.0}% of its GPUs", r * 100.0));
+        }
         if let Some(limit) = &model.limit {
-            out += &format!("  {}: {limit}\n", model.name);
+            said.push(limit.clone());
+        }
+        for line in said {
+            out += &super::wrapped(&line, &format!("  {}:", model.name), "      ");
         }
     }
     out
@@ -220,17 +230,12 @@ fn model_cells(model: &ModelRow) -> Vec<String> {
             bytes(model.ram_budget_bytes)
         ),
         format!(
-            "{}{}/{}{}",
+            "{}{}/{}",
             bytes(model.gpu_bytes),
             if model.gpu_unknown { "+?" } else { "" },
             bytes(model.gpu_budget_bytes),
-            model.gpu_reserved_ratio.map_or(String::new(), |r| format!(
-                " ({:.0}% of its GPUs)",
-                r * 100.0
-            ))
         ),
         headroom,
-        engine_cell(model.engine.as_ref()),
         model.state.clone(),
     ]
 }

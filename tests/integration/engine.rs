@@ -179,9 +179,9 @@ fn kv_cache_full_and_gpu_reserved_are_different_states() {
         .unwrap();
     let table = String::from_utf8_lossy(&table.stdout);
     for needle in [
-        "KV 100% · 8 running · 24 waiting · 3 preempted",
-        "(95% of its GPUs)",
-        "qwen: KV cache 100%, 24 waiting: the engine is full",
+        "\n  qwen: engine KV 100% · 8 running · 24 waiting · 3 preempted\n",
+        "\n  qwen: holds 95% of its GPUs\n",
+        "\n  qwen: KV cache 100%, 24 waiting: the engine is full\n",
     ] {
         assert!(table.contains(needle), "{needle:?} missing from:\n{table}");
     }
