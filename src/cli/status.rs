@@ -215,7 +215,8 @@ fn model_cells(model: &ModelRow) -> Vec<String> {
     .into_iter()
     .flatten()
     .collect::<Vec<_>>()
-    .join(", ");
+    // One a line: a cell that wraps must not split a figure from its unit.
+    .join("\n");
     vec![
         format!("{} ({})", model.name, model.source),
         model
@@ -281,7 +282,11 @@ fn render_held(held: &[HeldRow]) -> String {
         out += "  (none)\n";
     }
     for h in held {
-        out += &format!("  pid {} ({}): {}\n", h.pid, h.comm, h.why);
+        out += &super::wrapped(
+            &format!("pid {} ({}): {}", h.pid, h.comm, h.why),
+            "  ",
+            "      ",
+        );
     }
     out
 }
@@ -292,10 +297,11 @@ fn render_actions(actions: &[ActionRow]) -> String {
         out += "  (none)\n";
     }
     for a in actions.iter().rev().take(10) {
-        out += &format!(
-            "  {} {} {}: {} [{}]\n",
+        let line = format!(
+            "{} {} {}: {} [{}]",
             a.at_unix, a.verb, a.target, a.reason, a.outcome
         );
+        out += &super::wrapped(&line, "  ", "      ");
     }
     out
 }
@@ -470,6 +476,14 @@ mod tests {
                 ..ModelRow::default()
             })
             .collect();
+        r.recent_actions.push(crate::status::ActionRow {
+            at_unix: 1_795_690_442,
+            verb: "terminate".into(),
+            target: "model 'meta-llama-Llama-3.1-70B-Instruct-replica-0' pids [100000(python3), 100001(python3)]".into(),
+            reason_kind: "gpu_floor".into(),
+            reason: "GPU 3 free 1.0 GiB < min_free 2.0 GiB; largest eligible user of GPU 3: 70.0 GiB".into(),
+            outcome: "done".into(),
+        });
         let text = render(&r);
         let widest = text.lines().map(|l| l.chars().count()).max().unwrap();
         assert!(widest <= 100, "{widest} columns:\n{text}");
