@@ -5,7 +5,8 @@
 //! those on a GPU, those of a model or a launch, and the largest by RSS (8 on a quiet host, 32
 //! near a floor or a budget). What a process is (its parent, owner, names, cgroup, executable)
 //! changes rarely and is written with its first sample and every `DETAIL_EVERY` after, not with
-//! each; a reader carries it forward. The rest of the snapshot (host memory, the GPUs with their
+//! each; a reader carries it forward. Command lines are kept with secret-looking values masked
+//! (the history is world-readable and outlives the processes). The rest of the snapshot (host memory, the GPUs with their
 //! per-process figures, tmpfs owners, the launches) is kept whole. On a quiet host (every floor
 //! ok, no model over budget) the input goes with one sample a minute (`QUIET_EVERY`), not with
 //! each: nothing is being decided then, and it is most of what a quiet day would write.
@@ -208,7 +209,7 @@ impl PolicyInput {
                     ppid: p.ppid,
                     uid: p.uid,
                     comm: p.comm.clone(),
-                    cmdline: truncated(&p.cmdline, CMDLINE_BYTES).to_string(),
+                    cmdline: masked(truncated(&p.cmdline, CMDLINE_BYTES)),
                     cgroup: p.cgroup.clone(),
                     exe: p.exe.clone(),
                 }),
@@ -324,6 +325,39 @@ impl PolicyInput {
     }
 }
 
+/// Words in an argument's name that say its value is a secret.
+const SECRET_NAMES: [&str; 6] = ["key", "token", "secret", "passw", "auth", "credential"];
+
+/// A command line as the history keeps it (world-readable, for days after the process is gone):
+/// the value of an argument whose name says it is a secret (`--api-key X`, `--token=X`,
+/// `HF_TOKEN=X`) replaced by `***`. Model matchers read the rest.
+fn masked(cmdline: &str) -> String {
+    let secret = |name: &str| {
+        let name = name.to_ascii_lowercase();
+        SECRET_NAMES.iter().any(|s| name.contains(s))
+    };
+    let mut out: Vec<String> = Vec::new();
+    let mut hide_next = false;
+    for word in cmdline.split(' ') {
+        if hide_next && !word.starts_with('-') {
+            out.push("***".into());
+            hide_next = false;
+            continue;
+        }
+        hide_next = false;
+        match word.split_once('=') {
+            Some((name, value)) if secret(name) && !value.is_empty() => {
+                out.push(format!("{name}=***"));
+            }
+            _ => {
+                hide_next = word.starts_with('-') && !word.contains('=') && secret(word);
+                out.push(word.to_string());
+            }
+        }
+    }
+    out.join(" ")
+}
+
 /// The first `max` bytes of `text`, cut at a character boundary.
 fn truncated(text: &str, max: usize) -> &str {
     if text.len() <= max {
@@ -339,6 +373,28 @@ fn truncated(text: &str, max: usize) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Secrets on a command line stay out of the world-readable history; the rest stays as it
+    /// is for the model matchers.
+    #[test]
+    fn secret_arguments_are_masked() {
+        assert_eq!(
+            masked("vllm serve meta-llama/Llama-3-8B --api-key sk-123 --port 8000 --hf-token=hf_abc HF_TOKEN=hf_def"),
+            "vllm serve meta-llama/Llama-3-8B --api-key *** --port 8000 --hf-token=*** HF_TOKEN=***"
+        );
+        assert_eq!(
+            masked("python3 -m server --keyfile"),
+            "python3 -m server --keyfile"
+        );
+        assert_eq!(
+            masked("server --password --verbose"),
+            "server --password --verbose"
+        );
+        assert_eq!(
+            masked("python3 train.py --lr 3e-4"),
+            "python3 train.py --lr 3e-4"
+        );
+    }
 
     fn process(pid: i32, rss_mib: u64, cmdline: &str) -> Process {
         Process {
