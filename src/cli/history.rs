@@ -169,7 +169,7 @@ pub(super) fn visit(dir: &Path, each: impl FnMut(Record)) -> Result<(), u8> {
     match history::visit(dir, each) {
         Ok(warnings) => {
             for w in &warnings {
-                eprintln!("gpuguard: warning: {w}");
+                eprintln!("gpuguard: warning: {}", printable(w));
             }
             Ok(())
         }
@@ -485,7 +485,8 @@ fn chart(
         let columns = columns(&samples, gpu, model);
         let first = samples[0].0;
         let last = samples[samples.len() - 1].0;
-        let step = ((last - first) / ROWS as u64).max(1);
+        // (A clock stepped back can put a later sample before an earlier one.)
+        let step = (last.saturating_sub(first) / ROWS as u64).max(1);
         let actions: Vec<u64> = records
             .iter()
             .filter_map(|r| match r {

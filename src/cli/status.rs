@@ -396,6 +396,8 @@ pub fn render_model(m: &ModelRow) -> String {
         "GPU",
         "weights mapped",
     ]);
+    // Paths do not fit a cell: each file is numbered, and listed under the table.
+    let mut files: Vec<&str> = Vec::new();
     for p in &m.processes {
         let gpus: Vec<String> = p
             .gpus
@@ -413,10 +415,27 @@ pub fn render_model(m: &ModelRow) -> String {
             } else {
                 gpus.join(", ")
             },
-            p.weights_files.join(", "),
+            p.weights_files
+                .iter()
+                .map(|f| {
+                    let n = match files.iter().position(|known| known == f) {
+                        Some(i) => i + 1,
+                        None => {
+                            files.push(f);
+                            files.len()
+                        }
+                    };
+                    format!("[{n}]")
+                })
+                .collect::<Vec<_>>()
+                .join(" "),
         ]);
     }
-    out + &format!("{t}")
+    out += &format!("{t}\n");
+    for (n, f) in files.iter().enumerate() {
+        out += &format!("[{}] {f}\n", n + 1);
+    }
+    out
 }
 
 #[cfg(test)]

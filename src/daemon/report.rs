@@ -120,7 +120,7 @@ impl Reporter {
         let levels = std::iter::once(v.ram.level).chain(v.gpus.iter().map(|g| g.level));
         if !v.held.is_empty() || levels.clone().any(|l| l == Level::Act) {
             Pressure::Act
-        } else if !v.over_budget.is_empty() || levels.into_iter().any(|l| l == Level::Warn) {
+        } else if levels.into_iter().any(|l| l == Level::Warn) || configured_over_budget(v) {
             Pressure::Warn
         } else {
             Pressure::Quiet
@@ -287,6 +287,14 @@ fn policy_input(
         .collect();
     details.retain(|id, _| kept.contains(id));
     input
+}
+
+/// A model of the config (not one a user launched and declared: anyone can keep that over its
+/// budget, and must not make the recorder write every second) is over its budget.
+fn configured_over_budget(v: &TickView) -> bool {
+    v.over_budget
+        .iter()
+        .any(|o| v.models.iter().any(|m| m.configured && m.name == o.model))
 }
 
 /// This boot's id (`/proc/sys/kernel/random/boot_id`), empty if unknown.

@@ -30,6 +30,8 @@ pub const DETAIL_EVERY: Duration = Duration::from_secs(600);
 /// The largest processes kept on a quiet host, and near a floor or a budget.
 const LARGEST_QUIET: usize = 8;
 const LARGEST_NEAR: usize = 32;
+/// Processes one input keeps at most.
+const MAX_KEPT: usize = 256;
 /// A command line is kept up to this many bytes (model matchers read the start of it).
 const CMDLINE_BYTES: usize = 1024;
 
@@ -191,8 +193,22 @@ impl PolicyInput {
             .collect();
         by_rss.sort_by_key(|&i| std::cmp::Reverse(table[i].rss_bytes));
         let largest = if near { LARGEST_NEAR } else { LARGEST_QUIET };
-        for i in by_rss.into_iter().take(largest) {
+        for &i in by_rss.iter().take(largest) {
             keep[i] = true;
+        }
+        // At most `MAX_KEPT`, the largest first: a user with thousands of processes in a model
+        // must not make a record too large to keep.
+        if keep.iter().filter(|&&k| k).count() > MAX_KEPT {
+            let mut kept = 0;
+            for &i in &by_rss {
+                keep[i] = keep[i] && kept < MAX_KEPT;
+                kept += usize::from(keep[i]);
+            }
+            for (i, p) in table.iter().enumerate() {
+                if p.kernel_thread || p.exited() {
+                    keep[i] = false;
+                }
+            }
         }
         let processes: Vec<ProcessSample> = table
             .iter()
@@ -325,37 +341,88 @@ impl PolicyInput {
     }
 }
 
-/// Words in an argument's name that say its value is a secret.
-const SECRET_NAMES: [&str; 6] = ["key", "token", "secret", "passw", "auth", "credential"];
+/// Parts of an argument's name that say its value is a secret (`--api-key`, `HF_TOKEN`,
+/// `--db-password`; not `--max-tokens` or `--tokenizer`).
+const SECRET_PARTS: [&str; 16] = [
+    "key",
+    "apikey",
+    "token",
+    "secret",
+    "password",
+    "passwd",
+    "pass",
+    "pwd",
+    "passphrase",
+    "auth",
+    "authorization",
+    "credential",
+    "credentials",
+    "cookie",
+    "jwt",
+    "bearer",
+];
 
-/// A command line as the history keeps it (world-readable, for days after the process is gone):
-/// the value of an argument whose name says it is a secret (`--api-key X`, `--token=X`,
-/// `HF_TOKEN=X`) replaced by `***`. Model matchers read the rest.
+/// Whether an argument named `name` (`--api-key`, `HF_TOKEN`) holds a secret.
+fn secret_name(name: &str) -> bool {
+    name.split(|c: char| !c.is_ascii_alphanumeric())
+        .filter(|part| !part.is_empty())
+        .any(|part| {
+            let part = part.to_ascii_lowercase();
+            SECRET_PARTS.contains(&part.as_str())
+        })
+}
+
+/// A command line as the history keeps it (world-readable, for days after the process is gone),
+/// secrets masked as `***`: the value of an argument whose name says it is one (`--api-key X`,
+/// `--token=X`, `HF_TOKEN=X`), the word after `Bearer`/`Basic`, and the user and password of a
+/// URL (`postgres://***@host`). Model matchers read the rest. (Not caught: secrets in JSON
+/// arguments or attached to short flags, `-pX`.)
 fn masked(cmdline: &str) -> String {
-    let secret = |name: &str| {
-        let name = name.to_ascii_lowercase();
-        SECRET_NAMES.iter().any(|s| name.contains(s))
-    };
     let mut out: Vec<String> = Vec::new();
     let mut hide_next = false;
     for word in cmdline.split(' ') {
-        if hide_next && !word.starts_with('-') {
-            out.push("***".into());
-            hide_next = false;
+        let lower = word.to_ascii_lowercase();
+        if std::mem::take(&mut hide_next) && !word.is_empty() {
+            // `Authorization: Bearer X`: the scheme stays, its credential goes.
+            hide_next = lower == "bearer" || lower == "basic";
+            out.push(if hide_next {
+                word.to_string()
+            } else {
+                "***".into()
+            });
             continue;
         }
-        hide_next = false;
-        match word.split_once('=') {
-            Some((name, value)) if secret(name) && !value.is_empty() => {
-                out.push(format!("{name}=***"));
+        let masked = match word.split_once('=') {
+            Some((name, value)) if secret_name(name) => {
+                hide_next = value.is_empty();
+                format!("{name}=***")
             }
-            _ => {
-                hide_next = word.starts_with('-') && !word.contains('=') && secret(word);
-                out.push(word.to_string());
+            _ if lower == "bearer" || lower == "basic" || lower.ends_with("authorization:") => {
+                hide_next = true;
+                word.to_string()
             }
-        }
+            _ if word.starts_with('-') && secret_name(word) => {
+                hide_next = true;
+                word.to_string()
+            }
+            _ => url_without_userinfo(word),
+        };
+        out.push(masked);
     }
     out.join(" ")
+}
+
+/// `word` with the user and password of a URL in it masked (`scheme://***@host`).
+fn url_without_userinfo(word: &str) -> String {
+    let Some(scheme_end) = word.find("://") else {
+        return word.to_string();
+    };
+    let rest = &word[scheme_end + 3..];
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    match rest[..authority_end].rfind('@') {
+        Some(at) => format!("{}://***{}", &word[..scheme_end], &rest[at..]),
+        None => word.to_string(),
+    }
 }
 
 /// The first `max` bytes of `text`, cut at a character boundary.
@@ -378,22 +445,28 @@ mod tests {
     /// is for the model matchers.
     #[test]
     fn secret_arguments_are_masked() {
-        assert_eq!(
-            masked("vllm serve meta-llama/Llama-3-8B --api-key sk-123 --port 8000 --hf-token=hf_abc HF_TOKEN=hf_def"),
-            "vllm serve meta-llama/Llama-3-8B --api-key *** --port 8000 --hf-token=*** HF_TOKEN=***"
-        );
-        assert_eq!(
-            masked("python3 -m server --keyfile"),
-            "python3 -m server --keyfile"
-        );
-        assert_eq!(
-            masked("server --password --verbose"),
-            "server --password --verbose"
-        );
-        assert_eq!(
-            masked("python3 train.py --lr 3e-4"),
-            "python3 train.py --lr 3e-4"
-        );
+        let cases = [
+            (
+                "vllm serve meta-llama/Llama-3-8B --api-key sk-123 --port 8000 --hf-token=hf_abc HF_TOKEN=hf_def",
+                "vllm serve meta-llama/Llama-3-8B --api-key *** --port 8000 --hf-token=*** HF_TOKEN=***",
+            ),
+            // A value that looks like a flag, and one after an empty `=`.
+            ("server --api-key -abc --x", "server --api-key *** --x"),
+            ("server --api-key= sk-1 --x", "server --api-key=*** *** --x"),
+            ("server --db-password hunter2", "server --db-password ***"),
+            (
+                "curl -H Authorization: Bearer eyJhbGci",
+                "curl -H Authorization: Bearer ***",
+            ),
+            ("worker postgres://app:pw@db:5432/x", "worker postgres://***@db:5432/x"),
+            ("git clone https://user:tok@github.com/a/b", "git clone https://***@github.com/a/b"),
+            // Not secrets: kept for the model matchers.
+            ("vllm serve m --max-tokens 512 --tokenizer t", "vllm serve m --max-tokens 512 --tokenizer t"),
+            ("python3 train.py --lr 3e-4 https://example.com/a@b", "python3 train.py --lr 3e-4 https://example.com/a@b"),
+        ];
+        for (given, kept) in cases {
+            assert_eq!(masked(given), kept, "{given}");
+        }
     }
 
     fn process(pid: i32, rss_mib: u64, cmdline: &str) -> Process {

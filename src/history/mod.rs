@@ -26,6 +26,7 @@ pub mod segment;
 mod writer;
 
 use std::collections::BTreeMap;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -124,7 +125,23 @@ pub fn segments(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
 
 /// The records of one segment, and what could not be read of it (a line each).
 fn read_one(path: &Path, warnings: &mut Vec<String>) -> std::io::Result<Vec<Record>> {
-    let file = match std::fs::File::open(path) {
+    // A segment is a regular file, read without following a link (`--dir` may point at a
+    // directory anyone wrote: a FIFO or a link to /dev/zero must not hang or fill the reader).
+    let opened = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .and_then(|f| {
+            if f.metadata()?.file_type().is_file() {
+                Ok(f)
+            } else {
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "not a regular file",
+                ))
+            }
+        });
+    let file = match opened {
         Ok(f) => f,
         // Dropped by the daemon's cap while we listed: nothing to read.
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),

@@ -131,6 +131,14 @@ impl<'c> Replay<'c> {
         let run = &mut self.run;
         run.lists_read += 1;
         let (mut snapshot, launches, unknown) = input.to_snapshot(&mut run.details, run.lists_read);
+        // Only what this input keeps is carried on (the recorder writes details again for a
+        // process that comes back), so a long history does not grow this without end.
+        run.details.retain(|id, _| {
+            input
+                .processes
+                .iter()
+                .any(|p| p.pid == id.pid && p.start_time == id.start_time)
+        });
         without(&mut snapshot, &run.gone);
         let plan = policy::evaluate(self.config, &snapshot, &launches, &mut run.state);
         if in_range {

@@ -133,7 +133,7 @@ impl Recorder {
         self.shared.stopped.lock().unwrap().take()
     }
 
-    /// Records dropped because the queue was full, since the start.
+    /// Records dropped because the queue was full or one was too large, since the start.
     pub fn dropped(&self) -> u64 {
         self.shared.dropped.load(Ordering::Relaxed)
     }
@@ -241,6 +241,12 @@ impl Writer {
             return Ok(());
         }
         let bytes = serde_json::to_vec(record).map_err(std::io::Error::other)?;
+        if bytes.len() > segment::MAX_RECORD {
+            // Too large to keep (a host with processes beyond count): this record is lost, not
+            // the recording.
+            self.shared.dropped.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
         let full = self
             .current
             .as_ref()

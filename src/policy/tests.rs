@@ -1459,6 +1459,38 @@ fn a_victim_short_on_two_gpus_at_once_gets_one_sigterm() {
     );
 }
 
+/// Two GPU floors whose victims overlap without being the same (a user's largest process on
+/// GPU 0; on GPU 1 it and another): the second signals only the process the first did not,
+/// so sharing a process cannot keep the other from its signal (a hostile review found the
+/// first version of the join above let it).
+#[test]
+fn overlapping_victims_of_two_floors_each_get_one_signal() {
+    let c = config("[gpu]\nmin_free = \"2GiB\"\nwarn_free = \"3GiB\"\n");
+    let procs = || vec![proc(100, "big", GIB, 1), proc(101, "other", GIB, 1)];
+    let s = |at| {
+        gsnap(
+            at,
+            procs(),
+            vec![
+                gpu(0, GIB, &[(100, Some(8 * GIB))]),
+                gpu(1, GIB / 2, &[(100, Some(2 * GIB)), (101, Some(GIB))]),
+            ],
+        )
+    };
+    let mut state = PolicyState::default();
+    let plan = decide(&c, &s(0), &mut state);
+    let victims: Vec<_> = state
+        .incidents
+        .values()
+        .map(|i| (i.stage, i.victim.clone()))
+        .collect();
+    assert_eq!(
+        acts(&plan),
+        "terminate [100]; terminate [101]",
+        "{victims:#?}"
+    );
+}
+
 /// On a GPU floor a non-root user is one candidate, ranked by the GPU memory of all its
 /// processes outside the models, and gives back its largest processes until they cover what the
 /// floor needs (to its warn floor), in one action; root's processes are ranked one by one.

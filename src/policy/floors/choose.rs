@@ -425,12 +425,15 @@ fn act_on(
         }
     }
     if let (Some(verb), false) = (verb, config.daemon.mode == Mode::Observe) {
-        if let Some(shared) = signalled_by_another(state, resource, &target, verb) {
-            // Another floor's incident has signalled this victim already (a model short on two
-            // GPUs at once): this one shares that step, no second signal (a second SIGTERM
-            // makes many servers quit without cleaning up), and no second victim for the brake.
+        if let Some((stage, since)) = signalled_by_another(state, resource, &target, verb) {
+            // Another floor's incident has signalled every process of this victim already (a
+            // model short on two GPUs at once): this one shares that step, no second signal (a
+            // second SIGTERM makes many servers quit without cleaning up), and no second
+            // victim for the brake. Its baseline is its own (the other's is another memory).
             let incident = state.incidents.get_mut(&resource).expect("incident exists");
-            (incident.stage, incident.stage_since, incident.term_baseline) = shared;
+            incident.stage = stage;
+            incident.stage_since = since;
+            incident.term_baseline = None;
             incident.available_at_stage = reading.available;
             incident.victim = Some(target);
             return;
@@ -458,9 +461,21 @@ fn act_on(
                     used: victim.used,
                     done: false,
                 });
+            // Processes another floor's incident has signalled as strongly already are left
+            // out of this signal (the victim here is still all of them).
+            let done = signalled_elsewhere(state, resource, verb);
+            let rest = Target {
+                model: target.model.clone(),
+                members: target
+                    .members
+                    .iter()
+                    .filter(|m| !done.contains(&m.id))
+                    .cloned()
+                    .collect(),
+            };
             plan.actions.push(action(
                 verb,
-                &target,
+                &rest,
                 reading.kind(),
                 detail,
                 reading.recheck(),
@@ -470,35 +485,55 @@ fn act_on(
     }
 }
 
-/// The step (stage, since, baseline) of another floor's incident whose victim shares a process
-/// with `target` and that has sent it `verb` or a stronger signal.
+/// How strong a signal a stage has sent (0: none that counts).
+fn strength(stage: Stage) -> u8 {
+    match stage {
+        Stage::Stopped => 1,
+        Stage::Terminated => 2,
+        Stage::Killed => 3,
+        Stage::Alerted | Stage::Throttled | Stage::Gone | Stage::Stuck => 0,
+    }
+}
+
+/// How strong a signal `verb` is (0: not one the floors send to a victim).
+fn verb_strength(verb: Verb) -> u8 {
+    match verb {
+        Verb::Stop => 1,
+        Verb::Terminate => 2,
+        Verb::Kill => 3,
+        _ => 0,
+    }
+}
+
+/// The step (stage, since) of another floor's incident that has sent `verb` or a stronger signal
+/// to every process of `target` already. A target with a process that incident did not signal
+/// is not covered (that process gets its signal), and an incident whose victim is gone or stuck
+/// covers nothing.
 fn signalled_by_another(
     state: &PolicyState,
     resource: Resource,
     target: &Target,
     verb: Verb,
-) -> Option<(Stage, Duration, Option<TermBaseline>)> {
-    let strength = |stage: Stage| match stage {
-        Stage::Stopped => 1,
-        Stage::Terminated => 2,
-        Stage::Killed | Stage::Gone | Stage::Stuck => 3,
-        Stage::Alerted | Stage::Throttled => 0,
-    };
-    let wanted = match verb {
-        Verb::Stop => 1,
-        Verb::Terminate => 2,
-        Verb::Kill => 3,
-        _ => return None,
-    };
+) -> Option<(Stage, Duration)> {
+    let wanted = verb_strength(verb);
     state.incidents.iter().find_map(|(r, i)| {
         let victim = i.victim.as_ref()?;
-        let shares = victim.ids().any(|id| target.ids().any(|c| c == id));
-        (*r != resource && shares && strength(i.stage) >= wanted).then_some((
-            i.stage,
-            i.stage_since,
-            i.term_baseline,
-        ))
+        let covered = target.ids().all(|c| victim.ids().any(|id| id == c));
+        (wanted > 0 && *r != resource && covered && strength(i.stage) >= wanted)
+            .then_some((i.stage, i.stage_since))
     })
+}
+
+/// The processes other floors' incidents have sent `verb` or a stronger signal.
+fn signalled_elsewhere(state: &PolicyState, resource: Resource, verb: Verb) -> Vec<ProcessId> {
+    let wanted = verb_strength(verb);
+    state
+        .incidents
+        .iter()
+        .filter(|(r, i)| wanted > 0 && **r != resource && strength(i.stage) >= wanted)
+        .filter_map(|(_, i)| i.victim.as_ref())
+        .flat_map(|v| v.ids())
+        .collect()
 }
 
 /// The earlier SIGTERM of a process chosen again, if it is still within `term_grace` (taken out of
