@@ -171,7 +171,8 @@ impl StateDir {
     }
 
     /// A directory `name` in it that any user may read (the flight recorder's, for `gpuguard
-    /// history`), created 0755 if missing, opened without following a symlink and checked as the
+    /// history`), created 0755 if missing (one already there keeps its mode: an operator may
+    /// make it root's alone), opened without following a symlink and checked as the
     /// state directory is (this user's, not writable by group or others). The state directory
     /// itself is made traversable (`o+x`, never readable: its own files stay 0600 and unlisted).
     pub fn public_subdir(&self, name: &str) -> std::io::Result<OwnedFd> {
@@ -180,10 +181,12 @@ impl StateDir {
         if mode & 0o011 != 0o011 {
             nix::sys::stat::fchmod(&self.fd, Mode::from_bits_truncate(mode | 0o011))?;
         }
-        match nix::sys::stat::mkdirat(&self.fd, name, Mode::from_bits_truncate(0o755)) {
-            Ok(()) | Err(Errno::EEXIST) => {}
+        let created = match nix::sys::stat::mkdirat(&self.fd, name, Mode::from_bits_truncate(0o755))
+        {
+            Ok(()) => true,
+            Err(Errno::EEXIST) => false,
             Err(e) => return Err(e.into()),
-        }
+        };
         let fd = openat(
             &self.fd,
             name,
@@ -200,8 +203,9 @@ impl StateDir {
                 st.st_mode & 0o7777
             )));
         }
-        // Whatever the umask made of it (the systemd unit runs with 0077).
-        if st.st_mode & 0o7777 != 0o755 {
+        // Whatever the umask made of it (the systemd unit runs with 0077). One that was there
+        // keeps the mode it has: an operator may have made it root's alone (0700).
+        if created && st.st_mode & 0o7777 != 0o755 {
             nix::sys::stat::fchmod(&fd, Mode::from_bits_truncate(0o755))?;
         }
         Ok(fd)
@@ -250,6 +254,21 @@ fn error(path: &Path, e: impl std::fmt::Display) -> StateDirError {
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+
+    /// A public subdirectory is made 0755 when created (whatever the umask), and keeps the mode
+    /// an operator gave it afterwards (0700: the history root's alone, on a hidepid host).
+    #[test]
+    fn a_public_subdir_is_0755_when_made_and_keeps_a_stricter_mode() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = StateDir::create(&root.path().join("state")).unwrap();
+        let sub = dir.path().join("history");
+        drop(dir.public_subdir("history").unwrap());
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&sub), 0o755);
+        std::fs::set_permissions(&sub, std::fs::Permissions::from_mode(0o700)).unwrap();
+        drop(dir.public_subdir("history").unwrap());
+        assert_eq!(mode(&sub), 0o700);
+    }
 
     #[test]
     fn created_0700_and_refused_when_group_or_world_writable() {
