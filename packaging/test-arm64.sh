@@ -3,7 +3,8 @@
 # cross-built with cargo zigbuild against glibc 2.28), lints it, and runs it under emulation
 # (qemu-aarch64-static with Debian's arm64 glibc): `--version`, `check-config` on the packaged
 # config, `plan` on a public architecture, and a short `daemon` in observe mode that must sample
-# this host's memory and stop cleanly on SIGTERM. Then the unit tests that read no live system
+# this host's memory and stop cleanly on SIGTERM; the aarch64 .rpm of the same binary, linted.
+# Then the unit tests that read no live system
 # (the policy, the /proc and NVML parsers, plan, the history's records and replay), built for
 # aarch64 and run under the same emulation.
 #
@@ -42,6 +43,18 @@ lintian --allow-root --fail-on error,warning --display-info --pedantic "$DEB" >"
         fail "lintian reported errors or warnings"
     }
 sed 's/^/   /' "$WORK/lintian.log"
+
+say "the aarch64 .rpm from the same binary (packaging/build-rpm.sh)"
+if command -v cargo-generate-rpm >/dev/null && command -v rpmlint >/dev/null; then
+    RPM=$(GPUGUARD_ARCH=arm64 packaging/build-rpm.sh "$WORK/rpm" | tail -n 1)
+    [ "$(rpm -qp --qf '%{ARCH}' "$RPM")" = aarch64 ] || fail "rpm arch: $(rpm -qp --qf '%{ARCH}' "$RPM")"
+    rpmlint -c packaging/rpmlint.toml "$RPM" >"$WORK/rpmlint.log" 2>&1 || true
+    grep -qE '^ *[0-9]+ packages and [0-9]+ specfiles checked; 0 errors' "$WORK/rpmlint.log" ||
+        fail "rpmlint on the aarch64 .rpm: $(cat "$WORK/rpmlint.log")"
+    echo "   $RPM: aarch64, rpmlint clean"
+else
+    echo "   skipped: cargo-generate-rpm or rpmlint not installed (.ci/run installs both)"
+fi
 
 say "the packaged binary under emulation"
 mkdir -p "$WORK/root"
