@@ -78,16 +78,10 @@ pub fn run(args: HistoryArgs) -> u8 {
         },
     };
     let now = history::now_ms();
-    let parse = |flag: &str, text: &Option<String>, default: u64| match text {
-        None => Ok(default),
-        Some(t) => parse_time(t, now).map_err(|e| format!("--{flag} '{t}': {e}")),
-    };
     let (at, since, until) = match (
-        args.at
-            .as_ref()
-            .map(|t| parse_time(t, now).map_err(|e| format!("--at '{t}': {e}"))),
-        parse("since", &args.since, now.saturating_sub(3_600_000)),
-        parse("until", &args.until, now),
+        args.at.is_some().then(|| time_flag("at", &args.at, 0, now)),
+        time_flag("since", &args.since, now.saturating_sub(3_600_000), now),
+        time_flag("until", &args.until, now, now),
     ) {
         (Some(Err(e)), ..) | (_, Err(e), _) | (_, _, Err(e)) => {
             eprintln!("gpuguard: {e}");
@@ -194,6 +188,20 @@ fn shown(text: &str) -> String {
     text.lines()
         .map(|l| format!("{}\n", printable(l)))
         .collect()
+}
+
+/// The time `--FLAG TEXT` gives (Unix milliseconds), `default` when not given; the error names
+/// the flag and what was given.
+pub(super) fn time_flag(
+    flag: &str,
+    text: &Option<String>,
+    default: u64,
+    now_ms: u64,
+) -> Result<u64, String> {
+    match text {
+        None => Ok(default),
+        Some(t) => parse_time(t, now_ms).map_err(|e| format!("--{flag} '{t}': {e}")),
+    }
 }
 
 /// Parses a time given on the command line into Unix milliseconds.
@@ -670,6 +678,26 @@ mod tests {
         // RAM + GPU 0 + GPU 1, then 2-4, then 5-7: three blocks, 100 columns at three a block.
         assert_eq!(text.matches("time (local)").count(), 3, "{text}");
         assert!(text.lines().any(|l| l.chars().count() == 100), "{text}");
+    }
+
+    /// Samples out of time order (the wall clock stepped back) draw, they do not panic.
+    #[test]
+    fn a_clock_stepped_back_still_draws() {
+        let sample = |at_ms| Record::Sample {
+            at_ms,
+            status: Box::default(),
+            input: None,
+        };
+        let (later, earlier) = (sample(1_764_140_060_000), sample(1_764_140_000_000));
+        let text = chart(
+            &[&later, &earlier],
+            None,
+            None,
+            0,
+            u64::MAX,
+            Path::new("/x"),
+        );
+        assert!(text.starts_with("time (local)"), "{text}");
     }
 
     #[test]

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use clap::Args;
 
 use super::exit;
-use super::history::{local, local_as, parse_time, show, visit};
+use super::history::{local, local_as, show, time_flag, visit};
 use crate::config::Config;
 use crate::history::replay::{Replay, ReplayReport, Step};
 use crate::history::{self};
@@ -48,13 +48,14 @@ pub fn run(args: ReplayArgs) -> u8 {
         .clone()
         .unwrap_or_else(|| config.daemon.state_dir.join(history::DIR));
     let now = history::now_ms();
-    let parse = |flag: &str, text: &Option<String>, default: u64| match text {
-        None => Ok(default),
-        Some(t) => parse_time(t, now).map_err(|e| format!("--{flag} '{t}': {e}")),
-    };
     let (since, until) = match (
-        parse("since", &args.since, now.saturating_sub(24 * 3_600_000)),
-        parse("until", &args.until, now),
+        time_flag(
+            "since",
+            &args.since,
+            now.saturating_sub(24 * 3_600_000),
+            now,
+        ),
+        time_flag("until", &args.until, now, now),
     ) {
         (Ok(s), Ok(u)) if s <= u => (s, u),
         (Ok(_), Ok(_)) => {

@@ -515,4 +515,33 @@ mod tests {
             "observe: RAM available unknown, 1 GPU(s), 1 model(s), 1 queued, 1 held stopped"
         );
     }
+
+    /// A model of the config over its budget makes the recorder keep a sample a second; a model
+    /// a user launched and declared, over its own budget, does not (anyone can keep one over).
+    #[test]
+    fn only_a_configured_model_over_budget_raises_the_recording_rate() {
+        use crate::policy::Overage;
+        use crate::view::OverBudget;
+        let over = |configured: bool| {
+            let mut v = TickView::default();
+            v.models.push(ModelView {
+                name: "m".into(),
+                configured,
+                ..ModelView::default()
+            });
+            v.over_budget.push(OverBudget {
+                model: "m".into(),
+                over: Overage {
+                    gpu: false,
+                    used_bytes: 2,
+                    budget_bytes: 1,
+                },
+                first: None,
+            });
+            v
+        };
+        assert!(configured_over_budget(&over(true)));
+        assert!(!configured_over_budget(&over(false)));
+        assert!(!configured_over_budget(&TickView::default()));
+    }
 }

@@ -254,6 +254,20 @@ impl Harness {
         }
     }
 
+    /// Critical events and kills go to a kernel log as on GCE: a file in the test's directory
+    /// (its path is returned), named both the DMI product name and `/dev/kmsg`.
+    fn kernel_log_as_on_gce(&mut self) -> std::path::PathBuf {
+        let kmsg = self._dir.path().join("kmsg");
+        std::fs::write(&kmsg, "").unwrap();
+        let paths = crate::history::kernel_log::Paths {
+            dmi_product_name: &kmsg,
+            kmsg: &kmsg,
+        };
+        self.daemon.reporter.kernel_log =
+            crate::history::kernel_log::KernelLog::open(crate::config::OnGce::On, &paths).unwrap();
+        kmsg
+    }
+
     fn world(&self) -> MutexGuard<'_, World> {
         world(&self.world)
     }
@@ -643,15 +657,7 @@ fn the_history_keeps_an_incident_and_the_next_start_writes_its_post_mortem() {
     };
     w.spawn(200, "hog", 12 * GIB);
     let mut h = Harness::new(w, config);
-    // The kernel log as on GCE (a file here).
-    let kmsg = h._dir.path().join("kmsg");
-    std::fs::write(&kmsg, "").unwrap();
-    let paths = crate::history::kernel_log::Paths {
-        dmi_product_name: &kmsg,
-        kmsg: &kmsg,
-    };
-    h.daemon.reporter.kernel_log =
-        crate::history::kernel_log::KernelLog::open(crate::config::OnGce::On, &paths).unwrap();
+    let kmsg = h.kernel_log_as_on_gce();
     h.ticks(4, 100 * MS);
     assert_eq!(h.signals(), [(200, Sig::Stop)]);
     let kernel_log = std::fs::read_to_string(&kmsg).unwrap();
@@ -772,14 +778,7 @@ fn a_kill_goes_to_the_kernel_log_as_well() {
         "[ram]\nwarn_available = \"8GiB\"\nmin_available = \"4GiB\"\naction = \"kill\"\n\
          [gpu]\nenabled = false\n[history]\nenabled = false\n",
     );
-    let kmsg = h._dir.path().join("kmsg");
-    std::fs::write(&kmsg, "").unwrap();
-    let paths = crate::history::kernel_log::Paths {
-        dmi_product_name: &kmsg,
-        kmsg: &kmsg,
-    };
-    h.daemon.reporter.kernel_log =
-        crate::history::kernel_log::KernelLog::open(crate::config::OnGce::On, &paths).unwrap();
+    let kmsg = h.kernel_log_as_on_gce();
     h.ticks(3, 100 * MS);
     assert_eq!(h.signals(), [(200, Sig::Term)], "{:?}", h.actions());
     let kernel_log = std::fs::read_to_string(&kmsg).unwrap();

@@ -8,7 +8,7 @@
 //! each; a reader carries it forward. Command lines are kept with secret-looking values masked
 //! (the history is world-readable and outlives the processes). The rest of the snapshot (host memory, the GPUs with their
 //! per-process figures, tmpfs owners, the launches) is kept whole. On a quiet host (every floor
-//! ok, no model over budget) the input goes with one sample a minute (`QUIET_EVERY`), not with
+//! ok, no model of the config over budget) the input goes with one sample a minute (`QUIET_EVERY`), not with
 //! each: nothing is being decided then, and it is most of what a quiet day would write.
 
 use std::collections::{BTreeMap, HashMap};
@@ -188,26 +188,21 @@ impl PolicyInput {
                     || launches.registered.contains_key(&id)
             })
             .collect();
-        let mut by_rss: Vec<usize> = (0..table.len())
-            .filter(|&i| !table[i].kernel_thread && !table[i].exited())
-            .collect();
+        let mut by_rss: Vec<usize> = (0..table.len()).collect();
         by_rss.sort_by_key(|&i| std::cmp::Reverse(table[i].rss_bytes));
         let largest = if near { LARGEST_NEAR } else { LARGEST_QUIET };
-        for &i in by_rss.iter().take(largest) {
-            keep[i] = true;
-        }
+        by_rss
+            .iter()
+            .filter(|&&i| !table[i].kernel_thread && !table[i].exited())
+            .take(largest)
+            .for_each(|&i| keep[i] = true);
         // At most `MAX_KEPT`, the largest first: a user with thousands of processes in a model
         // must not make a record too large to keep.
-        if keep.iter().filter(|&&k| k).count() > MAX_KEPT {
-            let mut kept = 0;
-            for &i in &by_rss {
-                keep[i] = keep[i] && kept < MAX_KEPT;
-                kept += usize::from(keep[i]);
-            }
-            for (i, p) in table.iter().enumerate() {
-                if p.kernel_thread || p.exited() {
-                    keep[i] = false;
-                }
+        let mut kept = 0;
+        for &i in &by_rss {
+            if keep[i] {
+                keep[i] = kept < MAX_KEPT;
+                kept += 1;
             }
         }
         let processes: Vec<ProcessSample> = table
@@ -440,6 +435,33 @@ fn truncated(text: &str, max: usize) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A model of 300 processes on a GPU: the input keeps the 256 with the most RSS and counts
+    /// the rest as left out, so no user can make a record too large to keep.
+    #[test]
+    fn an_input_keeps_at_most_the_largest_processes() {
+        let mut snapshot = Snapshot::default();
+        snapshot.processes.processes = (1..=300).map(|pid| process(pid, pid as u64, "w")).collect();
+        snapshot.gpus.devices.push(Gpu {
+            processes: (1..=300).map(|pid| (pid, Some(1 << 20))).collect(),
+            ..Gpu::default()
+        });
+        let input = PolicyInput::of_tick(
+            &snapshot,
+            &Launches::default(),
+            &Attribution::default(),
+            true,
+            |_| true,
+        );
+        assert_eq!(input.processes.len(), MAX_KEPT);
+        assert_eq!(input.left_out, 300 - MAX_KEPT);
+        let smallest = input.processes.iter().map(|p| p.pid).min().unwrap();
+        assert_eq!(
+            smallest as usize,
+            300 - MAX_KEPT + 1,
+            "the largest are kept"
+        );
+    }
 
     /// Secrets on a command line stay out of the world-readable history; the rest stays as it
     /// is for the model matchers.

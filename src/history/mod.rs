@@ -14,7 +14,7 @@
 //! bounded queue (a record that does not fit is dropped and counted). How often a sample is kept
 //! and how often the file is synced follow the pressure on the host (`Pressure`): every 10 s
 //! and synced every minute when quiet, every second and synced every 5 s near a floor or with a
-//! model over its budget, every sample and synced at once at the act floor, because the minutes
+//! model of the config over its budget (not one a user launched), every sample and synced at once at the act floor, because the minutes
 //! before a crash are the ones that matter; and every tick on which the policy decided something
 //! (an event, an action). Each sample keeps what the policy decided from (`input.rs`), so that
 //! `gpuguard replay` runs it through the policy again with another config (`replay.rs`).

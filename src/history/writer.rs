@@ -515,6 +515,38 @@ mod tests {
         assert_eq!(sizes, [10, 20]);
     }
 
+    /// A record larger than a segment may hold is dropped and counted; the recording goes on.
+    #[test]
+    fn a_record_too_large_is_dropped_not_the_recording() {
+        let tmp = tempfile::tempdir().unwrap();
+        let r = Recorder::start_with(dir_fd(tmp.path()), &HistoryConfig::default(), 0).unwrap();
+        r.record(event(1, segment::MAX_RECORD + 1), Pressure::Act);
+        r.record(event(2, 10), Pressure::Act);
+        r.flush();
+        assert_eq!(r.stopped(), None);
+        assert_eq!(r.dropped(), 1);
+        let h = read(tmp.path()).unwrap();
+        assert!(
+            matches!(h.records[..], [Record::Event { at_ms: 2, .. }]),
+            "{:?}",
+            h.records
+        );
+    }
+
+    /// A history directory anyone may have written (`--dir`): a FIFO or a link named like a
+    /// segment is refused at once, never read (a reader would hang or read /dev/zero forever).
+    #[test]
+    fn a_segment_that_is_not_a_regular_file_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let fifo = tmp.path().join(super::super::segment_name(1));
+        nix::unistd::mkfifo(&fifo, Mode::from_bits_truncate(0o600)).unwrap();
+        let e = read(tmp.path()).unwrap_err().to_string();
+        assert!(e.contains("not a regular file"), "{e}");
+        std::fs::remove_file(&fifo).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &fifo).unwrap();
+        assert!(read(tmp.path()).is_err());
+    }
+
     /// A file system nearly full: recording stops, says why once, and writes nothing more.
     #[test]
     fn a_nearly_full_file_system_stops_the_recording() {
