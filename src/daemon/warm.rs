@@ -1,6 +1,7 @@
 //! Runs the emergency paths once at start, on made-up data and on gpuguard itself, so their code
 //! is resident (and, with `--lock-memory`, locked) before memory runs short: the floor decision
-//! (choose, SIGTERM, SIGKILL on growth, the next victim) and the signal path's verification.
+//! (choose, SIGTERM, SIGKILL on growth, the next victim, each entered as carried out) and the
+//! signal path's verification.
 //! Nothing is signalled and nothing is logged.
 
 use std::path::Path;
@@ -8,7 +9,7 @@ use std::time::Duration;
 
 use crate::act::ProcessControl;
 use crate::config::Config;
-use crate::policy::{evaluate, Launches, PolicyState};
+use crate::policy::{evaluate, Executed, Launches, Outcome, PolicyState};
 use crate::snapshot::{HostMemory, Process, ProcessTable, Snapshot};
 
 const GIB: u64 = 1 << 30;
@@ -49,6 +50,11 @@ fn floor_incident() -> Vec<&'static str> {
             &mut state,
         );
         verbs.extend(plan.actions.iter().map(|a| a.verb.as_str()));
+        let done = plan.actions.into_iter().map(|action| Executed {
+            action,
+            outcome: Outcome::Done,
+        });
+        state.apply(&done.collect::<Vec<_>>());
     }
     verbs
 }

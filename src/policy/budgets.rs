@@ -9,8 +9,8 @@ use crate::snapshot::Snapshot;
 
 use super::victim::model_target;
 use super::{
-    action, bytes, event, About, BudgetState, Enforcement, Launches, ModelUsage, Overage, Plan,
-    PolicyState, Severity, Stage, Target, Verb,
+    action, bytes, event, About, BudgetState, Enforcement, Entry, Launches, ModelUsage, Overage,
+    Plan, PolicyState, Severity, Stage, Target, Verb,
 };
 
 /// A model over its budget this tick, as the transitions below need it.
@@ -76,7 +76,9 @@ pub(super) fn evaluate_budgets(
                 enforce(config, snapshot, state, model, index, &over, plan);
             }
             None => {}
-            Some(enforced) => follow_up(config, snapshot, budget, enforced, &over, plan),
+            Some(enforced) => {
+                follow_up(config, snapshot, &model.name, budget, enforced, &over, plan)
+            }
         }
     }
     // Models that left the config or the host: lift what was enforced on them.
@@ -182,28 +184,35 @@ fn enforce(
         over.why,
         humantime::format_duration(model.grace)
     );
-    match verb {
-        Some(verb) => plan
-            .actions
-            .push(action(verb, &target, over.kind, detail, None)),
-        None => plan.events.push(
-            event(
-                Severity::Critical,
-                EventKind::BudgetEnforced,
-                format!("{detail} (alert only)"),
-            )
-            .about(about_model(&model.name)),
-        ),
-    }
-    state
-        .budgets
-        .get_mut(&model.name)
-        .expect("entry exists")
-        .enforced = Some(Enforcement {
+    let enforced = Enforcement {
         stage,
         since: snapshot.at,
         target,
-    });
+    };
+    match verb {
+        Some(verb) => {
+            let act = action(verb, &enforced.target, over.kind, detail, None);
+            plan.actions.push(act.entering(Entry::Budget {
+                model: model.name.clone(),
+                enforced,
+            }));
+        }
+        None => {
+            plan.events.push(
+                event(
+                    Severity::Critical,
+                    EventKind::BudgetEnforced,
+                    format!("{detail} (alert only)"),
+                )
+                .about(about_model(&model.name)),
+            );
+            state
+                .budgets
+                .get_mut(&model.name)
+                .expect("entry exists")
+                .enforced = Some(enforced);
+        }
+    }
 }
 
 /// Still over budget with an enforcement in force: SIGKILL after `term_grace`, a new round once
@@ -211,6 +220,7 @@ fn enforce(
 fn follow_up(
     config: &Config,
     snapshot: &Snapshot,
+    name: &str,
     budget: &mut BudgetState,
     enforced: Enforcement,
     over: &Over,
@@ -226,14 +236,15 @@ fn follow_up(
     let held_for = now.saturating_sub(since);
     match stage {
         Stage::Terminated if held_for >= d.term_grace && target.any_alive(snapshot) => {
-            plan.actions.push(action(
+            let kill = action(
                 Verb::Kill,
                 &target,
                 over.kind,
                 format!("{}; SIGTERM not enough", over.why),
                 None,
-            ));
-            budget.enforced = Some(Enforcement::killed(now, target));
+            );
+            plan.actions
+                .push(kill.entering(Entry::killed(name, now, target)));
         }
         // The enforced processes are gone but the model is still over budget (restarted by its
         // supervisor): a new round, starting with a new grace.
@@ -242,7 +253,7 @@ fn follow_up(
             budget.over_since = Some(now);
         }
         Stage::Stopped if held_for >= d.max_stop => {
-            end_stop(config, budget, target, now, over, plan)
+            end_stop(config, name, budget, target, now, over, plan)
         }
         _ => {}
     }
@@ -251,6 +262,7 @@ fn follow_up(
 /// Stopped for `max_stop`: killed, or resumed when the GPU reading is stale (never killed on it).
 fn end_stop(
     config: &Config,
+    name: &str,
     budget: &mut BudgetState,
     target: Target,
     now: Duration,
@@ -272,14 +284,15 @@ fn end_stop(
         budget.enforced = None;
         return;
     }
-    plan.actions.push(action(
+    let kill = action(
         Verb::Kill,
         &target,
         ReasonKind::MaxStop,
         format!("{}; stopped for {max_stop} (max_stop)", over.why),
         None,
-    ));
-    budget.enforced = Some(Enforcement::killed(now, target));
+    );
+    plan.actions
+        .push(kill.entering(Entry::killed(name, now, target)));
 }
 
 /// The model is back under budget (or gone): resume or unthrottle it.

@@ -3,6 +3,9 @@
 //! No I/O and no clock (time comes in on the snapshot), so every rule is tested with plain data.
 //! Floors (host RAM, each GPU) open *incidents* that act on one victim at a time and escalate;
 //! budgets watch each model. The plan says what to do, what happened, and when to look again.
+//! Each action carries the stage it enters (`Entry`), entered in one place, `PolicyState::apply`,
+//! once the executor reports it carried out; what the policy observes (a victim gone, memory
+//! stuck, back above a floor or under a budget) changes stages in `evaluate`.
 
 pub mod admission;
 mod budgets;
@@ -121,6 +124,32 @@ pub struct Action {
     pub target: Target,
     pub reason: Reason,
     pub recheck: Option<Recheck>,
+    /// The stage the action puts its incident or budget in, entered only once the executor has
+    /// carried it out (`PolicyState::apply`).
+    #[serde(skip)]
+    pub enters: Option<Entry>,
+}
+
+/// Where an action leaves the incident or budget it was decided for. The policy's stages move
+/// on what the executor reports (`PolicyState::apply`), never on the decision alone: an action
+/// skipped or failed leaves the stage where it was, and the next tick decides afresh.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Entry {
+    /// A floor's incident: `victim` at `stage` from `at`.
+    Floor {
+        resource: Resource,
+        victim: Target,
+        stage: Stage,
+        at: Duration,
+        /// A victim chosen just now, holding this much of the short resource: it counts towards
+        /// the floor's brake.
+        chosen: Option<u64>,
+    },
+    /// A model's budget: the enforcement in force from now on.
+    Budget {
+        model: String,
+        enforced: Enforcement,
+    },
 }
 
 /// Something worth telling an operator that is not itself a signal.
@@ -225,8 +254,6 @@ pub struct Incident {
     pub stale_reported: bool,
     /// Processes the executor could not act on (not permitted...): not chosen again here.
     pub excluded: Vec<ProcessId>,
-    /// The resource's reading when the current stage began.
-    pub available_at_stage: Option<u64>,
     /// When a sample first showed the resource far below its floor (SIGKILL at once needs a
     /// later sample to confirm it); `None` while it is not.
     pub far_below_at: Option<Duration>,
@@ -257,11 +284,16 @@ impl Incident {
             no_victim_reported: false,
             stale_reported: false,
             excluded: Vec::new(),
-            available_at_stage: None,
             far_below_at: None,
             term_baseline: None,
             shmem_reported: false,
         }
+    }
+
+    /// The one way an incident's stage changes: `stage` from `at`.
+    fn enter(&mut self, stage: Stage, at: Duration) {
+        self.stage = stage;
+        self.stage_since = at;
     }
 }
 
@@ -272,16 +304,14 @@ pub struct Executed {
     pub outcome: Outcome,
 }
 
-/// A victim a floor acted on: what the brake on cascades counts, across incidents.
+/// A victim a floor acted on (the executor carried out, or in observe mode logged, the first
+/// action on it): what the brake on cascades counts, across incidents.
 #[derive(Clone, Debug, Serialize)]
 pub struct FloorVictim {
     pub at: Duration,
     pub target: Target,
     /// What it held of the short resource when chosen.
     pub used: u64,
-    /// The executor carried out (or, in observe mode, logged) the first action on it; until
-    /// then an action skipped or failed takes it off the count.
-    pub done: bool,
 }
 
 /// A model's budget state.
@@ -296,22 +326,12 @@ pub struct BudgetState {
 }
 
 /// A budget's action in force against a model.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Enforcement {
     pub stage: Stage,
     /// When the stage began.
     pub since: Duration,
     pub target: Target,
-}
-
-impl Enforcement {
-    fn killed(at: Duration, target: Target) -> Enforcement {
-        Enforcement {
-            stage: Stage::Killed,
-            since: at,
-            target,
-        }
-    }
 }
 
 /// The resource a model is over its budget on (RAM first when both are), and by how much.
@@ -488,47 +508,111 @@ impl PolicyState {
         self.attributed = None;
     }
 
-    /// What became of this tick's actions: the only way the policy learns what the executor did.
-    /// An action not carried out (the target gone, memory recovered, or failed: not
-    /// permitted...) undoes the stage its plan entered, so the next tick decides afresh; a target
-    /// that could not be signalled is not chosen again in that incident.
+    /// What became of this tick's actions: the only way the policy learns what the executor did,
+    /// and the one place where an action's stage is entered. An action carried out (or, in
+    /// observe mode, logged) enters the stage it was decided with; one skipped (the target gone,
+    /// memory recovered) leaves everything as it was, so the next tick decides afresh; a floor's
+    /// victim that could not be signalled (not permitted...) is let go and not chosen again in
+    /// that incident.
     pub fn apply(&mut self, outcomes: &[Executed]) {
         for Executed { action, outcome } in outcomes {
-            match outcome {
-                Outcome::Done | Outcome::Observed => {
-                    for v in self.floor_victims.values_mut().flatten() {
-                        if v.target == action.target {
-                            v.done = true;
-                        }
+            match (outcome, &action.enters) {
+                (Outcome::Done | Outcome::Observed, Some(entry)) => self.enter(entry.clone()),
+                (Outcome::Failed(_), Some(Entry::Floor { resource, .. })) => {
+                    if let Some(incident) = self.incidents.get_mut(resource) {
+                        incident.excluded.extend(action.target.ids());
+                        incident.victim = None;
                     }
                 }
-                Outcome::Skipped(_) => self.not_done(action, false),
-                Outcome::Failed(_) => self.not_done(action, true),
+                _ => {}
             }
         }
     }
 
-    fn not_done(&mut self, action: &Action, failed: bool) {
-        // A victim never signalled does not count towards the brake.
-        for victims in self.floor_victims.values_mut() {
-            victims.retain(|v| v.done || v.target != action.target);
-        }
-        for incident in self.incidents.values_mut() {
-            if incident.victim.as_ref() == Some(&action.target) {
-                incident.victim = None;
-                if failed {
-                    incident.excluded.extend(action.target.ids());
+    /// An action's entry, carried out.
+    fn enter(&mut self, entry: Entry) {
+        match entry {
+            Entry::Floor {
+                resource,
+                victim,
+                stage,
+                at,
+                chosen,
+            } => {
+                let Some(incident) = self.incidents.get_mut(&resource) else {
+                    return;
+                };
+                if let Some(used) = chosen {
+                    self.floor_victims
+                        .entry(resource)
+                        .or_default()
+                        .push(FloorVictim {
+                            at,
+                            target: victim.clone(),
+                            used,
+                        });
                 }
+                incident.victim = Some(victim);
+                incident.enter(stage, at);
             }
-        }
-        if let Some(model) = &action.target.model {
-            if let Some(b) = self.budgets.get_mut(model) {
-                if matches!(action.verb, Verb::Throttle | Verb::Stop | Verb::Terminate) {
-                    b.enforced = None;
+            Entry::Budget { model, enforced } => {
+                if let Some(budget) = self.budgets.get_mut(&model) {
+                    budget.enforced = Some(enforced);
                 }
             }
         }
     }
+
+    /// The floors' victims and their stages as they will be once this tick's actions are carried
+    /// out (`plan`'s entries over the incidents'): what the rest of the tick reads, so that two
+    /// floors deciding in one tick see each other's step.
+    fn steps(&self, plan: &Plan) -> Vec<InForce> {
+        let mut steps: BTreeMap<Resource, InForce> = self
+            .incidents
+            .iter()
+            .filter_map(|(r, i)| {
+                Some((
+                    *r,
+                    InForce {
+                        resource: *r,
+                        victim: i.victim.clone()?,
+                        stage: i.stage,
+                        since: i.stage_since,
+                    },
+                ))
+            })
+            .collect();
+        for a in &plan.actions {
+            if let Some(Entry::Floor {
+                resource,
+                victim,
+                stage,
+                at,
+                ..
+            }) = &a.enters
+            {
+                steps.insert(
+                    *resource,
+                    InForce {
+                        resource: *resource,
+                        victim: victim.clone(),
+                        stage: *stage,
+                        since: *at,
+                    },
+                );
+            }
+        }
+        steps.into_values().collect()
+    }
+}
+
+/// A floor's victim and the stage it is at (or enters with this tick's action).
+#[derive(Clone, Debug)]
+struct InForce {
+    resource: Resource,
+    victim: Target,
+    stage: Stage,
+    since: Duration,
 }
 
 /// Assumed worst-case fill rates, to sleep no longer than it takes to go from here to the floor.
@@ -598,22 +682,19 @@ pub fn evaluate(
             plan.max_scan_age = plan.max_scan_age.min(NEAR_FLOOR_SCAN_AGE);
         }
     }
-    let busy = state
-        .incidents
-        .values()
-        .any(|i| i.victim.is_some() && i.stage != Stage::Stuck)
+    let steps = state.steps(&plan);
+    let busy = steps.iter().any(|s| s.stage != Stage::Stuck)
         || state.budgets.values().any(|b| b.over_since.is_some());
+    let terminating = steps.iter().any(|s| s.stage == Stage::Terminated);
+    let watch = watched(state, &steps, &plan);
     if busy {
         plan.next_interval = config.daemon.min_interval;
     }
-    let terminating = state
-        .incidents
-        .values()
-        .any(|i| i.victim.is_some() && i.stage == Stage::Terminated);
+    let unchosen = |r: &Resource| !steps.iter().any(|s| s.resource == *r);
     if state
         .incidents
-        .iter()
-        .any(|(r, i)| i.victim.is_none() && !state.braked.contains(r))
+        .keys()
+        .any(|r| unchosen(r) && !state.braked.contains(r))
     {
         // A floor is crossed and nobody is chosen yet: look at fresh processes next tick. (A
         // floor whose brake holds chooses nobody while it is still short: no rush.)
@@ -629,7 +710,7 @@ pub fn evaluate(
         // A victim that ignores SIGTERM shows by growing: watch it closely until it is gone.
         plan.next_interval = plan.next_interval.min(floors::TERM_WATCH_INTERVAL);
     }
-    plan.watch = watched(state);
+    plan.watch = watch;
     plan
 }
 
@@ -643,17 +724,20 @@ pub fn model_config<'a>(
 }
 
 /// Victims whose exit or state we wait for.
-fn watched(state: &PolicyState) -> Vec<ProcessId> {
-    let mut ids: Vec<ProcessId> = state
-        .incidents
+fn watched(state: &PolicyState, steps: &[InForce], plan: &Plan) -> Vec<ProcessId> {
+    let budgets = state
+        .budgets
         .values()
-        .filter_map(|i| i.victim.as_ref())
-        .chain(
-            state
-                .budgets
-                .values()
-                .filter_map(|b| b.enforced.as_ref().map(|e| &e.target)),
-        )
+        .filter_map(|b| b.enforced.as_ref())
+        .chain(plan.actions.iter().filter_map(|a| match &a.enters {
+            Some(Entry::Budget { enforced, .. }) => Some(enforced),
+            _ => None,
+        }))
+        .map(|e| &e.target);
+    let mut ids: Vec<ProcessId> = steps
+        .iter()
+        .map(|s| &s.victim)
+        .chain(budgets)
         .chain(state.held.iter().map(|h| &h.target))
         .flat_map(|t| t.ids())
         .collect();
@@ -674,6 +758,29 @@ fn action(
         target: target.clone(),
         reason: Reason { kind, detail },
         recheck,
+        enters: None,
+    }
+}
+
+impl Entry {
+    /// A model's budget: SIGKILL sent at `at`.
+    fn killed(model: &str, at: Duration, target: Target) -> Entry {
+        Entry::Budget {
+            model: model.to_string(),
+            enforced: Enforcement {
+                stage: Stage::Killed,
+                since: at,
+                target,
+            },
+        }
+    }
+}
+
+impl Action {
+    /// The stage this action enters once carried out.
+    fn entering(mut self, entry: Entry) -> Action {
+        self.enters = Some(entry);
+        self
     }
 }
 

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::time::Duration;
 
-use crate::config::Config;
+use crate::config::{Config, Mode};
 use crate::snapshot::{
     Gpu, GpuSnapshot, GpuStatus, HostMemory, Process, ProcessId, ProcessTable, Snapshot,
 };
@@ -131,9 +131,37 @@ fn events(plan: &Plan) -> String {
         .join(", ")
 }
 
-/// One tick of the policy with nothing launched.
+/// One tick of the policy with nothing launched, its actions carried out (logged in observe
+/// mode) as an executor that succeeds would.
 fn decide(config: &Config, snapshot: &Snapshot, state: &mut PolicyState) -> Plan {
-    evaluate(config, snapshot, &Launches::default(), state)
+    decide_with(config, snapshot, &Launches::default(), state)
+}
+
+/// One tick with these launches, its actions carried out (logged in observe mode).
+fn decide_with(
+    config: &Config,
+    snapshot: &Snapshot,
+    launches: &Launches,
+    state: &mut PolicyState,
+) -> Plan {
+    let plan = evaluate(config, snapshot, launches, state);
+    let outcome = match config.daemon.mode {
+        Mode::Observe => Outcome::Observed,
+        _ => Outcome::Done,
+    };
+    state.apply(&carried(&plan, outcome));
+    plan
+}
+
+/// Every action of `plan`, with the same outcome.
+fn carried(plan: &Plan, outcome: Outcome) -> Vec<Executed> {
+    plan.actions
+        .iter()
+        .map(|a| Executed {
+            action: a.clone(),
+            outcome: outcome.clone(),
+        })
+        .collect()
 }
 
 /// Evaluates the snapshots in order, checking each plan's actions and event kinds.
@@ -1894,7 +1922,12 @@ fn a_victim_that_cannot_be_signalled_is_passed_over_for_the_next() {
         ]
     };
     let mut state = PolicyState::default();
-    let first = decide(&c, &snap(0, Some(GIB), procs()), &mut state);
+    let first = evaluate(
+        &c,
+        &snap(0, Some(GIB), procs()),
+        &Launches::default(),
+        &mut state,
+    );
     assert_eq!(first.actions[0].target.members[0].id.pid, 100);
     // The executor reports EPERM for pid 100.
     let refused = Outcome::Failed("permission denied".into());
@@ -2661,33 +2694,24 @@ fn only_victims_actually_acted_on_count_towards_the_brake() {
     let c = config(&format!("{RAM_FLOORS}max_victims = 1\n"));
     let procs = || vec![proc(100, "a", 800 * MIB, 1), proc(200, "b", 600 * MIB, 1)];
     let mut state = PolicyState::default();
-    let plan = decide(&c, &snap(0, Some(3 * GIB), procs()), &mut state);
+    let none = Launches::default();
+    let plan = evaluate(&c, &snap(0, Some(3 * GIB), procs()), &none, &mut state);
     assert_eq!(acts(&plan), "terminate [100]");
-    let skipped: Vec<_> = plan
-        .actions
-        .iter()
-        .map(|a| Executed {
-            action: a.clone(),
-            outcome: Outcome::Skipped("target has exited".into()),
-        })
-        .collect();
-    state.apply(&skipped);
-    assert!(state.floor_victims[&Resource::Ram].is_empty());
-    let plan = decide(&c, &snap(100, Some(3 * GIB), procs()), &mut state);
+    state.apply(&carried(
+        &plan,
+        Outcome::Skipped("target has exited".into()),
+    ));
+    assert!(
+        !state.floor_victims.contains_key(&Resource::Ram)
+            || state.floor_victims[&Resource::Ram].is_empty()
+    );
+    let plan = evaluate(&c, &snap(100, Some(3 * GIB), procs()), &none, &mut state);
     assert_eq!(
         acts(&plan),
         "terminate [100]",
         "not braked: nothing was signalled"
     );
-    let done: Vec<_> = plan
-        .actions
-        .iter()
-        .map(|a| Executed {
-            action: a.clone(),
-            outcome: Outcome::Done,
-        })
-        .collect();
-    state.apply(&done);
+    state.apply(&carried(&plan, Outcome::Done));
     assert_eq!(state.floor_victims[&Resource::Ram].len(), 1);
     let gone = vec![proc(200, "b", 600 * MIB, 1)];
     decide(&c, &snap(200, Some(3 * GIB), gone.clone()), &mut state);
@@ -3346,12 +3370,87 @@ fn a_launched_models_budget_comes_with_the_launches_the_policy_is_given() {
     let mut state = PolicyState::default();
     let ok = Some(32 * GIB);
     let at = |ms| snap(ms, ok, procs());
-    let plan = evaluate(&c, &at(0), &launches, &mut state);
+    let plan = decide_with(&c, &at(0), &launches, &mut state);
     assert_eq!(events(&plan), "budget_exceeded");
-    let plan = evaluate(&c, &at(1000), &launches, &mut state);
+    let plan = decide_with(&c, &at(1000), &launches, &mut state);
     assert_eq!(acts(&plan), "stop served[100,101]");
     // The launch is gone from the ledger: nothing launched, nothing over a budget.
     state.launches_changed();
-    let plan = evaluate(&c, &at(2000), &Launches::default(), &mut state);
+    let plan = decide(&c, &at(2000), &mut state);
     assert_eq!(acts(&plan), "resume served[100,101]");
+}
+
+/// The stage an action enters is entered on its outcome, in `apply`: a decision alone moves
+/// nothing, an action skipped leaves the stage where it was, one carried out enters it.
+#[test]
+fn a_stage_is_entered_only_when_its_action_is_carried_out() {
+    let c = config(&format!("{RAM_FLOORS}action = \"stop\"\n"));
+    let a = || vec![proc(100, "trainer", 6 * GIB, 1)];
+    let none = Launches::default();
+    let mut state = PolicyState::default();
+    let ms = Duration::from_millis;
+    let stage = |s: &PolicyState| {
+        let i = &s.incidents[&Resource::Ram];
+        (i.victim.is_some(), i.stage, i.stage_since)
+    };
+    // Decided, not yet carried out: no victim, no stage, nothing for the brake.
+    let plan = evaluate(&c, &snap(0, Some(3 * GIB), a()), &none, &mut state);
+    assert_eq!(acts(&plan), "stop [100]");
+    assert_eq!(stage(&state), (false, Stage::Alerted, Duration::ZERO));
+    assert!(state.floor_victims.values().all(|v| v.is_empty()));
+    // The executor skipped it (the recheck found RAM recovered): still nothing entered, and the
+    // next tick below the floor decides afresh.
+    state.apply(&carried(&plan, Outcome::Skipped("recovered".into())));
+    assert_eq!(stage(&state), (false, Stage::Alerted, Duration::ZERO));
+    let plan = evaluate(&c, &snap(100, Some(3 * GIB), a()), &none, &mut state);
+    assert_eq!(acts(&plan), "stop [100]");
+    // Carried out: stopped from the tick that decided it, and counted for the brake.
+    state.apply(&carried(&plan, Outcome::Done));
+    assert_eq!(stage(&state), (true, Stage::Stopped, ms(100)));
+    assert_eq!(state.floor_victims[&Resource::Ram].len(), 1);
+    // settle (2 s) later: SIGTERM decided; skipped, the victim stays stopped and the next tick
+    // asks for SIGTERM again (not a fresh stop of a new victim).
+    let plan = evaluate(&c, &snap(2100, Some(3 * GIB), a()), &none, &mut state);
+    assert_eq!(acts(&plan), "terminate [100]");
+    state.apply(&carried(&plan, Outcome::Skipped("recovered".into())));
+    assert_eq!(stage(&state), (true, Stage::Stopped, ms(100)));
+    let plan = decide(&c, &snap(2200, Some(3 * GIB), a()), &mut state);
+    assert_eq!(acts(&plan), "terminate [100]");
+    assert_eq!(stage(&state), (true, Stage::Terminated, ms(2200)));
+    assert_eq!(
+        state.floor_victims[&Resource::Ram].len(),
+        1,
+        "an escalation is no new victim"
+    );
+}
+
+/// A budget's enforcement is in force only once its action was carried out: a stop that failed
+/// is tried again on the next tick, and a model never stopped is never "resumed".
+#[test]
+fn a_budget_enforcement_is_in_force_only_once_carried_out() {
+    let c = config(&model(
+        "trainer",
+        "ram = \"1GiB\"\naction = \"stop\"\ngrace = \"1s\"\n",
+    ));
+    let a = || vec![proc(100, "trainer", 2 * GIB, 1)];
+    let none = Launches::default();
+    let mut state = PolicyState::default();
+    decide(&c, &snap(0, Some(20 * GIB), a()), &mut state);
+    let plan = evaluate(&c, &snap(1000, Some(20 * GIB), a()), &none, &mut state);
+    assert_eq!(acts(&plan), "stop trainer[100]");
+    assert!(state.budgets["trainer"].enforced.is_none());
+    state.apply(&carried(&plan, Outcome::Failed("permission denied".into())));
+    assert!(state.budgets["trainer"].enforced.is_none());
+    // Back under budget: nothing to resume, it was never stopped.
+    let under = || vec![proc(100, "trainer", GIB / 2, 1)];
+    let plan = decide(&c, &snap(1100, Some(20 * GIB), under()), &mut state);
+    assert_eq!(acts(&plan), "");
+    // Over again, past a new grace: the stop is tried again and, carried out, is in force.
+    decide(&c, &snap(1200, Some(20 * GIB), a()), &mut state);
+    let plan = decide(&c, &snap(2200, Some(20 * GIB), a()), &mut state);
+    assert_eq!(acts(&plan), "stop trainer[100]");
+    let enforced = state.budgets["trainer"].enforced.as_ref().map(|e| e.stage);
+    assert_eq!(enforced, Some(Stage::Stopped));
+    let plan = decide(&c, &snap(2300, Some(20 * GIB), under()), &mut state);
+    assert_eq!(acts(&plan), "resume trainer[100]");
 }

@@ -410,79 +410,69 @@ fn act_on(
         FloorAction::Kill if far_below => Some(Verb::Kill),
         FloorAction::Kill => Some(Verb::Terminate),
     };
-    if verb == Some(Verb::Terminate) && config.daemon.mode != Mode::Observe {
+    let Some(verb) = verb else {
+        // Alert only: the victim is named, nothing is signalled.
+        let incident = state.incidents.get_mut(&resource).expect("incident exists");
+        incident.victim = Some(target.clone());
+        incident.enter(Stage::Alerted, now);
+        plan.events.push(words::would_act(&detail, &target));
+        return;
+    };
+    let observe = config.daemon.mode == Mode::Observe;
+    if verb == Verb::Terminate && !observe {
         if let Some(earlier) = take_terminating(state, &target, now, config.daemon.term_grace) {
             // Sent SIGTERM by an incident that closed while it shut down: the same SIGTERM goes
             // on (its grace, its growth check), no second one, and it is not a new victim for
             // the brake.
             let incident = state.incidents.get_mut(&resource).expect("incident exists");
-            incident.stage = Stage::Terminated;
-            incident.stage_since = earlier.since;
+            incident.victim = Some(target);
+            incident.enter(Stage::Terminated, earlier.since);
             incident.term_baseline = earlier.term_baseline;
-            incident.available_at_stage = reading.available;
-            incident.victim = Some(target);
             return;
         }
     }
-    if let (Some(verb), false) = (verb, config.daemon.mode == Mode::Observe) {
-        if let Some((stage, since)) = signalled_by_another(state, resource, &target, verb) {
-            // Another floor's incident has signalled every process of this victim already (a
-            // model short on two GPUs at once): this one shares that step, no second signal (a
-            // second SIGTERM makes many servers quit without cleaning up), and no second
-            // victim for the brake. Its baseline is its own (the other's is another memory).
-            let incident = state.incidents.get_mut(&resource).expect("incident exists");
-            incident.stage = stage;
-            incident.stage_since = since;
-            incident.term_baseline = None;
-            incident.available_at_stage = reading.available;
-            incident.victim = Some(target);
-            return;
-        }
+    let steps = state.steps(plan);
+    if let (Some((stage, since)), false) = (
+        signalled_by_another(&steps, resource, &target, verb),
+        observe,
+    ) {
+        // Another floor's incident has signalled every process of this victim already (a
+        // model short on two GPUs at once): this one shares that step, no second signal (a
+        // second SIGTERM makes many servers quit without cleaning up), and no second victim
+        // for the brake. Its baseline is its own (the other's is another memory).
+        let incident = state.incidents.get_mut(&resource).expect("incident exists");
+        incident.victim = Some(target);
+        incident.enter(stage, since);
+        incident.term_baseline = None;
+        return;
     }
-    let incident = state.incidents.get_mut(&resource).expect("incident exists");
-    incident.stage = match (verb, config.daemon.mode) {
-        (None, _) | (_, Mode::Observe) => Stage::Alerted,
-        (Some(Verb::Stop), _) => Stage::Stopped,
-        (Some(Verb::Kill), _) => Stage::Killed,
+    let stage = match (verb, observe) {
+        (_, true) => Stage::Alerted,
+        (Verb::Stop, _) => Stage::Stopped,
+        (Verb::Kill, _) => Stage::Killed,
         _ => Stage::Terminated,
     };
-    incident.stage_since = now;
-    incident.available_at_stage = reading.available;
-    incident.victim = Some(target.clone());
-    match verb {
-        Some(verb) => {
-            state
-                .floor_victims
-                .entry(resource)
-                .or_default()
-                .push(FloorVictim {
-                    at: now,
-                    target: target.clone(),
-                    used: victim.used,
-                    done: false,
-                });
-            // Processes another floor's incident has signalled as strongly already are left
-            // out of this signal (the victim here is still all of them).
-            let done = signalled_elsewhere(state, resource, verb);
-            let rest = Target {
-                model: target.model.clone(),
-                members: target
-                    .members
-                    .iter()
-                    .filter(|m| !done.contains(&m.id))
-                    .cloned()
-                    .collect(),
-            };
-            plan.actions.push(action(
-                verb,
-                &rest,
-                reading.kind(),
-                detail,
-                reading.recheck(),
-            ));
-        }
-        None => plan.events.push(words::would_act(&detail, &target)),
-    }
+    // Processes another floor's incident has signalled as strongly already are left out of
+    // this signal (the victim here is still all of them).
+    let done = signalled_elsewhere(&steps, resource, verb);
+    let rest = Target {
+        model: target.model.clone(),
+        members: target
+            .members
+            .iter()
+            .filter(|m| !done.contains(&m.id))
+            .cloned()
+            .collect(),
+    };
+    let entry = Entry::Floor {
+        resource,
+        victim: target,
+        stage,
+        at: now,
+        chosen: Some(victim.used),
+    };
+    plan.actions
+        .push(action(verb, &rest, reading.kind(), detail, reading.recheck()).entering(entry));
 }
 
 /// How strong a signal a stage has sent (0: none that counts).
@@ -506,33 +496,31 @@ fn verb_strength(verb: Verb) -> u8 {
 }
 
 /// The step (stage, since) of another floor's incident that has sent `verb` or a stronger signal
-/// to every process of `target` already. A target with a process that incident did not signal
-/// is not covered (that process gets its signal), and an incident whose victim is gone or stuck
-/// covers nothing.
+/// to every process of `target` already (this tick's steps included). A target with a process
+/// that incident did not signal is not covered (that process gets its signal), and an incident
+/// whose victim is gone or stuck covers nothing.
 fn signalled_by_another(
-    state: &PolicyState,
+    steps: &[InForce],
     resource: Resource,
     target: &Target,
     verb: Verb,
 ) -> Option<(Stage, Duration)> {
     let wanted = verb_strength(verb);
-    state.incidents.iter().find_map(|(r, i)| {
-        let victim = i.victim.as_ref()?;
-        let covered = target.ids().all(|c| victim.ids().any(|id| id == c));
-        (wanted > 0 && *r != resource && covered && strength(i.stage) >= wanted)
-            .then_some((i.stage, i.stage_since))
+    steps.iter().find_map(|s| {
+        let covered = target.ids().all(|c| s.victim.ids().any(|id| id == c));
+        (wanted > 0 && s.resource != resource && covered && strength(s.stage) >= wanted)
+            .then_some((s.stage, s.since))
     })
 }
 
-/// The processes other floors' incidents have sent `verb` or a stronger signal.
-fn signalled_elsewhere(state: &PolicyState, resource: Resource, verb: Verb) -> Vec<ProcessId> {
+/// The processes other floors' incidents have sent `verb` or a stronger signal (this tick's
+/// steps included).
+fn signalled_elsewhere(steps: &[InForce], resource: Resource, verb: Verb) -> Vec<ProcessId> {
     let wanted = verb_strength(verb);
-    state
-        .incidents
+    steps
         .iter()
-        .filter(|(r, i)| wanted > 0 && **r != resource && strength(i.stage) >= wanted)
-        .filter_map(|(_, i)| i.victim.as_ref())
-        .flat_map(|v| v.ids())
+        .filter(|s| wanted > 0 && s.resource != resource && strength(s.stage) >= wanted)
+        .flat_map(|s| s.victim.ids())
         .collect()
 }
 

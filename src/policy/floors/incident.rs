@@ -143,11 +143,10 @@ pub(in crate::policy) fn act(
     match incident.stage {
         Stage::Alerted | Stage::Stuck | Stage::Throttled => {}
         Stage::Stopped | Stage::Terminated | Stage::Killed if !alive => {
-            incident.stage = Stage::Gone;
-            incident.stage_since = now;
+            incident.enter(Stage::Gone, now);
         }
         Stage::Stopped if step.since >= config.daemon.settle => {
-            terminate_after_stop(incident, &step, plan);
+            terminate_after_stop(&step, plan);
         }
         Stage::Terminated => kill_after_term(incident, &step, plan),
         Stage::Killed if step.since >= config.daemon.kill_timeout => {
@@ -175,6 +174,19 @@ pub(in crate::policy) struct Step<'a> {
     since: Duration,
 }
 
+impl Step<'_> {
+    /// The victim's next stage, from now: what an escalating action enters once carried out.
+    fn next(&self, stage: Stage) -> Entry {
+        Entry::Floor {
+            resource: self.reading.resource,
+            victim: self.victim.clone(),
+            stage,
+            at: self.snapshot.at,
+            chosen: None,
+        }
+    }
+}
+
 /// The reading is stale: says so once per incident.
 pub(in crate::policy) fn report_stale(incident: &mut Incident, reading: &Reading, plan: &mut Plan) {
     if incident.stale_reported {
@@ -192,35 +204,26 @@ pub(in crate::policy) fn report_stale(incident: &mut Incident, reading: &Reading
 }
 
 /// Stopped for `settle` and still below the floor: SIGTERM (SIGKILL when far below).
-pub(in crate::policy) fn terminate_after_stop(
-    incident: &mut Incident,
-    step: &Step,
-    plan: &mut Plan,
-) {
+pub(in crate::policy) fn terminate_after_stop(step: &Step, plan: &mut Plan) {
     let reading = step.reading;
-    incident.available_at_stage = reading.available;
-    let verb = if step.far_below {
-        Verb::Kill
-    } else {
-        Verb::Terminate
+    let (verb, stage) = match step.far_below {
+        true => (Verb::Kill, Stage::Killed),
+        false => (Verb::Terminate, Stage::Terminated),
     };
-    incident.stage = if verb == Verb::Kill {
-        Stage::Killed
-    } else {
-        Stage::Terminated
-    };
-    incident.stage_since = step.snapshot.at;
-    plan.actions.push(action(
-        verb,
-        step.victim,
-        reading.kind(),
-        format!(
-            "{}; still below {} after stopping it",
-            reading.describe(),
-            humantime::format_duration(step.config.daemon.settle)
-        ),
-        reading.recheck(),
-    ));
+    plan.actions.push(
+        action(
+            verb,
+            step.victim,
+            reading.kind(),
+            format!(
+                "{}; still below {} after stopping it",
+                reading.describe(),
+                humantime::format_duration(step.config.daemon.settle)
+            ),
+            reading.recheck(),
+        )
+        .entering(step.next(stage)),
+    );
 }
 
 /// SIGTERM sent: SIGKILL when far below, after `term_grace`, or as soon as the victim grows
@@ -243,22 +246,22 @@ pub(in crate::policy) fn kill_after_term(incident: &mut Incident, step: &Step, p
         ),
         None => "SIGTERM not enough".to_string(),
     };
-    incident.stage = Stage::Killed;
-    incident.stage_since = snapshot.at;
-    plan.actions.push(action(
-        Verb::Kill,
-        step.victim,
-        reading.kind(),
-        format!("{}; {how}", reading.describe()),
-        reading.recheck(),
-    ));
+    plan.actions.push(
+        action(
+            Verb::Kill,
+            step.victim,
+            reading.kind(),
+            format!("{}; {how}", reading.describe()),
+            reading.recheck(),
+        )
+        .entering(step.next(Stage::Killed)),
+    );
 }
 
 /// Still there `kill_timeout` after SIGKILL: stuck; no more kills for this floor.
 pub(in crate::policy) fn survived_kill(incident: &mut Incident, step: &Step, plan: &mut Plan) {
     let resource = step.reading.resource;
-    incident.stage = Stage::Stuck;
-    incident.stage_since = step.snapshot.at;
+    incident.enter(Stage::Stuck, step.snapshot.at);
     plan.events.push(event(
         Severity::Critical,
         EventKind::SurvivedKill,
@@ -285,8 +288,7 @@ pub(in crate::policy) fn next_after_gone(
         return true;
     }
     if step.since >= step.config.gpu.release_timeout {
-        incident.stage = Stage::Stuck;
-        incident.stage_since = step.snapshot.at;
+        incident.enter(Stage::Stuck, step.snapshot.at);
         plan.events.push(event(
             Severity::Critical,
             EventKind::StuckMemory,
@@ -340,9 +342,9 @@ pub(in crate::policy) fn end_stop_at_max_stop(
     {
         return;
     }
+    // Letting go, not a signal's stage: the incident waits for a reading it can trust.
     incident.victim = None;
-    incident.stage = Stage::Alerted;
-    incident.stage_since = snapshot.at;
+    incident.enter(Stage::Alerted, snapshot.at);
     plan.actions.push(action(
         Verb::Resume,
         &victim,
@@ -419,12 +421,9 @@ pub(in crate::policy) fn evaluate_floor(
     let first = plan.events.len();
     evaluate_floor_inner(config, snapshot, state, reading, plan);
     let resource = reading.resource;
-    let about = match state
-        .incidents
-        .get(&resource)
-        .and_then(|i| i.victim.as_ref())
-    {
-        Some(victim) => About::target(victim, resource),
+    let steps = state.steps(plan);
+    let about = match steps.iter().find(|s| s.resource == resource) {
+        Some(step) => About::target(&step.victim, resource),
         None => About {
             resource: Some(resource),
             ..About::default()

@@ -34,7 +34,7 @@ use crate::snapshot::{ProcessId, Snapshot};
 
 use super::victim::{self, Chosen, Short};
 use super::{
-    action, bytes, event, About, FloorVictim, Held, Incident, Level, Plan, PolicyState, Recheck,
+    action, bytes, event, About, Entry, Held, InForce, Incident, Level, Plan, PolicyState, Recheck,
     Resource, Severity, ShmemBaseline, Stage, Target, TermBaseline, Terminating, Verb,
 };
 
