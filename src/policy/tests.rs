@@ -322,8 +322,9 @@ fn protected_processes_are_never_victims() {
         let plan = once(&c, &snap(0, Some(3 * GIB), vec![protected.clone(), worker]));
         assert_eq!(acts(&plan), "terminate [500]", "{what}");
 
-        // Nothing else to choose: say so once, act never.
-        play(
+        // Nothing else to choose: say so once (critical: the floor is crossed and nothing will
+        // be done about it), act never.
+        let plans = play(
             &c,
             &mut PolicyState::default(),
             vec![
@@ -336,6 +337,7 @@ fn protected_processes_are_never_victims() {
                 (snap(2000, Some(GIB), vec![protected.clone()]), "", ""),
             ],
         );
+        assert_eq!(plans[0].events[1].severity, Severity::Critical, "{what}");
     }
 
     // The built-in list can be turned off.
@@ -1306,6 +1308,13 @@ fn ram_budget_actions_after_grace() {
         for a in plans[2].actions.iter().chain(&plans[3].actions) {
             assert_eq!(a.reason.kind, "ram_budget", "{action}");
             assert_eq!(a.recheck, None, "{action}");
+        }
+        for a in &plans[2].actions {
+            assert!(
+                a.reason.detail.ends_with("for longer than grace 5s"),
+                "{action}: {}",
+                a.reason.detail
+            );
         }
         for a in &plans[4].actions {
             assert_eq!(a.reason.kind, "cleared", "{action}");

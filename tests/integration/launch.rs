@@ -239,26 +239,6 @@ fn ready_url_answering_releases_the_lock() {
 }
 
 #[test]
-fn launch_that_does_not_fit_times_out_and_never_runs() {
-    let s = setup("", &gpus(4, 6));
-    let out: Output = s
-        .launch(
-            "huge",
-            &["--gpu-mem", "12GiB", "--queue-timeout", "1s"],
-            ("huge", GIB, 0.0, false),
-        )
-        .wait_with_output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(75), "{err}");
-    assert!(err.contains("model 'huge' not started: it did not fit within the queue timeout of 1s: needs 12.0 GiB on each of 1 GPU(s): GPU 1: room 6.0 GiB"), "{err}");
-    assert!(
-        s.noted("start", "huge").is_none(),
-        "the command must never run"
-    );
-}
-
-#[test]
 fn first_loader_crashing_lets_the_second_start_at_once() {
     let s = setup("settle = \"30s\"\nready_timeout = \"60s\"", &gpus(14, 14));
     let mut first = s.launch("first", &[], ("first", GIB, 0.7, true));

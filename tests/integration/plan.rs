@@ -215,28 +215,6 @@ fn json_for_a_sliding_window_model_shows_the_window_against_the_naive_figure() {
         .contains("sliding_window 4096 on every layer")));
 }
 
-#[test]
-fn multimodal_text_config_and_the_vision_tower_through_the_binary() {
-    let p = json(
-        &[
-            &fixture("gemma-3-4b-it"),
-            "--gpu",
-            "l4",
-            "--max-model-len",
-            "8192",
-        ],
-        &[],
-    );
-    assert_eq!(p["model"]["model_type"], "gemma3_text");
-    assert_eq!(p["model"]["params"], 4_299_886_832u64);
-    assert_eq!(p["model"]["sliding_layers"], 29);
-    // 5 global layers × 8192 + 29 windowed × 1040 tokens, × 4 KiB.
-    assert_eq!(
-        p["model"]["kv_bytes_per_request"],
-        (5 * 8192 + 29 * 1040) * 4096
-    );
-}
-
 /// A multimodal config whose vision tower lacks a size: the count is unknown and `plan` says to
 /// give `--params`; given, the plan works. `--weights` goes with `--dtype` (the dtype the model
 /// computes in, so the KV cache's under `--kv-dtype auto`).

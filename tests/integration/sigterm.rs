@@ -1,7 +1,7 @@
 //! After SIGTERM at a floor, through the real binary on real processes: a victim that ignores
-//! SIGTERM and keeps growing is SIGKILLed long before `term_grace` runs out, while a server that
-//! handles SIGTERM (stops growing, cleans up, exits) is left to exit cleanly. And the daemon's
-//! own SIGTERM during its startup stops it cleanly.
+//! SIGTERM and keeps growing is SIGKILLed long before `term_grace` runs out (one that shuts down
+//! gets one SIGTERM and its grace: `policy::tests`). And the daemon's own SIGTERM during its
+//! startup stops it cleanly.
 //!
 //! Floors are about 1 GiB below the MemAvailable seen at the start of each test; the processes
 //! stop by themselves a little beyond.
@@ -100,32 +100,6 @@ fn a_victim_that_ignores_sigterm_and_grows_is_killed_without_waiting_for_term_gr
             .is_some_and(|d| d.ends_with("after SIGTERM: it is not shutting down")),
         "{kill}"
     );
-}
-
-#[test]
-fn a_server_that_handles_sigterm_is_left_to_exit_cleanly() {
-    let _lock = memory_pressure_lock();
-    let token = token("handles-term");
-    let floor = mem_available() - GIB;
-    let daemon = GuardDaemon::start(&config(floor, &token, "1m"));
-    let mut server = KillOnDrop(grower(&token, floor - 512 * MIB, "handle", 0.002));
-    let status = wait_child(&mut server.0, Duration::from_secs(120))
-        .unwrap_or_else(|| panic!("never terminated:\n{}", daemon.log_text()));
-    assert_eq!(
-        status.code(),
-        Some(0),
-        "{status:?}: not a clean exit\n{}",
-        daemon.log_text()
-    );
-    daemon.wait_for_event("process_killed", Duration::from_secs(10), |e| {
-        e["subject"]["model"] == "grower"
-    });
-    // The guard has looked again since the server exited: one SIGTERM, never SIGKILL, and no
-    // second SIGTERM while RAM wobbled around the floor during its cleanup (Python restores
-    // the default handler as it exits: a second SIGTERM then killed it with status 15).
-    daemon.next_tick_status();
-    let verbs = daemon.verbs_on("grower");
-    assert_eq!(verbs, ["terminate"], "{}", daemon.log_text());
 }
 
 /// The daemon's own SIGTERM during startup (systemd stopping it as it starts, the package
