@@ -20,6 +20,8 @@ mod layers;
 pub mod metrics;
 pub mod plan;
 pub mod policy;
+#[cfg(test)]
+mod properties;
 pub mod protocol;
 pub mod reserve;
 pub mod sample;

@@ -307,4 +307,3 @@ fn bad_reload_keeps_the_old_config_running() {
         daemon.log_text()
     );
 }
-
