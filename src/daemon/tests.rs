@@ -789,3 +789,61 @@ fn a_kill_goes_to_the_kernel_log_as_well() {
         "{kernel_log}"
     );
 }
+
+/// Observe mode through the daemon: a hog under the act floor gets a decision (a terminate,
+/// logged as observed, naming it) and no signal, then or later (no escalation past
+/// `term_grace`). Moved from the host suite (`ram_guard`): the real signal path is the host's.
+#[test]
+fn observe_mode_decides_but_signals_nothing() {
+    let mut w = World {
+        host: host(64 * GIB, 2 * GIB),
+        ..World::default()
+    };
+    w.spawn(200, "hog", 12 * GIB);
+    let mut h = Harness::new(
+        w,
+        "mode = \"observe\"\nterm_grace = \"1s\"\n\
+         [ram]\nwarn_available = \"8GiB\"\nmin_available = \"4GiB\"\naction = \"kill\"\n\
+         [gpu]\nenabled = false\n",
+    );
+    h.tick(MS);
+    assert_eq!(h.actions(), ["terminate pid 200(hog): observed"]);
+    h.ticks(30, 100 * MS);
+    assert_eq!(h.signals(), []);
+    assert_eq!(h.actions().len(), 1, "{:?}", h.actions());
+    let observed = logged(&h, "process_killed");
+    assert!(
+        observed.len() == 1 && observed[0].contains("\"outcome\":\"observed\""),
+        "{observed:?}"
+    );
+}
+
+/// A victim that ignores SIGTERM and keeps growing is SIGKILLed on its growth, long before a
+/// 10-minute `term_grace`: the first reading after SIGTERM is its baseline, and growth past
+/// `term_max_growth` (8 MiB) is the sign it is not shutting down. Moved from the host suite
+/// (`sigterm`): there it held memory pressure for up to two minutes.
+#[test]
+fn a_victim_that_ignores_sigterm_and_grows_is_killed_without_waiting_for_term_grace() {
+    let mut w = World {
+        host: host(64 * GIB, 2 * GIB),
+        ..World::default()
+    };
+    w.spawn(200, "hog", 6 * GIB);
+    let mut h = Harness::new(
+        w,
+        "term_grace = \"10m\"\n\
+         [ram]\nwarn_available = \"8GiB\"\nmin_available = \"4GiB\"\naction = \"kill\"\n\
+         [gpu]\nenabled = false\n",
+    );
+    h.tick(MS);
+    assert_eq!(h.signals(), [(200, Sig::Term)]);
+    for _ in 0..10 {
+        if let Some(p) = h.world().procs.get_mut(&200) {
+            p.rss_bytes += 4 * MIB;
+        }
+        h.tick(2 * MS);
+    }
+    assert_eq!(h.signals(), [(200, Sig::Term), (200, Sig::Kill)]);
+    let killed = logged(&h, "after SIGTERM: it is not shutting down");
+    assert_eq!(killed.len(), 1, "{killed:?}");
+}

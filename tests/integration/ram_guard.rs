@@ -69,36 +69,6 @@ fn hog_below_the_floor_is_killed_and_the_sentinel_survives() {
 }
 
 #[test]
-fn observe_mode_decides_but_signals_nothing() {
-    let _lock = memory_pressure_lock();
-    let hog_token = token("observed");
-    let (floor, floors) = floors_below_now();
-    let daemon = GuardDaemon::start(&config(
-        "mode = \"observe\"",
-        &floors,
-        &[("hog", &hog_token, "")],
-    ));
-    // Crosses the floor by 256 MiB whatever else the machine does, holds a second, exits 0.
-    let mut hog = Hog::start_until_below(&hog_token, 1024, floor - 256 * MIB, 3072, 1);
-
-    let status = hog
-        .wait(Duration::from_secs(30))
-        .expect("hog did not finish");
-    assert_eq!(
-        status.code(),
-        Some(0),
-        "observe mode must not signal: {status:?}"
-    );
-    // It decided (a terminate, observed) and signalled nothing.
-    let observed = daemon.wait_for_event("process_killed", Duration::from_secs(1), |e| {
-        e["subject"]["model"] == "hog"
-    });
-    assert_eq!(observed["action"]["verb"], "terminate", "{observed}");
-    assert_eq!(observed["action"]["outcome"], "observed", "{observed}");
-    assert_eq!(observed["subject"]["pid"], hog.pid(), "{observed}");
-}
-
-#[test]
 fn model_over_ram_budget_is_stopped_then_resumed_when_budget_is_raised() {
     let hog_token = token("budget");
     let model = |budget: &str| {
