@@ -11,7 +11,7 @@ use std::path::Path;
 
 /// Layers, top first; a module may import from its own layer (without a circle) or any below.
 const LAYERS: &[&[&str]] = &[
-    &["main", "lib", "layers"],
+    &["main", "lib", "layers", "properties"],
     &["cli"],
     &["daemon"],
     &["ipc", "act", "alert", "metrics", "history"],
