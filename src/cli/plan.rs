@@ -76,12 +76,24 @@ pub struct PlanArgs {
     /// GPUs by name (see --help) or "host" for this host's GPUs; default: every card in the table.
     #[arg(long, value_delimiter = ',', long_help = gpu_help())]
     gpu: Vec<String>,
-    /// vLLM's --gpu-memory-utilization: the share of each GPU the engine may take.
-    #[arg(long, default_value_t = 0.9)]
-    gpu_memory_utilization: f64,
-    /// vLLM's --max-num-batched-tokens (sizes the activations).
-    #[arg(long, default_value_t = 8192)]
-    max_num_batched_tokens: u64,
+    /// The vLLM release to plan for, e.g. 0.19.0: how it charges memory (CUDA graphs inside the
+    /// share from 0.20), its defaults (--gpu-memory-utilization 0.92 from 0.20, else 0.90; batch
+    /// sizes by GPU) and whether it takes the KV cache in bytes (0.10.2 on). Covers 0.6.4 and
+    /// later.
+    #[arg(long, default_value = "0.20.0")]
+    vllm_version: crate::plan::Vllm,
+    /// vLLM's --gpu-memory-utilization: the share of each GPU the engine may take (default: the
+    /// release's).
+    #[arg(long)]
+    gpu_memory_utilization: Option<f64>,
+    /// vLLM's --max-num-batched-tokens (sizes the activations it profiles; default: the
+    /// release's for the GPU).
+    #[arg(long)]
+    max_num_batched_tokens: Option<u64>,
+    /// vLLM's --max-num-seqs while it profiles (the sampler's rows; default: the release's for
+    /// the GPU). The plan still recommends as many as fit.
+    #[arg(long)]
+    max_num_seqs: Option<u64>,
     /// Print the plan as JSON.
     #[arg(long)]
     json: bool,
@@ -207,9 +219,10 @@ fn build_request(args: &PlanArgs) -> Result<PlanRequest, Failure> {
         concurrency: args.concurrency,
         tp: args.tp.clone(),
         gpus: gpu_choices(args)?,
+        engine: args.vllm_version,
         gpu_memory_utilization: args.gpu_memory_utilization,
         max_num_batched_tokens: args.max_num_batched_tokens,
-        profile_num_seqs: 256,
+        max_num_seqs: args.max_num_seqs,
         notes,
     })
 }
@@ -496,8 +509,14 @@ fn options_table(p: &CapacityPlan) -> String {
     }
     let share = p.options.first().map_or(String::new(), |o| {
         format!(
-            "usable = {:.0}% of each GPU (--gpu-memory-utilization); ",
-            o.usable_bytes as f64 / o.gpu_total_bytes as f64 * 100.0
+            "usable = {:.0}% of each GPU (--gpu-memory-utilization); overhead = profile peak, \
+             non-torch{}; ",
+            o.usable_bytes as f64 / o.gpu_total_bytes as f64 * 100.0,
+            if o.cuda_graphs_charged {
+                ", CUDA graphs"
+            } else {
+                ""
+            }
         )
     });
     let mut out = wrapped(

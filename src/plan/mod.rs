@@ -2,12 +2,14 @@
 //! context length and a number of concurrent requests, and which GPUs hold it. Pure arithmetic:
 //! the CLI (`src/cli/plan.rs`) reads the files and the live GPUs.
 //!
-//! The memory of a vLLM-like server on each GPU is `gpu_memory_utilization × total`, spent on the
-//! weights, fixed overheads (CUDA context, CUDA graphs, activations) and the KV cache; what the KV
-//! cache holds is the number of concurrent requests. `arch` reads a model's `config.json`,
-//! `gpus` is the built-in card table.
+//! The memory of a vLLM server on each GPU is `gpu_memory_utilization × total`, spent on the
+//! weights, what its profile run peaks at (activations, the sampler, a vision encoder), memory
+//! outside PyTorch and, from vLLM 0.20, CUDA graphs; the rest is the KV cache, and what the KV
+//! cache holds is the number of concurrent requests. How that is charged depends on the release
+//! (`engine`); `arch` reads a model's `config.json`, `gpus` is the built-in card table.
 
 pub mod arch;
+pub mod engine;
 pub mod gpus;
 
 use std::fmt;
@@ -18,21 +20,16 @@ use serde::Serialize;
 use crate::units::fmt_bytes;
 
 pub use arch::{Architecture, ParamCount};
+pub use engine::Vllm;
 
 const GIB: u64 = 1 << 30;
 /// The KV cache is handed out in blocks of this many tokens (vLLM's default block size).
 pub const BLOCK_TOKENS: u64 = 16;
-/// CUDA context, cuBLAS/cuDNN workspaces and allocator slack on every GPU.
-pub const CUDA_CONTEXT_BYTES: u64 = GIB;
-/// NCCL's buffers on every GPU with tensor parallelism.
-pub const NCCL_BYTES: u64 = GIB / 2;
-/// vLLM's captured CUDA graphs on every GPU.
-pub const CUDA_GRAPH_BYTES: u64 = GIB;
 /// Activations when the model gives no width to compute them from.
 pub const FALLBACK_ACTIVATION_BYTES: u64 = 2 * GIB;
-/// The gpuguard budget is the engine's share of each GPU plus this (CUDA graphs are captured
-/// after the KV cache is sized and can land beyond the share).
-pub const BUDGET_MARGIN_BYTES: u64 = GIB;
+/// Slack on top of what the engine holds beyond its share (the CUDA context, CUDA graphs
+/// captured after the KV cache): the gpuguard budget is the share plus those plus this.
+pub const BUDGET_SLACK_BYTES: u64 = GIB / 2;
 /// Host RAM of each server process (the API server, one worker per GPU) besides the weights.
 pub const RAM_PER_PROCESS_BYTES: u64 = 3 * GIB;
 /// Tensor-parallel sizes tried when a model does not fit one GPU.
@@ -146,11 +143,15 @@ pub struct PlanRequest {
     /// Tensor-parallel sizes to show; empty: 1, or the smallest of 2, 4, 8 that fits.
     pub tp: Vec<u32>,
     pub gpus: Vec<GpuChoice>,
-    pub gpu_memory_utilization: f64,
-    /// Tokens in one forward pass (vLLM's `--max-num-batched-tokens`): sizes the activations.
-    pub max_num_batched_tokens: u64,
-    /// Sequences sampled at once while vLLM profiles (its `--max-num-seqs` default, 256).
-    pub profile_num_seqs: u64,
+    /// The vLLM release planned for: how it charges memory and its defaults.
+    pub engine: Vllm,
+    /// The share of each GPU the engine may take (default: the release's).
+    pub gpu_memory_utilization: Option<f64>,
+    /// Tokens in one forward pass (`--max-num-batched-tokens`; default: the release's for the
+    /// GPU): sizes the activations vLLM profiles.
+    pub max_num_batched_tokens: Option<u64>,
+    /// `--max-num-seqs` (default: the release's for the GPU): the sampler's rows in the profile.
+    pub max_num_seqs: Option<u64>,
     /// What the architecture reader assumed, printed with the rest.
     pub notes: Vec<String>,
 }
@@ -193,8 +194,21 @@ pub struct GpuPlan {
     /// `gpu_memory_utilization × total`.
     pub usable_bytes: u64,
     pub weights_bytes: u64,
+    /// The batch vLLM profiles: `--max-num-batched-tokens` and `--max-num-seqs` in force.
+    pub max_num_batched_tokens: u64,
+    pub max_num_seqs: u64,
+    /// The profile's peak: the forward pass, the sampler and (multimodal, V1) the vision
+    /// encoder.
     pub activation_bytes: u64,
-    /// CUDA context, NCCL, CUDA graphs and activations.
+    /// Memory allocated outside PyTorch (NCCL, custom all-reduce buffers).
+    pub non_torch_bytes: u64,
+    /// CUDA graphs: charged to the share from vLLM 0.20, captured beyond it before.
+    pub cuda_graph_bytes: u64,
+    pub cuda_graphs_charged: bool,
+    /// The CUDA context, never charged to the share: it needs the room the share leaves.
+    pub cuda_context_bytes: u64,
+    /// What the release charges to the share besides the weights: activations, non-torch
+    /// memory and (0.20 on) CUDA graphs.
     pub overhead_bytes: u64,
     /// What is left of the usable share for the KV cache (0 if nothing).
     pub kv_space_bytes: u64,
@@ -206,6 +220,10 @@ pub struct GpuPlan {
     pub problem: Option<String>,
     /// The share of each GPU to give the engine: just enough for `concurrency`, else the cap.
     pub gpu_memory_utilization: f64,
+    /// The KV cache in bytes, for releases that take it (`--kv-cache-memory-bytes`, 0.10.2 on):
+    /// the KV space is then exactly the plan's, whatever the profile finds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_cache_memory_bytes: Option<u64>,
     /// vLLM's flags for this option.
     pub vllm_args: Vec<String>,
     /// The `[[model]]` budget block for gpuguard's config.
@@ -220,6 +238,8 @@ pub struct GpuPlan {
 /// The answer: the model's figures, one row per option, the recommended row, every assumption.
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct CapacityPlan {
+    /// The vLLM release planned for.
+    pub engine: Vllm,
     pub model: ModelFigures,
     pub options: Vec<GpuPlan>,
     /// Index into `options` of the option that fits with the least GPU memory (this host's
@@ -277,6 +297,7 @@ pub fn plan(r: &PlanRequest) -> Result<CapacityPlan, String> {
     assumptions.push(weights_note);
     assumptions.extend(general_assumptions(r, &model));
     Ok(CapacityPlan {
+        engine: r.engine,
         model,
         options,
         recommended,
@@ -309,11 +330,19 @@ fn validate(r: &PlanRequest) -> Result<(), String> {
             crate::units::fmt_bytes(MAX_FIGURE as u64)
         ));
     }
-    if !(r.gpu_memory_utilization > 0.0 && r.gpu_memory_utilization <= 1.0) {
+    if let Some(u) = r
+        .gpu_memory_utilization
+        .filter(|u| !(*u > 0.0 && *u <= 1.0))
+    {
         return Err(format!(
-            "--gpu-memory-utilization '{}' must be above 0 and at most 1",
-            r.gpu_memory_utilization
+            "--gpu-memory-utilization '{u}' must be above 0 and at most 1"
         ));
+    }
+    let too_many = |n: Option<u64>| n.is_some_and(|n| n == 0 || n > 1 << 24);
+    if too_many(r.max_num_batched_tokens) || too_many(r.max_num_seqs) {
+        return Err(
+            "--max-num-batched-tokens and --max-num-seqs must be between 1 and 16777216".into(),
+        );
     }
     if let Some(max) = r.arch.max_position_embeddings {
         if r.max_model_len > max {
@@ -416,11 +445,21 @@ fn auto_tp(r: &PlanRequest, model: &ModelFigures, gpu: &GpuChoice) -> Vec<GpuPla
 fn option(r: &PlanRequest, model: &ModelFigures, gpu: &GpuChoice, tp: u32) -> GpuPlan {
     let a = &r.arch;
     let tp64 = u64::from(tp);
-    let usable = (gpu.total_bytes as f64 * r.gpu_memory_utilization) as u64;
+    let cap = r
+        .gpu_memory_utilization
+        .unwrap_or(r.engine.default_utilization());
+    let usable = (gpu.total_bytes as f64 * cap) as u64;
     let weights = model.weights_bytes.div_ceil(tp64);
-    let activation = activation_bytes(r, tp64);
-    let overhead =
-        CUDA_CONTEXT_BYTES + if tp > 1 { NCCL_BYTES } else { 0 } + CUDA_GRAPH_BYTES + activation;
+    let (default_tokens, default_seqs) =
+        r.engine
+            .default_batch(gpu.total_bytes, &gpu.name, r.max_model_len);
+    let batched = r.max_num_batched_tokens.unwrap_or(default_tokens);
+    let seqs_in_force = r.max_num_seqs.unwrap_or(default_seqs);
+    let activation = activation_bytes(r, tp64, batched, seqs_in_force);
+    let non_torch = engine::non_torch_bytes(&gpu.name, tp64);
+    let graphs = engine::cuda_graph_bytes(tp64);
+    let charged = r.engine.charges_cuda_graphs();
+    let overhead = activation + non_torch + if charged { graphs } else { 0 };
     let heads = kv_heads_per_gpu(a.kv_heads, tp64);
     let kv_request = heads.map_or(0, |h| {
         kv_per_request(
@@ -448,7 +487,7 @@ fn option(r: &PlanRequest, model: &ModelFigures, gpu: &GpuChoice, tp: u32) -> Gp
             "weights {} + overhead {} exceed {:.0}% of {}",
             fmt_bytes(weights),
             fmt_bytes(overhead),
-            r.gpu_memory_utilization * 100.0,
+            cap * 100.0,
             fmt_bytes(gpu.total_bytes)
         ))
     } else if max_requests < wanted {
@@ -466,14 +505,24 @@ fn option(r: &PlanRequest, model: &ModelFigures, gpu: &GpuChoice, tp: u32) -> Gp
             let need = weights + overhead + n * kv_request;
             ((need as f64 / gpu.total_bytes as f64) * 100.0).ceil() / 100.0
         }
-        _ => r.gpu_memory_utilization,
+        _ => cap,
     }
-    .min(r.gpu_memory_utilization);
+    .min(cap);
     let seqs = r.concurrency.unwrap_or(max_requests).max(1);
+    // Exact where the release allows it: the KV cache for the concurrency asked (whole MiB),
+    // else the space the share leaves.
+    let kv_cache_memory_bytes = (fits && r.engine.kv_cache_bytes_flag()).then(|| {
+        let kv = match r.concurrency {
+            Some(n) => n * kv_request,
+            None => kv_space,
+        };
+        kv.div_ceil(1 << 20) << 20
+    });
+    let context = engine::CUDA_CONTEXT_BYTES;
     let problem = problem.or_else(|| {
         let engine = (gpu.total_bytes as f64 * utilization) as u64;
         gpu.free_bytes
-            .filter(|free| *free < engine)
+            .filter(|free| *free < engine + context)
             .map(|free| format!("only {} free now", fmt_bytes(free)))
     });
     let mut o = GpuPlan {
@@ -484,7 +533,13 @@ fn option(r: &PlanRequest, model: &ModelFigures, gpu: &GpuChoice, tp: u32) -> Gp
         gpu_free_bytes: gpu.free_bytes,
         usable_bytes: usable,
         weights_bytes: weights,
+        max_num_batched_tokens: batched,
+        max_num_seqs: seqs_in_force,
         activation_bytes: activation,
+        non_torch_bytes: non_torch,
+        cuda_graph_bytes: graphs,
+        cuda_graphs_charged: charged,
+        cuda_context_bytes: context,
         overhead_bytes: overhead,
         kv_space_bytes: kv_space,
         kv_bytes_per_request: kv_request,
@@ -492,6 +547,7 @@ fn option(r: &PlanRequest, model: &ModelFigures, gpu: &GpuChoice, tp: u32) -> Gp
         fits,
         problem,
         gpu_memory_utilization: utilization,
+        kv_cache_memory_bytes,
         vllm_args: Vec::new(),
         gpuguard_model: String::new(),
         launch_args: Vec::new(),
@@ -504,32 +560,47 @@ fn option(r: &PlanRequest, model: &ModelFigures, gpu: &GpuChoice, tp: u32) -> Gp
     o
 }
 
-/// Activations for one forward pass of `max_num_batched_tokens`: per token the hidden state
-/// and residual (4 × hidden) and the MLP's gate/up/activation outputs (4 × its width, split
-/// over TP), in 16 bits; plus fp32 logits and probabilities for the profiled sequences.
-fn activation_bytes(r: &PlanRequest, tp: u64) -> u64 {
+/// The peak of vLLM's profile run on one GPU: a forward pass of `batched` tokens, per token the
+/// hidden state and residual (4 × hidden bytes) and the MLP's gate/up output and activation
+/// (6 × its width / TP bytes), in 16 bits; the sampler's fp32 logits and probabilities for its
+/// rows (V1: one per sequence, at most one per token; V0: `max_num_seqs`); and, in V1, a
+/// multimodal model's vision encoder, profiled first.
+fn activation_bytes(r: &PlanRequest, tp: u64, batched: u64, seqs: u64) -> u64 {
     let a = &r.arch;
-    match (a.hidden_size, a.mlp_width) {
-        (Some(hidden), Some(width)) => {
-            let per_token = (4 * hidden + 4 * width / tp) * 2;
-            let logits = r.profile_num_seqs * a.vocab_size.unwrap_or(0) * 4 * 2;
-            r.max_num_batched_tokens * per_token + logits
-        }
-        _ => FALLBACK_ACTIVATION_BYTES,
-    }
+    let (Some(hidden), Some(width)) = (a.hidden_size, a.mlp_width) else {
+        return FALLBACK_ACTIVATION_BYTES;
+    };
+    let per_token = 4 * hidden + 6 * width / tp;
+    let rows = if r.engine.v1() {
+        seqs.min(batched)
+    } else {
+        seqs
+    };
+    let logits = rows * a.vocab_size.unwrap_or(0) * 4 * 2;
+    let multimodal = a.params.is_some_and(|p| p.vision > 0);
+    let vision = if multimodal && r.engine.v1() {
+        engine::VISION_PROFILE_BYTES
+    } else {
+        0
+    };
+    batched * per_token + logits + vision
 }
 
 fn vllm_args(r: &PlanRequest, o: &GpuPlan, seqs: u64) -> Vec<String> {
-    let mut args = vec![
-        "--max-model-len".to_string(),
-        r.max_model_len.to_string(),
-        "--gpu-memory-utilization".into(),
-        format!("{:.2}", o.gpu_memory_utilization),
+    let mut args = vec!["--max-model-len".to_string(), r.max_model_len.to_string()];
+    match o.kv_cache_memory_bytes {
+        Some(bytes) => args.extend(["--kv-cache-memory-bytes".into(), bytes.to_string()]),
+        None => args.extend([
+            "--gpu-memory-utilization".into(),
+            format!("{:.2}", o.gpu_memory_utilization),
+        ]),
+    }
+    args.extend([
         "--max-num-seqs".into(),
         seqs.to_string(),
         "--max-num-batched-tokens".into(),
-        r.max_num_batched_tokens.to_string(),
-    ];
+        o.max_num_batched_tokens.to_string(),
+    ]);
     if o.tp > 1 {
         args.extend(["--tensor-parallel-size".into(), o.tp.to_string()]);
     }
@@ -539,6 +610,26 @@ fn vllm_args(r: &PlanRequest, o: &GpuPlan, seqs: u64) -> Vec<String> {
     args
 }
 
+/// What the engine takes of each GPU: weights, overhead and the KV cache in bytes where the
+/// release takes them, else its share.
+fn engine_bytes(o: &GpuPlan) -> u64 {
+    match o.kv_cache_memory_bytes {
+        Some(kv) => o.weights_bytes + o.overhead_bytes + kv,
+        None => (o.gpu_total_bytes as f64 * o.gpu_memory_utilization) as u64,
+    }
+}
+
+/// What the engine holds of each GPU beyond what it charges: the CUDA context, and CUDA graphs
+/// where they are captured after the KV cache.
+fn beyond_share(o: &GpuPlan) -> u64 {
+    o.cuda_context_bytes
+        + if o.cuda_graphs_charged {
+            0
+        } else {
+            o.cuda_graph_bytes
+        }
+}
+
 /// Whole GiB, rounded up, as the config writes sizes.
 fn gib_ceil(bytes: u64) -> String {
     format!("{}GiB", bytes.div_ceil(GIB))
@@ -546,8 +637,8 @@ fn gib_ceil(bytes: u64) -> String {
 
 /// The `[[model]]` block and the matching `gpuguard launch` flags.
 fn gpuguard_budget(r: &PlanRequest, model: &ModelFigures, o: &GpuPlan) -> (String, Vec<String>) {
-    let engine = (o.gpu_total_bytes as f64 * o.gpu_memory_utilization) as u64;
-    let gpu = gib_ceil((engine + BUDGET_MARGIN_BYTES) * u64::from(o.tp));
+    let engine = engine_bytes(o);
+    let gpu = gib_ceil((engine + beyond_share(o) + BUDGET_SLACK_BYTES) * u64::from(o.tp));
     // The launch reserves what the engine takes, so GPUGUARD_GPU_MEMORY_FRACTION comes out as
     // the engine's --gpu-memory-utilization.
     let launch_gpu = format!("{}MiB", (engine * u64::from(o.tp)) >> 20);
@@ -556,7 +647,7 @@ fn gpuguard_budget(r: &PlanRequest, model: &ModelFigures, o: &GpuPlan) -> (Strin
     let block = format!(
         "[[model]]\n\
          name = {name}\n\
-         # {tp} × {gpu_name} at gpu_memory_utilization {util:.2}; started with\n\
+         # {tp} × {gpu_name}, {share}; started with\n\
          # `gpuguard launch --model {raw} ...`, or match a running server:\n\
          # match = {{ cmdline = \"vllm serve .*{raw}\" }}\n\
          # run by a user who is not root or a system account? users = [\"NAME\"]\n\
@@ -565,7 +656,10 @@ fn gpuguard_budget(r: &PlanRequest, model: &ModelFigures, o: &GpuPlan) -> (Strin
          action = \"alert\"\n",
         tp = o.tp,
         gpu_name = o.gpu,
-        util = o.gpu_memory_utilization,
+        share = match o.kv_cache_memory_bytes {
+            Some(kv) => format!("KV cache {}", fmt_bytes(kv)),
+            None => format!("gpu_memory_utilization {:.2}", o.gpu_memory_utilization),
+        },
         raw = r.name.replace(['\n', '"'], ""),
     );
     let mut launch = vec![
@@ -606,21 +700,72 @@ fn general_assumptions(r: &PlanRequest, m: &ModelFigures) -> Vec<String> {
         a.attention_heads,
         fmt_bytes(m.naive_kv_bytes_per_request)
     ));
+    let e = r.engine;
     out.push(format!(
-        "overhead per GPU: CUDA context and workspaces {}, NCCL {} with tensor parallelism, CUDA graphs {}, \
-         activations for {} batched tokens: tokens × (4 × hidden + 4 × MLP width / TP) × 2 bytes, \
-         plus fp32 logits and probabilities of {} sequences (2 GiB when the config gives no widths)",
-        fmt_bytes(CUDA_CONTEXT_BYTES),
-        fmt_bytes(NCCL_BYTES),
-        fmt_bytes(CUDA_GRAPH_BYTES),
-        r.max_num_batched_tokens,
-        r.profile_num_seqs
+        "engine: vLLM {e}{} ({}); --vllm-version for another release",
+        if e == Vllm::DEFAULT { " and later" } else { "" },
+        if e.v1() { "V1" } else { "V0" },
     ));
     out.push(format!(
-        "the engine takes gpu_memory_utilization ({:.2}) × each GPU's total for weights, overhead \
-         and KV cache; with --concurrency the flags ask for just enough",
-        r.gpu_memory_utilization
+        "charged to the share besides the weights, per GPU: the profile run's peak (for the \
+         batch in force: tokens × (4 × hidden + 6 × MLP width / TP) bytes, plus fp32 logits and \
+         probabilities of {} sampler rows{}; 2 GiB when the config gives no widths), memory \
+         outside PyTorch ({} at TP 1, {} with tensor parallelism across data-centre GPUs){}",
+        if e.v1() {
+            "min(max_num_seqs, tokens)"
+        } else {
+            "max_num_seqs"
+        },
+        if e.v1() {
+            format!(
+                ", plus {} for a multimodal model's vision encoder",
+                fmt_bytes(engine::VISION_PROFILE_BYTES)
+            )
+        } else {
+            String::new()
+        },
+        fmt_bytes(engine::NON_TORCH_BYTES),
+        fmt_bytes(engine::NON_TORCH_TP_BYTES),
+        if e.charges_cuda_graphs() {
+            format!(
+                ", and CUDA graphs ({} at TP 1, {} with TP)",
+                fmt_bytes(engine::CUDA_GRAPH_BYTES),
+                fmt_bytes(engine::CUDA_GRAPH_TP_BYTES)
+            )
+        } else {
+            String::new()
+        }
     ));
+    out.push(format!(
+        "beyond the share, per GPU: the CUDA context ({}){}",
+        fmt_bytes(engine::CUDA_CONTEXT_BYTES),
+        if e.charges_cuda_graphs() {
+            String::new()
+        } else {
+            format!(
+                " and CUDA graphs ({} at TP 1, {} with TP), captured after the KV cache is sized",
+                fmt_bytes(engine::CUDA_GRAPH_BYTES),
+                fmt_bytes(engine::CUDA_GRAPH_TP_BYTES)
+            )
+        }
+    ));
+    let cap = r.gpu_memory_utilization.unwrap_or(e.default_utilization());
+    out.push(if e.kv_cache_bytes_flag() {
+        format!(
+            "the KV cache is given in bytes (--kv-cache-memory-bytes): the KV space is exactly the \
+             plan's; without --concurrency it is what {cap:.2} of each GPU leaves{}",
+            if r.gpu_memory_utilization.is_none() {
+                format!(" (vLLM {e}'s default share)")
+            } else {
+                String::new()
+            }
+        )
+    } else {
+        format!(
+            "the engine takes gpu_memory_utilization ({cap:.2}) × each GPU's total for weights, \
+             overhead and KV cache; with --concurrency the flags ask for just enough"
+        )
+    });
     out.push(
         "tensor parallelism splits the weights and KV heads evenly (KV heads are replicated when \
          fewer than GPUs)"
@@ -632,12 +777,12 @@ fn general_assumptions(r: &PlanRequest, m: &ModelFigures) -> Vec<String> {
             .into(),
     );
     out.push(format!(
-        "gpuguard budget: the engine's share of each GPU + {} (CUDA graphs can land beyond it), \
-         while `gpuguard launch --gpu-mem` reserves the share itself, so \
+        "gpuguard budget: what the engine takes of each GPU + what it holds beyond it + {}, \
+         while `gpuguard launch --gpu-mem` reserves what it takes, so \
          --gpu-memory-utilization $GPUGUARD_GPU_MEMORY_FRACTION gives the engine the same; \
          RAM: the weights (read through the page cache while loading) + {} per process (API \
          server and one worker per GPU)",
-        fmt_bytes(BUDGET_MARGIN_BYTES),
+        fmt_bytes(BUDGET_SLACK_BYTES),
         fmt_bytes(RAM_PER_PROCESS_BYTES)
     ));
     out.push("GPU totals are NVML's: the built-in table's, or this host's as read live".into());

@@ -41,9 +41,10 @@ fn request(name: &str, max_model_len: u64) -> PlanRequest {
         concurrency: None,
         tp: vec![1],
         gpus: vec![h100()],
-        gpu_memory_utilization: 0.9,
-        max_num_batched_tokens: 8192,
-        profile_num_seqs: 256,
+        engine: Vllm::DEFAULT,
+        gpu_memory_utilization: Some(0.9),
+        max_num_batched_tokens: Some(8192),
+        max_num_seqs: Some(256),
         notes,
     }
 }
@@ -69,47 +70,65 @@ fn llama_3_8b_gqa_matches_the_published_counts() {
 }
 
 #[test]
-fn llama_3_8b_on_one_h100_holds_53_full_length_requests() {
+fn llama_3_8b_on_one_h100_holds_54_full_length_requests() {
     let p = plan(&request("llama-3-8b", 8192)).unwrap();
     let o = &p.options[0];
     // 81,559 MiB × 0.9 = 76,968,728,985 bytes for the engine.
     assert_eq!(o.usable_bytes, 76_968_728_985);
-    // Activations: 8192 × (4×4096 + 4×14336) × 2 + 256 × 128256 × 8 = 1,470,627,840;
-    // + 1 GiB context + 1 GiB CUDA graphs.
-    assert_eq!(o.activation_bytes, 1_470_627_840);
-    assert_eq!(o.overhead_bytes, 1_470_627_840 + (2 << 30));
+    // The profile's peak: 8192 × (4×4096 + 6×14336) + 256 × 128256 × 8 = 1,101,529,088;
+    // + 384 MiB outside PyTorch + 1 GiB of CUDA graphs, charged from vLLM 0.20.
+    assert_eq!(o.activation_bytes, 1_101_529_088);
+    assert_eq!(
+        (o.non_torch_bytes, o.cuda_graph_bytes, o.cuda_graphs_charged),
+        (384 * MIB, 1 << 30, true)
+    );
+    assert_eq!(o.overhead_bytes, 2_577_924_096);
     assert_eq!(
         o.kv_space_bytes,
-        76_968_728_985 - 16_060_522_496 - 3_618_111_488
+        76_968_728_985 - 16_060_522_496 - 2_577_924_096
     );
-    // 57,290,095,001 / 1 GiB = 53.4; the naive 4 GiB per request would say 13.
-    assert_eq!(o.max_requests, 53);
+    // 58,330,282,393 / 1 GiB = 54.3; the naive 4 GiB per request would say 13.
+    assert_eq!(o.max_requests, 54);
     assert_eq!(o.kv_space_bytes / p.model.naive_kv_bytes_per_request, 13);
     assert!(o.fits);
-    assert!(o
-        .vllm_args
-        .windows(2)
-        .any(|w| w == ["--max-num-seqs", "53"]));
-    assert!(o
-        .vllm_args
-        .windows(2)
-        .any(|w| w == ["--gpu-memory-utilization", "0.90"]));
+    let flag = |o: &GpuPlan, pair: [&str; 2]| o.vllm_args.windows(2).any(|w| w == pair);
+    assert!(flag(o, ["--max-num-seqs", "54"]), "{:?}", o.vllm_args);
+    // vLLM 0.10.2 on takes the KV cache in bytes (whole MiB: 55,629 MiB), not a share.
+    assert!(
+        flag(o, ["--kv-cache-memory-bytes", "58331234304"]),
+        "{:?}",
+        o.vllm_args
+    );
+    assert!(!o.vllm_args.iter().any(|a| a == "--gpu-memory-utilization"));
+    // Before it, the share; and before 0.20 CUDA graphs are not charged: 1 GiB more KV space.
+    let mut older = request("llama-3-8b", 8192);
+    older.engine = "0.10.1".parse().unwrap();
+    let o = plan(&older).unwrap().options.remove(0);
+    assert!(
+        flag(&o, ["--gpu-memory-utilization", "0.90"]),
+        "{:?}",
+        o.vllm_args
+    );
+    assert_eq!(o.kv_cache_memory_bytes, None);
+    assert_eq!(o.kv_space_bytes, 58_330_282_393 + (1 << 30));
 }
 
 #[test]
-fn asking_for_a_concurrency_sizes_the_engine_share_and_the_budget() {
+fn asking_for_a_concurrency_sizes_the_engine_and_the_budget() {
     let mut r = request("llama-3-8b", 8192);
     r.concurrency = Some(20);
     let o = plan(&r).unwrap().options.remove(0);
-    // 16,060,522,496 + 3,618,111,488 + 20 GiB = 41,153,438,464 of 85,520,809,984 = 0.4812 -> 0.49.
-    assert_eq!(o.gpu_memory_utilization, 0.49);
+    // 16,060,522,496 + 2,577,924,096 + 20 GiB = 40,113,283,072 of 85,520,809,984 = 0.469 -> 0.47.
+    assert_eq!(o.gpu_memory_utilization, 0.47);
+    assert_eq!(o.kv_cache_memory_bytes, Some(20 << 30));
     assert!(o
         .vllm_args
         .windows(2)
         .any(|w| w == ["--max-num-seqs", "20"]));
-    // Budget: 0.49 × 81,559 MiB + 1 GiB = 40.03 GiB -> 41GiB; RAM 14.96 GiB + 2 × 3 GiB -> 21GiB.
+    // Budget: the engine's 40,113,283,072 + the CUDA context (640 MiB) + 512 MiB = 38.48 GiB ->
+    // 39GiB; RAM 14.96 GiB + 2 × 3 GiB -> 21GiB.
     assert!(
-        o.gpuguard_model.contains("gpu_memory = \"41GiB\""),
+        o.gpuguard_model.contains("gpu_memory = \"39GiB\""),
         "{}",
         o.gpuguard_model
     );
@@ -120,25 +139,34 @@ fn asking_for_a_concurrency_sizes_the_engine_share_and_the_budget() {
     );
     let parsed: toml::Table = toml::from_str(&o.gpuguard_model).unwrap();
     assert_eq!(parsed["model"][0]["name"].as_str(), Some("llama-3-8b"));
-    // The launch reserves the engine's share itself (0.49 × 81,559 MiB = 39,963.9 MiB), so the
-    // GPUGUARD_GPU_MEMORY_FRACTION it gets is the flag's 0.49 (to 4 decimals, rounded down).
+    // The launch reserves what the engine takes (40,113,283,072 bytes = 38,255 MiB).
     let want = [
         "--model",
         "llama-3-8b",
         "--gpu-mem",
-        "39963MiB",
+        "38255MiB",
         "--ram",
         "21GiB",
     ];
     assert_eq!(o.launch_args, want);
+    // vLLM 0.19 captures CUDA graphs beyond its share: the budget holds them too (+1 GiB).
+    r.engine = "0.19.0".parse().unwrap();
+    let o = plan(&r).unwrap().options.remove(0);
+    // 16,060,522,496 + 1,504,182,272 + 20 GiB + 640 MiB + 1 GiB + 512 MiB = 41,321,242,624.
+    assert!(
+        o.gpuguard_model.contains("gpu_memory = \"39GiB\""),
+        "{}",
+        o.gpuguard_model
+    );
 
-    r.concurrency = Some(54);
+    r.engine = Vllm::DEFAULT;
+    r.concurrency = Some(55);
     let o = plan(&r).unwrap().options.remove(0);
     assert!(!o.fits);
     assert!(o
         .problem
         .unwrap()
-        .contains("holds 53 full-length request(s)"));
+        .contains("holds 54 full-length request(s)"));
 }
 
 #[test]
@@ -323,7 +351,7 @@ fn bad_inputs_are_refused_with_the_value() {
         .unwrap_err()
         .contains("16384 is above the model's max_position_embeddings (8192)"));
     r.max_model_len = 8192;
-    r.gpu_memory_utilization = 1.5;
+    r.gpu_memory_utilization = Some(1.5);
     assert!(plan(&r).unwrap_err().contains("'1.5'"));
     let err = Architecture::from_hf_config(
         &serde_json::json!({"model_type": "x", "num_hidden_layers": "many"}),
@@ -400,4 +428,129 @@ fn huge_config_values_are_refused_or_saturate_never_wrap() {
     (r.arch, r.notes) = (a, notes);
     let err = plan(&r).unwrap_err();
     assert!(err.contains("beyond any GPU host"), "{err}");
+}
+
+/// One published startup log of `tests/fixtures/plan/engines/calibration.csv`.
+struct Logged {
+    id: String,
+    request: PlanRequest,
+    kv_cache_bytes: u64,
+    kv_tokens: Option<u64>,
+}
+
+fn calibration() -> Vec<Logged> {
+    let path = format!(
+        "{}/tests/fixtures/plan/engines/calibration.csv",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let text = std::fs::read_to_string(path).unwrap();
+    let gib = |s: &str| (s.parse::<f64>().unwrap() * (1u64 << 30) as f64) as u64;
+    let number = |s: &str| (!s.is_empty()).then(|| s.parse::<u64>().unwrap());
+    let mut lines = text.lines().filter(|l| !l.starts_with('#'));
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    lines
+        .map(|line| {
+            let cells: Vec<&str> = line.split(',').collect();
+            assert_eq!(cells.len(), header.len(), "{line}");
+            let at = |key: &str| cells[header.iter().position(|h| *h == key).unwrap()];
+            let (arch, notes) = arch(at("config"));
+            let tp: u32 = at("tp").parse().unwrap();
+            let gpu = GpuChoice {
+                name: at("gpu").into(),
+                total_bytes: gib(at("gpu_total_gib")),
+                free_bytes: None,
+                count: 8,
+                live: false,
+                machines: &[],
+            };
+            Logged {
+                id: at("id").into(),
+                request: PlanRequest {
+                    name: at("config").into(),
+                    arch,
+                    weights: Weights::Bytes(gib(at("weights_gib")) * u64::from(tp)),
+                    kv_dtype: Dtype::Bf16,
+                    max_model_len: number(at("max_model_len")).unwrap(),
+                    concurrency: None,
+                    tp: vec![tp],
+                    gpus: vec![gpu],
+                    engine: at("vllm").parse().unwrap(),
+                    gpu_memory_utilization: Some(at("gpu_memory_utilization").parse().unwrap()),
+                    max_num_batched_tokens: number(at("max_num_batched_tokens")),
+                    max_num_seqs: number(at("max_num_seqs")),
+                    notes,
+                },
+                kv_cache_bytes: gib(at("kv_cache_gib")),
+                kv_tokens: number(at("kv_tokens")),
+            }
+        })
+        .collect()
+}
+
+/// The plan against what vLLM really gave the KV cache, on every published startup log the table
+/// keeps: within 10 % of it, and never more than 5 % above it (a plan that promises more KV space
+/// than the engine gets causes the preemption or OOM it exists to prevent). The weights are the
+/// logged ones: what is checked is the rest of the engine's memory, which the plan models.
+#[test]
+fn the_kv_space_agrees_with_published_engine_logs() {
+    let rows = calibration();
+    assert!(rows.len() >= 7, "{} rows", rows.len());
+    let mut report = Vec::new();
+    let mut wrong = Vec::new();
+    for row in &rows {
+        let p = plan(&row.request).unwrap();
+        let o = &p.options[0];
+        let a = &row.request.arch;
+        let heads = kv_heads_per_gpu(a.kv_heads, u64::from(o.tp)).unwrap();
+        let per_token = a.layers * 2 * heads * a.head_dim * 2;
+        let planned_tokens = o.kv_space_bytes / per_token / BLOCK_TOKENS * BLOCK_TOKENS;
+        let mut check = |what: &str, planned: u64, logged: u64| {
+            let error = planned as f64 / logged as f64 - 1.0;
+            report.push(format!(
+                "{:<36} {what:<6} planned {planned:>12} logged {logged:>12} {:+6.1}%",
+                row.id,
+                error * 100.0
+            ));
+            if !(-0.10..=0.05).contains(&error) {
+                wrong.push(report.last().unwrap().clone());
+            }
+        };
+        check("KV", o.kv_space_bytes, row.kv_cache_bytes);
+        if let Some(tokens) = row.kv_tokens {
+            check("tokens", planned_tokens, tokens);
+        }
+    }
+    println!("{}", report.join("\n"));
+    assert!(
+        wrong.is_empty(),
+        "{}\n\nall:\n{}",
+        wrong.join("\n"),
+        report.join("\n")
+    );
+}
+
+/// `--json` carries the engine release and each part of the overhead, so a script can see what
+/// the plan charged and what it left beyond the share.
+#[test]
+fn the_json_names_the_engine_and_each_part_of_the_overhead() {
+    let mut r = request("llama-3-8b", 8192);
+    r.engine = "0.19.0".parse().unwrap();
+    let json = serde_json::to_value(plan(&r).unwrap()).unwrap();
+    assert_eq!(json["engine"], "0.19.0");
+    let o = &json["options"][0];
+    assert_eq!(o["max_num_batched_tokens"], 8192);
+    assert_eq!(o["max_num_seqs"], 256);
+    assert_eq!(o["activation_bytes"], 1_101_529_088u64);
+    assert_eq!(o["non_torch_bytes"], 384 * MIB);
+    assert_eq!(o["cuda_graph_bytes"], 1u64 << 30);
+    assert_eq!(o["cuda_graphs_charged"], false);
+    assert_eq!(o["cuda_context_bytes"], 640 * MIB);
+    // 0.19 does not charge the graphs: the overhead is the peak and non-torch memory alone.
+    assert_eq!(o["overhead_bytes"], 1_101_529_088u64 + 384 * MIB);
+    assert!(o["kv_cache_memory_bytes"].as_u64().is_some());
+    // Left to the release's defaults, the batch follows the card (an H100: 8192 and 1024).
+    r.max_num_seqs = None;
+    r.max_num_batched_tokens = None;
+    let o = plan(&r).unwrap().options.remove(0);
+    assert_eq!((o.max_num_batched_tokens, o.max_num_seqs), (8192, 1024));
 }
