@@ -212,10 +212,7 @@ impl Harness {
 
     /// The same in `dir` (what an earlier daemon left there included).
     fn in_dir(dir: tempfile::TempDir, world_now: World, config: &str) -> Harness {
-        let text = format!(
-            "[daemon]\nstate_dir = \"{}\"\n{config}",
-            dir.path().join("state").display()
-        );
+        let text = config_text(&dir, config);
         let path = dir.path().join("config.toml");
         let config = Config::parse(&text, &path).unwrap();
         let gpu = world_now.gpu.is_some();
@@ -239,6 +236,22 @@ impl Harness {
             at: Duration::ZERO,
             _dir: dir,
         }
+    }
+
+    /// The daemon dies here (no clean stop: nothing it holds is let go), and a new one starts
+    /// on its state directory, on `world_now` with `config`.
+    fn restart(self, world_now: World, config: &str) -> Harness {
+        let Harness { daemon, _dir, .. } = self;
+        drop(daemon);
+        Harness::in_dir(_dir, world_now, config)
+    }
+
+    /// Writes `config` (after the same state directory header) to the config file and reloads
+    /// it, as the daemon does on SIGHUP (the signal's wiring is the host suite's).
+    fn reload(&mut self, config: &str) {
+        let text = config_text(&self._dir, config);
+        std::fs::write(self._dir.path().join("config.toml"), text).unwrap();
+        self.daemon.reload();
     }
 
     /// One tick, `step` after the last.
@@ -290,6 +303,14 @@ impl Harness {
             .map(|a| format!("{} {}: {}", a.verb, a.target, a.outcome))
             .collect()
     }
+}
+
+/// The config file's text: `[daemon]` with the state directory in `dir`, then `config`.
+fn config_text(dir: &tempfile::TempDir, config: &str) -> String {
+    format!(
+        "[daemon]\nstate_dir = \"{}\"\n{config}",
+        dir.path().join("state").display()
+    )
 }
 
 fn host(total: u64, available: u64) -> HostMemory {
@@ -710,13 +731,11 @@ fn the_history_keeps_an_incident_and_the_next_start_writes_its_post_mortem() {
     assert!(!lower.recorded[0].on_both_sides);
 
     // Killed: no clean stop. The next daemon on the same state directory says how it ended.
-    let Harness { daemon, _dir, .. } = h;
-    drop(daemon);
     let w = World {
         host: host(64 * GIB, 40 * GIB),
         ..World::default()
     };
-    let h = Harness::in_dir(_dir, w, config);
+    let h = h.restart(w, config);
     h.daemon.reporter.recorder.as_ref().unwrap().flush();
     let history = crate::history::read(&dir).unwrap();
     let post_mortem = history
@@ -846,4 +865,249 @@ fn a_victim_that_ignores_sigterm_and_grows_is_killed_without_waiting_for_term_gr
     assert_eq!(h.signals(), [(200, Sig::Term), (200, Sig::Kill)]);
     let killed = logged(&h, "after SIGTERM: it is not shutting down");
     assert_eq!(killed.len(), 1, "{killed:?}");
+}
+
+/// A webhook endpoint on 127.0.0.1 that accepts every connection and never answers: it keeps
+/// them open, unanswered, until the test process ends.
+struct HungWebhook {
+    port: u16,
+    accepted: Arc<Mutex<Vec<std::net::TcpStream>>>,
+}
+
+impl HungWebhook {
+    fn start() -> HungWebhook {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let accepted = Arc::new(Mutex::new(Vec::new()));
+        let keep = accepted.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming().flatten() {
+                keep.lock().unwrap().push(stream);
+            }
+        });
+        HungWebhook { port, accepted }
+    }
+
+    /// The first connection the daemon made, waited for.
+    fn first(&self) -> std::net::TcpStream {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(s) = self.accepted.lock().unwrap().first() {
+                return s.try_clone().unwrap();
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the webhook was never called"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+/// Whether the client still holds `stream` open: its request read (nothing is answered), no
+/// end of stream. A client that gave up (its timeout) has closed it.
+fn still_open(stream: &std::net::TcpStream) -> bool {
+    use std::io::Read;
+    stream.set_nonblocking(true).unwrap();
+    let mut buf = [0u8; 4096];
+    loop {
+        match (&*stream).read(&mut buf) {
+            Ok(0) => return false,
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return true,
+            Err(_) => return false,
+        }
+    }
+}
+
+/// A webhook that accepts and never answers (60 s timeout) does not hold the guard: the tick
+/// sends SIGTERM, and SIGKILL follows at term_grace on the daemon clock, while the webhook's
+/// first request still hangs (its connection still open: a guard that waited for the webhook
+/// would have returned only once the client gave that request up). Moved from the host suite
+/// (`alerts`), where it put the machine under memory pressure.
+#[test]
+fn a_webhook_that_never_answers_does_not_slow_the_guard() {
+    let hook = HungWebhook::start();
+    let mut w = World {
+        host: host(64 * GIB, 2 * GIB),
+        ..World::default()
+    };
+    w.spawn(200, "hog", 12 * GIB);
+    let mut h = Harness::new(
+        w,
+        &format!(
+            "term_grace = \"1s\"\n\
+             [alert]\ntimeout = \"60s\"\nqueue = 4\n\
+             [[alert.webhook]]\nurl = \"http://127.0.0.1:{}/hook\"\nmin_severity = \"info\"\n\
+             [ram]\nwarn_available = \"8GiB\"\nmin_available = \"4GiB\"\naction = \"kill\"\n\
+             [gpu]\nenabled = false\n",
+            hook.port
+        ),
+    );
+    h.tick(MS);
+    assert_eq!(h.signals(), [(200, Sig::Term)], "{:?}", h.actions());
+    h.ticks(12, 100 * MS);
+    assert_eq!(
+        h.signals(),
+        [(200, Sig::Term), (200, Sig::Kill)],
+        "{:?}",
+        h.actions()
+    );
+    let first = hook.first();
+    assert!(
+        still_open(&first),
+        "the webhook's first request was given up before the kill"
+    );
+}
+
+/// A reload whose config does not parse is refused with an event that names the key and the
+/// value, and the old config keeps acting: a process over the old budget is stopped. Moved from
+/// the host suite (`ram_guard`); SIGHUP's wiring to the reload stays with the host tests.
+#[test]
+fn a_bad_reload_keeps_the_old_config_running() {
+    let good = "[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n[gpu]\nenabled = false\n\
+                [[model]]\nname = \"m\"\nmatch = { comm = \"hog\" }\nram = \"64MiB\"\n\
+                action = \"stop\"\ngrace = \"0s\"\n";
+    let mut w = World {
+        host: host(64 * GIB, 40 * GIB),
+        ..World::default()
+    };
+    w.spawn(200, "hog", 32 * MIB);
+    let mut h = Harness::new(w, good);
+    h.tick(MS);
+    h.reload(&good.replace("ram = \"64MiB\"", "ram = \"64 parsecs\""));
+    let failed = logged(&h, "config_reload_failed");
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert!(
+        failed[0].contains("model[0] 'm'.ram: '64 parsecs' is not a size"),
+        "{}",
+        failed[0]
+    );
+    assert_eq!(h.signals(), []);
+    // Over the old budget (64 MiB): stopped, once the next scan has seen it.
+    h.world().procs.get_mut(&200).unwrap().rss_bytes = 128 * MIB;
+    h.ticks(60, 100 * MS);
+    assert_eq!(h.signals(), [(200, Sig::Stop)], "{:?}", h.actions());
+}
+
+/// A model over its RAM budget is stopped (and recorded in `stopped.json`, for the next start);
+/// a reload that raises the budget resumes it: SIGCONT, the record emptied, `budget_cleared`.
+/// Moved from the host suite (`ram_guard`); SIGHUP's wiring and a real SIGCONT stay with the
+/// host tests (`sigterm_resumes_stopped_processes_before_exit`).
+#[test]
+fn a_model_over_its_ram_budget_is_stopped_then_resumed_when_a_reload_raises_it() {
+    let model = |budget: &str| {
+        format!(
+            "[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n[gpu]\nenabled = false\n\
+             [[model]]\nname = \"greedy\"\nmatch = {{ comm = \"hog\" }}\nram = \"{budget}\"\n\
+             action = \"stop\"\ngrace = \"300ms\"\n"
+        )
+    };
+    let mut w = World {
+        host: host(64 * GIB, 40 * GIB),
+        ..World::default()
+    };
+    w.spawn(200, "hog", 256 * MIB);
+    let mut h = Harness::new(w, &model("100MiB"));
+    h.ticks(10, 100 * MS);
+    assert_eq!(h.signals(), [(200, Sig::Stop)], "{:?}", h.actions());
+    let record = h._dir.path().join("state").join("stopped.json");
+    let held = std::fs::read_to_string(&record).unwrap();
+    assert!(held.contains("\"pid\": 200"), "{held}");
+    let exceeded: serde_json::Value =
+        serde_json::from_str(&logged(&h, "budget_exceeded")[0]).unwrap();
+    assert_eq!(exceeded["subject"]["model"], "greedy", "{exceeded}");
+    assert_eq!(exceeded["subject"]["budget_bytes"], 100 * MIB, "{exceeded}");
+
+    h.reload(&model("4GiB"));
+    h.ticks(3, 100 * MS);
+    assert_eq!(
+        h.signals(),
+        [(200, Sig::Stop), (200, Sig::Cont)],
+        "{:?}",
+        h.actions()
+    );
+    assert_eq!(h.world().procs[&200].state, 'S');
+    assert!(h.daemon.executor.held().is_empty());
+    let held = std::fs::read_to_string(&record).unwrap();
+    assert!(!held.contains("\"pid\": 200"), "{held}");
+    let cleared: serde_json::Value =
+        serde_json::from_str(&logged(&h, "budget_cleared")[0]).unwrap();
+    assert_eq!(cleared["subject"]["model"], "greedy", "{cleared}");
+}
+
+/// A daemon killed while it held a process stopped: the next one, whose config no longer
+/// budgets that model, resumes it at start (SIGCONT, same pid and start time) and says so.
+/// Moved from the host suite (`ram_guard`); the real SIGKILLed binary and real stopped
+/// processes stay with `faults::a_daemon_killed_while_holding_processes_resumes_them_before_
+/// reading_a_broken_config`.
+#[test]
+fn a_daemon_killed_while_holding_a_process_resumes_it_on_restart() {
+    let floors = "[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n[gpu]\nenabled = false\n";
+    let budget = "[[model]]\nname = \"m\"\nmatch = { comm = \"hog\" }\nram = \"64MiB\"\n\
+                  action = \"stop\"\ngrace = \"0s\"\n";
+    let world = || {
+        let mut w = World {
+            host: host(64 * GIB, 40 * GIB),
+            ..World::default()
+        };
+        w.spawn(200, "hog", 128 * MIB);
+        w
+    };
+    let mut h = Harness::new(world(), &format!("{floors}{budget}"));
+    h.ticks(3, 100 * MS);
+    assert_eq!(h.signals(), [(200, Sig::Stop)], "{:?}", h.actions());
+    // The process is still stopped when the next daemon starts (nobody resumed it).
+    let mut w = world();
+    w.procs.get_mut(&200).unwrap().state = 'T';
+    let h = h.restart(w, floors);
+    assert_eq!(h.signals(), [(200, Sig::Cont)]);
+    assert_eq!(h.world().procs[&200].state, 'S');
+    let undone = logged(&h, "leftovers_undone");
+    assert!(
+        undone.len() == 1 && undone[0].contains("resumed pid 200 (hog) left stopped"),
+        "{undone:?}"
+    );
+}
+
+/// A stop record that cannot be read (half written, say) is kept aside as it was, reported as
+/// a critical `state_file_corrupt`, and nobody is signalled for it. Moved from the host suite
+/// (`faults`).
+#[test]
+fn a_garbage_stop_record_is_kept_aside_and_reported() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    std::fs::create_dir(&state).unwrap();
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700)).unwrap();
+    std::fs::write(state.join("stopped.json"), "{ half a rec").unwrap();
+    let mut w = World {
+        host: host(64 * GIB, 40 * GIB),
+        ..World::default()
+    };
+    w.spawn(200, "idle", 32 * MIB);
+    w.procs.get_mut(&200).unwrap().state = 'T';
+    let mut h = Harness::in_dir(dir, w, "[gpu]\nenabled = false\n");
+    let corrupt = logged(&h, "state_file_corrupt");
+    assert_eq!(corrupt.len(), 1, "{corrupt:?}");
+    let corrupt: serde_json::Value = serde_json::from_str(&corrupt[0]).unwrap();
+    assert_eq!(corrupt["severity"], "critical", "{corrupt}");
+    assert!(
+        corrupt["summary"]
+            .as_str()
+            .is_some_and(|s| s.contains("stopped.json is unreadable")),
+        "{corrupt}"
+    );
+    let kept: Vec<std::path::PathBuf> = std::fs::read_dir(&state)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("stopped.json.corrupt-"))
+        })
+        .collect();
+    assert_eq!(kept.len(), 1, "kept aside, not replaced: {kept:?}");
+    assert_eq!(std::fs::read_to_string(&kept[0]).unwrap(), "{ half a rec");
+    h.ticks(5, 100 * MS);
+    assert_eq!(h.signals(), [], "{:?}", h.actions());
 }

@@ -443,49 +443,6 @@ fn a_state_directory_that_is_not_gpuguards_own_is_refused() {
     assert_running(&mut hog);
 }
 
-#[test]
-fn a_garbage_stop_record_is_kept_aside_and_reported() {
-    let t = token("garbage");
-    let mut hog = Hog::idle(&t);
-    let dir = tempfile::tempdir().unwrap();
-    let state = dir.path().join("state");
-    std::fs::create_dir(&state).unwrap();
-    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700)).unwrap();
-    std::fs::write(state.join("stopped.json"), "{ half a rec").unwrap();
-    let fake = FakeNvml::new("");
-    let daemon = GuardDaemon::start_in_with_fake(dir, &config("", "", &[("m", &t, "")]), &fake);
-    wait_count(
-        &daemon,
-        "state_file_corrupt",
-        "stopped.json is unreadable",
-        1,
-    );
-    let corrupt = daemon
-        .events()
-        .into_iter()
-        .find(|e| e["event"] == "state_file_corrupt")
-        .unwrap();
-    assert_eq!(corrupt["severity"], "critical");
-    let kept: Vec<String> = std::fs::read_dir(&state)
-        .unwrap()
-        .filter_map(|e| e.ok())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with("stopped.json.corrupt-"))
-        .collect();
-    assert_eq!(kept.len(), 1, "kept aside, not replaced");
-    assert_eq!(
-        std::fs::read_to_string(state.join(&kept[0])).unwrap(),
-        "{ half a rec"
-    );
-    assert!(
-        daemon.log_text().contains("ERROR"),
-        "said loudly: {}",
-        daemon.log_text()
-    );
-    assert_running(&mut hog);
-    assert_no_signal(&daemon);
-}
-
 /// A webhook endpoint on 127.0.0.1 that accepts and never answers.
 struct Hung {
     port: u16,

@@ -1,5 +1,6 @@
-//! The RAM guard through the real binary, on real child processes: floors, budgets, observe
-//! mode, throttling, reload, and never leaving a process frozen.
+//! The RAM guard through the real binary, on real child processes: a floor's kill, throttling,
+//! and never leaving a process frozen at exit. (Budgets, observe mode, reload and resuming what
+//! a killed daemon left stopped run in process: `daemon::tests`.)
 //!
 //! Floors are set relative to the MemAvailable seen at the start of each test (about 1 GiB below
 //! it), and hogs stop by themselves a little beyond, so the machine is never in danger.
@@ -8,7 +9,6 @@ use std::os::unix::process::ExitStatusExt;
 use std::time::Duration;
 
 use crate::common::*;
-use nix::sys::signal::Signal;
 
 /// A config whose only candidates are the test's own processes (matched by token).
 fn config(extra_daemon: &str, ram: &str, models: &[(&str, &str, &str)]) -> String {
@@ -69,59 +69,6 @@ fn hog_below_the_floor_is_killed_and_the_sentinel_survives() {
 }
 
 #[test]
-fn model_over_ram_budget_is_stopped_then_resumed_when_budget_is_raised() {
-    let hog_token = token("budget");
-    let model = |budget: &str| {
-        config(
-            "",
-            "",
-            &[(
-                "greedy",
-                &hog_token,
-                &format!("ram = \"{budget}\"\naction = \"stop\"\ngrace = \"300ms\""),
-            )],
-        )
-    };
-    let daemon = GuardDaemon::start(&model("100MiB"));
-    let mut hog = Hog::start(&hog_token, 0, 256, 60);
-    let pid = hog.pid();
-
-    assert!(
-        wait_stopped(&[pid], Duration::from_secs(10)),
-        "not stopped:\n{}",
-        daemon.log_text()
-    );
-    let record = std::fs::read_to_string(daemon.state_dir().join("stopped.json")).unwrap();
-    assert!(
-        record.contains(&format!("\"pid\": {pid}")),
-        "stopped process recorded on disk: {record}"
-    );
-    daemon.wait_for_event("budget_exceeded", Duration::from_secs(1), |e| {
-        e["subject"]["model"] == "greedy" && e["subject"]["budget_bytes"] == 100 * MIB
-    });
-
-    daemon.rewrite_config(&model("4GiB"));
-    daemon.signal(Signal::SIGHUP);
-    assert!(
-        wait_until(Duration::from_secs(10), || matches!(
-            proc_state(pid),
-            Some('S' | 'R')
-        )),
-        "not resumed:\n{}",
-        daemon.log_text()
-    );
-    daemon.wait_for_event("budget_cleared", Duration::from_secs(2), |e| {
-        e["subject"]["model"] == "greedy"
-    });
-    assert!(hog.alive());
-    let record = std::fs::read_to_string(daemon.state_dir().join("stopped.json")).unwrap();
-    assert!(
-        !record.contains(&format!("\"pid\": {pid}")),
-        "resumed process removed from the record: {record}"
-    );
-}
-
-#[test]
 fn sigterm_resumes_stopped_processes_before_exit() {
     let hog_token = token("term");
     let daemon = GuardDaemon::start(&config(
@@ -146,49 +93,6 @@ fn sigterm_resumes_stopped_processes_before_exit() {
         matches!(proc_state(pid), Some('S' | 'R')),
         "still stopped after the daemon exited:\n{log}"
     );
-    assert!(hog.alive());
-}
-
-#[test]
-fn daemon_killed_while_holding_a_process_resumes_it_on_restart() {
-    let hog_token = token("crash");
-    let text = config(
-        "",
-        "",
-        &[(
-            "m",
-            &hog_token,
-            "ram = \"64MiB\"\naction = \"stop\"\ngrace = \"0s\"",
-        )],
-    );
-    let daemon = GuardDaemon::start(&text);
-    let mut hog = Hog::start(&hog_token, 0, 128, 60);
-    let pid = hog.pid();
-    assert!(
-        wait_stopped(&[pid], Duration::from_secs(10)),
-        "{}",
-        daemon.log_text()
-    );
-
-    // crash() has reaped the daemon: nothing is left to resume it.
-    let dir = daemon.crash();
-    assert_eq!(
-        proc_state(pid),
-        Some('T'),
-        "a SIGKILLed daemon cannot resume anything itself"
-    );
-
-    // The restarted daemon no longer budgets this model: it must resume the leftover at start.
-    let restarted = GuardDaemon::start_in(dir, &config("", "", &[]), &[]);
-    assert!(
-        wait_until(Duration::from_secs(5), || matches!(
-            proc_state(pid),
-            Some('S' | 'R')
-        )),
-        "{}",
-        restarted.log_text()
-    );
-    restarted.wait_for_event("leftovers_undone", Duration::from_secs(2), |_| true);
     assert!(hog.alive());
 }
 
@@ -244,36 +148,4 @@ fn growth_per_second(pid: u32, after: Duration, over: Duration) -> f64 {
     let start = rss_bytes(pid);
     std::thread::sleep(over);
     (rss_bytes(pid).saturating_sub(start)) as f64 / over.as_secs_f64()
-}
-
-#[test]
-fn bad_reload_keeps_the_old_config_running() {
-    let hog_token = token("reload");
-    let good = config(
-        "",
-        "",
-        &[(
-            "m",
-            &hog_token,
-            "ram = \"64MiB\"\naction = \"stop\"\ngrace = \"0s\"",
-        )],
-    );
-    let daemon = GuardDaemon::start(&good);
-    daemon.rewrite_config(&good.replace("ram = \"64MiB\"", "ram = \"64 parsecs\""));
-    daemon.signal(Signal::SIGHUP);
-    // The failed reload is an event naming the key and the bad value.
-    let failed = daemon.wait_for_event("config_reload_failed", Duration::from_secs(5), |_| true);
-    assert!(
-        failed["summary"]
-            .as_str()
-            .is_some_and(|s| s.contains("model[0] 'm'.ram: '64 parsecs' is not a size")),
-        "{failed}"
-    );
-    // The old budget still acts.
-    let hog = Hog::start(&hog_token, 0, 128, 60);
-    assert!(
-        wait_stopped(&[hog.pid()], Duration::from_secs(10)),
-        "{}",
-        daemon.log_text()
-    );
 }
