@@ -1036,3 +1036,345 @@ fn a_draining_host_refuses_new_and_waiting_requests_and_leaves_held_permits_alon
         Some(Response::Granted { .. })
     ));
 }
+
+/// Root's model (a `[[model]]` that names no users: root's and the system accounts') is not
+/// another account's to steer: its launch is refused `NotAllowed`, saying so, whatever the
+/// command, and so are its permits. Moved from the host suite
+/// (`security::a_user_cannot_steer_the_guard_at_root_s_server`, its launch and permit half; its
+/// forged command line half is `policy::tests::a_model_has_only_processes_of_its_users_whatever_
+/// they_are_named`, the exit code 77 of a refusal the host's `permits` tests').
+#[test]
+fn another_account_may_neither_launch_nor_take_permits_of_roots_model() {
+    let mut t = table_for(
+        "[[model]]\nname = \"rootmodel\"\nmatch = { comm = \"x\" }\nram = \"1GiB\"\n\
+         action = \"stop\"\n",
+        1001,
+    );
+    let launch = LaunchRequest {
+        model: "rootmodel".into(),
+        command: vec!["/bin/true".into()],
+        ..Default::default()
+    };
+    let (reason, message) =
+        refusal(t.launch(1, launch, Arc::new(FakeProcess::default()), Duration::ZERO));
+    assert_eq!(reason, RefusalReason::NotAllowed, "{message}");
+    assert!(
+        message.contains("uid 1001 may not launch model 'rootmodel'"),
+        "{message}"
+    );
+    let permit = AcquireRequest {
+        model: Some("rootmodel".into()),
+        timeout_ms: Some(0),
+        ..ask(1, 1)
+    };
+    let (reason, message) = refusal(t.acquire(1, permit, Duration::ZERO));
+    assert_eq!(reason, RefusalReason::NotAllowed, "{message}");
+    assert!(t.holdings.is_empty() && t.launch_queue.is_empty());
+}
+
+/// On the default config one account may hold at most half of the host's RAM reserved (the
+/// RAM branch of `clients.max_reserved_per_uid`): a user's launch of a model the config does
+/// not know, declaring 40 of 64 GiB, is refused at once, and root's launch is admitted. Moved
+/// from the host suite (`security::a_users_declared_memory_cannot_hold_roots_launch_back`).
+#[test]
+fn one_account_cannot_declare_most_of_the_ram_and_roots_launch_goes_ahead() {
+    let mut t = table_for("", 1001);
+    t.join(2, peer(0, 7), Duration::ZERO);
+    let launch = |t: &mut Reservations, conn, model: &str, gib| {
+        let request = LaunchRequest {
+            model: model.into(),
+            ram_bytes: Some(gib * GIB),
+            command: vec!["/bin/sleep".into(), "60".into()],
+            ..Default::default()
+        };
+        t.launch(
+            conn,
+            request,
+            Arc::new(FakeProcess::default()),
+            Duration::ZERO,
+        )
+    };
+    let (reason, message) = refusal(launch(&mut t, 1, "greedy", 40));
+    assert_eq!(reason, RefusalReason::TooLarge, "{message}");
+    assert!(
+        message.contains("RAM") && message.contains("max_reserved_per_uid"),
+        "{message}"
+    );
+    let root = launch(&mut t, 2, "roots", 12);
+    assert!(matches!(root, Some(Response::Admitted { .. })), "{root:?}");
+}
+
+/// `capacity(4 GiB)` sampled at `at`, as the host suite's daemon saw it: the client on
+/// connection 1 (pid 42) started the server, so its process tree holds the server's 4 GiB and
+/// its permits are set against its own books (forgotten once at rest: two readings after its
+/// last permit ended, with nothing of it kept).
+fn started_the_server(at: Duration) -> Capacity {
+    let mut c = capacity(4 * GIB);
+    let tree = TreeUse {
+        gpu_bytes: BTreeMap::from([(0, 4 * GIB)]),
+        members: 1,
+        by_model: BTreeMap::from([("served".to_string(), BTreeMap::from([(0, 4 * GIB)]))]),
+        ..Default::default()
+    };
+    c.trees = HashMap::from([(peer(0, 42).process(), tree)]);
+    c.gpu_sampled_at = Some(at);
+    c.scanned_at = Some(at);
+    c
+}
+
+/// Permits and a launch draw on the same room: beside an 8 GiB permit (11 GiB of room) a 6 GiB
+/// launch waits, saying what the GPU has; the permit's end admits it, and its 6 GiB stay
+/// reserved while it loads, which permits may not take (6 GiB times out with 5 GiB free; 5 GiB
+/// is granted). Moved from the host suite (`permits`).
+#[test]
+fn permits_and_a_launch_compete_for_the_same_gpu() {
+    let ms = Duration::from_millis;
+    let mut t = table();
+    t.tick(ms(1), started_the_server(ms(1)));
+    t.join(2, peer(0, 43), ms(1));
+    let Some(Response::Granted { permit, .. }) = t.acquire(1, ask(8, 1), ms(2)) else {
+        panic!("8 of 11 GiB of room");
+    };
+    let launch = LaunchRequest {
+        model: "other".into(),
+        gpu_memory_bytes: Some(6 * GIB),
+        queue_timeout_ms: Some(30_000),
+        command: vec!["x".into()],
+        ..Default::default()
+    };
+    match t.launch(2, launch, Arc::new(FakeProcess::default()), ms(2)) {
+        Some(Response::Queued { waiting_for, .. }) => {
+            assert!(waiting_for.contains("GPU 0: room 3.0 GiB"), "{waiting_for}")
+        }
+        other => panic!("{other:?}"),
+    }
+    let _ = t.release_permit(1, 2, permit, ms(3));
+    // The loop's next readings (it ticks every 100 ms while a launch loads): the permit's 8 GiB
+    // were never taken.
+    for at in [ms(4), ms(5)] {
+        t.tick(at, started_the_server(at));
+    }
+    let admitted = mail(&mut t, 2);
+    assert!(
+        matches!(admitted.as_slice(), [Response::Admitted { .. }]),
+        "{admitted:?}"
+    );
+    let leases = t.rows(ms(4)).leases;
+    assert!(
+        matches!(leases.as_slice(), [l] if l.model == "other" && l.state == "loading"),
+        "{leases:?}"
+    );
+    // Loading, the launch keeps its 6 GiB: a 6 GiB permit waits and times out.
+    let six = AcquireRequest {
+        timeout_ms: Some(300),
+        ..ask(6, 3)
+    };
+    assert_eq!(t.acquire(1, six, ms(6)), None);
+    t.expire(ms(306));
+    match mail(&mut t, 1).as_slice() {
+        [Response::Refused {
+            reason,
+            free,
+            message,
+            ..
+        }] => {
+            assert_eq!(*reason, RefusalReason::Timeout);
+            assert_eq!(free.gpu_bytes, Some(5 * GIB), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        t.acquire(1, ask(5, 4), ms(307)),
+        Some(Response::Granted { .. })
+    ));
+}
+
+/// A model's `max_permits` bounds its permits however small (slots of size 0): the third waits
+/// and times out saying so; a waiter is let in when one is given back; status shows the bound.
+/// Moved from the host suite (`permits`).
+#[test]
+fn max_permits_limits_slots_and_releasing_one_lets_the_next_in() {
+    let mut t = table_for(
+        "[[model]]\nname = \"served\"\nmatch = { comm = \"x\" }\nmax_permits = 2\n",
+        0,
+    );
+    t.join(2, peer(0, 43), Duration::ZERO);
+    let slot = |id, timeout| AcquireRequest {
+        id,
+        model: Some("served".into()),
+        gpu_bytes: Some(0),
+        timeout_ms: Some(timeout),
+        ..Default::default()
+    };
+    let now = Duration::from_secs(1);
+    let Some(Response::Granted { permit: first, .. }) = t.acquire(1, slot(1, 1000), now) else {
+        panic!("the first slot");
+    };
+    assert!(matches!(
+        t.acquire(1, slot(2, 1000), now),
+        Some(Response::Granted { .. })
+    ));
+    assert_eq!(t.acquire(1, slot(3, 200), now), None, "waits");
+    t.expire(now + Duration::from_millis(200));
+    let (reason, message) = refusal(mail(&mut t, 1).into_iter().next());
+    assert_eq!(reason, RefusalReason::Timeout, "{message}");
+    assert!(message.contains("max_permits 2"), "{message}");
+    // Another client waits; a slot given back is its.
+    assert_eq!(t.acquire(2, slot(1, 20_000), now), None);
+    let rows = t.rows(now);
+    let served = rows.permits.iter().find(|p| p.model == "served").unwrap();
+    assert_eq!((served.held, served.waiting), (2, 1));
+    t.release_permit(1, 4, first, now + Duration::from_millis(300));
+    assert!(matches!(
+        mail(&mut t, 2).as_slice(),
+        [Response::Granted { id: 1, .. }]
+    ));
+    let rows = t.rows(now);
+    let served = rows.permits.iter().find(|p| p.model == "served").unwrap();
+    assert_eq!((served.held, served.waiting), (2, 0));
+    assert_eq!(served.max_permits, Some(2));
+}
+
+/// A 16 GiB GPU as `capacity()`, with launched model "first" holding `first_gib` GiB of it, in
+/// a reading sampled at `at`.
+fn with_first(first_gib: u64, at: Duration) -> Capacity {
+    let mut c = capacity(4 * GIB);
+    c.gpus[0].free = Some((12 - first_gib) * GIB);
+    c.models.insert(
+        "first".into(),
+        ModelUse {
+            gpu_bytes: BTreeMap::from([(0, first_gib * GIB)]),
+            members: 1,
+            ..Default::default()
+        },
+    );
+    c.gpu_sampled_at = Some(at);
+    c.scanned_at = Some(at);
+    c
+}
+
+fn launch_of(model: &str) -> LaunchRequest {
+    LaunchRequest {
+        model: model.into(),
+        gpu_memory_bytes: Some(2 * GIB),
+        command: vec!["x".into()],
+        ..Default::default()
+    }
+}
+
+/// The launch lock: a second launch waits for "the launch lock" while the first loads, and is
+/// admitted once the first's GPU memory has grown and stayed flat for `settle` (1 s), not
+/// sooner; the first's `launch_ready` is info. Moved from the host suite (`launch`); the
+/// client's wording of `queued` stays with `launch::gpus_without_a_budget_are_placed_and_
+/// timeouts_are_never_cut_short`.
+#[test]
+fn second_launch_starts_only_after_the_first_is_ready() {
+    let ms = Duration::from_millis;
+    let mut t = table_for("[launch]\nsettle = \"1s\"\nready_timeout = \"60s\"\n", 0);
+    t.join(2, peer(0, 43), Duration::ZERO);
+    let first = t.launch(
+        1,
+        launch_of("first"),
+        Arc::new(FakeProcess::default()),
+        Duration::ZERO,
+    );
+    assert!(
+        matches!(first, Some(Response::Admitted { .. })),
+        "{first:?}"
+    );
+    match t.launch(
+        2,
+        launch_of("second"),
+        Arc::new(FakeProcess::default()),
+        Duration::ZERO,
+    ) {
+        Some(Response::Queued {
+            position,
+            waiting_for,
+        }) => {
+            assert_eq!(position, 1);
+            assert!(waiting_for.starts_with("the launch lock"), "{waiting_for}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // The first loads: nothing yet, then its 2 GiB at 500 ms, flat from there.
+    let mut ready = Vec::new();
+    for (at, gib) in [(100, 0), (500, 2), (1000, 2), (1499, 2)] {
+        let report = t.tick(ms(at), with_first(gib, ms(at)));
+        ready.extend(
+            report
+                .events
+                .into_iter()
+                .filter(|e| e.kind == EventKind::LaunchReady),
+        );
+        assert!(mail(&mut t, 2).is_empty(), "admitted at {at} ms");
+    }
+    assert!(ready.is_empty(), "{ready:?}");
+    let report = t.tick(ms(1500), with_first(2, ms(1500)));
+    assert!(matches!(
+        mail(&mut t, 2).as_slice(),
+        [Response::Admitted { .. }]
+    ));
+    let ready: Vec<&Event> = report
+        .events
+        .iter()
+        .filter(|e| e.kind == EventKind::LaunchReady)
+        .collect();
+    assert_eq!(ready.len(), 1, "{ready:?}");
+    assert_eq!(ready[0].severity, Severity::Info);
+    assert_eq!(ready[0].about.pid, Some(std::process::id() as i32));
+    assert!(
+        ready[0].message.contains("stayed flat for 1s"),
+        "{}",
+        ready[0].message
+    );
+}
+
+/// A loader that dies lets the next launch in at once, in the same tick: not at the end of its
+/// 30 s settle or its ready timeout. `launch_died` comes before the second's admission, and the
+/// first is never `launch_ready`. Moved from the host suite (`launch`); the real exit seen
+/// through a pidfd is `ipc::peer::a_pidfd_reports_the_exit_of_its_process`.
+#[test]
+fn first_loader_crashing_lets_the_second_start_at_once() {
+    let ms = Duration::from_millis;
+    let mut t = table_for("[launch]\nsettle = \"30s\"\nready_timeout = \"60s\"\n", 0);
+    t.join(2, peer(0, 43), Duration::ZERO);
+    let loader = Arc::new(FakeProcess::default());
+    let first = t.launch(1, launch_of("first"), loader.clone(), Duration::ZERO);
+    assert!(
+        matches!(first, Some(Response::Admitted { .. })),
+        "{first:?}"
+    );
+    let second = t.launch(
+        2,
+        launch_of("second"),
+        Arc::new(FakeProcess::default()),
+        Duration::ZERO,
+    );
+    assert!(
+        matches!(second, Some(Response::Queued { position: 1, .. })),
+        "{second:?}"
+    );
+    let report = t.tick(ms(5), with_first(0, ms(5)));
+    assert!(mail(&mut t, 2).is_empty(), "{:?}", report.events);
+    loader
+        .exited
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    let report = t.tick(ms(10), with_first(0, ms(10)));
+    assert!(matches!(
+        mail(&mut t, 2).as_slice(),
+        [Response::Admitted { .. }]
+    ));
+    let kinds: Vec<EventKind> = report.events.iter().map(|e| e.kind).collect();
+    let died = kinds.iter().position(|k| *k == EventKind::LaunchDied);
+    let admitted = report
+        .events
+        .iter()
+        .position(|e| e.kind == EventKind::LaunchAdmitted && e.message.contains("'second'"));
+    assert!(
+        matches!((died, admitted), (Some(d), Some(a)) if d < a),
+        "{:?}",
+        report.events
+    );
+    assert!(!kinds.contains(&EventKind::LaunchReady), "{kinds:?}");
+}

@@ -11,20 +11,15 @@ use std::time::Duration;
 use crate::common::*;
 
 /// A model loader: records its start (time, pid, CUDA_VISIBLE_DEVICES) in `log`, takes 64 MiB
-/// of RAM, waits `delay` s, then either crashes or registers `gpu_bytes` on its GPU in the fake
-/// NVML state and idles.
+/// of RAM, registers `gpu_bytes` on its GPU in the fake NVML state and idles.
 const LOADER_PY: &str = r#"
 import fcntl, os, sys, time
-name, state, gpu_bytes, delay, crash, log = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5] == "crash", sys.argv[6]
+name, state, gpu_bytes, log = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 def note(what):
     with open(log, "a") as f:
         f.write(f"{what} {name} {time.time()} {os.getpid()} {os.environ.get('CUDA_VISIBLE_DEVICES', '-')} {os.environ.get('GPUGUARD_LEASE', '-')}\n")
 note("start")
 ram = b"\x01" * (64 << 20)
-time.sleep(delay)
-if crash:
-    note("crash")
-    sys.exit(1)
 gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
 with open(state + ".lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
@@ -84,8 +79,8 @@ fn setup_with(socket: &str, launch: &str, state: &str) -> Setup {
 }
 
 impl Setup {
-    fn launch(&self, model: &str, flags: &[&str], loader: (&str, u64, f64, bool)) -> Child {
-        let (name, gpu_bytes, delay, crash) = loader;
+    fn launch(&self, model: &str, flags: &[&str], loader: (&str, u64)) -> Child {
+        let (name, gpu_bytes) = loader;
         Command::new(BIN)
             .args(["launch", "--model", model])
             .args(flags)
@@ -97,8 +92,6 @@ impl Setup {
                 name,
                 &path(&self.fake.state),
                 &gpu_bytes.to_string(),
-                &delay.to_string(),
-                if crash { "crash" } else { "ok" },
                 &path(&self.log),
             ])
             .env("GPUGUARD_SOCKET", &self.socket)
@@ -109,7 +102,7 @@ impl Setup {
             .unwrap()
     }
 
-    /// Loader log lines of `what` ("start", "loaded", "crash") for `name`: (time, pid, cuda, lease).
+    /// Loader log lines of `what` ("start", "loaded") for `name`: (time, pid, cuda, lease).
     fn noted(&self, what: &str, name: &str) -> Option<(f64, u32, String, String)> {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
         text.lines()
@@ -162,57 +155,13 @@ fn kill_all(children: &mut [&mut Child]) {
 }
 
 #[test]
-fn second_launch_starts_only_after_the_first_is_ready() {
-    let s = setup("settle = \"1s\"\nready_timeout = \"60s\"", &gpus(14, 14));
-    let mut first = s.launch(
-        "first",
-        &["--gpu-mem", "2GiB"],
-        ("first", 2 * GIB, 0.5, false),
-    );
-    let (first_start, first_pid, _, _) = s.wait_noted("start", "first", Duration::from_secs(5));
-    let mut second = s.launch(
-        "second",
-        &["--gpu-mem", "2GiB"],
-        ("second", 2 * GIB, 0.0, false),
-    );
-    let (first_loaded, ..) = s.wait_noted("loaded", "first", Duration::from_secs(5));
-    let (second_start, ..) = s.wait_noted("start", "second", Duration::from_secs(10));
-    // Loaded, then 1 s of flat GPU memory (settle) before the lock goes to the second.
-    assert!(
-        second_start >= first_loaded + 0.9,
-        "second started {:.2}s after the first loaded",
-        second_start - first_loaded
-    );
-    assert!(second_start > first_start);
-    // The first's lease is ready (its memory settled): an info launch_ready about it.
-    let ready = s
-        .daemon
-        .wait_for_event("launch_ready", Duration::from_secs(2), |e| {
-            e["subject"]["pid"] == first_pid
-        });
-    assert_eq!(ready["severity"], "info", "{ready}");
-    kill_all(&mut [&mut first, &mut second]);
-    let mut err = String::new();
-    second
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
-    assert!(
-        err.contains("model 'second' queued at position 1, waiting for: the launch lock"),
-        "{err}"
-    );
-}
-
-#[test]
 fn ready_url_answering_releases_the_lock() {
     let s = setup("settle = \"60s\"\nready_timeout = \"60s\"", &gpus(14, 14));
     let server = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}/health", server.local_addr().unwrap());
-    let mut first = s.launch("first", &["--ready-url", &url], ("first", GIB, 0.0, false));
+    let mut first = s.launch("first", &["--ready-url", &url], ("first", GIB));
     s.wait_noted("loaded", "first", Duration::from_secs(5));
-    let mut second = s.launch("second", &[], ("second", GIB, 0.0, false));
+    let mut second = s.launch("second", &[], ("second", GIB));
     // The daemon has the second queued, and still has on a tick that began after that.
     s.wait_queued("second");
     assert!(
@@ -239,38 +188,9 @@ fn ready_url_answering_releases_the_lock() {
 }
 
 #[test]
-fn first_loader_crashing_lets_the_second_start_at_once() {
-    let s = setup("settle = \"30s\"\nready_timeout = \"60s\"", &gpus(14, 14));
-    let mut first = s.launch("first", &[], ("first", GIB, 0.7, true));
-    s.wait_noted("start", "first", Duration::from_secs(5));
-    let mut second = s.launch("second", &[], ("second", GIB, 0.0, false));
-    s.wait_noted("crash", "first", Duration::from_secs(5));
-    s.wait_noted("start", "second", Duration::from_secs(5));
-    // The lock went to the second because the first died (not at the end of its 30 s settle
-    // or its ready timeout): the daemon said so first, and the first never became ready.
-    let died = s
-        .daemon
-        .wait_for_event("launch_died", Duration::from_secs(1), |_| true);
-    let admitted = s
-        .daemon
-        .wait_for_event("launch_admitted", Duration::from_secs(1), |e| {
-            e["summary"]
-                .as_str()
-                .is_some_and(|m| m.contains("'second'"))
-        });
-    assert!(event_at(&died) <= event_at(&admitted), "{died}\n{admitted}");
-    assert!(s.daemon.events_of("launch_ready").is_empty());
-    kill_all(&mut [&mut first, &mut second]);
-}
-
-#[test]
 fn launched_command_keeps_the_pid_and_goes_to_the_gpu_with_room() {
     let s = setup("", &gpus(2, 12));
-    let mut child = s.launch(
-        "placed",
-        &["--gpu-mem", "8GiB"],
-        ("placed", GIB, 0.0, false),
-    );
+    let mut child = s.launch("placed", &["--gpu-mem", "8GiB"], ("placed", GIB));
     let (_, pid, cuda, lease) = s.wait_noted("start", "placed", Duration::from_secs(5));
     assert_eq!(pid, child.id(), "exec keeps the launcher's pid");
     assert_eq!(cuda, "1", "GPU 1 has the room");
@@ -429,9 +349,9 @@ fn a_non_root_client_cannot_release_someone_elses_lease() {
         "settle = \"60s\"\nready_timeout = \"60s\"",
         &gpus(14, 14),
     );
-    let mut first = s.launch("first", &[], ("first", GIB, 0.0, false));
+    let mut first = s.launch("first", &[], ("first", GIB));
     s.wait_noted("loaded", "first", Duration::from_secs(5));
-    let mut second = s.launch("second", &[], ("second", GIB, 0.0, false));
+    let mut second = s.launch("second", &[], ("second", GIB));
 
     let status = as_nobody(&socket, &["status", "--json"]);
     assert_eq!(

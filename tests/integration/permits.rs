@@ -1,8 +1,9 @@
 //! Memory permits through the real daemon and the fake NVML (issue #12): what fits is granted at
 //! once, what does not waits its turn or is refused with what was needed and what was free; a
 //! holder killed with SIGKILL frees its permit at once, one that hangs loses it at its TTL;
-//! `gpuguard permit` wraps a command; permits and a launch compete for the same GPU; slots.
-//! (The size a model's permits really take, learned: `reserve::tests`.)
+//! `gpuguard permit` wraps a command; GCE notices drain new permits. (The size a model's permits
+//! really take, learned; permits and a launch competing for the same GPU; `max_permits` slots:
+//! `reserve::tests`.)
 //!
 //! The scenario scripts in tests/permits/ (the seed failure: bursts of requests on a 16 GiB card)
 //! run through the Python client in `tests/integration/permits_python.rs`.
@@ -297,101 +298,6 @@ fn gpuguard_permit_runs_the_command_with_its_permit_and_exits_75_when_none_comes
     // A model that does not exist is refused (77).
     let (code, _, err) = run(&["--model", "nope", "--", "true"]);
     assert_eq!(code, Some(77), "{err}");
-}
-
-#[test]
-fn permits_and_a_launch_compete_for_the_same_gpu() {
-    let c = card("", "");
-    let socket = c.daemon.socket();
-    let (mut a, answer) = PermitClient::acquire(&socket, acquire("served", 8 * GIB, 1000));
-    let permit = granted(&answer);
-    // A launch of 6 GiB does not fit beside the permit: it waits, saying why.
-    let t = token("loader");
-    let mut launch = Command::new(BIN)
-        .args([
-            "launch",
-            "--model",
-            "other",
-            "--gpu-mem",
-            "6GiB",
-            "--queue-timeout",
-            "30s",
-            "--",
-        ])
-        .args([python3(), "-c", "import time; time.sleep(600)", &t])
-        .env("GPUGUARD_SOCKET", &socket)
-        .env_remove("CUDA_VISIBLE_DEVICES")
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    assert!(
-        wait_until(Duration::from_secs(10), || {
-            c.daemon.status()["queue"].as_array().is_some_and(|q| {
-                q.iter().any(|r| {
-                    r["model"] == "other"
-                        && r["waiting_for"]
-                            .as_str()
-                            .unwrap_or("")
-                            .contains("GPU 0: room 3.0 GiB")
-                })
-            })
-        }),
-        "{}",
-        c.daemon.status()["queue"]
-    );
-    // The permit ends: the launch is admitted and reserves its 6 GiB while it loads...
-    a.release(permit);
-    assert!(wait_until(Duration::from_secs(10), || {
-        c.daemon.status()["leases"].as_array().is_some_and(|l| {
-            l.iter()
-                .any(|r| r["model"] == "other" && r["state"] == "loading")
-        })
-    }));
-    // ...which permits may not take.
-    match a.acquire_more(acquire("served", 6 * GIB, 300)) {
-        Response::Refused { reason, free, .. } => {
-            assert_eq!(reason, RefusalReason::Timeout);
-            assert_eq!(free.gpu_bytes, Some(5 * GIB));
-        }
-        other => panic!("expected a refusal, got {other:?}"),
-    }
-    granted(&a.acquire_more(acquire("served", 5 * GIB, 300)));
-    let _ = launch.kill();
-    let _ = launch.wait();
-}
-
-#[test]
-fn max_permits_limits_slots_and_releasing_one_lets_the_next_in() {
-    let c = card("max_permits = 2\n", "");
-    let socket = c.daemon.socket();
-    let slot = |timeout| AcquireRequest {
-        gpu_bytes: Some(0),
-        ..acquire("served", 0, timeout)
-    };
-    let (mut a, answer) = PermitClient::acquire(&socket, slot(1000));
-    let first = granted(&answer);
-    granted(&a.acquire_more(slot(1000)));
-    match a.acquire_more(slot(200)) {
-        Response::Refused {
-            reason, message, ..
-        } => {
-            assert_eq!(reason, RefusalReason::Timeout);
-            assert!(message.contains("max_permits 2"), "{message}");
-        }
-        other => panic!("expected a refusal, got {other:?}"),
-    }
-    let socket2 = socket.clone();
-    let waiter = std::thread::spawn(move || PermitClient::acquire(&socket2, slot(20_000)));
-    assert!(wait_until(Duration::from_secs(10), || {
-        pool(&c.daemon.status(), "served").is_some_and(|p| p["waiting"] == 1)
-    }));
-    a.release(first);
-    let (_b, answer) = waiter.join().unwrap();
-    granted(&answer);
-    assert_eq!(
-        pool(&c.daemon.status(), "served").unwrap()["max_permits"],
-        2
-    );
 }
 
 /// A metadata server on 127.0.0.1 as Google documents it: a plain read answers a key's value

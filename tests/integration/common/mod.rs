@@ -869,13 +869,6 @@ pub fn model_row<'a>(report: &'a serde_json::Value, name: &str) -> Option<&'a se
 }
 
 /// The actions in `events` (notices with an `action`) on the processes of model `model`.
-/// When the daemon raised an event (its `at`, RFC 3339): the daemon's own clock, so the time
-/// between two of its decisions says what it decided, however slow the test machine is.
-pub fn event_at(e: &serde_json::Value) -> std::time::SystemTime {
-    let at = e["at"].as_str().unwrap_or_else(|| panic!("no time: {e}"));
-    humantime::parse_rfc3339(at).unwrap_or_else(|err| panic!("{at}: {err}"))
-}
-
 pub fn actions_on(events: &[serde_json::Value], model: &str) -> Vec<serde_json::Value> {
     events
         .iter()
