@@ -278,6 +278,86 @@ fn a_thousand_connections_do_not_blind_the_guard() {
     }
 }
 
+#[test]
+fn a_user_cannot_steer_the_guard_at_root_s_server() {
+    let attacker = Attacker::create();
+    let (server_t, canary_t) = (token("root-server"), token("canary"));
+    let server = Hog::start(&server_t, 0, 64, 300);
+    let rss = rss_bytes(server.pid()).max(32 * MIB);
+    // Root's server may grow a little; past that it is stopped.
+    let budget = rss + 128 * MIB;
+    let g = guard(
+        "min_available = \"0%\"\nwarn_available = \"0%\"\n",
+        &format!(
+            "{}{}",
+            model_toml(
+                "rootmodel",
+                &server_t,
+                &format!("ram = {budget}\naction = \"stop\"\ngrace = \"0s\"\n")
+            ),
+            model_toml("canary", &canary_t, "")
+        ),
+    );
+    // (a) Launching under root's model is refused (77), whatever the command.
+    let out = attacker
+        .command(BIN)
+        .args(["launch", "--model", "rootmodel", "--", "/bin/true"])
+        .env("GPUGUARD_SOCKET", &g.socket)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(77), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("may not launch model 'rootmodel'"),
+        "{out:?}"
+    );
+    // ...and so are its permits.
+    let out = attacker
+        .command(BIN)
+        .args(["permit", "--model", "rootmodel", "--", "/bin/true"])
+        .env("GPUGUARD_SOCKET", &g.socket)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(77), "{out:?}");
+
+    // (c) A process of the attacker's whose command line names root's model (its matcher)
+    // and grows past the budget does not join it: root's server is never stopped.
+    let mut forged = attacker
+        .python(&format!(
+            "import time, sys\nx = b'\\x01' * ({budget} * 2)\nprint('full', flush=True)\ntime.sleep(300)"
+        ))
+        .arg(&server_t)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(forged.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    // Proof the guard scanned after the forger filled up: a canary started now is seen.
+    let canary = Hog::start(&canary_t, 0, 0, 300);
+    assert!(wait_until(Duration::from_secs(10), || {
+        g.daemon.status()["models"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["name"] == "canary" && m["pids"] == serde_json::json!([canary.pid()]))
+    }));
+    let status = g.daemon.status();
+    let root_model = status["models"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == "rootmodel")
+        .unwrap()
+        .clone();
+    assert_eq!(root_model["pids"], serde_json::json!([server.pid()]));
+    assert_eq!(root_model["state"], "ok", "{root_model}");
+    assert!(!is_stopped(server.pid()));
+    assert_eq!(g.daemon.verbs_on("rootmodel"), Vec::<String>::new());
+    let _ = forged.kill();
+    let _ = forged.wait();
+}
+
 /// A user who spreads GPU memory over six processes of 1 GiB, each smaller than root's 4 GiB model
 /// server, is still the one acted on, and only on as many of its processes as the floor needs
 /// back (ranked one by one, root's server would be the largest holder and the first victim).
@@ -953,6 +1033,60 @@ fn accounts_filling_the_socket_never_lock_root_out() {
         "{}",
         g.daemon.log_text()
     );
+}
+
+/// Round three, on the default config: a user launched a model the config does not know with
+/// most of the memory declared and a process that never uses it, and root's launch then waited
+/// ("promised ...") until the user's ready timeout. One account may hold at most half of the
+/// memory reserved by default (here RAM: this host has no GPU): the user's launch is refused
+/// at once, root's starts.
+#[test]
+fn a_users_declared_memory_cannot_hold_roots_launch_back() {
+    let attacker = Attacker::create();
+    let g = guard(
+        "min_available = \"0%\"\nwarn_available = \"0%\"\n",
+        "ready_timeout = \"1h\"\n",
+    );
+    let total = mem_total();
+    let mut user = attacker
+        .command(BIN)
+        .args(["launch", "--model", "greedy", "--ram"])
+        .arg((total * 6 / 10).to_string())
+        .args(["--", "/bin/sleep", "60"])
+        .env("GPUGUARD_SOCKET", &g.socket)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Either refused (it exits) or admitted (its lease shows).
+    let mut exited = None;
+    assert!(wait_until(Duration::from_secs(10), || {
+        exited = user.try_wait().unwrap();
+        exited.is_some()
+            || g.daemon.status()["leases"].as_array().is_some_and(|l| {
+                l.iter()
+                    .any(|r| r["model"] == format!("greedy@{}", attacker.uid))
+            })
+    }));
+    let root = Command::new(BIN)
+        .args([
+            "launch",
+            "--model",
+            "roots",
+            "--queue-timeout",
+            "5s",
+            "--ram",
+        ])
+        .arg((total / 5).to_string())
+        .args(["--", "/bin/true"])
+        .env("GPUGUARD_SOCKET", &g.socket)
+        .output()
+        .unwrap();
+    let _ = user.kill();
+    let out = user.wait_with_output().unwrap();
+    assert!(root.status.success(), "root's launch: {root:?}");
+    assert!(exited.is_some(), "the user's launch was admitted");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("max_reserved_per_uid"), "{err}");
 }
 
 /// Writes `bytes` into a new file at `path` (tmpfs), then exits.
