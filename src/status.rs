@@ -108,6 +108,13 @@ pub struct ModelRow {
     /// Its processes one by one (`status --model NAME`).
     #[serde(default)]
     pub processes: Vec<ProcessRow>,
+    /// How many GPUs it holds memory on (`gpu_bytes` is over all of them).
+    #[serde(default)]
+    pub gpu_count: u32,
+    /// The KV cache `gpuguard plan` planned for it (its `[[model]]`'s `planned_kv_tokens`), in
+    /// tokens per engine, to set beside the engine's `kv_cache_blocks` × `block_size_tokens`.
+    #[serde(default)]
+    pub planned_kv_tokens: Option<u64>,
 }
 
 /// A model server's own limits, as last scraped from its Prometheus endpoint.

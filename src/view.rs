@@ -138,6 +138,10 @@ pub struct ModelView {
     pub gpu_reserved_ratio: Option<f64>,
     pub engine: Option<EngineRow>,
     pub processes: Vec<ProcessRow>,
+    /// How many GPUs it holds memory on.
+    pub gpu_count: u32,
+    /// The KV cache its `[[model]]` says was planned, in tokens per engine.
+    pub planned_kv_tokens: Option<u64>,
 }
 
 impl ModelView {

@@ -11,10 +11,12 @@ use super::{exit, wrapped, WIDTH};
 use crate::config::DEFAULT_SOCKET;
 use crate::ipc::client::ask;
 use crate::plan::{
-    gpus, plan, Architecture, CapacityPlan, Dtype, GpuChoice, ParamCount, PlanRequest, Weights,
+    gpus, plan, Architecture, CapacityPlan, Dtype, GpuChoice, Observed, ParamCount, PlanRequest,
+    Weights,
 };
 use crate::protocol::{Request, Response};
 use crate::sample::nvml::{GpuSource, NvmlGpuSource};
+use crate::status::ModelRow;
 use crate::units::{fmt_bytes, Amount};
 
 #[derive(Args)]
@@ -210,15 +212,19 @@ fn build_request(args: &PlanArgs) -> Result<PlanRequest, Failure> {
             ))
         }
     };
+    let name = args.name.clone().or(name).unwrap_or_else(|| "model".into());
+    let (gpus, models) = gpu_choices(args)?;
+    let observed = models.iter().find(|m| m.name == name).and_then(observed);
     Ok(PlanRequest {
-        name: args.name.clone().or(name).unwrap_or_else(|| "model".into()),
+        name,
         arch,
         weights,
         kv_dtype,
         max_model_len,
         concurrency: args.concurrency,
         tp: args.tp.clone(),
-        gpus: gpu_choices(args)?,
+        gpus,
+        observed,
         engine: args.vllm_version,
         gpu_memory_utilization: args.gpu_memory_utilization,
         max_num_batched_tokens: args.max_num_batched_tokens,
@@ -327,7 +333,7 @@ fn kv_dtype(text: &str, arch: &Architecture, compute: Option<Dtype>) -> Result<D
     })
 }
 
-fn gpu_choices(args: &PlanArgs) -> Result<Vec<GpuChoice>, Failure> {
+fn gpu_choices(args: &PlanArgs) -> Result<(Vec<GpuChoice>, Vec<ModelRow>), Failure> {
     let gcp = args.cloud.is_some();
     let table = |g: &gpus::KnownGpu| GpuChoice {
         name: g.name.into(),
@@ -342,18 +348,21 @@ fn gpu_choices(args: &PlanArgs) -> Result<Vec<GpuChoice>, Failure> {
         machines: if gcp { g.gcp } else { &[] },
     };
     if args.gpu.is_empty() {
-        return Ok(gpus::KNOWN_GPUS
+        let all = gpus::KNOWN_GPUS
             .iter()
             .filter(|g| !gcp || !g.gcp.is_empty())
             .map(table)
-            .collect());
+            .collect();
+        return Ok((all, Vec::new()));
     }
     let mut out = Vec::new();
+    let mut models = Vec::new();
     for name in &args.gpu {
         if name.eq_ignore_ascii_case("host") {
-            out.extend(
-                host_gpus(&args.socket, args.nvml_library.clone()).map_err(Failure::Runtime)?,
-            );
+            let (host, seen) =
+                host_gpus(&args.socket, args.nvml_library.clone()).map_err(Failure::Runtime)?;
+            out.extend(host);
+            models = seen;
             continue;
         }
         let gpu = gpus::find(name).ok_or_else(|| {
@@ -370,18 +379,39 @@ fn gpu_choices(args: &PlanArgs) -> Result<Vec<GpuChoice>, Failure> {
         }
         out.push(table(gpu));
     }
-    Ok(out)
+    Ok((out, models))
+}
+
+/// What the daemon observed of a model: its GPU memory and its engine's KV cache in tokens.
+fn observed(m: &ModelRow) -> Option<Observed> {
+    let e = m.engine.as_ref().filter(|e| e.state == "ok")?;
+    Some(Observed {
+        gpu_bytes: m.gpu_bytes?,
+        gpus: m.gpu_count,
+        kv_tokens: e
+            .stats
+            .kv_cache_blocks?
+            .checked_mul(e.stats.block_size_tokens?)?,
+    })
+    .filter(|o| o.gpus > 0)
 }
 
 /// One row per kind of GPU on this host: from the daemon's status if it is running, else from
 /// NVML (on a thread, so a stalled driver cannot hang the command).
-fn host_gpus(socket: &Path, library: Option<PathBuf>) -> Result<Vec<GpuChoice>, String> {
+/// With the daemon, also the models it sees (what it observed of each).
+fn host_gpus(
+    socket: &Path,
+    library: Option<PathBuf>,
+) -> Result<(Vec<GpuChoice>, Vec<ModelRow>), String> {
+    let mut models = Vec::new();
     let rows: Vec<(String, Option<u64>, Option<u64>)> = match ask(socket, Request::Status) {
-        Ok(Response::Status(r)) if r.gpu_protection.state == "ok" => r
-            .gpus
-            .iter()
-            .map(|g| (g.name.clone(), g.total_bytes, g.free_bytes))
-            .collect(),
+        Ok(Response::Status(r)) if r.gpu_protection.state == "ok" => {
+            models = r.models;
+            r.gpus
+                .iter()
+                .map(|g| (g.name.clone(), g.total_bytes, g.free_bytes))
+                .collect()
+        }
         _ => {
             let (tx, rx) = std::sync::mpsc::channel();
             std::thread::spawn(move || {
@@ -428,7 +458,7 @@ fn host_gpus(socket: &Path, library: Option<PathBuf>) -> Result<Vec<GpuChoice>, 
     for g in &mut out {
         g.name = format!("host: {}", g.name);
     }
-    Ok(out)
+    Ok((out, models))
 }
 
 /// The plan as text: the model's figures, a table of options, the recommendation, assumptions.

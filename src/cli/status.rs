@@ -376,9 +376,13 @@ pub fn render_model(m: &ModelRow) -> String {
         out += &format!("Engine {}: {}\n", e.url, engine_cell(Some(e)));
         let s = &e.stats;
         if let (Some(blocks), Some(size)) = (s.kv_cache_blocks, s.block_size_tokens) {
+            let tokens = blocks.saturating_mul(size);
             out += &format!(
-                "  KV cache: {blocks} blocks of {size} tokens ({} tokens){}\n",
-                blocks * size,
+                "  KV cache: {blocks} blocks of {size} tokens ({tokens} tokens{}){}\n",
+                m.planned_kv_tokens.map_or(String::new(), |p| format!(
+                    "; planned {p}, the engine has {:+.1}%",
+                    (tokens as f64 / p as f64 - 1.0) * 100.0
+                )),
                 s.gpu_memory_utilization
                     .map_or(String::new(), |u| format!(", gpu_memory_utilization {u}"))
             );

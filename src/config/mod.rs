@@ -239,6 +239,12 @@ impl Config {
             if let Some(url) = &m.metrics_url {
                 check_metrics_url(url).map_err(|e| (format!("{key}.metrics_url"), e))?;
             }
+            if let Some(n) = m.planned_kv_tokens.filter(|n| *n == 0 || *n > 1 << 40) {
+                return Err((
+                    format!("{key}.planned_kv_tokens"),
+                    format!("'{n}' must be between 1 and 2^40 tokens"),
+                ));
+            }
             if m.action != ModelAction::Alert && m.ram.is_none() && m.gpu_memory.is_none() {
                 return Err((
                     format!("{key}.action"),
@@ -716,6 +722,10 @@ mod tests {
                 "launch.socket: 'gpuguard.sock' must be an absolute path",
             ),
             ("[gpu]\nnvml_library = \"\"\n", "gpu.nvml_library: must not be empty"),
+            (
+                "[[model]]\nname = \"v\"\nplanned_kv_tokens = 0\n",
+                "model[0] 'v'.planned_kv_tokens: '0' must be between 1 and 2^40 tokens",
+            ),
             (
                 "[[model]]\nname = \"v\"\nmetrics_url = \"http://10.0.0.5:8000/metrics\"\n",
                 "model[0] 'v'.metrics_url: 'http://10.0.0.5:8000/metrics' must be on a loopback address",

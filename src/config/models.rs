@@ -168,6 +168,11 @@ pub struct ModelConfig {
     /// scraped for its own limits (KV cache, running and waiting requests, preemptions).
     #[serde(default)]
     pub metrics_url: Option<String>,
+    /// The KV cache `gpuguard plan` planned for the model, in tokens per engine (its
+    /// `[[model]]` block says it): `status --model` and the metrics show it beside what the
+    /// engine reports (`vllm:cache_config_info`).
+    #[serde(default)]
+    pub planned_kv_tokens: Option<u64>,
 }
 
 /// Below this a uid is root or a system account (Debian's `SYS_UID_MAX` is 999): users cannot
@@ -311,6 +316,7 @@ impl ModelConfig {
             max_permits: None,
             permit_gpu_memory: None,
             metrics_url: None,
+            planned_kv_tokens: None,
         }
     }
 

@@ -378,6 +378,8 @@ fn model_row(m: &ModelView) -> ModelRow {
         gpu_reserved_ratio: m.gpu_reserved_ratio,
         engine: m.engine.clone(),
         processes: m.processes.clone(),
+        gpu_count: m.gpu_count,
+        planned_kv_tokens: m.planned_kv_tokens,
     }
 }
 

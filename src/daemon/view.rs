@@ -173,6 +173,8 @@ impl Daemon {
                 state: self.model_state(&m.name),
                 gpu_reserved_ratio: self.gpu_reserved_ratio(m),
                 engine: engines.remove(&m.name),
+                gpu_count: m.gpu_bytes.len() as u32,
+                planned_kv_tokens: self.config.model(&m.name).and_then(|c| c.planned_kv_tokens),
                 processes: if full {
                     self.process_rows(m)
                 } else {

@@ -243,6 +243,8 @@ pub(super) struct EngineFamilies {
     pub(super) running: Family<NameLabels, Gauge>,
     pub(super) waiting: Family<NameLabels, Gauge>,
     pub(super) preemptions: Family<NameLabels, Gauge>,
+    pub(super) kv_tokens: Family<NameLabels, Gauge>,
+    pub(super) kv_planned_tokens: Family<NameLabels, Gauge>,
 }
 
 impl EngineFamilies {
@@ -276,6 +278,18 @@ impl EngineFamilies {
                 r,
                 "gpuguard_engine_preemptions",
                 "Requests the model server has preempted since it started, as it last reported (vLLM's num_preemptions_total)",
+                Family::default(),
+            ),
+            kv_tokens: register(
+                r,
+                "gpuguard_engine_kv_cache_tokens",
+                "Tokens the model server's KV cache holds (vLLM's cache_config_info: num_gpu_blocks x block_size)",
+                Family::default(),
+            ),
+            kv_planned_tokens: register(
+                r,
+                "gpuguard_engine_kv_cache_planned_tokens",
+                "Tokens `gpuguard plan` planned for the model's KV cache (its [[model]] planned_kv_tokens)",
                 Family::default(),
             ),
         }

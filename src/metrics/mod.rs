@@ -365,6 +365,13 @@ impl Metrics {
                 (&self.engine.running, keep(e.stats.requests_running)),
                 (&self.engine.waiting, keep(e.stats.requests_waiting)),
                 (&self.engine.preemptions, keep(e.stats.preemptions_total)),
+                (
+                    &self.engine.kv_tokens,
+                    keep(e.stats.kv_cache_blocks)
+                        .zip(e.stats.block_size_tokens)
+                        .map(|(b, s)| b.saturating_mul(s)),
+                ),
+                (&self.engine.kv_planned_tokens, model.planned_kv_tokens),
             ] {
                 set_or_remove(family, &labels, v, |g, v| {
                     g.set(v as i64);
@@ -377,6 +384,8 @@ impl Metrics {
             self.engine.running.remove(gone);
             self.engine.waiting.remove(gone);
             self.engine.preemptions.remove(gone);
+            self.engine.kv_tokens.remove(gone);
+            self.engine.kv_planned_tokens.remove(gone);
         }
         retain(&self.engine.up, &mut seen.engines, engines);
     }

@@ -152,8 +152,20 @@ pub struct PlanRequest {
     pub max_num_batched_tokens: Option<u64>,
     /// `--max-num-seqs` (default: the release's for the GPU): the sampler's rows in the profile.
     pub max_num_seqs: Option<u64>,
+    /// What this host's daemon observed of the model (`--gpu host`, a model of that name with
+    /// an engine that reports its KV cache): the overhead of this host's GPUs is taken from it.
+    pub observed: Option<Observed>,
     /// What the architecture reader assumed, printed with the rest.
     pub notes: Vec<String>,
+}
+
+/// A running model as the daemon saw it: its GPU memory over `gpus` GPUs, and the KV cache its
+/// engine reported (`vllm:cache_config_info`), in tokens per engine.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Observed {
+    pub gpu_bytes: u64,
+    pub gpus: u32,
+    pub kv_tokens: u64,
 }
 
 /// The model's own figures, independent of the GPU.
@@ -208,11 +220,16 @@ pub struct GpuPlan {
     /// The CUDA context, never charged to the share: it needs the room the share leaves.
     pub cuda_context_bytes: u64,
     /// What the release charges to the share besides the weights: activations, non-torch
-    /// memory and (0.20 on) CUDA graphs.
+    /// memory and (0.20 on) CUDA graphs; or, on this host's GPUs, what the model running here
+    /// was seen to take besides its weights and KV cache (`overhead_observed`).
     pub overhead_bytes: u64,
+    pub overhead_observed: bool,
     /// What is left of the usable share for the KV cache (0 if nothing).
     pub kv_space_bytes: u64,
     pub kv_bytes_per_request: u64,
+    /// Tokens the KV cache holds, per engine (whole blocks): the `[[model]]`'s
+    /// `planned_kv_tokens`, to set beside what the engine reports.
+    pub kv_tokens: u64,
     /// Concurrent full-length requests the KV cache holds.
     pub max_requests: u64,
     pub fits: bool,
@@ -296,6 +313,18 @@ pub fn plan(r: &PlanRequest) -> Result<CapacityPlan, String> {
     let mut assumptions = r.notes.clone();
     assumptions.push(weights_note);
     assumptions.extend(general_assumptions(r, &model));
+    if let (Some(o), Some(seen)) = (r.observed, options.iter().find(|o| o.overhead_observed)) {
+        assumptions.push(format!(
+            "overhead on this host's GPUs: as seen of '{}' running here ({} on {} GPU(s), its \
+             engine's KV cache {} tokens): {} per GPU besides its weights, KV cache and what it \
+             holds beyond the share",
+            r.name,
+            fmt_bytes(o.gpu_bytes),
+            o.gpus,
+            o.kv_tokens,
+            fmt_bytes(seen.overhead_bytes)
+        ));
+    }
     Ok(CapacityPlan {
         engine: r.engine,
         model,
@@ -459,8 +488,26 @@ fn option(r: &PlanRequest, model: &ModelFigures, gpu: &GpuChoice, tp: u32) -> Gp
     let non_torch = engine::non_torch_bytes(&gpu.name, tp64);
     let graphs = engine::cuda_graph_bytes(tp64);
     let charged = r.engine.charges_cuda_graphs();
-    let overhead = activation + non_torch + if charged { graphs } else { 0 };
+    let context = engine::CUDA_CONTEXT_BYTES;
+    let modelled = activation + non_torch + if charged { graphs } else { 0 };
     let heads = kv_heads_per_gpu(a.kv_heads, tp64);
+    let token_bytes = heads.map_or(0, |h| {
+        a.layers * 2 * h * a.head_dim * r.kv_dtype.bytes() as u64
+    });
+    // Seen on this host at this TP: what the model takes besides its weights and KV cache, less
+    // what it holds beyond the share.
+    let seen = r
+        .observed
+        .filter(|o| gpu.live && o.gpus == tp && token_bytes > 0)
+        .map(|o| {
+            let kv = o.kv_tokens.saturating_mul(token_bytes);
+            let beyond = context + if charged { 0 } else { graphs };
+            (o.gpu_bytes / u64::from(o.gpus))
+                .saturating_sub(weights)
+                .saturating_sub(kv)
+                .saturating_sub(beyond)
+        });
+    let overhead = seen.unwrap_or(modelled);
     let kv_request = heads.map_or(0, |h| {
         kv_per_request(
             a,
@@ -518,7 +565,6 @@ fn option(r: &PlanRequest, model: &ModelFigures, gpu: &GpuChoice, tp: u32) -> Gp
         };
         kv.div_ceil(1 << 20) << 20
     });
-    let context = engine::CUDA_CONTEXT_BYTES;
     let problem = problem.or_else(|| {
         let engine = (gpu.total_bytes as f64 * utilization) as u64;
         gpu.free_bytes
@@ -541,8 +587,12 @@ fn option(r: &PlanRequest, model: &ModelFigures, gpu: &GpuChoice, tp: u32) -> Gp
         cuda_graphs_charged: charged,
         cuda_context_bytes: context,
         overhead_bytes: overhead,
+        overhead_observed: seen.is_some(),
         kv_space_bytes: kv_space,
         kv_bytes_per_request: kv_request,
+        kv_tokens: kv_space
+            .checked_div(token_bytes)
+            .map_or(0, |t| t / BLOCK_TOKENS * BLOCK_TOKENS),
         max_requests,
         fits,
         problem,
@@ -653,7 +703,9 @@ fn gpuguard_budget(r: &PlanRequest, model: &ModelFigures, o: &GpuPlan) -> (Strin
          # run by a user who is not root or a system account? users = [\"NAME\"]\n\
          gpu_memory = \"{gpu}\"\n\
          ram = \"{ram}\"\n\
-         action = \"alert\"\n",
+         action = \"alert\"\n\
+         # the KV cache planned, in tokens per engine: `status --model` sets the engine's beside it\n\
+         planned_kv_tokens = {kv_tokens}\n",
         tp = o.tp,
         gpu_name = o.gpu,
         share = match o.kv_cache_memory_bytes {
@@ -661,6 +713,7 @@ fn gpuguard_budget(r: &PlanRequest, model: &ModelFigures, o: &GpuPlan) -> (Strin
             None => format!("gpu_memory_utilization {:.2}", o.gpu_memory_utilization),
         },
         raw = r.name.replace(['\n', '"'], ""),
+        kv_tokens = o.kv_tokens.max(1),
     );
     let mut launch = vec![
         "--model".to_string(),

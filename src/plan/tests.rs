@@ -45,6 +45,7 @@ fn request(name: &str, max_model_len: u64) -> PlanRequest {
         gpu_memory_utilization: Some(0.9),
         max_num_batched_tokens: Some(8192),
         max_num_seqs: Some(256),
+        observed: None,
         notes,
     }
 }
@@ -478,6 +479,7 @@ fn calibration() -> Vec<Logged> {
                     gpu_memory_utilization: Some(at("gpu_memory_utilization").parse().unwrap()),
                     max_num_batched_tokens: number(at("max_num_batched_tokens")),
                     max_num_seqs: number(at("max_num_seqs")),
+                    observed: None,
                     notes,
                 },
                 kv_cache_bytes: gib(at("kv_cache_gib")),
@@ -553,4 +555,52 @@ fn the_json_names_the_engine_and_each_part_of_the_overhead() {
     r.max_num_batched_tokens = None;
     let o = plan(&r).unwrap().options.remove(0);
     assert_eq!((o.max_num_batched_tokens, o.max_num_seqs), (8192, 1024));
+}
+
+/// On this host's GPUs, what the model running here was seen to take replaces the modelled
+/// overhead: an engine whose KV cache came out smaller than planned (more overhead than the
+/// model says) makes the plan for this host smaller too, and only for the TP it runs at.
+#[test]
+fn what_a_model_was_seen_to_take_here_replaces_the_modelled_overhead() {
+    let mut r = request("llama-3-8b", 8192);
+    let mut host = h100();
+    host.live = true;
+    r.gpus = vec![host];
+    let modelled = plan(&r).unwrap().options.remove(0);
+    assert!(!modelled.overhead_observed);
+    assert_eq!(modelled.kv_tokens, 58_330_282_393 / (128 << 10) / 16 * 16);
+    assert!(
+        modelled
+            .gpuguard_model
+            .contains(&format!("planned_kv_tokens = {}\n", modelled.kv_tokens)),
+        "{}",
+        modelled.gpuguard_model
+    );
+    // Seen here: 72 GiB on one GPU with 400,000 tokens of KV cache (50,000 MiB): 72 GiB - 14.96
+    // GiB of weights - 48.83 GiB - the 640 MiB context = 7.59 GiB of overhead, not 2.4.
+    r.observed = Some(Observed {
+        gpu_bytes: 72 << 30,
+        gpus: 1,
+        kv_tokens: 400_000,
+    });
+    let p = plan(&r).unwrap();
+    let seen = &p.options[0];
+    assert!(seen.overhead_observed);
+    let overhead = (72u64 << 30) - 16_060_522_496 - 400_000 * (128 << 10) - 640 * MIB;
+    assert_eq!(seen.overhead_bytes, overhead);
+    assert_eq!(
+        seen.kv_space_bytes,
+        76_968_728_985 - 16_060_522_496 - overhead
+    );
+    assert!(seen.max_requests < modelled.max_requests);
+    assert!(p
+        .assumptions
+        .iter()
+        .any(|a| a.contains("as seen of 'llama-3-8b' running here")));
+    // At another TP, or on a card from the table, the model is what it was.
+    r.tp = vec![2];
+    assert!(!plan(&r).unwrap().options[0].overhead_observed);
+    r.tp = vec![1];
+    r.gpus = vec![h100()];
+    assert!(!plan(&r).unwrap().options[0].overhead_observed);
 }

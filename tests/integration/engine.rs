@@ -306,3 +306,116 @@ fn a_metrics_url_given_at_launch_is_scraped_and_one_off_loopback_is_refused() {
         "2 waiting with KV cache 50%: the engine's max-num-seqs or compute, not memory"
     );
 }
+
+/// `gpuguard plan`'s answer as JSON, through the real binary.
+fn plan_json(args: &[&str]) -> Value {
+    let out = Command::new(BIN)
+        .arg("plan")
+        .args(args)
+        .arg("--json")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// What the engine really got for its KV cache beside what was planned (issue 27): a model whose
+/// `[[model]]` says `planned_kv_tokens = 476000` runs an engine that reports 27000 blocks of 16
+/// tokens (432,000, 9.2 % fewer). `status --model` and the metrics show both, and `plan --gpu
+/// host` for that model takes the overhead it was seen to take on this host instead of the
+/// modelled one (a plan under another name still gets the model).
+#[test]
+fn the_engines_real_kv_cache_is_shown_beside_the_plan_and_teaches_plan_host() {
+    let t = token("planned");
+    let server = Hog::start(&t, 0, 0, 600);
+    let engine = FakeEngine::start(vllm(1, 0, 0.1, 0));
+    let total = 81_559 * MIB;
+    let held = 72 * GIB;
+    let fake = FakeNvml::new(&format!(
+        "device 0 name=\"NVIDIA H100 80GB HBM3\" total={total} used={held}\nprocess 0 {} {held}\n",
+        server.pid()
+    ));
+    let port = free_port();
+    let config = format!(
+        "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"models\"\ninterval = \"200ms\"\nscan_interval = \"200ms\"\n\
+         [ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n\
+         [gpu]\nnvml_library = \"{}\"\n\
+         [metrics]\nlisten = \"127.0.0.1:{port}\"\n\
+         [[model]]\nname = \"llama-3-8b\"\nmatch = {{ cmdline = \"{t}\" }}\ngpu_memory = \"79GiB\"\n\
+         metrics_url = \"{}\"\nplanned_kv_tokens = 476000\n",
+        FakeNvml::library(),
+        engine.url
+    );
+    let daemon = GuardDaemon::start_with_fake(&config, &fake);
+    daemon.wait_gpus_on(Some(1), Duration::from_secs(10));
+    let m = wait_engine(&daemon, &engine, "llama-3-8b", 1);
+    assert_eq!(
+        (m["planned_kv_tokens"].clone(), m["gpu_count"].clone()),
+        (476000.into(), 1.into()),
+        "{m:#}"
+    );
+    assert_eq!(m["gpu_bytes"], held, "{m:#}");
+
+    let out = Command::new(BIN)
+        .args(["status", "--model", "llama-3-8b", "--socket"])
+        .arg(daemon.socket())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains(
+            "KV cache: 27000 blocks of 16 tokens (432000 tokens; planned 476000, the engine has -9.2%)"
+        ),
+        "{text}"
+    );
+    let scrape = || {
+        ureq::get(&format!("http://127.0.0.1:{port}/metrics"))
+            .call()
+            .unwrap()
+            .body_mut()
+            .read_to_string()
+            .unwrap()
+    };
+    let mut metrics = String::new();
+    let both = [
+        "gpuguard_engine_kv_cache_tokens{model=\"llama-3-8b\"} 432000",
+        "gpuguard_engine_kv_cache_planned_tokens{model=\"llama-3-8b\"} 476000",
+    ];
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            metrics = scrape();
+            both.iter().all(|s| metrics.lines().any(|l| l == *s))
+        }),
+        "{metrics}"
+    );
+    promtool_check(&metrics);
+
+    // plan --gpu host for this model: the overhead seen here, 72 GiB less its 16,060,522,496
+    // bytes of weights, 432,000 × 128 KiB of KV cache and the 640 MiB CUDA context.
+    let fixture = format!(
+        "{}/tests/fixtures/plan/llama-3-8b.json",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let socket = daemon.socket().to_string_lossy().into_owned();
+    let here = |name: &str| {
+        plan_json(&[
+            &fixture, "--gpu", "host", "--socket", &socket, "--name", name,
+        ])["options"][0]
+            .clone()
+    };
+    let seen = here("llama-3-8b");
+    let overhead = held - 16_060_522_496 - 432_000 * (128 << 10) - 640 * MIB;
+    assert_eq!(seen["overhead_observed"], true, "{seen:#}");
+    assert_eq!(seen["overhead_bytes"], overhead, "{seen:#}");
+    let modelled = here("another");
+    assert_eq!(modelled["overhead_observed"], false, "{modelled:#}");
+    assert_ne!(modelled["kv_space_bytes"], seen["kv_space_bytes"]);
+    assert!(
+        seen["kv_space_bytes"].as_u64() < modelled["kv_space_bytes"].as_u64(),
+        "seen {seen:#}\nmodelled {modelled:#}"
+    );
+}
