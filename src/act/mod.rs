@@ -361,7 +361,7 @@ mod tests {
                 detail: "over".into(),
             },
             recheck: None,
-            enters: None,
+            enters: Vec::new(),
         }
     }
 

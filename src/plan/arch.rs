@@ -287,7 +287,9 @@ impl Architecture {
                 kv_heads,
                 head_dim,
                 hidden_size: hidden,
-                mlp_width: mlp.width.map(|w| w * mlp.experts_per_token.max(1)),
+                mlp_width: mlp
+                    .width
+                    .map(|w| w.saturating_mul(mlp.experts_per_token.max(1))),
                 vocab_size: vocab,
                 sliding_window,
                 sliding_layers,

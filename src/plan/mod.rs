@@ -489,7 +489,9 @@ fn option(r: &PlanRequest, model: &ModelFigures, gpu: &GpuChoice, tp: u32) -> Gp
     let graphs = engine::cuda_graph_bytes(tp64);
     let charged = r.engine.charges_cuda_graphs();
     let context = engine::CUDA_CONTEXT_BYTES;
-    let modelled = activation + non_torch + if charged { graphs } else { 0 };
+    let modelled = activation
+        .saturating_add(non_torch)
+        .saturating_add(if charged { graphs } else { 0 });
     let heads = kv_heads_per_gpu(a.kv_heads, tp64);
     let token_bytes = heads.map_or(0, |h| {
         a.layers * 2 * h * a.head_dim * r.kv_dtype.bytes() as u64
@@ -498,7 +500,8 @@ fn option(r: &PlanRequest, model: &ModelFigures, gpu: &GpuChoice, tp: u32) -> Gp
     // what it holds beyond the share.
     let seen = r
         .observed
-        .filter(|o| gpu.live && o.gpus == tp && token_bytes > 0)
+        // Not for sliding-window models: their engines count KV tokens per group of layers.
+        .filter(|o| gpu.live && o.gpus == tp && token_bytes > 0 && a.sliding_layers == 0)
         .map(|o| {
             let kv = o.kv_tokens.saturating_mul(token_bytes);
             let beyond = context + if charged { 0 } else { graphs };
@@ -515,7 +518,7 @@ fn option(r: &PlanRequest, model: &ModelFigures, gpu: &GpuChoice, tp: u32) -> Gp
             2 * h * a.head_dim * r.kv_dtype.bytes() as u64,
         )
     });
-    let kv_space = usable.saturating_sub(weights + overhead);
+    let kv_space = usable.saturating_sub(weights.saturating_add(overhead));
     let max_requests = kv_space.checked_div(kv_request).unwrap_or(0);
     let wanted = r.concurrency.unwrap_or(1);
     let problem = if tp > gpu.count {
@@ -529,7 +532,7 @@ fn option(r: &PlanRequest, model: &ModelFigures, gpu: &GpuChoice, tp: u32) -> Gp
             "{} attention heads and {} KV heads do not split over {tp} GPUs",
             a.attention_heads, a.kv_heads
         ))
-    } else if weights + overhead >= usable {
+    } else if weights.saturating_add(overhead) >= usable {
         Some(format!(
             "weights {} + overhead {} exceed {:.0}% of {}",
             fmt_bytes(weights),
@@ -565,6 +568,15 @@ fn option(r: &PlanRequest, model: &ModelFigures, gpu: &GpuChoice, tp: u32) -> Gp
         };
         kv.div_ceil(1 << 20) << 20
     });
+    // What the engine's KV cache will be with the flags recommended: the bytes given, or what
+    // the share asked leaves; nothing where the option does not fit.
+    let planned_kv = match kv_cache_memory_bytes {
+        _ if !fits => 0,
+        Some(bytes) => bytes,
+        None => ((gpu.total_bytes as f64 * utilization) as u64)
+            .saturating_sub(weights)
+            .saturating_sub(overhead),
+    };
     let problem = problem.or_else(|| {
         let engine = (gpu.total_bytes as f64 * utilization) as u64;
         gpu.free_bytes
@@ -590,7 +602,7 @@ fn option(r: &PlanRequest, model: &ModelFigures, gpu: &GpuChoice, tp: u32) -> Gp
         overhead_observed: seen.is_some(),
         kv_space_bytes: kv_space,
         kv_bytes_per_request: kv_request,
-        kv_tokens: kv_space
+        kv_tokens: planned_kv
             .checked_div(token_bytes)
             .map_or(0, |t| t / BLOCK_TOKENS * BLOCK_TOKENS),
         max_requests,
@@ -620,20 +632,29 @@ fn activation_bytes(r: &PlanRequest, tp: u64, batched: u64, seqs: u64) -> u64 {
     let (Some(hidden), Some(width)) = (a.hidden_size, a.mlp_width) else {
         return FALLBACK_ACTIVATION_BYTES;
     };
-    let per_token = 4 * hidden + 6 * width / tp;
+    // Saturating: a config's sizes are each bounded, their products need not be (a hostile
+    // MoE's experts per token); a saturated figure does not fit anywhere, which is the answer.
+    let per_token = hidden
+        .saturating_mul(4)
+        .saturating_add(width.saturating_mul(6) / tp);
     let rows = if r.engine.v1() {
         seqs.min(batched)
     } else {
         seqs
     };
-    let logits = rows * a.vocab_size.unwrap_or(0) * 4 * 2;
+    let logits = rows
+        .saturating_mul(a.vocab_size.unwrap_or(0))
+        .saturating_mul(8);
     let multimodal = a.params.is_some_and(|p| p.vision > 0);
     let vision = if multimodal && r.engine.v1() {
         engine::VISION_PROFILE_BYTES
     } else {
         0
     };
-    batched * per_token + logits + vision
+    batched
+        .saturating_mul(per_token)
+        .saturating_add(logits)
+        .saturating_add(vision)
 }
 
 fn vllm_args(r: &PlanRequest, o: &GpuPlan, seqs: u64) -> Vec<String> {
@@ -704,8 +725,7 @@ fn gpuguard_budget(r: &PlanRequest, model: &ModelFigures, o: &GpuPlan) -> (Strin
          gpu_memory = \"{gpu}\"\n\
          ram = \"{ram}\"\n\
          action = \"alert\"\n\
-         # the KV cache planned, in tokens per engine: `status --model` sets the engine's beside it\n\
-         planned_kv_tokens = {kv_tokens}\n",
+         {planned}",
         tp = o.tp,
         gpu_name = o.gpu,
         share = match o.kv_cache_memory_bytes {
@@ -713,7 +733,13 @@ fn gpuguard_budget(r: &PlanRequest, model: &ModelFigures, o: &GpuPlan) -> (Strin
             None => format!("gpu_memory_utilization {:.2}", o.gpu_memory_utilization),
         },
         raw = r.name.replace(['\n', '"'], ""),
-        kv_tokens = o.kv_tokens.max(1),
+        planned = match o.kv_tokens {
+            0 => String::new(),
+            t => format!(
+                "# the KV cache planned, in tokens per engine: `status --model` sets the engine's beside it\n\
+                 planned_kv_tokens = {t}\n"
+            ),
+        },
     );
     let mut launch = vec![
         "--model".to_string(),

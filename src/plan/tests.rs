@@ -603,4 +603,42 @@ fn what_a_model_was_seen_to_take_here_replaces_the_modelled_overhead() {
     r.tp = vec![1];
     r.gpus = vec![h100()];
     assert!(!plan(&r).unwrap().options[0].overhead_observed);
+    // Nor for a sliding-window model: its engine counts KV tokens per group of layers.
+    let mut gemma = request("gemma-2-9b", 8192);
+    let mut host = h100();
+    host.live = true;
+    gemma.gpus = vec![host];
+    gemma.observed = r.observed;
+    assert!(!plan(&gemma).unwrap().options[0].overhead_observed);
+}
+
+/// The `[[model]]`'s planned_kv_tokens is the KV cache the recommended flags give: with
+/// --concurrency, what those requests need (not the whole share's); none for an option that
+/// does not fit. And a hostile MoE config whose experts per token multiply past 2^64 gives a
+/// plan that does not fit, not a panic or a wrapped figure.
+#[test]
+fn planned_kv_tokens_follow_the_flags_and_hostile_sizes_saturate() {
+    let mut r = request("llama-3-8b", 8192);
+    r.concurrency = Some(20);
+    let o = plan(&r).unwrap().options.remove(0);
+    // 20 requests of 8192 tokens.
+    assert_eq!(o.kv_tokens, 20 * 8192);
+    assert!(o.gpuguard_model.contains("planned_kv_tokens = 163840\n"));
+    r.concurrency = Some(500);
+    let o = plan(&r).unwrap().options.remove(0);
+    assert!(!o.fits);
+    assert_eq!(o.kv_tokens, 0);
+    assert!(!o.gpuguard_model.contains("planned_kv_tokens"));
+
+    let mut config = fixture("mixtral-8x7b");
+    config["num_experts_per_tok"] = serde_json::json!(1u64 << 31);
+    config["intermediate_size"] = serde_json::json!(1u64 << 31);
+    let (arch, notes) = Architecture::from_hf_config(&config).unwrap();
+    let mut r = request("mixtral-8x7b", 4096);
+    r.arch = arch;
+    r.notes = notes;
+    r.weights = Weights::Bytes(90 << 30);
+    let o = plan(&r).unwrap().options.remove(0);
+    assert!(!o.fits, "{o:?}");
+    assert_eq!(o.activation_bytes, u64::MAX);
 }

@@ -124,10 +124,11 @@ pub struct Action {
     pub target: Target,
     pub reason: Reason,
     pub recheck: Option<Recheck>,
-    /// The stage the action puts its incident or budget in, entered only once the executor has
+    /// The stages the action puts its incident or budget in (and any other floor's incident
+    /// that takes up the same signal in the same tick), entered only once the executor has
     /// carried it out (`PolicyState::apply`).
     #[serde(skip)]
-    pub enters: Option<Entry>,
+    pub enters: Vec<Entry>,
 }
 
 /// Where an action leaves the incident or budget it was decided for. The policy's stages move
@@ -290,10 +291,12 @@ impl Incident {
         }
     }
 
-    /// The one way an incident's stage changes: `stage` from `at`.
+    /// The one way an incident's stage changes: `stage` from `at` (a SIGTERM's growth baseline
+    /// is its own: `take_terminating` sets one after entering).
     fn enter(&mut self, stage: Stage, at: Duration) {
         self.stage = stage;
         self.stage_since = at;
+        self.term_baseline = None;
     }
 }
 
@@ -509,22 +512,26 @@ impl PolicyState {
     }
 
     /// What became of this tick's actions: the only way the policy learns what the executor did,
-    /// and the one place where an action's stage is entered. An action carried out (or, in
-    /// observe mode, logged) enters the stage it was decided with; one skipped (the target gone,
-    /// memory recovered) leaves everything as it was, so the next tick decides afresh; a floor's
-    /// victim that could not be signalled (not permitted...) is let go and not chosen again in
-    /// that incident.
+    /// and the one place where an action's stages are entered. An action carried out (or, in
+    /// observe mode, logged) enters the stages it was decided with, in every incident that took
+    /// up its signal; one skipped (the target gone, memory recovered) leaves everything as it
+    /// was, so the next tick decides afresh. A floor's victim that could not be signalled (not
+    /// permitted...) is let go and not chosen again in those incidents; a budget's action that
+    /// failed stands as decided (its failure is reported once, not tried again every tick).
     pub fn apply(&mut self, outcomes: &[Executed]) {
         for Executed { action, outcome } in outcomes {
-            match (outcome, &action.enters) {
-                (Outcome::Done | Outcome::Observed, Some(entry)) => self.enter(entry.clone()),
-                (Outcome::Failed(_), Some(Entry::Floor { resource, .. })) => {
-                    if let Some(incident) = self.incidents.get_mut(resource) {
-                        incident.excluded.extend(action.target.ids());
-                        incident.victim = None;
+            for entry in &action.enters {
+                match (outcome, entry) {
+                    (Outcome::Done | Outcome::Observed, _)
+                    | (Outcome::Failed(_), Entry::Budget { .. }) => self.enter(entry.clone()),
+                    (Outcome::Failed(_), Entry::Floor { resource, .. }) => {
+                        if let Some(incident) = self.incidents.get_mut(resource) {
+                            incident.excluded.extend(action.target.ids());
+                            incident.victim = None;
+                        }
                     }
+                    (Outcome::Skipped(_), _) => {}
                 }
-                _ => {}
             }
         }
     }
@@ -578,28 +585,32 @@ impl PolicyState {
                         victim: i.victim.clone()?,
                         stage: i.stage,
                         since: i.stage_since,
+                        pending: None,
                     },
                 ))
             })
             .collect();
-        for a in &plan.actions {
-            if let Some(Entry::Floor {
-                resource,
-                victim,
-                stage,
-                at,
-                ..
-            }) = &a.enters
-            {
-                steps.insert(
-                    *resource,
-                    InForce {
-                        resource: *resource,
-                        victim: victim.clone(),
-                        stage: *stage,
-                        since: *at,
-                    },
-                );
+        for (index, a) in plan.actions.iter().enumerate() {
+            for entry in &a.enters {
+                if let Entry::Floor {
+                    resource,
+                    victim,
+                    stage,
+                    at,
+                    ..
+                } = entry
+                {
+                    steps.insert(
+                        *resource,
+                        InForce {
+                            resource: *resource,
+                            victim: victim.clone(),
+                            stage: *stage,
+                            since: *at,
+                            pending: Some(index),
+                        },
+                    );
+                }
             }
         }
         steps.into_values().collect()
@@ -613,6 +624,8 @@ struct InForce {
     victim: Target,
     stage: Stage,
     since: Duration,
+    /// Decided this tick, not yet carried out: the index of its action in the plan.
+    pending: Option<usize>,
 }
 
 /// Assumed worst-case fill rates, to sleep no longer than it takes to go from here to the floor.
@@ -729,10 +742,15 @@ fn watched(state: &PolicyState, steps: &[InForce], plan: &Plan) -> Vec<ProcessId
         .budgets
         .values()
         .filter_map(|b| b.enforced.as_ref())
-        .chain(plan.actions.iter().filter_map(|a| match &a.enters {
-            Some(Entry::Budget { enforced, .. }) => Some(enforced),
-            _ => None,
-        }))
+        .chain(
+            plan.actions
+                .iter()
+                .flat_map(|a| &a.enters)
+                .filter_map(|e| match e {
+                    Entry::Budget { enforced, .. } => Some(enforced),
+                    Entry::Floor { .. } => None,
+                }),
+        )
         .map(|e| &e.target);
     let mut ids: Vec<ProcessId> = steps
         .iter()
@@ -758,7 +776,7 @@ fn action(
         target: target.clone(),
         reason: Reason { kind, detail },
         recheck,
-        enters: None,
+        enters: Vec::new(),
     }
 }
 
@@ -779,7 +797,7 @@ impl Entry {
 impl Action {
     /// The stage this action enters once carried out.
     fn entering(mut self, entry: Entry) -> Action {
-        self.enters = Some(entry);
+        self.enters.push(entry);
         self
     }
 }

@@ -3433,8 +3433,10 @@ fn a_stage_is_entered_only_when_its_action_is_carried_out() {
     );
 }
 
-/// A budget's enforcement is in force only once its action was carried out: a stop that failed
-/// is tried again on the next tick, and a model never stopped is never "resumed".
+/// A budget's enforcement is in force only once its action was carried out: a stop that was
+/// skipped (the model already gone under budget at the recheck) leaves nothing in force and is
+/// decided again while the model stays over; one carried out is in force and lifted with a
+/// resume. One that failed stands as decided (reported once; `apply`).
 #[test]
 fn a_budget_enforcement_is_in_force_only_once_carried_out() {
     let c = config(&model(
@@ -3448,18 +3450,94 @@ fn a_budget_enforcement_is_in_force_only_once_carried_out() {
     let plan = evaluate(&c, &snap(1000, Some(20 * GIB), a()), &none, &mut state);
     assert_eq!(acts(&plan), "stop trainer[100]");
     assert!(state.budgets["trainer"].enforced.is_none());
-    state.apply(&carried(&plan, Outcome::Failed("permission denied".into())));
+    state.apply(&carried(
+        &plan,
+        Outcome::Skipped("target has exited".into()),
+    ));
     assert!(state.budgets["trainer"].enforced.is_none());
-    // Back under budget: nothing to resume, it was never stopped.
-    let under = || vec![proc(100, "trainer", GIB / 2, 1)];
-    let plan = decide(&c, &snap(1100, Some(20 * GIB), under()), &mut state);
-    assert_eq!(acts(&plan), "");
-    // Over again, past a new grace: the stop is tried again and, carried out, is in force.
-    decide(&c, &snap(1200, Some(20 * GIB), a()), &mut state);
-    let plan = decide(&c, &snap(2200, Some(20 * GIB), a()), &mut state);
+    // Still over: the stop is decided again and, carried out, is in force.
+    let plan = decide(&c, &snap(1100, Some(20 * GIB), a()), &mut state);
     assert_eq!(acts(&plan), "stop trainer[100]");
     let enforced = state.budgets["trainer"].enforced.as_ref().map(|e| e.stage);
     assert_eq!(enforced, Some(Stage::Stopped));
-    let plan = decide(&c, &snap(2300, Some(20 * GIB), under()), &mut state);
+    let under = || vec![proc(100, "trainer", GIB / 2, 1)];
+    let plan = decide(&c, &snap(1200, Some(20 * GIB), under()), &mut state);
     assert_eq!(acts(&plan), "resume trainer[100]");
+}
+
+/// A budget's SIGKILL that fails (EPERM from a security module) stands as decided: it is
+/// reported once, not decided again every tick while the model stays over budget.
+#[test]
+fn a_budget_kill_that_fails_is_not_decided_again_every_tick() {
+    let c = config(&model(
+        "trainer",
+        "ram = \"1GiB\"\naction = \"kill\"\ngrace = \"1s\"\n",
+    ));
+    let a = || vec![proc(100, "trainer", 2 * GIB, 1)];
+    let none = Launches::default();
+    let mut state = PolicyState::default();
+    decide(&c, &snap(0, Some(20 * GIB), a()), &mut state);
+    assert_eq!(
+        acts(&decide(&c, &snap(1000, Some(20 * GIB), a()), &mut state)),
+        "terminate trainer[100]"
+    );
+    // term_grace (5 s) later: SIGKILL, which fails.
+    let plan = evaluate(&c, &snap(6000, Some(20 * GIB), a()), &none, &mut state);
+    assert_eq!(acts(&plan), "kill trainer[100]");
+    state.apply(&carried(&plan, Outcome::Failed("permission denied".into())));
+    for at in [6010, 6020, 7000] {
+        let plan = decide(&c, &snap(at, Some(20 * GIB), a()), &mut state);
+        assert_eq!(acts(&plan), "", "at {at} ms");
+    }
+}
+
+/// Two GPUs choose the same victim in one tick (a hostile review of the outcome-entered stages):
+/// the second takes up the first's SIGTERM. If that SIGTERM is skipped (the recheck found memory
+/// back) neither incident is at Terminated, so neither waits out a grace for a signal never sent
+/// nor SIGKILLs without one; if it fails, both let the victim go; carried out, both are at it.
+#[test]
+fn a_signal_two_floors_share_in_one_tick_is_theirs_only_once_carried_out() {
+    let c = config(&format!(
+        "[daemon]\ncandidates = \"models\"\n[gpu]\nmin_free = \"12GiB\"\n{}",
+        model("srv", "")
+    ));
+    let procs = || vec![proc(100, "srv", GIB, 1), proc(101, "srv", GIB, 100)];
+    let s = |at| {
+        gsnap(
+            at,
+            procs(),
+            vec![
+                gpu(0, 10 * GIB, &[(100, Some(5 * GIB))]),
+                gpu(1, 10 * GIB, &[(101, Some(5 * GIB))]),
+            ],
+        )
+    };
+    let none = Launches::default();
+    let stages = |state: &PolicyState| {
+        state
+            .incidents
+            .values()
+            .map(|i| (i.victim.is_some(), i.stage))
+            .collect::<Vec<_>>()
+    };
+    for (outcome, want) in [
+        (
+            Outcome::Skipped("recovered".into()),
+            (false, Stage::Alerted),
+        ),
+        (
+            Outcome::Failed("permission denied".into()),
+            (false, Stage::Alerted),
+        ),
+        (Outcome::Done, (true, Stage::Terminated)),
+    ] {
+        let mut state = PolicyState::default();
+        let plan = evaluate(&c, &s(0), &none, &mut state);
+        assert_eq!(acts(&plan), "terminate srv[100,101]");
+        state.apply(&carried(&plan, outcome.clone()));
+        assert_eq!(stages(&state), vec![want; 2], "{outcome:?}");
+        if matches!(outcome, Outcome::Failed(_)) {
+            assert!(state.incidents.values().all(|i| i.excluded.len() == 2));
+        }
+    }
 }

@@ -432,18 +432,28 @@ fn act_on(
         }
     }
     let steps = state.steps(plan);
-    if let (Some((stage, since)), false) = (
-        signalled_by_another(&steps, resource, &target, verb),
-        observe,
-    ) {
+    let other = signalled_by_another(&steps, resource, &target, verb).filter(|_| !observe);
+    if let Some(other) = other {
         // Another floor's incident has signalled every process of this victim already (a
         // model short on two GPUs at once): this one shares that step, no second signal (a
         // second SIGTERM makes many servers quit without cleaning up), and no second victim
-        // for the brake. Its baseline is its own (the other's is another memory).
-        let incident = state.incidents.get_mut(&resource).expect("incident exists");
-        incident.victim = Some(target);
-        incident.enter(stage, since);
-        incident.term_baseline = None;
+        // for the brake. Decided this tick, the step is this incident's too once its action is
+        // carried out (and not if it is skipped or fails); carried out before, it is at once.
+        match other.pending {
+            Some(index) => plan.actions[index].enters.push(Entry::Floor {
+                resource,
+                victim: target,
+                stage: other.stage,
+                at: other.since,
+                chosen: None,
+            }),
+            None => {
+                let (stage, since) = (other.stage, other.since);
+                let incident = state.incidents.get_mut(&resource).expect("incident exists");
+                incident.victim = Some(target);
+                incident.enter(stage, since);
+            }
+        }
         return;
     }
     let stage = match (verb, observe) {
@@ -495,21 +505,20 @@ fn verb_strength(verb: Verb) -> u8 {
     }
 }
 
-/// The step (stage, since) of another floor's incident that has sent `verb` or a stronger signal
-/// to every process of `target` already (this tick's steps included). A target with a process
-/// that incident did not signal is not covered (that process gets its signal), and an incident
-/// whose victim is gone or stuck covers nothing.
-fn signalled_by_another(
-    steps: &[InForce],
+/// The step of another floor's incident that has sent `verb` or a stronger signal to every
+/// process of `target` already (this tick's steps included). A target with a process that
+/// incident did not signal is not covered (that process gets its signal), and an incident whose
+/// victim is gone or stuck covers nothing.
+fn signalled_by_another<'a>(
+    steps: &'a [InForce],
     resource: Resource,
     target: &Target,
     verb: Verb,
-) -> Option<(Stage, Duration)> {
+) -> Option<&'a InForce> {
     let wanted = verb_strength(verb);
-    steps.iter().find_map(|s| {
+    steps.iter().find(|s| {
         let covered = target.ids().all(|c| s.victim.ids().any(|id| id == c));
-        (wanted > 0 && s.resource != resource && covered && strength(s.stage) >= wanted)
-            .then_some((s.stage, s.since))
+        wanted > 0 && s.resource != resource && covered && strength(s.stage) >= wanted
     })
 }
 
