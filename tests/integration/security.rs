@@ -1174,6 +1174,123 @@ fn an_account_whose_tmpfs_files_keep_ram_short_has_its_hog_acted_on() {
     );
 }
 
+/// An account's process holding `bytes`, run as it, once its memory is touched ("full").
+fn hold(attacker: &Attacker, token: &str, bytes: u64) -> KillOnDrop {
+    let mut child = attacker
+        .python(HOLD_PY)
+        .args([token, &bytes.to_string()])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    KillOnDrop(child)
+}
+
+/// Grows by 32 MiB every 50 ms while MemAvailable is above `stop_below` bytes (and it holds
+/// less than 4 GiB), printing what it holds after each step, then holds it: a crossing that
+/// does not hang on what the rest of the machine does meanwhile, and a bound on what it takes.
+const GROW_PY: &str = r#"
+import sys, time
+token, stop_below, step = sys.argv[1], int(sys.argv[2]), 32 << 20
+def available():
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+chunks, held = [], 0
+while available() > stop_below and held < (4 << 30):
+    b = bytearray(step)
+    for i in range(0, step, 4096):
+        b[i] = 1
+    chunks.append(b)
+    held += step
+    print(held, flush=True)
+    time.sleep(0.05)
+time.sleep(600)
+"#;
+
+/// An account's process growing until MemAvailable is under `stop_below` (then holding) until
+/// it is acted on, or `timeout`: what it held last (0 if acted on before its first step), or
+/// `None` if it was never acted on.
+fn grow_until_acted_on(
+    attacker: &Attacker,
+    token: &str,
+    stop_below: u64,
+    timeout: Duration,
+) -> Option<u64> {
+    let mut child = KillOnDrop(
+        attacker
+            .python(GROW_PY)
+            .args([token, &stop_below.to_string()])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let stdout = child.0.stdout.take().unwrap();
+    wait_child(&mut child.0, timeout)?;
+    let lines = std::io::BufRead::lines(std::io::BufReader::new(stdout));
+    let held = lines
+        .map_while(Result::ok)
+        .filter_map(|l| l.parse().ok())
+        .last();
+    Some(held.unwrap_or(0))
+}
+
+/// Round three: a user kept RAM under warn with processes it let die, and after three victims
+/// the floor's brake held while its 3.5 GiB hog ran below the act floor untouched. The brake is
+/// for victims like those it counted: one that alone lifts RAM above the act floor and holds
+/// more than any of them is still acted on. Played by a throw-away user: its ballast (outside
+/// the model) keeps RAM under the warn floor throughout, so the brake is never released in
+/// between; its processes grow to a depth under the act floor read from MemAvailable as it
+/// is, so no crossing hangs on what the rest of the machine does meanwhile.
+#[test]
+fn sacrificial_kills_cannot_spend_the_brake_for_a_users_hog() {
+    let _lock = memory_pressure_lock();
+    let attacker = Attacker::create();
+    let t = token("sacrifice");
+    let now = mem_available();
+    let (warn, min) = (now - GIB / 4, now - 7 * GIB / 4);
+    let g = guard(
+        &format!("min_available = {min}\nwarn_available = {warn}\n"),
+        &model_toml(
+            "sacrifice",
+            &t,
+            &format!("users = [\"{}\"]\n", attacker.name),
+        ),
+    );
+    // 1 GiB outside the model: RAM halfway between the floors, 0.75 GiB under warn.
+    let _ballast = hold(&attacker, &token("ballast"), GIB);
+    // Three, one after another, each growing to take RAM 0.5 GiB under the act floor, and
+    // terminated there (the largest of the model), RAM going back under warn. The third fills
+    // the brake (3 victims in 5 minutes).
+    for i in 0..3 {
+        let held = grow_until_acted_on(&attacker, &t, min - GIB / 2, Duration::from_secs(60));
+        assert!(
+            held.is_some(),
+            "victim {i} was not acted on: {}",
+            g.daemon.log_text()
+        );
+    }
+    // The hog grows to take RAM 1.5 GiB under the act floor: past every counted victim, from
+    // where it alone lifts RAM above the floor and holds more than any of them. Acted on under
+    // the brake.
+    let hog = grow_until_acted_on(&attacker, &t, min - 3 * GIB / 2, Duration::from_secs(60));
+    assert!(
+        hog.is_some(),
+        "the hog ran under the brake: {}",
+        g.daemon.log_text()
+    );
+    assert_eq!(g.daemon.events_of("process_killed").len(), 4);
+    // And RAM was never back above warn in between: the brake held all along.
+    let cleared = g.daemon.events_of("floor_cleared");
+    assert!(cleared.is_empty(), "{cleared:?}");
+}
+
 /// Round three: with no `[[model]]` for a name, a user who launched it first owned it: root's
 /// later launch of the name was refused or admitted into the user's model. A user's launched
 /// model is `NAME@UID`; root's launch of `NAME` is root's own. And a user may not have the
