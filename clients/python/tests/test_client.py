@@ -174,6 +174,11 @@ class Cancels(FakeDaemonCase):
     )
     def test_keyboard_interrupt_cancels_and_a_late_grant_is_released(self):
         self.daemon.ignore_cancel = True
+        # Ctrl-C as Python handles it, whatever this process inherited: a shell that starts a
+        # job in the background without job control has it ignore SIGINT, and Python then
+        # installs no handler (the interrupt below would be lost and the acquire wait 600 s).
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        self.addCleanup(signal.signal, signal.SIGINT, previous)
 
         def interrupt():
             self.daemon.wait_for(lambda: self.daemon.waiting() == 1)
