@@ -471,6 +471,63 @@ fn auto_tp(r: &PlanRequest, model: &ModelFigures, gpu: &GpuChoice) -> Vec<GpuPla
     std::iter::once(one).chain(last).collect()
 }
 
+/// What an engine charges to its share of one GPU besides the weights, as the release sizes it
+/// (or as a model running on this host was seen to take).
+struct Charged {
+    batched: u64,
+    seqs: u64,
+    activation: u64,
+    non_torch: u64,
+    graphs: u64,
+    graphs_charged: bool,
+    context: u64,
+    overhead: u64,
+    observed: bool,
+}
+
+/// The overhead of one GPU at `tp`, for weights of `weights` and KV of `token_bytes` a token.
+fn charged(r: &PlanRequest, gpu: &GpuChoice, tp: u32, weights: u64, token_bytes: u64) -> Charged {
+    let (a, tp64) = (&r.arch, u64::from(tp));
+    let (default_tokens, default_seqs) =
+        r.engine
+            .default_batch(gpu.total_bytes, &gpu.name, r.max_model_len);
+    let batched = r.max_num_batched_tokens.unwrap_or(default_tokens);
+    let seqs = r.max_num_seqs.unwrap_or(default_seqs);
+    let activation = activation_bytes(r, tp64, batched, seqs);
+    let non_torch = engine::non_torch_bytes(&gpu.name, tp64);
+    let graphs = engine::cuda_graph_bytes(tp64);
+    let graphs_charged = r.engine.charges_cuda_graphs();
+    let context = engine::CUDA_CONTEXT_BYTES;
+    let modelled = activation
+        .saturating_add(non_torch)
+        .saturating_add(if graphs_charged { graphs } else { 0 });
+    // Seen on this host at this TP: what the model takes besides its weights and KV cache, less
+    // what it holds beyond the share. Not for sliding-window models: their engines count KV
+    // tokens per group of layers.
+    let seen = r
+        .observed
+        .filter(|o| gpu.live && o.gpus == tp && token_bytes > 0 && a.sliding_layers == 0)
+        .map(|o| {
+            let kv = o.kv_tokens.saturating_mul(token_bytes);
+            let beyond = context + if graphs_charged { 0 } else { graphs };
+            (o.gpu_bytes / u64::from(o.gpus))
+                .saturating_sub(weights)
+                .saturating_sub(kv)
+                .saturating_sub(beyond)
+        });
+    Charged {
+        batched,
+        seqs,
+        activation,
+        non_torch,
+        graphs,
+        graphs_charged,
+        context,
+        overhead: seen.unwrap_or(modelled),
+        observed: seen.is_some(),
+    }
+}
+
 fn option(r: &PlanRequest, model: &ModelFigures, gpu: &GpuChoice, tp: u32) -> GpuPlan {
     let a = &r.arch;
     let tp64 = u64::from(tp);
@@ -479,38 +536,12 @@ fn option(r: &PlanRequest, model: &ModelFigures, gpu: &GpuChoice, tp: u32) -> Gp
         .unwrap_or(r.engine.default_utilization());
     let usable = (gpu.total_bytes as f64 * cap) as u64;
     let weights = model.weights_bytes.div_ceil(tp64);
-    let (default_tokens, default_seqs) =
-        r.engine
-            .default_batch(gpu.total_bytes, &gpu.name, r.max_model_len);
-    let batched = r.max_num_batched_tokens.unwrap_or(default_tokens);
-    let seqs_in_force = r.max_num_seqs.unwrap_or(default_seqs);
-    let activation = activation_bytes(r, tp64, batched, seqs_in_force);
-    let non_torch = engine::non_torch_bytes(&gpu.name, tp64);
-    let graphs = engine::cuda_graph_bytes(tp64);
-    let charged = r.engine.charges_cuda_graphs();
-    let context = engine::CUDA_CONTEXT_BYTES;
-    let modelled = activation
-        .saturating_add(non_torch)
-        .saturating_add(if charged { graphs } else { 0 });
     let heads = kv_heads_per_gpu(a.kv_heads, tp64);
     let token_bytes = heads.map_or(0, |h| {
         a.layers * 2 * h * a.head_dim * r.kv_dtype.bytes() as u64
     });
-    // Seen on this host at this TP: what the model takes besides its weights and KV cache, less
-    // what it holds beyond the share.
-    let seen = r
-        .observed
-        // Not for sliding-window models: their engines count KV tokens per group of layers.
-        .filter(|o| gpu.live && o.gpus == tp && token_bytes > 0 && a.sliding_layers == 0)
-        .map(|o| {
-            let kv = o.kv_tokens.saturating_mul(token_bytes);
-            let beyond = context + if charged { 0 } else { graphs };
-            (o.gpu_bytes / u64::from(o.gpus))
-                .saturating_sub(weights)
-                .saturating_sub(kv)
-                .saturating_sub(beyond)
-        });
-    let overhead = seen.unwrap_or(modelled);
+    let c = charged(r, gpu, tp, weights, token_bytes);
+    let overhead = c.overhead;
     let kv_request = heads.map_or(0, |h| {
         kv_per_request(
             a,
@@ -580,7 +611,7 @@ fn option(r: &PlanRequest, model: &ModelFigures, gpu: &GpuChoice, tp: u32) -> Gp
     let problem = problem.or_else(|| {
         let engine = (gpu.total_bytes as f64 * utilization) as u64;
         gpu.free_bytes
-            .filter(|free| *free < engine + context)
+            .filter(|free| *free < engine + c.context)
             .map(|free| format!("only {} free now", fmt_bytes(free)))
     });
     let mut o = GpuPlan {
@@ -591,15 +622,15 @@ fn option(r: &PlanRequest, model: &ModelFigures, gpu: &GpuChoice, tp: u32) -> Gp
         gpu_free_bytes: gpu.free_bytes,
         usable_bytes: usable,
         weights_bytes: weights,
-        max_num_batched_tokens: batched,
-        max_num_seqs: seqs_in_force,
-        activation_bytes: activation,
-        non_torch_bytes: non_torch,
-        cuda_graph_bytes: graphs,
-        cuda_graphs_charged: charged,
-        cuda_context_bytes: context,
+        max_num_batched_tokens: c.batched,
+        max_num_seqs: c.seqs,
+        activation_bytes: c.activation,
+        non_torch_bytes: c.non_torch,
+        cuda_graph_bytes: c.graphs,
+        cuda_graphs_charged: c.graphs_charged,
+        cuda_context_bytes: c.context,
         overhead_bytes: overhead,
-        overhead_observed: seen.is_some(),
+        overhead_observed: c.observed,
         kv_space_bytes: kv_space,
         kv_bytes_per_request: kv_request,
         kv_tokens: planned_kv
