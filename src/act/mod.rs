@@ -247,8 +247,11 @@ impl Executor {
             Verb::Terminate => self.signal_all(target, Sig::Term),
             Verb::Kill => self.signal_all(target, Sig::Kill),
         };
+        // A signal that failed leaves the process as it was: one held stopped stays in the
+        // record, so shutdown and the next start still resume it.
+        let failed = matches!(outcome, Outcome::Failed(_));
         match action.verb {
-            Verb::Resume | Verb::Terminate | Verb::Kill => {
+            Verb::Resume | Verb::Terminate | Verb::Kill if !failed => {
                 if self.throttler.is_throttled(&ids) {
                     if let Some(ThrottleKind::Cgroup(_)) = self.throttler.unthrottle(&ids) {
                         self.save_throttles();
@@ -439,6 +442,39 @@ mod tests {
         }
         fn is_stopped(&self, _: ProcessId) -> bool {
             false
+        }
+    }
+
+    /// Fails every SIGTERM and SIGKILL (a security module saying no).
+    struct RefusesToKill;
+
+    impl ProcessControl for RefusesToKill {
+        fn send(&self, _: ProcessId, sig: Sig) -> Result<(), SignalError> {
+            match sig {
+                Sig::Term | Sig::Kill => Err(SignalError::Denied),
+                _ => Ok(()),
+            }
+        }
+        fn is_stopped(&self, _: ProcessId) -> bool {
+            true
+        }
+    }
+
+    /// A stopped process whose SIGTERM or SIGKILL fails is still stopped: it stays in the record,
+    /// so shutdown and the next start resume it (it was taken out whatever the outcome).
+    #[test]
+    fn a_stopped_process_whose_kill_fails_stays_in_the_record() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = Arc::new(StateDir::create(&root.path().join("state")).unwrap());
+        let (mut executor, _) = Executor::new(Arc::new(RefusesToKill), dir.clone(), root.path());
+        let mut no_read = |_| None;
+        let stop = executor.execute(Mode::Enforce, &action(Verb::Stop, 20), None, &mut no_read);
+        assert_eq!(stop, Outcome::Done);
+        for verb in [Verb::Terminate, Verb::Kill] {
+            let outcome = executor.execute(Mode::Enforce, &action(verb, 20), None, &mut no_read);
+            assert!(matches!(outcome, Outcome::Failed(_)), "{outcome:?}");
+            let record = std::fs::read_to_string(dir.path().join(held::FILE_NAME)).unwrap();
+            assert!(record.contains("\"pid\": 20"), "{verb:?}: {record}");
         }
     }
 

@@ -516,7 +516,8 @@ impl PolicyState {
     /// observe mode, logged) enters the stages it was decided with, in every incident that took
     /// up its signal; one skipped (the target gone, memory recovered) leaves everything as it
     /// was, so the next tick decides afresh. A floor's victim that could not be signalled (not
-    /// permitted...) is let go and not chosen again in those incidents; a budget's action that
+    /// permitted...) is let go and not chosen again in those incidents (held, if it was stopped,
+    /// so it is resumed when the resource recovers); a budget's action that
     /// failed stands as decided (its failure is reported once, not tried again every tick).
     pub fn apply(&mut self, outcomes: &[Executed]) {
         for Executed { action, outcome } in outcomes {
@@ -527,7 +528,16 @@ impl PolicyState {
                     (Outcome::Failed(_), Entry::Floor { resource, .. }) => {
                         if let Some(incident) = self.incidents.get_mut(resource) {
                             incident.excluded.extend(action.target.ids());
-                            incident.victim = None;
+                            let victim = incident.victim.take();
+                            // Stopped and not signalled further: held, so it is resumed when
+                            // the resource recovers (never left frozen).
+                            if let (Some(target), Stage::Stopped) = (victim, incident.stage) {
+                                self.held.push(Held {
+                                    target,
+                                    resource: *resource,
+                                    since: incident.stage_since,
+                                });
+                            }
                         }
                     }
                     (Outcome::Skipped(_), _) => {}

@@ -3541,3 +3541,37 @@ fn a_signal_two_floors_share_in_one_tick_is_theirs_only_once_carried_out() {
         }
     }
 }
+
+/// A victim stopped by a floor whose SIGTERM then fails (not permitted) is not left frozen: the
+/// incident lets it go to the next victim, and it is held, to be resumed once RAM is back.
+#[test]
+fn a_stopped_victim_whose_sigterm_fails_is_held_and_resumed_when_ram_is_back() {
+    let c = config(&format!("{RAM_FLOORS}action = \"stop\"\n"));
+    let a = || {
+        vec![
+            proc(100, "trainer", 6 * GIB, 1),
+            proc(200, "loader", 4 * GIB, 1),
+        ]
+    };
+    let none = Launches::default();
+    let mut state = PolicyState::default();
+    assert_eq!(
+        acts(&decide(&c, &snap(0, Some(3 * GIB), a()), &mut state)),
+        "stop [100]"
+    );
+    let plan = evaluate(&c, &snap(2000, Some(3 * GIB), a()), &none, &mut state);
+    assert_eq!(acts(&plan), "terminate [100]");
+    state.apply(&carried(&plan, Outcome::Failed("permission denied".into())));
+    assert_eq!(state.held.len(), 1);
+    assert_eq!(state.held[0].target.members[0].id.pid, 100);
+    // Still short: the next victim, not 100 again.
+    let plan = decide(&c, &snap(2100, Some(3 * GIB), a()), &mut state);
+    assert_eq!(acts(&plan), "stop [200]");
+    // RAM back above warn: both resumed.
+    let plan = decide(&c, &snap(3000, Some(20 * GIB), a()), &mut state);
+    let resumed = acts(&plan);
+    assert!(
+        resumed.contains("resume [100]") && resumed.contains("resume [200]"),
+        "{resumed}"
+    );
+}
