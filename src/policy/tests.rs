@@ -3575,3 +3575,44 @@ fn a_stopped_victim_whose_sigterm_fails_is_held_and_resumed_when_ram_is_back() {
         "{resumed}"
     );
 }
+
+/// A victim two GPU floors stopped together gets one SIGTERM when `settle` runs out, not one per
+/// floor (a second SIGTERM makes many servers quit without cleaning up): the second floor takes
+/// up the first's step, and both are at Terminated once it is carried out.
+#[test]
+fn a_victim_two_floors_stopped_gets_one_sigterm_after_settle() {
+    let c = config(&format!(
+        "[daemon]\ncandidates = \"models\"\n[gpu]\nmin_free = \"12GiB\"\naction = \"stop\"\n{}",
+        model("srv", "")
+    ));
+    let procs = || vec![proc(100, "srv", GIB, 1), proc(101, "srv", GIB, 100)];
+    let s = |at| {
+        gsnap(
+            at,
+            procs(),
+            vec![
+                gpu(0, 10 * GIB, &[(100, Some(5 * GIB))]),
+                gpu(1, 10 * GIB, &[(101, Some(5 * GIB))]),
+            ],
+        )
+    };
+    let mut state = PolicyState::default();
+    play(
+        &c,
+        &mut state,
+        vec![
+            (s(0), "stop srv[100,101]", "floor_act, floor_act"),
+            (s(1000), "", ""),
+            (s(2000), "terminate srv[100,101]", ""),
+        ],
+    );
+    let stages: Vec<_> = state
+        .incidents
+        .values()
+        .map(|i| (i.stage, i.stage_since))
+        .collect();
+    assert_eq!(
+        stages,
+        vec![(Stage::Terminated, Duration::from_millis(2000)); 2]
+    );
+}

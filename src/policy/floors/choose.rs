@@ -509,7 +509,7 @@ fn verb_strength(verb: Verb) -> u8 {
 /// process of `target` already (this tick's steps included). A target with a process that
 /// incident did not signal is not covered (that process gets its signal), and an incident whose
 /// victim is gone or stuck covers nothing.
-fn signalled_by_another<'a>(
+pub(in crate::policy) fn signalled_by_another<'a>(
     steps: &'a [InForce],
     resource: Resource,
     target: &Target,

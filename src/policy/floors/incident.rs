@@ -117,6 +117,8 @@ pub(in crate::policy) fn act(
     plan: &mut Plan,
 ) {
     let now = snapshot.at;
+    // This tick's steps of the other floors (read before this incident is borrowed).
+    let steps = state.steps(plan);
     let incident = state
         .incidents
         .entry(reading.resource)
@@ -146,7 +148,22 @@ pub(in crate::policy) fn act(
             incident.enter(Stage::Gone, now);
         }
         Stage::Stopped if step.since >= config.daemon.settle => {
-            terminate_after_stop(&step, plan);
+            // A victim two floors stopped together gets one SIGTERM: a floor whose step past
+            // the stop another floor has taken (this tick, or before) takes it up.
+            let verb = if far_below {
+                Verb::Kill
+            } else {
+                Verb::Terminate
+            };
+            match signalled_by_another(&steps, reading.resource, &victim, verb) {
+                Some(other) => match other.pending {
+                    Some(index) => plan.actions[index]
+                        .enters
+                        .push(step.entry(other.stage, other.since)),
+                    None => incident.enter(other.stage, other.since),
+                },
+                None => terminate_after_stop(&step, plan),
+            }
         }
         Stage::Terminated => kill_after_term(incident, &step, plan),
         Stage::Killed if step.since >= config.daemon.kill_timeout => {
@@ -177,11 +194,16 @@ pub(in crate::policy) struct Step<'a> {
 impl Step<'_> {
     /// The victim's next stage, from now: what an escalating action enters once carried out.
     fn next(&self, stage: Stage) -> Entry {
+        self.entry(stage, self.snapshot.at)
+    }
+
+    /// The victim at `stage` from `at` (another floor's step taken up).
+    fn entry(&self, stage: Stage, at: Duration) -> Entry {
         Entry::Floor {
             resource: self.reading.resource,
             victim: self.victim.clone(),
             stage,
-            at: self.snapshot.at,
+            at,
             chosen: None,
         }
     }
