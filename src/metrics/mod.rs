@@ -373,8 +373,10 @@ impl Metrics {
                 ),
                 (&self.engine.kv_planned_tokens, model.planned_kv_tokens),
             ] {
+                // An engine's figures are its own: one past i64 is shown as the most there is,
+                // not wrapped negative.
                 set_or_remove(family, &labels, v, |g, v| {
-                    g.set(v as i64);
+                    g.set(i64::try_from(v).unwrap_or(i64::MAX));
                 });
             }
             engines.insert(labels);
@@ -587,6 +589,39 @@ mod tests {
         // Both answering: a new connection finds no room.
         *slots.open.get_mut(&c).unwrap() = None;
         assert!(slots.take(2).is_none());
+    }
+
+    /// An engine reporting blocks and a block size whose product passes i64 shows the most a
+    /// gauge holds, not a negative count; the planned figure sits beside it.
+    #[test]
+    fn engine_kv_tokens_never_wrap_negative() {
+        use crate::status::EngineRow;
+        let m = Metrics::new();
+        let stats = crate::sample::engine::EngineStats {
+            kv_cache_blocks: Some(9_000_000_000_000_000),
+            block_size_tokens: Some(9_000_000_000_000_000),
+            ..Default::default()
+        };
+        let model = crate::view::ModelView {
+            name: "m".into(),
+            engine: Some(EngineRow {
+                state: "ok".into(),
+                stats,
+                ..EngineRow::default()
+            }),
+            planned_kv_tokens: Some(476_000),
+            ..Default::default()
+        };
+        m.update_engines(&[model], &mut Seen::default());
+        let text = m.text();
+        assert!(
+            text.contains("gpuguard_engine_kv_cache_tokens{model=\"m\"} 9223372036854775807"),
+            "{text}"
+        );
+        assert!(
+            text.contains("gpuguard_engine_kv_cache_planned_tokens{model=\"m\"} 476000"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -3616,3 +3616,28 @@ fn a_victim_two_floors_stopped_gets_one_sigterm_after_settle() {
         vec![(Stage::Terminated, Duration::from_millis(2000)); 2]
     );
 }
+
+/// Three GPU floors in one tick: a user's process 100 short on GPU 0, 101 on GPU 1, and both on
+/// GPU 2. GPU 2's victim is covered by the other two signals together (not by either alone): no
+/// empty action (it was skipped every tick, as "target has exited"), and GPU 2's incident takes
+/// up their step once carried out.
+#[test]
+fn a_victim_covered_by_two_other_floors_together_gets_no_empty_action() {
+    let c = config("[gpu]\nmin_free = \"2GiB\"\nwarn_free = \"3GiB\"\n");
+    let procs = || vec![proc(100, "big", GIB, 1), proc(101, "other", GIB, 1)];
+    let s = gsnap(
+        0,
+        procs(),
+        vec![
+            gpu(0, GIB, &[(100, Some(8 * GIB))]),
+            gpu(1, GIB, &[(101, Some(8 * GIB))]),
+            gpu(2, GIB / 2, &[(100, Some(2 * GIB)), (101, Some(GIB))]),
+        ],
+    );
+    let mut state = PolicyState::default();
+    let plan = decide(&c, &s, &mut state);
+    assert_eq!(acts(&plan), "terminate [100]; terminate [101]");
+    let gpu2 = &state.incidents[&Resource::Gpu(2)];
+    assert_eq!(gpu2.stage, Stage::Terminated);
+    assert_eq!(gpu2.victim.as_ref().map(|v| v.ids().count()), Some(2));
+}

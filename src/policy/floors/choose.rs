@@ -474,6 +474,31 @@ fn act_on(
             .cloned()
             .collect(),
     };
+    if rest.members.is_empty() {
+        // Each process has had this signal or a stronger one, from other floors' incidents
+        // (none of them all): none is sent again, and this incident takes up their step (on
+        // the outcome of one decided this tick) without a new victim for the brake.
+        let wanted = verb_strength(verb);
+        let pending = steps
+            .iter()
+            .filter(|s| s.resource != resource && strength(s.stage) >= wanted)
+            .find_map(|s| s.pending);
+        match pending {
+            Some(index) => plan.actions[index].enters.push(Entry::Floor {
+                resource,
+                victim: target,
+                stage,
+                at: now,
+                chosen: None,
+            }),
+            None => {
+                let incident = state.incidents.get_mut(&resource).expect("incident exists");
+                incident.victim = Some(target);
+                incident.enter(stage, now);
+            }
+        }
+        return;
+    }
     let entry = Entry::Floor {
         resource,
         victim: target,
