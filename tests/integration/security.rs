@@ -1174,26 +1174,10 @@ fn an_account_whose_tmpfs_files_keep_ram_short_has_its_hog_acted_on() {
     );
 }
 
-/// An account's process holding `bytes`, run as it, once its memory is touched ("full").
-fn hold(attacker: &Attacker, token: &str, bytes: u64) -> KillOnDrop {
-    let mut child = attacker
-        .python(HOLD_PY)
-        .args([token, &bytes.to_string()])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    KillOnDrop(child)
-}
-
-/// Grows by 32 MiB every 50 ms while MemAvailable is above `stop_below` bytes (and it holds
-/// less than 4 GiB), printing what it holds after each step, then holds it: a crossing that
-/// does not hang on what the rest of the machine does meanwhile, and a bound on what it takes.
+/// Keeps MemAvailable under `stop_below` bytes: grows by 32 MiB every 50 ms while it is above
+/// (up to 4 GiB in all), printing what it holds after each step; never gives anything back.
+/// A crossing that does not hang on what the rest of the machine does meanwhile, and a bound on
+/// what it takes.
 const GROW_PY: &str = r#"
 import sys, time
 token, stop_below, step = sys.argv[1], int(sys.argv[2]), 32 << 20
@@ -1203,34 +1187,38 @@ def available():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
 chunks, held = [], 0
-while available() > stop_below and held < (4 << 30):
-    b = bytearray(step)
-    for i in range(0, step, 4096):
-        b[i] = 1
-    chunks.append(b)
-    held += step
-    print(held, flush=True)
+while True:
+    if available() > stop_below and held < (4 << 30):
+        b = bytearray(step)
+        for i in range(0, step, 4096):
+            b[i] = 1
+        chunks.append(b)
+        held += step
+        print(held, flush=True)
     time.sleep(0.05)
-time.sleep(600)
 "#;
 
-/// An account's process growing until MemAvailable is under `stop_below` (then holding) until
-/// it is acted on, or `timeout`: what it held last (0 if acted on before its first step), or
-/// `None` if it was never acted on.
-fn grow_until_acted_on(
-    attacker: &Attacker,
-    token: &str,
-    stop_below: u64,
-    timeout: Duration,
-) -> Option<u64> {
-    let mut child = KillOnDrop(
+/// An account's process keeping MemAvailable under `stop_below` (`GROW_PY`).
+fn grower(attacker: &Attacker, token: &str, stop_below: u64) -> KillOnDrop {
+    KillOnDrop(
         attacker
             .python(GROW_PY)
             .args([token, &stop_below.to_string()])
             .stdout(Stdio::piped())
             .spawn()
             .unwrap(),
-    );
+    )
+}
+
+/// A grower until it is acted on, or `timeout`: what it held last (0 if acted on before its
+/// first step), or `None` if it was never acted on.
+fn grow_until_acted_on(
+    attacker: &Attacker,
+    token: &str,
+    stop_below: u64,
+    timeout: Duration,
+) -> Option<u64> {
+    let mut child = grower(attacker, token, stop_below);
     let stdout = child.0.stdout.take().unwrap();
     wait_child(&mut child.0, timeout)?;
     let lines = std::io::BufRead::lines(std::io::BufReader::new(stdout));
@@ -1245,9 +1233,10 @@ fn grow_until_acted_on(
 /// the floor's brake held while its 3.5 GiB hog ran below the act floor untouched. The brake is
 /// for victims like those it counted: one that alone lifts RAM above the act floor and holds
 /// more than any of them is still acted on. Played by a throw-away user: its ballast (outside
-/// the model) keeps RAM under the warn floor throughout, so the brake is never released in
-/// between; its processes grow to a depth under the act floor read from MemAvailable as it
-/// is, so no crossing hangs on what the rest of the machine does meanwhile.
+/// the model) keeps RAM 0.5 GiB under the warn floor throughout, topping up as the machine
+/// gives memory back (this VM's MemAvailable creeps up by half a GiB for a minute after a
+/// memory-heavy test), so the brake is never released in between; its processes grow to a
+/// depth under the act floor read from MemAvailable as it is.
 #[test]
 fn sacrificial_kills_cannot_spend_the_brake_for_a_users_hog() {
     let _lock = memory_pressure_lock();
@@ -1263,8 +1252,12 @@ fn sacrificial_kills_cannot_spend_the_brake_for_a_users_hog() {
             &format!("users = [\"{}\"]\n", attacker.name),
         ),
     );
-    // 1 GiB outside the model: RAM halfway between the floors, 0.75 GiB under warn.
-    let _ballast = hold(&attacker, &token("ballast"), GIB);
+    // The ballast, outside the model: RAM halfway between the floors.
+    let _ballast = grower(&attacker, &token("ballast"), warn - 3 * GIB / 4);
+    assert!(
+        wait_until(Duration::from_secs(30), || mem_available() < warn - GIB / 2),
+        "the ballast never took RAM under warn"
+    );
     // Three, one after another, each growing to take RAM 0.5 GiB under the act floor, and
     // terminated there (the largest of the model), RAM going back under warn. The third fills
     // the brake (3 victims in 5 minutes).
