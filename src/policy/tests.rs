@@ -1452,6 +1452,19 @@ fn gpu_floor_picks_the_largest_holder_on_that_gpu() {
     }
 }
 
+/// Model "srv" (pids 100 and 101) holding 5 GiB on each of two GPUs with 10 GiB free: both
+/// under a `min_free` of 12 GiB at once, with the one victim between them.
+fn srv_on_two_gpus(at_ms: u64) -> Snapshot {
+    gsnap(
+        at_ms,
+        vec![proc(100, "srv", GIB, 1), proc(101, "srv", GIB, 100)],
+        vec![
+            gpu(0, 10 * GIB, &[(100, Some(5 * GIB))]),
+            gpu(1, 10 * GIB, &[(101, Some(5 * GIB))]),
+        ],
+    )
+}
+
 /// A model whose processes hold memory on two GPUs, both below their floor in one tick (found by
 /// `gpuguard replay`): one SIGTERM, not one per GPU, and not another when the second GPU's
 /// incident goes on; both incidents escalate to the one SIGKILL-worthy victim together.
@@ -1461,17 +1474,7 @@ fn a_victim_short_on_two_gpus_at_once_gets_one_sigterm() {
         "[daemon]\ncandidates = \"models\"\n[gpu]\nmin_free = \"12GiB\"\n{}",
         model("srv", "")
     ));
-    let procs = || vec![proc(100, "srv", GIB, 1), proc(101, "srv", GIB, 100)];
-    let s = |at| {
-        gsnap(
-            at,
-            procs(),
-            vec![
-                gpu(0, 10 * GIB, &[(100, Some(5 * GIB))]),
-                gpu(1, 10 * GIB, &[(101, Some(5 * GIB))]),
-            ],
-        )
-    };
+    let s = srv_on_two_gpus;
     let mut state = PolicyState::default();
     let plans = play(
         &c,
@@ -3501,17 +3504,7 @@ fn a_signal_two_floors_share_in_one_tick_is_theirs_only_once_carried_out() {
         "[daemon]\ncandidates = \"models\"\n[gpu]\nmin_free = \"12GiB\"\n{}",
         model("srv", "")
     ));
-    let procs = || vec![proc(100, "srv", GIB, 1), proc(101, "srv", GIB, 100)];
-    let s = |at| {
-        gsnap(
-            at,
-            procs(),
-            vec![
-                gpu(0, 10 * GIB, &[(100, Some(5 * GIB))]),
-                gpu(1, 10 * GIB, &[(101, Some(5 * GIB))]),
-            ],
-        )
-    };
+    let s = srv_on_two_gpus;
     let none = Launches::default();
     let stages = |state: &PolicyState| {
         state
@@ -3585,17 +3578,7 @@ fn a_victim_two_floors_stopped_gets_one_sigterm_after_settle() {
         "[daemon]\ncandidates = \"models\"\n[gpu]\nmin_free = \"12GiB\"\naction = \"stop\"\n{}",
         model("srv", "")
     ));
-    let procs = || vec![proc(100, "srv", GIB, 1), proc(101, "srv", GIB, 100)];
-    let s = |at| {
-        gsnap(
-            at,
-            procs(),
-            vec![
-                gpu(0, 10 * GIB, &[(100, Some(5 * GIB))]),
-                gpu(1, 10 * GIB, &[(101, Some(5 * GIB))]),
-            ],
-        )
-    };
+    let s = srv_on_two_gpus;
     let mut state = PolicyState::default();
     play(
         &c,

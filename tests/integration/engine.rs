@@ -95,6 +95,16 @@ fn vllm(running: u32, waiting: u32, kv: f64, preemptions: u32) -> String {
     )
 }
 
+/// gpuguard's own metrics, served on 127.0.0.1:`port`.
+fn metrics_at(port: u16) -> String {
+    ureq::get(&format!("http://127.0.0.1:{port}/metrics"))
+        .call()
+        .unwrap()
+        .body_mut()
+        .read_to_string()
+        .unwrap()
+}
+
 fn model(report: &Value, name: &str) -> Value {
     report["models"]
         .as_array()
@@ -186,14 +196,7 @@ fn kv_cache_full_and_gpu_reserved_are_different_states() {
         assert!(table.contains(needle), "{needle:?} missing from:\n{table}");
     }
     // gpuguard's own metrics carry the engine's figures (refreshed a moment after status).
-    let scrape = || {
-        ureq::get(&format!("http://127.0.0.1:{port}/metrics"))
-            .call()
-            .unwrap()
-            .body_mut()
-            .read_to_string()
-            .unwrap()
-    };
+    let scrape = || metrics_at(port);
     let mut metrics = String::new();
     wait_until(Duration::from_secs(10), || {
         metrics = scrape();
@@ -372,14 +375,7 @@ fn the_engines_real_kv_cache_is_shown_beside_the_plan_and_teaches_plan_host() {
         ),
         "{text}"
     );
-    let scrape = || {
-        ureq::get(&format!("http://127.0.0.1:{port}/metrics"))
-            .call()
-            .unwrap()
-            .body_mut()
-            .read_to_string()
-            .unwrap()
-    };
+    let scrape = || metrics_at(port);
     let mut metrics = String::new();
     let both = [
         "gpuguard_engine_kv_cache_tokens{model=\"llama-3-8b\"} 432000",
