@@ -240,6 +240,48 @@ fn stale_gpu_samples_alert_but_never_kill() {
     );
 }
 
+/// Round three (#24): NVML lists pids only. The victim's memory still listed under its pid after
+/// it exited is stuck memory, but once the kernel gives that pid to a new process, what the driver
+/// lists there is the new process's: the floor goes on to it (it stalled: the next holder was
+/// never acted on while GPU memory stayed under the floor). The pid is really reused here.
+#[test]
+fn a_pid_reused_by_a_new_gpu_holder_is_acted_on_not_taken_for_stuck_memory() {
+    let t = token("reuse");
+    let mut victim = Hog::idle(&t);
+    let pid = victim.pid();
+    // GPU 0: 15 of 16 GiB used, 14 GiB of it under that pid, whoever has it.
+    let fake = FakeNvml::new(&two_gpus(15, 1, &[(0, pid, "15032385536")]));
+    let daemon = GuardDaemon::start_with_fake(
+        &gpu_config("min_free = \"2GiB\"", &[("reuse", &t, "")]),
+        &fake,
+    );
+    let status = victim
+        .wait(Duration::from_secs(10))
+        .expect("the first holder was not stopped");
+    assert_eq!(status.signal(), Some(15), "{}", daemon.log_text());
+    // Reaped, its pid is free: a new process of the same model gets it, and the driver's list
+    // (the fake's) still shows 14 GiB under that pid.
+    let mut next = Hog::idle_with_pid(&t, pid);
+    let status = next
+        .wait(Duration::from_secs(30))
+        .expect("the new holder under the reused pid was never acted on");
+    assert_eq!(status.signal(), Some(15), "{}", daemon.log_text());
+    // Both terminations are in the event log (written by its own thread, maybe after the
+    // signal).
+    let terminated = || {
+        daemon
+            .events_of("process_killed")
+            .into_iter()
+            .filter(|e| e["subject"]["pid"] == pid)
+            .count()
+    };
+    assert!(
+        wait_until(Duration::from_secs(10), || terminated() == 2),
+        "{}",
+        daemon.log_text()
+    );
+}
+
 #[test]
 fn same_model_loaded_twice_on_one_gpu_is_reported_once() {
     let t = token("dup");
