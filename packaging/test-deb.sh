@@ -140,6 +140,9 @@ echo "   newest glibc symbol: $NEWEST"
 NEEDED=$(objdump -p "$WORK/gpuguard.packaged" | awk '/NEEDED/ {print $2}' | sort | tr '\n' ' ')
 echo "   needs: $NEEDED"
 case $NEEDED in *nvidia*) fail "linked against NVML (it must be dlopen'ed): $NEEDED" ;; esac
+# libm's mapping and relocations alone kept ~0.5 MiB resident (and locked) in the daemon for two
+# calls (bytesize's `f64::ln`, prometheus-client's `powf`); nothing needs it now.
+case $NEEDED in *libm.so*) fail "linked against libm (a float function crept in; see Cargo.toml's bytesize): $NEEDED" ;; esac
 dpkg-deb --field "$DEB1" Depends | grep -qF 'libc6 (>= 2.28)' || fail "Depends: $(dpkg-deb --field "$DEB1" Depends)"
 
 say "lintian"
