@@ -97,7 +97,7 @@ impl Sampler {
         self.snapshot.host = self.procs.host_memory();
         let scan = self.merge_scan();
         self.reread_watched();
-        self.read_pss_near_floor(config, scan);
+        self.read_tmpfs_owners_near_floor(config, scan);
         let mut events = Vec::new();
         let mut gpu_sample = Duration::ZERO;
         if let Some(gpus) = &self.gpus {

@@ -100,6 +100,8 @@ pub(super) struct Scans {
     table_full: bool,
     /// A full round is wanted at the next tick (after a reload).
     want_full: bool,
+    /// The last round asked was asked for PSS (near the RAM floor).
+    pss_asked: bool,
 }
 
 impl Scans {
@@ -127,6 +129,7 @@ impl Scans {
             last_full: None,
             table_full: true,
             want_full: false,
+            pss_asked: false,
         };
         (scans, table)
     }
@@ -240,37 +243,25 @@ impl Sampler {
         }
     }
 
-    /// Near the RAM floor (MemAvailable below its warn floor in this tick's reading): the
-    /// proportional set size of the processes of accounts other than root that hold at least
-    /// `PSS_MIN_RSS`, so the floor ranks an account by what killing its processes would really
-    /// free (forked workers share their pages; their RSS would count them once each). Costly
-    /// (the kernel walks each process's page tables), so only then, only for those, and once per
-    /// process as the scan last read it (not every tick: near a floor the loop ticks every few
-    /// milliseconds).
-    pub(super) fn read_pss_near_floor(&mut self, config: &Config, scanned: bool) {
+    /// MemAvailable is below its warn floor (act floor if no warn) in this tick's reading:
+    /// near enough to the RAM floor that victims are ranked by what killing them would free.
+    fn near_ram_floor(&self, config: &Config) -> bool {
         let host = &self.snapshot.host;
         let (warn, min) = config.ram.floor_bytes(host.total_bytes);
-        let near = matches!(
+        matches!(
             (host.available_bytes, warn.or(min)),
             (Some(available), Some(floor)) if available < floor
-        );
-        // Who owns the tmpfs files (once per scan round: a walk of /dev/shm and /run/user).
-        if !near {
+        )
+    }
+
+    /// Near the RAM floor: who owns the tmpfs files (once per scan round: a walk of /dev/shm
+    /// and /run/user), so memory no process holds is charged to its owner. The processes' PSS
+    /// is read by the scan (`ScanRequest::pss_min_rss`), off the loop.
+    pub(super) fn read_tmpfs_owners_near_floor(&mut self, config: &Config, scanned: bool) {
+        if !self.near_ram_floor(config) {
             self.snapshot.tmpfs_owners.clear();
         } else if scanned || self.snapshot.tmpfs_owners.is_empty() {
             self.snapshot.tmpfs_owners = self.procs.tmpfs_owners();
-        }
-        for p in self.snapshot.processes.processes.iter_mut() {
-            if !near {
-                p.pss_bytes = None;
-            } else if p.pss_bytes.is_none()
-                && p.uid != 0
-                && !p.kernel_thread
-                && !p.exited()
-                && p.rss_bytes >= PSS_MIN_RSS
-            {
-                p.pss_bytes = self.procs.pss(p.pid);
-            }
         }
     }
 
@@ -301,11 +292,14 @@ impl Sampler {
         } else {
             self.max_scan_age
         };
-        if age < min_age && !self.scans.want_full {
-            return None;
-        }
         let near = |r: &Resource| matches!(state.levels.get(r), Some(Level::Warn | Level::Act));
         let ram_near = near(&Resource::Ram);
+        // Just come near the RAM floor: a round at once, for the PSS the ranking wants (read
+        // by the scan, off the loop; until it lands, processes are ranked by RSS).
+        let pss_wanted = ram_near && !self.scans.pss_asked;
+        if age < min_age && !self.scans.want_full && !pss_wanted {
+            return None;
+        }
         let available = self.snapshot.host.available_bytes;
         let drifted = |(t, then): (Duration, Option<u64>)| {
             at.saturating_sub(t) >= FULL_SCAN_MAX_AGE
@@ -325,7 +319,7 @@ impl Sampler {
             && !self.reservations_busy;
         let quiet =
             !forced && !self.scans.want_full && self.scans.last_round.is_some_and(|r| !drifted(r));
-        if ram_only && quiet {
+        if ram_only && quiet && !pss_wanted {
             return None;
         }
         let full = self.scans.want_full
@@ -341,8 +335,10 @@ impl Sampler {
             rotation_period: config.daemon.scan_interval * ROTATION_SCANS,
             young: YOUNG,
             maps: self.gpus.as_ref().map(|_| self.gpu_holders()),
+            pss_min_rss: ram_near.then_some(PSS_MIN_RSS),
         };
         self.scans.last_round = Some((at, available));
+        self.scans.pss_asked = ram_near;
         if full {
             self.scans.last_full = Some((at, available));
             self.scans.want_full = false;

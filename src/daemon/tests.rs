@@ -93,11 +93,6 @@ impl ProcSource for FakeProc {
     fn host_has_swap(&self) -> bool {
         false
     }
-    fn pss(&mut self, pid: i32) -> Option<u64> {
-        let mut w = world(&self.0);
-        w.pss_reads.push(pid);
-        w.pss.get(&pid).copied()
-    }
     fn vitals(&mut self, pid: i32) -> Result<Vitals, ReadError> {
         let w = world(&self.0);
         let p = w.procs.get(&pid).ok_or(ReadError::Gone)?;
@@ -116,12 +111,26 @@ struct FakeTables(Shared);
 
 impl TableSource for FakeTables {
     fn round(&mut self, request: ScanRequest) -> ScanResult {
-        let w = world(&self.0);
+        let mut w = world(&self.0);
+        // Near the RAM floor, the PSS of the processes that hold enough (as the scan reads it).
+        let pss = request.pss_min_rss.map(|min| {
+            let big: Vec<_> = w
+                .procs
+                .values()
+                .filter(|p| p.rss_bytes >= min)
+                .map(|p| p.id())
+                .collect();
+            w.pss_reads.extend(big.iter().map(|id| id.pid));
+            big.into_iter()
+                .filter_map(|id| Some((id, *w.pss.get(&id.pid)?)))
+                .collect()
+        });
         ScanResult {
             at: request.at,
             full: request.full,
             live: Some(w.procs.keys().copied().collect()),
             new: w.procs.values().cloned().collect(),
+            pss,
             ..ScanResult::default()
         }
     }
@@ -352,8 +361,8 @@ fn ram_below_the_floor_stops_the_largest_unprotected_process() {
     assert_eq!(held, [200]);
 }
 
-/// Round three: near the RAM floor the daemon reads the proportional share (PSS) of the
-/// processes of accounts other than root, and ranks an account by their sum: five 700 MiB
+/// Round three: near the RAM floor the scan reads the proportional share (PSS) of the
+/// processes that hold enough, and the floor ranks an account by their sum: five 700 MiB
 /// processes of one account go before another account's single 1.2 GiB one. Away from the
 /// floor, nothing is read.
 #[test]
@@ -379,6 +388,10 @@ fn near_the_ram_floor_accounts_are_ranked_by_the_pss_of_their_processes() {
     );
     h.ticks(3, 10 * MS);
     assert!(h.world().pss_reads.is_empty(), "read away from the floor");
+    // Under warn: the scan reads PSS at once (a drop past both floors in one reading is ranked
+    // by RSS until it lands).
+    h.world().host = host(64 * GIB, 6 * GIB);
+    h.ticks(2, 10 * MS);
     h.world().host = host(64 * GIB, 3 * GIB);
     h.ticks(4, 10 * MS);
     let reads = h.world().pss_reads.clone();
@@ -388,6 +401,45 @@ fn near_the_ram_floor_accounts_are_ranked_by_the_pss_of_their_processes() {
         "too small to be worth a read: {reads:?}"
     );
     assert_eq!(h.signals(), [(101, Sig::Stop)], "{:?}", h.actions());
+}
+
+/// Models are ranked the same way: a server of four forked workers shows 4 GiB of RSS but
+/// shares most of it (1 GiB of PSS: what killing it frees); a server holding 1.5 GiB of its
+/// own goes first. Root's processes too (the scan reads their PSS off the loop).
+#[test]
+fn near_the_ram_floor_models_are_ranked_by_what_killing_them_frees() {
+    let mut w = World {
+        host: host(64 * GIB, 16 * GIB),
+        ..World::default()
+    };
+    for pid in 101..=104 {
+        w.spawn(pid, "forked", GIB);
+        w.procs.get_mut(&pid).unwrap().ppid = if pid == 101 { 1 } else { 101 };
+        w.pss.insert(pid, GIB / 4);
+    }
+    w.spawn(200, "unique", 3 * GIB / 2);
+    w.pss.insert(200, 3 * GIB / 2);
+    let mut h = Harness::new(
+        w,
+        "candidates = \"models\"\n\
+         [ram]\nwarn_available = \"8GiB\"\nmin_available = \"4GiB\"\naction = \"stop\"\n\
+         [gpu]\nenabled = false\n\
+         [[model]]\nname = \"forked\"\nmatch = { comm = \"forked\" }\n\
+         [[model]]\nname = \"unique\"\nmatch = { comm = \"unique\" }\n",
+    );
+    h.ticks(3, 10 * MS);
+    // Between warn and act: the scan reads PSS (root's processes included).
+    h.world().host = host(64 * GIB, 6 * GIB);
+    h.ticks(2, 10 * MS);
+    assert!(
+        h.world().pss_reads.contains(&101),
+        "{:?}",
+        h.world().pss_reads
+    );
+    assert_eq!(h.signals(), []);
+    h.world().host = host(64 * GIB, 3 * GIB);
+    h.ticks(3, 10 * MS);
+    assert_eq!(h.signals(), [(200, Sig::Stop)], "{:?}", h.actions());
 }
 
 /// (b) A model over its GPU budget: SIGSTOP after `grace`, SIGKILL at `max_stop`, to the model's

@@ -66,7 +66,9 @@ impl Short {
 /// never makes a process a victim).
 pub(super) fn usage(snapshot: &Snapshot, p: &Process, short: Short) -> u64 {
     match short {
-        Short::Ram => p.rss_bytes,
+        // Its proportional share where the scan read it near the floor: forked workers share
+        // their pages, and their RSS would count them once each.
+        Short::Ram => p.pss_bytes.unwrap_or(p.rss_bytes),
         Short::Swap => p.swap_bytes.unwrap_or(0),
         Short::Gpu(index) => snapshot
             .gpus
@@ -182,10 +184,7 @@ pub(super) fn choose(
             }
             // A user's processes are ranked together by what killing them would free: GPU
             // memory, or RAM where their proportional share (PSS) was read; else alone.
-            let used = match (short, p.pss_bytes) {
-                (Short::Ram, Some(pss)) => pss,
-                _ => usage(snapshot, p, short),
-            };
+            let used = usage(snapshot, p, short);
             if used == 0 {
                 continue;
             }

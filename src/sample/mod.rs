@@ -30,10 +30,6 @@ pub trait ProcSource: Send {
     fn host_has_swap(&self) -> bool;
     /// State and memory of one process; `Err(Gone)` only when it has exited.
     fn vitals(&mut self, pid: i32) -> Result<Vitals, ReadError>;
-    /// A process's proportional set size (costly: read near the RAM floor only).
-    fn pss(&mut self, _pid: i32) -> Option<u64> {
-        None
-    }
     /// Bytes of tmpfs files per owning uid (read near the RAM floor only).
     fn tmpfs_owners(&mut self) -> std::collections::BTreeMap<u32, u64> {
         std::collections::BTreeMap::new()

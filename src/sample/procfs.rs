@@ -415,6 +415,13 @@ impl ProcReader {
         &self.root
     }
 
+    /// A process's proportional set size (`Pss:` of its smaps_rollup): costly, the kernel walks
+    /// its page tables.
+    pub fn pss(&mut self, pid: i32) -> Option<u64> {
+        let path = self.root.join(pid.to_string()).join("smaps_rollup");
+        parse_pss(&std::fs::read_to_string(path).ok()?)
+    }
+
     fn dir(&mut self) -> Result<&OwnedFd, ReadError> {
         if self.dir.is_err() {
             self.dir = open_dir(&self.root);
@@ -740,11 +747,6 @@ impl ProcSource for ProcfsSource {
             .collect();
         crate::sample::tmpfs::owners(&dirs)
     }
-
-    fn pss(&mut self, pid: i32) -> Option<u64> {
-        let path = self.reader.root.join(pid.to_string()).join("smaps_rollup");
-        parse_pss(&std::fs::read_to_string(path).ok()?)
-    }
 }
 
 /// `Pss:` of /proc/PID/smaps_rollup, in bytes.
@@ -899,7 +901,7 @@ mod tests {
         let rollup = "00400000-7ffd1 ---p 00000000 00:00 0    [rollup]\nRss:   2048 kB\nPss:   1536 kB\nPss_Anon: 1000 kB\n";
         assert_eq!(parse_pss(rollup), Some(1536 * 1024));
         assert_eq!(parse_pss("Rss: 5 kB\n"), None);
-        let own = ProcfsSource::new("/proc").pss(std::process::id() as i32);
+        let own = ProcReader::new("/proc").pss(std::process::id() as i32);
         assert!(own.is_some_and(|b| b > 0), "{own:?}");
     }
 

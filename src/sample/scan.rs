@@ -72,6 +72,9 @@ pub struct ScanRequest {
     pub young: Duration,
     /// Processes holding GPU memory, whose mapped weights files to read (`None`: GPUs off).
     pub maps: Option<Vec<i32>>,
+    /// Near the RAM floor: read the proportional set size (PSS) of the processes holding at
+    /// least this much RSS (`None`: away from it, nothing is read).
+    pub pss_min_rss: Option<u64>,
 }
 
 /// What one round found: what changed since the previous round.
@@ -88,6 +91,9 @@ pub struct ScanResult {
     pub updates: Vec<Update>,
     /// The weights files mapped by the processes in the request's `maps`.
     pub mapped_weights: Option<BTreeMap<i32, Vec<MappedFile>>>,
+    /// With the request's `pss_min_rss`: the PSS of each process that holds that much, as far
+    /// as it could be read (`None`: not asked; the table keeps no PSS).
+    pub pss: Option<Vec<(ProcessId, u64)>>,
     pub stats: ScanStats,
 }
 
@@ -150,18 +156,28 @@ pub fn apply(table: &mut Vec<Process>, result: &mut ScanResult) {
     if table.is_empty() {
         *table = std::mem::take(&mut result.new);
         table.sort_unstable_by_key(|p| p.pid);
-        return;
-    }
-    let sorted = table.len();
-    table.reserve(result.new.len());
-    for p in result.new.drain(..) {
-        match table[..sorted].binary_search_by_key(&p.pid, |t| t.pid) {
-            Ok(i) => table[i] = p,
-            Err(_) => table.push(p),
+    } else {
+        let sorted = table.len();
+        table.reserve(result.new.len());
+        for p in result.new.drain(..) {
+            match table[..sorted].binary_search_by_key(&p.pid, |t| t.pid) {
+                Ok(i) => table[i] = p,
+                Err(_) => table.push(p),
+            }
+        }
+        if table.len() > sorted {
+            table.sort_unstable_by_key(|p| p.pid);
         }
     }
-    if table.len() > sorted {
-        table.sort_unstable_by_key(|p| p.pid);
+    for p in table.iter_mut() {
+        p.pss_bytes = None;
+    }
+    for (id, pss) in result.pss.take().into_iter().flatten() {
+        if let Ok(i) = table.binary_search_by_key(&id.pid, |t| t.pid) {
+            if table[i].id() == id {
+                table[i].pss_bytes = Some(pss);
+            }
+        }
     }
 }
 
@@ -208,6 +224,15 @@ struct Entry {
     age_when_seen: Duration,
     /// As a GPU holder, re-read every this many rounds (1 while its RSS moves).
     holder_backoff: u8,
+    /// Its PSS as last read near the RAM floor, with its RSS then and when.
+    pss: Option<PssRead>,
+}
+
+#[derive(Clone, Copy)]
+struct PssRead {
+    pss_bytes: u64,
+    rss_bytes: u64,
+    at: Instant,
 }
 
 impl Entry {
@@ -231,6 +256,10 @@ const HOLDER_MAX_BACKOFF: u8 = 8;
 
 /// A GPU holder's maps are read again once its RSS has moved by this much.
 const MAPS_RSS_DRIFT_BYTES: u64 = 64 << 20;
+/// Near the RAM floor a process's PSS is read again once its RSS moved by this much...
+const PSS_REREAD_BYTES: u64 = 16 << 20;
+/// ...or once its last reading is this old (the pages it shares change without its RSS moving).
+const PSS_MAX_AGE: Duration = Duration::from_secs(2);
 
 /// The incremental process table.
 pub struct Scanner {
@@ -253,6 +282,8 @@ pub struct Scanner {
     round: u64,
     /// The host's uptime in seconds, read once per round when a new process needs it.
     uptime: Option<Option<f64>>,
+    /// A process left since PSS was last read: what it shared is its siblings' alone now.
+    exited: bool,
 }
 
 impl Scanner {
@@ -277,6 +308,7 @@ impl Scanner {
             last_round: None,
             round: 0,
             uptime: None,
+            exited: false,
         }
     }
 
@@ -292,8 +324,10 @@ impl Scanner {
                 self.pids.sort_unstable();
                 stats.listed = self.pids.len();
                 let pids = &self.pids;
+                let known = self.entries.len();
                 self.entries
                     .retain(|pid, _| pids.binary_search(pid).is_ok());
+                self.exited |= self.entries.len() < known;
                 // The first round's `new` becomes the loop's table: no slack in it.
                 let unknown = self.pids.len() - self.entries.len();
                 self.new.reserve_exact(unknown);
@@ -320,6 +354,7 @@ impl Scanner {
             .maps
             .as_ref()
             .map(|pids| self.mapped_weights(pids, request.rotation_period, started));
+        let pss = self.read_pss(request.pss_min_rss, started);
         stats.took = started.elapsed();
         ScanResult {
             at: request.at,
@@ -328,8 +363,51 @@ impl Scanner {
             new: std::mem::take(&mut self.new),
             updates: std::mem::take(&mut self.updates),
             mapped_weights,
+            pss,
             stats,
         }
+    }
+
+    /// Near the RAM floor, the PSS of every process holding at least `min_rss`, so the floor
+    /// ranks a model or an account by what killing it would really free (forked workers share
+    /// their pages; their RSS counts them once each). Read here, not on the loop: the kernel
+    /// walks the page tables (~10 ms per GiB). A figure is read again when the process's RSS
+    /// moved by `PSS_REREAD_BYTES`, when it is `PSS_MAX_AGE` old, or when any process exited
+    /// since (the pages it shared are now its siblings' alone). Away from the floor nothing is
+    /// read and nothing kept.
+    fn read_pss(&mut self, min_rss: Option<u64>, now: Instant) -> Option<Vec<(ProcessId, u64)>> {
+        let Some(min_rss) = min_rss else {
+            self.entries.values_mut().for_each(|e| e.pss = None);
+            return None;
+        };
+        let stale = std::mem::take(&mut self.exited);
+        let mut out = Vec::new();
+        for (&pid, e) in self.entries.iter_mut() {
+            if e.kernel_thread || e.rss_bytes < min_rss {
+                e.pss = None;
+                continue;
+            }
+            let current = e.pss.filter(|r| {
+                !stale
+                    && r.rss_bytes.abs_diff(e.rss_bytes) < PSS_REREAD_BYTES
+                    && now.saturating_duration_since(r.at) < PSS_MAX_AGE
+            });
+            e.pss = current.or_else(|| {
+                Some(PssRead {
+                    pss_bytes: self.reader.pss(pid)?,
+                    rss_bytes: e.rss_bytes,
+                    at: now,
+                })
+            });
+            if let Some(r) = e.pss {
+                let id = ProcessId {
+                    pid,
+                    start_time: e.start_time,
+                };
+                out.push((id, r.pss_bytes));
+            }
+        }
+        Some(out)
     }
 
     /// The weights files GPU holders map. Read here rather than on the loop (a Python process's
@@ -388,6 +466,7 @@ impl Scanner {
                         seen: Instant::now(),
                         age_when_seen,
                         holder_backoff: 1,
+                        pss: None,
                     },
                 );
                 self.new.push(p);
@@ -419,7 +498,7 @@ impl Scanner {
 
     /// Exited since it was listed: not in `live`, so the loop drops it.
     fn gone(&mut self, pid: i32) {
-        self.entries.remove(&pid);
+        self.exited |= self.entries.remove(&pid).is_some();
     }
 
     /// Which known processes to re-read this round, and how deeply; the rotation advances.
@@ -987,6 +1066,50 @@ mod tests {
             (999, "b", "b --new")
         );
         assert_eq!(table.processes.len(), 1);
+    }
+
+    /// Near the RAM floor the scan reads the PSS of the processes that hold enough, keeps it
+    /// while nothing moved, reads it again once a process exited (its siblings' share grew),
+    /// and keeps none away from the floor.
+    #[test]
+    fn pss_is_read_near_the_floor_only_and_again_once_a_process_exited() {
+        const MIB: u64 = 1 << 20;
+        let dir = tempfile::tempdir().unwrap();
+        let pss = |pid: i32, mib: u64| {
+            std::fs::write(
+                dir.path().join(format!("{pid}/smaps_rollup")),
+                format!("Rss: 1 kB\nPss:   {} kB\n", mib * 1024),
+            )
+            .unwrap();
+        };
+        let pages = |mib: u64| mib * MIB / page();
+        put(dir.path(), 10, "w", "w", [100, pages(100), 7, 1000]);
+        put(dir.path(), 20, "w", "w", [200, pages(100), 7, 1000]);
+        put(dir.path(), 30, "small", "small", [300, pages(1), 7, 1000]);
+        for (pid, mib) in [(10, 40), (20, 30), (30, 1)] {
+            pss(pid, mib);
+        }
+        let mut table = Table::new(dir.path());
+        let near = || ScanRequest {
+            pss_min_rss: Some(32 * MIB),
+            ..request(&[])
+        };
+        table.round(request(&[]));
+        assert!(table.processes.iter().all(|p| p.pss_bytes.is_none()));
+        table.round(near());
+        let read = |t: &Table| [10, 20, 30].map(|pid| t.find(pid).pss_bytes.map(|b| b / MIB));
+        assert_eq!(read(&table), [Some(40), Some(30), None]);
+        // Nothing moved: the figure is kept, not read again.
+        pss(10, 50);
+        table.round(near());
+        assert_eq!(table.find(10).pss_bytes, Some(40 * MIB));
+        // A sibling exited: what it shared is the others' now.
+        std::fs::remove_dir_all(dir.path().join("20")).unwrap();
+        table.round(near());
+        assert_eq!(table.find(10).pss_bytes, Some(50 * MIB));
+        // Away from the floor: none kept.
+        table.round(request(&[]));
+        assert_eq!(table.find(10).pss_bytes, None);
     }
 
     #[test]

@@ -68,6 +68,121 @@ fn hog_below_the_floor_is_killed_and_the_sentinel_survives() {
     assert_eq!(verbs_on(&events, "sentinel"), Vec::<String>::new(), "{log}");
 }
 
+/// A server whose workers forked after it loaded: `N` MiB touched, then `workers` children that
+/// share those pages and sleep. Each process shows the whole of it as RSS; between them they hold
+/// it once (PSS: a share each). In a process group of its own, killed with it when dropped.
+struct Forked {
+    leader: std::process::Child,
+}
+
+const FORKED_PY: &str = r#"
+import os, sys, time
+data = b"\x01" * (int(sys.argv[2]) << 20)
+for _ in range(int(sys.argv[3])):
+    if os.fork() == 0:
+        time.sleep(600)
+        os._exit(0)
+print("forked", flush=True)
+time.sleep(600)
+"#;
+
+impl Forked {
+    fn start(token: &str, mib: u64, workers: u32) -> Forked {
+        use std::io::BufRead;
+        use std::os::unix::process::CommandExt;
+        let mut leader = std::process::Command::new(python3())
+            .args([
+                "-c",
+                FORKED_PY,
+                token,
+                &mib.to_string(),
+                &workers.to_string(),
+            ])
+            .stdout(std::process::Stdio::piped())
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(leader.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert_eq!(line.trim(), "forked");
+        Forked { leader }
+    }
+
+    /// The leader and its workers (the processes in its group).
+    fn pids(&self) -> Vec<u32> {
+        let group = self.leader.id();
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|pid| {
+                std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+                    let fields: Vec<&str> = stat
+                        .rsplit(')')
+                        .next()
+                        .unwrap_or("")
+                        .split_whitespace()
+                        .collect();
+                    fields.get(2).and_then(|g| g.parse::<u32>().ok()) == Some(group)
+                })
+            })
+            .collect()
+    }
+}
+
+impl Drop for Forked {
+    fn drop(&mut self) {
+        // Only our own group: the leader we started and the workers it forked.
+        let group = nix::unistd::Pid::from_raw(-(self.leader.id() as i32));
+        let _ = nix::sys::signal::kill(group, nix::sys::signal::Signal::SIGCONT);
+        let _ = nix::sys::signal::kill(group, nix::sys::signal::Signal::SIGKILL);
+        let _ = self.leader.wait();
+    }
+}
+
+/// Issue 24's ranking by what a kill frees, on the real kernel: a model of four processes with
+/// 512 MiB of RSS each that share it (512 MiB between them, as forked workers do) against a
+/// model holding more than 1 GiB of its own. Near the RAM floor the scan reads their PSS
+/// (smaps_rollup; root's processes too), and the floor takes the second: by RSS the first
+/// (2 GiB) would have gone, and freed half as much.
+#[test]
+fn forked_workers_are_ranked_by_what_killing_them_frees() {
+    let _lock = memory_pressure_lock();
+    let (forked_t, unique_t) = (token("forked"), token("unique"));
+    let forked = Forked::start(&forked_t, 512, 3);
+    let workers = forked.pids();
+    assert_eq!(workers.len(), 4, "{workers:?}");
+    // Floors below what is available with the workers loaded.
+    let (floor, floors) = floors_below_now();
+    let daemon = GuardDaemon::start(&config(
+        "",
+        &floors,
+        &[("forked", &forked_t, ""), ("unique", &unique_t, "")],
+    ));
+    // 256 MiB/s through warn to under the act floor, whatever the machine gives back meanwhile.
+    let mut unique = Hog::start_until_below(&unique_t, 256, floor - 256 * MIB, 3072, 60);
+    let status = unique
+        .wait(Duration::from_secs(60))
+        .expect("the model that would free the most was not acted on");
+    assert!(
+        matches!(status.signal(), Some(15) | Some(9)),
+        "{status:?}\n{}",
+        daemon.log_text()
+    );
+    let first = daemon.wait_for_event("process_killed", Duration::from_secs(10), |_| true);
+    assert_eq!(first["subject"]["model"], "unique", "{first}");
+    // Acted on: the workers were never signalled, and all four are still there.
+    assert_eq!(daemon.verbs_on("forked"), Vec::<String>::new());
+    assert!(
+        workers
+            .iter()
+            .all(|&pid| matches!(proc_state(pid), Some('S' | 'R'))),
+        "{}",
+        daemon.log_text()
+    );
+}
+
 #[test]
 fn sigterm_resumes_stopped_processes_before_exit() {
     let hog_token = token("term");
