@@ -1,6 +1,7 @@
 //! Victim choice for a floor: models over their budget first (most over first), then lower
-//! priority, then the largest user of the memory that is short (RSS for RAM, VmSwap for the swap
-//! floor, NVML's per-process figure for a GPU). Protected processes never.
+//! priority, then the largest user of the memory that is short (for RAM the proportional share,
+//! PSS, where the scan read it, else RSS; VmSwap for the swap floor; NVML's per-process figure
+//! for a GPU). Protected processes never.
 //!
 //! On a GPU floor a user is one candidate, like a model: the processes of a non-root uid that
 //! belong to no model are ranked by the sum of their GPU memory, and acted on largest first
@@ -10,10 +11,10 @@
 //! relief. A user whose processes together cannot cover that need (the shortfall is memory no
 //! listed process accounts for: managed memory NVML under-reports, memory held through IPC, a
 //! process NVML lists but /proc does not show) loses only its largest holder, as when ranked
-//! one by one: no whole user for memory that is not theirs. Not for RAM or swap: RSS and VmSwap
-//! count shared and copy-on-write pages in every process that maps them (forked workers,
-//! preforked servers), so a sum would pick a user of forked workers before the process that
-//! really took the memory. Root's processes stay ranked one by one, so system services are not
+//! one by one: no whole user for memory that is not theirs. For RAM only where PSS was read, and
+//! never for swap: RSS and VmSwap count shared and copy-on-write pages in every process that maps
+//! them (forked workers, preforked servers), so a sum would pick a user of forked workers before
+//! the process that really took the memory. Root's processes stay ranked one by one, so system services are not
 //! summed together. A uid is not always one person (containers sharing `USER 1000`, subordinate
 //! uids): it is what the kernel lets gpuguard tell apart.
 
@@ -46,7 +47,7 @@ pub(super) fn is_protected(config: &Config, snapshot: &Snapshot, p: &Process) ->
 /// What a floor is short of, and so what its victims are ranked by.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Short {
-    /// MemAvailable: resident memory (RSS).
+    /// MemAvailable: resident memory (PSS where the scan read it, else RSS).
     Ram,
     /// SwapFree (MemAvailable above its floor): what each process holds in swap (VmSwap).
     Swap,

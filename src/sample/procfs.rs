@@ -416,10 +416,28 @@ impl ProcReader {
     }
 
     /// A process's proportional set size (`Pss:` of its smaps_rollup): costly, the kernel walks
-    /// its page tables.
+    /// its page tables. The kernel shows it only to a reader that may ptrace the process: the
+    /// packaged unit (no CAP_SYS_PTRACE) reads its own processes only, and says so once.
     pub fn pss(&mut self, pid: i32) -> Option<u64> {
+        static DENIED_SAID: std::sync::atomic::AtomicBool =
+            std::sync::atomic::AtomicBool::new(false);
         let path = self.root.join(pid.to_string()).join("smaps_rollup");
-        parse_pss(&std::fs::read_to_string(path).ok()?)
+        match std::fs::read_to_string(path) {
+            Ok(text) => parse_pss(&text),
+            Err(e) => {
+                if e.kind() == std::io::ErrorKind::PermissionDenied
+                    && !DENIED_SAID.swap(true, std::sync::atomic::Ordering::Relaxed)
+                {
+                    tracing::warn!(
+                        "cannot read /proc/{pid}/smaps_rollup: {e}; near the RAM floor such \
+                         processes are ranked by RSS, which counts pages forked workers share \
+                         once in each (the kernel wants CAP_SYS_PTRACE to read another \
+                         account's: add it to the unit's CapabilityBoundingSet= in a drop-in)"
+                    );
+                }
+                None
+            }
+        }
     }
 
     fn dir(&mut self) -> Result<&OwnedFd, ReadError> {

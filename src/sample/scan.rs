@@ -260,6 +260,8 @@ const MAPS_RSS_DRIFT_BYTES: u64 = 64 << 20;
 const PSS_REREAD_BYTES: u64 = 16 << 20;
 /// ...or once its last reading is this old (the pages it shares change without its RSS moving).
 const PSS_MAX_AGE: Duration = Duration::from_secs(2);
+/// A round reads PSS for at most this long (and at least one process).
+const PSS_ROUND_BUDGET: Duration = Duration::from_millis(50);
 
 /// The incremental process table.
 pub struct Scanner {
@@ -371,43 +373,76 @@ impl Scanner {
     /// Near the RAM floor, the PSS of every process holding at least `min_rss`, so the floor
     /// ranks a model or an account by what killing it would really free (forked workers share
     /// their pages; their RSS counts them once each). Read here, not on the loop: the kernel
-    /// walks the page tables (~10 ms per GiB). A figure is read again when the process's RSS
-    /// moved by `PSS_REREAD_BYTES`, when it is `PSS_MAX_AGE` old, or when any process exited
-    /// since (the pages it shared are now its siblings' alone). Away from the floor nothing is
-    /// read and nothing kept.
+    /// walks the page tables (~10 ms per GiB). A figure is due again when the process's RSS moved
+    /// by `PSS_REREAD_BYTES`, when it is `PSS_MAX_AGE` old, or when any process exited since (the
+    /// pages it shared are now its siblings' alone). Each round reads for at most
+    /// `PSS_ROUND_BUDGET` (at least one process): those never read first, largest first, then
+    /// the oldest figures; the rest keep the figure they have until a later round, so a host of
+    /// many large processes cannot hold up the table the loop waits for. Away from the floor
+    /// nothing is read and nothing kept.
     fn read_pss(&mut self, min_rss: Option<u64>, now: Instant) -> Option<Vec<(ProcessId, u64)>> {
         let Some(min_rss) = min_rss else {
             self.entries.values_mut().for_each(|e| e.pss = None);
             return None;
         };
         let stale = std::mem::take(&mut self.exited);
-        let mut out = Vec::new();
+        let mut due = Vec::new();
         for (&pid, e) in self.entries.iter_mut() {
             if e.kernel_thread || e.rss_bytes < min_rss {
                 e.pss = None;
                 continue;
             }
-            let current = e.pss.filter(|r| {
+            let fresh = e.pss.is_some_and(|r| {
                 !stale
                     && r.rss_bytes.abs_diff(e.rss_bytes) < PSS_REREAD_BYTES
                     && now.saturating_duration_since(r.at) < PSS_MAX_AGE
             });
-            e.pss = current.or_else(|| {
-                Some(PssRead {
-                    pss_bytes: self.reader.pss(pid)?,
-                    rss_bytes: e.rss_bytes,
-                    at: now,
-                })
-            });
-            if let Some(r) = e.pss {
-                let id = ProcessId {
+            if !fresh {
+                // Never read first (the largest first), then the oldest figures.
+                let age = e.pss.map(|r| now.saturating_duration_since(r.at));
+                due.push((
+                    age.is_some(),
+                    std::cmp::Reverse(age),
+                    std::cmp::Reverse(e.rss_bytes),
                     pid,
-                    start_time: e.start_time,
-                };
-                out.push((id, r.pss_bytes));
+                ));
             }
         }
-        Some(out)
+        due.sort_unstable();
+        let began = Instant::now();
+        for (i, &(_, _, _, pid)) in due.iter().enumerate() {
+            if i > 0 && began.elapsed() >= PSS_ROUND_BUDGET {
+                // The rest next round; an exit still makes all of them due.
+                self.exited |= stale;
+                break;
+            }
+            let Some(e) = self.entries.get(&pid) else {
+                continue;
+            };
+            let (start_time, rss_bytes) = (e.start_time, e.rss_bytes);
+            let Some(pss_bytes) = self.reader.pss(pid) else {
+                continue;
+            };
+            // Read by pid: still the process the table knows (not a reused pid)?
+            if !matches!(self.reader.proc_stat(pid), Ok(s) if s.stat.start_time == start_time) {
+                continue;
+            }
+            if let Some(e) = self.entries.get_mut(&pid) {
+                e.pss = Some(PssRead {
+                    pss_bytes,
+                    rss_bytes,
+                    at: now,
+                });
+            }
+        }
+        let known = self.entries.iter().filter_map(|(&pid, e)| {
+            let id = ProcessId {
+                pid,
+                start_time: e.start_time,
+            };
+            Some((id, e.pss?.pss_bytes))
+        });
+        Some(known.collect())
     }
 
     /// The weights files GPU holders map. Read here rather than on the loop (a Python process's
