@@ -3282,6 +3282,32 @@ fn on_the_ram_floor_an_account_is_ranked_by_the_pss_of_its_processes() {
     assert_eq!(acts(&plan), "terminate [200]");
 }
 
+/// A hostile review of the PSS ranking: an account shares its hog's pages with many helpers
+/// each under the 32 MiB the scan reads PSS from (mapping a window of it, or forked before it
+/// grew), so the hog's PSS is a fraction of what it holds, and the helpers, unread, were ranked
+/// alone: another account's 1.2 GiB process went instead. An account with any PSS read has its
+/// unread processes counted in its sum by RSS.
+#[test]
+fn an_account_cannot_dilute_its_pss_over_small_helpers() {
+    let c = config(RAM_FLOORS);
+    let mut procs = vec![Process {
+        uid: 1001,
+        pss_bytes: Some(512 * MIB),
+        ..proc(101, "hog", 2 * GIB, 1)
+    }];
+    procs.extend((110..158).map(|pid| Process {
+        uid: 1001,
+        ..proc(pid, "helper", 31 * MIB, 1)
+    }));
+    procs.push(Process {
+        uid: 1002,
+        pss_bytes: Some(1228 * MIB),
+        ..proc(200, "single", 1228 * MIB, 1)
+    });
+    let plan = once(&c, &snap(0, Some(3 * GIB), procs));
+    assert!(acts(&plan).starts_with("terminate [101"), "{}", acts(&plan));
+}
+
 /// The GPU floor shares the brake (`[gpu] max_victims`, per GPU): with 1, a second victim on
 /// the same GPU within the window is not taken; another GPU has its own count.
 #[test]

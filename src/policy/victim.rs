@@ -177,6 +177,14 @@ pub(super) fn choose(
     }
     // Each user's processes outside the models, largest first (root's: one candidate each).
     let mut users: BTreeMap<u32, Vec<(u64, &Process)>> = BTreeMap::new();
+    // Users with a PSS read: their unread processes (under the size worth a read, or not
+    // readable) join their sum by RSS, so pages shared with many small helpers cannot dilute a
+    // hog's share while the helpers are ranked alone.
+    let read: std::collections::BTreeSet<u32> = procs
+        .iter()
+        .filter(|p| p.pss_bytes.is_some())
+        .map(|p| p.uid)
+        .collect();
     if config.daemon.candidates == Candidates::Any {
         for p in procs {
             let in_model = state.attribution.model_of(p.id()).is_some();
@@ -189,7 +197,7 @@ pub(super) fn choose(
             if used == 0 {
                 continue;
             }
-            let alone = short == Short::Ram && p.pss_bytes.is_none();
+            let alone = short == Short::Ram && p.pss_bytes.is_none() && !read.contains(&p.uid);
             if p.uid == 0 || need.is_none() || alone {
                 candidates.push(Candidate {
                     target: Target {
