@@ -297,6 +297,10 @@ impl Sampler {
         // Just come near the RAM floor: a round at once, for the PSS the ranking wants (read
         // by the scan, off the loop; until it lands, processes are ranked by RSS).
         let pss_wanted = ram_near && !self.scans.pss_asked;
+        if !ram_near {
+            // Come near again later: a round at once then too.
+            self.scans.pss_asked = false;
+        }
         if age < min_age && !self.scans.want_full && !pss_wanted {
             return None;
         }

@@ -403,6 +403,35 @@ fn near_the_ram_floor_accounts_are_ranked_by_the_pss_of_their_processes() {
     assert_eq!(h.signals(), [(101, Sig::Stop)], "{:?}", h.actions());
 }
 
+/// Each time RAM comes near the floor, a round reads PSS at once, not only the first time.
+#[test]
+fn pss_is_read_at_once_each_time_ram_comes_near_the_floor() {
+    let mut w = World {
+        host: host(64 * GIB, 16 * GIB),
+        ..World::default()
+    };
+    w.spawn(101, "big", GIB);
+    let mut h = Harness::new(
+        w,
+        "[ram]\nwarn_available = \"8GiB\"\nmin_available = \"4GiB\"\naction = \"stop\"\n\
+         [gpu]\nenabled = false\n",
+    );
+    h.ticks(3, 10 * MS);
+    h.world().host = host(64 * GIB, 6 * GIB);
+    h.ticks(2, 10 * MS);
+    let first = h.world().pss_reads.len();
+    assert!(first > 0, "read once near the floor");
+    h.world().host = host(64 * GIB, 16 * GIB);
+    h.ticks(2, 10 * MS);
+    h.world().host = host(64 * GIB, 6 * GIB);
+    h.ticks(2, 10 * MS);
+    assert!(
+        h.world().pss_reads.len() > first,
+        "{:?}",
+        h.world().pss_reads
+    );
+}
+
 /// Models are ranked the same way: a server of four forked workers shows 4 GiB of RSS but
 /// shares most of it (1 GiB of PSS: what killing it frees); a server holding 1.5 GiB of its
 /// own goes first. Root's processes too (the scan reads their PSS off the loop).
