@@ -88,7 +88,6 @@ time.sleep(600)
 
 impl Forked {
     fn start(token: &str, mib: u64, workers: u32) -> Forked {
-        use std::io::BufRead;
         use std::os::unix::process::CommandExt;
         let mut leader = std::process::Command::new(python3())
             .args([
@@ -102,11 +101,7 @@ impl Forked {
             .process_group(0)
             .spawn()
             .unwrap();
-        let mut line = String::new();
-        std::io::BufReader::new(leader.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        assert_eq!(line.trim(), "forked");
+        assert_eq!(first_line(&mut leader).trim(), "forked");
         Forked { leader }
     }
 

@@ -176,11 +176,8 @@ while True:
 
 /// The counts HOLD_CONNECTIONS_PY prints: opened, silent, answered, closed, failed.
 fn read_counts(child: &mut Child) -> Vec<usize> {
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    line.split_whitespace()
+    first_line(child)
+        .split_whitespace()
         .map(|n| n.parse().unwrap())
         .collect()
 }
@@ -333,10 +330,7 @@ fn a_user_cannot_steer_the_guard_at_root_s_server() {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut line = String::new();
-    BufReader::new(forged.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
+    first_line(&mut forged);
     // Proof the guard scanned after the forger filled up: a canary started now is seen.
     let canary = Hog::start(&canary_t, 0, 0, 300);
     assert!(wait_until(Duration::from_secs(10), || {
@@ -496,10 +490,7 @@ fn fake_sshd_is_chosen_and_roots_sshd_is_not(attacker: Attacker) {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut full = String::new();
-    BufReader::new(root_sshd.stdout.take().unwrap())
-        .read_line(&mut full)
-        .unwrap();
+    first_line(&mut root_sshd);
     let root_pid = root_sshd.id();
     // The attacker's hog, also named sshd, takes MemAvailable below the floor.
     let mut hog = attacker

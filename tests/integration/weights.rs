@@ -5,7 +5,6 @@
 //! twice; the one alone on GPU 1 (tensor-parallel-like) is not. `status --model` shows the
 //! processes one by one.
 
-use std::io::BufRead;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -56,11 +55,7 @@ impl Server {
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        let mut line = String::new();
-        std::io::BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let pids = line
+        let pids = first_line(&mut child)
             .split_whitespace()
             .map(|p| p.parse().unwrap())
             .collect();

@@ -504,6 +504,17 @@ pub struct Family {
     pub child_pid: u32,
 }
 
+/// The first line `child` prints (its stdout piped; taken from it): the "ready" line of the
+/// helper scripts, with what they want the test to know.
+pub fn first_line(child: &mut Child) -> String {
+    use std::io::BufRead;
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().expect("stdout piped"))
+        .read_line(&mut line)
+        .unwrap();
+    line
+}
+
 const FAMILY_PY: &str = r#"
 import subprocess, sys, time
 c = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", sys.argv[1] + "-child"])
@@ -513,16 +524,12 @@ time.sleep(600)
 
 impl Family {
     pub fn start(token: &str) -> Family {
-        use std::io::BufRead;
         let mut parent = Command::new(python3())
             .args(["-c", FAMILY_PY, token])
             .stdout(Stdio::piped())
             .spawn()
             .unwrap();
-        let mut line = String::new();
-        std::io::BufReader::new(parent.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
+        let line = first_line(&mut parent);
         Family {
             parent,
             child_pid: line.trim().parse().unwrap(),
