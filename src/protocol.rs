@@ -5,6 +5,8 @@
 //! Every value a client sends is untrusted: it is bounded here (`validate`) before the daemon
 //! looks at it, and who asks is taken from the socket's peer credentials, never from the message.
 
+use std::time::Duration;
+
 use serde::{Deserialize, Serialize};
 
 use crate::status::StatusReport;
@@ -84,6 +86,14 @@ pub struct AcquireRequest {
     /// memory_allocated`): its own next permits may use it, up to what NVML shows it holding.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_bytes: Option<u64>,
+    /// When the allocator was read for `cache_bytes`: CLOCK_MONOTONIC in nanoseconds (Python's
+    /// `time.monotonic_ns()`, the same clock on the same host). Absent: as it arrived.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_read_at_ns: Option<u64>,
+    /// How long before the daemon took the request in `cache_read_at_ns` was (set by the
+    /// socket server when the request is handled; never read from the wire).
+    #[serde(skip)]
+    pub cache_age: Option<Duration>,
 }
 
 /// Why a request was refused (`docs/protocol.md`).

@@ -55,8 +55,8 @@ pub fn run(args: PermitArgs) -> u8 {
         ram_bytes: args.ram,
         gpu: args.gpu,
         timeout_ms: args.timeout.map(|d| d.as_millis() as u64),
-        cache_bytes: None,
         ttl_ms: args.ttl.map(|d| d.as_millis() as u64),
+        ..AcquireRequest::default()
     };
     let mut conn = match Connection::open(&args.socket, Request::Acquire(request)) {
         Ok(c) => c,

@@ -356,7 +356,8 @@ async fn serve(
                 // A waiting launch keeps the connection: its answer comes from the table.
                 (answer, !waits, engaged)
             }
-            Request::Acquire(acquire) => {
+            Request::Acquire(mut acquire) => {
+                acquire.cache_age = acquire.cache_read_at_ns.map(monotonic_age);
                 let (answer, engaged) = {
                     let mut table = shared.table();
                     let answer = table.acquire(conn, acquire, now);
@@ -502,4 +503,27 @@ async fn write_line(
     line.push(b'\n');
     write.write_all(&line).await?;
     Ok(())
+}
+
+/// How long ago `read_at_ns` (CLOCK_MONOTONIC, from a client on this host) was; a time still to
+/// come is now.
+fn monotonic_age(read_at_ns: u64) -> Duration {
+    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+        .map(Duration::from)
+        .unwrap_or_default();
+    now.saturating_sub(Duration::from_nanos(read_at_ns))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cache_read_time_is_read_on_the_clients_clock_and_never_in_the_future() {
+        // Python's time.monotonic_ns() is CLOCK_MONOTONIC, as here.
+        let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).unwrap();
+        let five_seconds_ago = Duration::from(now).as_nanos() as u64 - 5_000_000_000;
+        assert!(monotonic_age(five_seconds_ago) >= Duration::from_secs(5));
+        assert_eq!(monotonic_age(u64::MAX), Duration::ZERO);
+    }
 }

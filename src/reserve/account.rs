@@ -24,7 +24,12 @@
 //!   follows it. A fall below the baseline at rest lowers it.
 //! - The holder's allocator may say what it holds for its permits' work (the Python client reads
 //!   PyTorch's `memory_reserved` beyond what was allocated with no permit out): its permits are
-//!   set against that much too, never more than NVML shows the holder holding.
+//!   set against that much too, never more than NVML shows the holder holding, and only while
+//!   NVML shows it holding what it held when the report was read (the allocator gives segments
+//!   back on its own when a `cudaMalloc` fails).
+//! - A reservation larger than the smallest since the baseline may fit none of the holder's cached
+//!   segments: for everyone, its own next permits included, it draws on free memory in full
+//!   (PyTorch takes a new segment while free memory lasts and keeps its cache).
 //! - Memory of a reservation that ended stays promised (to the others) until a reading sampled
 //!   after the end shows what became of it: a caching allocator keeps it.
 //! - Host RAM is read by process scans, never together with MemAvailable: a RAM reservation is
@@ -82,17 +87,20 @@ pub struct Books {
     /// it stays promised. Under steady traffic permits end between every two readings: each
     /// one is let go by the first reading after its own end, not after the last change.
     ended: BTreeMap<u32, VecDeque<(Duration, u64)>>,
-    /// What the holder's allocator said it caches, per GPU: the latest report that a reading
-    /// sampled after it has come in since. A report counts memory its permits took since the
-    /// last reading as held, while that reading's free figure still counts it free: set against
-    /// each other, they would count it twice.
-    reported_cache: PerGpu,
-    /// What NVML showed it hold in the reading that took that report in: once it holds less,
-    /// its allocator gave memory back (a trim, or PyTorch's own release when a `cudaMalloc`
-    /// failed) and the report may count memory that is gone.
-    reported_with: PerGpu,
-    /// A newer report, with when it came (daemon clock), until a reading sampled after it.
+    /// What the holder's allocator said it caches, per GPU, with when it was read (daemon
+    /// clock): the latest report that a reading sampled after it has come in since. A report
+    /// counts memory its permits took since the last reading as held, while that reading's free
+    /// figure still counts it free: set against each other, they would count it twice.
+    report: Option<(Duration, PerGpu)>,
+    /// A newer report, with when it was read, until a reading sampled after that.
     report_pending: Option<(Duration, PerGpu)>,
+    /// Reports read before this are void: the sample time of the first reading that showed
+    /// what it holds now, or when it was asked to give its cache back, whichever is later. A
+    /// report read before may count memory that is gone: its allocator gave back segments (a
+    /// trim, or PyTorch's own release when a `cudaMalloc` fails, which takes a new segment at
+    /// once and may leave NVML's figure higher than before). So a report counts only while
+    /// NVML shows the holder holding exactly what it held when the report was read.
+    steady_since: Option<Duration>,
 }
 
 impl Default for Books {
@@ -112,9 +120,9 @@ impl Default for Books {
             quiet_readings: 2,
             last_sample: None,
             ended: BTreeMap::new(),
-            reported_cache: PerGpu::new(),
-            reported_with: PerGpu::new(),
+            report: None,
             report_pending: None,
+            steady_since: None,
         }
     }
 }
@@ -145,19 +153,24 @@ impl Books {
             self.forget_sizes();
             self.forget_report();
         }
-        // Memory given back since the report was taken in, or since the reading before a
-        // report that waits (it may have been made before): the report may count it.
-        let gave_back = |since: &PerGpu| since.iter().any(|(g, &held)| on(usage, *g) < held);
-        if gave_back(&self.reported_with) {
-            self.reported_cache.clear();
-            self.reported_with.clear();
+        if *usage != self.usage {
+            // (A trim asked after this reading was sampled keeps its later time.)
+            self.steady_since = self.steady_since.max(sampled_at);
         }
-        if let (Some(at), Some((reported_at, _))) = (sampled_at, &self.report_pending) {
-            if gave_back(&self.usage) {
+        // A report read before what NVML shows now may count memory given back since.
+        let steady = |read_at: Duration| self.steady_since.is_some_and(|s| read_at >= s);
+        if self
+            .report
+            .as_ref()
+            .is_some_and(|(read_at, _)| !steady(*read_at))
+        {
+            self.report = None;
+        }
+        if let Some((read_at, _)) = self.report_pending {
+            if !steady(read_at) {
                 self.report_pending = None;
-            } else if at >= *reported_at {
-                self.reported_cache = self.report_pending.take().expect("matched").1;
-                self.reported_with = usage.clone();
+            } else if sampled_at.is_some_and(|at| at >= read_at) {
+                self.report = self.report_pending.take();
             }
         }
         let new_sample = sampled_at.is_some() && sampled_at != self.last_sample;
@@ -330,6 +343,13 @@ impl Books {
         }
     }
 
+    /// Whether a reservation of `extra` on `gpu` is larger than the smallest since the baseline:
+    /// it may fit none of its cached segments.
+    fn outgrows(&self, gpu: u32, extra: u64) -> bool {
+        let smallest = on(&self.smallest, gpu);
+        extra > 0 && smallest > 0 && extra > smallest
+    }
+
     /// The same for its own next reservation: its cache counts, up to the most its reservations
     /// reached at once (from NVML), or what its allocator reports caching without the blocks
     /// stranded in segments in use (never more than NVML shows it holding); whichever says more.
@@ -339,7 +359,17 @@ impl Books {
 
     /// `promised_to_self`, had it one more reservation of `extra` out (counted in): what its
     /// next reservation would leave promised, what it strands included.
+    ///
+    /// One larger than the smallest since the baseline may fit none of its cached segments:
+    /// PyTorch then takes a new segment from the driver while free memory lasts and keeps its
+    /// cache, so it takes free memory promised to others (it gives its cache back only when its
+    /// own `cudaMalloc` fails). Such a reservation draws on free memory in full, beside what its
+    /// books promise as everyone else sees them.
     fn promised_to_self_with(&self, gpu: u32, consistent: bool, extra: u64) -> i64 {
+        if self.outgrows(gpu, extra) {
+            let promised = self.promised(gpu, consistent).max(0);
+            return promised.saturating_add(extra.min(i64::MAX as u64) as i64);
+        }
         let reserved = on(&self.reserved, gpu).saturating_add(extra) as i64;
         let stranded = self.stranded_with(gpu, extra) as i64;
         let peak = on(&self.peak_reserved, gpu).max(reserved as u64) as i64;
@@ -347,7 +377,7 @@ impl Books {
         let seen = self
             .promised_for(gpu, consistent, 0, extra)
             .max(stranded - peak);
-        match self.reported_cache.get(&gpu) {
+        match self.reported_cache().get(&gpu) {
             // The report says how much is cached, not in what blocks: what serving the
             // reservations from it may strand counts as it does for NVML's figure.
             Some(&cache) if consistent && self.consistent => {
@@ -365,7 +395,7 @@ impl Books {
     fn held_beyond_base(&self) -> Option<u64> {
         let mut held = 0;
         for (g, &used) in &self.usage {
-            let reported = self.reported_cache.get(g).map(|&r| r.min(used));
+            let reported = self.reported_cache().get(g).map(|&r| r.min(used));
             let seen = match &self.base {
                 _ if used == 0 => Some(0),
                 Some(base) => Some(used.saturating_sub(on(base, *g))),
@@ -390,9 +420,14 @@ impl Books {
     }
 
     fn forget_report(&mut self) {
-        self.reported_cache.clear();
-        self.reported_with.clear();
+        self.report = None;
         self.report_pending = None;
+    }
+
+    /// What the report in force says it caches, per GPU (nothing without one).
+    fn reported_cache(&self) -> &PerGpu {
+        static NONE: PerGpu = PerGpu::new();
+        self.report.as_ref().map_or(&NONE, |(_, cache)| cache)
     }
 
     /// Nothing worth remembering: no reservation and nothing held beyond the baseline.
@@ -607,15 +642,24 @@ impl Account {
     pub fn reports(&self, holder: ProcessId) -> bool {
         self.holders
             .get(&holder)
-            .is_some_and(|b| !b.reported_cache.is_empty() || b.report_pending.is_some())
+            .is_some_and(|b| b.report.is_some() || b.report_pending.is_some())
     }
 
-    /// `holder` was asked to give its cache back: what its allocator said it caches is void
-    /// until it says again.
-    pub fn forget_report(&mut self, holder: ProcessId) {
+    /// `holder` was asked at `now` to give its cache back: what its allocator said it caches,
+    /// or says in a report read before now, is void.
+    pub fn forget_report(&mut self, holder: ProcessId, now: Duration) {
         if let Some(books) = self.holders.get_mut(&holder) {
             books.forget_report();
+            books.steady_since = books.steady_since.max(Some(now));
         }
+    }
+
+    /// Whether a permit of `bytes` for `holder` on `gpu` may fit none of its cached blocks (see
+    /// `Books::promised_to_self_with`).
+    pub fn outgrows_cache(&self, holder: ProcessId, gpu: u32, bytes: u64) -> bool {
+        self.holders
+            .get(&holder)
+            .is_some_and(|b| b.outgrows(gpu, bytes))
     }
 
     /// Whether `bytes` more for `holder` on `gpu` come wholly out of its own cache.
@@ -693,15 +737,16 @@ impl Account {
         self.reserved_ram = self.reserved_ram.saturating_sub(ram_bytes);
     }
 
-    /// `holder`'s allocator says at `at` that it holds `bytes` for its permits' work, on the one
-    /// GPU it holds memory on (ignored when it holds memory on several, or none): it counts from
-    /// the first reading sampled after `at`.
+    /// `holder`'s allocator said when it was read, at `read_at`, that it holds `bytes` for its
+    /// permits' work, on the one GPU it holds memory on (ignored when it holds memory on
+    /// several, or none): it counts from the first reading sampled after `read_at`, while NVML
+    /// shows the holder holding what it held then (see `Books::steady_since`).
     pub fn report_cache(
         &mut self,
         holder: ProcessId,
         capacity: &Capacity,
         bytes: u64,
-        at: Duration,
+        read_at: Duration,
     ) {
         if !self.own_books(holder, capacity) {
             return;
@@ -713,10 +758,10 @@ impl Account {
             _ => PerGpu::new(),
         };
         tracing::debug!(
-            "pid {}: its allocator reports {bytes} B cached, taken as {report:?} from the next reading",
+            "pid {}: its allocator reports {bytes} B cached (read at {read_at:?}), taken as {report:?} from the next reading",
             holder.pid,
         );
-        books.report_pending = Some((at, report));
+        books.report_pending = Some((read_at, report));
     }
 
     /// A holder's books as the debug log shows them (why a permit waits).
@@ -1330,6 +1375,81 @@ mod tests {
         let gave_back = reading(&[(A, 7)], true);
         a.observe(None, &gave_back);
         assert_eq!(a.gpu_promised_to(A, &nothing(), 0, true), 9 * GIB as i64);
+    }
+
+    #[test]
+    fn a_report_read_before_nvml_showed_a_change_is_void_even_when_the_figure_rose() {
+        // Found by `reserve::tests::caching_workers` and seen as a rare CUDA OOM in CI (three
+        // forked workers, a loaded machine): a worker's client read 9 GiB held for work; before
+        // the request reached the daemon, another of its requests missed the cache, the
+        // allocator gave 2 GiB of cached segments back and took a 3 GiB segment (NVML: 13 ->
+        // 14 GiB, a rise). The report, taken in at the next reading, counted the 2 GiB gone.
+        let with_report = |report: bool| {
+            let warm = reading(&[(A, 13)], true);
+            let mut a = fresh();
+            take(&mut a, &warm, A, 3);
+            a.observe(None, &reading(&[(A, 13)], true));
+            let read_at = tick();
+            let changed = reading(&[(A, 14)], true);
+            a.observe(None, &changed);
+            if report {
+                a.report_cache(A, &changed, 9 * GIB, read_at);
+            }
+            a.observe(None, &reading(&[(A, 14)], true));
+            a.gpu_promised_to(A, &nothing(), 0, true)
+        };
+        assert_eq!(with_report(true), with_report(false), "NVML alone");
+        // Read after that reading, the same report counts.
+        let warm = reading(&[(A, 13)], true);
+        let mut a = fresh();
+        take(&mut a, &warm, A, 3);
+        let changed = reading(&[(A, 14)], true);
+        a.observe(None, &changed);
+        report(&mut a, &changed, 9);
+        assert_eq!(a.gpu_promised_to(A, &nothing(), 0, true), -6 * GIB as i64);
+    }
+
+    #[test]
+    fn a_report_read_before_a_trim_was_asked_never_counts() {
+        // The daemon asked A to give its cache back; a report A read before that arrives
+        // later, and a reading taken before the trim was done shows nothing changed yet.
+        let with_report = |report: bool| {
+            let warm = reading(&[(A, 13)], true);
+            let mut a = fresh();
+            take(&mut a, &warm, A, 3);
+            a.observe(None, &reading(&[(A, 13)], true));
+            let read_at = tick();
+            a.forget_report(A, tick());
+            if report {
+                a.report_cache(A, &warm, 9 * GIB, read_at);
+            }
+            a.observe(None, &reading(&[(A, 13)], true));
+            a.gpu_promised_to(A, &nothing(), 0, true)
+        };
+        assert_eq!(with_report(true), with_report(false), "NVML alone");
+    }
+
+    #[test]
+    fn its_own_permit_larger_than_its_cached_blocks_draws_on_free_memory_in_full() {
+        // Found by `reserve::tests::caching_workers`: worker A cached a 1 GiB block and asked
+        // for 2 GiB. The block does not hold it: PyTorch took 2 GiB from the driver while free
+        // memory lasted (promised to worker B) and kept the block, and B's permit overflowed.
+        let (mut a, c) = settled(4);
+        take(&mut a, &c, A, 1);
+        a.observe(None, &reading(&[(A, 5)], true));
+        give_back(&mut a, A, 1);
+        let cached = reading(&[(A, 5)], true);
+        a.observe(None, &cached);
+        assert_eq!(
+            a.gpu_promised_beside(A, &cached, 0, true, GIB),
+            -(GIB as i64),
+            "a 1 GiB permit is served from the cached block"
+        );
+        assert_eq!(
+            a.gpu_promised_beside(A, &cached, 0, true, 2 * GIB),
+            0,
+            "a 2 GiB permit takes 2 GiB of free memory: the cached block serves none of it"
+        );
     }
 
     #[test]

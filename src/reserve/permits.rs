@@ -195,8 +195,8 @@ impl Reservations {
         }
     }
 
-    /// What the caller's allocator says it caches (`cache_bytes`), for its books in `pool`.
-    /// The request's `cache_bytes`, made when it arrived at `arrived`.
+    /// What the caller's allocator says it caches (`cache_bytes`), for its books in `pool`: the
+    /// request arrived at `arrived`, its report was read `cache_age` before that.
     pub(super) fn report_cache(
         &mut self,
         pool: &Pool,
@@ -205,11 +205,12 @@ impl Reservations {
         arrived: Duration,
     ) {
         if let Some(bytes) = request.cache_bytes {
+            let read_at = arrived.saturating_sub(request.cache_age.unwrap_or_default());
             account_in(&mut self.pools, &self.capacity, pool).report_cache(
                 peer.process(),
                 &self.capacity,
                 bytes.min(MAX_BYTES),
-                arrived,
+                read_at,
             );
         }
     }

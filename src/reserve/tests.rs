@@ -960,6 +960,7 @@ fn only_root_may_have_a_ready_url_off_loopback_polled() {
     assert!(matches!(root, Some(Response::Admitted { .. })), "{root:?}");
 }
 
+mod caching_workers;
 mod properties;
 
 /// Issue 25: the host drains on a maintenance or preemption notice. A new request is refused at

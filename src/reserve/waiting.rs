@@ -161,7 +161,8 @@ impl Reservations {
                         if let Some(w) = self.waiting.get_mut(&pool).and_then(|q| q.get_mut(i)) {
                             w.waiting_for = s.message;
                             if !blocked && w.demand.gpu_bytes_total() > 0 {
-                                starved.push((pool.clone(), w.peer, w.arrived));
+                                let size = w.demand.gpu_bytes_per_gpu;
+                                starved.push((pool.clone(), w.peer, w.arrived, size));
                             }
                         }
                         blocked = true;
@@ -171,8 +172,8 @@ impl Reservations {
             }
         }
         self.waiting.retain(|_, q| !q.is_empty());
-        for (pool, peer, arrived) in starved {
-            self.ask_to_trim(&pool, &peer, now.saturating_sub(arrived), now);
+        for (pool, peer, arrived, size) in starved {
+            self.ask_to_trim(&pool, &peer, size, now.saturating_sub(arrived), now);
         }
         while let Some(head) = self.launch_queue.front() {
             match self.launch_fit(head) {
@@ -200,11 +201,13 @@ impl Reservations {
         }
     }
 
-    /// The head of `pool`'s queue waits for GPU memory: the pool's other processes that may keep
-    /// memory cached unused are asked to give it back (`Response::Trim`, at most once per
-    /// `TRIM_EVERY` each), those of the waiting request's uid only: a request never costs
-    /// another user's server its cache. Those are the holders seen keeping memory beyond
-    /// their reservations, and, once the request has `waited` `BLIND_TRIM_AFTER`, the model's
+    /// The head of `pool`'s queue waits for `size` of GPU memory: the pool's other processes
+    /// that may keep memory cached unused are asked to give it back (`Response::Trim`, at most
+    /// once per `TRIM_EVERY` each), those of the waiting request's uid only: a request never
+    /// costs another user's server its cache. Those are the holders seen keeping memory beyond
+    /// their reservations (the waiting one too when its request is larger than its cached blocks
+    /// may be: they cannot serve it, and hold memory it needs), and, once the request has
+    /// `waited` `BLIND_TRIM_AFTER`, the model's
     /// connected processes with nothing reserved and no report of their cache, the waiting
     /// one's own included, whose cache NVML cannot tell from their own memory once it was there
     /// when their baseline was taken (their books are let go while they hold nothing): they
@@ -213,6 +216,7 @@ impl Reservations {
         &mut self,
         pool: &Pool,
         waiting: &Peer,
+        size: u64,
         waited: Duration,
         now: Duration,
     ) {
@@ -228,7 +232,9 @@ impl Reservations {
         if let Some(account) = account {
             for &gpu in &usable {
                 for (holder, bytes) in account.idle_caches(&self.capacity, gpu) {
-                    if holder != waiting.process() && !asks.iter().any(|(h, ..)| *h == holder) {
+                    let others =
+                        holder != waiting.process() || account.outgrows_cache(holder, gpu, size);
+                    if others && !asks.iter().any(|(h, ..)| *h == holder) {
                         asks.push((holder, gpu, bytes));
                     }
                 }
@@ -287,7 +293,7 @@ impl Reservations {
             );
             self.trims.insert(holder, now);
             if let Some(account) = self.pools.get_mut(pool) {
-                account.forget_report(holder);
+                account.forget_report(holder, now);
             }
             for conn in conns {
                 self.send(conn, Response::Trim { gpu, bytes });

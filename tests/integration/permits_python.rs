@@ -70,8 +70,10 @@ impl Setup {
     }
 
     /// Runs seed_server.py with these options, its permits naming `model` (None: the daemon
-    /// finds the model by the process); returns its JSON results.
+    /// finds the model by the process); returns its JSON results. On an overflow, the card's
+    /// trace and the daemon's log go to stderr (shown with the failing test).
     pub fn seed_as(&self, model: Option<&str>, options: &[&str]) -> Value {
+        let trace = self.fake.dir.path().join("card-trace");
         let out = Command::new(venv_python())
             .arg(scenario("seed_server.py"))
             .arg("--state")
@@ -80,6 +82,7 @@ impl Setup {
             .arg(self.daemon.socket())
             .args(model.map(|m| ["--model", m]).into_iter().flatten())
             .args(options)
+            .env("FAKEGPU_TRACE", &trace)
             .stderr(Stdio::piped())
             .output()
             .unwrap();
@@ -89,7 +92,17 @@ impl Setup {
             String::from_utf8_lossy(&out.stderr),
             self.daemon.log_text()
         );
-        serde_json::from_slice(&out.stdout).unwrap()
+        let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+        if r["overflows"] != 0 {
+            // What the card saw (every change, and who held what at each CUDA OOM) beside the
+            // daemon's debug log: printed with the test's failure.
+            let trace = std::fs::read_to_string(&trace).unwrap_or_default();
+            eprintln!(
+                "the card:\n{trace}\nthe daemon:\n{}",
+                self.daemon.log_text()
+            );
+        }
+        r
     }
 }
 

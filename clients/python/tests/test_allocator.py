@@ -4,6 +4,7 @@ torch is absent, CUDA uninitialised, or torch broken."""
 
 import asyncio
 import sys
+import time
 import types
 import unittest
 
@@ -90,8 +91,12 @@ class Sent(FakeDaemonCase, FakeTorch):
         cuda.allocated[0] = 7 * GIB
         with client.permit(gpu_bytes="3GiB", timeout=5):
             pass
-        sent = [m.get("cache_bytes") for m in self.daemon.messages("acquire")]
-        self.assertEqual(sent, [9 * GIB, 6 * GIB])
+        acquires = self.daemon.messages("acquire")
+        self.assertEqual([m.get("cache_bytes") for m in acquires], [9 * GIB, 6 * GIB])
+        # With when the allocator was read, on the daemon's clock (CLOCK_MONOTONIC): the
+        # daemon voids a report read before NVML last showed the process's memory change.
+        read_at = [m["cache_read_at_ns"] for m in acquires]
+        self.assertTrue(read_at[0] < read_at[1] <= time.monotonic_ns(), read_at)
 
     def test_while_permits_are_out_it_counts_from_the_idle_allocation(self):
         # Idle, 4 GiB allocated (the weights), 13 GiB held: 9 GiB for work. A permit's work then
@@ -129,6 +134,7 @@ class Sent(FakeDaemonCase, FakeTorch):
             client.close()
         for acquire in self.daemon.messages("acquire"):
             self.assertNotIn("cache_bytes", acquire)
+            self.assertNotIn("cache_read_at_ns", acquire)
 
     def test_a_reader_that_fails_or_lies_is_ignored(self):
         for reader in (lambda: 1 / 0, lambda: -5, lambda: "9GiB", lambda: True):
@@ -138,6 +144,7 @@ class Sent(FakeDaemonCase, FakeTorch):
             client.close()
         for acquire in self.daemon.messages("acquire"):
             self.assertNotIn("cache_bytes", acquire)
+            self.assertNotIn("cache_read_at_ns", acquire)
 
     def test_a_trim_from_the_daemon_empties_the_cache_and_breaks_nothing(self):
         cuda = FakeCuda({0: 13 * GIB}, {0: 4 * GIB})

@@ -26,6 +26,7 @@ that names a function of its own for its allocator empties nothing.
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any, Callable, Dict, Optional, Union
 
 #: Reads what the allocator holds for work, in bytes, or None when there is nothing to say;
@@ -101,14 +102,17 @@ def cache_trimmer(allocator: Union[None, str, CacheReader]) -> Optional[Callable
 
 
 def with_cache(fields: dict, reader: Optional[CacheReader], idle: bool) -> dict:
-    """`fields` of an acquire, with what `reader` says is cached (if it says anything sane);
-    `idle`: the client holds no permit now."""
+    """`fields` of an acquire, with what `reader` says is cached (if it says anything sane) and
+    when it was read (`cache_read_at_ns`, CLOCK_MONOTONIC: the daemon voids a report read before
+    NVML last showed this process's memory change, as the allocator may have given some back
+    since); `idle`: the client holds no permit now."""
     if reader is None:
         return fields
+    read_at = time.monotonic_ns()
     try:
         cached = reader(idle=idle)
     except Exception:
         return fields
     if isinstance(cached, bool) or not isinstance(cached, int) or not 0 <= cached < 2**63:
         return fields
-    return {**fields, "cache_bytes": cached}
+    return {**fields, "cache_bytes": cached, "cache_read_at_ns": read_at}

@@ -1,0 +1,540 @@
+//! Issue #22's forked PyTorch workers, in-process and on a driven clock: the ledger against
+//! workers whose allocators hold memory as PyTorch's caching allocator does (ported from
+//! tests/permits/fakegpu.py's `Caching`), with every step of the real system apart: a cache
+//! report read some time before the request reaches the daemon, the `cudaMalloc` some time after
+//! the grant, NVML readings sampled at one moment and taken in at a later tick, a `trim` acted on
+//! later still. Whatever the order, a request the ledger granted never meets a CUDA OOM: its
+//! allocator's own retry (give back its wholly free segments, try once more) must succeed.
+
+use std::collections::BTreeMap;
+
+use proptest::prelude::*;
+
+use super::*;
+
+const MIB: u64 = 1 << 20;
+/// PyTorch rounds large allocations up to 2 MiB and gives each new one a segment of its own.
+const ROUND: u64 = 2 * MIB;
+/// Each worker's CUDA context and weights, held outside its allocator.
+const CONTEXT: u64 = 512 * MIB;
+const WEIGHTS: u64 = 4 * GIB;
+const FLOOR: u64 = 512 * MIB;
+
+/// A block of a segment: its offset, size, and whether a request uses it.
+#[derive(Clone, Debug)]
+struct Block {
+    offset: u64,
+    size: u64,
+    in_use: bool,
+}
+
+#[derive(Clone, Debug)]
+struct Segment {
+    id: u64,
+    size: u64,
+    blocks: Vec<Block>,
+}
+
+/// PyTorch's caching allocator in one worker: segments from the driver, split into blocks; freed
+/// blocks stay cached until `empty_cache` or a failed `cudaMalloc`'s retry.
+#[derive(Debug, Default)]
+struct Caching {
+    segments: Vec<Segment>,
+    next_segment: u64,
+    /// Requests served from a cached block.
+    from_cache: u64,
+}
+
+/// A request's memory: its segment and offset.
+type Handle = (u64, u64);
+
+impl Caching {
+    /// The request's memory, or `None`: CUDA out of memory even after the cache was given back.
+    fn alloc(&mut self, card: &mut Card, pid: i32, size: u64) -> Option<Handle> {
+        let size = size.div_ceil(ROUND) * ROUND;
+        let best = self
+            .segments
+            .iter()
+            .enumerate()
+            .flat_map(|(s, seg)| {
+                seg.blocks
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, b)| !b.in_use && b.size >= size)
+                    .map(move |(b, block)| (block.size, s, b))
+            })
+            .min();
+        if let Some((_, s, b)) = best {
+            let segment = &mut self.segments[s];
+            let block = &mut segment.blocks[b];
+            if block.size > size {
+                let rest = Block {
+                    offset: block.offset + size,
+                    size: block.size - size,
+                    in_use: false,
+                };
+                block.size = size;
+                segment.blocks.insert(b + 1, rest);
+            }
+            segment.blocks[b].in_use = true;
+            self.from_cache += 1;
+            return Some((segment.id, segment.blocks[b].offset));
+        }
+        if !card.malloc(pid, size) {
+            self.release_cached(card, pid);
+            if !card.malloc(pid, size) {
+                return None;
+            }
+        }
+        self.next_segment += 1;
+        self.segments.push(Segment {
+            id: self.next_segment,
+            size,
+            blocks: vec![Block {
+                offset: 0,
+                size,
+                in_use: true,
+            }],
+        });
+        Some((self.next_segment, 0))
+    }
+
+    fn free(&mut self, (segment, offset): Handle) {
+        let segment = self
+            .segments
+            .iter_mut()
+            .find(|s| s.id == segment)
+            .expect("a live handle");
+        let block = segment
+            .blocks
+            .iter_mut()
+            .find(|b| b.offset == offset)
+            .expect("a live handle");
+        block.in_use = false;
+        let mut merged: Vec<Block> = Vec::new();
+        for b in segment.blocks.drain(..) {
+            match merged.last_mut() {
+                Some(last) if !last.in_use && !b.in_use => last.size += b.size,
+                _ => merged.push(b),
+            }
+        }
+        segment.blocks = merged;
+    }
+
+    /// Its wholly free segments go back to the driver.
+    fn release_cached(&mut self, card: &mut Card, pid: i32) {
+        self.segments.retain(|s| {
+            let free = s.blocks.iter().all(|b| !b.in_use);
+            if free {
+                card.free(pid, s.size);
+            }
+            !free
+        });
+    }
+
+    /// `memory_reserved`, `memory_allocated` and `inactive_split_bytes`.
+    fn figures(&self) -> (u64, u64, u64) {
+        let reserved = self.segments.iter().map(|s| s.size).sum();
+        let allocated = self
+            .segments
+            .iter()
+            .flat_map(|s| &s.blocks)
+            .filter(|b| b.in_use)
+            .map(|b| b.size)
+            .sum();
+        let split = self
+            .segments
+            .iter()
+            .filter(|s| s.blocks.iter().any(|b| b.in_use))
+            .flat_map(|s| &s.blocks)
+            .filter(|b| !b.in_use)
+            .map(|b| b.size)
+            .sum();
+        (reserved, allocated, split)
+    }
+}
+
+/// The driver's view of the GPU: what each process holds.
+#[derive(Debug)]
+struct Card {
+    total: u64,
+    held: BTreeMap<i32, u64>,
+}
+
+impl Card {
+    fn used(&self) -> u64 {
+        self.held.values().sum()
+    }
+
+    fn malloc(&mut self, pid: i32, size: u64) -> bool {
+        let fits = self.used() + size <= self.total;
+        if fits {
+            *self.held.entry(pid).or_default() += size;
+        }
+        fits
+    }
+
+    fn free(&mut self, pid: i32, size: u64) {
+        *self.held.get_mut(&pid).expect("a holder") -= size;
+    }
+
+    /// An NVML reading taken now (`at`), as the daemon's tick turns it into a capacity.
+    fn reading(&self, at: Duration) -> Capacity {
+        let used = self.used();
+        let mut c = capacity(0);
+        c.models.get_mut("served").expect("in capacity()").gpu_bytes = BTreeMap::from([(0, used)]);
+        c.gpus[0].total = Some(self.total);
+        c.gpus[0].free = Some(self.total - used);
+        c.gpus[0].floor = FLOOR;
+        c.trees = self
+            .held
+            .iter()
+            .map(|(&pid, &bytes)| {
+                let tree = TreeUse {
+                    gpu_bytes: BTreeMap::from([(0, bytes)]),
+                    members: pid as u64,
+                    ..Default::default()
+                };
+                (peer(0, pid).process(), tree)
+            })
+            .collect();
+        c.member_of = self
+            .held
+            .keys()
+            .map(|&pid| (peer(0, pid).process(), "served".to_string()))
+            .collect();
+        c.models.get_mut("served").expect("in capacity()").members = self.held.len() as u64;
+        c.gpu_sampled_at = Some(at);
+        c.scanned_at = Some(at);
+        c
+    }
+}
+
+/// Where one request of a worker stands.
+#[derive(Clone, Copy, Debug)]
+enum Request {
+    /// Its client read the allocator's cache for the report at `read_at`; not sent yet.
+    Reported {
+        size: u64,
+        cache: u64,
+        read_at: Duration,
+    },
+    /// Sent; no answer yet.
+    Waiting {
+        id: u64,
+        size: u64,
+    },
+    Granted {
+        permit: u64,
+        size: u64,
+    },
+    Working {
+        permit: u64,
+        handle: Handle,
+    },
+}
+
+/// One forked worker: its own allocator, client (connection `conn`) and requests.
+#[derive(Debug, Default)]
+struct Worker {
+    pid: i32,
+    allocator: Caching,
+    /// The Python client's `TorchCache`: what was allocated when it last held no permit.
+    idle_allocated: Option<u64>,
+    requests: Vec<Request>,
+    next_id: u64,
+    trim_asked: bool,
+    trims: u64,
+}
+
+impl Worker {
+    fn holds_permits(&self) -> bool {
+        self.requests
+            .iter()
+            .any(|r| matches!(r, Request::Granted { .. } | Request::Working { .. }))
+    }
+
+    /// `cache_bytes` as the Python client reads it (clients/python/src/gpuguard/allocator.py).
+    fn cache_report(&mut self) -> u64 {
+        let (reserved, allocated, split) = self.allocator.figures();
+        if !self.holds_permits() {
+            self.idle_allocated = Some(allocated);
+        }
+        let base = self.idle_allocated.unwrap_or(allocated);
+        reserved.saturating_sub(base + split)
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    /// A worker's client reads its cache for a request of `mib` MiB.
+    Ask(usize, u64),
+    /// Its `nth` read report goes out with the request.
+    Send(usize, usize),
+    /// Its `nth` granted request takes its memory.
+    Start(usize, usize),
+    /// Its `nth` working request frees its memory and releases its permit.
+    Finish(usize, usize),
+    /// NVML is read now; the next tick takes this reading in.
+    Sample,
+    /// `ms` pass, and the loop ticks with the latest reading.
+    Tick(u64),
+    /// A worker asked to give its cache back does (`torch.cuda.empty_cache()`).
+    Trim(usize),
+}
+
+fn op(workers: usize) -> impl Strategy<Value = Op> {
+    let w = 0..workers;
+    prop_oneof![
+        3 => (w.clone(), 1024..=4096u64).prop_map(|(w, mib)| Op::Ask(w, mib)),
+        3 => (w.clone(), 0..3usize).prop_map(|(w, n)| Op::Send(w, n)),
+        3 => (w.clone(), 0..3usize).prop_map(|(w, n)| Op::Start(w, n)),
+        3 => (w.clone(), 0..3usize).prop_map(|(w, n)| Op::Finish(w, n)),
+        2 => Just(Op::Sample),
+        2 => (1..250u64).prop_map(Op::Tick),
+        1 => w.prop_map(Op::Trim),
+    ]
+}
+
+struct World {
+    /// The clients report their allocator's cache (`allocator="torch"`).
+    reports: bool,
+    t: Reservations,
+    card: Card,
+    workers: Vec<Worker>,
+    latest: Capacity,
+    now: Duration,
+}
+
+impl World {
+    fn new(card_gib: u64, workers: usize, reports: bool) -> World {
+        let mut card = Card {
+            total: card_gib * GIB,
+            held: BTreeMap::new(),
+        };
+        let workers: Vec<Worker> = (0..workers)
+            .map(|w| {
+                let pid = 42 + w as i32;
+                assert!(card.malloc(pid, CONTEXT + WEIGHTS));
+                Worker {
+                    pid,
+                    ..Default::default()
+                }
+            })
+            .collect();
+        let mut t = Reservations::new(config(
+            "[[model]]\nname = \"served\"\nmatch = { comm = \"x\" }\n",
+        ));
+        let latest = card.reading(Duration::ZERO);
+        t.tick(Duration::ZERO, latest.clone());
+        for w in &workers {
+            t.join(w.pid as ConnId, peer(0, w.pid), Duration::ZERO);
+        }
+        World {
+            reports,
+            t,
+            card,
+            workers,
+            latest,
+            now: Duration::ZERO,
+        }
+    }
+
+    /// Delivers the ledger's answers to the workers' clients.
+    fn deliver(&mut self) {
+        for (conn, response) in self.t.take_outbox() {
+            self.answer(conn as i32, response);
+        }
+    }
+
+    fn answer(&mut self, pid: i32, response: Response) {
+        let w = self
+            .workers
+            .iter_mut()
+            .find(|w| w.pid == pid)
+            .expect("a worker");
+        match response {
+            Response::Granted { id, permit, .. } => {
+                for r in &mut w.requests {
+                    if let Request::Waiting { id: i, size } = *r {
+                        if i == id {
+                            *r = Request::Granted { permit, size };
+                        }
+                    }
+                }
+            }
+            Response::Refused { id, .. } => w
+                .requests
+                .retain(|r| !matches!(r, Request::Waiting { id: i, .. } if Some(*i) == id)),
+            Response::Trim { .. } => w.trim_asked = true,
+            _ => {}
+        }
+    }
+
+    fn nth(&self, w: usize, n: usize, which: fn(&Request) -> bool) -> Option<usize> {
+        let requests = &self.workers[w].requests;
+        let matching: Vec<usize> = (0..requests.len())
+            .filter(|&i| which(&requests[i]))
+            .collect();
+        matching.get(n % matching.len().max(1)).copied()
+    }
+
+    fn step(&mut self, op: &Op) -> Result<(), String> {
+        self.now += Duration::from_millis(1);
+        let now = self.now;
+        match *op {
+            Op::Ask(w, mib) => {
+                let worker = &mut self.workers[w];
+                if worker.requests.len() < 6 {
+                    let cache = worker.cache_report();
+                    worker.requests.push(Request::Reported {
+                        size: mib * MIB,
+                        cache,
+                        read_at: now,
+                    });
+                }
+            }
+            Op::Send(w, n) => {
+                let Some(i) = self.nth(w, n, |r| matches!(r, Request::Reported { .. })) else {
+                    return Ok(());
+                };
+                let worker = &mut self.workers[w];
+                let Request::Reported {
+                    size,
+                    cache,
+                    read_at,
+                } = worker.requests[i]
+                else {
+                    unreachable!()
+                };
+                worker.next_id += 1;
+                let id = worker.next_id;
+                worker.requests[i] = Request::Waiting { id, size };
+                let request = AcquireRequest {
+                    id,
+                    gpu_bytes: Some(size),
+                    timeout_ms: Some(30_000),
+                    ttl_ms: Some(3_600_000),
+                    cache_bytes: self.reports.then_some(cache),
+                    cache_age: Some(now - read_at),
+                    ..Default::default()
+                };
+                let pid = worker.pid;
+                if let Some(answer) = self.t.acquire(pid as ConnId, request, now) {
+                    self.answer(pid, answer);
+                }
+            }
+            Op::Start(w, n) => {
+                let Some(i) = self.nth(w, n, |r| matches!(r, Request::Granted { .. })) else {
+                    return Ok(());
+                };
+                let worker = &mut self.workers[w];
+                let Request::Granted { permit, size } = worker.requests[i] else {
+                    unreachable!()
+                };
+                let Some(handle) = worker.allocator.alloc(&mut self.card, worker.pid, size) else {
+                    return Err(format!(
+                        "CUDA OOM: worker {} wants {} MiB under permit {permit}; the card holds {:?} of {} MiB, its allocator {:?}",
+                        worker.pid,
+                        size >> 20,
+                        self.card.held.iter().map(|(p, b)| (p, b >> 20)).collect::<Vec<_>>(),
+                        self.card.total >> 20,
+                        worker.allocator.segments,
+                    ));
+                };
+                worker.requests[i] = Request::Working { permit, handle };
+            }
+            Op::Finish(w, n) => {
+                let Some(i) = self.nth(w, n, |r| matches!(r, Request::Working { .. })) else {
+                    return Ok(());
+                };
+                let worker = &mut self.workers[w];
+                let Request::Working { permit, handle } = worker.requests.remove(i) else {
+                    unreachable!()
+                };
+                worker.allocator.free(handle);
+                let pid = worker.pid;
+                let released = self.t.release_permit(pid as ConnId, 0, permit, now);
+                if !matches!(released, Response::Released { .. }) {
+                    return Err(format!("release of permit {permit}: {released:?}"));
+                }
+            }
+            Op::Sample => self.latest = self.card.reading(now),
+            Op::Tick(ms) => {
+                self.now += Duration::from_millis(ms);
+                self.t.expire(self.now);
+                self.t.tick(self.now, self.latest.clone());
+            }
+            Op::Trim(w) => {
+                let worker = &mut self.workers[w];
+                if std::mem::take(&mut worker.trim_asked) {
+                    worker.allocator.release_cached(&mut self.card, worker.pid);
+                    worker.trims += 1;
+                }
+            }
+        }
+        self.deliver();
+        Ok(())
+    }
+}
+
+fn run(card_gib: u64, workers: usize, reports: bool, ops: &[Op]) -> Result<World, String> {
+    let mut world = World::new(card_gib, workers, reports);
+    for (i, op) in ops.iter().enumerate() {
+        world
+            .step(op)
+            .map_err(|e| format!("step {i} {op:?}: {e}"))?;
+    }
+    Ok(world)
+}
+
+#[test]
+fn the_simulation_reaches_the_cache_the_allocators_retry_and_trims() {
+    // A property that held only because nothing was served from a cache would prove nothing:
+    // over a few hundred sequences, requests are served from cached blocks, and workers give
+    // their cache back when the ledger asks (`trim`). (The allocator's own release-and-retry,
+    // 3 to 5 times a run in the Python scenario before the ledger counted a permit larger than
+    // its holder's cached blocks in full, is never needed now.)
+    use proptest::strategy::ValueTree;
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    let (mut from_cache, mut trims) = (0, 0);
+    for case in 0..300 {
+        let ops = proptest::collection::vec(op(3), 150..200)
+            .new_tree(&mut runner)
+            .expect("a sequence")
+            .current();
+        let world = run(24, 3, case % 2 == 0, &ops).expect("no CUDA OOM");
+        for w in &world.workers {
+            from_cache += w.allocator.from_cache;
+            trims += w.trims;
+        }
+    }
+    assert!(
+        from_cache > 100 && trims > 0,
+        "from cache {from_cache}, trims {trims}"
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn two_workers_on_16_gib_never_meet_a_cuda_oom(
+        ops in proptest::collection::vec(op(2), 1..200),
+        reports in any::<bool>(),
+    ) {
+        if let Err(e) = run(16, 2, reports, &ops).map(drop) {
+            prop_assert!(false, "{e}");
+        }
+    }
+
+    #[test]
+    fn three_workers_on_24_gib_never_meet_a_cuda_oom(
+        ops in proptest::collection::vec(op(3), 1..200),
+        reports in any::<bool>(),
+    ) {
+        if let Err(e) = run(24, 3, reports, &ops).map(drop) {
+            prop_assert!(false, "{e}");
+        }
+    }
+}
