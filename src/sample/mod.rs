@@ -11,6 +11,7 @@ pub mod procfs;
 pub mod prometheus;
 pub mod scan;
 pub mod tmpfs;
+pub mod unattributed;
 pub mod weights;
 
 use crate::snapshot::HostMemory;

@@ -24,6 +24,7 @@ use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::struct_wrappers::device::ProcessInfo;
 use nvml_wrapper::Nvml;
 
+use super::unattributed::Unattributed;
 use crate::snapshot::{printable, Gpu, GpuSnapshot, GpuStatus};
 
 /// More GPUs than any host has: NVML answering this is not believed (nothing is allocated for it).
@@ -87,6 +88,9 @@ pub struct NvmlGpuSource {
     last_processes: BTreeMap<u32, (BTreeMap<i32, Option<u64>>, bool)>,
     /// Every GPU seen healthy, by index: one that goes missing from the list is lost, not gone.
     seen: BTreeMap<u32, Seen>,
+    /// Per GPU, the memory used but listed under no process, and when this source started.
+    unattributed: BTreeMap<u32, Unattributed>,
+    started: Instant,
     xids: Arc<Mutex<Vec<XidEvent>>>,
     quit_events: Arc<AtomicBool>,
 }
@@ -101,6 +105,8 @@ impl NvmlGpuSource {
             last_error: String::new(),
             last_processes: BTreeMap::new(),
             seen: BTreeMap::new(),
+            unattributed: BTreeMap::new(),
+            started: Instant::now(),
             xids: Arc::default(),
             quit_events: Arc::default(),
         }
@@ -294,9 +300,19 @@ impl NvmlGpuSource {
             // The same lists around the memory figures, and no more memory in them than the
             // card had in use: a process that freed memory and another that took as much in
             // between leave the lists alike (A-B-A) while `used` saw the moment between.
+            // And the memory listed under no process where it was (see `Unattributed`).
             let listed: u64 = after.0.values().map(|b| b.unwrap_or(0)).sum();
-            gpu.processes_steady =
-                after.1 && after == before && gpu.used_bytes.is_some_and(|used| listed <= used);
+            let now = self.started.elapsed();
+            gpu.processes_steady = after.1
+                && after == before
+                && gpu.used_bytes.is_some_and(|used| {
+                    listed <= used
+                        && self
+                            .unattributed
+                            .entry(index)
+                            .or_default()
+                            .agrees(used - listed, now)
+                });
             self.last_processes.insert(index, after);
         }
         if let Some((list, known)) = self.last_processes.get(&index) {

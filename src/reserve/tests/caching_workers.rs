@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use proptest::prelude::*;
 
 use super::*;
+use crate::sample::unattributed::Unattributed;
 
 const MIB: u64 = 1 << 20;
 /// PyTorch rounds large allocations up to 2 MiB and gives each new one a segment of its own.
@@ -178,16 +179,26 @@ impl Card {
         *self.held.get_mut(&pid).expect("a holder") -= size;
     }
 
-    /// An NVML reading taken now (`at`), as the daemon's tick turns it into a capacity.
-    fn reading(&self, at: Duration) -> Capacity {
+    /// An NVML reading taken now (`at`), as the daemon's tick turns it into a capacity, its
+    /// per-process figures trusted as `sample::nvml` trusts them (`unattributed`).
+    fn reading(&self, at: Duration, unattributed: &mut Unattributed) -> Capacity {
+        self.reading_listing(&self.held, at, unattributed)
+    }
+
+    /// The same with the per-process figures of `listed` (an earlier moment: they lag `used`).
+    fn reading_listing(
+        &self,
+        listed: &BTreeMap<i32, u64>,
+        at: Duration,
+        unattributed: &mut Unattributed,
+    ) -> Capacity {
         let used = self.used();
         let mut c = capacity(0);
         c.models.get_mut("served").expect("in capacity()").gpu_bytes = BTreeMap::from([(0, used)]);
         c.gpus[0].total = Some(self.total);
         c.gpus[0].free = Some(self.total - used);
         c.gpus[0].floor = FLOOR;
-        c.trees = self
-            .held
+        c.trees = listed
             .iter()
             .map(|(&pid, &bytes)| {
                 let tree = TreeUse {
@@ -198,14 +209,15 @@ impl Card {
                 (peer(0, pid).process(), tree)
             })
             .collect();
-        c.member_of = self
-            .held
+        c.member_of = listed
             .keys()
             .map(|&pid| (peer(0, pid).process(), "served".to_string()))
             .collect();
         c.models.get_mut("served").expect("in capacity()").members = self.held.len() as u64;
         c.gpu_sampled_at = Some(at);
         c.scanned_at = Some(at);
+        let listed = listed.values().sum::<u64>();
+        c.gpu_consistent = listed <= used && unattributed.agrees(used - listed, at);
         c
     }
 }
@@ -277,6 +289,8 @@ enum Op {
     Finish(usize, usize),
     /// NVML is read now; the next tick takes this reading in.
     Sample,
+    /// The same, its per-process figures still those of the sample before.
+    SampleLagging,
     /// `ms` pass, and the loop ticks with the latest reading.
     Tick(u64),
     /// A worker asked to give its cache back does (`torch.cuda.empty_cache()`).
@@ -291,6 +305,7 @@ fn op(workers: usize) -> impl Strategy<Value = Op> {
         3 => (w.clone(), 0..3usize).prop_map(|(w, n)| Op::Start(w, n)),
         3 => (w.clone(), 0..3usize).prop_map(|(w, n)| Op::Finish(w, n)),
         2 => Just(Op::Sample),
+        1 => Just(Op::SampleLagging),
         2 => (1..250u64).prop_map(Op::Tick),
         1 => w.prop_map(Op::Trim),
     ]
@@ -303,6 +318,9 @@ struct World {
     card: Card,
     workers: Vec<Worker>,
     latest: Capacity,
+    /// What each process held at the last sample (a lagging reading's per-process figures).
+    listed: BTreeMap<i32, u64>,
+    unattributed: Unattributed,
     now: Duration,
 }
 
@@ -325,7 +343,9 @@ impl World {
         let mut t = Reservations::new(config(
             "[[model]]\nname = \"served\"\nmatch = { comm = \"x\" }\n",
         ));
-        let latest = card.reading(Duration::ZERO);
+        let mut unattributed = Unattributed::default();
+        let latest = card.reading(Duration::ZERO, &mut unattributed);
+        let listed = card.held.clone();
         t.tick(Duration::ZERO, latest.clone());
         for w in &workers {
             t.join(w.pid as ConnId, peer(0, w.pid), Duration::ZERO);
@@ -336,6 +356,8 @@ impl World {
             card,
             workers,
             latest,
+            listed,
+            unattributed,
             now: Duration::ZERO,
         }
     }
@@ -459,7 +481,15 @@ impl World {
                     return Err(format!("release of permit {permit}: {released:?}"));
                 }
             }
-            Op::Sample => self.latest = self.card.reading(now),
+            Op::Sample => {
+                self.latest = self.card.reading(now, &mut self.unattributed);
+                self.listed = self.card.held.clone();
+            }
+            Op::SampleLagging => {
+                self.latest = self
+                    .card
+                    .reading_listing(&self.listed, now, &mut self.unattributed)
+            }
             Op::Tick(ms) => {
                 self.now += Duration::from_millis(ms);
                 self.t.expire(self.now);
