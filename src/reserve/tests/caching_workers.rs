@@ -295,6 +295,12 @@ enum Op {
     Tick(u64),
     /// A worker asked to give its cache back does (`torch.cuda.empty_cache()`).
     Trim(usize),
+    /// A worker empties its cache on its own (servers call `empty_cache()` between batches).
+    /// Only where clients send no cache report: a report read after a request took a segment
+    /// and before such a release, with no reading between the take and the release (NVML saw
+    /// neither), claims cache that is gone and that nothing the daemon sees can tell (README,
+    /// "a server that empties its cache").
+    EmptyCache(usize),
 }
 
 fn op(workers: usize) -> impl Strategy<Value = Op> {
@@ -307,7 +313,8 @@ fn op(workers: usize) -> impl Strategy<Value = Op> {
         2 => Just(Op::Sample),
         1 => Just(Op::SampleLagging),
         2 => (1..250u64).prop_map(Op::Tick),
-        1 => w.prop_map(Op::Trim),
+        1 => w.clone().prop_map(Op::Trim),
+        1 => w.prop_map(Op::EmptyCache),
     ]
 }
 
@@ -494,6 +501,12 @@ impl World {
                 self.now += Duration::from_millis(ms);
                 self.t.expire(self.now);
                 self.t.tick(self.now, self.latest.clone());
+            }
+            Op::EmptyCache(w) => {
+                let worker = &mut self.workers[w];
+                if !self.reports {
+                    worker.allocator.release_cached(&mut self.card, worker.pid);
+                }
             }
             Op::Trim(w) => {
                 let worker = &mut self.workers[w];
