@@ -105,6 +105,7 @@ fn snapshot(at: Duration, available: u64, procs: &[Process], scanned_at: Duratio
             ..Default::default()
         },
         processes: ProcessTable {
+            pss_read: true,
             scanned_at: Some(scanned_at),
             processes: procs.to_vec(),
         },

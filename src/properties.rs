@@ -237,7 +237,7 @@ proptest! {
         let config = Config::parse("", Path::new("c.toml")).unwrap();
         let snapshot = Snapshot {
             host,
-            processes: ProcessTable { scanned_at: Some(Duration::ZERO), processes: scanned },
+            processes: ProcessTable { scanned_at: Some(Duration::ZERO), processes: scanned, pss_read: true },
             ..Default::default()
         };
         evaluate(&config, &snapshot, &Launches::default(), &mut PolicyState::default());
@@ -406,6 +406,7 @@ fn snapshot() -> impl Strategy<Value = Snapshot> {
                 at: Duration::ZERO,
                 host,
                 processes: ProcessTable {
+                    pss_read: true,
                     scanned_at: Some(Duration::ZERO),
                     processes: procs,
                 },

@@ -146,6 +146,9 @@ impl Process {
 pub struct ProcessTable {
     /// When the scan ran (daemon clock); `None` before the first scan.
     pub scanned_at: Option<Duration>,
+    /// The scan read PSS (`Process::pss_bytes`) of the processes large enough to be worth it,
+    /// where it could: a process of that size without one could not be read (RSS stands in).
+    pub pss_read: bool,
     pub processes: Vec<Process>,
 }
 

@@ -229,6 +229,7 @@ impl Daemon {
             processes: crate::snapshot::ProcessTable {
                 scanned_at: Some(Duration::ZERO),
                 processes,
+                pss_read: false,
             },
             ..Default::default()
         };

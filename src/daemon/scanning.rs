@@ -208,6 +208,7 @@ impl Sampler {
             "scan"
         );
         let table = &mut self.snapshot.processes;
+        table.pss_read = result.pss.is_some();
         apply(&mut table.processes, &mut result);
         table.scanned_at = Some(result.at);
         if let Some(weights) = result.mapped_weights {
@@ -294,11 +295,13 @@ impl Sampler {
         };
         let near = |r: &Resource| matches!(state.levels.get(r), Some(Level::Warn | Level::Act));
         let ram_near = near(&Resource::Ram);
-        // Just come near the RAM floor: a round at once, for the PSS the ranking wants (read
-        // by the scan, off the loop; until it lands, processes are ranked by RSS).
-        let pss_wanted = ram_near && !self.scans.pss_asked;
-        if !ram_near {
-            // Come near again later: a round at once then too.
+        // PSS decides near the RAM floor (the ranking) and for a model whose RSS is over its
+        // RAM budget (its budget). Just come to want it: a round at once (read by the scan,
+        // off the loop; until it lands, processes are ranked by RSS and the budget waits).
+        let pss = ram_near || state.budgets.values().any(|b| b.wants_pss);
+        let pss_wanted = pss && !self.scans.pss_asked;
+        if !pss {
+            // Come to want it again later: a round at once then too.
             self.scans.pss_asked = false;
         }
         if age < min_age && !self.scans.want_full && !pss_wanted {
@@ -339,10 +342,10 @@ impl Sampler {
             rotation_period: config.daemon.scan_interval * ROTATION_SCANS,
             young: YOUNG,
             maps: self.gpus.as_ref().map(|_| self.gpu_holders()),
-            pss_min_rss: ram_near.then_some(PSS_MIN_RSS),
+            pss_min_rss: pss.then_some(PSS_MIN_RSS),
         };
         self.scans.last_round = Some((at, available));
-        self.scans.pss_asked = ram_near;
+        self.scans.pss_asked = pss;
         if full {
             self.scans.last_full = Some((at, available));
             self.scans.want_full = false;

@@ -1117,6 +1117,48 @@ fn a_model_over_its_ram_budget_is_stopped_then_resumed_when_a_reload_raises_it()
     assert_eq!(cleared["subject"]["model"], "greedy", "{cleared}");
 }
 
+/// Forked workers share pages (the weights a `--preload` master loaded before forking, the
+/// libraries): four workers of 3 GiB RSS each hold 1 GiB of their own. Their RSS (12 GiB) is
+/// over the model's 8 GiB RAM budget; what they really hold (PSS, 4 GiB) is not: the scan is asked
+/// for PSS at once, nothing is said or done before it lands, and the budget holds. Once one
+/// worker's own memory grows past the budget (PSS 9 GiB in all), the model is stopped.
+#[test]
+fn forked_workers_are_held_to_their_ram_budget_by_what_they_hold_not_by_shared_pages() {
+    let mut w = World {
+        host: host(64 * GIB, 40 * GIB),
+        ..World::default()
+    };
+    for pid in 101..=104 {
+        w.spawn(pid, "worker", 3 * GIB);
+        w.procs.get_mut(&pid).unwrap().ppid = if pid == 101 { 1 } else { 101 };
+        w.pss.insert(pid, GIB);
+    }
+    let mut h = Harness::new(
+        w,
+        "scan_interval = \"200ms\"\n\
+         [ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n[gpu]\nenabled = false\n\
+         [[model]]\nname = \"forked\"\nmatch = { comm = \"worker\" }\nram = \"8GiB\"\n\
+         action = \"stop\"\ngrace = \"300ms\"\n",
+    );
+    h.ticks(10, 100 * MS);
+    assert!(
+        h.world().pss_reads.contains(&101),
+        "{:?}",
+        h.world().pss_reads
+    );
+    assert_eq!(h.signals(), [], "{:?}", h.actions());
+    assert!(logged(&h, "budget_exceeded").is_empty());
+    // One worker's own memory grows by 5 GiB: 9 GiB held in all.
+    h.world().procs.get_mut(&102).unwrap().rss_bytes = 8 * GIB;
+    h.world().pss.insert(102, 6 * GIB);
+    h.ticks(10, 100 * MS);
+    let stopped: Vec<i32> = h.signals().iter().map(|(pid, _)| *pid).collect();
+    assert_eq!(stopped, [101, 102, 103, 104], "{:?}", h.actions());
+    let exceeded: serde_json::Value =
+        serde_json::from_str(&logged(&h, "budget_exceeded")[0]).unwrap();
+    assert_eq!(exceeded["subject"]["usage_bytes"], 9 * GIB, "{exceeded}");
+}
+
 /// A daemon killed while it held a process stopped: the next one, whose config no longer
 /// budgets that model, resumes it at start (SIGCONT, same pid and start time) and says so.
 /// Moved from the host suite (`ram_guard`); the real SIGKILLed binary and real stopped

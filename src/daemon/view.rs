@@ -187,7 +187,7 @@ impl Daemon {
     /// A model's use (from its attribution) and budgets.
     pub(super) fn usage_figures(&self, usage: &ModelUsage) -> ModelFigures {
         ModelFigures {
-            ram_bytes: usage.rss_bytes,
+            ram_bytes: usage.ram_bytes,
             gpu_bytes: usage.gpu_total_bytes(),
             ..self.budget_figures(&usage.name)
         }

@@ -87,6 +87,7 @@ fn snapshot(ms: u64, available: u64, rss: u64, state: char) -> Snapshot {
             shmem_bytes: None,
         },
         processes: ProcessTable {
+            pss_read: false,
             scanned_at: Some(at),
             processes: vec![
                 process(10, "warm", rss, state),

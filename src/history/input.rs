@@ -312,6 +312,9 @@ impl PolicyInput {
             processes: ProcessTable {
                 scanned_at: self.scanned_ms.map(at),
                 processes,
+                // What was recorded is all there is: RSS stands in where no PSS was read (a
+                // replay cannot ask the scan for more).
+                pss_read: true,
             },
             gpus: GpuSnapshot {
                 status: self.gpus.status.clone(),

@@ -283,6 +283,7 @@ mod tests {
                     ..HostMemory::default()
                 },
                 processes: ProcessTable {
+                    pss_read: true,
                     scanned_at: Some(at),
                     processes: vec![process(100, "hog", 10 * GIB), process(200, "srv", 6 * GIB)],
                 },

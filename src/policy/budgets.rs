@@ -33,6 +33,9 @@ pub(super) fn evaluate_budgets(
         return;
     }
     let now = snapshot.at;
+    for budget in state.budgets.values_mut() {
+        budget.wants_pss = false;
+    }
     let models = launches.models(config);
     for model in models.iter() {
         let Some(index) = state
@@ -43,8 +46,20 @@ pub(super) fn evaluate_budgets(
         else {
             continue;
         };
-        let excess = measure(model, &state.attribution.models[index], snapshot);
+        let usage = &state.attribution.models[index];
+        let (ram_budget, _) = model.budget_bytes(
+            snapshot.host.total_bytes,
+            snapshot.gpus.largest_total_bytes(),
+        );
+        // Over its RAM budget by RSS: what its members really hold alone (PSS) decides, once
+        // a scan has read it (the daemon asks one at once); until then, nothing changes.
+        let wants_pss = ram_budget.is_some_and(|b| usage.rss_bytes > b);
+        let excess = measure(model, usage, snapshot);
         let budget = state.budgets.entry(model.name.clone()).or_default();
+        budget.wants_pss = wants_pss;
+        if wants_pss && !snapshot.processes.pss_read {
+            continue;
+        }
         budget.over = excess.as_ref().map(|e| e.overage);
         let Some(Excess { overage, words }) = excess else {
             lift(budget, &model.name, plan);
@@ -111,15 +126,15 @@ fn measure(model: &ModelConfig, usage: &ModelUsage, snapshot: &Snapshot) -> Opti
     let mut over = Vec::new();
     let mut overage = None;
     if let Some(budget) = ram_budget {
-        if usage.rss_bytes > budget {
+        if usage.ram_bytes > budget {
             overage = Some(Overage {
                 gpu: false,
-                used_bytes: usage.rss_bytes,
+                used_bytes: usage.ram_bytes,
                 budget_bytes: budget,
             });
             over.push(format!(
                 "RAM {} > budget {}",
-                bytes(usage.rss_bytes),
+                bytes(usage.ram_bytes),
                 bytes(budget)
             ));
         }

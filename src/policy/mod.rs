@@ -326,6 +326,9 @@ pub struct BudgetState {
     pub over: Option<Overage>,
     /// The enforcement in force, with the target it was applied to.
     pub enforced: Option<Enforcement>,
+    /// Its members' RSS is over its RAM budget: the scan should read their PSS (shared pages
+    /// counted once), which decides.
+    pub wants_pss: bool,
 }
 
 /// A budget's action in force against a model.

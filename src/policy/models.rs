@@ -105,6 +105,10 @@ pub struct ModelUsage {
     /// The live members, in pid order.
     pub members: Vec<ProcessId>,
     pub rss_bytes: u64,
+    /// What killing its members would free of RAM: their PSS where the scan read it, else
+    /// their RSS. Forked workers share pages (the weights a `--preload` master loaded, the
+    /// libraries): RSS counts each shared page once per worker.
+    pub ram_bytes: u64,
     /// Known GPU memory per GPU index.
     pub gpu_bytes: BTreeMap<u32, u64>,
     /// Some member's GPU memory is unavailable: the sums above are lower bounds.
@@ -253,6 +257,7 @@ pub fn attribute(
         }
         models[m].members.push(p.id());
         models[m].rss_bytes += p.rss_bytes;
+        models[m].ram_bytes += p.pss_bytes.unwrap_or(p.rss_bytes);
         member_by_pid.insert(p.pid, m);
     }
     for m in &mut models {

@@ -66,6 +66,7 @@ fn snap(at_ms: u64, available: Option<u64>, procs: Vec<Process>) -> Snapshot {
             shmem_bytes: None,
         },
         processes: ProcessTable {
+            pss_read: true,
             scanned_at: Some(at),
             processes: procs,
         },
@@ -580,6 +581,7 @@ fn model_membership_by_matcher() {
         };
         let c = config(&format!("[[model]]\nname = \"m\"\n{matcher}\n{users}"));
         let table = ProcessTable {
+            pss_read: true,
             scanned_at: Some(Duration::ZERO),
             processes: vec![yes, no],
         };
@@ -662,6 +664,7 @@ fn launched_processes_belong_to_their_registered_model() {
     ];
     let registered = HashMap::from([(procs[2].id(), "launched".to_string())]);
     let table = ProcessTable {
+        pss_read: true,
         scanned_at: Some(Duration::ZERO),
         processes: procs,
     };
@@ -716,6 +719,7 @@ fn a_model_has_only_processes_of_its_users_whatever_they_are_named() {
         ..proc(101, "helper", GIB, 100)
     };
     let table = ProcessTable {
+        pss_read: true,
         scanned_at: Some(Duration::ZERO),
         processes: vec![server, forged, sandboxed],
     };
@@ -737,6 +741,7 @@ fn membership_follows_exec() {
     let c = config("[[model]]\nname = \"vllm\"\nmatch = { comm = \"vllm\" }\nusers = [\"1000\"]\n");
     let mut cache = MatchCache::default();
     let table = |comm: &str| ProcessTable {
+        pss_read: true,
         scanned_at: Some(Duration::ZERO),
         processes: vec![proc(100, comm, GIB, 1)],
     };
@@ -767,6 +772,7 @@ fn membership_follows_an_exec_that_keeps_the_name_and_a_setuid() {
         config("[[model]]\nname = \"vllm\"\nmatch = { cmdline = \"vllm serve\", user = \"0\" }\n");
     let mut cache = MatchCache::default();
     let table = |cmdline: &str, uid: u32| ProcessTable {
+        pss_read: true,
         scanned_at: Some(Duration::ZERO),
         processes: vec![Process {
             cmdline: cmdline.to_string(),

@@ -122,7 +122,7 @@ pub(super) fn over_budget(
         snapshot.gpus.largest_total_bytes(),
     );
     let (used, budget) = match resource {
-        Resource::Ram => (usage.rss_bytes, ram_budget?),
+        Resource::Ram => (usage.ram_bytes, ram_budget?),
         Resource::Gpu(_) => (usage.gpu_total_bytes(), gpu_budget?),
     };
     used.checked_sub(budget).filter(|&over| over > 0)

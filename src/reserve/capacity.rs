@@ -141,7 +141,7 @@ impl Capacity {
                 ModelUse {
                     gpu_bytes: usage.gpu_bytes.clone(),
                     gpu_unknown: usage.gpu_unknown,
-                    ram_bytes: usage.rss_bytes,
+                    ram_bytes: usage.ram_bytes,
                     members: members.finish(),
                 },
             );
@@ -269,6 +269,7 @@ mod tests {
         };
         let snapshot = |holders: &[(i32, u64)]| Snapshot {
             processes: ProcessTable {
+                pss_read: true,
                 scanned_at: Some(Duration::ZERO),
                 processes: vec![
                     process(1, 0, 0),

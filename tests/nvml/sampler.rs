@@ -116,6 +116,7 @@ fn any_nvml_state_is_sampled_without_panicking() {
                     processes_fresh: reading.read_processes,
                 },
                 processes: ProcessTable {
+                    pss_read: true,
                     scanned_at: Some(Duration::ZERO),
                     processes: Vec::new(),
                 },
