@@ -4,6 +4,9 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 
+use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+use nix::unistd::geteuid;
+
 use crate::protocol::{Envelope, Request, Response, MAX_MESSAGE_BYTES, PROTOCOL_VERSION};
 
 /// Why the daemon could not be asked.
@@ -14,6 +17,8 @@ pub enum ClientError {
         path: String,
         source: std::io::Error,
     },
+    #[error("the socket at {path} is served by uid {uid}, neither root nor you: not the gpuguard daemon, its answers are not trusted")]
+    NotTheDaemon { path: String, uid: u32 },
     #[error("the daemon closed the connection without an answer")]
     NoAnswer,
     #[error("bad answer from the daemon: {0}")]
@@ -41,6 +46,18 @@ impl Connection {
             source,
         };
         let mut stream = UnixStream::connect(path).map_err(unreachable)?;
+        // A socket another user made where the daemon's is looked for (a writable state
+        // directory, a path given on the command line) could answer with anything: the daemon
+        // runs as root (or as you, started by hand).
+        let served_by = getsockopt(&stream, PeerCredentials)
+            .map_err(|e| unreachable(e.into()))?
+            .uid();
+        if served_by != 0 && served_by != geteuid().as_raw() {
+            return Err(ClientError::NotTheDaemon {
+                path: path.display().to_string(),
+                uid: served_by,
+            });
+        }
         stream.write_all(&line(request)).map_err(unreachable)?;
         Ok(Connection {
             reader: BufReader::new(stream),

@@ -1683,3 +1683,50 @@ fn a_users_permit_with_a_timeout_of_zero_is_granted_when_the_gpu_has_room() {
         daemon.log_text()
     );
 }
+
+/// #27 (L6): a socket another account made where the CLI looks for the daemon's (a writable
+/// state directory, a path on the command line) could answer `status`, `plan --gpu host` or
+/// `launch` with anything. The CLI believes only a socket served by root or by its own user, and
+/// says whose it is.
+#[test]
+fn the_cli_believes_only_a_socket_served_by_root_or_by_its_own_user() {
+    let attacker = Attacker::create();
+    let (shared, socket) = shared_socket_dir("gpuguard-fake");
+    nix::unistd::chown(
+        shared.path(),
+        Some(nix::unistd::Uid::from_raw(attacker.uid)),
+        None,
+    )
+    .unwrap();
+    let script = format!(
+        "import socket\ns = socket.socket(socket.AF_UNIX)\ns.bind({socket:?})\ns.listen(8)\n\
+         print('ready', flush=True)\nwhile True:\n    c, _ = s.accept()\n    try:\n        \
+         c.recv(65536)\n        c.sendall(b'{{\"type\": \"status\", \"all\": \"fine\"}}\\n')\n    \
+         except OSError:\n        pass\n    c.close()\n"
+    );
+    let mut fake = KillOnDrop(
+        attacker
+            .python(&script)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    assert_eq!(first_line(&mut fake.0).trim(), "ready");
+    for args in [
+        &["status", "--json"][..],
+        &["launch", "--model", "m", "--", "true"],
+    ] {
+        let out = Command::new(BIN)
+            .args(args)
+            .env("GPUGUARD_SOCKET", &socket)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(&format!("served by uid {}", attacker.uid)),
+            "{args:?}: {stderr}"
+        );
+        assert!(out.stdout.is_empty(), "{args:?}: {out:?}");
+    }
+}
