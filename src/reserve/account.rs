@@ -217,10 +217,27 @@ impl Books {
         self.quiet_readings = 0;
     }
 
+    /// A new baseline: the sizes seen before it no longer describe its cache, but those of the
+    /// reservations still out (and of those ended that no reading has followed yet) still
+    /// describe blocks it holds or will hold.
     fn forget_sizes(&mut self) {
-        self.peak_reserved.clear();
+        self.peak_reserved = self.reserved.clone();
         self.largest.clear();
         self.smallest.clear();
+        let out = self
+            .out
+            .iter()
+            .flat_map(|(g, sizes)| sizes.keys().map(|s| (*g, *s)));
+        let ended = self
+            .ended
+            .iter()
+            .flat_map(|(g, ends)| ends.iter().map(|(_, s)| (*g, *s)));
+        for (g, size) in out.chain(ended).filter(|(_, s)| *s > 0) {
+            let largest = self.largest.entry(g).or_default();
+            *largest = (*largest).max(size);
+            let smallest = self.smallest.entry(g).or_insert(size);
+            *smallest = (*smallest).min(size);
+        }
     }
 
     /// How many reservations are out on `gpu` (slots of size 0 aside).
@@ -343,11 +360,21 @@ impl Books {
         }
     }
 
-    /// Whether a reservation of `extra` on `gpu` is larger than the smallest since the baseline:
-    /// it may fit none of its cached segments.
+    /// Whether a reservation of `extra` on `gpu` may fit none of its cached segments: it is
+    /// larger than the smallest since the baseline, or its allocator reports more cache than
+    /// NVML showed it take since the baseline (a cache warm before the baseline was taken, made
+    /// of segments of sizes nobody saw).
     fn outgrows(&self, gpu: u32, extra: u64) -> bool {
         let smallest = on(&self.smallest, gpu);
-        extra > 0 && smallest > 0 && extra > smallest
+        let seen_since_base = match &self.base {
+            Some(base) => on(&self.usage, gpu).saturating_sub(on(base, gpu)),
+            None => 0,
+        };
+        let warm = self
+            .reported_cache()
+            .get(&gpu)
+            .is_some_and(|&c| c > seen_since_base);
+        extra > 0 && (extra > smallest && smallest > 0 || warm)
     }
 
     /// The same for its own next reservation: its cache counts, up to the most its reservations
@@ -1427,6 +1454,21 @@ mod tests {
             a.gpu_promised_to(A, &nothing(), 0, true)
         };
         assert_eq!(with_report(true), with_report(false), "NVML alone");
+    }
+
+    #[test]
+    fn a_cache_warm_before_the_baseline_serves_its_own_permits_by_no_size() {
+        // Found by `reserve::tests::caching_workers` with workers warm before the daemon saw
+        // them: A's baseline took 13 GiB with its cache in it; its allocator reports 5 GiB
+        // cached, in blocks of sizes nobody saw. A 2 GiB permit may fit none of them (a 1.9 GiB
+        // block): it draws on free memory in full, and A is asked to give its cache back.
+        let warm = reading(&[(A, 13)], true);
+        let mut a = fresh();
+        a.observe(None, &warm);
+        let warm = report(&mut a, &warm, 5);
+        assert!(a.outgrows_cache(A, 0, 2 * GIB));
+        assert_eq!(a.gpu_promised_beside(A, &warm, 0, true, 2 * GIB), 0);
+        assert_eq!(a.idle_caches(&warm, 0), [(A, 5 * GIB)]);
     }
 
     #[test]

@@ -318,6 +318,12 @@ fn op(workers: usize) -> impl Strategy<Value = Op> {
     ]
 }
 
+/// Per worker, the sizes (MiB) of the segments cached before the daemon first sees it: none
+/// (cold), or up to two.
+fn warm(workers: usize) -> impl Strategy<Value = Vec<Vec<u64>>> {
+    proptest::collection::vec(proptest::collection::vec(1024..=4096u64, 0..3), workers)
+}
+
 struct World {
     /// The clients report their allocator's cache (`allocator="torch"`).
     reports: bool,
@@ -332,19 +338,33 @@ struct World {
 }
 
 impl World {
-    fn new(card_gib: u64, workers: usize, reports: bool) -> World {
+    /// `warm`: per worker, the sizes (MiB) of the segments its cache holds before the daemon
+    /// first sees it (the daemon restarted under it, or it served before asking for permits).
+    fn new(card_gib: u64, workers: usize, reports: bool, warm: &[Vec<u64>]) -> World {
         let mut card = Card {
             total: card_gib * GIB,
             held: BTreeMap::new(),
         };
+        let pids: Vec<i32> = (0..workers).map(|w| 42 + w as i32).collect();
+        for &pid in &pids {
+            assert!(card.malloc(pid, CONTEXT + WEIGHTS));
+        }
         let workers: Vec<Worker> = (0..workers)
             .map(|w| {
-                let pid = 42 + w as i32;
-                assert!(card.malloc(pid, CONTEXT + WEIGHTS));
-                Worker {
+                let pid = pids[w];
+                let mut worker = Worker {
                     pid,
                     ..Default::default()
+                };
+                let sizes = warm.get(w).map_or(&[][..], Vec::as_slice);
+                let served: Vec<Handle> = sizes
+                    .iter()
+                    .filter_map(|mib| worker.allocator.alloc(&mut card, pid, mib * MIB))
+                    .collect();
+                for handle in served {
+                    worker.allocator.free(handle);
                 }
+                worker
             })
             .collect();
         let mut t = Reservations::new(config(
@@ -521,8 +541,14 @@ impl World {
     }
 }
 
-fn run(card_gib: u64, workers: usize, reports: bool, ops: &[Op]) -> Result<World, String> {
-    let mut world = World::new(card_gib, workers, reports);
+fn run(
+    card_gib: u64,
+    workers: usize,
+    reports: bool,
+    warm: &[Vec<u64>],
+    ops: &[Op],
+) -> Result<World, String> {
+    let mut world = World::new(card_gib, workers, reports, warm);
     for (i, op) in ops.iter().enumerate() {
         world
             .step(op)
@@ -546,7 +572,7 @@ fn the_simulation_reaches_the_cache_the_allocators_retry_and_trims() {
             .new_tree(&mut runner)
             .expect("a sequence")
             .current();
-        let world = run(24, 3, case % 2 == 0, &ops).expect("no CUDA OOM");
+        let world = run(24, 3, case % 2 == 0, &[], &ops).expect("no CUDA OOM");
         for w in &world.workers {
             from_cache += w.allocator.from_cache;
             trims += w.trims;
@@ -565,8 +591,9 @@ proptest! {
     fn two_workers_on_16_gib_never_meet_a_cuda_oom(
         ops in proptest::collection::vec(op(2), 1..200),
         reports in any::<bool>(),
+        warm in warm(2),
     ) {
-        if let Err(e) = run(16, 2, reports, &ops).map(drop) {
+        if let Err(e) = run(16, 2, reports, &warm, &ops).map(drop) {
             prop_assert!(false, "{e}");
         }
     }
@@ -575,8 +602,9 @@ proptest! {
     fn three_workers_on_24_gib_never_meet_a_cuda_oom(
         ops in proptest::collection::vec(op(3), 1..200),
         reports in any::<bool>(),
+        warm in warm(3),
     ) {
-        if let Err(e) = run(24, 3, reports, &ops).map(drop) {
+        if let Err(e) = run(24, 3, reports, &warm, &ops).map(drop) {
             prop_assert!(false, "{e}");
         }
     }
