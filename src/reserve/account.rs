@@ -1404,6 +1404,33 @@ mod tests {
         assert_eq!(a.gpu_promised_to(A, &nothing(), 0, true), 9 * GIB as i64);
     }
 
+    /// A holds 13 GiB with a 3 GiB permit out, and its allocator reads 9 GiB held for work;
+    /// then `between` happens (and returns the reading it leaves), the report arrives, and a
+    /// reading like that one follows. What A's next permit may count on, with the report and
+    /// without it.
+    fn with_and_without_a_report_read_before(
+        between: impl Fn(&mut Account) -> Capacity,
+    ) -> (i64, i64) {
+        let run = |report: bool| {
+            let warm = reading(&[(A, 13)], true);
+            let mut a = fresh();
+            take(&mut a, &warm, A, 3);
+            a.observe(None, &reading(&[(A, 13)], true));
+            let read_at = tick();
+            let now = between(&mut a);
+            if report {
+                a.report_cache(A, &now, 9 * GIB, read_at);
+            }
+            let after = Capacity {
+                gpu_sampled_at: Some(tick()),
+                ..now
+            };
+            a.observe(None, &after);
+            a.gpu_promised_to(A, &nothing(), 0, true)
+        };
+        (run(true), run(false))
+    }
+
     #[test]
     fn a_report_read_before_nvml_showed_a_change_is_void_even_when_the_figure_rose() {
         // Found by `reserve::tests::caching_workers` and seen as a rare CUDA OOM in CI (three
@@ -1411,21 +1438,12 @@ mod tests {
         // the request reached the daemon, another of its requests missed the cache, the
         // allocator gave 2 GiB of cached segments back and took a 3 GiB segment (NVML: 13 ->
         // 14 GiB, a rise). The report, taken in at the next reading, counted the 2 GiB gone.
-        let with_report = |report: bool| {
-            let warm = reading(&[(A, 13)], true);
-            let mut a = fresh();
-            take(&mut a, &warm, A, 3);
-            a.observe(None, &reading(&[(A, 13)], true));
-            let read_at = tick();
+        let (with, without) = with_and_without_a_report_read_before(|a| {
             let changed = reading(&[(A, 14)], true);
             a.observe(None, &changed);
-            if report {
-                a.report_cache(A, &changed, 9 * GIB, read_at);
-            }
-            a.observe(None, &reading(&[(A, 14)], true));
-            a.gpu_promised_to(A, &nothing(), 0, true)
-        };
-        assert_eq!(with_report(true), with_report(false), "NVML alone");
+            changed
+        });
+        assert_eq!(with, without, "NVML alone");
         // Read after that reading, the same report counts.
         let warm = reading(&[(A, 13)], true);
         let mut a = fresh();
@@ -1440,20 +1458,11 @@ mod tests {
     fn a_report_read_before_a_trim_was_asked_never_counts() {
         // The daemon asked A to give its cache back; a report A read before that arrives
         // later, and a reading taken before the trim was done shows nothing changed yet.
-        let with_report = |report: bool| {
-            let warm = reading(&[(A, 13)], true);
-            let mut a = fresh();
-            take(&mut a, &warm, A, 3);
-            a.observe(None, &reading(&[(A, 13)], true));
-            let read_at = tick();
+        let (with, without) = with_and_without_a_report_read_before(|a| {
             a.forget_report(A, tick());
-            if report {
-                a.report_cache(A, &warm, 9 * GIB, read_at);
-            }
-            a.observe(None, &reading(&[(A, 13)], true));
-            a.gpu_promised_to(A, &nothing(), 0, true)
-        };
-        assert_eq!(with_report(true), with_report(false), "NVML alone");
+            reading(&[(A, 13)], true)
+        });
+        assert_eq!(with, without, "NVML alone");
     }
 
     #[test]
