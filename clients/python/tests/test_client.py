@@ -324,3 +324,58 @@ class Setup(FakeDaemonCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+@unittest.skipUnless(os.geteuid() == 0, "needs root: the fake server runs as another user")
+class NotTheDaemon(unittest.TestCase):
+    """A socket served by another account (nobody, here) is not the daemon: neither client
+    believes it, whatever it answers."""
+
+    def test_a_socket_served_by_another_user_is_refused(self):
+        import asyncio
+        import socket
+        import tempfile
+
+        directory = tempfile.mkdtemp()
+        os.chmod(directory, 0o777)
+        path = os.path.join(directory, "gpuguard.sock")
+        ready_r, ready_w = os.pipe()
+        child = os.fork()
+        if child == 0:  # the other user's fake server: answers any line with a grant
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                server.bind(path)
+                server.listen(8)
+                os.write(ready_w, b"r")
+                while True:
+                    conn, _ = server.accept()
+                    try:
+                        conn.recv(65536)
+                        conn.sendall(b'{"type": "granted", "id": 1, "permit": 1}\n')
+                    except OSError:
+                        pass
+                    conn.close()
+            finally:
+                os._exit(0)
+        self.addCleanup(lambda: (os.kill(child, signal.SIGKILL), os.waitpid(child, 0)))
+        self.assertEqual(os.read(ready_r, 1), b"r")
+        client = Client(path, connect_timeout=5)
+        self.addCleanup(client.close)
+        for attempt in (client.status, lambda: client.permit(gpu_bytes="1GiB").__enter__()):
+            with self.assertRaises(DaemonUnavailable) as raised:
+                attempt()
+            self.assertIn("served by uid 65534", str(raised.exception))
+
+        async def run():
+            aclient = gpuguard.AsyncClient(path, connect_timeout=5)
+            try:
+                async with aclient.permit(gpu_bytes="1GiB"):
+                    pass
+            finally:
+                await aclient.aclose()
+
+        with self.assertRaises(DaemonUnavailable) as raised:
+            asyncio.run(run())
+        self.assertIn("served by uid 65534", str(raised.exception))

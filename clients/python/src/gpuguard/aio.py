@@ -13,6 +13,7 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 from . import _session
 from ._session import MAX_ANSWER_BYTES, ConnectionLevelError, Lost, Permit, Request, Session
 from .allocator import CacheReader, cache_reader, cache_trimmer, with_cache
+from ._peer import check_served_by_root_or_me
 from .errors import DaemonUnavailable, GpuguardError, ProtocolError
 from .sizes import Size
 
@@ -40,6 +41,11 @@ class _AsyncConnection:
             raise DaemonUnavailable(
                 f"the gpuguard daemon is not reachable at {path}: {err!r}"
             ) from err
+        try:
+            check_served_by_root_or_me(writer.get_extra_info("socket"), path)
+        except DaemonUnavailable:
+            writer.close()
+            raise
         return cls(reader, writer, next_id)
 
     @property
@@ -298,6 +304,7 @@ class AsyncClient:
         except (OSError, asyncio.TimeoutError) as err:
             raise DaemonUnavailable(f"gpuguard daemon at {self.socket_path}: {err!r}") from err
         try:
+            check_served_by_root_or_me(writer.get_extra_info("socket"), self.socket_path)
             writer.write(_session.encode({"version": _session.PROTOCOL_VERSION, "type": "status"}))
             line = await asyncio.wait_for(reader.readline(), self._connect_timeout)
         except (OSError, ValueError, asyncio.TimeoutError) as err:

@@ -14,6 +14,7 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 from . import _session
 from ._session import MAX_ANSWER_BYTES, ConnectionLevelError, Lost, Permit, Request, Session
 from .allocator import CacheReader, cache_reader, cache_trimmer, with_cache
+from ._peer import check_served_by_root_or_me
 from .errors import DaemonUnavailable, GpuguardError, ProtocolError
 from .sizes import Size
 
@@ -35,6 +36,11 @@ class _Connection:
             raise DaemonUnavailable(
                 f"the gpuguard daemon is not reachable at {path}: {err}"
             ) from err
+        try:
+            check_served_by_root_or_me(sock, path)
+        except DaemonUnavailable:
+            sock.close()
+            raise
         sock.settimeout(None)
         self.pid = os.getpid()
         self._sock = sock
@@ -314,6 +320,7 @@ class Client:
             sock.settimeout(self._connect_timeout)
             try:
                 sock.connect(self.socket_path)
+                check_served_by_root_or_me(sock, self.socket_path)
                 sock.sendall(
                     _session.encode({"version": _session.PROTOCOL_VERSION, "type": "status"})
                 )
