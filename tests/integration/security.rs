@@ -1273,7 +1273,16 @@ fn sacrificial_kills_cannot_spend_the_brake_for_a_users_hog() {
         "the hog ran under the brake: {}",
         g.daemon.log_text()
     );
-    assert_eq!(g.daemon.events_of("process_killed").len(), 4);
+    // Four processes acted on (a victim slow to exit after SIGTERM gets a SIGKILL too, and
+    // each is an event: on a loaded machine one did, and five events were seen).
+    let killed: std::collections::BTreeSet<u64> = g
+        .daemon
+        .events_of("process_killed")
+        .iter()
+        .flat_map(|e| e["subject"]["pids"].as_array().cloned().unwrap_or_default())
+        .filter_map(|pid| pid.as_u64())
+        .collect();
+    assert_eq!(killed.len(), 4, "{killed:?}");
     // And RAM was never back above warn in between: the brake held all along.
     let cleared = g.daemon.events_of("floor_cleared");
     assert!(cleared.is_empty(), "{cleared:?}");
