@@ -77,6 +77,30 @@ fn process_lists_that_change_around_the_memory_reading_are_not_steady() {
     assert!(!gpu.processes_steady, "{gpu:?}");
 }
 
+/// A row that lags `used`: memory NVML counts used but lists under no process moves (a worker
+/// allocated, its row does not say so yet). The per-process figures are not set against free
+/// memory until the row catches up (`sample::unattributed`); the driver's own few hundred MiB,
+/// steady, are no reason to distrust them.
+#[test]
+fn a_process_row_that_lags_used_makes_the_reading_unsteady_until_it_catches_up() {
+    let state = |used_mib: u64, listed_mib: u64| {
+        format!(
+            "device 0 uuid=GPU-a total={} used={}\nprocess 0 4242 {}\n",
+            16 * GIB,
+            used_mib << 20,
+            listed_mib << 20
+        )
+    };
+    let fake = Fake::new(&state(4096 + 300, 4096));
+    let mut source = NvmlGpuSource::new(Some(lib_path()), Duration::from_secs(60));
+    assert!(source.sample(true).devices[0].processes_steady);
+    fake.write(&state(4096 + 300 + 2048, 4096));
+    let gpu = &source.sample(true).devices[0];
+    assert!(!gpu.processes_steady, "{gpu:?}");
+    fake.write(&state(4096 + 300 + 2048, 4096 + 2048));
+    assert!(source.sample(true).devices[0].processes_steady);
+}
+
 /// Any state the fake can be given (the daemon's source reads it state after state, as the
 /// daemon's does: it re-initialises NVML when an answer calls for it) is sampled without
 /// panicking, and the policy takes whatever came of it. 128 cases, or `PROPTEST_CASES`.
