@@ -100,7 +100,8 @@ pub(super) struct Scans {
     table_full: bool,
     /// A full round is wanted at the next tick (after a reload).
     want_full: bool,
-    /// The last round asked was asked for PSS (near the RAM floor).
+    /// The last round asked was asked for PSS (near the RAM floor, or a model's RSS over its
+    /// RAM budget).
     pss_asked: bool,
 }
 

@@ -47,14 +47,15 @@ pub(super) fn evaluate_budgets(
             continue;
         };
         let usage = &state.attribution.models[index];
-        let (ram_budget, _) = model.budget_bytes(
+        let budgets = model.budget_bytes(
             snapshot.host.total_bytes,
             snapshot.gpus.largest_total_bytes(),
         );
+        let ram_budget = budgets.0;
         // Over its RAM budget by RSS: what its members really hold alone (PSS) decides, once
         // a scan has read it (the daemon asks one at once); until then, nothing changes.
         let wants_pss = ram_budget.is_some_and(|b| usage.rss_bytes > b);
-        let excess = measure(model, usage, snapshot);
+        let excess = measure(budgets, usage);
         let budget = state.budgets.entry(model.name.clone()).or_default();
         budget.wants_pss = wants_pss;
         if wants_pss && !snapshot.processes.pss_read {
@@ -117,12 +118,11 @@ struct Excess {
     words: Vec<String>,
 }
 
-/// What the model is over, if anything.
-fn measure(model: &ModelConfig, usage: &ModelUsage, snapshot: &Snapshot) -> Option<Excess> {
-    let (ram_budget, gpu_budget) = model.budget_bytes(
-        snapshot.host.total_bytes,
-        snapshot.gpus.largest_total_bytes(),
-    );
+/// What the model is over, if anything, against its `(RAM, GPU)` budgets in bytes.
+fn measure(
+    (ram_budget, gpu_budget): (Option<u64>, Option<u64>),
+    usage: &ModelUsage,
+) -> Option<Excess> {
     let mut over = Vec::new();
     let mut overage = None;
     if let Some(budget) = ram_budget {

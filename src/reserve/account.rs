@@ -232,11 +232,9 @@ impl Books {
             .ended
             .iter()
             .flat_map(|(g, ends)| ends.iter().map(|(_, s)| (*g, *s)));
-        for (g, size) in out.chain(ended).filter(|(_, s)| *s > 0) {
-            let largest = self.largest.entry(g).or_default();
-            *largest = (*largest).max(size);
-            let smallest = self.smallest.entry(g).or_insert(size);
-            *smallest = (*smallest).min(size);
+        let sizes: Vec<(u32, u64)> = out.chain(ended).filter(|(_, s)| *s > 0).collect();
+        for (g, size) in sizes {
+            self.note_size(g, size);
         }
     }
 
@@ -255,12 +253,17 @@ impl Books {
             if per_gpu > 0 {
                 // A slot (size 0) takes no block and strands nothing.
                 *self.out.entry(*g).or_default().entry(per_gpu).or_default() += 1;
-                let largest = self.largest.entry(*g).or_default();
-                *largest = (*largest).max(per_gpu);
-                let smallest = self.smallest.entry(*g).or_insert(per_gpu);
-                *smallest = (*smallest).min(per_gpu);
+                self.note_size(*g, per_gpu);
             }
         }
+    }
+
+    /// A reservation of `size` on `gpu`: the largest and smallest since the baseline.
+    fn note_size(&mut self, gpu: u32, size: u64) {
+        let largest = self.largest.entry(gpu).or_default();
+        *largest = (*largest).max(size);
+        let smallest = self.smallest.entry(gpu).or_insert(size);
+        *smallest = (*smallest).min(size);
     }
 
     fn unreserve(&mut self, gpus: &[u32], per_gpu: u64, now: Duration) {
