@@ -717,6 +717,7 @@ mod tests {
             ),
             ("[daemon]\nstate_dir = \"\"\n", "daemon.state_dir: must not be empty"),
             ("[launch]\nsocket = \" \"\n", "launch.socket: must not be empty"),
+            ("[launch]\nsocket = \"\"\n", "launch.socket: must not be empty"),
             (
                 "[launch]\nsocket = \"gpuguard.sock\"\n",
                 "launch.socket: 'gpuguard.sock' must be an absolute path",

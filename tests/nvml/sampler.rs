@@ -1,6 +1,9 @@
 //! The NVML sampler (`NvmlGpuSource`) in process against the scripted fake library: what it
-//! reads, how it judges a reading, and that any state is sampled without panicking (a property
-//! test, moved here from tests/integration/properties.rs: it loads the fake into this process).
+//! reads, how it judges a reading, what NVML's odd answers become (no library, no driver, a
+//! mismatch, NA memory, a lost or vanished GPU, implausible counts: moved here from the host
+//! suite, which started a daemon for each), and that any state is sampled without panicking (a
+//! property test, moved here from tests/integration/properties.rs: it loads the fake into this
+//! process).
 
 use std::path::Path;
 use std::time::Duration;
@@ -211,4 +214,128 @@ fn nvml_line() -> impl Strategy<Value = String> {
             .prop_map(|n| format!("device_count {n}")),
         ".{0,60}",
     ]
+}
+
+/// Two 16 GiB GPUs, GPU-aaaa and GPU-bbbb, with what follows.
+fn two_gpus(rest: &str) -> String {
+    format!(
+        "device 0 uuid=GPU-aaaa total={} used={}\ndevice 1 uuid=GPU-bbbb total={} used={}\n{rest}",
+        16 * GIB,
+        GIB,
+        16 * GIB,
+        GIB
+    )
+}
+
+fn unavailable(reading: &gpuguard::sample::nvml::GpuReading) -> String {
+    match &reading.status {
+        gpuguard::snapshot::GpuStatus::Unavailable(why) => why.clone(),
+        other => panic!("not unavailable: {other:?} {reading:?}"),
+    }
+}
+
+/// NVML that cannot start says why (no library at all, no driver, a driver/library mismatch),
+/// and the source retries init: once the driver answers, the GPUs are read. Moved from the host
+/// suite (`gpu_guard`), where a daemon was started for each.
+#[test]
+fn nvml_that_cannot_start_says_why_and_the_retry_picks_the_gpus_up() {
+    let mut none = NvmlGpuSource::new(
+        Some("/nonexistent/libnvidia-ml.so.1".into()),
+        Duration::ZERO,
+    );
+    let why = unavailable(&none.sample(true));
+    assert!(why.contains("NVML library not loadable"), "{why}");
+
+    let fake = Fake::new("");
+    std::fs::remove_file(&fake.state).unwrap();
+    let mut source = NvmlGpuSource::new(Some(lib_path()), Duration::ZERO);
+    let why = unavailable(&source.sample(true));
+    assert!(why.contains("NVIDIA driver not loaded"), "{why}");
+    fake.write(&two_gpus(""));
+    let reading = source.sample(true);
+    assert_eq!(reading.status, gpuguard::snapshot::GpuStatus::Ok);
+    assert_eq!(reading.devices.len(), 2, "{reading:?}");
+
+    fake.write(&two_gpus("error nvmlInit_v2 18\n"));
+    let mut source = NvmlGpuSource::new(Some(lib_path()), Duration::ZERO);
+    let why = unavailable(&source.sample(true));
+    assert!(why.contains("NVML/driver version mismatch"), "{why}");
+    fake.write(&two_gpus(""));
+    let reading = source.sample(true);
+    assert_eq!(reading.status, gpuguard::snapshot::GpuStatus::Ok);
+    assert_eq!(reading.devices.len(), 2, "{reading:?}");
+}
+
+/// A process whose memory NVML reports as NA is listed with its memory unknown (`None`), not
+/// as 0. Moved from the host suite (`gpu_guard::unavailable_gpu_memory_never_leads_to_a_kill`).
+#[test]
+fn na_process_memory_is_unknown_not_zero() {
+    let _fake = Fake::new(&two_gpus("process 0 4242 NA\nprocess 1 4343 1073741824\n"));
+    let mut source = NvmlGpuSource::new(Some(lib_path()), Duration::ZERO);
+    let reading = source.sample(true);
+    assert_eq!(
+        reading.devices[0].processes.get(&4242),
+        Some(&None),
+        "{reading:?}"
+    );
+    assert_eq!(reading.devices[1].processes.get(&4343), Some(&Some(GIB)));
+    assert!(reading.devices[0].processes_known);
+}
+
+/// A GPU that answers GPU_IS_LOST, or that leaves NVML's device list, is reported lost under the
+/// uuid it had; back, it is read again. Moved from the host suite (`faults`: a stopped victim
+/// outlives its lost GPU, both ways).
+#[test]
+fn a_gpu_that_is_lost_or_leaves_the_list_is_reported_lost_with_its_uuid() {
+    let fake = Fake::new(&two_gpus(""));
+    let mut source = NvmlGpuSource::new(Some(lib_path()), Duration::ZERO);
+    assert!(source.sample(true).devices.iter().all(|g| !g.lost));
+    for lose in [
+        two_gpus("error * 15 gpu=1\n"),
+        format!("device 0 uuid=GPU-aaaa total={} used={}\n", 16 * GIB, GIB),
+    ] {
+        fake.write(&lose);
+        let reading = source.sample(true);
+        assert_eq!(reading.status, gpuguard::snapshot::GpuStatus::Ok);
+        assert_eq!(reading.devices.len(), 2, "{lose}: {reading:?}");
+        let gpu = &reading.devices[1];
+        assert!(gpu.lost, "{lose}: {gpu:?}");
+        assert_eq!((gpu.index, gpu.uuid.as_str()), (1, "GPU-bbbb"), "{lose}");
+        assert_eq!(gpu.free_bytes, None, "{lose}: {gpu:?}");
+        assert!(!reading.devices[0].lost);
+        fake.write(&two_gpus(""));
+        assert!(source.sample(true).devices.iter().all(|g| !g.lost));
+    }
+}
+
+/// Counts no host has (4294967295 GPUs, 4294967290 processes on one GPU) are not believed: the
+/// readings are unavailable, the list unknown (not an empty list); the same source reads NVML
+/// again once it makes sense. Moved from the host suite (`faults`).
+#[test]
+fn implausible_nvml_counts_are_unknown_and_the_same_source_reads_sense_again() {
+    let healthy = format!(
+        "device 0 uuid=GPU-aaaa total={} used={}\nprocess 0 4242 {}\n",
+        16 * GIB,
+        8 * GIB,
+        6 * GIB
+    );
+    let fake = Fake::new(&format!("{healthy}device_count 4294967295\n"));
+    let mut source = NvmlGpuSource::new(Some(lib_path()), Duration::ZERO);
+    let reading = source.sample(true);
+    let why = unavailable(&reading);
+    assert!(why.contains("4294967295 GPUs"), "{why}");
+    assert!(reading.devices.is_empty());
+
+    fake.write(&format!("{healthy}process_count 0 4294967290\n"));
+    let gpu = source.sample(true).devices[0].clone();
+    assert!(!gpu.processes_known, "{gpu:?}");
+    assert!(gpu.processes.is_empty(), "{gpu:?}");
+    assert_eq!(gpu.free_bytes, Some(8 * GIB));
+
+    fake.write(&healthy);
+    let reading = source.sample(true);
+    assert_eq!(reading.status, gpuguard::snapshot::GpuStatus::Ok);
+    let gpu = &reading.devices[0];
+    assert!(gpu.processes_known, "{gpu:?}");
+    assert_eq!(gpu.processes.get(&4242), Some(&Some(6 * GIB)));
 }

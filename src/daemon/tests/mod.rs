@@ -1,7 +1,8 @@
 //! Whole ticks of the loop, in process: a fake /proc (host memory and the process table), a fake
-//! GPU source and a fake process control that records every signal, with the daemon's clock
-//! driven by the test. What the binary tests cannot pin down: the exact signals sent, tick by
-//! tick, while processes come, go and exit between the scan and the action.
+//! GPU source (GPU 0 and any more GPUs, memory NVML cannot tell, NVML unavailable) and a
+//! fake process control that records every signal, with the daemon's clock driven by the test.
+//! What the binary tests cannot pin down: the exact signals sent, tick by tick, while processes
+//! come, go and exit between the scan and the action. The GPU cases are in `gpu`.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -37,6 +38,14 @@ struct World {
     /// Proportional set size per pid, and the pids whose PSS was read, in order.
     pss: BTreeMap<i32, u64>,
     pss_reads: Vec<i32>,
+    /// Pids NVML lists on GPU 0 with their memory unavailable (`None`).
+    gpu_unknown: Vec<i32>,
+    /// Memory in use on GPU 0 that NVML lists under no pid.
+    gpu_unlisted: u64,
+    /// GPUs after GPU 0, as NVML reports them.
+    more_gpus: Vec<Gpu>,
+    /// What NVML answers instead of a reading (unavailable, and why), while set.
+    gpu_status: Option<GpuStatus>,
 }
 
 type Shared = Arc<Mutex<World>>;
@@ -147,8 +156,17 @@ impl GpuSource for FakeGpu {
                 ..GpuReading::default()
             };
         };
+        if let Some(status) = &w.gpu_status {
+            return GpuReading {
+                status: status.clone(),
+                ..GpuReading::default()
+            };
+        }
         let total = 80 * GIB;
-        let used_bytes: u64 = used.values().sum();
+        let used_bytes: u64 = used.values().sum::<u64>() + w.gpu_unlisted;
+        let mut processes: BTreeMap<i32, Option<u64>> =
+            used.iter().map(|(&pid, &b)| (pid, Some(b))).collect();
+        processes.extend(w.gpu_unknown.iter().map(|&pid| (pid, None)));
         GpuReading {
             status: GpuStatus::Ok,
             devices: vec![Gpu {
@@ -159,11 +177,14 @@ impl GpuSource for FakeGpu {
                 used_bytes: Some(used_bytes),
                 free_bytes: Some(total - used_bytes),
                 reserved_bytes: Some(0),
-                processes: used.iter().map(|(&pid, &b)| (pid, Some(b))).collect(),
+                processes,
                 processes_known: true,
                 processes_steady: true,
                 ..Gpu::default()
-            }],
+            }]
+            .into_iter()
+            .chain(w.more_gpus.iter().cloned())
+            .collect(),
             read_processes: true,
         }
     }
@@ -333,6 +354,8 @@ fn host(total: u64, available: u64) -> HostMemory {
 }
 
 const MS: Duration = Duration::from_millis(1);
+
+mod gpu;
 
 /// (a) RAM below `min_available`: the largest unprotected process gets the configured action
 /// (`stop`), and only it; the protected one (sshd, root's) is passed over although it is larger.
