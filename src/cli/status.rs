@@ -445,7 +445,51 @@ pub fn render_model(m: &ModelRow) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::status::{EngineRow, GpuRow, ModelRow};
+    use crate::status::{EngineRow, GpuRow, ModelRow, ProcessGpu, ProcessRow};
+
+    /// `status --model`: a model's processes one by one, with their role, GPU memory per GPU and
+    /// the weights files they map (numbered, listed under the table). Moved from the host suite
+    /// (`weights`); what the rows hold is `daemon::tests::gpu`'s.
+    #[test]
+    fn a_models_processes_are_shown_one_by_one() {
+        let g = 1u64 << 30;
+        let path = "/models/server/model.safetensors";
+        let row = |pid: i32, ppid: i32, role: &str, gpu: u32, bytes: u64| ProcessRow {
+            pid,
+            ppid,
+            comm: "python3".into(),
+            role: role.into(),
+            ram_bytes: g,
+            gpus: vec![ProcessGpu {
+                gpu,
+                bytes: Some(bytes),
+            }],
+            weights_files: vec![path.into()],
+        };
+        let m = ModelRow {
+            name: "server".into(),
+            source: "config".into(),
+            pids: vec![100, 101, 102],
+            processes: vec![
+                row(100, 1, "matched", 0, g),
+                row(101, 100, "child", 0, 4 * g),
+                row(102, 100, "child", 1, 4 * g),
+            ],
+            state: "ok".into(),
+            ..ModelRow::default()
+        };
+        let table = render_model(&m);
+        for needle in [
+            "role",
+            "matched",
+            "child",
+            "GPU 0: 1.0 GiB",
+            "GPU 1: 4.0 GiB",
+            "[1] /models/server/model.safetensors",
+        ] {
+            assert!(table.contains(needle), "{needle:?} missing from:\n{table}");
+        }
+    }
 
     /// Eight GPUs (one with an NVML error), models with long names, budgets and an engine that
     /// cannot be scraped: every line of `gpuguard status` fits 100 columns, and the GPU's error is

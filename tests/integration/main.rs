@@ -22,4 +22,3 @@ mod ram_guard;
 mod security;
 mod sigterm;
 mod status;
-mod weights;

@@ -1,7 +1,9 @@
 //! `gpuguard status` and `status --json` against the real daemon with the fake NVML, in a scenario
 //! where every section has something to show: two GPUs, a model with budgets, usage and pids, a
 //! model held stopped over its RAM budget (with the stop in the recent actions), a launch that
-//! holds the launch lock (a lease) and one queued behind it.
+//! holds the launch lock (a lease) and one queued behind it; `status --model` for one model's
+//! processes and for a model that is not there. What the per-process rows hold (roles, GPUs,
+//! mapped weights) is tested in process (`daemon::tests::gpu`).
 
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -183,6 +185,43 @@ fn status_shows_every_section_consistent_with_the_scenario() {
     ] {
         assert!(table.contains(needle), "{needle:?} missing from:\n{table}");
     }
+
+    // One model and its processes one by one (`status --model`, JSON and table), and a model
+    // that is not there (exit 1, naming the models there are).
+    let status_model = |name: &str, json: bool| {
+        let mut cmd = Command::new(BIN);
+        cmd.args(["status", "--model", name, "--socket"])
+            .arg(daemon.socket());
+        if json {
+            cmd.arg("--json");
+        }
+        cmd.output().unwrap()
+    };
+    let out = status_model("served", true);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let one: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(one["name"], "served", "{one}");
+    let row = &one["processes"][0];
+    assert_eq!(row["pid"], served.pid(), "{one}");
+    assert_eq!(row["role"], "matched", "{one}");
+    assert_eq!(
+        row["gpus"],
+        serde_json::json!([{"gpu": 0, "bytes": 5 * GIB}]),
+        "{one}"
+    );
+    let out = status_model("served", false);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let table = String::from_utf8_lossy(&out.stdout);
+    for needle in ["role", "matched", "GPU 0: 5.0 GiB"] {
+        assert!(table.contains(needle), "{needle:?} missing from:\n{table}");
+    }
+    let out = status_model("nope", false);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("no model 'nope' (models: ") && err.contains("served"),
+        "{err}"
+    );
     drop(held);
 }
 

@@ -1,9 +1,11 @@
 //! Whole ticks with GPUs, in process: budgets summed over two GPUs, memory NVML cannot tell, a
 //! GPU that is lost, NVML unavailable then back, a victim's pid reused by a new holder, the same
-//! command loaded twice, a process list NVML would not give. Moved from the host suite
-//! (`gpu_guard`, `faults`), which started the real binary against the fake NVML library for
-//! each; how NVML's answers become these readings (NA, GPU_IS_LOST, a GPU gone from the list,
-//! init errors, implausible counts) is tested against that library in `tests/nvml/sampler.rs`.
+//! command loaded twice, spawn-started workers mapping the same weights (and `status`'s rows for
+//! them), a process list NVML would not give, floors no GPU or MemTotal here can hold. Moved from
+//! the host suite (`gpu_guard`, `faults`, `weights`), which started the real binary against the
+//! fake NVML library for each; how NVML's answers become these readings (NA, GPU_IS_LOST, a GPU
+//! gone from the list, init errors, implausible counts) is tested against that library in
+//! `tests/nvml/sampler.rs`.
 
 use super::*;
 
@@ -95,6 +97,7 @@ fn a_model_over_its_gpu_budget_summed_over_two_gpus_is_stopped_after_grace_and_r
     assert_eq!(over["subject"]["model"], "fam", "{over}");
     assert_eq!(over["subject"]["usage_bytes"], 10 * GIB, "{over}");
     assert_eq!(over["subject"]["budget_bytes"], 8 * GIB, "{over}");
+    assert_eq!(recorded(&h, "budget_exceeded").len(), 1);
     h.ticks(20, 100 * MS);
     let stopped = [(200, Sig::Stop), (201, Sig::Stop)];
     assert_eq!(h.signals(), stopped, "{:?}", h.actions());
@@ -489,4 +492,88 @@ fn floors_that_cannot_be_right_on_this_host_are_refused_at_start_and_on_reload()
     assert_eq!(report.gpus[0].min_free_bytes, Some(20 * GIB));
     assert_eq!(report.gpus[1].min_free_bytes, None);
     assert_eq!(h.signals(), [], "{:?}", h.actions());
+}
+
+/// A server and two workers it started with multiprocessing's `spawn` (command lines of their
+/// own, so the command-line rule cannot find them) all map the same weights file. The two on
+/// GPU 0 are reported once as the same weights loaded twice; status shows the processes one by
+/// one (role, parent, GPU memory per GPU, the file). The third worker moves onto GPU 0 too: the
+/// group grows, and is still reported once. Moved from the host suite (`weights`); reading a
+/// real process's maps is `sample::weights`'s, the table `cli::status`'s, `status --model` over
+/// the socket the host suite's `status`.
+#[test]
+fn spawned_workers_mapping_the_same_weights_are_reported_once_and_shown_one_by_one() {
+    let spawn = "python3 -c from multiprocessing.spawn import spawn_main; \
+                 spawn_main(tracker_fd=5, pipe_handle=7) --multiprocessing-fork";
+    let path = "/models/server/model.safetensors";
+    let mut w = World {
+        host: host(64 * GIB, 40 * GIB),
+        gpu: Some(BTreeMap::from([(100, GIB), (101, 4 * GIB)])),
+        ..World::default()
+    };
+    w.spawn(100, "python3", GIB);
+    w.procs.get_mut(&100).unwrap().cmdline = "python3 server.py model.safetensors".into();
+    for pid in [101, 102] {
+        w.spawn(pid, "python3", GIB);
+        let p = w.procs.get_mut(&pid).unwrap();
+        p.cmdline = spawn.into();
+        p.ppid = 100;
+    }
+    let weights = MappedFile {
+        path: path.into(),
+        device: "fd:01".into(),
+        inode: 7,
+        mapped_bytes: 4 * MIB,
+    };
+    for pid in [100, 101, 102] {
+        w.maps.insert(pid, vec![weights.clone()]);
+    }
+    w.more_gpus
+        .push(card(1, "GPU-bbbb", 4 * GIB, &[(102, 4 * GIB)]));
+    let mut h = Harness::new(
+        w,
+        "candidates = \"models\"\nscan_interval = \"200ms\"\n[gpu]\nenabled = true\n\
+         [[model]]\nname = \"server\"\nmatch = { cmdline = \"server.py\" }\n",
+    );
+    h.ticks(30, 100 * MS);
+    let dup = recorded(&h, "duplicate_load");
+    assert_eq!(dup.len(), 1, "{dup:?}");
+    assert!(
+        dup[0].1.contains(&format!(
+            "GPU 0: 2 processes [100, 101] of model 'server' map the same weights ({path}, 4.0 MiB) and hold 5.0 GiB together"
+        )),
+        "{dup:?}"
+    );
+
+    let report = status(&h);
+    let m = report.models.iter().find(|m| m.name == "server").unwrap();
+    let row = |pid: i32| {
+        m.processes
+            .iter()
+            .find(|p| p.pid == pid)
+            .unwrap_or_else(|| panic!("{pid} not in {m:#?}"))
+    };
+    let gpus = |pid: i32| -> Vec<(u32, Option<u64>)> {
+        row(pid).gpus.iter().map(|g| (g.gpu, g.bytes)).collect()
+    };
+    assert_eq!(row(100).role, "matched");
+    assert_eq!(row(101).role, "child");
+    assert_eq!(row(101).ppid, 100);
+    assert_eq!(gpus(101), [(0, Some(4 * GIB))]);
+    assert_eq!(gpus(102), [(1, Some(4 * GIB))]);
+    assert_eq!(row(102).weights_files, [path]);
+    assert!(row(101).ram_bytes > 0);
+
+    // The third worker moves onto GPU 0 too: the group grows, still reported once.
+    {
+        let mut w = h.world();
+        w.more_gpus[0] = card(1, "GPU-bbbb", 0, &[]);
+        w.gpu.as_mut().unwrap().insert(102, 4 * GIB);
+    }
+    h.ticks(30, 100 * MS);
+    let report = status(&h);
+    let m = report.models.iter().find(|m| m.name == "server").unwrap();
+    let moved = m.processes.iter().find(|p| p.pid == 102).unwrap();
+    assert_eq!(moved.gpus[0].gpu, 0, "{moved:?}");
+    assert_eq!(recorded(&h, "duplicate_load").len(), 1);
 }

@@ -1,5 +1,6 @@
 //! Whole ticks of the loop, in process: a fake /proc (host memory and the process table), a fake
-//! GPU source (GPU 0 and any more GPUs, memory NVML cannot tell, NVML unavailable) and a
+//! GPU source (GPU 0 and any more GPUs, memory NVML cannot tell, NVML unavailable), the weights
+//! files processes map, and a
 //! fake process control that records every signal, with the daemon's clock driven by the test.
 //! What the binary tests cannot pin down: the exact signals sent, tick by tick, while processes
 //! come, go and exit between the scan and the action. The GPU cases are in `gpu`.
@@ -15,7 +16,7 @@ use crate::sample::nvml::{GpuReading, GpuSource};
 use crate::sample::procfs::{ReadError, Vitals};
 use crate::sample::scan::{ScanRequest, ScanResult};
 use crate::sample::{ProcSource, TableSource};
-use crate::snapshot::{Gpu, GpuStatus, HostMemory, Process, ProcessId};
+use crate::snapshot::{Gpu, GpuStatus, HostMemory, MappedFile, Process, ProcessId};
 
 use super::{Daemon, Sources};
 
@@ -46,6 +47,8 @@ struct World {
     more_gpus: Vec<Gpu>,
     /// What NVML answers instead of a reading (unavailable, and why), while set.
     gpu_status: Option<GpuStatus>,
+    /// The weights files each pid maps (/proc/PID/maps), read for the GPU holders the scan asks.
+    maps: BTreeMap<i32, Vec<MappedFile>>,
 }
 
 type Shared = Arc<Mutex<World>>;
@@ -134,12 +137,18 @@ impl TableSource for FakeTables {
                 .filter_map(|id| Some((id, *w.pss.get(&id.pid)?)))
                 .collect()
         });
+        let mapped_weights = request.maps.as_ref().map(|pids| {
+            pids.iter()
+                .filter_map(|pid| Some((*pid, w.maps.get(pid)?.clone())))
+                .collect()
+        });
         ScanResult {
             at: request.at,
             full: request.full,
             live: Some(w.procs.keys().copied().collect()),
             new: w.procs.values().cloned().collect(),
             pss,
+            mapped_weights,
             ..ScanResult::default()
         }
     }
