@@ -145,34 +145,30 @@ fn parse_size(text: &str) -> Result<u64, String> {
 }
 
 pub fn run(args: PlanArgs) -> u8 {
-    let request = match build_request(&args) {
-        Ok(r) => r,
-        Err(Failure::Usage(e)) => {
-            eprintln!("gpuguard: plan: {e}");
-            return exit::CONFIG;
-        }
-        Err(Failure::Runtime(e)) => {
-            eprintln!("gpuguard: plan: {e}");
-            return exit::FAILURE;
-        }
-    };
-    match plan(&request) {
-        Ok(p) if args.json => {
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&p).expect("serialisable")
-            );
+    match answer(&args) {
+        Ok(text) => {
+            print!("{text}");
             exit::OK
         }
-        Ok(p) => {
-            print!("{}", render(&p));
-            exit::OK
-        }
-        Err(e) => {
+        Err((code, e)) => {
             eprintln!("gpuguard: plan: {e}");
-            exit::CONFIG
+            code
         }
     }
+}
+
+/// What `plan` prints for `args` (the table, or JSON with `--json`), or its exit code and error.
+fn answer(args: &PlanArgs) -> Result<String, (u8, String)> {
+    let request = build_request(args).map_err(|f| match f {
+        Failure::Usage(e) => (exit::CONFIG, e),
+        Failure::Runtime(e) => (exit::FAILURE, e),
+    })?;
+    let p = plan(&request).map_err(|e| (exit::CONFIG, e))?;
+    Ok(if args.json {
+        serde_json::to_string_pretty(&p).expect("serialisable") + "\n"
+    } else {
+        render(&p)
+    })
 }
 
 enum Failure {
@@ -651,16 +647,4 @@ fn recommendation(p: &CapacityPlan) -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn counts_take_suffixes() {
-        assert_eq!(parse_count("8.03B"), Ok(8_030_000_000));
-        assert_eq!(parse_count("70b"), Ok(70_000_000_000));
-        assert_eq!(parse_count("560M"), Ok(560_000_000));
-        assert_eq!(parse_count("7241732096"), Ok(7_241_732_096));
-        assert!(parse_count("lots").unwrap_err().contains("'lots'"));
-        assert!(parse_count("-1B").is_err());
-    }
-}
+mod tests;
