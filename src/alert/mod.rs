@@ -531,6 +531,25 @@ impl Alerter {
         }
     }
 
+    /// Tests: a webhook that takes every notice (`event_log` false) or the event log in place
+    /// of the file (`event_log` true), as a queue the test drains.
+    #[cfg(test)]
+    pub(crate) fn tap(&mut self, event_log: bool) -> Arc<Queue<Notice>> {
+        let queue = Arc::new(Queue::new(10_000, Default::default()));
+        let handle = SinkHandle {
+            queue: queue.clone(),
+            alertmanager: false,
+            min_severity: Severity::Info,
+            spec: SinkSpec::None,
+        };
+        if event_log {
+            self.event_log = Some(handle);
+        } else {
+            self.sinks.push(handle);
+        }
+        queue
+    }
+
     /// Gives the queued notices (the "stopping" one too) a short while to go out.
     pub fn shutdown(self) {
         let deadline = Instant::now() + SHUTDOWN_GRACE;

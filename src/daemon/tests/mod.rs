@@ -20,6 +20,8 @@ use crate::snapshot::{Gpu, GpuStatus, HostMemory, MappedFile, Process, ProcessId
 
 use super::{Daemon, Sources};
 
+mod alerts;
+
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
 
