@@ -275,23 +275,6 @@ impl Hog {
     }
 }
 
-impl Hog {
-    /// An idle hog (see `idle`) that gets pid `pid`, free again: the kernel is asked for it
-    /// through /proc/sys/kernel/ns_last_pid (root), as checkpoint/restore tools do. Another fork
-    /// on the host can take it first; each miss is killed and it tries again.
-    pub fn idle_with_pid(token: &str, pid: u32) -> Hog {
-        for _ in 0..1000 {
-            std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string())
-                .expect("writing /proc/sys/kernel/ns_last_pid (the host tests run as root)");
-            let hog = Hog::idle(token);
-            if hog.pid() == pid {
-                return hog;
-            }
-        }
-        panic!("pid {pid} was never given to a new process in 1000 tries");
-    }
-}
-
 impl Drop for Hog {
     fn drop(&mut self) {
         // Only our own child: SIGCONT first in case a failed test left it stopped.
