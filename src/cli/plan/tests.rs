@@ -132,19 +132,17 @@ fn gcp_machine_types_and_a_100_column_terminal() {
     }
     // Gemma-3-12B in fp16, 50 requests of 4096 tokens: one A100 40GB (a2-highgpu-1g) holds 18
     // of them, two (a2-highgpu-2g) hold 67; one L4 does not hold the weights, four do.
-    let (code, gemma, err) = run(
-        &[
-            &fixture("gemma-3-12b-it"),
-            "--dtype",
-            "fp16",
-            "--max-model-len",
-            "4096",
-            "--concurrency",
-            "50",
-            "--cloud",
-            "gcp",
-        ]
-    );
+    let (code, gemma, err) = run(&[
+        &fixture("gemma-3-12b-it"),
+        "--dtype",
+        "fp16",
+        "--max-model-len",
+        "4096",
+        "--concurrency",
+        "50",
+        "--cloud",
+        "gcp",
+    ]);
     assert_eq!(code, 0, "{err}");
     let line = |machine: &str| {
         gemma
@@ -165,25 +163,21 @@ fn gcp_machine_types_and_a_100_column_terminal() {
     assert!(line("g2-standard-48").contains("yes"), "{gemma}");
     assert!(gemma.lines().all(|l| l.chars().count() <= 100), "{gemma}");
     // One choice: 2 of one GPU.
-    let one = json(
-        &[
-            &fixture("llama-3-8b"),
-            "--gpu",
-            "h100",
-            "--count",
-            "2",
-            "--cloud",
-            "gcp",
-        ]
-    );
+    let one = json(&[
+        &fixture("llama-3-8b"),
+        "--gpu",
+        "h100",
+        "--count",
+        "2",
+        "--cloud",
+        "gcp",
+    ]);
     let options = one["options"].as_array().unwrap();
     assert_eq!(options.len(), 1, "{one}");
     assert_eq!(options[0]["tp"], 2);
     assert_eq!(options[0]["gcp_machine"], "a3-highgpu-2g");
     // A GPU GCE does not offer, asked for in its terms.
-    let (code, _, err) = run(
-        &[&fixture("llama-3-8b"), "--gpu", "a10g", "--cloud", "gcp"]
-    );
+    let (code, _, err) = run(&[&fixture("llama-3-8b"), "--gpu", "a10g", "--cloud", "gcp"]);
     assert_eq!(code, 2);
     assert!(
         err.contains("Google Compute Engine has no machine type with a A10G 24GB"),
@@ -193,15 +187,13 @@ fn gcp_machine_types_and_a_100_column_terminal() {
 
 #[test]
 fn json_for_a_sliding_window_model_shows_the_window_against_the_naive_figure() {
-    let p = json(
-        &[
-            &fixture("mistral-7b-v0.1"),
-            "--gpu",
-            "l4,a100-80",
-            "--concurrency",
-            "16",
-        ]
-    );
+    let p = json(&[
+        &fixture("mistral-7b-v0.1"),
+        "--gpu",
+        "l4,a100-80",
+        "--concurrency",
+        "16",
+    ]);
     let m = &p["model"];
     assert_eq!(m["params"], 7_241_732_096u64);
     assert_eq!(m["max_model_len"], 32768);
@@ -247,9 +239,7 @@ fn an_uncountable_vision_tower_takes_params_and_weights_take_a_dtype() {
     assert_eq!(p["model"]["params"], 4_300_000_000u64);
     let notes = p["assumptions"].to_string();
     assert!(notes.contains("vision_config lacks"), "{notes}");
-    let p = json(
-        &[path, "--gpu", "l4", "--weights", "3GiB", "--dtype", "fp16"]
-    );
+    let p = json(&[path, "--gpu", "l4", "--weights", "3GiB", "--dtype", "fp16"]);
     assert_eq!(p["model"]["weights_bytes"], 3u64 << 30);
     assert_eq!(p["model"]["kv_dtype"], "fp16");
 }
@@ -338,26 +328,24 @@ fn bad_input_exits_2_naming_the_file_key_and_value() {
 #[test]
 fn explicit_numbers_without_a_config() {
     // A 12B model in fp16 at 4096 tokens, 50 concurrent requests: which GPUs?
-    let p = json(
-        &[
-            "--layers",
-            "40",
-            "--kv-heads",
-            "8",
-            "--head-dim",
-            "128",
-            "--params",
-            "12.2B",
-            "--dtype",
-            "fp16",
-            "--max-model-len",
-            "4096",
-            "--concurrency",
-            "50",
-            "--name",
-            "nemo",
-        ]
-    );
+    let p = json(&[
+        "--layers",
+        "40",
+        "--kv-heads",
+        "8",
+        "--head-dim",
+        "128",
+        "--params",
+        "12.2B",
+        "--dtype",
+        "fp16",
+        "--max-model-len",
+        "4096",
+        "--concurrency",
+        "50",
+        "--name",
+        "nemo",
+    ]);
     // 40 × 2 × 8 × 128 × 2 bytes = 160 KiB a token; 640 MiB a request; 24.4 GB of weights.
     assert_eq!(p["model"]["kv_bytes_per_request"], 640u64 << 20);
     assert_eq!(p["model"]["weights_bytes"], 24_400_000_000u64);
