@@ -25,7 +25,7 @@ use super::launched::PinnedProcess;
 use super::peer::{credentials, pin};
 use crate::config::Config;
 use crate::protocol::{Envelope, Request, Response, MAX_REQUEST_BYTES, PROTOCOL_VERSION};
-use crate::reserve::{ConnId, Launched, Reservations};
+use crate::reserve::{ConnId, Launched, Peer, Reservations};
 use crate::status::StatusReport;
 
 /// What the socket thread shares with the daemon loop.
@@ -330,62 +330,7 @@ async fn serve(
                 break;
             }
         };
-        let now = shared.now();
-        // Each request and whether the connection is engaged after it, under one lock.
-        let (answer, last, engaged) = match request {
-            Request::Status => (
-                Some(Response::Status(Box::new(shared.status()))),
-                true,
-                false,
-            ),
-            Request::Release { lease } => (
-                Some(shared.table().release_lease(peer, lease, now)),
-                true,
-                false,
-            ),
-            Request::Launch(launch) => {
-                let (answer, engaged) = {
-                    let mut table = shared.table();
-                    let answer = table.launch(conn, launch, process.clone(), now);
-                    (answer, table.engaged(conn))
-                };
-                let waits = matches!(answer, None | Some(Response::Queued { .. }));
-                if waits {
-                    (shared.wake)();
-                }
-                // A waiting launch keeps the connection: its answer comes from the table.
-                (answer, !waits, engaged)
-            }
-            Request::Acquire(mut acquire) => {
-                acquire.cache_age = acquire.cache_read_at_ns.map(monotonic_age);
-                let (answer, engaged) = {
-                    let mut table = shared.table();
-                    let answer = table.acquire(conn, acquire, now);
-                    (answer, table.engaged(conn))
-                };
-                if answer.is_none() {
-                    (shared.wake)();
-                }
-                (answer, false, engaged)
-            }
-            Request::ReleasePermit { id, permit } => {
-                let (answer, engaged, fresh_wanted) = {
-                    let mut table = shared.table();
-                    let answer = table.release_permit(conn, id, permit, now);
-                    (answer, table.engaged(conn), table.wants_fresh_gpu())
-                };
-                if fresh_wanted {
-                    // Others wait: the reading that shows what became of its memory, now.
-                    (shared.wake)();
-                }
-                (Some(answer), false, engaged)
-            }
-            Request::Cancel { id } => {
-                let mut table = shared.table();
-                let answer = table.cancel(conn, id);
-                (answer, false, table.engaged(conn))
-            }
-        };
+        let (answer, last, engaged) = handle(shared, conn, peer, &process, request);
         // The request may have added something with a deadline: the expiry task looks again.
         shared.expiry.notify_one();
         // Engaged, or just done with what it held: the idle time starts again.
@@ -418,6 +363,73 @@ async fn serve(
         writer.abort();
     }
     Ok(())
+}
+
+/// One request under the table's lock: its answer (`None`: it comes later, from the table),
+/// whether it is the connection's last, and whether the connection is engaged after it
+/// (holds or waits for something).
+fn handle(
+    shared: &Shared,
+    conn: ConnId,
+    peer: Peer,
+    process: &Arc<dyn Launched>,
+    request: Request,
+) -> (Option<Response>, bool, bool) {
+    let now = shared.now();
+    match request {
+        Request::Status => (
+            Some(Response::Status(Box::new(shared.status()))),
+            true,
+            false,
+        ),
+        Request::Release { lease } => (
+            Some(shared.table().release_lease(peer, lease, now)),
+            true,
+            false,
+        ),
+        Request::Launch(launch) => {
+            let (answer, engaged) = {
+                let mut table = shared.table();
+                let answer = table.launch(conn, launch, process.clone(), now);
+                (answer, table.engaged(conn))
+            };
+            let waits = matches!(answer, None | Some(Response::Queued { .. }));
+            if waits {
+                (shared.wake)();
+            }
+            // A waiting launch keeps the connection: its answer comes from the table.
+            (answer, !waits, engaged)
+        }
+        Request::Acquire(mut acquire) => {
+            acquire.cache_age = acquire.cache_read_at_ns.map(monotonic_age);
+            let (answer, engaged) = {
+                let mut table = shared.table();
+                let answer = table.acquire(conn, acquire, now);
+                (answer, table.engaged(conn))
+            };
+            if answer.is_none() {
+                (shared.wake)();
+            }
+            (answer, false, engaged)
+        }
+        Request::ReleasePermit { id, permit } => {
+            let (answer, engaged, fresh_wanted) = {
+                let mut table = shared.table();
+                let answer = table.release_permit(conn, id, permit, now);
+                (answer, table.engaged(conn), table.wants_fresh_gpu())
+            };
+            if fresh_wanted {
+                // Others wait: the reading that shows what became of its memory, now.
+                (shared.wake)();
+            }
+            (Some(answer), false, engaged)
+        }
+        Request::Cancel { id } => {
+            let mut table = shared.table();
+            let answer = table.cancel(conn, id);
+            (answer, false, table.engaged(conn))
+        }
+    }
 }
 
 /// Sends the answers in order; a launch's final answer ends the connection.
