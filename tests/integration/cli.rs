@@ -34,6 +34,15 @@ fn config_errors_exit_2_naming_file_key_and_value() {
     let good = write("good.toml", "[daemon]\nmode = \"observe\"\n");
     let example = concat!(env!("CARGO_MANIFEST_DIR"), "/config.example.toml");
     let exposed = write("exposed.toml", "[metrics]\nlisten = \"0.0.0.0:9835\"\n");
+    // Valid anywhere but above this host's MemTotal: check-config cannot know, the daemon
+    // refuses to start (what it checks: daemon::tests::gpu, floors_that_cannot_be_right_*).
+    let above_host = write(
+        "above_host.toml",
+        &format!(
+            "[daemon]\nstate_dir = \"{}\"\n[gpu]\nenabled = false\n[ram]\nmin_available = \"1PiB\"\nwarn_available = \"1PiB\"\n",
+            dir.path().join("state").display()
+        ),
+    );
     let cases: Vec<(Vec<&str>, i32, String)> = vec![
         (
             vec!["check-config", &bad_size],
@@ -74,6 +83,11 @@ fn config_errors_exit_2_naming_file_key_and_value() {
             vec!["daemon", "--config", &bad_size],
             2,
             "ram.min_available: '12X'".into(),
+        ),
+        (
+            vec!["daemon", "--config", &above_host],
+            2,
+            "ram.min_available: '1.0 PiB' (1.0 PiB) is at or above this host's MemTotal".into(),
         ),
         (
             vec!["daemon", "--config", &missing],
