@@ -1,9 +1,10 @@
 //! Whole ticks of the loop, in process: a fake /proc (host memory and the process table), a fake
 //! GPU source (GPU 0 and any more GPUs, memory NVML cannot tell, NVML unavailable), the weights
-//! files processes map, and a
-//! fake process control that records every signal, with the daemon's clock driven by the test.
-//! What the binary tests cannot pin down: the exact signals sent, tick by tick, while processes
-//! come, go and exit between the scan and the action. The GPU cases are in `gpu`.
+//! files processes map, and a fake process control that records every signal, with the daemon's
+//! clock driven by the test. What the binary tests cannot pin down: the exact signals sent, tick
+//! by tick, while processes come, go and exit between the scan and the action. The GPU cases are
+//! in `gpu`; `security` plays the host suite's issue #11 attacks that need no real user: uids are
+//! data.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -32,6 +33,8 @@ struct World {
     procs: BTreeMap<i32, Process>,
     /// GPU memory per pid on GPU 0 (`None`: no GPU).
     gpu: Option<BTreeMap<i32, u64>>,
+    /// GPU 0's size (`None`: 80 GiB).
+    gpu_total: Option<u64>,
     /// Signals delivered, in order.
     signals: Vec<(ProcessId, Sig)>,
     /// Pids that exit just before the next signal reaches them (after the scan, before the act).
@@ -173,7 +176,7 @@ impl GpuSource for FakeGpu {
                 ..GpuReading::default()
             };
         }
-        let total = 80 * GIB;
+        let total = w.gpu_total.unwrap_or(80 * GIB);
         let used_bytes: u64 = used.values().sum::<u64>() + w.gpu_unlisted;
         let mut processes: BTreeMap<i32, Option<u64>> =
             used.iter().map(|(&pid, &b)| (pid, Some(b))).collect();
@@ -1268,3 +1271,5 @@ fn a_garbage_stop_record_is_kept_aside_and_reported() {
     h.ticks(5, 100 * MS);
     assert_eq!(h.signals(), [], "{:?}", h.actions());
 }
+
+mod security;

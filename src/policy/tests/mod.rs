@@ -1,5 +1,6 @@
 //! Table-driven tests of the pure policy: plain snapshots and TOML configs in, the exact verbs,
 //! targets and event kinds out. Time moves by building the next snapshot with a later `at`.
+//! `security` holds the host suite's issue #11 attacks on the policy, with uids as plain data.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -3656,3 +3657,5 @@ fn a_victim_covered_by_two_other_floors_together_gets_no_empty_action() {
     assert_eq!(gpu2.stage, Stage::Terminated);
     assert_eq!(gpu2.victim.as_ref().map(|v| v.ids().count()), Some(2));
 }
+
+mod security;
