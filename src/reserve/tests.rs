@@ -969,6 +969,7 @@ fn only_root_may_have_a_ready_url_off_loopback_polled() {
 
 mod caching_workers;
 mod properties;
+mod security;
 
 /// Issue 25: the host drains on a maintenance or preemption notice. A new request is refused at
 /// once with the reason and a retry hint, one that waited is refused when the drain begins, and
