@@ -22,6 +22,8 @@ use crate::snapshot::{Gpu, GpuStatus, HostMemory, MappedFile, Process, ProcessId
 use super::{Daemon, Sources};
 
 mod alerts;
+mod gpu;
+mod security;
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
@@ -368,8 +370,6 @@ fn host(total: u64, available: u64) -> HostMemory {
 }
 
 const MS: Duration = Duration::from_millis(1);
-
-mod gpu;
 
 /// (a) RAM below `min_available`: the largest unprotected process gets the configured action
 /// (`stop`), and only it; the protected one (sshd, root's) is passed over although it is larger.
@@ -1271,5 +1271,3 @@ fn a_garbage_stop_record_is_kept_aside_and_reported() {
     h.ticks(5, 100 * MS);
     assert_eq!(h.signals(), [], "{:?}", h.actions());
 }
-
-mod security;
