@@ -7,8 +7,6 @@
 //! lines. To assert that nothing happened, a test first waits for proof that the guard looked
 //! again (`next_tick_status`: a report from a tick that began after the call), never a sleep.
 
-#![allow(dead_code)]
-
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -181,7 +179,6 @@ pub fn python3() -> &'static str {
 /// chunks, prints "full", holds the memory for `hold_s` seconds, then exits 0.
 pub struct Hog {
     pub child: Child,
-    pub token: String,
 }
 
 const HOG_PY: &str = r#"
@@ -246,10 +243,7 @@ impl Hog {
             .stdout(Stdio::null())
             .spawn()
             .expect("python3 is needed for the tests (apt-get install python3)");
-        Hog {
-            child,
-            token: token.to_string(),
-        }
+        Hog { child }
     }
 
     pub fn pid(&self) -> u32 {
@@ -568,12 +562,6 @@ impl GuardDaemon {
             .collect()
     }
 
-    /// The actions in the event log (notices with an `action`: verb, reason, outcome) on the
-    /// processes of model `model`, oldest first, whatever their outcome.
-    pub fn actions_on(&self, model: &str) -> Vec<serde_json::Value> {
-        actions_on(&self.events(), model)
-    }
-
     /// The verbs of the actions done (or, in observe mode, observed) on model `model`, in order:
     /// `["terminate", "kill"]`.
     pub fn verbs_on(&self, model: &str) -> Vec<String> {
@@ -830,19 +818,8 @@ pub fn wait_stopped(pids: &[u32], timeout: Duration) -> bool {
     wait_until(timeout, || pids.iter().all(|&pid| is_stopped(pid)))
 }
 
-/// Waits until none of `pids` is stopped (resumed, or gone); false on timeout.
-pub fn wait_resumed(pids: &[u32], timeout: Duration) -> bool {
-    wait_until(timeout, || pids.iter().all(|&pid| !is_stopped(pid)))
-}
-
 /// A child process killed (and reaped) when the test lets go of it: servers, launches, victims.
 pub struct KillOnDrop(pub Child);
-
-impl KillOnDrop {
-    pub fn pid(&self) -> u32 {
-        self.0.id()
-    }
-}
 
 impl Drop for KillOnDrop {
     fn drop(&mut self) {
