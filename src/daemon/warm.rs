@@ -38,8 +38,9 @@ fn floor_incident() -> Vec<&'static str> {
         (2, 3 * GIB, 2 * GIB, 'R'),
         (4, 3 * GIB, 2 * GIB + 64 * MIB, 'R'),
         (6, 3 * GIB, 0, 'X'),
-        (8, 3 * GIB, 0, 'X'),
-        (10, 16 * GIB, 0, 'X'),
+        // The next victim once the gone one's memory had its time to come back (RAM_RELEASE).
+        (1006, 3 * GIB, 0, 'X'),
+        (1008, 16 * GIB, 0, 'X'),
     ];
     let mut verbs = Vec::new();
     for (ms, available, rss, state_letter) in steps {

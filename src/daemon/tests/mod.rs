@@ -711,7 +711,8 @@ fn a_tmpfs_shortfall_kills_at_most_max_victims_then_the_brake_holds() {
         "[ram]\nwarn_available = \"8GiB\"\nmin_available = \"4GiB\"\naction = \"kill\"\n\
          [gpu]\nenabled = false\n",
     );
-    h.ticks(40, 10 * MS);
+    // Each next victim waits RAM_RELEASE (1 s) after the last is gone.
+    h.ticks(400, 10 * MS);
     assert_eq!(
         h.signals(),
         [(100, Sig::Term), (200, Sig::Term), (300, Sig::Term)],

@@ -301,6 +301,10 @@ pub(in crate::policy) fn next_after_gone(
 ) -> bool {
     let resource = step.reading.resource;
     let stuck: Vec<i32> = match resource {
+        // An exited victim's pages come back to MemAvailable some time after it is seen gone
+        // (its address space torn down, the counters folded): a reading taken before that shows
+        // the shortfall it is giving back, and the next victim would be chosen for nothing.
+        Resource::Ram if step.since < RAM_RELEASE => return false,
         Resource::Ram => Vec::new(),
         Resource::Gpu(index) => stuck_pids(step.snapshot, step.victim, index),
     };
@@ -324,6 +328,10 @@ pub(in crate::policy) fn next_after_gone(
     }
     false
 }
+
+/// How long after a victim is seen gone the RAM floor waits before it chooses the next one:
+/// the kernel's vmstat interval (`vm.stat_interval`, 1 s), the longest /proc/meminfo lags.
+pub(in crate::policy) const RAM_RELEASE: Duration = Duration::from_secs(1);
 
 /// Far below the floor on this sample and on an earlier one: one sample alone (a glitch, a
 /// reading caught mid-update) never earns SIGKILL without SIGTERM's grace.
