@@ -570,22 +570,16 @@ mod tests {
     use super::*;
 
     fn alerter(repeat: Duration) -> (Alerter, Arc<Queue<Notice>>) {
-        let metrics = Metrics::new();
-        let queue = Arc::new(Queue::new(100, Default::default()));
-        let a = Alerter {
+        let mut a = Alerter {
             host: "h".into(),
             repeat_interval: repeat,
-            sinks: vec![SinkHandle {
-                queue: queue.clone(),
-                alertmanager: false,
-                min_severity: Severity::Info,
-                spec: SinkSpec::None,
-            }],
+            sinks: Vec::new(),
             event_log: None,
             actions_log: None,
             active: BTreeMap::new(),
-            metrics,
+            metrics: Metrics::new(),
         };
+        let queue = a.tap(false);
         (a, queue)
     }
 
