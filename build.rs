@@ -30,7 +30,7 @@ fn main() {
 
     let mut cmd: Command = cc::Build::new().get_compiler().to_command();
     cmd.args(["-shared", "-fPIC", "-O2", "-Wall", "-pthread"])
-        // soname as the real library; nodelete keeps its state (delivered Xid
+        // soname as the real library; nodelete keeps its state (Xid numbering,
         // events, event sets) for the life of the process across dlclose.
         .args(["-Wl,-soname,libnvidia-ml.so.1", "-Wl,-z,nodelete"])
         .arg("-o")

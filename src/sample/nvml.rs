@@ -149,9 +149,12 @@ impl NvmlGpuSource {
         self.last_error = why;
     }
 
-    /// Listens for Xid events on every GPU in a thread of its own (the wait blocks).
+    /// Listens for Xid events on every GPU in a thread of its own (the wait blocks). Returns
+    /// once the thread has registered (or given up, or 2 s passed): a driver tells a set only
+    /// of the Xids raised after it registered, so one raised right after init is not lost.
     fn start_events(&self, nvml: Arc<Nvml>) {
         let (xids, quit) = (self.xids.clone(), self.quit_events.clone());
+        let (registered, wait_registered) = std::sync::mpsc::channel::<()>();
         let spawned = std::thread::Builder::new()
             .name("nvml-events".into())
             .spawn(move || {
@@ -173,6 +176,7 @@ impl NvmlGpuSource {
                         }
                     }
                 }
+                drop(registered);
                 // The wait blocks in the driver; its timeout only bounds how long this thread
                 // outlives a reset or a reload (it then holds the old library handle).
                 while !quit.load(Ordering::Relaxed) {
@@ -190,8 +194,10 @@ impl NvmlGpuSource {
                     }
                 }
             });
-        if let Err(e) = spawned {
-            tracing::warn!("cannot start the Xid listener: {e}");
+        match spawned {
+            // Dropping the sender (registered, or given up) ends the wait.
+            Ok(_) => _ = wait_registered.recv_timeout(Duration::from_secs(2)),
+            Err(e) => tracing::warn!("cannot start the Xid listener: {e}"),
         }
     }
 }

@@ -100,7 +100,10 @@ typedef struct {
 #define MAX_DEVICES 64
 typedef struct nvmlEventSet_st {
     int in_use;
-    unsigned long long mask[MAX_DEVICES]; /* registered event types per GPU */
+    unsigned long long mask[MAX_DEVICES];  /* registered event types per GPU */
+    unsigned long long since[MAX_DEVICES]; /* Xids up to this sequence number came before
+                                              the set registered for that GPU's Xids */
+    unsigned long long delivered;          /* the last sequence number this set delivered */
 } *nvmlEventSet_t;
 
 _Static_assert(sizeof(nvmlMemory_v2_t) == 40, "nvmlMemory_v2_t");
@@ -121,7 +124,7 @@ _Static_assert(offsetof(nvmlEventData_t, eventData) == 16, "eventData");
 #define MAX_RULES 256
 #define MAX_XIDS 1024
 #define MAX_EVENT_SETS 64
-#define MAX_DELIVERED 8192
+#define MAX_SEEN 8192
 #define MAX_LINE 1024
 #define MAX_TOKENS 32
 #define NAME_LEN 96    /* NVML_DEVICE_NAME_V2_BUFFER_SIZE */
@@ -157,6 +160,7 @@ struct fake_rule { /* an `error` or `delay` line */
 struct fake_xid {
     unsigned int gpu;
     unsigned long long xid, id;
+    unsigned long long seq; /* when the library first read it: the order events happened in */
 };
 
 struct fake_state {
@@ -176,8 +180,9 @@ static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct fake_state g_state;
 static struct nvmlDevice_st g_handles[MAX_DEVICES];
 static struct nvmlEventSet_st g_sets[MAX_EVENT_SETS];
-static struct fake_xid g_delivered[MAX_DELIVERED]; /* ring of xids already delivered */
-static unsigned int g_ndelivered;
+static struct fake_xid g_seen[MAX_SEEN]; /* ring of the Xids read so far, with their seq */
+static unsigned int g_nseen;
+static unsigned long long g_xid_seq; /* the last sequence number given to an Xid */
 static unsigned int g_init_count;
 
 static void debug(const char *path, unsigned int lineno, const char *why)
@@ -432,6 +437,22 @@ static void parse_line(char *line, const char *path, unsigned int lineno)
         debug(path, lineno, why);
 }
 
+/* Gives an Xid read for the first time the next sequence number (the moment the
+ * "driver" raised it); one read before keeps its number. */
+static void number_xid(struct fake_xid *x)
+{
+    unsigned int n = g_nseen < MAX_SEEN ? g_nseen : MAX_SEEN;
+    for (unsigned int i = 0; i < n; i++) {
+        const struct fake_xid *seen = &g_seen[i];
+        if (seen->gpu == x->gpu && seen->xid == x->xid && seen->id == x->id) {
+            x->seq = seen->seq;
+            return;
+        }
+    }
+    x->seq = ++g_xid_seq;
+    g_seen[g_nseen++ % MAX_SEEN] = *x;
+}
+
 /* Which file g_state was parsed from: it is parsed again only when the file
  * changed (another inode, as with temp + rename, or another size or mtime). */
 static struct {
@@ -494,6 +515,8 @@ static int load_state(void)
         parse_line(line, path, lineno);
     }
     fclose(f);
+    for (unsigned int i = 0; i < g_state.nxid; i++)
+        number_xid(&g_state.xid[i]);
     return 0;
 }
 
@@ -909,91 +932,113 @@ nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long ev
         return leave(NVML_ERROR_INVALID_ARGUMENT);
     if (eventTypes & ~FAKE_SUPPORTED_EVENTS)
         return leave(NVML_ERROR_NOT_SUPPORTED);
-    set->mask[g - g_state.gpu] |= eventTypes;
+    unsigned int gpu = (unsigned int)(g - g_state.gpu);
+    /* Like a driver, a set hears of the Xids raised after it registered for them. */
+    if ((eventTypes & NVML_EVENT_TYPE_XID_CRITICAL_ERROR) &&
+        !(set->mask[gpu] & NVML_EVENT_TYPE_XID_CRITICAL_ERROR))
+        set->since[gpu] = g_xid_seq;
+    set->mask[gpu] |= eventTypes;
     return leave(NVML_SUCCESS);
 }
 
-static int already_delivered(const struct fake_xid *x)
-{
-    unsigned int n = g_ndelivered < MAX_DELIVERED ? g_ndelivered : MAX_DELIVERED;
-    for (unsigned int i = 0; i < n; i++)
-        if (g_delivered[i].gpu == x->gpu && g_delivered[i].xid == x->xid && g_delivered[i].id == x->id)
-            return 1;
-    return 0;
-}
-
-/* An undelivered xid on a GPU this set registered for Xid events, or 0. */
+/* The oldest Xid this set has not delivered, raised after it registered for that
+ * GPU's Xids, on a GPU present now; 0 if none. Each set has a queue of its own,
+ * as with a driver: every set registered for an Xid gets it, once. */
 static int take_xid(nvmlEventSet_t set, nvmlEventData_t *data)
 {
+    const struct fake_xid *next = NULL;
     for (unsigned int i = 0; i < g_state.nxid; i++) {
         const struct fake_xid *x = &g_state.xid[i];
         if (!(set->mask[x->gpu] & NVML_EVENT_TYPE_XID_CRITICAL_ERROR) || !g_state.gpu[x->gpu].present ||
-            already_delivered(x))
+            x->seq <= set->since[x->gpu] || x->seq <= set->delivered)
             continue;
-        g_delivered[g_ndelivered++ % MAX_DELIVERED] = *x;
-        data->device = &g_handles[x->gpu];
-        data->eventType = NVML_EVENT_TYPE_XID_CRITICAL_ERROR;
-        data->eventData = x->xid;
-        data->gpuInstanceId = NVML_NO_INSTANCE;
-        data->computeInstanceId = NVML_NO_INSTANCE;
-        return 1;
+        if (!next || x->seq < next->seq)
+            next = x;
     }
-    return 0;
+    if (!next)
+        return 0;
+    set->delivered = next->seq;
+    data->device = &g_handles[next->gpu];
+    data->eventType = NVML_EVENT_TYPE_XID_CRITICAL_ERROR;
+    data->eventData = next->xid;
+    data->gpuInstanceId = NVML_NO_INSTANCE;
+    data->computeInstanceId = NVML_NO_INSTANCE;
+    return 1;
 }
 
-/* Sleeps until the state file's directory changes (a new state written and
- * renamed into place) or `ms` pass; without inotify, polls every 100 ms. */
-static void wait_for_state_change(unsigned long long ms)
+/* An inotify watch on the state file's directory (a new state is written and
+ * renamed into place there), or -1 where inotify is not available. */
+static int watch_state_dir(void)
 {
     const char *path = getenv("FAKE_NVML_STATE");
     char dir[4096];
-    int fd = -1;
-    if (path && *path && strlen(path) < sizeof(dir)) {
-        strcpy(dir, path);
-        char *slash = strrchr(dir, '/');
-        if (slash == dir)
-            slash[1] = 0;
-        else if (slash)
-            *slash = 0;
-        else
-            strcpy(dir, ".");
-        fd = inotify_init1(IN_CLOEXEC | IN_NONBLOCK);
-        if (fd >= 0 && inotify_add_watch(fd, dir, IN_CLOSE_WRITE | IN_MOVED_TO | IN_CREATE |
-                                                       IN_DELETE | IN_ATTRIB) < 0) {
-            close(fd);
-            fd = -1;
-        }
+    if (!path || !*path || strlen(path) >= sizeof(dir))
+        return -1;
+    strcpy(dir, path);
+    char *slash = strrchr(dir, '/');
+    if (slash == dir)
+        slash[1] = 0;
+    else if (slash)
+        *slash = 0;
+    else
+        strcpy(dir, ".");
+    int fd = inotify_init1(IN_CLOEXEC | IN_NONBLOCK);
+    if (fd >= 0 &&
+        inotify_add_watch(fd, dir, IN_CLOSE_WRITE | IN_MOVED_TO | IN_CREATE | IN_DELETE | IN_ATTRIB) < 0) {
+        close(fd);
+        fd = -1;
     }
-    if (fd < 0) {
+    return fd;
+}
+
+/* Sleeps until the watched directory changes or `ms` pass, then empties the
+ * watch's queue; without a watch, sleeps at most 100 ms (polling). */
+static void wait_for_state_change(int watch, unsigned long long ms)
+{
+    if (watch < 0) {
         sleep_ms(ms < 100 ? ms : 100);
         return;
     }
-    struct pollfd p = {.fd = fd, .events = POLLIN};
+    struct pollfd p = {.fd = watch, .events = POLLIN};
     int timeout = ms > 60000 ? 60000 : (int)ms;
     while (poll(&p, 1, timeout) == -1 && errno == EINTR)
         ;
-    close(fd);
+    char buf[4096];
+    while (read(watch, buf, sizeof(buf)) > 0)
+        ;
 }
 
 nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms)
 {
+    /* Watching before the first read of the state: a state renamed into place
+     * between that read and the wait still wakes it. */
+    int watch = watch_state_dir();
     nvmlReturn_t rc = enter(__func__, -1, 1);
-    if (rc)
+    if (rc) {
+        if (watch >= 0)
+            close(watch);
         return rc;
+    }
     /* +1: now_ms() truncates, so a deadline in whole ms could come up to 1 ms early. */
     unsigned long long deadline = now_ms() + timeoutms + 1;
     for (;;) {
-        if (!valid_set(set) || !data)
-            return leave(NVML_ERROR_INVALID_ARGUMENT);
-        if (take_xid(set, data))
-            return leave(NVML_SUCCESS);
         unsigned long long now = now_ms();
-        if (now >= deadline)
-            return leave(NVML_ERROR_TIMEOUT);
-        pthread_mutex_unlock(&g_lock);
-        wait_for_state_change(deadline - now);
-        pthread_mutex_lock(&g_lock);
-        load_state(); /* on failure keep the last state and wait on */
+        if (!valid_set(set) || !data)
+            rc = NVML_ERROR_INVALID_ARGUMENT;
+        else if (take_xid(set, data))
+            rc = NVML_SUCCESS;
+        else if (now >= deadline)
+            rc = NVML_ERROR_TIMEOUT;
+        else {
+            pthread_mutex_unlock(&g_lock);
+            wait_for_state_change(watch, deadline - now);
+            pthread_mutex_lock(&g_lock);
+            load_state(); /* on failure keep the last state and wait on */
+            continue;
+        }
+        if (watch >= 0)
+            close(watch);
+        return leave(rc);
     }
 }
 

@@ -203,27 +203,35 @@ fn state_changes_are_seen_between_calls() {
 }
 
 #[test]
-fn xid_event_delivered_once() {
-    let fake = Fake::new(&format!("{TWO_GPUS}\nxid 1 79 id=1\n"));
+fn xid_event_delivered_once_to_every_set_registered_for_it() {
+    // An Xid raised before a set registered is not that set's news, as with a driver.
+    let fake = Fake::new(&format!("{TWO_GPUS}\nxid 1 31 id=1\n"));
     let nvml = init().unwrap();
     let d0 = nvml.device_by_index(0).unwrap();
     let d1 = nvml.device_by_index(1).unwrap();
 
-    // Registered for GPU 0 only: the Xid on GPU 1 is not delivered to this set.
     let set0 = d0
         .register_events(
             EventTypes::CRITICAL_XID_ERROR,
             nvml.create_event_set().unwrap(),
         )
         .unwrap();
-    assert!(matches!(set0.wait(50), Err(NvmlError::Timeout)));
-
     let set = d1
         .register_events(
             EventTypes::CRITICAL_XID_ERROR | EventTypes::PSTATE_CHANGE,
             nvml.create_event_set().unwrap(),
         )
         .unwrap();
+    // A second listener on the same GPU (another thread or process of the driver's).
+    let other = d1
+        .register_events(
+            EventTypes::CRITICAL_XID_ERROR,
+            nvml.create_event_set().unwrap(),
+        )
+        .unwrap();
+    assert!(matches!(set.wait(20), Err(NvmlError::Timeout)));
+
+    fake.write(&format!("{TWO_GPUS}\nxid 1 31 id=1\nxid 1 79 id=2\n"));
     let ev = set.wait(1000).unwrap();
     assert_eq!(ev.event_type, EventTypes::CRITICAL_XID_ERROR);
     assert_eq!(ev.event_data, Some(XidError::Value(79)));
@@ -232,45 +240,58 @@ fn xid_event_delivered_once() {
         ev.device.uuid().unwrap(),
         "GPU-11111111-1111-1111-1111-111111111111"
     );
+    // The other set has its own queue: taking the event from one leaves it in the other.
+    assert_eq!(
+        other.wait(1000).unwrap().event_data,
+        Some(XidError::Value(79))
+    );
+    // Registered for GPU 0 only: the Xid on GPU 1 is not delivered to this set.
+    assert!(matches!(set0.wait(50), Err(NvmlError::Timeout)));
 
     let start = Instant::now();
     assert!(matches!(set.wait(100), Err(NvmlError::Timeout)));
     assert!(start.elapsed() >= Duration::from_millis(100));
 
     // A new id is a new event, even for the same GPU and Xid; the old one stays delivered.
-    fake.write(&format!("{TWO_GPUS}\nxid 1 79 id=1\nxid 1 79 id=2\n"));
+    fake.write(&format!(
+        "{TWO_GPUS}\nxid 1 31 id=1\nxid 1 79 id=2\nxid 1 79 id=3\n"
+    ));
     assert_eq!(
         set.wait(1000).unwrap().event_data,
         Some(XidError::Value(79))
     );
     assert!(matches!(set.wait(20), Err(NvmlError::Timeout)));
     set.release_events().unwrap();
-    drop(set0);
+    drop((set0, other));
 }
 
 #[test]
-fn xid_written_while_waiting_is_delivered() {
+fn xid_written_while_waiting_is_delivered_to_each_waiter() {
     let fake = Fake::new(TWO_GPUS);
     let nvml = init().unwrap();
     let d0 = nvml.device_by_index(0).unwrap();
-    let set = d0
-        .register_events(
+    let register = || {
+        d0.register_events(
             EventTypes::CRITICAL_XID_ERROR,
             nvml.create_event_set().unwrap(),
         )
-        .unwrap();
+        .unwrap()
+    };
+    // Two waiters at once, as when an earlier listener (a sampler being dropped) still waits.
+    let (set, earlier) = (register(), register());
 
     let start = Instant::now();
-    let ev = std::thread::scope(|s| {
+    let (ev, earlier_ev) = std::thread::scope(|s| {
+        let earlier = s.spawn(move || earlier.wait(5000).map(|e| e.event_data));
         s.spawn(|| {
             std::thread::sleep(Duration::from_millis(150));
             fake.write(&format!("{TWO_GPUS}\nxid 0 48 id=7\n"));
         });
-        set.wait(5000)
-    })
-    .unwrap();
+        (set.wait(5000), earlier.join().unwrap())
+    });
     let waited = start.elapsed();
-    assert_eq!(ev.event_data, Some(XidError::Value(48)));
+    assert_eq!(ev.unwrap().event_data, Some(XidError::Value(48)));
+    assert_eq!(earlier_ev.unwrap(), Some(XidError::Value(48)));
     assert!(waited >= Duration::from_millis(150), "{waited:?}");
 }
 
