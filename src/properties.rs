@@ -15,7 +15,9 @@ use proptest::test_runner::Config as ProptestConfig;
 use crate::config::{Config, GpuTotal, HostTotals};
 use crate::policy::{evaluate, Action, Executed, Launches, Outcome, PolicyState, Verb};
 use crate::sample::{ProcSource, ProcfsSource};
-use crate::snapshot::{Gpu, GpuSnapshot, GpuStatus, HostMemory, Process, ProcessTable, Snapshot};
+use crate::snapshot::{
+    Gpu, GpuSnapshot, GpuStatus, HostMemory, Process, ProcessId, ProcessTable, Snapshot,
+};
 
 /// `n` cases, or `PROPTEST_CASES` when set (for a longer run by hand).
 fn cases(n: u32) -> ProptestConfig {
@@ -486,17 +488,27 @@ fn untrusted(config: &Config, s: &Snapshot, resource: &str) -> bool {
     }
 }
 
-fn protected(config: &Config, s: &Snapshot, action: &Action) -> Option<String> {
-    action.target.ids().find_map(|id| {
-        let p = s.processes.get(id)?;
-        let bad = p.pid <= 1
-            || p.kernel_thread
-            || p.pid == s.self_pid
-            || config
-                .protect
-                .protects(&p.comm, p.uid, &p.cmdline, &p.cgroup, p.exe.as_ref());
-        bad.then(|| format!("pid {} ({})", p.pid, p.comm))
-    })
+/// A process of the action's target that is protected now, leaving out those signalled before.
+fn protected(
+    config: &Config,
+    s: &Snapshot,
+    action: &Action,
+    before: &[ProcessId],
+) -> Option<String> {
+    action
+        .target
+        .ids()
+        .filter(|id| !before.contains(id))
+        .find_map(|id| {
+            let p = s.processes.get(id)?;
+            let bad = p.pid <= 1
+                || p.kernel_thread
+                || p.pid == s.self_pid
+                || config
+                    .protect
+                    .protects(&p.comm, p.uid, &p.cmdline, &p.cgroup, p.exe.as_ref());
+            bad.then(|| format!("pid {} ({})", p.pid, p.comm))
+        })
 }
 
 proptest! {
@@ -509,10 +521,12 @@ proptest! {
     ) {
         let mut state = PolicyState::default();
         let mut at = Duration::ZERO;
-        // Targets acted on in earlier ticks: escalating on them (SIGKILL after SIGTERM) is not a
-        // new choice, even if the process has renamed itself since (a process picks its own
-        // name: renaming itself "sshd" after SIGTERM must not buy it protection).
-        let mut chosen_before = Vec::new();
+        // Processes acted on in earlier ticks: escalating on them (SIGKILL after SIGTERM) is not
+        // a new choice, even if the process has renamed itself since (a process picks its own
+        // name: renaming itself "sshd" after SIGTERM must not buy it protection). By process,
+        // not by target: a model's SIGKILL names all the members its SIGTERM went to, some of
+        // which another floor had signalled (so the SIGTERM named only the rest).
+        let mut chosen_before: Vec<ProcessId> = Vec::new();
         for (i, (mut s, step_ms)) in ticks.into_iter().enumerate() {
             at += Duration::from_millis(step_ms);
             s.at = at;
@@ -528,9 +542,8 @@ proptest! {
                 if matches!(a.verb, Verb::Resume | Verb::Unthrottle) {
                     continue;
                 }
-                if !chosen_before.contains(&a.target) {
-                    prop_assert!(protected(&config, &s, a).is_none(), "{:?} on a protected process: {:?}", a.verb, protected(&config, &s, a));
-                }
+                let protected = protected(&config, &s, a, &chosen_before);
+                prop_assert!(protected.is_none(), "{:?} on a protected process: {protected:?}", a.verb);
                 if let Some(resource) = floor_resource(a) {
                     prop_assert!(!untrusted(&config, &s, &resource), "{:?} on an untrusted {resource} reading: {}", a.verb, a.reason.detail);
                     if a.reason.detail.contains("swap free") {
@@ -545,7 +558,7 @@ proptest! {
                     prop_assert!(s.gpus.devices.iter().any(|g| g.untrusted().is_none()), "gpu budget enforced with no trusted GPU");
                 }
             }
-            chosen_before.extend(plan.actions.iter().map(|a| a.target.clone()));
+            chosen_before.extend(plan.actions.iter().flat_map(|a| a.target.ids()));
             for (resource, targets) in victims {
                 let mut distinct = targets.clone();
                 distinct.dedup();
