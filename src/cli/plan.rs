@@ -9,6 +9,7 @@ use clap::Args;
 
 use super::{exit, wrapped, WIDTH};
 use crate::config::DEFAULT_SOCKET;
+use crate::history;
 use crate::ipc::client::ask;
 use crate::plan::{
     gpus, plan, Architecture, CapacityPlan, Dtype, GpuChoice, Observed, ParamCount, PlanRequest,
@@ -105,6 +106,16 @@ pub struct PlanArgs {
     /// Load NVML from this file when the daemon is not running (default: the library path).
     #[arg(long)]
     nvml_library: Option<PathBuf>,
+    /// The daemon's flight recorder (`state_dir/history`): with `--gpu host`, a model that is
+    /// not running now takes the overhead it was seen to take when it last ran here.
+    #[arg(long, default_value_os_t = default_history_dir())]
+    history_dir: PathBuf,
+}
+
+fn default_history_dir() -> PathBuf {
+    crate::config::DaemonConfig::default()
+        .state_dir
+        .join(crate::history::DIR)
 }
 
 fn gpu_help() -> String {
@@ -210,7 +221,16 @@ fn build_request(args: &PlanArgs) -> Result<PlanRequest, Failure> {
     };
     let name = args.name.clone().or(name).unwrap_or_else(|| "model".into());
     let (gpus, models) = gpu_choices(args)?;
-    let observed = models.iter().find(|m| m.name == name).and_then(observed);
+    let on_host = gpus.iter().any(|g| g.live);
+    let observed = models
+        .iter()
+        .find(|m| m.name == name)
+        .and_then(observed)
+        .or_else(|| {
+            on_host
+                .then(|| last_observed(&args.history_dir, &name))
+                .flatten()
+        });
     Ok(PlanRequest {
         name,
         arch,
@@ -388,8 +408,31 @@ fn observed(m: &ModelRow) -> Option<Observed> {
             .stats
             .kv_cache_blocks?
             .checked_mul(e.stats.block_size_tokens?)?,
+        seen_at_ms: None,
     })
     .filter(|o| o.gpus > 0)
+}
+
+/// The newest observation of model `name` in the daemon's history (`None` without one, or
+/// without a history this user can read): what it took when it last ran here.
+fn last_observed(dir: &Path, name: &str) -> Option<Observed> {
+    let mut last = None;
+    let _ = history::visit(dir, |record| {
+        if let history::Record::Sample { at_ms, status, .. } = record {
+            let seen = status
+                .models
+                .iter()
+                .find(|m| m.name == name)
+                .and_then(observed);
+            if let Some(o) = seen {
+                last = Some(Observed {
+                    seen_at_ms: Some(at_ms),
+                    ..o
+                });
+            }
+        }
+    });
+    last
 }
 
 /// One row per kind of GPU on this host: from the daemon's status if it is running, else from

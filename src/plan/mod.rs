@@ -169,6 +169,8 @@ pub struct Observed {
     pub gpu_bytes: u64,
     pub gpus: u32,
     pub kv_tokens: u64,
+    /// `None`: running now; else when the daemon's history last saw it so (Unix ms).
+    pub seen_at_ms: Option<u64>,
 }
 
 /// The model's own figures, independent of the GPU.
@@ -265,6 +267,10 @@ pub struct CapacityPlan {
     /// Index into `options` of the option that fits with the least GPU memory (this host's
     /// GPUs first).
     pub recommended: Option<usize>,
+    /// When the observation an option's overhead came from was recorded, if the model is not
+    /// running now (Unix ms, from the daemon's history); absent when none was used or it runs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub observed_at_ms: Option<u64>,
     pub assumptions: Vec<String>,
 }
 
@@ -316,11 +322,28 @@ pub fn plan(r: &PlanRequest) -> Result<CapacityPlan, String> {
     let mut assumptions = r.notes.clone();
     assumptions.push(weights_note);
     assumptions.extend(general_assumptions(r, &model));
-    if let (Some(o), Some(seen)) = (r.observed, options.iter().find(|o| o.overhead_observed)) {
+    let used = r
+        .observed
+        .filter(|_| options.iter().any(|o| o.overhead_observed));
+    if let (Some(o), Some(seen)) = (used, options.iter().find(|o| o.overhead_observed)) {
+        // Running now, or remembered: the daemon's history's newest sample of it.
+        let (when, at) = match o.seen_at_ms {
+            None => ("running here", String::new()),
+            Some(ms) => {
+                let at = jiff::Timestamp::from_millisecond(ms as i64).map_or_else(
+                    |_| format!("{ms} ms"),
+                    |t| t.strftime("%Y-%m-%dT%H:%M:%SZ").to_string(),
+                );
+                (
+                    "when it last ran here",
+                    format!("; at {at}, in the daemon's history"),
+                )
+            }
+        };
         assumptions.push(format!(
-            "overhead on this host's GPUs: as seen of '{}' running here ({} on {} GPU(s), its \
-             engine's KV cache {} tokens): {} per GPU besides its weights, KV cache and what it \
-             holds beyond the share",
+            "overhead on this host's GPUs: as seen of '{}' {when} ({} on {} GPU(s), its \
+             engine's KV cache {} tokens{at}): {} per GPU besides its weights, KV cache and what \
+             it holds beyond the share",
             r.name,
             fmt_bytes(o.gpu_bytes),
             o.gpus,
@@ -333,6 +356,7 @@ pub fn plan(r: &PlanRequest) -> Result<CapacityPlan, String> {
         model,
         options,
         recommended,
+        observed_at_ms: used.and_then(|o| o.seen_at_ms),
         assumptions,
     })
 }

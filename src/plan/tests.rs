@@ -584,6 +584,7 @@ fn what_a_model_was_seen_to_take_here_replaces_the_modelled_overhead() {
         gpu_bytes: 72 << 30,
         gpus: 1,
         kv_tokens: 400_000,
+        seen_at_ms: None,
     });
     let p = plan(&r).unwrap();
     let seen = &p.options[0];
@@ -599,6 +600,23 @@ fn what_a_model_was_seen_to_take_here_replaces_the_modelled_overhead() {
         .assumptions
         .iter()
         .any(|a| a.contains("as seen of 'llama-3-8b' running here")));
+    assert_eq!(p.observed_at_ms, None);
+    // Remembered from the daemon's history: the same overhead, said with when it was seen.
+    let mut remembered = r.clone();
+    remembered.observed = r.observed.map(|o| Observed {
+        seen_at_ms: Some(1_795_000_000_000),
+        ..o
+    });
+    let p = plan(&remembered).unwrap();
+    assert_eq!(p.options[0].overhead_bytes, overhead);
+    assert_eq!(p.observed_at_ms, Some(1_795_000_000_000));
+    assert!(
+        p.assumptions.iter().any(|a| a.contains(
+            "as seen of 'llama-3-8b' when it last ran here (72.0 GiB on 1 GPU(s), its engine's KV cache 400000 tokens; at 2026-11-18T11:06:40Z, in the daemon's history)"
+        )),
+        "{:?}",
+        p.assumptions
+    );
     // At another TP, or on a card from the table, the model is what it was.
     r.tp = vec![2];
     assert!(!plan(&r).unwrap().options[0].overhead_observed);

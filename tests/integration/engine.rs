@@ -348,6 +348,7 @@ fn the_engines_real_kv_cache_is_shown_beside_the_plan_and_teaches_plan_host() {
          [ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n\
          [gpu]\nnvml_library = \"{}\"\n\
          [metrics]\nlisten = \"127.0.0.1:{port}\"\n\
+         [history]\ninterval = \"200ms\"\n\
          [[model]]\nname = \"llama-3-8b\"\nmatch = {{ cmdline = \"{t}\" }}\ngpu_memory = \"79GiB\"\n\
          metrics_url = \"{}\"\nplanned_kv_tokens = 476000\n",
         FakeNvml::library(),
@@ -414,4 +415,42 @@ fn the_engines_real_kv_cache_is_shown_beside_the_plan_and_teaches_plan_host() {
         seen["kv_space_bytes"].as_u64() < modelled["kv_space_bytes"].as_u64(),
         "seen {seen:#}\nmodelled {modelled:#}"
     );
+
+    // Remembered: with no daemon to ask (another socket; the GPUs read through NVML), the
+    // overhead comes from the flight recorder's newest sample of the model, with its time.
+    let history = path(&daemon.state_dir().join("history"));
+    let state = path(&fake.state);
+    let from_history = |name: &str| {
+        let out = Command::new(BIN)
+            .args(["plan", &fixture, "--gpu", "host", "--name", name, "--json"])
+            .args(["--socket", "/nonexistent/gpuguard.sock"])
+            .args(["--history-dir", &history])
+            .args(["--nvml-library", &FakeNvml::library()])
+            .env("FAKE_NVML_STATE", &state)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<Value>(&out.stdout).unwrap()
+    };
+    let mut remembered = Value::Null;
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            remembered = from_history("llama-3-8b");
+            remembered["options"][0]["overhead_observed"] == true
+        }),
+        "{remembered:#}"
+    );
+    assert_eq!(remembered["options"][0]["overhead_bytes"], overhead);
+    assert!(
+        remembered["observed_at_ms"].as_u64().is_some(),
+        "{remembered:#}"
+    );
+    // Another model's name has nothing in the history: modelled.
+    let other = from_history("another");
+    assert_eq!(other["options"][0]["overhead_observed"], false, "{other:#}");
+    assert!(other.get("observed_at_ms").is_none(), "{other:#}");
 }
