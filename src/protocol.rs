@@ -64,6 +64,10 @@ pub struct LaunchRequest {
     /// The model server's Prometheus endpoint (loopback http), scraped for its own limits.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metrics_url: Option<String>,
+    /// The KV cache `gpuguard plan` planned for it, in tokens per engine: `status --model` sets
+    /// the engine's real one beside it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub planned_kv_tokens: Option<u64>,
     pub ready_timeout_ms: Option<u64>,
     pub queue_timeout_ms: Option<u64>,
     /// The command about to be run (for status and logs).

@@ -42,6 +42,10 @@ pub struct LaunchArgs {
     /// `status` shows its KV cache and queue.
     #[arg(long)]
     metrics_url: Option<String>,
+    /// The KV cache `gpuguard plan` planned, in tokens per engine (its `planned_kv_tokens`):
+    /// `status --model` sets the engine's real one beside it.
+    #[arg(long)]
+    planned_kv_tokens: Option<u64>,
     /// Hold the launch lock at most this long while loading (default: the daemon's).
     #[arg(long, value_parser = parse_duration)]
     ready_timeout: Option<Duration>,
@@ -74,6 +78,7 @@ pub fn run(args: LaunchArgs) -> u8 {
         cuda_visible_devices: std::env::var("CUDA_VISIBLE_DEVICES").ok(),
         ready_url: args.ready_url.clone(),
         metrics_url: args.metrics_url.clone(),
+        planned_kv_tokens: args.planned_kv_tokens,
         ready_timeout_ms: args.ready_timeout.map(|d| d.as_millis() as u64),
         queue_timeout_ms: args.queue_timeout.map(|d| d.as_millis() as u64),
         command: args

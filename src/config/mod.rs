@@ -239,11 +239,8 @@ impl Config {
             if let Some(url) = &m.metrics_url {
                 check_metrics_url(url).map_err(|e| (format!("{key}.metrics_url"), e))?;
             }
-            if let Some(n) = m.planned_kv_tokens.filter(|n| *n == 0 || *n > 1 << 40) {
-                return Err((
-                    format!("{key}.planned_kv_tokens"),
-                    format!("'{n}' must be between 1 and 2^40 tokens"),
-                ));
+            if let Some(n) = m.planned_kv_tokens {
+                check_planned_kv_tokens(n).map_err(|e| (format!("{key}.planned_kv_tokens"), e))?;
             }
             if m.action != ModelAction::Alert && m.ram.is_none() && m.gpu_memory.is_none() {
                 return Err((

@@ -204,6 +204,14 @@ impl Users {
     }
 }
 
+/// A planned KV cache in tokens: at least one, at most 2^40 (the plan's own bound).
+pub fn check_planned_kv_tokens(n: u64) -> Result<(), String> {
+    match n {
+        1..=0x100_0000_0000 => Ok(()),
+        _ => Err(format!("'{n}' must be between 1 and 2^40 tokens")),
+    }
+}
+
 /// A model server's metrics URL must be plain `http://` on a loopback address (the daemon is
 /// root and fetches it; a URL from a client must not reach anywhere else).
 pub fn check_metrics_url(url: &str) -> Result<(), String> {

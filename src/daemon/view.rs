@@ -159,6 +159,7 @@ impl Daemon {
             Default::default()
         };
         let gpu_known = self.sampler.snapshot.gpus.status == GpuStatus::Ok;
+        let models = self.launches.models(&self.config);
         self.state
             .attribution
             .models
@@ -174,7 +175,7 @@ impl Daemon {
                 gpu_reserved_ratio: self.gpu_reserved_ratio(m),
                 engine: engines.remove(&m.name),
                 gpu_count: m.gpu_bytes.len() as u32,
-                planned_kv_tokens: self.config.model(&m.name).and_then(|c| c.planned_kv_tokens),
+                planned_kv_tokens: models.planned_kv_tokens(&m.name),
                 processes: if full {
                     self.process_rows(m)
                 } else {

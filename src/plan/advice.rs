@@ -104,6 +104,9 @@ pub(super) fn gpuguard_budget(
     if o.tp > 1 {
         launch.extend(["--gpus".into(), o.tp.to_string()]);
     }
+    if o.kv_tokens > 0 {
+        launch.extend(["--planned-kv-tokens".into(), o.kv_tokens.to_string()]);
+    }
     (block, launch)
 }
 

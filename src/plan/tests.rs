@@ -141,6 +141,8 @@ fn asking_for_a_concurrency_sizes_the_engine_and_the_budget() {
     let parsed: toml::Table = toml::from_str(&o.gpuguard_model).unwrap();
     assert_eq!(parsed["model"][0]["name"].as_str(), Some("llama-3-8b"));
     // The launch reserves what the engine takes (40,113,283,072 bytes = 38,255 MiB).
+    // It carries the KV cache planned, for `status --model` to set the engine's beside.
+    let planned = o.kv_tokens.to_string();
     let want = [
         "--model",
         "llama-3-8b",
@@ -148,8 +150,11 @@ fn asking_for_a_concurrency_sizes_the_engine_and_the_budget() {
         "38255MiB",
         "--ram",
         "21GiB",
+        "--planned-kv-tokens",
+        &planned,
     ];
     assert_eq!(o.launch_args, want);
+    assert!(o.kv_tokens > 0);
     // vLLM 0.19 captures CUDA graphs beyond its share: the budget holds them too (+1 GiB).
     r.engine = "0.19.0".parse().unwrap();
     let o = plan(&r).unwrap().options.remove(0);

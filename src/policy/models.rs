@@ -80,6 +80,12 @@ impl<'a> ModelsInForce<'a> {
         let own = self.get(name).and_then(|m| m.metrics_url.as_deref());
         own.or_else(|| self.launched.get(name)?.metrics_url.as_deref())
     }
+
+    /// The KV cache planned for a model: its own, else the one it was launched with.
+    pub fn planned_kv_tokens(&self, name: &str) -> Option<u64> {
+        let own = self.get(name).and_then(|m| m.planned_kv_tokens);
+        own.or_else(|| self.launched.get(name)?.planned_kv_tokens)
+    }
 }
 
 /// The models seen in one process table.

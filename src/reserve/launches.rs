@@ -144,6 +144,10 @@ impl Reservations {
             crate::config::check_metrics_url(url)
                 .map_err(|e| invalid(format!("--metrics-url {e}")))?;
         }
+        if let Some(n) = r.planned_kv_tokens {
+            crate::config::check_planned_kv_tokens(n)
+                .map_err(|e| invalid(format!("--planned-kv-tokens {e}")))?;
+        }
         if r.cuda_visible_devices
             .as_ref()
             .is_some_and(|v| v.len() > 1024)
@@ -340,14 +344,18 @@ impl Reservations {
         } else {
             account.usage().ram_bytes
         };
-        // Also kept for a configured model launched with a metrics URL (its [[model]] wins
-        // for everything else).
-        if self.config.model(&model).is_none() || request.metrics_url.is_some() {
+        // Also kept for a configured model launched with a metrics URL or a planned KV cache
+        // (its [[model]] wins for everything else).
+        let engine_given = request.metrics_url.is_some() || request.planned_kv_tokens.is_some();
+        if self.config.model(&model).is_none() || engine_given {
             let launched = self.launched.entry(model.clone()).or_insert_with(|| {
                 ModelConfig::launched(&model, w.peer.uid, need.ram_bytes, need.gpu_bytes_total())
             });
             if request.metrics_url.is_some() {
                 launched.metrics_url = request.metrics_url.clone();
+            }
+            if request.planned_kv_tokens.is_some() {
+                launched.planned_kv_tokens = request.planned_kv_tokens;
             }
         }
         let ready_url = request

@@ -1387,3 +1387,39 @@ fn first_loader_crashing_lets_the_second_start_at_once() {
     );
     assert!(!kinds.contains(&EventKind::LaunchReady), "{kinds:?}");
 }
+
+/// A launch carries the KV cache `gpuguard plan` planned (issue 27: a launched model had no
+/// `[[model]]` to say it, so `status --model` could not set the engine's beside it): kept with
+/// the launched model, also for a configured model whose block gives none; an impossible count
+/// is refused naming the flag and the value.
+#[test]
+fn a_launch_carries_its_planned_kv_cache() {
+    let mut t = table_for("[[model]]\nname = \"configured\"\n", 0);
+    let launch = |t: &mut Reservations, planned| {
+        let request = LaunchRequest {
+            model: "configured".into(),
+            gpu_memory_bytes: Some(GIB),
+            planned_kv_tokens: planned,
+            command: vec!["x".into()],
+            ..Default::default()
+        };
+        t.launch(1, request, Arc::new(FakeProcess::default()), Duration::ZERO)
+    };
+    let (reason, message) = refusal(launch(&mut t, Some(0)));
+    assert_eq!(reason, RefusalReason::Invalid);
+    assert_eq!(
+        message,
+        "--planned-kv-tokens '0' must be between 1 and 2^40 tokens"
+    );
+    assert_eq!(
+        ModelsInForce::new(&t.config, &t.launched).planned_kv_tokens("configured"),
+        None
+    );
+    let admitted = launch(&mut t, Some(432_000));
+    assert!(
+        matches!(admitted, Some(Response::Admitted { .. })),
+        "{admitted:?}"
+    );
+    let models = ModelsInForce::new(&t.config, &t.launched);
+    assert_eq!(models.planned_kv_tokens("configured"), Some(432_000));
+}

@@ -240,7 +240,7 @@ fn kv_cache_full_and_gpu_reserved_are_different_states() {
 }
 
 #[test]
-fn a_metrics_url_given_at_launch_is_scraped_and_one_off_loopback_is_refused() {
+fn a_metrics_url_and_planned_kv_cache_given_at_launch_are_used_and_one_off_loopback_is_refused() {
     let engine = FakeEngine::start(vllm(5, 2, 0.5, 0));
     let fake = FakeNvml::new(&format!(
         "device 0 name=\"Fake L4\" total={} used={}\n",
@@ -291,6 +291,8 @@ fn a_metrics_url_given_at_launch_is_scraped_and_one_off_loopback_is_refused() {
                 "1GiB",
                 "--metrics-url",
                 &engine.url,
+                "--planned-kv-tokens",
+                "476000",
                 "--",
             ])
             .args([python3(), "-c", "import time; time.sleep(600)", &t])
@@ -308,6 +310,8 @@ fn a_metrics_url_given_at_launch_is_scraped_and_one_off_loopback_is_refused() {
         m["limit"],
         "2 waiting with KV cache 50%: the engine's max-num-seqs or compute, not memory"
     );
+    // What `gpuguard plan`'s launch line carries: the planned KV cache, beside the engine's.
+    assert_eq!(m["planned_kv_tokens"], 476000, "{m:#}");
 }
 
 /// `gpuguard plan`'s answer as JSON, through the real binary.
