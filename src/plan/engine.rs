@@ -1,6 +1,9 @@
 //! The engine a plan is for: how vLLM sizes its KV cache, release by release, and the defaults
-//! it assumes. Read in vLLM's published wheels (0.4.3 to 0.33.0) and checked against startup
-//! logs users published (`tests/fixtures/plan/engines/`, replayed by `plan::tests`):
+//! it assumes. Read in vLLM's published wheels (0.4.3 to 0.33.0, 0.21.0 among them) and checked
+//! against startup logs users published (`tests/fixtures/plan/engines/`, replayed by
+//! `plan::tests`) from 0.6.4 to 0.19.0; no complete published log of 0.20.0 or later has been
+//! found yet, so the default below is read in source and only partly seen in logs (0.20.0 to
+//! 0.27.1 logs all charge the graph estimate):
 //!
 //! - vLLM profiles once at start: a dummy forward pass of `max_num_batched_tokens` tokens, then
 //!   the sampler on one row per sequence (V1: `min(max_num_batched_tokens, max_num_seqs)`; V0:
@@ -9,8 +12,9 @@
 //!   outside PyTorch (NCCL, custom all-reduce buffers). The CUDA context that exists before the
 //!   profile is not charged: it lives in the share left over.
 //! - CUDA graphs are captured after the KV cache is allocated, beyond the share, until 0.20.0;
-//!   from 0.20.0 an estimate of them is charged to the share, and the default share rose from
-//!   0.90 to 0.92 (vLLM PR 38284).
+//!   from 0.20.0 an estimate of them is charged to the share (the profiler's switch defaults
+//!   on, though its log line says "default since v0.21.0"; nothing with `--enforce-eager`),
+//!   and the default share rose from 0.90 to 0.92 (vLLM PR 38284).
 //! - V0 (before 0.8.0, when V1 became the default) profiles `max(max_model_len, 2048)` tokens
 //!   when chunked prefill is off (`max_model_len` up to 32768), so long contexts cost
 //!   activations; V1 always chunks.
@@ -30,7 +34,8 @@ const MIB: u64 = 1 << 20;
 pub struct Vllm(pub u32, pub u32, pub u32);
 
 impl Vllm {
-    /// What `plan` assumes unless told: the behaviour of 0.20.0 and later (read up to 0.33.0).
+    /// What `plan` assumes unless told: the behaviour of 0.20.0 and later (read in 0.20.0, 0.21.0,
+    /// 0.22.0 and 0.33.0; not yet replayed against a complete log).
     pub const DEFAULT: Vllm = Vllm(0, 20, 0);
     /// The oldest release the model covers: earlier ones charged the CUDA context and measured
     /// the peak differently.
