@@ -227,10 +227,25 @@ fn a_victim_stopped_for_a_gpu_floor_is_resumed_at_max_stop_once_its_gpu_is_lost(
     let said = recorded(&h, "gpu_lost");
     assert_eq!(said.len(), 1, "{said:?}");
     assert_eq!(said[0].0, "critical");
-    assert!(said[0].1.contains("GPU 1 (GPU-bbbb) lost"), "{said:?}");
+    // About GPU 1 (GPU-bbbb), and only it.
+    let about: Vec<serde_json::Value> = logged(&h, "gpu_lost")
+        .iter()
+        .map(|l| event(l))
+        .filter(|e| e["type"] == "event")
+        .collect();
+    assert_eq!(about.len(), 1, "{about:?}");
+    assert_eq!(about[0]["subject"]["resource"], "GPU 1", "{about:?}");
+    assert_eq!(h.daemon.sampler.lost_gpus, [1].into());
     let report = status(&h);
     assert_eq!(report.gpu_protection.state, "degraded");
-    assert_eq!((report.gpus[1].index, report.gpus[1].lost), (1, true));
+    assert_eq!(
+        (
+            report.gpus[1].index,
+            report.gpus[1].uuid.as_str(),
+            report.gpus[1].lost
+        ),
+        (1, "GPU-bbbb", true)
+    );
     let metrics = crate::metrics::Metrics::new();
     metrics.update(&h.daemon.view(crate::daemon::view::Detail::Full));
     let text = metrics.text();
@@ -407,14 +422,12 @@ fn a_gpu_with_an_unreadable_process_list_under_its_floor_has_no_victim() {
     );
     h.ticks(20, 100 * MS);
     assert_eq!(h.signals(), [], "{:?}", h.actions());
-    let none = recorded(&h, "no_victim");
-    assert!(
-        none.len() == 1
-            && none[0]
-                .1
-                .contains("GPU 1 free 512.0 MiB < min_free 2.0 GiB"),
-        "{none:?}"
-    );
+    assert_eq!(recorded(&h, "no_victim").len(), 1);
+    // About GPU 1, 512 MiB free (under its 2 GiB min_free).
+    let none: Vec<serde_json::Value> = logged(&h, "no_victim").iter().map(|l| event(l)).collect();
+    assert_eq!(none.len(), 1, "{none:?}");
+    assert_eq!(none[0]["subject"]["resource"], "GPU 1", "{none:?}");
+    assert_eq!(status(&h).gpus[1].free_bytes, Some(512 * MIB));
     h.world().more_gpus[0] = card(1, "GPU-bbbb", 8 * GIB, &[(200, 6 * GIB)]);
     h.ticks(10, 100 * MS);
     let report = status(&h);
@@ -480,12 +493,14 @@ fn floors_that_cannot_be_right_on_this_host_are_refused_at_start_and_on_reload()
     h.ticks(5, 100 * MS);
     h.reload(&fits("min_free = \"20GiB\"\n"));
     let failed = recorded(&h, "config_reload_failed");
+    // The check's own error, whole (its words are `config::tests`'): gpu.min_free refused.
+    let error = Config::load(&h.daemon.config_path)
+        .and_then(|c| h.daemon.vet_reload(c))
+        .unwrap_err();
+    assert_eq!(error.key, "gpu.min_free");
     assert!(
-        failed.len() == 1
-            && failed[0]
-                .1
-                .contains("gpu.min_free: '20.0 GiB' (20.0 GiB) is at or above GPU 1's total"),
-        "{failed:?}"
+        failed.len() == 1 && failed[0].1.ends_with(&error.to_string()),
+        "{failed:?} {error}"
     );
     h.ticks(5, 100 * MS);
     let report = status(&h);

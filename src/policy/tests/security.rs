@@ -85,19 +85,7 @@ fn a_users_process_naming_roots_model_does_not_put_it_over_its_budget() {
             ),
         ],
     );
-    let table = ProcessTable {
-        pss_read: true,
-        scanned_at: Some(Duration::ZERO),
-        processes: vec![server, forged],
-    };
-    let a = attribute(
-        &c,
-        &table,
-        &GpuSnapshot::default(),
-        &HashMap::new(),
-        &BTreeMap::new(),
-        &mut MatchCache::default(),
-    );
+    let (table, a) = attributed(&c, vec![server, forged]);
     assert_eq!(rows(&a, &table), [Some(0), None]);
 }
 
@@ -184,9 +172,14 @@ fn a_users_processes_mapping_roots_weights_are_reported_without_roots_model() {
         message.starts_with("GPU 0: 2 processes [200, 201] map the same weights"),
         "{message}"
     );
-    assert!(
-        !message.contains("model 'server'") && !message.contains("100"),
+    // Root's model is not blamed, nor its server in the group (whose first, lowest pid the
+    // event is about).
+    assert_eq!(
+        (
+            plan.events[0].about.model.as_deref(),
+            plan.events[0].about.pid
+        ),
+        (None, Some(200)),
         "root's model blamed: {message}"
     );
-    assert_ne!(plan.events[0].about.model.as_deref(), Some("server"));
 }
