@@ -56,6 +56,13 @@ struct World {
     gpu_status: Option<GpuStatus>,
     /// The weights files each pid maps (/proc/PID/maps), read for the GPU holders the scan asks.
     maps: BTreeMap<i32, Vec<MappedFile>>,
+    /// How long an exited process's memory takes to come back to MemAvailable (its address
+    /// space torn down, the vmstat counters folded: up to `vm.stat_interval`, 1 s); zero: at once.
+    release_lag: Duration,
+    /// Memory of exited processes not back in MemAvailable yet: (when it is, bytes).
+    releasing: Vec<(Duration, u64)>,
+    /// The harness's clock, as of its last tick.
+    now: Duration,
 }
 
 type Shared = Arc<Mutex<World>>;
@@ -67,12 +74,27 @@ fn world(shared: &Shared) -> MutexGuard<'_, World> {
 impl World {
     fn exit(&mut self, pid: i32) {
         if let Some(p) = self.procs.remove(&pid) {
-            if let Some(a) = self.host.available_bytes.as_mut() {
-                *a += p.rss_bytes;
-            }
+            self.releasing
+                .push((self.now + self.release_lag, p.rss_bytes));
+            self.fold_released();
         }
         if let Some(gpu) = self.gpu.as_mut() {
             gpu.remove(&pid);
+        }
+    }
+
+    /// What exited processes gave back by now comes back to MemAvailable.
+    fn fold_released(&mut self) {
+        let now = self.now;
+        let back: u64 = self
+            .releasing
+            .iter()
+            .filter(|(at, _)| *at <= now)
+            .map(|(_, bytes)| bytes)
+            .sum();
+        self.releasing.retain(|(at, _)| *at > now);
+        if let Some(a) = self.host.available_bytes.as_mut() {
+            *a += back;
         }
     }
 
@@ -104,7 +126,9 @@ struct FakeProc(Shared);
 
 impl ProcSource for FakeProc {
     fn host_memory(&mut self) -> HostMemory {
-        world(&self.0).host
+        let mut w = world(&self.0);
+        w.fold_released();
+        w.host
     }
     fn host_error(&self) -> Option<&str> {
         None
@@ -303,6 +327,7 @@ impl Harness {
     /// One tick, `step` after the last.
     fn tick(&mut self, step: Duration) {
         self.at += step;
+        self.world().now = self.at;
         let now = self.daemon.started + self.at;
         self.daemon.tick_at(now, step);
     }
@@ -669,6 +694,44 @@ fn a_changing_process_table_does_not_shift_who_is_targeted() {
             (500, Sig::Kill)
         ]
     );
+}
+
+/// An exited victim's memory comes back to MemAvailable some time after the process is gone
+/// (the kernel tears its address space down, then folds the counters, up to a vmstat interval
+/// later; CI saw 13 ms): the next victim is not chosen on the readings in between. The world
+/// gives the hog's 12 GiB back 300 ms after it exits on SIGTERM; the second process, under
+/// the act floor on every reading until then, is never signalled, and the incident ends when
+/// the memory is back.
+#[test]
+fn a_victims_memory_that_comes_back_late_spares_the_next_process() {
+    let mut w = World {
+        host: host(64 * GIB, 2 * GIB),
+        release_lag: 300 * MS,
+        ..World::default()
+    };
+    w.spawn(200, "hog", 12 * GIB);
+    w.spawn(300, "second", 6 * GIB);
+    w.exit_on_term.push(200);
+    let mut h = Harness::new(
+        w,
+        "term_grace = \"1s\"\n\
+         [ram]\nwarn_available = \"8GiB\"\nmin_available = \"4GiB\"\naction = \"kill\"\n\
+         [gpu]\nenabled = false\n",
+    );
+    h.tick(MS);
+    assert_eq!(h.signals(), [(200, Sig::Term)], "{:?}", h.actions());
+    // Gone at once, its memory not back yet: readings under the act floor for 300 ms.
+    h.tick(100 * MS);
+    assert!(!h.world().procs.contains_key(&200));
+    let available = |h: &Harness| {
+        let status = super::report::status_report(&h.daemon.view(super::view::Detail::Full));
+        (status.memory.available_bytes, status.memory.level)
+    };
+    assert_eq!(available(&h), (Some(2 * GIB), "act".to_string()));
+    h.ticks(10, 100 * MS);
+    assert_eq!(h.signals(), [(200, Sig::Term)], "{:?}", h.actions());
+    assert_eq!(available(&h), (Some(14 * GIB), "ok".to_string()));
+    assert!(h.world().procs.contains_key(&300));
 }
 
 /// The event log's lines that contain `kind`, waited for (the alert worker writes them).
