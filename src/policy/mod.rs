@@ -260,6 +260,9 @@ pub struct Incident {
     pub far_below_at: Option<Duration>,
     /// After SIGTERM: the victim's own memory at the first reading after the signal.
     pub term_baseline: Option<TermBaseline>,
+    /// RAM floors: the victim and its own memory at the last reading that saw it alive (what
+    /// its death can give back at most).
+    pub victim_last_seen: Option<(Target, u64)>,
     /// Reported that the shortfall is Shmem growth no process holds (to say it once).
     pub shmem_reported: bool,
 }
@@ -287,6 +290,7 @@ impl Incident {
             excluded: Vec::new(),
             far_below_at: None,
             term_baseline: None,
+            victim_last_seen: None,
             shmem_reported: false,
         }
     }

@@ -133,6 +133,24 @@ pub(in crate::policy) fn act(
         choose_next(config, snapshot, state, reading, far_below, plan);
         return;
     };
+    let alive = victim.any_alive(snapshot);
+    if let Some(bytes) = alive
+        .then(|| victim_bytes(snapshot, &victim, reading.resource))
+        .flatten()
+    {
+        incident.victim_last_seen = Some((victim.clone(), bytes));
+    }
+    // The most the victim held: when chosen, or at the last reading that saw it alive.
+    let when_chosen = state
+        .floor_victims
+        .get(&reading.resource)
+        .and_then(|v| v.iter().rev().find(|f| f.target == victim))
+        .map(|f| f.used);
+    let last_seen = incident
+        .victim_last_seen
+        .as_ref()
+        .filter(|(seen, _)| *seen == victim)
+        .map(|(_, bytes)| *bytes);
     let step = Step {
         config,
         snapshot,
@@ -140,8 +158,8 @@ pub(in crate::policy) fn act(
         victim: &victim,
         far_below,
         since: now.saturating_sub(incident.stage_since),
+        held_at_most: when_chosen.max(last_seen),
     };
-    let alive = victim.any_alive(snapshot);
     match incident.stage {
         Stage::Alerted | Stage::Stuck | Stage::Throttled => {}
         Stage::Stopped | Stage::Terminated | Stage::Killed if !alive => {
@@ -189,6 +207,8 @@ pub(in crate::policy) struct Step<'a> {
     far_below: bool,
     /// How long the incident has been at its stage.
     since: Duration,
+    /// The most the victim held (RAM floors: when chosen, or when last seen alive), if known.
+    held_at_most: Option<u64>,
 }
 
 impl Step<'_> {
@@ -303,8 +323,11 @@ pub(in crate::policy) fn next_after_gone(
     let stuck: Vec<i32> = match resource {
         // An exited victim's pages come back to MemAvailable some time after it is seen gone
         // (its address space torn down, the counters folded): a reading taken before that shows
-        // the shortfall it is giving back, and the next victim would be chosen for nothing.
-        Resource::Ram if step.since < RAM_RELEASE => return false,
+        // the shortfall it is giving back, and the next victim would be chosen for nothing;
+        // unless all it held, back, would still leave RAM under its act floor.
+        Resource::Ram if step.since < RAM_RELEASE && !short_even_with_it_back(step) => {
+            return false
+        }
         Resource::Ram => Vec::new(),
         Resource::Gpu(index) => stuck_pids(step.snapshot, step.victim, index),
     };
@@ -327,6 +350,19 @@ pub(in crate::policy) fn next_after_gone(
         ));
     }
     false
+}
+
+/// Whether MemAvailable stays under the act floor even once all the gone victim held is back
+/// (the most it held, when chosen or when last seen alive: an upper bound of what its death
+/// gives back). Unknown (no figure, or short of something else than MemAvailable: swap, PSI):
+/// no.
+fn short_even_with_it_back(step: &Step) -> bool {
+    let reading = step.reading;
+    let Some(held) = step.held_at_most else {
+        return false;
+    };
+    reading.act_because.is_none()
+        && matches!((reading.available, reading.min), (Some(a), Some(min)) if a.saturating_add(held) < min)
 }
 
 /// How long after a victim is seen gone the RAM floor waits before it chooses the next one: the

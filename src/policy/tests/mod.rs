@@ -866,6 +866,27 @@ fn the_next_victim_waits_for_the_gone_ones_memory_to_come_back() {
     );
 }
 
+/// The wait for a gone victim's memory is for memory that can lift RAM above its act floor:
+/// when all it held (at the last reading that saw it alive) would still leave RAM under it, the
+/// next victim is chosen at once, not a second later.
+#[test]
+fn the_next_victim_does_not_wait_for_memory_too_small_to_lift_the_floor() {
+    let c = config(RAM_FLOORS);
+    let both = vec![proc(100, "hog", GIB, 1), proc(200, "second", 800 * MIB, 1)];
+    let second = || vec![proc(200, "second", 800 * MIB, 1)];
+    // 2.5 GiB available, act floor 4 GiB: the hog's 1 GiB back makes 3.5 GiB, still short.
+    let low = Some(2 * GIB + 512 * MIB);
+    play(
+        &c,
+        &mut PolicyState::default(),
+        vec![
+            (snap(0, low, both), "terminate [100]", "floor_act"),
+            (snap(13, low, second()), "", ""),
+            (snap(26, low, second()), "terminate [200]", ""),
+        ],
+    );
+}
+
 #[test]
 fn a_victim_that_exits_on_sigterm_is_not_killed() {
     let c = config(RAM_FLOORS);
