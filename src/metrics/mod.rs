@@ -555,18 +555,19 @@ mod tests {
         let port = serve("127.0.0.1:0".parse().unwrap(), Metrics::new())
             .unwrap()
             .port();
+        // Before connecting: the server's deadline starts when it accepts, after this.
+        let started = std::time::Instant::now();
         let mut idle = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
         idle.set_read_timeout(Some(Duration::from_secs(10)))
             .unwrap();
-        let started = std::time::Instant::now();
         let mut buf = [0u8; 16];
-        assert_eq!(idle.read(&mut buf).unwrap_or(0), 0, "closed, not answered");
+        // Closed by the server (end of file), not answered, and not left open until the read
+        // gives up (an error): the 10 s are a safety net, not a bound the test measures.
+        let read = idle.read(&mut buf);
+        assert!(matches!(read, Ok(0)), "{read:?}");
+        // Not before its deadline.
         let took = started.elapsed();
-        assert!(
-            took >= HEADER_TIMEOUT - Duration::from_millis(100)
-                && took < HEADER_TIMEOUT + Duration::from_secs(2),
-            "{took:?}"
-        );
+        assert!(took >= HEADER_TIMEOUT, "{took:?}");
     }
 
     #[test]
