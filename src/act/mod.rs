@@ -365,6 +365,7 @@ mod tests {
             },
             recheck: None,
             enters: Vec::new(),
+            after_term: None,
         }
     }
 

@@ -129,6 +129,9 @@ pub struct Action {
     /// carried it out (`PolicyState::apply`).
     #[serde(skip)]
     pub enters: Vec<Entry>,
+    /// SIGKILL after SIGTERM: why (`reason` says it in words).
+    #[serde(skip)]
+    pub after_term: Option<floors::AfterTerm>,
 }
 
 /// Where an action leaves the incident or budget it was decided for. The policy's stages move
@@ -405,7 +408,7 @@ pub struct PolicyState {
     /// What the attribution was computed from.
     attributed: Option<AttributionInputs>,
     /// Groups already reported as loaded more than once.
-    duplicates_reported: Vec<waste::Duplicate>,
+    duplicates_reported: Vec<waste::Reported>,
     /// Per floor, the victims acted on within its `victim_window` since the resource last read
     /// `Ok` outside a brake (the brake on cascades counts them: victims that helped do not).
     pub floor_victims: BTreeMap<Resource, Vec<FloorVictim>>,
@@ -794,6 +797,7 @@ fn action(
         reason: Reason { kind, detail },
         recheck,
         enters: Vec::new(),
+        after_term: None,
     }
 }
 

@@ -9,21 +9,96 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use crate::kinds::EventKind;
 use crate::snapshot::{MappedFile, Snapshot};
 
-use super::{bytes, event, About, Plan, PolicyState, Resource, Severity};
+use super::{bytes, event, About, Event, Plan, PolicyState, Resource, Severity};
 
 pub(super) fn duplicate_loads(snapshot: &Snapshot, state: &mut PolicyState, plan: &mut Plan) {
-    let mut seen = Vec::new();
-    let by_weights = duplicate_weights(snapshot, state, plan, &mut seen);
-    duplicate_commands(snapshot, state, plan, &mut seen, &by_weights);
+    let found = duplicates(snapshot);
+    let seen: Vec<Reported> = found.iter().map(Duplicate::reported).collect();
+    for (duplicate, key) in found.iter().zip(&seen) {
+        if state.duplicates_reported.contains(key) {
+            continue;
+        }
+        state.duplicates_reported.push(key.clone());
+        plan.events
+            .push(duplicate_event(snapshot, state, duplicate));
+    }
     state.duplicates_reported.retain(|k| seen.contains(k));
+}
+
+/// The same weights held more than once on one GPU, as one rule found it: what `duplicate_event`
+/// says (once per group, while it lasts).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct Duplicate {
+    pub gpu: u32,
+    pub rule: Rule,
+    /// The group's processes, lowest pid first.
+    pub pids: Vec<i32>,
+    /// What they hold on the GPU together.
+    pub held: u64,
+}
+
+/// Which rule found a group.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum Rule {
+    /// They map the same weights files (every file they all map, as the lowest pid maps it).
+    SameWeights { files: Vec<MappedFile> },
+    /// Unrelated processes (none an ancestor of another) with this command line.
+    SameCommand { cmdline: String },
+}
+
+impl Duplicate {
+    /// What the group is remembered by while it lasts: its GPU and what its processes share.
+    fn reported(&self) -> Reported {
+        let what = match &self.rule {
+            Rule::SameWeights { files } => format!(
+                "weights {}",
+                files
+                    .iter()
+                    .map(|f| format!("{}:{}", f.device, f.inode))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ),
+            Rule::SameCommand { cmdline } => cmdline.clone(),
+        };
+        Reported {
+            gpu: self.gpu,
+            what,
+        }
+    }
 }
 
 /// A group reported as loaded more than once: its GPU and what the processes share (`weights
 /// dev:inode,...`, or the command line).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(super) struct Duplicate {
+pub(super) struct Reported {
     gpu: u32,
     what: String,
+}
+
+/// Every group loaded more than once in `snapshot`: by the weights they map first, then by
+/// their command line (a group the weights rule found is not found again).
+pub(super) fn duplicates(snapshot: &Snapshot) -> Vec<Duplicate> {
+    let by_weights = weights_groups(snapshot);
+    let mut found: Vec<Duplicate> = by_weights
+        .iter()
+        .map(|g| {
+            let gpu = snapshot.gpus.devices.iter().find(|d| d.index == g.gpu);
+            Duplicate {
+                gpu: g.gpu,
+                rule: Rule::SameWeights {
+                    files: g.files.clone(),
+                },
+                pids: g.pids.iter().copied().collect(),
+                held: g
+                    .pids
+                    .iter()
+                    .filter_map(|p| gpu.and_then(|d| d.processes.get(p).copied().flatten()))
+                    .sum(),
+            }
+        })
+        .collect();
+    found.extend(duplicate_commands(snapshot, &by_weights));
+    found
 }
 
 /// Processes on one GPU that map the same weights files.
@@ -32,38 +107,6 @@ struct WeightsGroup {
     gpu: u32,
     pids: BTreeSet<i32>,
     files: Vec<MappedFile>,
-}
-
-/// Groups GPU holders by the weights files they map, per GPU; returns the groups found this way
-/// so the command-line rule does not report them again.
-fn duplicate_weights(
-    snapshot: &Snapshot,
-    state: &mut PolicyState,
-    plan: &mut Plan,
-    seen: &mut Vec<Duplicate>,
-) -> Vec<WeightsGroup> {
-    let groups = weights_groups(snapshot);
-    for group in &groups {
-        let key = Duplicate {
-            gpu: group.gpu,
-            what: format!(
-                "weights {}",
-                group
-                    .files
-                    .iter()
-                    .map(|f| format!("{}:{}", f.device, f.inode))
-                    .collect::<Vec<_>>()
-                    .join(",")
-            ),
-        };
-        seen.push(key.clone());
-        if state.duplicates_reported.contains(&key) {
-            continue;
-        }
-        state.duplicates_reported.push(key);
-        plan.events.push(weights_event(snapshot, state, group));
-    }
-    groups
 }
 
 /// Per GPU, processes of one uid that map the same weights: a process of another account that
@@ -109,40 +152,8 @@ fn weights_groups(snapshot: &Snapshot) -> Vec<WeightsGroup> {
     groups
 }
 
-fn weights_event(snapshot: &Snapshot, state: &PolicyState, g: &WeightsGroup) -> super::Event {
-    let gpu = snapshot.gpus.devices.iter().find(|d| d.index == g.gpu);
-    let held: u64 = g
-        .pids
-        .iter()
-        .filter_map(|p| gpu.and_then(|d| d.processes.get(p).copied().flatten()))
-        .sum();
-    let models = models_of(snapshot, state, &g.pids);
-    let mapped = g.files.iter().map(|f| f.mapped_bytes).max().unwrap_or(0);
-    let pids: Vec<i32> = g.pids.iter().copied().collect();
-    event(
-        Severity::Warning,
-        EventKind::DuplicateLoad,
-        format!(
-            "GPU {}: {} processes {pids:?}{} map the same weights ({}{}, {}) and hold {} together: the same weights loaded more than once?",
-            g.gpu,
-            pids.len(),
-            if models.is_empty() { String::new() } else { format!(" of model {}", models.join(", ")) },
-            g.files[0].path,
-            if g.files.len() > 1 { format!(" and {} more file(s)", g.files.len() - 1) } else { String::new() },
-            bytes(mapped),
-            bytes(held)
-        ),
-    )
-    .about(About {
-        model: models.first().map(|m| m.trim_matches('\'').to_string()),
-        pid: pids.first().copied(),
-        resource: Some(Resource::Gpu(g.gpu)),
-        ..About::default()
-    })
-}
-
 /// The models (quoted) these processes belong to.
-fn models_of(snapshot: &Snapshot, state: &PolicyState, pids: &BTreeSet<i32>) -> Vec<String> {
+fn models_of(snapshot: &Snapshot, state: &PolicyState, pids: &[i32]) -> Vec<String> {
     let a = &state.attribution;
     let mut names: Vec<String> = snapshot
         .processes
@@ -158,14 +169,8 @@ fn models_of(snapshot: &Snapshot, state: &PolicyState, pids: &BTreeSet<i32>) -> 
 }
 
 /// Unrelated processes on one GPU with the same command line (servers that read their weights
-/// into GPU memory and unmap them).
-fn duplicate_commands(
-    snapshot: &Snapshot,
-    state: &mut PolicyState,
-    plan: &mut Plan,
-    seen: &mut Vec<Duplicate>,
-    by_weights: &[WeightsGroup],
-) {
+/// into GPU memory and unmap them), but for groups `by_weights` has.
+fn duplicate_commands(snapshot: &Snapshot, by_weights: &[WeightsGroup]) -> Vec<Duplicate> {
     let procs = &snapshot.processes.processes;
     let by_pid: HashMap<i32, usize> = procs.iter().enumerate().map(|(i, p)| (p.pid, i)).collect();
     let is_ancestor = |ancestor: i32, mut pid: i32| {
@@ -183,6 +188,7 @@ fn duplicate_commands(
         }
         false
     };
+    let mut found = Vec::new();
     for gpu in &snapshot.gpus.devices {
         let mut groups: BTreeMap<&str, Vec<(i32, u64)>> = BTreeMap::new();
         for (pid, used) in &gpu.processes {
@@ -211,27 +217,51 @@ fn duplicate_commands(
             if already {
                 continue;
             }
-            let key = Duplicate {
+            found.push(Duplicate {
                 gpu: gpu.index,
-                what: cmdline.to_string(),
-            };
-            seen.push(key.clone());
-            if state.duplicates_reported.contains(&key) {
-                continue;
-            }
-            state.duplicates_reported.push(key);
-            let pids: Vec<i32> = holders.iter().map(|h| h.0).collect();
-            let total: u64 = holders.iter().map(|h| h.1).sum();
-            plan.events.push(event(
-                Severity::Warning,
-                EventKind::DuplicateLoad,
-                format!(
-                    "GPU {}: {} processes {pids:?} run the same command and hold {} together: the same model loaded more than once? ({cmdline})",
-                    gpu.index,
-                    holders.len(),
-                    bytes(total)
-                ),
-            ).about(About { pid: pids.first().copied(), resource: Some(Resource::Gpu(gpu.index)), ..About::default() }));
+                rule: Rule::SameCommand {
+                    cmdline: cmdline.to_string(),
+                },
+                pids: holders.iter().map(|h| h.0).collect(),
+                held: holders.iter().map(|h| h.1).sum(),
+            });
         }
     }
+    found
+}
+
+/// A group in words (warning `duplicate_load`), about its GPU, its first process and, for the
+/// weights rule, the first of the models its processes belong to. Nothing here decides.
+pub(super) fn duplicate_event(snapshot: &Snapshot, state: &PolicyState, d: &Duplicate) -> Event {
+    let (gpu, pids, n) = (d.gpu, &d.pids, d.pids.len());
+    let (message, model) = match &d.rule {
+        Rule::SameWeights { files } => {
+            let models = models_of(snapshot, state, pids);
+            let mapped = files.iter().map(|f| f.mapped_bytes).max().unwrap_or(0);
+            (
+                format!(
+                    "GPU {gpu}: {n} processes {pids:?}{} map the same weights ({}{}, {}) and hold {} together: the same weights loaded more than once?",
+                    if models.is_empty() { String::new() } else { format!(" of model {}", models.join(", ")) },
+                    files[0].path,
+                    if files.len() > 1 { format!(" and {} more file(s)", files.len() - 1) } else { String::new() },
+                    bytes(mapped),
+                    bytes(d.held)
+                ),
+                models.first().map(|m| m.trim_matches('\'').to_string()),
+            )
+        }
+        Rule::SameCommand { cmdline } => (
+            format!(
+                "GPU {gpu}: {n} processes {pids:?} run the same command and hold {} together: the same model loaded more than once? ({cmdline})",
+                bytes(d.held)
+            ),
+            None,
+        ),
+    };
+    event(Severity::Warning, EventKind::DuplicateLoad, message).about(About {
+        model,
+        pid: pids.first().copied(),
+        resource: Some(Resource::Gpu(gpu)),
+        ..About::default()
+    })
 }

@@ -277,27 +277,34 @@ pub(in crate::policy) fn kill_after_term(incident: &mut Incident, step: &Step, p
         .daemon
         .term_max_growth
         .resolve(snapshot.host.total_bytes);
-    let grown = grown_after_term(snapshot, reading.resource, incident, step.victim, limit);
-    if !(step.far_below || step.since >= step.config.daemon.term_grace || grown.is_some()) {
-        return;
-    }
-    let how = match grown {
-        Some(grown) => format!(
-            "its memory grew by {} after SIGTERM: it is not shutting down",
-            bytes(grown)
-        ),
-        None => "SIGTERM not enough".to_string(),
+    let why = match grown_after_term(snapshot, reading.resource, incident, step.victim, limit) {
+        Some(grown) => AfterTerm::Grew(grown),
+        None if step.far_below => AfterTerm::FarBelow,
+        None if step.since >= step.config.daemon.term_grace => AfterTerm::GraceOver,
+        None => return,
     };
-    plan.actions.push(
-        action(
-            Verb::Kill,
-            step.victim,
-            reading.kind(),
-            format!("{}; {how}", reading.describe()),
-            reading.recheck(),
-        )
-        .entering(step.next(Stage::Killed)),
-    );
+    let mut kill = action(
+        Verb::Kill,
+        step.victim,
+        reading.kind(),
+        words::kill_after_term(reading, why),
+        reading.recheck(),
+    )
+    .entering(step.next(Stage::Killed));
+    kill.after_term = Some(why);
+    plan.actions.push(kill);
+}
+
+/// Why SIGKILL follows SIGTERM (`words::kill_after_term` says it), first reason first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AfterTerm {
+    /// The victim grew by this much since its first reading after SIGTERM, more than
+    /// `term_max_growth`: it is not shutting down.
+    Grew(u64),
+    /// Far below the floor, confirmed by an earlier sample.
+    FarBelow,
+    /// `term_grace` ran out.
+    GraceOver,
 }
 
 /// Still there `kill_timeout` after SIGKILL: stuck; no more kills for this floor.

@@ -47,6 +47,6 @@ use choose::*;
 #[cfg(test)]
 pub(in crate::policy) use choose::{choose, Choice, Judgement, ShmemVerdict};
 pub(in crate::policy) use choose::{release_brakes, release_held};
-pub(in crate::policy) use incident::{evaluate_floor, TERM_WATCH_INTERVAL};
+pub(in crate::policy) use incident::{evaluate_floor, AfterTerm, TERM_WATCH_INTERVAL};
 use readings::*;
 pub(in crate::policy) use readings::{readings, Reading};

@@ -160,6 +160,18 @@ pub(in crate::policy) fn victim(reading: &Reading, v: &Victim) -> String {
     detail
 }
 
+/// Why SIGKILL after SIGTERM: the reading, and the victim's growth or SIGTERM not being enough.
+pub(in crate::policy) fn kill_after_term(reading: &Reading, why: AfterTerm) -> String {
+    let how = match why {
+        AfterTerm::Grew(grown) => format!(
+            "its memory grew by {} after SIGTERM: it is not shutting down",
+            bytes(grown)
+        ),
+        AfterTerm::FarBelow | AfterTerm::GraceOver => "SIGTERM not enough".to_string(),
+    };
+    format!("{}; {how}", reading.describe())
+}
+
 /// `action = "alert"`: the victim it would act on (critical `floor_victim`).
 pub(in crate::policy) fn would_act(detail: &str, target: &Target) -> Event {
     event(

@@ -819,6 +819,10 @@ fn one_victim_per_incident_then_the_next() {
             below_bytes: 4 * GIB
         })
     );
+    assert_eq!(
+        plans[3].actions[0].after_term,
+        Some(floors::AfterTerm::GraceOver)
+    );
 }
 
 /// Found by the host suite on CI: the hog was terminated and seen gone 13 ms later while
@@ -963,7 +967,7 @@ fn far_below_needs_a_second_fresh_sample_before_sigkill() {
 fn far_below_skips_sigterm_grace() {
     let c = config(RAM_FLOORS);
     let a = || vec![proc(100, "trainer", 6 * GIB, 1)];
-    play(
+    let plans = play(
         &c,
         &mut PolicyState::default(),
         vec![
@@ -973,6 +977,10 @@ fn far_below_skips_sigterm_grace() {
             (snap(200, Some(GIB), a()), "kill [100]", ""),
             (snap(300, Some(GIB), a()), "", ""),
         ],
+    );
+    assert_eq!(
+        plans[2].actions[0].after_term,
+        Some(floors::AfterTerm::FarBelow)
     );
 }
 
@@ -2051,6 +2059,10 @@ fn a_victim_that_grows_after_sigterm_is_killed_at_once() {
     let plan = decide(&c, &at(6, 6 * GIB + 532 * MIB), &mut state);
     assert_eq!(acts(&plan), "kill [100]");
     assert_eq!(plan.actions[0].reason.kind, ReasonKind::RamFloor);
+    assert_eq!(
+        plan.actions[0].after_term,
+        Some(floors::AfterTerm::Grew(20 * MIB))
+    );
     assert!(verbs(&decide(&c, &at(8, 7 * GIB), &mut state)).is_empty());
 }
 
@@ -2064,7 +2076,7 @@ fn a_victim_shutting_down_gets_one_sigterm_while_ram_wobbles_around_the_floor() 
     let below = |ms| snap(ms, Some(4 * GIB - MIB), term_victims(6 * GIB));
     let above = |ms| snap(ms, Some(4 * GIB + MIB), term_victims(6 * GIB));
     let mut state = PolicyState::default();
-    play(
+    let plans = play(
         &c,
         &mut state,
         vec![
@@ -2077,6 +2089,10 @@ fn a_victim_shutting_down_gets_one_sigterm_while_ram_wobbles_around_the_floor() 
             // term_grace counts from the one SIGTERM, not from the latest dip.
             (below(10_000), "kill [100]", ""),
         ],
+    );
+    assert_eq!(
+        plans[6].actions[0].after_term,
+        Some(floors::AfterTerm::GraceOver)
     );
     assert_eq!(state.floor_victims[&Resource::Ram].len(), 1);
     // Past its grace, a process chosen by a later incident is a new round: SIGTERM again.
@@ -2126,6 +2142,10 @@ fn a_victim_shutting_down_keeps_its_grace_while_memory_falls_elsewhere() {
     let plan = decide(&c, &at(1000, 2 * GIB + 100 * MIB, 4 * GIB), &mut state);
     assert_eq!(acts(&plan), "kill [100]");
     assert_eq!(plan.actions[0].reason.kind, ReasonKind::RamFloor);
+    assert_eq!(
+        plan.actions[0].after_term,
+        Some(floors::AfterTerm::GraceOver)
+    );
 }
 
 // ---- Faults and bad values (issue #13): an untrusted reading may alert, never act. ----------
@@ -2510,10 +2530,24 @@ fn spawned_workers_mapping_the_same_weights_on_one_gpu_are_reported_once() {
             ),
         ],
     );
-    let message = &plans[0].events[0].message;
-    assert!(
-        message.starts_with("GPU 0: 2 processes [100, 101] of model 'server' map the same weights (/models/m/model-7.safetensors and 1 more file(s), 4.0 GiB) and hold 8.0 GiB together"),
-        "{message}"
+    // What the first tick reported: the two on GPU 0, by both files, holding 8 GiB together.
+    let first = step(
+        0,
+        &[(100, Some(4 * GIB)), (101, Some(4 * GIB))],
+        &[(102, Some(4 * GIB))],
+    );
+    let (plan, found) = duplicates_said(&c, &first);
+    assert_eq!(plan.events, plans[0].events);
+    assert_eq!(
+        found,
+        [waste::Duplicate {
+            gpu: 0,
+            rule: waste::Rule::SameWeights {
+                files: vec![weights_file(7), weights_file(8)]
+            },
+            pids: vec![100, 101],
+            held: 8 * GIB,
+        }]
     );
     assert_eq!(plans[0].events[0].about.model.as_deref(), Some("server"));
 }
@@ -2555,13 +2589,52 @@ fn identical_commands_already_reported_by_their_weights_are_not_reported_twice()
             &[(200, Some(4 * GIB)), (201, Some(4 * GIB))],
         )],
     );
-    let plan = once(&c, &s);
+    let (plan, found) = duplicates_said(&c, &s);
     assert_eq!(events(&plan), "duplicate_load");
-    assert!(plan.events[0].message.contains("run the same command"));
+    assert_eq!(
+        found,
+        [waste::Duplicate {
+            gpu: 0,
+            rule: waste::Rule::SameCommand {
+                cmdline: "/usr/bin/vllm".into()
+            },
+            pids: vec![200, 201],
+            held: 8 * GIB,
+        }]
+    );
     s.mapped_weights = [(200, vec![weights_file(9)]), (201, vec![weights_file(9)])].into();
-    let plan = once(&c, &s);
+    let (plan, found) = duplicates_said(&c, &s);
     assert_eq!(events(&plan), "duplicate_load", "{:#?}", plan.events);
-    assert!(plan.events[0].message.contains("map the same weights"));
+    assert_eq!(
+        found,
+        [waste::Duplicate {
+            gpu: 0,
+            rule: waste::Rule::SameWeights {
+                files: vec![weights_file(9)]
+            },
+            pids: vec![200, 201],
+            held: 8 * GIB,
+        }]
+    );
+}
+
+/// One tick from a fresh state, and the groups loaded more than once in `snapshot` as data
+/// (`waste::duplicates`): the tick's `duplicate_load` events are theirs, one each, in order.
+fn duplicates_said(c: &Config, snapshot: &Snapshot) -> (Plan, Vec<waste::Duplicate>) {
+    let mut state = PolicyState::default();
+    let plan = evaluate(c, snapshot, &Launches::default(), &mut state);
+    let found = waste::duplicates(snapshot);
+    let said: Vec<&Event> = plan
+        .events
+        .iter()
+        .filter(|e| e.kind == EventKind::DuplicateLoad)
+        .collect();
+    let theirs: Vec<Event> = found
+        .iter()
+        .map(|d| waste::duplicate_event(snapshot, &state, d))
+        .collect();
+    assert_eq!(said, theirs.iter().collect::<Vec<_>>());
+    (plan, found)
 }
 
 /// The model of each process of `table`, in the table's order.

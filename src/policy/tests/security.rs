@@ -165,12 +165,18 @@ fn a_users_processes_mapping_roots_weights_are_reported_without_roots_model() {
         .into_iter()
         .map(|p| (p, vec![weights_file(7)]))
         .collect();
-    let plan = once(&c, &s);
+    let (plan, found) = duplicates_said(&c, &s);
     assert_eq!(events(&plan), "duplicate_load", "{:#?}", plan.events);
-    let message = &plan.events[0].message;
-    assert!(
-        message.starts_with("GPU 0: 2 processes [200, 201] map the same weights"),
-        "{message}"
+    assert_eq!(
+        found,
+        [waste::Duplicate {
+            gpu: 0,
+            rule: waste::Rule::SameWeights {
+                files: vec![weights_file(7)]
+            },
+            pids: vec![200, 201],
+            held: 4 * GIB,
+        }]
     );
     // Root's model is not blamed, nor its server in the group (whose first, lowest pid the
     // event is about).
@@ -180,6 +186,7 @@ fn a_users_processes_mapping_roots_weights_are_reported_without_roots_model() {
             plan.events[0].about.pid
         ),
         (None, Some(200)),
-        "root's model blamed: {message}"
+        "root's model blamed: {:#?}",
+        plan.events
     );
 }

@@ -268,38 +268,146 @@ fn the_shmem_rule_in_words() {
     }
 }
 
-/// SIGKILL after SIGTERM in words: the victim's growth since its baseline, or `term_grace` run
-/// out.
+/// SIGKILL after SIGTERM in words (`words::kill_after_term`): the victim's growth since its
+/// baseline, or SIGTERM not enough (`term_grace` run out, or far below the floor).
 #[test]
 fn a_kill_after_sigterm_in_words() {
     let c = config(RAM_FLOORS);
-    let at = |ms, rss| snap(ms, Some(3 * GIB), term_victims(rss));
+    let at = |ms, available, rss| snap(ms, Some(available), term_victims(rss));
     let mut state = PolicyState::default();
     for (ms, rss) in [(0, 6 * GIB), (2, 6 * GIB)] {
-        decide(&c, &at(ms, rss), &mut state);
+        decide(&c, &at(ms, 3 * GIB, rss), &mut state);
     }
     let baseline = state.incidents[&Resource::Ram].term_baseline.unwrap();
-    let grown = at(4, 6 * GIB + 20 * MIB);
+    let grown = at(4, 3 * GIB, 6 * GIB + 20 * MIB);
     let plan = decide(&c, &grown, &mut state);
+    let Some(floors::AfterTerm::Grew(growth)) = plan.actions[0].after_term else {
+        panic!("{:?}", plan.actions);
+    };
+    assert_eq!(growth, 6 * GIB + 20 * MIB - baseline.bytes);
     assert_eq!(
         plan.actions[0].reason.detail,
         format!(
             "{}; its memory grew by {} after SIGTERM: it is not shutting down",
             reading(&c, &grown, Resource::Ram).describe(),
-            bytes(6 * GIB + 20 * MIB - baseline.bytes)
+            bytes(growth)
         )
     );
 
-    let mut state = PolicyState::default();
-    decide(&c, &at(0, 6 * GIB), &mut state);
-    let graced = at(c.daemon.term_grace.as_millis() as u64, 6 * GIB);
-    let plan = decide(&c, &graced, &mut state);
+    let graced = at(c.daemon.term_grace.as_millis() as u64, 3 * GIB, 6 * GIB);
+    let far = |ms| at(ms, GIB, 6 * GIB);
+    for (ticks, why) in [
+        (
+            vec![at(0, 3 * GIB, 6 * GIB), graced],
+            floors::AfterTerm::GraceOver,
+        ),
+        (
+            vec![at(0, 3 * GIB, 6 * GIB), far(100), far(200)],
+            floors::AfterTerm::FarBelow,
+        ),
+    ] {
+        let mut state = PolicyState::default();
+        let last = ticks.last().unwrap().clone();
+        let plans: Vec<Plan> = ticks.iter().map(|s| decide(&c, s, &mut state)).collect();
+        let kill = &plans.last().unwrap().actions[0];
+        assert_eq!(kill.after_term, Some(why));
+        assert_eq!(
+            kill.reason.detail,
+            format!(
+                "{}; SIGTERM not enough",
+                reading(&c, &last, Resource::Ram).describe()
+            )
+        );
+    }
+}
+
+/// A group loaded more than once in words (`waste::duplicate_event`): by the weights they map
+/// (the models they belong to, the first file and how many more, the most one maps, what they
+/// hold together), or by their command line.
+#[test]
+fn a_duplicate_load_in_words() {
+    let c = config(&model("server", ""));
+    let worker = |pid: i32| Process {
+        cmdline: format!("/usr/bin/server --worker {pid}"),
+        ..proc(pid, "server", GIB, 1)
+    };
+    let holders = [(100, Some(3 * GIB)), (101, Some(5 * GIB))];
+    let mut s = gsnap(
+        0,
+        vec![worker(100), worker(101)],
+        vec![gpu(0, GIB, &holders)],
+    );
+    let small = crate::snapshot::MappedFile {
+        mapped_bytes: GIB,
+        ..weights_file(7)
+    };
+    s.mapped_weights = [
+        (100, vec![small.clone(), weights_file(8)]),
+        (101, vec![small, weights_file(8)]),
+    ]
+    .into();
+    let (plan, found) = duplicates_said(&c, &s);
+    let waste::Rule::SameWeights { files } = &found[0].rule else {
+        panic!("{found:?}");
+    };
+    let d = &found[0];
     assert_eq!(
-        plan.actions[0].reason.detail,
+        plan.events[0].message,
         format!(
-            "{}; SIGTERM not enough",
-            reading(&c, &graced, Resource::Ram).describe()
+            "GPU {}: 2 processes {:?} of model 'server' map the same weights ({} and 1 more file(s), {}) and hold {} together: the same weights loaded more than once?",
+            d.gpu,
+            d.pids,
+            files[0].path,
+            bytes(files.iter().map(|f| f.mapped_bytes).max().unwrap()),
+            bytes(d.held)
         )
+    );
+    assert_eq!(
+        plan.events[0].message,
+        "GPU 0: 2 processes [100, 101] of model 'server' map the same weights (/models/m/model-7.safetensors and 1 more file(s), 4.0 GiB) and hold 8.0 GiB together: the same weights loaded more than once?"
+    );
+
+    // Of no model, one file.
+    let c = config("");
+    let (plan, found) = duplicates_said(&c, &s);
+    let d = &found[0];
+    let waste::Rule::SameWeights { files } = &d.rule else {
+        panic!("{found:?}");
+    };
+    assert_eq!(
+        plan.events[0].message,
+        format!(
+            "GPU 0: 2 processes {:?} map the same weights ({} and 1 more file(s), {}) and hold {} together: the same weights loaded more than once?",
+            d.pids,
+            files[0].path,
+            bytes(4 * GIB),
+            bytes(d.held)
+        )
+    );
+
+    // The same command, no weights mapped.
+    let vllm = |pid| proc(pid, "vllm", GIB, 1);
+    let s = gsnap(
+        0,
+        vec![vllm(200), vllm(201)],
+        vec![gpu(0, GIB, &holders.map(|(p, b)| (p + 100, b)))],
+    );
+    let (plan, found) = duplicates_said(&c, &s);
+    let d = &found[0];
+    let waste::Rule::SameCommand { cmdline } = &d.rule else {
+        panic!("{found:?}");
+    };
+    assert_eq!(
+        plan.events[0].message,
+        format!(
+            "GPU 0: 2 processes {:?} run the same command and hold {} together: the same model loaded more than once? ({cmdline})",
+            d.pids,
+            bytes(d.held)
+        )
+    );
+    assert_eq!(
+        plan.events[0].message,
+        "GPU 0: 2 processes [200, 201] run the same command and hold 8.0 GiB together: the same model loaded more than once? (/usr/bin/vllm)"
     );
 }
 
