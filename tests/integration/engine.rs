@@ -314,12 +314,13 @@ fn a_metrics_url_and_planned_kv_cache_given_at_launch_are_used_and_one_off_loopb
     assert_eq!(m["planned_kv_tokens"], 476000, "{m:#}");
 }
 
-/// `gpuguard plan`'s answer as JSON, through the real binary.
-fn plan_json(args: &[&str]) -> Value {
+/// `gpuguard plan`'s answer as JSON, through the real binary, with `env` set.
+fn plan_json(args: &[&str], env: &[(&str, &str)]) -> Value {
     let out = Command::new(BIN)
         .arg("plan")
         .args(args)
         .arg("--json")
+        .envs(env.iter().copied())
         .output()
         .unwrap();
     assert!(
@@ -403,9 +404,12 @@ fn the_engines_real_kv_cache_is_shown_beside_the_plan_and_teaches_plan_host() {
     );
     let socket = daemon.socket().to_string_lossy().into_owned();
     let here = |name: &str| {
-        plan_json(&[
-            &fixture, "--gpu", "host", "--socket", &socket, "--name", name,
-        ])["options"][0]
+        plan_json(
+            &[
+                &fixture, "--gpu", "host", "--socket", &socket, "--name", name,
+            ],
+            &[],
+        )["options"][0]
             .clone()
     };
     let seen = here("llama-3-8b");
@@ -425,20 +429,22 @@ fn the_engines_real_kv_cache_is_shown_beside_the_plan_and_teaches_plan_host() {
     let history = path(&daemon.state_dir().join("history"));
     let state = path(&fake.state);
     let from_history = |name: &str| {
-        let out = Command::new(BIN)
-            .args(["plan", &fixture, "--gpu", "host", "--name", name, "--json"])
-            .args(["--socket", "/nonexistent/gpuguard.sock"])
-            .args(["--history-dir", &history])
-            .args(["--nvml-library", &FakeNvml::library()])
-            .env("FAKE_NVML_STATE", &state)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice::<Value>(&out.stdout).unwrap()
+        plan_json(
+            &[
+                &fixture,
+                "--gpu",
+                "host",
+                "--name",
+                name,
+                "--socket",
+                "/nonexistent/gpuguard.sock",
+                "--history-dir",
+                &history,
+                "--nvml-library",
+                &FakeNvml::library(),
+            ],
+            &[("FAKE_NVML_STATE", &state)],
+        )
     };
     let mut remembered = Value::Null;
     assert!(
