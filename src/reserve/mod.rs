@@ -18,9 +18,11 @@
 //! send, the ledger's size stays proportional to those caps.
 
 pub mod account;
+mod books;
 pub mod capacity;
 mod drain;
 mod launches;
+mod learner;
 pub mod lease;
 mod limit;
 mod permits;
@@ -46,8 +48,9 @@ use crate::snapshot::ProcessId;
 use crate::status::{LeaseRow, PermitPoolRow, QueuedRow};
 use crate::units::fmt_bytes;
 
-use account::{Account, SAMPLES_FOR_DEFAULT};
+use account::Account;
 pub use capacity::Capacity;
+use learner::SAMPLES_FOR_DEFAULT;
 pub use lease::{Launched, ReadyUrl};
 use lease::{Lease, LeaseState, NewLease};
 use limit::PerUid;
