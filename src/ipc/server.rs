@@ -285,7 +285,7 @@ async fn serve(
     // Since when the connection has held nothing and waited for nothing: past `idle` it is
     // closed, whatever it sends meanwhile (a refused request or a cancel of nothing does not
     // keep a connection, and with it a share of the caps, open).
-    let mut idle_since = Instant::now();
+    let mut idle_since = tokio::time::Instant::now();
     let mut was_engaged = false;
     loop {
         let wait = if first {
@@ -310,7 +310,7 @@ async fn serve(
                 break;
             }
             Err(_) if shared.table().engaged(conn) => {
-                idle_since = Instant::now();
+                idle_since = tokio::time::Instant::now();
                 was_engaged = true;
                 continue;
             }
@@ -335,7 +335,7 @@ async fn serve(
         shared.expiry.notify_one();
         // Engaged, or just done with what it held: the idle time starts again.
         if engaged || was_engaged {
-            idle_since = Instant::now();
+            idle_since = tokio::time::Instant::now();
         }
         was_engaged = engaged;
         if let Some(answer) = answer {
@@ -538,4 +538,88 @@ mod tests {
         assert!(monotonic_age(five_seconds_ago) >= Duration::from_secs(5));
         assert_eq!(monotonic_age(u64::MAX), Duration::ZERO);
     }
+
+    /// A connection served as the accept loop serves it, on the test's paused clock; the
+    /// client's end is returned.
+    fn connection(shared: &Arc<Shared>) -> tokio::io::BufReader<UnixStream> {
+        let (client, server) = UnixStream::pair().unwrap();
+        let (uid, pid) = credentials(&server).unwrap();
+        shared.table().connections().connect(1, uid).unwrap();
+        let shared = shared.clone();
+        tokio::spawn(async move { serve(server, 1, uid, pid, shared.now(), &shared).await });
+        tokio::io::BufReader::new(client)
+    }
+
+    fn shared(config: &str) -> Arc<Shared> {
+        let config = Config::parse(config, Path::new("test.toml")).unwrap();
+        Arc::new(Shared::new(
+            &config,
+            Instant::now(),
+            "/proc".into(),
+            Box::new(|| {}),
+        ))
+    }
+
+    async fn send(client: &mut tokio::io::BufReader<UnixStream>, line: &str) {
+        client.get_mut().write_all(line.as_bytes()).await.unwrap();
+    }
+
+    /// The next line from the server, or None at end of file.
+    async fn answer(client: &mut tokio::io::BufReader<UnixStream>) -> Option<String> {
+        let mut line = String::new();
+        let n = client.read_line(&mut line).await.unwrap();
+        (n > 0).then_some(line)
+    }
+
+    /// Round three: a refused acquire and then a cancel of nothing every 20 s kept a connection
+    /// (and its share of the caps) open forever. A connection that holds and waits for nothing
+    /// is closed `idle_timeout` after it last did, whatever it sends meanwhile.
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_that_holds_nothing_is_closed_after_idle_timeout_whatever_it_sends() {
+        let shared = shared("[clients]\nidle_timeout = \"10s\"\n");
+        let mut client = connection(&shared);
+        let start = tokio::time::Instant::now();
+        send(&mut client, ACQUIRE_NO_SUCH_MODEL).await;
+        let refused = answer(&mut client).await.unwrap();
+        assert!(refused.contains(r#""type":"refused""#), "{refused}");
+        // A cancel of nothing every 3 s: no answer, and no new lease of life.
+        for _ in 0..3 {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            send(&mut client, CANCEL_NOTHING).await;
+        }
+        assert_eq!(answer(&mut client).await, None, "closed, not answered");
+        assert_eq!(
+            start.elapsed(),
+            Duration::from_secs(10),
+            "closed at idle_timeout"
+        );
+    }
+
+    /// A connection waiting for a permit is engaged: it stays open past `idle_timeout`, and its
+    /// idle time starts when it stops waiting.
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_that_waits_for_a_permit_outlives_idle_timeout() {
+        let shared = shared("[clients]\nidle_timeout = \"2s\"\n");
+        let mut client = connection(&shared);
+        let start = tokio::time::Instant::now();
+        send(&mut client, ACQUIRE_WAITING_30S).await;
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        send(&mut client, CANCEL_WAITING).await;
+        let cancelled = answer(&mut client).await.unwrap();
+        assert!(cancelled.contains(r#""id":5"#), "{cancelled}");
+        assert_eq!(start.elapsed(), Duration::from_secs(5), "{cancelled}");
+        assert_eq!(answer(&mut client).await, None, "closed, not answered");
+        assert_eq!(
+            start.elapsed(),
+            Duration::from_secs(7),
+            "closed 2 s after it stopped waiting"
+        );
+    }
+
+    const ACQUIRE_NO_SUCH_MODEL: &str =
+        "{\"version\":1,\"type\":\"acquire\",\"id\":1,\"model\":\"no-such-model\"}\n";
+    const CANCEL_NOTHING: &str = "{\"version\":1,\"type\":\"cancel\",\"id\":99}\n";
+    const CANCEL_WAITING: &str = "{\"version\":1,\"type\":\"cancel\",\"id\":5}\n";
+    const ACQUIRE_WAITING_30S: &str =
+        "{\"version\":1,\"type\":\"acquire\",\"id\":5,\"gpu_bytes\":1024,\"timeout_ms\":30000}\n";
 }
