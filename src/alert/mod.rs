@@ -550,6 +550,16 @@ impl Alerter {
         queue
     }
 
+    /// Waits until the event and action logs have written every notice queued so far (tests
+    /// read them after a tick: what is not there then was never told).
+    #[cfg(test)]
+    pub fn written(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        for sink in self.event_log.iter().chain(&self.actions_log) {
+            assert!(sink.queue.drain(deadline), "the event log did not keep up");
+        }
+    }
+
     /// Gives the queued notices (the "stopping" one too) a short while to go out.
     pub fn shutdown(self) {
         let deadline = Instant::now() + SHUTDOWN_GRACE;

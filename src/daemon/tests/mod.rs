@@ -734,22 +734,15 @@ fn a_victims_memory_that_comes_back_late_spares_the_next_process() {
     assert!(h.world().procs.contains_key(&300));
 }
 
-/// The event log's lines that contain `kind`, waited for (the alert worker writes them).
+/// The event log's lines that contain `kind`, read once the log has written all that was told.
 fn logged(h: &Harness, kind: &str) -> Vec<String> {
+    h.daemon.reporter.alerter.written();
     let log = h._dir.path().join("state").join("events.jsonl");
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let text = std::fs::read_to_string(&log).unwrap_or_default();
-        let lines: Vec<String> = text
-            .lines()
-            .filter(|l| l.contains(kind))
-            .map(String::from)
-            .collect();
-        if !lines.is_empty() || std::time::Instant::now() > deadline {
-            return lines;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    text.lines()
+        .filter(|l| l.contains(kind))
+        .map(String::from)
+        .collect()
 }
 
 /// The pids `stopped.json` at `path` holds.
