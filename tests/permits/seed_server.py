@@ -82,6 +82,12 @@ from typing import Any, Dict, List, Optional
 
 from fakegpu import ALLOCATORS, FakeCard, import_gpuguard, install_fake_torch, parse_size_range
 
+# A preallocating engine serves its first request seconds after it took its KV pool, never
+# microseconds: vLLM captures CUDA graphs and then starts its API server ("Graph capturing
+# finished in 3 secs" in the v0.19.0 Llama-3.1-8B log of tests/fixtures/plan/engines). The fake
+# waits a second, so the daemon's readings see the pool before the first request, as they would.
+PREALLOC_WARMUP_S = 1.0
+
 gpuguard = import_gpuguard()
 
 
@@ -392,6 +398,8 @@ def serve(
             context_bytes=args.context,
         )
         install_fake_torch(card)
+        if args.allocator == "prealloc":
+            time.sleep(PREALLOC_WARMUP_S)
     if args.warm:
         # Requests served before the first burst (and before the daemon's permits): the
         # allocator's cache is already warm when the daemon first sees the process ask.
