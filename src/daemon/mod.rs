@@ -111,7 +111,7 @@ impl Sources {
         let proc_root = roots.proc.clone();
         Sources {
             procs: Box::new(ProcfsSource::new(&proc_root)),
-            tables: scanning::real_tables(&proc_root),
+            tables: scanning::real_tables(&proc_root, &roots.cgroup),
             gpus: config.gpu.enabled.then(|| {
                 Box::new(NvmlGpuSource::new(
                     config.gpu.nvml_library.clone(),

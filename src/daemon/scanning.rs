@@ -50,8 +50,9 @@ pub type MakeTables = Box<dyn Fn() -> Box<dyn TableSource> + Send>;
 /// Scanners of the real /proc, told about execs and uid changes by the kernel where it will
 /// (`sample::proc_events`: root with CAP_NET_ADMIN on the host); another root (a test fixture)
 /// gets none.
-pub(super) fn real_tables(proc_root: &Path) -> MakeTables {
+pub(super) fn real_tables(proc_root: &Path, cgroup_root: &Path) -> MakeTables {
     let root = proc_root.to_path_buf();
+    let cgroup_root = cgroup_root.to_path_buf();
     Box::new(move || {
         let events = if root == Path::new("/proc") {
             match ProcEvents::open() {
@@ -74,7 +75,7 @@ pub(super) fn real_tables(proc_root: &Path) -> MakeTables {
         } else {
             None
         };
-        Box::new(Scanner::with_events(ProcReader::new(&root), events))
+        Box::new(Scanner::with_events(ProcReader::new(&root), events).with_cgroups(&cgroup_root))
     })
 }
 

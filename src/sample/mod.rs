@@ -3,6 +3,7 @@
 //! (`daemon/tests.rs`) and the policy never touches the OS. `procfs.rs` reads /proc, `scan.rs`
 //! keeps the process table current on a thread of its own, `nvml.rs` samples GPUs on another.
 
+pub mod cgroup;
 pub mod engine;
 pub mod gce;
 pub mod nvml;

@@ -417,7 +417,8 @@ impl ProcReader {
 
     /// A process's proportional set size (`Pss:` of its smaps_rollup): costly, the kernel walks
     /// its page tables. The kernel shows it only to a reader that may ptrace the process: the
-    /// packaged unit (no CAP_SYS_PTRACE) reads its own processes only, and says so once.
+    /// packaged unit (no CAP_SYS_PTRACE) reads its own processes only (the scan then estimates
+    /// the others' share from their memory cgroups) and says so once.
     pub fn pss(&mut self, pid: i32) -> Option<u64> {
         static DENIED_SAID: std::sync::atomic::AtomicBool =
             std::sync::atomic::AtomicBool::new(false);
@@ -430,13 +431,30 @@ impl ProcReader {
                 {
                     tracing::warn!(
                         "cannot read /proc/{pid}/smaps_rollup: {e}; near the RAM floor such \
-                         processes are ranked by RSS, which counts pages forked workers share \
-                         once in each (the kernel wants CAP_SYS_PTRACE to read another \
-                         account's: add it to the unit's CapabilityBoundingSet= in a drop-in)"
+                         processes are ranked by their share of their memory cgroup's \
+                         anonymous memory (cgroup v2), else by RSS, which counts pages forked \
+                         workers share once in each (the kernel wants CAP_SYS_PTRACE to read \
+                         another account's: add it to the unit's CapabilityBoundingSet= in a \
+                         drop-in)"
                     );
                 }
                 None
             }
+        }
+    }
+
+    /// A process's resident anonymous memory: `statm`'s resident pages less its shared ones
+    /// (file-backed and shmem), which anyone may read.
+    pub fn anon_bytes(&mut self, pid: i32) -> Result<u64, ReadError> {
+        self.dir()?;
+        self.read_file(pid, None, "statm", 256)?;
+        let text = std::str::from_utf8(&self.buf).map_err(|_| ReadError::Malformed)?;
+        let mut fields = text.split_ascii_whitespace().skip(1).map(str::parse::<u64>);
+        match (fields.next(), fields.next()) {
+            (Some(Ok(resident)), Some(Ok(shared))) => Ok(resident
+                .saturating_sub(shared)
+                .saturating_mul(self.page_size)),
+            _ => Err(ReadError::Malformed),
         }
     }
 

@@ -31,10 +31,12 @@
 use std::collections::hash_map::RandomState;
 use std::collections::BTreeMap;
 use std::hash::BuildHasher;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use crate::snapshot::{MappedFile, Process, ProcessId};
 
+use super::cgroup::{self, Cgroups};
 use super::proc_events::ProcEvents;
 use super::procfs::{ProcReader, ReadError};
 
@@ -256,6 +258,8 @@ const HOLDER_MAX_BACKOFF: u8 = 8;
 
 /// A GPU holder's maps are read again once its RSS has moved by this much.
 const MAPS_RSS_DRIFT_BYTES: u64 = 64 << 20;
+/// A cgroup with more processes than this is not shared out (a `statm` read for each).
+const CGROUP_SHARE_MAX_MEMBERS: usize = 1024;
 /// Near the RAM floor a process's PSS is read again once its RSS moved by this much...
 const PSS_REREAD_BYTES: u64 = 16 << 20;
 /// ...or once its last reading is this old (the pages it shares change without its RSS moving).
@@ -286,6 +290,8 @@ pub struct Scanner {
     uptime: Option<Option<f64>>,
     /// A process left since PSS was last read: what it shared is its siblings' alone now.
     exited: bool,
+    /// The memory cgroups, for the processes whose PSS is unreadable.
+    cgroups: Option<Cgroups>,
 }
 
 impl Scanner {
@@ -311,7 +317,15 @@ impl Scanner {
             round: 0,
             uptime: None,
             exited: false,
+            cgroups: None,
         }
+    }
+
+    /// A scanner that shares the memory cgroups under `root` out among the processes whose PSS
+    /// it may not read.
+    pub fn with_cgroups(mut self, root: &Path) -> Self {
+        self.cgroups = Some(Cgroups::new(root));
+        self
     }
 
     /// One round: list, drop the gone, read the new, re-read what is due.
@@ -410,6 +424,7 @@ impl Scanner {
         }
         due.sort_unstable();
         let began = Instant::now();
+        let mut unreadable = Vec::new();
         for (i, &(_, _, _, pid)) in due.iter().enumerate() {
             if i > 0 && began.elapsed() >= PSS_ROUND_BUDGET {
                 // The rest next round; an exit still makes all of them due.
@@ -421,6 +436,7 @@ impl Scanner {
             };
             let (start_time, rss_bytes) = (e.start_time, e.rss_bytes);
             let Some(pss_bytes) = self.reader.pss(pid) else {
+                unreadable.push(pid);
                 continue;
             };
             // Read by pid: still the process the table knows (not a reused pid)?
@@ -435,6 +451,7 @@ impl Scanner {
                 });
             }
         }
+        self.share_cgroups(&unreadable, now);
         let known = self.entries.iter().filter_map(|(&pid, e)| {
             let id = ProcessId {
                 pid,
@@ -443,6 +460,48 @@ impl Scanner {
             Some((id, e.pss?.pss_bytes))
         });
         Some(known.collect())
+    }
+
+    /// For processes whose PSS the kernel would not show (another account's, without
+    /// CAP_SYS_PTRACE): their share of their memory cgroup's anonymous memory, in proportion to
+    /// their own resident anonymous memory among the cgroup's processes (`sample::cgroup`). Kept
+    /// as their figure like a PSS read. None where the cgroup says nothing (cgroup v1).
+    fn share_cgroups(&mut self, pids: &[i32], now: Instant) {
+        let Some(cgroups) = &self.cgroups else {
+            return;
+        };
+        let mut by_cgroup: BTreeMap<String, Vec<i32>> = BTreeMap::new();
+        for &pid in pids {
+            if let Ok(path) = self.reader.cgroup(pid) {
+                by_cgroup.entry(path).or_default().push(pid);
+            }
+        }
+        for (path, pids) in by_cgroup {
+            let Some((cgroup_anon, members)) = cgroups.anon_and_procs(&path) else {
+                continue;
+            };
+            if members.len() > CGROUP_SHARE_MAX_MEMBERS {
+                continue; // a statm read each: the round stays short, they keep RSS
+            }
+            let anon: BTreeMap<i32, u64> = members
+                .iter()
+                .filter_map(|&m| Some((m, self.reader.anon_bytes(m).ok()?)))
+                .collect();
+            let all = anon.values().sum();
+            for pid in pids {
+                let Some(&own) = anon.get(&pid) else {
+                    continue; // moved to another cgroup since
+                };
+                let Some(e) = self.entries.get_mut(&pid) else {
+                    continue;
+                };
+                e.pss = Some(PssRead {
+                    pss_bytes: cgroup::share(own, all, cgroup_anon),
+                    rss_bytes: e.rss_bytes,
+                    at: now,
+                });
+            }
+        }
     }
 
     /// The weights files GPU holders map. Read here rather than on the loop (a Python process's
@@ -1145,6 +1204,81 @@ mod tests {
         // Away from the floor: none kept.
         table.round(request(&[]));
         assert_eq!(table.find(10).pss_bytes, None);
+    }
+
+    /// Round three under the packaged unit: without CAP_SYS_PTRACE another account's PSS is
+    /// unreadable, so four forked workers sharing their parent's pages were ranked by RSS (each
+    /// counting the shared pages) against a hog with as much RSS of its own. Their share of
+    /// their memory cgroup's anonymous memory counts the shared pages once between them.
+    #[test]
+    fn where_pss_is_unreadable_a_cgroups_anonymous_memory_is_shared_out_among_its_processes() {
+        const MIB: u64 = 1 << 20;
+        let dir = tempfile::tempdir().unwrap();
+        let (proc_root, cgroup_root) = (dir.path().join("proc"), dir.path().join("cgroup"));
+        let pages = |mib: u64| mib * MIB / page();
+        // Four workers of 512 MiB resident anonymous memory each, 384 MiB of it shared: their
+        // cgroup holds 128 * 4 + 384 = 896 MiB. The hog (its own cgroup) holds 512 MiB alone.
+        for pid in [10, 11, 12, 13] {
+            put(
+                &proc_root,
+                pid,
+                "worker",
+                "worker",
+                [100, pages(512), 7, 1000],
+            );
+        }
+        put(&proc_root, 20, "hog", "hog", [100, pages(512), 7, 1001]);
+        let statm = |pid: i32, anon_mib: u64| {
+            let text = format!("0 {} 0 0 0 0 0\n", pages(anon_mib));
+            std::fs::write(proc_root.join(format!("{pid}/statm")), text).unwrap();
+        };
+        let cgroup = |pid: i32, path: &str, procs: &str, anon_mib: u64| {
+            std::fs::write(
+                proc_root.join(format!("{pid}/cgroup")),
+                format!("0::{path}\n"),
+            )
+            .unwrap();
+            let dir = cgroup_root.join(&path[1..]);
+            std::fs::create_dir_all(&dir).unwrap();
+            let stat = format!("anon {}\nfile 0\n", anon_mib * MIB);
+            std::fs::write(dir.join("memory.stat"), stat).unwrap();
+            std::fs::write(dir.join("cgroup.procs"), procs).unwrap();
+        };
+        for pid in [10, 11, 12, 13] {
+            statm(pid, 512);
+            cgroup(
+                pid,
+                "/system.slice/workers.service",
+                "10\n11\n12\n13\n",
+                896,
+            );
+        }
+        statm(20, 512);
+        cgroup(
+            20,
+            "/user.slice/user-1001.slice/session-2.scope",
+            "20\n",
+            512,
+        );
+        // No smaps_rollup anywhere: as unreadable as EACCES makes it.
+        let mut table = Table {
+            scanner: Scanner::new(ProcReader::new(&proc_root)).with_cgroups(&cgroup_root),
+            processes: Vec::new(),
+        };
+        table.round(ScanRequest {
+            pss_min_rss: Some(32 * MIB),
+            ..request(&[])
+        });
+        let share = |pid: i32| table.find(pid).pss_bytes.map(|b| b / MIB);
+        assert_eq!([10, 11, 12, 13].map(share), [Some(224); 4]);
+        assert_eq!(share(20), Some(512));
+        // The same without the cgroup tree (cgroup v1): RSS, as before.
+        let mut v1 = Table::new(&proc_root);
+        v1.round(ScanRequest {
+            pss_min_rss: Some(32 * MIB),
+            ..request(&[])
+        });
+        assert_eq!(v1.find(10).pss_bytes, None);
     }
 
     #[test]
