@@ -964,6 +964,9 @@ mod tests {
         assert!(vitals.rss_bytes > 0);
         let stat = ProcReader::new("/proc").stat(me.pid, None).unwrap();
         assert!(stat.exec.known(), "root (or the owner) sees the layout");
+        // The kernel's statm: anonymous pages (resident less shared) are part of the RSS.
+        let anon = ProcReader::new("/proc").anon_bytes(me.pid).unwrap();
+        assert!(anon > 0 && anon <= vitals.rss_bytes + (64 << 20), "{anon}");
     }
 
     #[test]
