@@ -622,6 +622,34 @@ mod tests {
         assert!(!c
             .protect
             .protects("sshd", 1001, "/usr/sbin/sshd -D", "/user.slice", None));
+        // Under the packaged unit no other account's executable can be read: a system
+        // account's service is protected by the unit systemd runs it in, whatever its name;
+        // the same account's process anywhere else is not.
+        let in_cgroup =
+            |comm: &str, uid, cgroup: &str| c.protect.protects(comm, uid, "", cgroup, None);
+        assert!(in_cgroup("dbus-daemon", 102, "/system.slice/dbus.service"));
+        assert!(in_cgroup(
+            "systemd-resolve",
+            991,
+            "/system.slice/systemd-resolved.service"
+        ));
+        assert!(in_cgroup(
+            "fluent-bit",
+            998,
+            "/system.slice/google-cloud-ops-agent-fluent-bit.service"
+        ));
+        assert!(!in_cgroup(
+            "dbus-daemon",
+            102,
+            "/user.slice/user-102.slice/session-1.scope"
+        ));
+        assert!(!in_cgroup("python3", 33, "/system.slice/apache2.service"));
+        assert!(!in_cgroup("sshd", 33, "/system.slice/ssh.service-fake"));
+        let no_defaults = parse("[protect]\ndefaults = false\nunits = [\"ml-*\"]\n").unwrap();
+        let protects = |cgroup: &str| no_defaults.protect.protects("x", 102, "", cgroup, None);
+        assert!(!protects("/system.slice/dbus.service"));
+        assert!(protects("/system.slice/ml-serve.service"));
+        assert!(!protects("/system.slice/ml-"));
     }
 
     #[test]

@@ -12,7 +12,10 @@ use crate::snapshot::Exe;
 /// executable is a root-owned file nobody else may write, and for a name rule only when that
 /// file's name matches the rule too (uid 33's python calling itself `sshd` is not sshd). A
 /// user's hog named `sshd` is an ordinary candidate. What users cannot fake: their uid (`users`),
-/// and the cgroup systemd put a service in (`units`, `cgroups`).
+/// and the cgroup systemd put a service in (`units`, `cgroups`; with `defaults`, the built-in
+/// units too: the kernel shows another account's executable only to a reader with
+/// CAP_SYS_PTRACE, which the packaged unit lacks, so there a system account's service is known
+/// by its unit alone).
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ProtectConfig {
@@ -24,7 +27,8 @@ pub struct ProtectConfig {
     pub cmdline: Vec<Pattern>,
     /// Users whose processes are never touched.
     pub users: Vec<User>,
-    /// systemd units whose processes are never touched (`ssh.service`, `ml.slice/x.service`).
+    /// systemd units whose processes are never touched (`ssh.service`, `ml.slice/x.service`); a
+    /// trailing `*` matches a prefix of the unit's name (`systemd-*`).
     pub units: Vec<String>,
     /// cgroup v2 path prefixes whose processes are never touched.
     pub cgroups: Vec<String>,
@@ -67,6 +71,31 @@ pub const DEFAULT_PROTECTED_COMM: &[&str] = &[
     "rsyslogd",
 ];
 
+/// The built-in protected units: the services of the list above that run under system
+/// accounts (dbus as `messagebus`, systemd's resolver and clock, chrony, NVIDIA's daemons, ...)
+/// by the cgroup systemd runs them in, which no process can choose.
+pub const DEFAULT_PROTECTED_UNITS: &[&str] = &[
+    "ssh.service",
+    "sshd.service",
+    "dbus.service",
+    "dbus-broker.service",
+    "systemd-*",
+    "polkit.service",
+    "google-guest-agent.service",
+    "google-osconfig-agent.service",
+    "google-cloud-ops-agent*",
+    "nvidia-persistenced.service",
+    "nvidia-fabricmanager.service",
+    "nvidia-dcgm.service",
+    "chrony.service",
+    "chronyd.service",
+    "rsyslog.service",
+    "containerd.service",
+    "docker.service",
+    "kubelet.service",
+    "gpuguard.service",
+];
+
 impl ProtectConfig {
     /// True if a process with this name, uid, command line, cgroup and executable (read for
     /// system accounts) must never be touched.
@@ -78,11 +107,17 @@ impl ProtectConfig {
         cgroup: &str,
         exe: Option<&Exe>,
     ) -> bool {
+        let builtin_units = if self.defaults {
+            DEFAULT_PROTECTED_UNITS
+        } else {
+            &[]
+        };
         if self.users.iter().any(|u| u.uid == uid)
-            || self
-                .units
+            || builtin_units
                 .iter()
-                .any(|u| cgroup_has_prefix(cgroup, &unit_cgroup(u)))
+                .copied()
+                .chain(self.units.iter().map(String::as_str))
+                .any(|u| in_unit(cgroup, u))
             || self.cgroups.iter().any(|c| cgroup_has_prefix(cgroup, c))
         {
             return true;
@@ -410,6 +445,20 @@ fn unit_cgroup(unit: &str) -> String {
         format!("/{unit}")
     } else {
         format!("/system.slice/{unit}")
+    }
+}
+
+/// Whether `cgroup` is in the unit `unit` (its own cgroup or below it); a trailing `*` in the
+/// unit's name matches a prefix of it.
+fn in_unit(cgroup: &str, unit: &str) -> bool {
+    match unit.strip_suffix('*') {
+        Some(prefix) => {
+            let prefix = unit_cgroup(prefix);
+            cgroup
+                .strip_prefix(prefix.as_str())
+                .is_some_and(|rest| !rest.is_empty())
+        }
+        None => cgroup_has_prefix(cgroup, &unit_cgroup(unit)),
     }
 }
 
