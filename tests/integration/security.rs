@@ -647,6 +647,69 @@ fn accounts_filling_the_socket_never_lock_root_out() {
     );
 }
 
+/// The packaged unit's capabilities (`CapabilityBoundingSet=CAP_KILL CAP_NET_ADMIN` in
+/// systemd/gpuguard.service): root without CAP_SYS_PTRACE or CAP_DAC_OVERRIDE. The kernel then
+/// hides another account's smaps_rollup and executable from the daemon (the in-process tests
+/// cannot meet that refusal: they read fixtures). Another account's hog below the floor is
+/// still acted on (CAP_KILL reaches every uid), its share is taken from its memory cgroup where
+/// that says (cgroup v2), and the refusal is said once.
+#[test]
+fn under_the_units_capabilities_another_accounts_hog_is_acted_on() {
+    let _lock = memory_pressure_lock();
+    let attacker = Attacker::create();
+    let hog_t = token("unit-caps-hog");
+    let (min, floors) = floors_below_now();
+    let (shared, socket) = shared_socket_dir("gpuguard-caps");
+    let unit_caps = [
+        "setpriv",
+        "--bounding-set=-all,+kill,+net_admin",
+        "--inh-caps=-all",
+        "--",
+    ];
+    let daemon = GuardDaemon::start_under(
+        &unit_caps,
+        tempfile::tempdir().unwrap(),
+        &format!(
+            "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"models\"\ninterval = \"500ms\"\n\
+             min_interval = \"10ms\"\nscan_interval = \"200ms\"\nterm_grace = \"500ms\"\n\
+             [gpu]\nenabled = false\n[ram]\n{floors}\n[launch]\nsocket = \"{}\"\n{}",
+            socket.display(),
+            model_toml("caps", &hog_t, &format!("users = [\"{}\"]\n", attacker.name)),
+        ),
+        &[],
+    );
+    let _shared = shared;
+    // The daemon runs with the unit's capabilities, no more.
+    let caps = std::fs::read_to_string(format!("/proc/{}/status", daemon.child.id())).unwrap();
+    let effective = caps
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .map(|v| u64::from_str_radix(v.trim(), 16).unwrap())
+        .unwrap();
+    const CAP_KILL: u64 = 1 << 5;
+    const CAP_NET_ADMIN: u64 = 1 << 12;
+    assert_eq!(effective, CAP_KILL | CAP_NET_ADMIN, "{caps}");
+    let mut hog = attacker
+        .python(NAMED_HOG_PY)
+        .args(["hog", &hog_t, &(min - 512 * MIB).to_string(), "512"])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let status = wait_child(&mut hog, Duration::from_secs(60)).expect("the hog survived");
+    assert!(
+        matches!(status.signal(), Some(15) | Some(9)),
+        "{status:?}\n{}",
+        daemon.log_text()
+    );
+    assert!(
+        daemon
+            .log_text()
+            .contains("smaps_rollup: Permission denied"),
+        "{}",
+        daemon.log_text()
+    );
+}
+
 /// Writes `bytes` into a new file at `path` (tmpfs), then exits.
 const WRITE_SHM_PY: &str = r#"
 import sys

@@ -315,6 +315,17 @@ impl GuardDaemon {
     }
 
     pub fn start_in(dir: tempfile::TempDir, config: &str, env: &[(&str, &str)]) -> GuardDaemon {
+        Self::start_under(&[], dir, config, env)
+    }
+
+    /// `start_in`, the daemon run by `wrapper` (a command and its arguments, the daemon's
+    /// command line after them: `setpriv` with the packaged unit's capabilities).
+    pub fn start_under(
+        wrapper: &[&str],
+        dir: tempfile::TempDir,
+        config: &str,
+        env: &[(&str, &str)],
+    ) -> GuardDaemon {
         let config_path = dir.path().join("config.toml");
         let config = with_own_socket(config);
         let log = dir.path().join("daemon.log");
@@ -323,7 +334,14 @@ impl GuardDaemon {
             config.replace("{state_dir}", &dir.path().join("state").to_string_lossy()),
         )
         .unwrap();
-        let mut cmd = Command::new(BIN);
+        let mut cmd = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut cmd = Command::new(program);
+                cmd.args(args).arg(BIN);
+                cmd
+            }
+            None => Command::new(BIN),
+        };
         cmd.args(["daemon", "--config"])
             .arg(&config_path)
             .arg("--state-dir")
