@@ -69,7 +69,15 @@ impl Learner {
             if self.samples.len() == SAMPLES {
                 self.samples.pop_front();
             }
-            self.samples.push_back(peak / busy.most_permits as u64);
+            let sample = peak / busy.most_permits as u64;
+            tracing::debug!(
+                before,
+                peak,
+                permits = busy.most_permits,
+                sample,
+                "a busy period of permits taught what one costs"
+            );
+            self.samples.push_back(sample);
         }
     }
 

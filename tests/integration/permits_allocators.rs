@@ -84,7 +84,18 @@ fn a_pytorch_server_is_served_from_its_own_cache_in_a_named_model_its_own_model_
         // The first, cold burst taught what a request costs; the warm ones (no growth) did
         // not teach that permits are free.
         let p50 = count(&p, "observed_gpu_bytes_p50");
-        assert!((3 * GIB..=3 * GIB + 64 * MIB).contains(&p50), "{p}");
+        let learned: Vec<String> = s
+            .daemon
+            .log_text()
+            .lines()
+            .filter(|l| l.contains("taught what one costs"))
+            .map(String::from)
+            .collect();
+        assert!(
+            (3 * GIB..=3 * GIB + 64 * MIB).contains(&p50),
+            "{p}\n{learned:#?}\n{}",
+            r["trace"]
+        );
     }
 }
 
