@@ -93,8 +93,8 @@ fn a_pytorch_server_is_served_from_its_own_cache_in_a_named_model_its_own_model_
             .collect();
         assert!(
             (3 * GIB..=3 * GIB + 64 * MIB).contains(&p50),
-            "{p}\n{learned:#?}\n{}",
-            r["trace"]
+            "{p}\n{learned:#?}\nthe card:\n{}",
+            std::fs::read_to_string(s.fake.dir.path().join("card-trace")).unwrap_or_default()
         );
     }
 }
