@@ -164,6 +164,30 @@ fn any_nvml_state_is_sampled_without_panicking() {
     result.unwrap();
 }
 
+/// A driver tells an event set only of the Xids raised after it registered. The listener
+/// registers before init returns, so an Xid raised right after the first reading (the sampler's
+/// next reading sees it first) reaches it; registered later, it was lost (the fake numbers an
+/// Xid when the library first reads it, as the driver's queue would have it by then).
+#[test]
+fn an_xid_right_after_init_reaches_the_listener() {
+    let gpu = format!("device 0 uuid=GPU-a total={} used={}\n", 16 * GIB, GIB);
+    // Registering takes a while (300 ms): long enough for the Xid below to come first, were
+    // init to return before the listener registered.
+    let fake = Fake::new(&format!("{gpu}delay nvmlDeviceRegisterEvents 300\n"));
+    let mut source = NvmlGpuSource::new(Some(lib_path()), Duration::from_secs(60));
+    assert_eq!(source.sample(false).devices.len(), 1);
+    fake.write(&format!("{gpu}xid 0 79 id=1\n"));
+    source.sample(false);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut seen = Vec::new();
+    while seen.is_empty() && std::time::Instant::now() < deadline {
+        seen = source.take_xids();
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(seen.len(), 1, "the Xid never reached the listener");
+    assert_eq!((seen[0].gpu, seen[0].xid), (Some(0), 79));
+}
+
 /// A number as a state file might hold one (as `number` in tests/integration/properties.rs).
 fn number() -> impl Strategy<Value = String> {
     prop_oneof![
