@@ -51,6 +51,11 @@ pub struct ActionInfo {
     pub detail: String,
     /// done, observed, skipped: ..., failed: ...
     pub outcome: String,
+    /// Why a SIGKILL followed a SIGTERM: `grew` (the victim grew past `term_max_growth`, it is
+    /// not shutting down), `far_below` (the floor far below), `grace_over` (`term_grace` ran
+    /// out). Absent on other actions.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub after_term: Option<&'static str>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -680,6 +685,7 @@ mod tests {
                 reason: "cleared".into(),
                 detail: String::new(),
                 outcome: "done".into(),
+                after_term: None,
             },
         );
         a.conditions(

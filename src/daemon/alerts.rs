@@ -134,6 +134,7 @@ impl Daemon {
                 reason: action.reason.kind.to_string(),
                 detail: action.reason.detail.clone(),
                 outcome: outcome.into(),
+                after_term: action.after_term.map(|why| why.as_str()),
             },
         );
     }

@@ -1069,8 +1069,13 @@ fn a_victim_that_ignores_sigterm_and_grows_is_killed_without_waiting_for_term_gr
         h.tick(2 * MS);
     }
     assert_eq!(h.signals(), [(200, Sig::Term), (200, Sig::Kill)]);
-    let killed = logged(&h, "after SIGTERM: it is not shutting down");
-    assert_eq!(killed.len(), 1, "{killed:?}");
+    let escalations: Vec<serde_json::Value> = logged(&h, "process_killed")
+        .iter()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["action"].clone())
+        .filter(|a| a["verb"] == "kill")
+        .collect();
+    assert_eq!(escalations.len(), 1, "{escalations:?}");
+    assert_eq!(escalations[0]["after_term"], "grew", "{escalations:?}");
 }
 
 /// A webhook endpoint on 127.0.0.1 that accepts every connection and never answers: it keeps

@@ -307,6 +307,17 @@ pub enum AfterTerm {
     GraceOver,
 }
 
+impl AfterTerm {
+    /// Its name in alerts (`action.after_term`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AfterTerm::Grew(_) => "grew",
+            AfterTerm::FarBelow => "far_below",
+            AfterTerm::GraceOver => "grace_over",
+        }
+    }
+}
+
 /// Still there `kill_timeout` after SIGKILL: stuck; no more kills for this floor.
 pub(in crate::policy) fn survived_kill(incident: &mut Incident, step: &Step, plan: &mut Plan) {
     let resource = step.reading.resource;
