@@ -1,7 +1,7 @@
 //! /proc, read the cheap way. Host memory (`meminfo`, `pressure/memory`) comes through
 //! descriptors opened once and read with `pread`, so a tick needs no new file descriptor; a
 //! process is read one small file at a time relative to an open /proc directory, into reused
-//! buffers. What to read when (the incremental scan) is `scan.rs`'s business.
+//! buffers. What to read when (the incremental scan) is `scan/`'s business.
 //!
 //! The root is configurable so tests can point it at fixture directories (hostile `comm` names
 //! included). Every byte read here is untrusted: parsers never panic and never index blindly.
@@ -722,7 +722,7 @@ fn list_numeric(
 }
 
 /// The simple, synchronous source: host memory and single processes. The daemon scans on a
-/// thread of its own (`scan.rs`); this serves the loop's own few reads.
+/// thread of its own (`scan/`); this serves the loop's own few reads.
 pub struct ProcfsSource {
     host: HostReader,
     reader: ProcReader,

@@ -2,7 +2,7 @@
 //! /proc/PID/maps: two processes on one GPU that map the same `.safetensors`, `.bin`, `.gguf` or
 //! `.pt` file hold the same weights twice, whatever their command lines. Reading maps is not
 //! free (a Python process has thousands of lines), so it is done only on process scans, on the
-//! scan thread (`scan.rs`), and only for processes NVML lists with GPU memory.
+//! scan thread (`scan/`), and only for processes NVML lists with GPU memory.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};

@@ -36,9 +36,12 @@ use std::time::{Duration, Instant};
 
 use crate::snapshot::{MappedFile, Process, ProcessId};
 
-use super::cgroup::{self, Cgroups};
+use super::cgroup::Cgroups;
 use super::proc_events::ProcEvents;
 use super::procfs::{ProcReader, ReadError};
+use pss::PssRead;
+
+mod pss;
 
 /// Processes started this recently have their stat re-read every round (exec, setuid...).
 pub const YOUNG: Duration = Duration::from_secs(60);
@@ -230,13 +233,6 @@ struct Entry {
     pss: Option<PssRead>,
 }
 
-#[derive(Clone, Copy)]
-struct PssRead {
-    pss_bytes: u64,
-    rss_bytes: u64,
-    at: Instant,
-}
-
 impl Entry {
     fn age(&self, now: Instant) -> Duration {
         now.saturating_duration_since(self.seen) + self.age_when_seen
@@ -258,15 +254,6 @@ const HOLDER_MAX_BACKOFF: u8 = 8;
 
 /// A GPU holder's maps are read again once its RSS has moved by this much.
 const MAPS_RSS_DRIFT_BYTES: u64 = 64 << 20;
-/// A cgroup with more processes than this is not shared out (a `statm` read for each).
-const CGROUP_SHARE_MAX_MEMBERS: usize = 1024;
-/// Near the RAM floor a process's PSS is read again once its RSS moved by this much...
-const PSS_REREAD_BYTES: u64 = 16 << 20;
-/// ...or once its last reading is this old (the pages it shares change without its RSS moving).
-const PSS_MAX_AGE: Duration = Duration::from_secs(2);
-/// A round reads PSS for at most this long (and at least one process).
-const PSS_ROUND_BUDGET: Duration = Duration::from_millis(50);
-
 /// The incremental process table.
 pub struct Scanner {
     reader: ProcReader,
@@ -381,126 +368,6 @@ impl Scanner {
             mapped_weights,
             pss,
             stats,
-        }
-    }
-
-    /// Near the RAM floor, the PSS of every process holding at least `min_rss`, so the floor
-    /// ranks a model or an account by what killing it would really free (forked workers share
-    /// their pages; their RSS counts them once each). Read here, not on the loop: the kernel
-    /// walks the page tables (~10 ms per GiB). A figure is due again when the process's RSS moved
-    /// by `PSS_REREAD_BYTES`, when it is `PSS_MAX_AGE` old, or when any process exited since (the
-    /// pages it shared are now its siblings' alone). Each round reads for at most
-    /// `PSS_ROUND_BUDGET` (at least one process): those never read first, largest first, then
-    /// the oldest figures; the rest keep the figure they have until a later round, so a host of
-    /// many large processes cannot hold up the table the loop waits for. Away from the floor
-    /// nothing is read and nothing kept.
-    fn read_pss(&mut self, min_rss: Option<u64>, now: Instant) -> Option<Vec<(ProcessId, u64)>> {
-        let Some(min_rss) = min_rss else {
-            self.entries.values_mut().for_each(|e| e.pss = None);
-            return None;
-        };
-        let stale = std::mem::take(&mut self.exited);
-        let mut due = Vec::new();
-        for (&pid, e) in self.entries.iter_mut() {
-            if e.kernel_thread || e.rss_bytes < min_rss {
-                e.pss = None;
-                continue;
-            }
-            let fresh = e.pss.is_some_and(|r| {
-                !stale
-                    && r.rss_bytes.abs_diff(e.rss_bytes) < PSS_REREAD_BYTES
-                    && now.saturating_duration_since(r.at) < PSS_MAX_AGE
-            });
-            if !fresh {
-                // Never read first (the largest first), then the oldest figures.
-                let age = e.pss.map(|r| now.saturating_duration_since(r.at));
-                due.push((
-                    age.is_some(),
-                    std::cmp::Reverse(age),
-                    std::cmp::Reverse(e.rss_bytes),
-                    pid,
-                ));
-            }
-        }
-        due.sort_unstable();
-        let began = Instant::now();
-        let mut unreadable = Vec::new();
-        for (i, &(_, _, _, pid)) in due.iter().enumerate() {
-            if i > 0 && began.elapsed() >= PSS_ROUND_BUDGET {
-                // The rest next round; an exit still makes all of them due.
-                self.exited |= stale;
-                break;
-            }
-            let Some(e) = self.entries.get(&pid) else {
-                continue;
-            };
-            let (start_time, rss_bytes) = (e.start_time, e.rss_bytes);
-            let Some(pss_bytes) = self.reader.pss(pid) else {
-                unreadable.push(pid);
-                continue;
-            };
-            // Read by pid: still the process the table knows (not a reused pid)?
-            if !matches!(self.reader.proc_stat(pid), Ok(s) if s.stat.start_time == start_time) {
-                continue;
-            }
-            if let Some(e) = self.entries.get_mut(&pid) {
-                e.pss = Some(PssRead {
-                    pss_bytes,
-                    rss_bytes,
-                    at: now,
-                });
-            }
-        }
-        self.share_cgroups(&unreadable, now);
-        let known = self.entries.iter().filter_map(|(&pid, e)| {
-            let id = ProcessId {
-                pid,
-                start_time: e.start_time,
-            };
-            Some((id, e.pss?.pss_bytes))
-        });
-        Some(known.collect())
-    }
-
-    /// For processes whose PSS the kernel would not show (another account's, without
-    /// CAP_SYS_PTRACE): their share of their memory cgroup's anonymous memory, in proportion to
-    /// their own resident anonymous memory among the cgroup's processes (`sample::cgroup`). Kept
-    /// as their figure like a PSS read. None where the cgroup says nothing (cgroup v1).
-    fn share_cgroups(&mut self, pids: &[i32], now: Instant) {
-        let Some(cgroups) = &self.cgroups else {
-            return;
-        };
-        let mut by_cgroup: BTreeMap<String, Vec<i32>> = BTreeMap::new();
-        for &pid in pids {
-            if let Ok(path) = self.reader.cgroup(pid) {
-                by_cgroup.entry(path).or_default().push(pid);
-            }
-        }
-        for (path, pids) in by_cgroup {
-            let Some((cgroup_anon, members)) = cgroups.anon_and_procs(&path) else {
-                continue;
-            };
-            if members.len() > CGROUP_SHARE_MAX_MEMBERS {
-                continue; // a statm read each: the round stays short, they keep RSS
-            }
-            let anon: BTreeMap<i32, u64> = members
-                .iter()
-                .filter_map(|&m| Some((m, self.reader.anon_bytes(m).ok()?)))
-                .collect();
-            let all = anon.values().sum();
-            for pid in pids {
-                let Some(&own) = anon.get(&pid) else {
-                    continue; // moved to another cgroup since
-                };
-                let Some(e) = self.entries.get_mut(&pid) else {
-                    continue;
-                };
-                e.pss = Some(PssRead {
-                    pss_bytes: cgroup::share(own, all, cgroup_anon),
-                    rss_bytes: e.rss_bytes,
-                    at: now,
-                });
-            }
         }
     }
 
