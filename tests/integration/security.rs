@@ -710,15 +710,24 @@ fn under_the_units_capabilities_another_accounts_hog_is_acted_on() {
     );
 }
 
-/// Writes `bytes` into a new file at `path` (tmpfs), then exits.
+/// Writes a new file at `path` (tmpfs) in 16 MiB pieces until MemAvailable is below
+/// `stop_below` (at most `max` bytes), says how much, then exits: the shortfall is the file's
+/// whatever MemAvailable did since the test read it.
 const WRITE_SHM_PY: &str = r#"
 import sys
-path, size = sys.argv[1], int(sys.argv[2])
+path, most, stop_below = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+def available():
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
 chunk = b"\x01" * (16 << 20)
+written = 0
 with open(path, "wb") as f:
-    for _ in range(size // len(chunk)):
+    while written < most and available() > stop_below:
         f.write(chunk)
-print("written", flush=True)
+        f.flush()
+        written += len(chunk)
+print(written, flush=True)
 "#;
 
 /// Takes `bytes` of anonymous memory (every page touched), says so, holds it.
@@ -761,9 +770,11 @@ fn an_account_whose_tmpfs_files_keep_ram_short_has_its_hog_acted_on() {
         }
     }
     let _remove = Remove(file.clone());
+    // A GiB below the act floor with the file alone: killing the hog (1.2 GiB) cannot lift RAM
+    // above it, so only the files' owner makes the hog a victim.
     let out = attacker
         .python(WRITE_SHM_PY)
-        .args([&file, &(5 * GIB / 2).to_string()])
+        .args([&file, &(4 * GIB).to_string(), &(min - GIB).to_string()])
         .output()
         .unwrap();
     assert!(out.status.success(), "{out:?}");
