@@ -138,6 +138,13 @@ impl Scanner {
                 let Some(&own) = anon.get(&pid) else {
                     continue; // moved to another cgroup since
                 };
+                // Read by pid: still the process the table knows (not a reused pid)?
+                let Some(start_time) = self.entries.get(&pid).map(|e| e.start_time) else {
+                    continue;
+                };
+                if !matches!(self.reader.proc_stat(pid), Ok(s) if s.stat.start_time == start_time) {
+                    continue;
+                }
                 let Some(e) = self.entries.get_mut(&pid) else {
                     continue;
                 };
