@@ -660,14 +660,8 @@ fn under_the_units_capabilities_another_accounts_hog_is_acted_on() {
     let hog_t = token("unit-caps-hog");
     let (min, floors) = floors_below_now();
     let (shared, socket) = shared_socket_dir("gpuguard-caps");
-    let unit_caps = [
-        "setpriv",
-        "--bounding-set=-all,+kill,+net_admin",
-        "--inh-caps=-all",
-        "--",
-    ];
     let daemon = GuardDaemon::start_under(
-        &unit_caps,
+        &UNIT_CAPS,
         tempfile::tempdir().unwrap(),
         &format!(
             "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"models\"\ninterval = \"500ms\"\n\

@@ -287,6 +287,15 @@ pub struct GuardDaemon {
     pub log: PathBuf,
 }
 
+/// The packaged unit's capabilities (`CapabilityBoundingSet=CAP_KILL CAP_NET_ADMIN` in
+/// systemd/gpuguard.service) for a daemon started as root: a `start_under` wrapper.
+pub const UNIT_CAPS: [&str; 4] = [
+    "setpriv",
+    "--bounding-set=-all,+kill,+net_admin",
+    "--inh-caps=-all",
+    "--",
+];
+
 impl GuardDaemon {
     /// `config` may use `{state_dir}`; it is replaced with this daemon's own directory.
     pub fn start(config: &str) -> GuardDaemon {
@@ -314,8 +323,15 @@ impl GuardDaemon {
         Self::start_in(dir, config, &env)
     }
 
+    /// With `GPUGUARD_TEST_UNIT_CAPS` set, every daemon runs with the packaged unit's
+    /// capabilities (`UNIT_CAPS`): the whole host suite as the product runs in production.
     pub fn start_in(dir: tempfile::TempDir, config: &str, env: &[(&str, &str)]) -> GuardDaemon {
-        Self::start_under(&[], dir, config, env)
+        let wrapper: &[&str] = if std::env::var_os("GPUGUARD_TEST_UNIT_CAPS").is_some() {
+            &UNIT_CAPS
+        } else {
+            &[]
+        };
+        Self::start_under(wrapper, dir, config, env)
     }
 
     /// `start_in`, the daemon run by `wrapper` (a command and its arguments, the daemon's
