@@ -77,24 +77,12 @@ impl Scanner {
                 self.exited |= stale;
                 break;
             }
-            let Some(e) = self.entries.get(&pid) else {
-                continue;
-            };
-            let (start_time, rss_bytes) = (e.start_time, e.rss_bytes);
-            let Some(pss_bytes) = self.reader.pss(pid) else {
-                unreadable.push(pid);
-                continue;
-            };
-            // Read by pid: still the process the table knows (not a reused pid)?
-            if !matches!(self.reader.proc_stat(pid), Ok(s) if s.stat.start_time == start_time) {
+            if !self.entries.contains_key(&pid) {
                 continue;
             }
-            if let Some(e) = self.entries.get_mut(&pid) {
-                e.pss = Some(PssRead {
-                    pss_bytes,
-                    rss_bytes,
-                    at: now,
-                });
+            match self.reader.pss(pid) {
+                Some(pss_bytes) => self.keep(pid, pss_bytes, now),
+                None => unreadable.push(pid),
             }
         }
         self.share_cgroups(&unreadable, now);
@@ -122,6 +110,7 @@ impl Scanner {
                 by_cgroup.entry(path).or_default().push(pid);
             }
         }
+        let mut shares = Vec::with_capacity(pids.len());
         for (path, pids) in by_cgroup {
             let Some((cgroup_anon, members)) = cgroups.anon_and_procs(&path) else {
                 continue;
@@ -138,22 +127,29 @@ impl Scanner {
                 let Some(&own) = anon.get(&pid) else {
                     continue; // moved to another cgroup since
                 };
-                // Read by pid: still the process the table knows (not a reused pid)?
-                let Some(start_time) = self.entries.get(&pid).map(|e| e.start_time) else {
-                    continue;
-                };
-                if !matches!(self.reader.proc_stat(pid), Ok(s) if s.stat.start_time == start_time) {
-                    continue;
-                }
-                let Some(e) = self.entries.get_mut(&pid) else {
-                    continue;
-                };
-                e.pss = Some(PssRead {
-                    pss_bytes: cgroup::share(own, all, cgroup_anon),
-                    rss_bytes: e.rss_bytes,
-                    at: now,
-                });
+                shares.push((pid, cgroup::share(own, all, cgroup_anon)));
             }
+        }
+        for (pid, share) in shares {
+            self.keep(pid, share, now);
+        }
+    }
+
+    /// Keeps `pss_bytes`, read by pid, as the figure of the process the table knows by that
+    /// pid, if it still is that process (not a pid reused since).
+    fn keep(&mut self, pid: i32, pss_bytes: u64, now: Instant) {
+        let Some(start_time) = self.entries.get(&pid).map(|e| e.start_time) else {
+            return;
+        };
+        if !matches!(self.reader.proc_stat(pid), Ok(s) if s.stat.start_time == start_time) {
+            return;
+        }
+        if let Some(e) = self.entries.get_mut(&pid) {
+            e.pss = Some(PssRead {
+                pss_bytes,
+                rss_bytes: e.rss_bytes,
+                at: now,
+            });
         }
     }
 }
