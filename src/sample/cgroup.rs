@@ -17,8 +17,16 @@ pub struct Cgroups {
 const MAX_FILE_BYTES: u64 = 1 << 20;
 
 impl Cgroups {
-    pub fn new(root: impl Into<PathBuf>) -> Cgroups {
-        Cgroups { root: root.into() }
+    /// The hierarchy at `root` if it is cgroup v2 with the memory controller (its root's
+    /// `cgroup.controllers` names `memory`); None on cgroup v1, where nothing would be read
+    /// each round in vain.
+    pub fn open(root: impl Into<PathBuf>) -> Option<Cgroups> {
+        let root = root.into();
+        let controllers = read_small(&root.join("cgroup.controllers"))?;
+        controllers
+            .split_ascii_whitespace()
+            .any(|c| c == "memory")
+            .then_some(Cgroups { root })
     }
 
     /// The anonymous memory of the cgroup at `path` (as /proc/PID/cgroup names it) and the
@@ -85,7 +93,18 @@ mod tests {
         )
         .unwrap();
         std::fs::write(cg.join("cgroup.procs"), "10\n11\n").unwrap();
-        let cgroups = Cgroups::new(dir.path());
+        assert!(
+            Cgroups::open(dir.path()).is_none(),
+            "no controllers: cgroup v1"
+        );
+        std::fs::write(dir.path().join("cgroup.controllers"), "cpu io pids\n").unwrap();
+        assert!(Cgroups::open(dir.path()).is_none(), "no memory controller");
+        std::fs::write(
+            dir.path().join("cgroup.controllers"),
+            "cpu io memory pids\n",
+        )
+        .unwrap();
+        let cgroups = Cgroups::open(dir.path()).unwrap();
         assert_eq!(
             cgroups.anon_and_procs("/user.slice/user-1000.slice"),
             Some((1 << 30, vec![10, 11]))

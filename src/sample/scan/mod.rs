@@ -309,9 +309,9 @@ impl Scanner {
     }
 
     /// A scanner that shares the memory cgroups under `root` out among the processes whose PSS
-    /// it may not read.
+    /// it may not read (cgroup v2 with the memory controller; elsewhere it keeps RSS).
     pub fn with_cgroups(mut self, root: &Path) -> Self {
-        self.cgroups = Some(Cgroups::new(root));
+        self.cgroups = Cgroups::open(root);
         self
     }
 
@@ -1127,6 +1127,12 @@ mod tests {
             "20\n",
             512,
         );
+        // A cgroup v2 root with the memory controller, as /sys/fs/cgroup is.
+        std::fs::write(
+            cgroup_root.join("cgroup.controllers"),
+            "cpu io memory pids\n",
+        )
+        .unwrap();
         // No smaps_rollup anywhere: as unreadable as EACCES makes it.
         let mut table = Table {
             scanner: Scanner::new(ProcReader::new(&proc_root)).with_cgroups(&cgroup_root),
