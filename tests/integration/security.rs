@@ -224,6 +224,30 @@ print("full", flush=True)
 time.sleep(600)
 "#;
 
+/// Starts `attacker`'s hog named `name` (NAMED_HOG_PY), growing until MemAvailable is 512 MiB
+/// under `min`, and asserts the daemon signals it (SIGTERM or SIGKILL) within a minute.
+fn named_hog_is_acted_on(
+    attacker: &Attacker,
+    name: &str,
+    token: &str,
+    min: u64,
+    daemon: &GuardDaemon,
+) {
+    let mut hog = attacker
+        .python(NAMED_HOG_PY)
+        .args([name, token, &(min - 512 * MIB).to_string(), "512"])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let status = wait_child(&mut hog, Duration::from_secs(60))
+        .unwrap_or_else(|| panic!("the {name} hog survived\n{}", daemon.log_text()));
+    assert!(
+        matches!(status.signal(), Some(15) | Some(9)),
+        "{status:?}\n{}",
+        daemon.log_text()
+    );
+}
+
 #[test]
 fn a_thousand_connections_do_not_blind_the_guard() {
     let _lock = memory_pressure_lock();
@@ -355,18 +379,7 @@ fn fake_sshd_is_chosen_and_roots_sshd_is_not(attacker: Attacker) {
     first_line(&mut root_sshd);
     let root_pid = root_sshd.id();
     // The attacker's hog, also named sshd, takes MemAvailable below the floor.
-    let mut hog = attacker
-        .python(NAMED_HOG_PY)
-        .args(["sshd", &hog_t, &(min - 512 * MIB).to_string(), "512"])
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let status = wait_child(&mut hog, Duration::from_secs(60)).expect("the fake sshd survived");
-    assert!(
-        matches!(status.signal(), Some(15) | Some(9)),
-        "{status:?}\n{}",
-        g.daemon.log_text()
-    );
+    named_hog_is_acted_on(&attacker, "sshd", &hog_t, min, &g.daemon);
     assert!(
         root_sshd.try_wait().unwrap().is_none(),
         "root's sshd was killed"
@@ -683,18 +696,7 @@ fn under_the_units_capabilities_another_accounts_hog_is_acted_on() {
     const CAP_KILL: u64 = 1 << 5;
     const CAP_NET_ADMIN: u64 = 1 << 12;
     assert_eq!(effective, CAP_KILL | CAP_NET_ADMIN, "{caps}");
-    let mut hog = attacker
-        .python(NAMED_HOG_PY)
-        .args(["hog", &hog_t, &(min - 512 * MIB).to_string(), "512"])
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let status = wait_child(&mut hog, Duration::from_secs(60)).expect("the hog survived");
-    assert!(
-        matches!(status.signal(), Some(15) | Some(9)),
-        "{status:?}\n{}",
-        daemon.log_text()
-    );
+    named_hog_is_acted_on(&attacker, "hog", &hog_t, min, &daemon);
     assert!(
         daemon
             .log_text()
