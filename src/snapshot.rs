@@ -133,6 +133,13 @@ impl Process {
         }
     }
 
+    /// The RAM counted for it (model sums, budgets, the RAM floor's ranking, status rows): its
+    /// proportional share (PSS, or its share of its memory cgroup) where the scan read one,
+    /// else its RSS. Forked workers share their pages; their RSS counts them once each.
+    pub fn ram_bytes(&self) -> u64 {
+        self.pss_bytes.unwrap_or(self.rss_bytes)
+    }
+
     /// Gone in all but name: a zombie or dead task holds no memory and cannot be signalled usefully.
     pub fn exited(&self) -> bool {
         matches!(self.state, 'Z' | 'X' | 'x')

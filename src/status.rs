@@ -143,7 +143,12 @@ pub struct ProcessRow {
     /// "launched" (registered by `gpuguard launch`), "matched" (by the `[[model]]` match), or
     /// "child" (a descendant of one of those).
     pub role: String,
+    /// The RAM counted for it, as the model's sum counts it: its proportional share (PSS, or
+    /// its share of its memory cgroup) where read, else its RSS.
     pub ram_bytes: u64,
+    /// Its RSS (pages it shares with other processes counted in each of them).
+    #[serde(default)]
+    pub rss_bytes: u64,
     /// GPU memory on each GPU it holds any on.
     pub gpus: Vec<ProcessGpu>,
     /// Weights files it maps (with GPU memory held; read on process scans).

@@ -397,6 +397,7 @@ pub fn render_model(m: &ModelRow) -> String {
         "role",
         "comm",
         "RAM",
+        "RSS",
         "GPU",
         "weights mapped",
     ]);
@@ -414,6 +415,7 @@ pub fn render_model(m: &ModelRow) -> String {
             p.role.clone(),
             p.comm.clone(),
             fmt_bytes(p.ram_bytes),
+            fmt_bytes(p.rss_bytes),
             if gpus.is_empty() {
                 "-".into()
             } else {
@@ -460,6 +462,7 @@ mod tests {
             comm: "python3".into(),
             role: role.into(),
             ram_bytes: g,
+            rss_bytes: 2 * g,
             gpus: vec![ProcessGpu {
                 gpu,
                 bytes: Some(bytes),

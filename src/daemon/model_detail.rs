@@ -95,7 +95,8 @@ impl Daemon {
                     ppid: p.ppid,
                     comm: p.comm.clone(),
                     role: role.into(),
-                    ram_bytes: p.rss_bytes,
+                    ram_bytes: p.ram_bytes(),
+                    rss_bytes: p.rss_bytes,
                     gpus: s
                         .gpus
                         .devices

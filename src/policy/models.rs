@@ -263,7 +263,7 @@ pub fn attribute(
         }
         models[m].members.push(p.id());
         models[m].rss_bytes += p.rss_bytes;
-        models[m].ram_bytes += p.pss_bytes.unwrap_or(p.rss_bytes);
+        models[m].ram_bytes += p.ram_bytes();
         member_by_pid.insert(p.pid, m);
     }
     for m in &mut models {

@@ -67,9 +67,7 @@ impl Short {
 /// never makes a process a victim).
 pub(super) fn usage(snapshot: &Snapshot, p: &Process, short: Short) -> u64 {
     match short {
-        // Its proportional share where the scan read it near the floor: forked workers share
-        // their pages, and their RSS would count them once each.
-        Short::Ram => p.pss_bytes.unwrap_or(p.rss_bytes),
+        Short::Ram => p.ram_bytes(),
         Short::Swap => p.swap_bytes.unwrap_or(0),
         Short::Gpu(index) => snapshot
             .gpus

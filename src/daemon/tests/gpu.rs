@@ -62,10 +62,6 @@ fn recorded(h: &Harness, kind: &str) -> Vec<(String, String)> {
         .collect()
 }
 
-fn status(h: &Harness) -> crate::status::StatusReport {
-    crate::daemon::report::status_report(&h.daemon.view(crate::daemon::view::Detail::Full))
-}
-
 fn event(line: &str) -> serde_json::Value {
     serde_json::from_str(line).unwrap()
 }

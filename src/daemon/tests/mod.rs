@@ -465,6 +465,50 @@ fn near_the_ram_floor_accounts_are_ranked_by_the_pss_of_their_processes() {
     assert_eq!(h.signals(), [(101, Sig::Stop)], "{:?}", h.actions());
 }
 
+/// The full status report, as `status --model` is served.
+fn status(h: &Harness) -> crate::status::StatusReport {
+    crate::daemon::report::status_report(&h.daemon.view(crate::daemon::view::Detail::Full))
+}
+
+/// Forked workers over a RAM budget by RSS (four 512 MiB processes that share 384 MiB) and
+/// under it by what they hold between them: the budget reads their proportional figures and
+/// holds; `status --model` shows each process with the figure the model's sum counts and its
+/// RSS beside it, so the rows add up to the model's RAM (seen on a real cgroup v2 kernel: rows
+/// of 517 MiB RSS under a model of 515 MiB).
+#[test]
+fn a_models_rows_show_the_ram_its_sum_counts_and_their_rss() {
+    let mut w = World {
+        host: host(64 * GIB, 40 * GIB),
+        ..World::default()
+    };
+    for pid in [100, 101, 102, 103] {
+        w.spawn(pid, "python3", 512 * MIB);
+        let p = w.procs.get_mut(&pid).unwrap();
+        p.cmdline = "python3 server.py".into();
+        p.ppid = if pid == 100 { 1 } else { 100 };
+        w.pss.insert(pid, 224 * MIB);
+    }
+    let mut h = Harness::new(
+        w,
+        "candidates = \"models\"\n[gpu]\nenabled = false\n\
+         [[model]]\nname = \"server\"\nmatch = { cmdline = \"server.py\" }\n\
+         ram = \"1GiB\"\naction = \"stop\"\ngrace = \"0s\"\n",
+    );
+    h.ticks(10, 100 * MS);
+    let report = status(&h);
+    let m = report.models.iter().find(|m| m.name == "server").unwrap();
+    assert_eq!(m.ram_bytes, 4 * 224 * MIB, "{m:#?}");
+    assert_eq!(m.processes.len(), 4, "{m:#?}");
+    for row in &m.processes {
+        assert_eq!(
+            (row.ram_bytes, row.rss_bytes),
+            (224 * MIB, 512 * MIB),
+            "{row:?}"
+        );
+    }
+    assert_eq!(h.signals(), [], "{:?}", h.actions());
+}
+
 /// Each time RAM comes near the floor, a round reads PSS at once, not only the first time.
 #[test]
 fn pss_is_read_at_once_each_time_ram_comes_near_the_floor() {
