@@ -716,6 +716,7 @@ mod tests {
         layout: u64,
         uid: u32,
         cmdline: &'a str,
+        ppid: i32,
     }
 
     fn fake<'a>(pid: i32, comm: &'a str, cmdline: &'a str) -> Fake<'a> {
@@ -727,6 +728,7 @@ mod tests {
             layout: 7,
             uid: 1000,
             cmdline,
+            ppid: 1,
         }
     }
 
@@ -739,6 +741,7 @@ mod tests {
             layout,
             uid,
             cmdline,
+            ppid,
         } = p;
         let dir = root.join(pid.to_string());
         std::fs::create_dir_all(&dir).unwrap();
@@ -751,7 +754,7 @@ mod tests {
         std::fs::write(
             dir.join("stat"),
             format!(
-                "{pid} ({comm}) S 1 {pid} {pid} {STAT_TAIL} {start} {}\n",
+                "{pid} ({comm}) S {ppid} {pid} {pid} {STAT_TAIL} {start} {}\n",
                 tail.join(" ")
             ),
         )
@@ -1077,81 +1080,135 @@ mod tests {
     /// unreadable, so four forked workers sharing their parent's pages were ranked by RSS (each
     /// counting the shared pages) against a hog with as much RSS of its own. Their share of
     /// their memory cgroup's anonymous memory counts the shared pages once between them.
+    /// A fixture /proc and cgroup v2 tree for the cgroup share: processes with a parent, a name,
+    /// a command line and resident anonymous memory, each in a cgroup; no smaps_rollup anywhere
+    /// (as unreadable as EACCES makes it).
+    struct CgroupFixture {
+        dir: tempfile::TempDir,
+    }
+
+    impl CgroupFixture {
+        const MIB: u64 = 1 << 20;
+
+        fn new() -> CgroupFixture {
+            let dir = tempfile::tempdir().unwrap();
+            let cgroups = dir.path().join("cgroup");
+            std::fs::create_dir_all(&cgroups).unwrap();
+            // A cgroup v2 root with the memory controller, as /sys/fs/cgroup is.
+            std::fs::write(cgroups.join("cgroup.controllers"), "cpu io memory pids\n").unwrap();
+            CgroupFixture { dir }
+        }
+
+        fn proc_root(&self) -> std::path::PathBuf {
+            self.dir.path().join("proc")
+        }
+
+        /// Process `pid`, child of `ppid`, with `anon_mib` of resident anonymous memory.
+        fn process(&self, pid: i32, ppid: i32, comm: &str, cmdline: &str, anon_mib: u64) {
+            let pages = anon_mib * Self::MIB / page();
+            let root = self.proc_root();
+            write_proc(
+                &root,
+                &Fake {
+                    start: 100,
+                    rss: pages,
+                    ppid,
+                    ..fake(pid, comm, cmdline)
+                },
+            );
+            let statm = format!("0 {pages} 0 0 0 0 0\n");
+            std::fs::write(root.join(format!("{pid}/statm")), statm).unwrap();
+        }
+
+        /// The cgroup at `path` holding `pids`, with `anon_mib` of anonymous memory.
+        fn cgroup(&self, path: &str, pids: &[i32], anon_mib: u64) {
+            let dir = self.dir.path().join("cgroup").join(&path[1..]);
+            std::fs::create_dir_all(&dir).unwrap();
+            let stat = format!("anon {}\nfile 0\n", anon_mib * Self::MIB);
+            std::fs::write(dir.join("memory.stat"), stat).unwrap();
+            let procs: String = pids.iter().map(|p| format!("{p}\n")).collect();
+            std::fs::write(dir.join("cgroup.procs"), procs).unwrap();
+            for pid in pids {
+                let file = self.proc_root().join(format!("{pid}/cgroup"));
+                std::fs::write(file, format!("0::{path}\n")).unwrap();
+            }
+        }
+
+        /// One round near the floor; each process's figure in MiB.
+        fn figures(&self, pids: &[i32]) -> Vec<Option<u64>> {
+            let mut table = Table {
+                scanner: Scanner::new(ProcReader::new(self.proc_root()))
+                    .with_cgroups(&self.dir.path().join("cgroup")),
+                processes: Vec::new(),
+            };
+            table.round(ScanRequest {
+                pss_min_rss: Some(32 * Self::MIB),
+                ..request(&[])
+            });
+            pids.iter()
+                .map(|&pid| table.find(pid).pss_bytes.map(|b| b / Self::MIB))
+                .collect()
+        }
+    }
+
+    /// Four forked workers of 512 MiB resident anonymous memory each, 384 MiB of it shared, in a
+    /// cgroup of their own (a service): it holds 128 * 4 + 384 = 896 MiB, 224 MiB each. The hog
+    /// (its own cgroup) holds 512 MiB alone. Without the cgroup tree (cgroup v1): RSS.
     #[test]
     fn where_pss_is_unreadable_a_cgroups_anonymous_memory_is_shared_out_among_its_processes() {
-        const MIB: u64 = 1 << 20;
-        let dir = tempfile::tempdir().unwrap();
-        let (proc_root, cgroup_root) = (dir.path().join("proc"), dir.path().join("cgroup"));
-        let pages = |mib: u64| mib * MIB / page();
-        // Four workers of 512 MiB resident anonymous memory each, 384 MiB of it shared: their
-        // cgroup holds 128 * 4 + 384 = 896 MiB. The hog (its own cgroup) holds 512 MiB alone.
-        for pid in [10, 11, 12, 13] {
-            put(
-                &proc_root,
-                pid,
-                "worker",
-                "worker",
-                [100, pages(512), 7, 1000],
-            );
+        let f = CgroupFixture::new();
+        f.process(10, 1, "worker", "worker", 512);
+        for pid in [11, 12, 13] {
+            f.process(pid, 10, "worker", "worker", 512);
         }
-        put(&proc_root, 20, "hog", "hog", [100, pages(512), 7, 1001]);
-        let statm = |pid: i32, anon_mib: u64| {
-            let text = format!("0 {} 0 0 0 0 0\n", pages(anon_mib));
-            std::fs::write(proc_root.join(format!("{pid}/statm")), text).unwrap();
-        };
-        let cgroup = |pid: i32, path: &str, procs: &str, anon_mib: u64| {
-            std::fs::write(
-                proc_root.join(format!("{pid}/cgroup")),
-                format!("0::{path}\n"),
-            )
-            .unwrap();
-            let dir = cgroup_root.join(&path[1..]);
-            std::fs::create_dir_all(&dir).unwrap();
-            let stat = format!("anon {}\nfile 0\n", anon_mib * MIB);
-            std::fs::write(dir.join("memory.stat"), stat).unwrap();
-            std::fs::write(dir.join("cgroup.procs"), procs).unwrap();
-        };
-        for pid in [10, 11, 12, 13] {
-            statm(pid, 512);
-            cgroup(
-                pid,
-                "/system.slice/workers.service",
-                "10\n11\n12\n13\n",
-                896,
-            );
-        }
-        statm(20, 512);
-        cgroup(
-            20,
-            "/user.slice/user-1001.slice/session-2.scope",
-            "20\n",
-            512,
+        f.process(20, 1, "hog", "hog", 512);
+        f.cgroup("/system.slice/workers.service", &[10, 11, 12, 13], 896);
+        f.cgroup("/user.slice/user-1001.slice/session-2.scope", &[20], 512);
+        assert_eq!(
+            f.figures(&[10, 11, 12, 13, 20]),
+            [Some(224), Some(224), Some(224), Some(224), Some(512)]
         );
-        // A cgroup v2 root with the memory controller, as /sys/fs/cgroup is.
-        std::fs::write(
-            cgroup_root.join("cgroup.controllers"),
-            "cpu io memory pids\n",
-        )
-        .unwrap();
-        // No smaps_rollup anywhere: as unreadable as EACCES makes it.
-        let mut table = Table {
-            scanner: Scanner::new(ProcReader::new(&proc_root)).with_cgroups(&cgroup_root),
-            processes: Vec::new(),
-        };
-        table.round(ScanRequest {
-            pss_min_rss: Some(32 * MIB),
-            ..request(&[])
-        });
-        let share = |pid: i32| table.find(pid).pss_bytes.map(|b| b / MIB);
-        assert_eq!([10, 11, 12, 13].map(share), [Some(224); 4]);
-        assert_eq!(share(20), Some(512));
-        // The same without the cgroup tree (cgroup v1): RSS, as before.
-        let mut v1 = Table::new(&proc_root);
+        let mut v1 = Table::new(&f.proc_root());
         v1.round(ScanRequest {
-            pss_min_rss: Some(32 * MIB),
+            pss_min_rss: Some(32 * CgroupFixture::MIB),
             ..request(&[])
         });
         assert_eq!(v1.find(10).pss_bytes, None);
+    }
+
+    /// The same workers in a cgroup they share with others (a login session, a CI job): the
+    /// shell that started them (8 MiB), a hog it started (512 MiB, its own command line), and
+    /// a worker that exec'd a new command line (256 MiB). Only the family that forked without
+    /// exec shares pages: the hog and the exec'd worker keep their whole figure, the four
+    /// workers share out what is left (1672 - 512 - 256 - 8 = 896 MiB). Shared out over
+    /// everyone instead, the hog counted 303 MiB and the workers 1.2 GiB between them, and the
+    /// RAM floor took the workers for the larger (seen on a real cgroup v2 kernel).
+    #[test]
+    fn in_a_shared_cgroup_only_a_family_that_forked_without_exec_shares_its_memory() {
+        let f = CgroupFixture::new();
+        f.process(5, 1, "bash", "bash", 8);
+        f.process(10, 5, "worker", "worker", 512);
+        for pid in [11, 12, 13] {
+            f.process(pid, 10, "worker", "worker", 512);
+        }
+        f.process(20, 5, "hog", "hog", 512);
+        f.process(30, 10, "worker", "worker --spawned", 256);
+        f.cgroup(
+            "/user.slice/user-1001.slice/session-3.scope",
+            &[5, 10, 11, 12, 13, 20, 30],
+            1672,
+        );
+        assert_eq!(
+            f.figures(&[10, 11, 12, 13, 20, 30]),
+            [
+                Some(224),
+                Some(224),
+                Some(224),
+                Some(224),
+                Some(512),
+                Some(256)
+            ]
+        );
     }
 
     #[test]

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use super::Scanner;
 use crate::sample::cgroup;
+use crate::sample::procfs::ProcReader;
 use crate::snapshot::ProcessId;
 
 #[derive(Clone, Copy)]
@@ -97,9 +98,16 @@ impl Scanner {
     }
 
     /// For processes whose PSS the kernel would not show (another account's, without
-    /// CAP_SYS_PTRACE): their share of their memory cgroup's anonymous memory, in proportion to
-    /// their own resident anonymous memory among the cgroup's processes (`sample::cgroup`). Kept
-    /// as their figure like a PSS read. None where the cgroup says nothing (cgroup v1).
+    /// CAP_SYS_PTRACE): what they hold of their memory cgroup's anonymous memory
+    /// (`sample::cgroup`). Only processes that forked without `exec` share anonymous pages (an
+    /// exec replaces the address space), so the cgroup's processes are grouped into families
+    /// of a process and the children that still run its command line (same name, same
+    /// arguments). A process alone in its family holds its own resident anonymous memory; the
+    /// rest of the cgroup's is shared out among the families' members in proportion to theirs,
+    /// never more than their own nor less than their own over their family's size. So forked
+    /// workers count once between them, and a hog in the same cgroup (a login session) keeps
+    /// its whole figure. Kept as their figure like a PSS read. None where the cgroup says
+    /// nothing (cgroup v1).
     fn share_cgroups(&mut self, pids: &[i32], now: Instant) {
         let Some(cgroups) = &self.cgroups else {
             return;
@@ -122,12 +130,32 @@ impl Scanner {
                 .iter()
                 .filter_map(|&m| Some((m, self.reader.anon_bytes(m).ok()?)))
                 .collect();
-            let all = anon.values().sum();
+            let family = families(&mut self.reader, &anon);
+            let mut sizes: BTreeMap<i32, u64> = BTreeMap::new();
+            for &eldest in family.values() {
+                *sizes.entry(eldest).or_default() += 1;
+            }
+            let size = |pid: i32| sizes[&family[&pid]];
+            let (mut alone, mut shared) = (0u64, 0u64);
+            for (&pid, &own) in &anon {
+                if size(pid) == 1 {
+                    alone += own;
+                } else {
+                    shared += own;
+                }
+            }
+            let shared_anon = cgroup_anon.saturating_sub(alone);
             for pid in pids {
                 let Some(&own) = anon.get(&pid) else {
                     continue; // moved to another cgroup since
                 };
-                shares.push((pid, cgroup::share(own, all, cgroup_anon)));
+                let n = size(pid);
+                let figure = if n == 1 {
+                    own
+                } else {
+                    cgroup::share(own, shared, shared_anon).max(own / n)
+                };
+                shares.push((pid, figure));
             }
         }
         for (pid, share) in shares {
@@ -152,4 +180,48 @@ impl Scanner {
             });
         }
     }
+}
+
+/// Each of a cgroup's processes (`anon`'s keys) by the family it belongs to, named by its
+/// eldest: a process whose parent is in the cgroup with the same name and command line
+/// forked without `exec` and is of its parent's family.
+fn families(reader: &mut ProcReader, anon: &BTreeMap<i32, u64>) -> BTreeMap<i32, i32> {
+    let mut parent: BTreeMap<i32, i32> = BTreeMap::new();
+    let mut comm: BTreeMap<i32, String> = BTreeMap::new();
+    for &pid in anon.keys() {
+        if let Ok(s) = reader.proc_stat(pid) {
+            parent.insert(pid, s.stat.ppid);
+            comm.insert(pid, s.stat.comm);
+        }
+    }
+    let mut cmdline: BTreeMap<i32, Option<String>> = BTreeMap::new();
+    let mut forked_from = BTreeMap::new();
+    for (&pid, &ppid) in &parent {
+        if comm.get(&ppid).is_none_or(|c| *c != comm[&pid]) {
+            continue;
+        }
+        let mut read = |p: i32| {
+            cmdline
+                .entry(p)
+                .or_insert_with(|| reader.cmdline(p, None).ok())
+                .clone()
+        };
+        let (own, theirs) = (read(pid), read(ppid));
+        if own.is_some() && own == theirs {
+            forked_from.insert(pid, ppid);
+        }
+    }
+    anon.keys()
+        .map(|&pid| {
+            let mut eldest = pid;
+            // Bounded: a pid read twice cannot make a cycle of more than the cgroup.
+            for _ in 0..anon.len() {
+                match forked_from.get(&eldest) {
+                    Some(&p) => eldest = p,
+                    None => break,
+                }
+            }
+            (pid, eldest)
+        })
+        .collect()
 }
