@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The NVML code path against a real NVIDIA driver: gpuguard's sampler sees a PyTorch process's
 # GPU memory, attributes it to its pid, stops it for a GPU budget and resumes it after a reload,
-# then kills it at a GPU floor set 2 GiB below the free memory seen at start.
+# then kills it at a GPU floor set 2 GiB below the free memory seen at start; afterwards, with
+# both daemons gone, `gpuguard history --at` shows it stopped as it was, with its GPU memory.
 #
 #   scripts/real-gpu-check.sh PATH/TO/gpuguard [OUTDIR]
 #
@@ -63,6 +64,7 @@ for _ in $(seq 50); do [ "$(state $TORCH)" = T ] && break; sleep 0.2; done
 echo "torch pid $TORCH state: $(state $TORCH)"; [ "$(state $TORCH)" = T ]
 "$BIN" status --socket "$WORK/gpuguard.sock" | tee "$OUT/status.txt"
 "$BIN" status --json --socket "$WORK/gpuguard.sock" > "$OUT/status.json"
+sleep 1.1; STOPPED_AT=$(date -u +%FT%TZ)
 say "budget raised to 8GiB + SIGHUP: it must be resumed"
 config 8GiB ""
 kill -HUP $DAEMON
@@ -81,6 +83,20 @@ echo "torch exit status: $rc (143 = SIGTERM, 137 = SIGKILL)"; [ $rc = 143 ] || [
 sleep 1
 kill -TERM $DAEMON; wait $DAEMON || true
 grep -v DEBUG "$OUT/daemon-budget.log" "$OUT/daemon-floor.log" | cut -c1-400
+
+say "history: the status at $STOPPED_AT (torch stopped), read back with both daemons gone"
+"$BIN" history --dir "$WORK/state/history" --at "$STOPPED_AT" | tee "$OUT/history-at.txt"
+"$BIN" history --dir "$WORK/state/history" --at "$STOPPED_AT" --json > "$OUT/history-at.json"
+python3 - "$OUT/history-at.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+m = next(m for m in r["models"] if m["name"] == "torch")
+print(f"torch at that moment: state {m['state']}, GPU {m['gpu_bytes'] / 2**30:.2f} GiB")
+assert m["state"] == "stopped" and m["gpu_bytes"] >= 4 << 30, m
+PY
+"$BIN" history --dir "$WORK/state/history" --model torch --since "10m ago" | tee "$OUT/history-torch.txt"
+"$BIN" history --dir "$WORK/state/history" --since "10m ago" --csv > "$OUT/history.csv"
+echo "history CSV rows: $(wc -l < "$OUT/history.csv")"
 
 say "GPU memory back after the kill: $(nvidia-smi --query-gpu=memory.free --format=csv,noheader -i 0) free"
 say "sample cost per tick (µs): whole tick, and the NVML sample on its worker thread"
