@@ -110,7 +110,7 @@ impl Sources {
     pub fn real(config: &Config, roots: &Roots) -> Sources {
         let proc_root = roots.proc.clone();
         Sources {
-            procs: Box::new(ProcfsSource::new(&proc_root)),
+            procs: Box::new(ProcfsSource::new(&proc_root).with_cgroups(&roots.cgroup)),
             tables: scanning::real_tables(&proc_root, &roots.cgroup),
             gpus: config.gpu.enabled.then(|| {
                 Box::new(NvmlGpuSource::new(

@@ -5,7 +5,12 @@
 //! to each one's resident anonymous memory, for the processes whose PSS it may not read (other
 //! accounts' under the packaged unit): forked workers that share copy-on-write pages then count
 //! them once between them, as PSS would.
+//!
+//! And the shared memory each login user's slice is charged for (`shmem` of
+//! `user.slice/user-UID.slice`): tmpfs files its processes wrote, wherever they are and whoever
+//! may look into their directory, unlinked ones still held open included.
 
+use std::collections::BTreeMap;
 use std::path::{Component, Path, PathBuf};
 
 /// A cgroup v2 hierarchy (`/sys/fs/cgroup`; a fixture in tests).
@@ -41,7 +46,7 @@ impl Cgroups {
             return None;
         }
         let dir = self.root.join(relative);
-        let anon = parse_anon(&read_small(&dir.join("memory.stat"))?)?;
+        let anon = stat_field(&read_small(&dir.join("memory.stat"))?, "anon")?;
         let procs = read_small(&dir.join("cgroup.procs"))?
             .lines()
             .filter_map(|l| l.trim().parse().ok())
@@ -49,6 +54,39 @@ impl Cgroups {
         Some((anon, procs))
     }
 }
+
+impl Cgroups {
+    /// Shared memory charged to each login user's slice (`user.slice/user-UID.slice`, as
+    /// systemd-logind makes them for sessions and the user's own manager): tmpfs files its
+    /// processes wrote, in any directory (one the reader may not enter too) or unlinked and
+    /// still open, with its System V and shared anonymous memory. The kernel charges a tmpfs
+    /// page to the cgroup of the process that first wrote it, and keeps it there (a session
+    /// that ended included) until the page is freed. At most `MAX_USER_SLICES` slices.
+    pub fn user_shmem(&self) -> BTreeMap<u32, u64> {
+        let Ok(entries) = std::fs::read_dir(self.root.join("user.slice")) else {
+            return BTreeMap::new();
+        };
+        entries
+            .flatten()
+            .take(MAX_USER_SLICES)
+            .filter_map(|e| {
+                let name = e.file_name();
+                let uid = name
+                    .to_str()?
+                    .strip_prefix("user-")?
+                    .strip_suffix(".slice")?
+                    .parse()
+                    .ok()?;
+                let stat = read_small(&e.path().join("memory.stat"))?;
+                Some((uid, stat_field(&stat, "shmem")?))
+            })
+            .filter(|&(_, bytes)| bytes > 0)
+            .collect()
+    }
+}
+
+/// More login users' slices than this are not read (a round near the floor stays short).
+const MAX_USER_SLICES: usize = 4096;
 
 fn read_small(path: &Path) -> Option<String> {
     use std::io::Read;
@@ -61,10 +99,10 @@ fn read_small(path: &Path) -> Option<String> {
     Some(text)
 }
 
-/// `anon` of a cgroup v2 `memory.stat`, in bytes.
-pub fn parse_anon(text: &str) -> Option<u64> {
+/// Field `key` of a cgroup v2 `memory.stat` (`anon`, `shmem`, ...), in bytes.
+pub fn stat_field(text: &str, key: &str) -> Option<u64> {
     text.lines()
-        .find_map(|l| l.strip_prefix("anon "))
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(' '))
         .and_then(|v| v.trim().parse().ok())
 }
 
@@ -112,6 +150,27 @@ mod tests {
         for outside in ["/user.slice/../../etc", "user.slice", "/missing"] {
             assert_eq!(cgroups.anon_and_procs(outside), None, "{outside}");
         }
+    }
+
+    /// Each login user's slice says the shared memory its processes made; other slices, other
+    /// names and empty figures say nothing.
+    #[test]
+    fn reads_the_shared_memory_of_each_login_users_slice() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("cgroup.controllers"), "memory\n").unwrap();
+        let slice = |name: &str, stat: &str| {
+            let d = dir.path().join("user.slice").join(name);
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join("memory.stat"), stat).unwrap();
+        };
+        slice("user-1001.slice", "anon 5\nshmem_thp 7\nshmem 2147483648\n");
+        slice("user-1002.slice", "anon 5\nshmem 0\n");
+        slice("user-x.slice", "shmem 9\n");
+        slice("session-3.scope", "shmem 9\n");
+        let cgroups = Cgroups::open(dir.path()).unwrap();
+        assert_eq!(cgroups.user_shmem(), BTreeMap::from([(1001, 2u64 << 30)]));
+        std::fs::remove_dir_all(dir.path().join("user.slice")).unwrap();
+        assert!(cgroups.user_shmem().is_empty());
     }
 
     #[test]

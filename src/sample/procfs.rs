@@ -727,6 +727,8 @@ pub struct ProcfsSource {
     host: HostReader,
     reader: ProcReader,
     host_has_swap: bool,
+    /// The cgroup v2 hierarchy, where login users' slices say the shared memory they made.
+    cgroups: Option<crate::sample::cgroup::Cgroups>,
 }
 
 impl ProcfsSource {
@@ -736,7 +738,15 @@ impl ProcfsSource {
             host: HostReader::new(&root),
             reader: ProcReader::new(&root),
             host_has_swap: true,
+            cgroups: None,
         }
+    }
+
+    /// With the cgroup hierarchy at `root` (`/sys/fs/cgroup`): tmpfs owners include what each
+    /// login user's slice is charged for (cgroup v2 only).
+    pub fn with_cgroups(mut self, root: &Path) -> Self {
+        self.cgroups = crate::sample::cgroup::Cgroups::open(root);
+        self
     }
 
     /// Every process on the host, read in full (a process that exits mid-scan is skipped).
@@ -776,12 +786,24 @@ impl ProcSource for ProcfsSource {
         self.reader.vitals(pid, self.host_has_swap)
     }
 
+    /// The files each uid owns in the tmpfs directories, or the shared memory its login slice
+    /// is charged for where that is more: the walk cannot enter another account's private
+    /// directory without CAP_DAC_READ_SEARCH (the packaged unit has none), nor see `/run/user`
+    /// under `ProtectHome=`, nor an unlinked file; the kernel charged all of them to the
+    /// cgroup of the process that wrote them.
     fn tmpfs_owners(&mut self) -> std::collections::BTreeMap<u32, u64> {
         let dirs: Vec<&Path> = crate::sample::tmpfs::TMPFS_DIRS
             .iter()
             .map(Path::new)
             .collect();
-        crate::sample::tmpfs::owners(&dirs)
+        let mut owners = crate::sample::tmpfs::owners(&dirs);
+        if let Some(cgroups) = &self.cgroups {
+            for (uid, shmem) in cgroups.user_shmem() {
+                let owned = owners.entry(uid).or_default();
+                *owned = (*owned).max(shmem);
+            }
+        }
+        owners
     }
 }
 
@@ -930,6 +952,23 @@ mod tests {
         source.host_memory();
         assert_eq!(source.read(4242).unwrap().swap_bytes, Some(512 * 1024));
         assert_eq!(source.vitals(4242).unwrap().swap_bytes, Some(512 * 1024));
+    }
+
+    /// A login user's slice charged with more shared memory than the files the walk finds of
+    /// it (none: its directory cannot be entered, or the files are unlinked): the slice's
+    /// figure is what it owns. Without the cgroup tree, only the walk.
+    #[test]
+    fn tmpfs_owners_take_what_a_login_users_slice_is_charged_for() {
+        let dir = fixture();
+        let cgroups = tempfile::tempdir().unwrap();
+        std::fs::write(cgroups.path().join("cgroup.controllers"), "memory\n").unwrap();
+        let slice = cgroups.path().join("user.slice/user-4000000000.slice");
+        std::fs::create_dir_all(&slice).unwrap();
+        std::fs::write(slice.join("memory.stat"), "anon 1\nshmem 2147483648\n").unwrap();
+        let mut source = ProcfsSource::new(dir.path()).with_cgroups(cgroups.path());
+        assert_eq!(source.tmpfs_owners().get(&4_000_000_000), Some(&(2 << 30)));
+        let mut walk_only = ProcfsSource::new(dir.path());
+        assert_eq!(walk_only.tmpfs_owners().get(&4_000_000_000), None);
     }
 
     #[test]

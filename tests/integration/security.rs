@@ -130,8 +130,13 @@ struct Guard {
 }
 
 fn guard(ram: &str, rest: &str) -> Guard {
+    guard_with(GuardDaemon::start, ram, rest)
+}
+
+/// `guard`, the daemon started by `start` (given its config).
+fn guard_with(start: impl FnOnce(&str) -> GuardDaemon, ram: &str, rest: &str) -> Guard {
     let (shared, socket) = shared_socket_dir("gpuguard-sec");
-    let daemon = GuardDaemon::start(&format!(
+    let daemon = start(&format!(
         "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"models\"\ninterval = \"500ms\"\nmin_interval = \"10ms\"\nscan_interval = \"200ms\"\nterm_grace = \"500ms\"\n\
          [gpu]\nenabled = false\n[ram]\n{ram}\n[launch]\nsocket = \"{}\"\n{rest}\n",
         socket.display()
@@ -672,22 +677,17 @@ fn under_the_units_capabilities_another_accounts_hog_is_acted_on() {
     let attacker = Attacker::create();
     let hog_t = token("unit-caps-hog");
     let (min, floors) = floors_below_now();
-    let (shared, socket) = shared_socket_dir("gpuguard-caps");
-    let daemon = GuardDaemon::start_under(
-        &UNIT_CAPS,
-        tempfile::tempdir().unwrap(),
-        &format!(
-            "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"models\"\ninterval = \"500ms\"\n\
-             min_interval = \"10ms\"\nscan_interval = \"200ms\"\nterm_grace = \"500ms\"\n\
-             [gpu]\nenabled = false\n[ram]\n{floors}\n[launch]\nsocket = \"{}\"\n{}",
-            socket.display(),
-            model_toml("caps", &hog_t, &format!("users = [\"{}\"]\n", attacker.name)),
+    let g = guard_with(
+        under_the_units_capabilities,
+        &floors,
+        &model_toml(
+            "caps",
+            &hog_t,
+            &format!("users = [\"{}\"]\n", attacker.name),
         ),
-        &[],
     );
-    let _shared = shared;
     // The daemon runs with the unit's capabilities, no more.
-    let caps = std::fs::read_to_string(format!("/proc/{}/status", daemon.child.id())).unwrap();
+    let caps = std::fs::read_to_string(format!("/proc/{}/status", g.daemon.child.id())).unwrap();
     let effective = caps
         .lines()
         .find_map(|l| l.strip_prefix("CapEff:"))
@@ -696,14 +696,19 @@ fn under_the_units_capabilities_another_accounts_hog_is_acted_on() {
     const CAP_KILL: u64 = 1 << 5;
     const CAP_NET_ADMIN: u64 = 1 << 12;
     assert_eq!(effective, CAP_KILL | CAP_NET_ADMIN, "{caps}");
-    named_hog_is_acted_on(&attacker, "hog", &hog_t, min, &daemon);
+    named_hog_is_acted_on(&attacker, "hog", &hog_t, min, &g.daemon);
     assert!(
-        daemon
+        g.daemon
             .log_text()
             .contains("smaps_rollup: Permission denied"),
         "{}",
-        daemon.log_text()
+        g.daemon.log_text()
     );
+}
+
+/// The real daemon with the packaged unit's capabilities (`UNIT_CAPS`) and `config`.
+fn under_the_units_capabilities(config: &str) -> GuardDaemon {
+    GuardDaemon::start_under(&UNIT_CAPS, tempfile::tempdir().unwrap(), config, &[])
 }
 
 /// Issue 24's cgroup share on the real kernel, as the packaged unit runs: another account's
@@ -716,7 +721,8 @@ fn under_the_units_capabilities_another_accounts_hog_is_acted_on() {
 #[test]
 fn under_the_units_capabilities_forked_workers_in_a_cgroup_of_their_own_count_once() {
     let _lock = memory_pressure_lock();
-    let Some(cgroup) = OwnCgroup::create("share") else {
+    let Some(cgroup) = OwnCgroup::create(&format!("gpuguard-test-share-{}", std::process::id()))
+    else {
         eprintln!("skipped: /sys/fs/cgroup is not cgroup v2 with the memory controller");
         return;
     };
@@ -792,28 +798,37 @@ fn under_the_units_capabilities_forked_workers_in_a_cgroup_of_their_own_count_on
     );
 }
 
-/// A memory cgroup of its own directly under /sys/fs/cgroup, as systemd gives a service; None
-/// where that is not cgroup v2 with the memory controller. Removed when dropped.
+/// A memory cgroup at `relative` under /sys/fs/cgroup, as systemd makes a service's or a login
+/// user's slice: its missing parents made too, each with the memory controller enabled for its
+/// children. None where /sys/fs/cgroup is not cgroup v2 with the memory controller. What it
+/// made is removed when dropped.
 struct OwnCgroup {
     path: PathBuf,
+    made: Vec<PathBuf>,
 }
 
 impl OwnCgroup {
-    fn create(name: &str) -> Option<OwnCgroup> {
-        let root = Path::new("/sys/fs/cgroup");
-        let has_memory = |file: &str| {
-            std::fs::read_to_string(root.join(file))
+    fn create(relative: &str) -> Option<OwnCgroup> {
+        let has_memory = |dir: &Path, file: &str| {
+            std::fs::read_to_string(dir.join(file))
                 .is_ok_and(|c| c.split_whitespace().any(|c| c == "memory"))
         };
-        if !has_memory("cgroup.controllers") {
+        let mut path = PathBuf::from("/sys/fs/cgroup");
+        if !has_memory(&path, "cgroup.controllers") {
             return None;
         }
-        if !has_memory("cgroup.subtree_control") {
-            std::fs::write(root.join("cgroup.subtree_control"), "+memory").unwrap();
+        let mut made = Vec::new();
+        for part in relative.split('/') {
+            if !has_memory(&path, "cgroup.subtree_control") {
+                std::fs::write(path.join("cgroup.subtree_control"), "+memory").unwrap();
+            }
+            path.push(part);
+            if !path.exists() {
+                std::fs::create_dir(&path).unwrap();
+                made.push(path.clone());
+            }
         }
-        let path = root.join(format!("gpuguard-test-{name}-{}", std::process::id()));
-        std::fs::create_dir(&path).unwrap();
-        Some(OwnCgroup { path })
+        Some(OwnCgroup { path, made })
     }
 
     fn add(&self, pid: u32) {
@@ -831,10 +846,10 @@ impl OwnCgroup {
 
 impl Drop for OwnCgroup {
     fn drop(&mut self) {
-        // Empty once its processes are reaped.
-        wait_until(Duration::from_secs(10), || {
-            std::fs::remove_dir(&self.path).is_ok()
-        });
+        // Each empty once its processes are reaped.
+        for dir in self.made.iter().rev() {
+            wait_until(Duration::from_secs(10), || std::fs::remove_dir(dir).is_ok());
+        }
     }
 }
 
@@ -898,6 +913,7 @@ impl Drop for CgroupWorkers {
 /// whatever MemAvailable did since the test read it.
 const WRITE_SHM_PY: &str = r#"
 import sys
+sys.stdin.readline()  # a line (or end of file) first: a test may move it to a cgroup meanwhile
 path, most, stop_below = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 def available():
     for line in open("/proc/meminfo"):
@@ -973,6 +989,94 @@ fn an_account_whose_tmpfs_files_keep_ram_short_has_its_hog_acted_on() {
         .daemon
         .wait_for_event("process_killed", Duration::from_secs(30), |e| {
             e["subject"]["model"] == "shmowner"
+        });
+    assert_eq!(acted["action"]["reason"], "ram_floor", "{acted}");
+    let shm = g.daemon.events_of("shmem_shortfall");
+    assert!(
+        shm.iter().any(|e| e["summary"]
+            .as_str()
+            .is_some_and(|s| s.contains(&format!("uid {}", attacker.uid)))),
+        "{shm:?}"
+    );
+    assert!(
+        wait_child(&mut hog.0, Duration::from_secs(20)).is_some(),
+        "{}",
+        g.daemon.log_text()
+    );
+}
+
+/// Round three's tmpfs attack as the packaged unit meets it: the account writes its files into
+/// a directory in /dev/shm that only it may enter (0700). Without CAP_DAC_READ_SEARCH the
+/// daemon's walk cannot look inside; the kernel charged the pages to the login slice of the
+/// process that wrote them (`user.slice/user-UID.slice`, made here as systemd-logind makes it),
+/// and that says whose they are: the account's hog is acted on, as when its files are in view.
+/// Needs cgroup v2 with the memory controller: elsewhere it says so and checks nothing.
+#[test]
+fn under_the_units_capabilities_tmpfs_files_in_a_private_directory_are_charged_to_who_wrote_them() {
+    let _lock = memory_pressure_lock();
+    let attacker = Attacker::create();
+    let Some(slice) = OwnCgroup::create(&format!("user.slice/user-{}.slice", attacker.uid)) else {
+        eprintln!("skipped: /sys/fs/cgroup is not cgroup v2 with the memory controller");
+        return;
+    };
+    let hog_t = token("sealed-shm");
+    let now = mem_available();
+    let min = now - 3 * GIB / 2;
+    let g = guard_with(
+        under_the_units_capabilities,
+        &format!(
+            "min_available = {min}\nwarn_available = {}\n",
+            min + GIB / 2
+        ),
+        &model_toml(
+            "sealed",
+            &hog_t,
+            &format!("users = [\"{}\"]\n", attacker.name),
+        ),
+    );
+    struct RemoveDir(PathBuf);
+    impl Drop for RemoveDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let dir = RemoveDir(PathBuf::from(format!("/dev/shm/{}", token("sealed"))));
+    std::fs::create_dir(&dir.0).unwrap();
+    let owner = Some(nix::unistd::Uid::from_raw(attacker.uid));
+    nix::unistd::chown(&dir.0, owner, None).unwrap();
+    std::fs::set_permissions(&dir.0, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    // Written from the account's login slice, moved there before it writes a byte; a GiB
+    // below the act floor with the file alone, so only the files' owner makes the hog a victim.
+    let mut writer = attacker
+        .python(WRITE_SHM_PY)
+        .args([
+            &dir.0.join("f").display().to_string(),
+            &(4 * GIB).to_string(),
+            &(min - GIB).to_string(),
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    slice.add(writer.id());
+    {
+        use std::io::Write;
+        writer.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    }
+    let out = writer.wait_with_output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let mut hog = KillOnDrop(
+        attacker
+            .python(HOLD_PY)
+            .args([&hog_t, &(1229 * MIB).to_string()])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let acted = g
+        .daemon
+        .wait_for_event("process_killed", Duration::from_secs(30), |e| {
+            e["subject"]["model"] == "sealed"
         });
     assert_eq!(acted["action"]["reason"], "ram_floor", "{acted}");
     let shm = g.daemon.events_of("shmem_shortfall");
