@@ -1176,6 +1176,24 @@ mod tests {
         assert_eq!(v1.find(10).pss_bytes, None);
     }
 
+    /// Twin processes (one forked from the other) of 10 GiB private memory each, moved into a
+    /// cgroup after they touched it (their pages stay charged where they were): the cgroup is
+    /// charged 1 GiB, less than the family's largest member holds, so its figure says nothing
+    /// of them and each counts its own (shared out, they counted 1 GiB together; with only the
+    /// family's lower bound, 10 of their 20).
+    #[test]
+    fn a_cgroup_charged_less_than_its_family_must_hold_is_not_believed() {
+        let f = CgroupFixture::new();
+        f.process(10, 1, "twin", "twin", 10 << 10);
+        f.process(11, 10, "twin", "twin", 10 << 10);
+        f.cgroup(
+            "/user.slice/user-1001.slice/user@1001.service/moved",
+            &[10, 11],
+            1 << 10,
+        );
+        assert_eq!(f.figures(&[10, 11]), [Some(10 << 10), Some(10 << 10)]);
+    }
+
     /// The same workers in a cgroup they share with others (a login session, a CI job): the
     /// shell that started them (8 MiB), a hog it started (512 MiB, its own command line), and
     /// a worker that exec'd a new command line (256 MiB). Only the family that forked without

@@ -106,8 +106,10 @@ impl Scanner {
     /// rest of the cgroup's is shared out among the families' members in proportion to theirs,
     /// never more than their own nor less than their own over their family's size. So forked
     /// workers count once between them, and a hog in the same cgroup (a login session) keeps
-    /// its whole figure. Kept as their figure like a PSS read. None where the cgroup says
-    /// nothing (cgroup v1).
+    /// its whole figure. Where the cgroup is charged less than its families must hold (each at
+    /// least its largest member's pages: processes moved in after they touched their pages,
+    /// which stay charged where they were), each process counts its own. Kept as their figure
+    /// like a PSS read. None where the cgroup says nothing (cgroup v1).
     fn share_cgroups(&mut self, pids: &[i32], now: Instant) {
         let Some(cgroups) = &self.cgroups else {
             return;
@@ -137,20 +139,27 @@ impl Scanner {
             }
             let size = |pid: i32| sizes[&family[&pid]];
             let (mut alone, mut shared) = (0u64, 0u64);
+            let mut largest: BTreeMap<i32, u64> = BTreeMap::new();
             for (&pid, &own) in &anon {
                 if size(pid) == 1 {
                     alone += own;
                 } else {
                     shared += own;
+                    let most = largest.entry(family[&pid]).or_default();
+                    *most = (*most).max(own);
                 }
             }
             let shared_anon = cgroup_anon.saturating_sub(alone);
+            // A family holds at least the pages of its largest member. A cgroup charged less
+            // than that was not charged for its processes' pages (they were moved in after
+            // they touched them): its figure says nothing, and each counts its own.
+            let believable = shared_anon >= largest.values().sum::<u64>();
             for pid in pids {
                 let Some(&own) = anon.get(&pid) else {
                     continue; // moved to another cgroup since
                 };
                 let n = size(pid);
-                let figure = if n == 1 {
+                let figure = if n == 1 || !believable {
                     own
                 } else {
                     cgroup::share(own, shared, shared_anon).max(own / n)
