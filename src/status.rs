@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::sample::engine::EngineStats;
+use crate::sample::engine::{EngineFlags, EngineStats};
 
 /// Bumped when a field changes meaning or disappears. 2: `models[].gpu_bytes` may be null
 /// (unknown while NVML is unavailable).
@@ -115,6 +115,11 @@ pub struct ModelRow {
     /// tokens per engine, to set beside the engine's `kv_cache_blocks` × `block_size_tokens`.
     #[serde(default)]
     pub planned_kv_tokens: Option<u64>,
+    /// What its vLLM server's command line says of the memory it takes besides weights and KV
+    /// cache (`--max-num-batched-tokens`, `--max-num-seqs`, `--enforce-eager`): `plan --gpu host`
+    /// carries what it was seen to take over to other flags.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine_flags: Option<EngineFlags>,
 }
 
 /// A model server's own limits, as last scraped from its Prometheus endpoint.

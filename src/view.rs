@@ -142,6 +142,9 @@ pub struct ModelView {
     pub gpu_count: u32,
     /// The KV cache its `[[model]]` says was planned, in tokens per engine.
     pub planned_kv_tokens: Option<u64>,
+    /// What its vLLM server's command line says of the memory it takes (its first member that
+    /// is one).
+    pub engine_flags: Option<crate::sample::engine::EngineFlags>,
 }
 
 impl ModelView {

@@ -398,9 +398,11 @@ fn gpu_choices(args: &PlanArgs) -> Result<(Vec<GpuChoice>, Vec<ModelRow>), Failu
     Ok((out, models))
 }
 
-/// What the daemon observed of a model: its GPU memory and its engine's KV cache in tokens.
+/// What the daemon observed of a model: its GPU memory, its engine's KV cache in tokens and the
+/// flags its server ran with.
 fn observed(m: &ModelRow) -> Option<Observed> {
     let e = m.engine.as_ref().filter(|e| e.state == "ok")?;
+    let flags = m.engine_flags.unwrap_or_default();
     Some(Observed {
         gpu_bytes: m.gpu_bytes?,
         gpus: m.gpu_count,
@@ -409,6 +411,9 @@ fn observed(m: &ModelRow) -> Option<Observed> {
             .kv_cache_blocks?
             .checked_mul(e.stats.block_size_tokens?)?,
         seen_at_ms: None,
+        max_num_batched_tokens: flags.max_num_batched_tokens,
+        max_num_seqs: flags.max_num_seqs,
+        enforce_eager: flags.enforce_eager,
     })
     .filter(|o| o.gpus > 0)
 }

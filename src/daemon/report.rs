@@ -380,6 +380,7 @@ fn model_row(m: &ModelView) -> ModelRow {
         processes: m.processes.clone(),
         gpu_count: m.gpu_count,
         planned_kv_tokens: m.planned_kv_tokens,
+        engine_flags: m.engine_flags,
     }
 }
 

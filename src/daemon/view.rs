@@ -176,6 +176,7 @@ impl Daemon {
                 engine: engines.remove(&m.name),
                 gpu_count: m.gpu_bytes.len() as u32,
                 planned_kv_tokens: models.planned_kv_tokens(&m.name),
+                engine_flags: self.engine_flags(m),
                 processes: if full {
                     self.process_rows(m)
                 } else {
@@ -183,6 +184,16 @@ impl Daemon {
                 },
             })
             .collect()
+    }
+
+    /// What the command line of a model's vLLM server (its first member that is one) says of
+    /// the memory it takes.
+    fn engine_flags(&self, m: &ModelUsage) -> Option<crate::sample::engine::EngineFlags> {
+        let processes = &self.sampler.snapshot.processes;
+        m.members
+            .iter()
+            .filter_map(|&id| processes.get(id))
+            .find_map(|p| crate::sample::engine::EngineFlags::from_vllm_cmdline(&p.cmdline))
     }
 
     /// A model's use (from its attribution) and budgets.

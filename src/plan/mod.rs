@@ -162,15 +162,19 @@ pub struct PlanRequest {
     pub notes: Vec<String>,
 }
 
-/// A running model as the daemon saw it: its GPU memory over `gpus` GPUs, and the KV cache its
-/// engine reported (`vllm:cache_config_info`), in tokens per engine.
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// A running model as the daemon saw it: its GPU memory over `gpus` GPUs, the KV cache its
+/// engine reported (`vllm:cache_config_info`), in tokens per engine, and the flags it ran with
+/// that size the rest (`None`: the engine's default).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Observed {
     pub gpu_bytes: u64,
     pub gpus: u32,
     pub kv_tokens: u64,
     /// `None`: running now; else when the daemon's history last saw it so (Unix ms).
     pub seen_at_ms: Option<u64>,
+    pub max_num_batched_tokens: Option<u64>,
+    pub max_num_seqs: Option<u64>,
+    pub enforce_eager: bool,
 }
 
 /// The model's own figures, independent of the GPU.
@@ -340,15 +344,24 @@ pub fn plan(r: &PlanRequest) -> Result<CapacityPlan, String> {
                 )
             }
         };
+        let ran = |n: Option<u64>| n.map_or("default".to_string(), |n| n.to_string());
+        let eager = if o.enforce_eager {
+            ", --enforce-eager"
+        } else {
+            ""
+        };
         assumptions.push(format!(
             "overhead on this host's GPUs: as seen of '{}' {when} ({} on {} GPU(s), its \
              engine's KV cache {} tokens{at}): {} per GPU besides its weights, KV cache and what \
-             it holds beyond the share",
+             it holds beyond the share (it ran with --max-num-batched-tokens {}, --max-num-seqs \
+             {}{eager}; what the planned flags cost beside those is modelled)",
             r.name,
             fmt_bytes(o.gpu_bytes),
             o.gpus,
             o.kv_tokens,
-            fmt_bytes(seen.overhead_bytes)
+            fmt_bytes(seen.overhead_bytes),
+            ran(o.max_num_batched_tokens),
+            ran(o.max_num_seqs),
         ));
     }
     Ok(CapacityPlan {
@@ -525,22 +538,35 @@ fn charged(r: &PlanRequest, gpu: &GpuChoice, tp: u32, weights: u64, token_bytes:
     let graphs = engine::cuda_graph_bytes(tp64);
     let graphs_charged = r.engine.charges_cuda_graphs();
     let context = engine::CUDA_CONTEXT_BYTES;
-    let modelled = activation
-        .saturating_add(non_torch)
-        .saturating_add(if graphs_charged { graphs } else { 0 });
+    // What the model says the overhead is for a batch and whether graphs are captured.
+    let modelled_for = |batched: u64, seqs: u64, eager: bool| {
+        activation_bytes(r, tp64, batched, seqs)
+            .saturating_add(non_torch)
+            .saturating_add(if graphs_charged && !eager { graphs } else { 0 })
+    };
+    let modelled = modelled_for(batched, seqs, false);
     // Seen on this host at this TP: what the model takes besides its weights and KV cache, less
-    // what it holds beyond the share. Not for sliding-window models: their engines count KV
-    // tokens per group of layers.
+    // what it holds beyond the share. It ran with flags of its own: the model's error seen there
+    // is carried over to the planned flags (what the model says they cost, plus what it was
+    // seen to miss). Not for sliding-window models: their engines count KV tokens per group of
+    // layers.
     let seen = r
         .observed
         .filter(|o| gpu.live && o.gpus == tp && token_bytes > 0 && a.sliding_layers == 0)
         .map(|o| {
             let kv = o.kv_tokens.saturating_mul(token_bytes);
-            let beyond = context + if graphs_charged { 0 } else { graphs };
-            (o.gpu_bytes / u64::from(o.gpus))
+            let captured = if o.enforce_eager { 0 } else { graphs };
+            let beyond = context + if graphs_charged { 0 } else { captured };
+            let seen = (o.gpu_bytes / u64::from(o.gpus))
                 .saturating_sub(weights)
                 .saturating_sub(kv)
-                .saturating_sub(beyond)
+                .saturating_sub(beyond);
+            let ran = modelled_for(
+                o.max_num_batched_tokens.unwrap_or(default_tokens),
+                o.max_num_seqs.unwrap_or(default_seqs),
+                o.enforce_eager,
+            );
+            seen.saturating_add(modelled).saturating_sub(ran)
         });
     Charged {
         batched,

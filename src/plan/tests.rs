@@ -584,12 +584,15 @@ fn what_a_model_was_seen_to_take_here_replaces_the_modelled_overhead() {
         modelled.gpuguard_model
     );
     // Seen here: 72 GiB on one GPU with 400,000 tokens of KV cache (50,000 MiB): 72 GiB - 14.96
-    // GiB of weights - 48.83 GiB - the 640 MiB context = 7.59 GiB of overhead, not 2.4.
+    // GiB of weights - 48.83 GiB - the 640 MiB context = 7.59 GiB of overhead, not 2.4. (It ran
+    // with the planned flags.)
     r.observed = Some(Observed {
         gpu_bytes: 72 << 30,
         gpus: 1,
         kv_tokens: 400_000,
-        seen_at_ms: None,
+        max_num_batched_tokens: r.max_num_batched_tokens,
+        max_num_seqs: r.max_num_seqs,
+        ..Observed::default()
     });
     let p = plan(&r).unwrap();
     let seen = &p.options[0];
@@ -635,6 +638,75 @@ fn what_a_model_was_seen_to_take_here_replaces_the_modelled_overhead() {
     gemma.gpus = vec![host];
     gemma.observed = r.observed;
     assert!(!plan(&gemma).unwrap().options[0].overhead_observed);
+}
+
+/// A model seen running with flags of its own (a smaller batch, eager): what it was seen to take
+/// is carried over to the planned flags, the model's error there kept and what the flags
+/// change modelled: the planned batch's activations for the seen one's, and the CUDA graphs the
+/// eager run never captured.
+#[test]
+fn what_a_model_took_with_other_flags_is_carried_over_to_the_planned_ones() {
+    let mut r = request("llama-3-8b", 8192);
+    let mut host = h100();
+    host.live = true;
+    r.gpus = vec![host];
+    let seen_as_planned = Observed {
+        gpu_bytes: 72 << 30,
+        gpus: 1,
+        kv_tokens: 400_000,
+        max_num_batched_tokens: r.max_num_batched_tokens,
+        max_num_seqs: r.max_num_seqs,
+        ..Observed::default()
+    };
+    r.observed = Some(seen_as_planned);
+    let planned = plan(&r).unwrap().options.remove(0);
+    assert!(planned.overhead_observed);
+    // The same memory seen with a batch of 512 tokens and 16 sequences: its activations were
+    // smaller, so the same total says the rest (the model's error) was larger by that much.
+    let (batch, seqs) = (planned.max_num_batched_tokens, planned.max_num_seqs);
+    let small = |o: Observed| Observed {
+        max_num_batched_tokens: Some(512),
+        max_num_seqs: Some(16),
+        ..o
+    };
+    r.observed = Some(small(seen_as_planned));
+    let carried = plan(&r).unwrap().options.remove(0);
+    let mut at_small = r.clone();
+    at_small.max_num_batched_tokens = Some(512);
+    at_small.max_num_seqs = Some(16);
+    at_small.observed = None;
+    let mut at_planned = r.clone();
+    at_planned.max_num_batched_tokens = Some(batch);
+    at_planned.max_num_seqs = Some(seqs);
+    at_planned.observed = None;
+    let modelled = |r: &PlanRequest| plan(r).unwrap().options[0].overhead_bytes;
+    let difference = modelled(&at_planned) - modelled(&at_small);
+    assert!(difference > 0);
+    assert_eq!(
+        carried.overhead_bytes,
+        planned.overhead_bytes + difference,
+        "{carried:?}"
+    );
+    // Seen eager (no CUDA graphs): the graphs the planned flags capture are added.
+    r.observed = Some(Observed {
+        enforce_eager: true,
+        ..seen_as_planned
+    });
+    let eager = plan(&r).unwrap();
+    assert_eq!(
+        eager.options[0].overhead_bytes,
+        planned.overhead_bytes + planned.cuda_graph_bytes,
+        "{:?}",
+        eager.options[0]
+    );
+    assert!(
+        eager
+            .assumptions
+            .iter()
+            .any(|a| a.contains("--enforce-eager")),
+        "{:?}",
+        eager.assumptions
+    );
 }
 
 /// The `[[model]]`'s planned_kv_tokens is the KV cache the recommended flags give: with

@@ -509,6 +509,52 @@ fn a_models_rows_show_the_ram_its_sum_counts_and_their_rss() {
     assert_eq!(h.signals(), [], "{:?}", h.actions());
 }
 
+/// A model's row says the flags its vLLM server runs with (read from the first member whose
+/// command line is one: the engine core beside it is not), for `plan --gpu host`; a model
+/// without one says none.
+#[test]
+fn a_models_row_carries_its_vllm_servers_flags() {
+    let mut w = World {
+        host: host(64 * GIB, 40 * GIB),
+        ..World::default()
+    };
+    w.spawn(100, "vllm", GIB);
+    w.procs.get_mut(&100).unwrap().cmdline =
+        "/usr/bin/python3 /usr/local/bin/vllm serve Qwen/Qwen3-8B --max-num-seqs 64 --enforce-eager"
+            .into();
+    w.spawn(101, "python3", GIB);
+    let core = w.procs.get_mut(&101).unwrap();
+    core.cmdline = "python3 -c from multiprocessing.spawn import spawn_main".into();
+    core.ppid = 100;
+    w.spawn(200, "python3", GIB);
+    w.procs.get_mut(&200).unwrap().cmdline = "python3 other.py".into();
+    let mut h = Harness::new(
+        w,
+        "candidates = \"models\"\n[gpu]\nenabled = false\n\
+         [[model]]\nname = \"qwen\"\nmatch = { cmdline = \"Qwen3-8B\" }\n\
+         [[model]]\nname = \"other\"\nmatch = { cmdline = \"other.py\" }\n",
+    );
+    h.ticks(3, 100 * MS);
+    let report = status(&h);
+    let flags = |name: &str| {
+        report
+            .models
+            .iter()
+            .find(|m| m.name == name)
+            .unwrap_or_else(|| panic!("{name}: {report:?}"))
+            .engine_flags
+    };
+    assert_eq!(
+        flags("qwen"),
+        Some(crate::sample::engine::EngineFlags {
+            max_num_batched_tokens: None,
+            max_num_seqs: Some(64),
+            enforce_eager: true,
+        })
+    );
+    assert_eq!(flags("other"), None);
+}
+
 /// Each time RAM comes near the floor, a round reads PSS at once, not only the first time.
 #[test]
 fn pss_is_read_at_once_each_time_ram_comes_near_the_floor() {
