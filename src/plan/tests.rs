@@ -569,10 +569,7 @@ fn the_json_names_the_engine_and_each_part_of_the_overhead() {
 /// model says) makes the plan for this host smaller too, and only for the TP it runs at.
 #[test]
 fn what_a_model_was_seen_to_take_here_replaces_the_modelled_overhead() {
-    let mut r = request("llama-3-8b", 8192);
-    let mut host = h100();
-    host.live = true;
-    r.gpus = vec![host];
+    let mut r = on_this_hosts_h100(request("llama-3-8b", 8192));
     let modelled = plan(&r).unwrap().options.remove(0);
     assert!(!modelled.overhead_observed);
     assert_eq!(modelled.kv_tokens, 58_330_282_393 / (128 << 10) / 16 * 16);
@@ -632,12 +629,17 @@ fn what_a_model_was_seen_to_take_here_replaces_the_modelled_overhead() {
     r.gpus = vec![h100()];
     assert!(!plan(&r).unwrap().options[0].overhead_observed);
     // Nor for a sliding-window model: its engine counts KV tokens per group of layers.
-    let mut gemma = request("gemma-2-9b", 8192);
-    let mut host = h100();
-    host.live = true;
-    gemma.gpus = vec![host];
+    let mut gemma = on_this_hosts_h100(request("gemma-2-9b", 8192));
     gemma.observed = r.observed;
     assert!(!plan(&gemma).unwrap().options[0].overhead_observed);
+}
+
+/// `r` planned for this host's GPUs: one H100, seen live (where an observation applies).
+fn on_this_hosts_h100(mut r: PlanRequest) -> PlanRequest {
+    let mut host = h100();
+    host.live = true;
+    r.gpus = vec![host];
+    r
 }
 
 /// A model seen running with flags of its own (a smaller batch, eager): what it was seen to take
@@ -646,10 +648,7 @@ fn what_a_model_was_seen_to_take_here_replaces_the_modelled_overhead() {
 /// eager run never captured.
 #[test]
 fn what_a_model_took_with_other_flags_is_carried_over_to_the_planned_ones() {
-    let mut r = request("llama-3-8b", 8192);
-    let mut host = h100();
-    host.live = true;
-    r.gpus = vec![host];
+    let mut r = on_this_hosts_h100(request("llama-3-8b", 8192));
     let seen_as_planned = Observed {
         gpu_bytes: 72 << 30,
         gpus: 1,

@@ -75,17 +75,6 @@ struct Forked {
     leader: std::process::Child,
 }
 
-const FORKED_PY: &str = r#"
-import os, sys, time
-data = b"\x01" * (int(sys.argv[2]) << 20)
-for _ in range(int(sys.argv[3])):
-    if os.fork() == 0:
-        time.sleep(600)
-        os._exit(0)
-print("forked", flush=True)
-time.sleep(600)
-"#;
-
 impl Forked {
     fn start(token: &str, mib: u64, workers: u32) -> Forked {
         use std::os::unix::process::CommandExt;
@@ -97,6 +86,7 @@ impl Forked {
                 &mib.to_string(),
                 &workers.to_string(),
             ])
+            .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
             .process_group(0)
             .spawn()

@@ -862,18 +862,6 @@ struct CgroupWorkers {
     cgroup: OwnCgroup,
 }
 
-const FORKED_AFTER_GO_PY: &str = r#"
-import os, sys, time
-sys.stdin.readline()
-data = b"\x01" * (int(sys.argv[2]) << 20)
-for _ in range(int(sys.argv[3])):
-    if os.fork() == 0:
-        time.sleep(600)
-        os._exit(0)
-print("forked", flush=True)
-time.sleep(600)
-"#;
-
 impl CgroupWorkers {
     fn start(
         attacker: &Attacker,
@@ -885,7 +873,7 @@ impl CgroupWorkers {
         use std::io::Write;
         use std::os::unix::process::CommandExt;
         let mut leader = attacker
-            .python(FORKED_AFTER_GO_PY)
+            .python(FORKED_PY)
             .args([token, &mib.to_string(), &workers.to_string()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -947,20 +935,6 @@ time.sleep(600)
 fn an_account_whose_tmpfs_files_keep_ram_short_has_its_hog_acted_on() {
     let _lock = memory_pressure_lock();
     let attacker = Attacker::create();
-    let hog_t = token("shm-owner");
-    let now = mem_available();
-    let min = now - 3 * GIB / 2;
-    let g = guard(
-        &format!(
-            "min_available = {min}\nwarn_available = {}\n",
-            min + GIB / 2
-        ),
-        &model_toml(
-            "shmowner",
-            &hog_t,
-            &format!("users = [\"{}\"]\n", attacker.name),
-        ),
-    );
     let file = format!("/dev/shm/{}", token("owned"));
     struct Remove(String);
     impl Drop for Remove {
@@ -969,13 +943,37 @@ fn an_account_whose_tmpfs_files_keep_ram_short_has_its_hog_acted_on() {
         }
     }
     let _remove = Remove(file.clone());
-    // A GiB below the act floor with the file alone: killing the hog (1.2 GiB) cannot lift RAM
-    // above it, so only the files' owner makes the hog a victim.
-    let out = attacker
-        .python(WRITE_SHM_PY)
-        .args([&file, &(4 * GIB).to_string(), &(min - GIB).to_string()])
-        .output()
-        .unwrap();
+    the_files_owners_hog_is_acted_on(GuardDaemon::start, &attacker, "shmowner", |stop_below| {
+        attacker
+            .python(WRITE_SHM_PY)
+            .args([&file, &(4 * GIB).to_string(), &stop_below.to_string()])
+            .output()
+            .unwrap()
+    });
+}
+
+/// Round three's tmpfs attack, played: a daemon started by `start` with floors 1.5 and 1 GiB
+/// under what is available now and model `model` for the account's hog; `write` writes the
+/// account's file until MemAvailable is under the value it is given (a GiB below the act floor
+/// with the file alone: killing the 1.2 GiB hog cannot lift RAM above it, so only the file's
+/// owner makes the hog a victim). The hog is then acted on, and the shortfall names the owner.
+fn the_files_owners_hog_is_acted_on(
+    start: impl FnOnce(&str) -> GuardDaemon,
+    attacker: &Attacker,
+    model: &str,
+    write: impl FnOnce(u64) -> std::process::Output,
+) {
+    let hog_t = token(model);
+    let min = mem_available() - 3 * GIB / 2;
+    let g = guard_with(
+        start,
+        &format!(
+            "min_available = {min}\nwarn_available = {}\n",
+            min + GIB / 2
+        ),
+        &model_toml(model, &hog_t, &format!("users = [\"{}\"]\n", attacker.name)),
+    );
+    let out = write(min - GIB);
     assert!(out.status.success(), "{out:?}");
     let mut hog = KillOnDrop(
         attacker
@@ -988,7 +986,7 @@ fn an_account_whose_tmpfs_files_keep_ram_short_has_its_hog_acted_on() {
     let acted = g
         .daemon
         .wait_for_event("process_killed", Duration::from_secs(30), |e| {
-            e["subject"]["model"] == "shmowner"
+            e["subject"]["model"] == model
         });
     assert_eq!(acted["action"]["reason"], "ram_floor", "{acted}");
     let shm = g.daemon.events_of("shmem_shortfall");
@@ -1019,21 +1017,6 @@ fn under_the_units_capabilities_tmpfs_files_in_a_private_directory_are_charged_t
         eprintln!("skipped: /sys/fs/cgroup is not cgroup v2 with the memory controller");
         return;
     };
-    let hog_t = token("sealed-shm");
-    let now = mem_available();
-    let min = now - 3 * GIB / 2;
-    let g = guard_with(
-        under_the_units_capabilities,
-        &format!(
-            "min_available = {min}\nwarn_available = {}\n",
-            min + GIB / 2
-        ),
-        &model_toml(
-            "sealed",
-            &hog_t,
-            &format!("users = [\"{}\"]\n", attacker.name),
-        ),
-    );
     struct RemoveDir(PathBuf);
     impl Drop for RemoveDir {
         fn drop(&mut self) {
@@ -1045,51 +1028,25 @@ fn under_the_units_capabilities_tmpfs_files_in_a_private_directory_are_charged_t
     let owner = Some(nix::unistd::Uid::from_raw(attacker.uid));
     nix::unistd::chown(&dir.0, owner, None).unwrap();
     std::fs::set_permissions(&dir.0, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
-    // Written from the account's login slice, moved there before it writes a byte; a GiB
-    // below the act floor with the file alone, so only the files' owner makes the hog a victim.
-    let mut writer = attacker
-        .python(WRITE_SHM_PY)
-        .args([
-            &dir.0.join("f").display().to_string(),
-            &(4 * GIB).to_string(),
-            &(min - GIB).to_string(),
-        ])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    slice.add(writer.id());
-    {
-        use std::io::Write;
-        writer.stdin.take().unwrap().write_all(b"go\n").unwrap();
-    }
-    let out = writer.wait_with_output().unwrap();
-    assert!(out.status.success(), "{out:?}");
-    let mut hog = KillOnDrop(
-        attacker
-            .python(HOLD_PY)
-            .args([&hog_t, &(1229 * MIB).to_string()])
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    );
-    let acted = g
-        .daemon
-        .wait_for_event("process_killed", Duration::from_secs(30), |e| {
-            e["subject"]["model"] == "sealed"
-        });
-    assert_eq!(acted["action"]["reason"], "ram_floor", "{acted}");
-    let shm = g.daemon.events_of("shmem_shortfall");
-    assert!(
-        shm.iter().any(|e| e["summary"]
-            .as_str()
-            .is_some_and(|s| s.contains(&format!("uid {}", attacker.uid)))),
-        "{shm:?}"
-    );
-    assert!(
-        wait_child(&mut hog.0, Duration::from_secs(20)).is_some(),
-        "{}",
-        g.daemon.log_text()
+    let file = dir.0.join("f").display().to_string();
+    the_files_owners_hog_is_acted_on(
+        under_the_units_capabilities,
+        &attacker,
+        "sealed",
+        |stop_below| {
+            // Written from the account's login slice, moved there before it writes a byte.
+            let mut writer = attacker
+                .python(WRITE_SHM_PY)
+                .args([&file, &(4 * GIB).to_string(), &stop_below.to_string()])
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap();
+            slice.add(writer.id());
+            use std::io::Write;
+            writer.stdin.take().unwrap().write_all(b"go\n").unwrap();
+            writer.wait_with_output().unwrap()
+        },
     );
 }
 

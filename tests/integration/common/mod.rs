@@ -853,6 +853,22 @@ pub fn wait_stopped(pids: &[u32], timeout: Duration) -> bool {
 }
 
 /// A child process killed (and reaped) when the test lets go of it: servers, launches, victims.
+/// A server whose workers forked after it loaded: after a line on stdin (or its end: a test may
+/// move it into a cgroup meanwhile), it touches argv[2] MiB, forks argv[3] workers that share
+/// those pages and sleep, says "forked" and sleeps. Each process shows the whole of it as RSS;
+/// between them they hold it once (PSS: a share each).
+pub const FORKED_PY: &str = r#"
+import os, sys, time
+sys.stdin.readline()
+data = b"\x01" * (int(sys.argv[2]) << 20)
+for _ in range(int(sys.argv[3])):
+    if os.fork() == 0:
+        time.sleep(600)
+        os._exit(0)
+print("forked", flush=True)
+time.sleep(600)
+"#;
+
 pub struct KillOnDrop(pub Child);
 
 impl Drop for KillOnDrop {
