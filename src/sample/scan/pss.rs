@@ -17,6 +17,9 @@ pub(super) struct PssRead {
     at: Instant,
 }
 
+/// A cgroup charged less than its families must hold by more than this fraction of it
+/// (1/8) is not believed.
+const BELIEVABLE_SLACK: u64 = 8;
 /// A cgroup with more processes than this is not shared out (a `statm` read for each).
 const CGROUP_SHARE_MAX_MEMBERS: usize = 1024;
 /// Near the RAM floor a process's PSS is read again once its RSS moved by this much...
@@ -107,8 +110,8 @@ impl Scanner {
     /// never more than their own nor less than their own over their family's size. So forked
     /// workers count once between them, and a hog in the same cgroup (a login session) keeps
     /// its whole figure. Where the cgroup is charged less than its families must hold (each at
-    /// least its largest member's pages: processes moved in after they touched their pages,
-    /// which stay charged where they were), each process counts its own. Kept as their figure
+    /// least its largest member's pages) by more than an eighth (processes moved in after they
+    /// touched their pages, which stay charged where they were), each process counts its own. Kept as their figure
     /// like a PSS read. None where the cgroup says nothing (cgroup v1).
     fn share_cgroups(&mut self, pids: &[i32], now: Instant) {
         let Some(cgroups) = &self.cgroups else {
@@ -150,10 +153,12 @@ impl Scanner {
                 }
             }
             let shared_anon = cgroup_anon.saturating_sub(alone);
-            // A family holds at least the pages of its largest member. A cgroup charged less
-            // than that was not charged for its processes' pages (they were moved in after
-            // they touched them): its figure says nothing, and each counts its own.
-            let believable = shared_anon >= largest.values().sum::<u64>();
+            // A family holds at least the pages of its largest member. A cgroup charged much
+            // less than that was not charged for its processes' pages (they were moved in after
+            // they touched them): its figure says nothing, and each counts its own. A little
+            // less is a process moved in after its start-up (an interpreter's first MiBs).
+            let needed: u64 = largest.values().sum();
+            let believable = shared_anon.saturating_add(needed / BELIEVABLE_SLACK) >= needed;
             for pid in pids {
                 let Some(&own) = anon.get(&pid) else {
                     continue; // moved to another cgroup since
