@@ -176,7 +176,9 @@ impl Daemon {
                 engine: engines.remove(&m.name),
                 gpu_count: m.gpu_bytes.len() as u32,
                 planned_kv_tokens: models.planned_kv_tokens(&m.name),
-                engine_flags: self.engine_flags(m),
+                // Read from command lines for the status and the flight recorder only (the alert
+                // conditions, every tick, need none).
+                engine_flags: if full { self.engine_flags(m) } else { None },
                 processes: if full {
                     self.process_rows(m)
                 } else {

@@ -538,13 +538,14 @@ fn charged(r: &PlanRequest, gpu: &GpuChoice, tp: u32, weights: u64, token_bytes:
     let graphs = engine::cuda_graph_bytes(tp64);
     let graphs_charged = r.engine.charges_cuda_graphs();
     let context = engine::CUDA_CONTEXT_BYTES;
-    // What the model says the overhead is for a batch and whether graphs are captured.
-    let modelled_for = |batched: u64, seqs: u64, eager: bool| {
-        activation_bytes(r, tp64, batched, seqs)
+    // What the model says the overhead is, for a batch's activations and whether graphs are
+    // captured.
+    let modelled_with = |activation: u64, eager: bool| {
+        activation
             .saturating_add(non_torch)
             .saturating_add(if graphs_charged && !eager { graphs } else { 0 })
     };
-    let modelled = modelled_for(batched, seqs, false);
+    let modelled = modelled_with(activation, false);
     // Seen on this host at this TP: what the model takes besides its weights and KV cache, less
     // what it holds beyond the share. It ran with flags of its own: the model's error seen there
     // is carried over to the planned flags (what the model says they cost, plus what it was
@@ -561,11 +562,13 @@ fn charged(r: &PlanRequest, gpu: &GpuChoice, tp: u32, weights: u64, token_bytes:
                 .saturating_sub(weights)
                 .saturating_sub(kv)
                 .saturating_sub(beyond);
-            let ran = modelled_for(
+            let ran_activation = activation_bytes(
+                r,
+                tp64,
                 o.max_num_batched_tokens.unwrap_or(default_tokens),
                 o.max_num_seqs.unwrap_or(default_seqs),
-                o.enforce_eager,
             );
+            let ran = modelled_with(ran_activation, o.enforce_eager);
             seen.saturating_add(modelled).saturating_sub(ran)
         });
     Charged {

@@ -583,14 +583,7 @@ fn what_a_model_was_seen_to_take_here_replaces_the_modelled_overhead() {
     // Seen here: 72 GiB on one GPU with 400,000 tokens of KV cache (50,000 MiB): 72 GiB - 14.96
     // GiB of weights - 48.83 GiB - the 640 MiB context = 7.59 GiB of overhead, not 2.4. (It ran
     // with the planned flags.)
-    r.observed = Some(Observed {
-        gpu_bytes: 72 << 30,
-        gpus: 1,
-        kv_tokens: 400_000,
-        max_num_batched_tokens: r.max_num_batched_tokens,
-        max_num_seqs: r.max_num_seqs,
-        ..Observed::default()
-    });
+    r.observed = Some(seen_with_the_planned_flags(&r));
     let p = plan(&r).unwrap();
     let seen = &p.options[0];
     assert!(seen.overhead_observed);
@@ -634,6 +627,18 @@ fn what_a_model_was_seen_to_take_here_replaces_the_modelled_overhead() {
     assert!(!plan(&gemma).unwrap().options[0].overhead_observed);
 }
 
+/// The model seen running here with `r`'s flags: 72 GiB on one GPU, 400,000 tokens of KV cache.
+fn seen_with_the_planned_flags(r: &PlanRequest) -> Observed {
+    Observed {
+        gpu_bytes: 72 << 30,
+        gpus: 1,
+        kv_tokens: 400_000,
+        max_num_batched_tokens: r.max_num_batched_tokens,
+        max_num_seqs: r.max_num_seqs,
+        ..Observed::default()
+    }
+}
+
 /// `r` planned for this host's GPUs: one H100, seen live (where an observation applies).
 fn on_this_hosts_h100(mut r: PlanRequest) -> PlanRequest {
     let mut host = h100();
@@ -649,14 +654,7 @@ fn on_this_hosts_h100(mut r: PlanRequest) -> PlanRequest {
 #[test]
 fn what_a_model_took_with_other_flags_is_carried_over_to_the_planned_ones() {
     let mut r = on_this_hosts_h100(request("llama-3-8b", 8192));
-    let seen_as_planned = Observed {
-        gpu_bytes: 72 << 30,
-        gpus: 1,
-        kv_tokens: 400_000,
-        max_num_batched_tokens: r.max_num_batched_tokens,
-        max_num_seqs: r.max_num_seqs,
-        ..Observed::default()
-    };
+    let seen_as_planned = seen_with_the_planned_flags(&r);
     r.observed = Some(seen_as_planned);
     let planned = plan(&r).unwrap().options.remove(0);
     assert!(planned.overhead_observed);

@@ -776,6 +776,14 @@ mod tests {
         }
     }
 
+    /// A round that re-reads processes started less than `YOUNG` ago.
+    fn young_request() -> ScanRequest {
+        ScanRequest {
+            young: YOUNG,
+            ..request(&[])
+        }
+    }
+
     /// A scanner and the table its changes are applied to, as the daemon keeps it.
     struct Table {
         scanner: Scanner,
@@ -842,11 +850,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         put(dir.path(), 30, "bash", "bash run.sh", [300, 5, 7, 1000]);
         let mut table = Table::new(dir.path());
-        let young = || ScanRequest {
-            young: YOUNG,
-            ..request(&[])
-        };
-        table.round(young());
+        table.round(young_request());
         // The launcher script execs the server, which then drops to another uid.
         put(
             dir.path(),
@@ -855,7 +859,7 @@ mod tests {
             "python3 -m vllm serve",
             [300, 5, 8, 998],
         );
-        table.round(young());
+        table.round(young_request());
         assert_eq!(table.find(30).cmdline, "python3 -m vllm serve");
         assert_eq!(table.find(30).uid, 998);
     }
@@ -928,11 +932,7 @@ mod tests {
         );
         put(dir.path(), 40, "bash", "bash old.sh", [ticks, 5, 7, 1000]);
         let mut table = Table::new(dir.path());
-        let young = || ScanRequest {
-            young: YOUNG,
-            ..request(&[])
-        };
-        table.round(young());
+        table.round(young_request());
         put(
             dir.path(),
             30,
@@ -941,7 +941,7 @@ mod tests {
             [95 * ticks, 5, 8, 998],
         );
         put(dir.path(), 40, "python3", "python3 new", [ticks, 5, 8, 998]);
-        table.round(young());
+        table.round(young_request());
         assert_eq!(table.find(30).cmdline, "python3 new");
         // Older than `YOUNG`: left to the rotation (an hour here).
         assert_eq!(table.find(40).cmdline, "bash old.sh");
