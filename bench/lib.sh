@@ -42,6 +42,15 @@ wait_for_line() {
     done
 }
 
+# Wait up to $2 seconds for the socket $1 (a daemon's, once it serves).
+wait_for_socket() {
+    local deadline=$((SECONDS + $2))
+    until [[ -S $1 ]]; do
+        ((SECONDS < deadline)) || return 1
+        sleep 0.02
+    done
+}
+
 # Kill the given pids (ours only: callers pass pids they started), then reap them.
 kill_pids() {
     local pid

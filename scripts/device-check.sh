@@ -13,6 +13,7 @@ set -uo pipefail
 BIN=$(realpath "${1:?usage: device-check.sh PATH/TO/gpuguard OUTDIR}")
 OUT=$(realpath -m "${2:?OUTDIR}")
 REPO=$(cd "$(dirname "$0")/.." && pwd)
+source "$REPO/bench/lib.sh"
 mkdir -p "$OUT"
 say() { echo "==== $(date -u +%T) $*"; }
 failed=0
@@ -38,26 +39,16 @@ machine() {
 real_nvml_cost() { # the daemon on the real NVML beside what else would watch the GPU, 20 s
     local work floor
     work=$(mktemp -d)
-    for v in plain locked; do
-        mkdir -p "$work/$v"
-        cat >"$work/$v/config.toml" <<TOML
-[daemon]
-state_dir = "$work/$v/state"
-candidates = "models"
-[launch]
-socket = "$work/$v/sock"
-[[model]]
-name = "nothing"
-match = { cmdline = "gpuguard-matches-no-process-$$" }
-TOML
-    done
+    # Stock floors and a model no process matches; a state directory and socket each.
+    gpuguard_config "$work/plain.toml"
+    gpuguard_config "$work/locked.toml"
     # NVML's own floor: a C program that makes gpuguard's calls and nothing else (built here
     # unless a build is carried in .device/).
     floor=$REPO/.device/nvml_floor
     [ -x "$floor" ] || { floor=$work/nvml_floor; gcc -O2 -o "$floor" "$REPO/bench/gpu/nvml_floor.c" -ldl -lpthread; }
-    "$BIN" daemon --config "$work/plain/config.toml" 2>"$OUT/cost-plain.log" &
+    "$BIN" daemon --config "$work/plain.toml" 2>"$OUT/cost-plain.log" &
     local plain=$!
-    "$BIN" daemon --config "$work/locked/config.toml" --lock-memory 2>"$OUT/cost-locked.log" &
+    "$BIN" daemon --config "$work/locked.toml" --lock-memory 2>"$OUT/cost-locked.log" &
     local locked=$!
     "$floor" 25 >"$OUT/nvml-floor.txt" 2>&1 &
     local nvml_c=$!
@@ -74,13 +65,14 @@ while True:
     sleep 3
     local hz
     hz=$(getconf CLK_TCK)
-    ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
     declare -A t0
-    for v in plain locked nvml_c pynvml smi; do t0[$v]=$(ticks ${!v}); done
+    for v in plain locked nvml_c pynvml smi; do t0[$v]=$(cpu_ticks ${!v} 2>/dev/null); done
     sleep 20
     for v in plain locked nvml_c pynvml smi; do
         local pid=${!v}
-        echo "-- $v: CPU $(( $(ticks $pid) - ${t0[$v]} )) ticks of 1/$hz s in 20 s;" \
+        # One that did not start (a tool missing) is said so, and the others still measured.
+        [ -n "${t0[$v]}" ] && [ -e "/proc/$pid/stat" ] || { echo "-- $v: not running"; continue; }
+        echo "-- $v: CPU $(( $(cpu_ticks $pid) - ${t0[$v]} )) ticks of 1/$hz s in 20 s;" \
             "$(grep -E 'VmHWM|VmRSS|VmLck|RssAnon|RssFile|Threads' "/proc/$pid/status" | tr -s ' \t' ' ' | paste -sd' ')"
         awk '/^[0-9a-f]+-[0-9a-f]+ /{name = ($6 == "" ? "[anon]" : $6)} /^Rss:/{rss[name] += $2}
              END {for (n in rss) if (rss[n] >= 256) printf "   %6d KiB  %s\n", rss[n], n}' "/proc/$pid/smaps" |
@@ -88,8 +80,8 @@ while True:
     done
     cp /proc/$plain/smaps "$OUT/gpuguard-smaps.txt"
     grep -h -i 'gpu protection' "$OUT/cost-plain.log" | head -2
-    kill $plain $locked $pynvml $smi
-    wait $plain $locked $pynvml $smi $nvml_c
+    kill_pids $plain $locked $pynvml $smi
+    wait $nvml_c # its last line after 25 s
     cat "$OUT/nvml-floor.txt"
     rm -rf "$work"
 }

@@ -14,6 +14,7 @@
 # and removes one cgroup under /sys/fs/cgroup. Exits 2 where the host has no cgroup v2 memory.
 set -uo pipefail
 BIN=$(realpath "${1:?usage: real-cgroup-share.sh PATH/TO/gpuguard [OUTDIR]}")
+source "$(dirname "$0")/../bench/lib.sh"
 OUT=${2:-$(mktemp -d)}
 mkdir -p "$OUT"
 ROOT=/sys/fs/cgroup
@@ -54,8 +55,7 @@ PY=$(command -v /usr/bin/python3 python3 | head -1)
 setsid sh -c 'cd / && echo $$ > "$1/cgroup.procs" && exec setpriv --reuid=65534 --regid=65534 --clear-groups "$4" -c "$2" "$3"' \
     sh "$CG" "$FORKED_PY" "$TOKEN" "$PY" >"$WORK/forked.out" 2>&1 &
 LEADER=$!
-for _ in $(seq 100); do grep -q forked "$WORK/forked.out" && break; sleep 0.1; done
-grep -q forked "$WORK/forked.out" || { cat "$WORK/forked.out"; exit 1; }
+wait_for_line "$WORK/forked.out" forked 10 || { cat "$WORK/forked.out"; exit 1; }
 PIDS=$(cat "$CG/cgroup.procs" | tr '\n' ' ')
 say "workers (uid 65534) in $CG: $PIDS"
 grep -E '^(anon|file|shmem) ' "$CG/memory.stat"
@@ -66,7 +66,6 @@ for p in $PIDS; do
     PSS=$((PSS + $(kb /proc/$p/smaps_rollup Pss) * 1024))
     RSS=$((RSS + $(kb /proc/$p/status VmRSS) * 1024))
 done
-MIB=$((1 << 20))
 say "as full root: PSS sum $((PSS / MIB)) MiB, RSS sum $((RSS / MIB)) MiB"
 
 cat >"$WORK/config.toml" <<TOML
@@ -96,7 +95,7 @@ run_case() { # NAME WRAPPER...: the daemon under WRAPPER; its figure for the mod
     rm -rf "$WORK/state" "$WORK/sock"
     "$@" "$BIN" daemon --config "$WORK/config.toml" 2>"$OUT/daemon-$name.log" &
     DAEMON=$!
-    for _ in $(seq 100); do [ -S "$WORK/sock" ] && break; sleep 0.1; done
+    wait_for_socket "$WORK/sock" 10
     grep CapEff "/proc/$DAEMON/status" || true
     # The RSS sum is over the 1 GiB budget: the daemon wants a proportional figure; a few rounds.
     local ram=0

@@ -39,7 +39,7 @@ start_daemon() { # a fresh daemon on the real NVML; $1 = extra model lines
     seed_daemon_config "$WORK" "" "${1:-}"
     "$BIN" daemon --config "$WORK/config.toml" >>"$OUT/daemon.log" 2>&1 &
     DAEMON=$!
-    for _ in $(seq 100); do [ -S "$WORK/sock" ] && break; sleep 0.1; done
+    wait_for_socket "$WORK/sock" 10
     sleep 1
 }
 
