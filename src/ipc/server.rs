@@ -599,7 +599,12 @@ mod tests {
     /// idle time starts when it stops waiting.
     #[tokio::test(start_paused = true)]
     async fn a_connection_that_waits_for_a_permit_outlives_idle_timeout() {
-        let shared = shared("[clients]\nidle_timeout = \"2s\"\n");
+        // The host-wide pool is root's unless `permits.users` names the account: the test's
+        // own account is named so that it waits, whoever runs it (plain `cargo test` as a user).
+        let me = nix::unistd::geteuid();
+        let shared = shared(&format!(
+            "[clients]\nidle_timeout = \"2s\"\n[permits]\nusers = [\"{me}\"]\n"
+        ));
         let mut client = connection(&shared);
         let start = tokio::time::Instant::now();
         send(&mut client, ACQUIRE_WAITING_30S).await;
