@@ -191,9 +191,7 @@ impl Sink {
                     return;
                 }
                 Attempt::Retry(why, after) => {
-                    let wait = after
-                        .unwrap_or_else(|| self.backoff_for(attempt))
-                        .min(MAX_BACKOFF);
+                    let wait = wait_before_retry(after, self.backoff, attempt, &mut self.rng);
                     debug!(
                         "{}: attempt {} failed ({why}); retrying in {}",
                         self.name,
@@ -208,20 +206,6 @@ impl Sink {
                 }
             }
         }
-    }
-
-    /// Exponential backoff with jitter: between half and all of `backoff * 2^attempt`.
-    fn backoff_for(&mut self, attempt: u32) -> Duration {
-        let full = self
-            .backoff
-            .saturating_mul(1u32 << attempt.min(16))
-            .min(MAX_BACKOFF);
-        // xorshift64: jitter needs no more.
-        self.rng ^= self.rng << 13;
-        self.rng ^= self.rng >> 7;
-        self.rng ^= self.rng << 17;
-        let fraction = (self.rng % 1000) as f64 / 1000.0;
-        full.mul_f64(0.5 + fraction / 2.0)
     }
 
     fn attempt(&self, body: &[u8], signature: Option<&str>) -> Attempt {
@@ -239,12 +223,12 @@ impl Sink {
                     200..=299 => Attempt::Delivered,
                     429 | 500..=599 => Attempt::Retry(
                         format!("HTTP {status}"),
-                        response
-                            .headers()
-                            .get("retry-after")
-                            .and_then(|v| v.to_str().ok())
-                            .and_then(|v| v.trim().parse::<u64>().ok())
-                            .map(Duration::from_secs),
+                        retry_after(
+                            response
+                                .headers()
+                                .get("retry-after")
+                                .and_then(|v| v.to_str().ok()),
+                        ),
                     ),
                     _ => Attempt::Rejected(format!("HTTP {status}")),
                 }
@@ -267,6 +251,35 @@ impl Sink {
         };
         serde_json::to_vec(&value)
     }
+}
+
+/// How long to wait before attempt `attempt + 1`: the server's Retry-After where it gave one,
+/// else exponential backoff with jitter (between half and all of `backoff * 2^attempt`); never
+/// more than `MAX_BACKOFF`. `rng` is the sink's xorshift64 state (jitter needs no more).
+fn wait_before_retry(
+    after: Option<Duration>,
+    backoff: Duration,
+    attempt: u32,
+    rng: &mut u64,
+) -> Duration {
+    let wait = after.unwrap_or_else(|| {
+        let full = backoff
+            .saturating_mul(1u32 << attempt.min(16))
+            .min(MAX_BACKOFF);
+        *rng ^= *rng << 13;
+        *rng ^= *rng >> 7;
+        *rng ^= *rng << 17;
+        let fraction = (*rng % 1000) as f64 / 1000.0;
+        full.mul_f64(0.5 + fraction / 2.0)
+    });
+    wait.min(MAX_BACKOFF)
+}
+
+/// A Retry-After header in seconds (its HTTP-date form is not honoured: backoff applies).
+fn retry_after(header: Option<&str>) -> Option<Duration> {
+    header
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map(Duration::from_secs)
 }
 
 /// The HMAC-SHA256 of `body` keyed by `key`, as the header carries it.
@@ -334,6 +347,37 @@ mod tests {
             sign(b"Jefe", b"what do ya want for nothing?"),
             "sha256=5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
         );
+    }
+
+    /// A 429's Retry-After is what the sink waits (up to its cap); without one, each retry
+    /// backs off exponentially with jitter, never below half the step nor above it or the cap.
+    #[test]
+    fn a_retry_waits_as_long_as_the_server_asks_else_backs_off() {
+        let mut rng = seed(0);
+        let base = Duration::from_millis(100);
+        assert_eq!(retry_after(Some(" 1 ")), Some(Duration::from_secs(1)));
+        assert_eq!(retry_after(Some("Wed, 21 Oct 2015 07:28:00 GMT")), None);
+        assert_eq!(retry_after(Some("-1")), None);
+        assert_eq!(retry_after(None), None);
+        assert_eq!(
+            wait_before_retry(retry_after(Some("1")), base, 0, &mut rng),
+            Duration::from_secs(1)
+        );
+        assert_eq!(
+            wait_before_retry(retry_after(Some("86400")), base, 0, &mut rng),
+            MAX_BACKOFF
+        );
+        let mut seen = std::collections::BTreeSet::new();
+        for attempt in 0..24u32 {
+            for _ in 0..50 {
+                let wait = wait_before_retry(None, base, attempt, &mut rng);
+                let full = base.saturating_mul(1 << attempt.min(16)).min(MAX_BACKOFF);
+                assert!(wait >= full / 2 && wait <= full, "{attempt}: {wait:?}");
+                seen.insert(wait);
+            }
+        }
+        // Jittered: not the same wait every time.
+        assert!(seen.len() > 24 * 10, "{}", seen.len());
     }
 
     #[test]

@@ -192,13 +192,13 @@ fn a_state_directory_that_is_not_gpuguards_own_is_refused() {
         "{stderr}"
     );
 
-    if nix::unistd::geteuid().is_root() {
-        std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700)).unwrap();
-        nix::unistd::chown(&state, Some(nix::unistd::Uid::from_raw(65534)), None).unwrap();
-        let (code, stderr) = run_to_exit(&config_path, &state, &fake.env());
-        assert_eq!(code, Some(1), "{stderr}");
-        assert!(stderr.contains("owned by uid 65534"), "{stderr}");
-    }
+    // A directory of another account (chown needs root: fails, never skips, without it).
+    require_root();
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700)).unwrap();
+    nix::unistd::chown(&state, Some(nix::unistd::Uid::from_raw(65534)), None).unwrap();
+    let (code, stderr) = run_to_exit(&config_path, &state, &fake.env());
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("owned by uid 65534"), "{stderr}");
     assert_running(&mut hog);
 }
 

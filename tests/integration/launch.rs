@@ -182,7 +182,7 @@ fn ready_url_answering_releases_the_lock() {
     s.wait_noted("start", "second", Duration::from_secs(5));
     let ready = s
         .daemon
-        .wait_for_event("launch_ready", Duration::from_secs(1), |_| true);
+        .wait_for_event("launch_ready", Duration::from_secs(10), |_| true);
     assert_eq!(ready["severity"], "info", "{ready}");
     kill_all(&mut [&mut first, &mut second]);
 }
