@@ -2,8 +2,9 @@
 //! stays fast): every parser takes any input without panicking (config text, /proc files), and
 //! for any snapshot the pure policy, its actions carried out, never chooses a protected process,
 //! never acts on an unknown or inconsistent reading, and never plans more than one new victim
-//! per incident per tick. (Socket lines through the real daemon: tests/integration/properties.rs;
-//! NVML states through the fake library: tests/nvml/sampler.rs.)
+//! per incident per tick. The socket lines a local user might send are drawn here too (`ipc_line`,
+//! served by `ipc::server::tests`); NVML states go through the fake library in
+//! tests/nvml/sampler.rs.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -30,6 +31,55 @@ fn cases(n: u32) -> ProptestConfig {
         failure_persistence: None,
         ..ProptestConfig::default()
     }
+}
+
+// ---- socket lines -----------------------------------------------------------------------------
+
+/// A line a local user might send on the socket: requests of every kind with odd values, or
+/// random bytes.
+pub(crate) fn ipc_line() -> impl Strategy<Value = Vec<u8>> {
+    let json_value = prop_oneof![
+        Just("null".to_string()),
+        (0u64..=u64::MAX).prop_map(|n| n.to_string()),
+        Just("-1".to_string()),
+        Just("1e400".to_string()),
+        "\"[a-z_]{0,12}\"",
+        Just("[[[[[[[[[[]]]]]]]]]]".to_string()),
+        Just("{\"a\":{\"b\":{}}}".to_string()),
+    ];
+    let key = prop::sample::select(vec![
+        "model",
+        "gpu_memory_bytes",
+        "ram_bytes",
+        "gpus",
+        "gpu",
+        "cuda_visible_devices",
+        "ready_url",
+        "ready_timeout_ms",
+        "queue_timeout_ms",
+        "command",
+        "lease",
+        "x",
+    ]);
+    let kind = prop::sample::select(vec!["status", "launch", "release", "Status", "", "permit"]);
+    prop_oneof![
+        (
+            prop::option::of(0u64..3),
+            kind,
+            prop::collection::vec((key, json_value), 0..5)
+        )
+            .prop_map(|(version, kind, fields)| {
+                let mut obj = format!("{{\"type\":\"{kind}\"");
+                if let Some(v) = version {
+                    obj += &format!(",\"version\":{v}");
+                }
+                for (k, v) in fields {
+                    obj += &format!(",\"{k}\":{v}");
+                }
+                (obj + "}").into_bytes()
+            }),
+        prop::collection::vec(any::<u8>(), 0..200),
+    ]
 }
 
 // ---- config text ------------------------------------------------------------------------------

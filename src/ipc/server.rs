@@ -542,12 +542,118 @@ mod tests {
     /// A connection served as the accept loop serves it, on the test's paused clock; the
     /// client's end is returned.
     fn connection(shared: &Arc<Shared>) -> tokio::io::BufReader<UnixStream> {
+        served(shared).0
+    }
+
+    /// `connection`, with the task that serves it.
+    fn served(
+        shared: &Arc<Shared>,
+    ) -> (
+        tokio::io::BufReader<UnixStream>,
+        tokio::task::JoinHandle<anyhow::Result<()>>,
+    ) {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        let conn = NEXT.fetch_add(1, Ordering::Relaxed);
         let (client, server) = UnixStream::pair().unwrap();
         let (uid, pid) = credentials(&server).unwrap();
-        shared.table().connections().connect(1, uid).unwrap();
+        shared.table().connections().connect(conn, uid).unwrap();
         let shared = shared.clone();
-        tokio::spawn(async move { serve(server, 1, uid, pid, shared.now(), &shared).await });
-        tokio::io::BufReader::new(client)
+        let task =
+            tokio::spawn(async move { serve(server, conn, uid, pid, shared.now(), &shared).await });
+        (tokio::io::BufReader::new(client), task)
+    }
+
+    /// Everything the server answers to `bytes` on a connection of its own (the client's write
+    /// side shut after them when `close_write`), up to the server closing it.
+    async fn exchange(shared: &Arc<Shared>, bytes: &[u8], close_write: bool) -> String {
+        let mut client = connection(shared);
+        let _ = client.get_mut().write_all(bytes).await;
+        if close_write {
+            let _ = client.get_mut().shutdown().await;
+        }
+        let mut answer = Vec::new();
+        let _ = client.read_to_end(&mut answer).await;
+        String::from_utf8_lossy(&answer).into_owned()
+    }
+
+    /// What a local user can write that is not a request is answered with an error naming what
+    /// was wrong, and the connection closed; the server goes on answering others. A client that
+    /// says nothing is closed after the first request's timeout.
+    #[tokio::test(start_paused = true)]
+    async fn garbage_on_the_socket_is_answered_with_what_was_wrong_and_closed() {
+        let shared = shared("");
+        let cases: Vec<(Vec<u8>, bool, &str)> = vec![
+            (b"hello\n".to_vec(), false, "not JSON"),
+            (
+                b"{\"version\":1,\"type\":\"format_disk\"}\n".to_vec(),
+                false,
+                "bad request",
+            ),
+            (
+                b"{\"version\":99,\"type\":\"status\"}\n".to_vec(),
+                false,
+                "protocol version 99 not supported",
+            ),
+            (
+                b"{\"type\":\"status\"}\n".to_vec(),
+                false,
+                "missing protocol version",
+            ),
+            (
+                b"{\"version\":1,\"type\":\"sta".to_vec(),
+                true,
+                "incomplete message",
+            ),
+            (
+                vec![b'x'; MAX_REQUEST_BYTES + 10],
+                false,
+                "message longer than",
+            ),
+            (vec![0xff, 0xfe, b'\n'], false, "not UTF-8"),
+            (Vec::new(), false, "timed out waiting for a request"),
+        ];
+        for (bytes, close_write, want) in cases {
+            let answer = exchange(&shared, &bytes, close_write).await;
+            assert!(
+                answer.contains(r#""type":"error""#),
+                "{want:?}: got {answer:?}"
+            );
+            assert!(answer.contains(want), "{want:?}: got {answer:?}");
+        }
+        let status = exchange(&shared, STATUS, false).await;
+        assert!(status.contains(r#""schema_version""#), "{status}");
+    }
+
+    /// Any line a local user sends (requests of every kind with odd values, or random bytes)
+    /// leaves the server answering the next client: nothing panics its task or wedges the table.
+    #[tokio::test(start_paused = true)]
+    async fn any_socket_line_leaves_the_server_answering() {
+        use proptest::strategy::{Strategy, ValueTree};
+        // Room for every case's two connections, closed or not by then.
+        let shared = shared("[clients]\nmax_connections = 1024\nmax_connections_per_uid = 1024\n");
+        let mut runner = proptest::test_runner::TestRunner::deterministic();
+        for _ in 0..256 {
+            let mut line = crate::properties::ipc_line()
+                .new_tree(&mut runner)
+                .unwrap()
+                .current();
+            line.retain(|&b| b != b'\n');
+            line.push(b'\n');
+            // Valid launches and permits that do not fit wait: their answer is not awaited.
+            let (mut client, task) = served(&shared);
+            client.get_mut().write_all(&line).await.unwrap();
+            let mut status = connection(&shared);
+            send(&mut status, std::str::from_utf8(STATUS).unwrap()).await;
+            let answer = answer(&mut status).await.unwrap_or_default();
+            assert!(
+                answer.contains(r#""schema_version""#),
+                "after {line:?}: {answer}"
+            );
+            // The client leaves: its connection's task ends without a panic.
+            drop(client);
+            let ended = task.await;
+            assert!(ended.is_ok(), "after {line:?}: {ended:?}");
+        }
     }
 
     fn shared(config: &str) -> Arc<Shared> {
@@ -621,6 +727,7 @@ mod tests {
         );
     }
 
+    const STATUS: &[u8] = b"{\"version\":1,\"type\":\"status\"}\n";
     const ACQUIRE_NO_SUCH_MODEL: &str =
         "{\"version\":1,\"type\":\"acquire\",\"id\":1,\"model\":\"no-such-model\"}\n";
     const CANCEL_NOTHING: &str = "{\"version\":1,\"type\":\"cancel\",\"id\":99}\n";

@@ -17,7 +17,6 @@ mod permits_allocators;
 mod permits_python;
 mod plan;
 mod process_truth;
-mod properties;
 mod ram_guard;
 mod security;
 mod sigterm;
