@@ -652,7 +652,11 @@ mod tests {
             // The client leaves: its connection's task ends without a panic.
             drop(client);
             let ended = task.await;
-            assert!(ended.is_ok(), "after {line:?}: {ended:?}");
+            assert!(
+                ended.is_ok(),
+                "after {:?}: {ended:?}",
+                String::from_utf8_lossy(&line)
+            );
         }
     }
 

@@ -11,8 +11,6 @@
 //!   (`what_a_user_sends_is_bounded_and_the_daemon_stays_small_and_answers`);
 //! - connections whose kernel buffers fill because they stop reading
 //!   (`connections_that_stop_reading_stay_counted_and_are_closed`);
-//! - the global connection cap across several real uids, root's share, the idle timeout on the
-//!   real socket (`accounts_filling_the_socket_never_lock_root_out`);
 //! - a real tmpfs's Shmem in /proc/meminfo and who owns its files
 //!   (`an_account_whose_tmpfs_files_keep_ram_short_has_its_hog_acted_on`);
 //! - the CLI's check of the peer credentials of the socket it talks to
@@ -26,7 +24,9 @@
 //! sizes, ready timeouts and URLs off this host, its launches, leases and permits),
 //! `reserve::tests` (root's model's launches and permits, a user's loading launch, declared
 //! memory, model names, ready URLs off loopback, permits' share for root, a timeout of 0) and
-//! `policy::tests` (the brake against sacrificial kills).
+//! `policy::tests` (the brake against sacrificial kills), `ipc::connections::tests` (several
+//! accounts filling the global connection cap never take root's share) and `ipc::server::tests`
+//! (a connection kept open by cancels of nothing is closed at `idle_timeout`).
 //!
 //! Safety: floors relative to MemAvailable at the start, `candidates = "models"` with models that
 //! match only this test's processes (the attacker's included: they are the test's too), signals
@@ -582,94 +582,6 @@ fn connections_that_stop_reading_stay_counted_and_are_closed() {
     assert_eq!(g.daemon.status()["schema_version"], 2);
     let _ = stall.kill();
     let _ = stall.wait();
-}
-
-/// Holds `count` connections that each send one acquire the daemon refuses, then a cancel of an
-/// unknown id every 0.3 s (no answer: on main this kept a connection open for ever); reconnects
-/// whatever is closed. Prints "tried" after its first round of connections (whether the daemon
-/// took them or not), then one "closed" line per connection the daemon closed.
-const CANCEL_FOREVER_PY: &str = r#"
-import socket, sys, time
-path, count = sys.argv[1], int(sys.argv[2])
-acquire = b'{"version":1,"type":"acquire","id":1,"model":"no-such-model"}\n'
-cancel = b'{"version":1,"type":"cancel","id":99}\n'
-def connect():
-    try:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.connect(path)
-        s.sendall(acquire)
-        s.settimeout(2)
-        if not s.recv(65536):
-            s.close()
-            return None
-        s.setblocking(False)
-        return s
-    except OSError:
-        return None
-conns = [connect() for _ in range(count)]
-print("tried", flush=True)
-while True:
-    time.sleep(0.3)
-    for i, s in enumerate(conns):
-        if s is None:
-            conns[i] = connect()
-            continue
-        try:
-            s.sendall(cancel)
-            if s.recv(1, socket.MSG_PEEK) == b"":
-                raise OSError("closed")
-        except BlockingIOError:
-            continue
-        except OSError:
-            s.close()
-            print("closed", flush=True)
-            conns[i] = connect()
-"#;
-
-/// Round three: accounts other than root filled the socket (each up to its per-uid cap, the
-/// global cap 4x that) with connections kept open by cancels of nothing, and `gpuguard status`
-/// exited 69. Root keeps a share no other account can take, and a connection that holds
-/// nothing is closed after `idle_timeout` whatever it sends.
-#[test]
-fn accounts_filling_the_socket_never_lock_root_out() {
-    let attackers: Vec<Attacker> = (0..4).map(|_| Attacker::create()).collect();
-    let g = guard(
-        &floors_below_now().1,
-        "[clients]\nmax_connections = 8\nmax_connections_per_uid = 2\nidle_timeout = \"2s\"\n",
-    );
-    let mut lines = Vec::new();
-    let mut holders = Vec::new();
-    for attacker in &attackers {
-        let mut child = attacker
-            .python(CANCEL_FOREVER_PY)
-            .args([&path(&g.socket), "2"])
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        let out = BufReader::new(child.stdout.take().unwrap());
-        std::thread::spawn(move || {
-            for line in out.lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        // Each has tried both its connections before the next starts: the four together ask
-        // for all 8.
-        assert_eq!(rx.recv_timeout(Duration::from_secs(30)).unwrap(), "tried");
-        lines.push(rx);
-        holders.push(KillOnDrop(child));
-    }
-    // Root gets in while the others hold all they may.
-    for _ in 0..3 {
-        assert_eq!(g.daemon.status()["schema_version"], 2);
-    }
-    // Their connections hold nothing: each is closed after idle_timeout, cancels or not.
-    assert_eq!(
-        lines[0].recv_timeout(Duration::from_secs(30)).unwrap(),
-        "closed",
-        "{}",
-        g.daemon.log_text()
-    );
 }
 
 /// The packaged unit's capabilities (`CapabilityBoundingSet=CAP_KILL CAP_NET_ADMIN` in
