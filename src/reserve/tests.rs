@@ -1275,7 +1275,7 @@ fn launch_of(model: &str) -> LaunchRequest {
 /// admitted once the first's GPU memory has grown and stayed flat for `settle` (1 s), not
 /// sooner; the first's `launch_ready` is info. Moved from the host suite (`launch`); the
 /// client's wording of `queued` stays with `launch::gpus_without_a_budget_are_placed_and_
-/// timeouts_are_never_cut_short`.
+/// queue_timeouts_are_answered`.
 #[test]
 fn second_launch_starts_only_after_the_first_is_ready() {
     let ms = Duration::from_millis;

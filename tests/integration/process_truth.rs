@@ -1,5 +1,6 @@
 //! What the guard knows about a process is the truth, through the real binary on real processes:
-//! a process that execs (keeping its name) is seen as what it has become within one scan, and a
+//! a process that execs (keeping its name) is seen as what it has become (within one scan:
+//! `sample::scan::tests::young_processes_see_exec_and_setuid_at_once`), and a
 //! process whose main thread has exited while a worker thread holds the memory (the leader shows
 //! state Z and rss 0 in /proc/PID/stat) is measured, held to its budget and killed. A change of
 //! the real uid alone is reported by the kernel in process (`sample::proc_events`), read from
@@ -96,7 +97,7 @@ fn models(pairs: &[(&str, &str)]) -> String {
 }
 
 #[test]
-fn an_exec_that_keeps_the_name_is_seen_within_one_scan() {
+fn an_exec_that_keeps_the_name_moves_the_process_to_its_new_model() {
     let token = token("exec");
     let daemon = GuardDaemon::start(&config(
         "",
