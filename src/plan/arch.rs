@@ -6,7 +6,8 @@
 //! an explicit `head_dim` that is not `hidden_size / num_attention_heads` (Gemma), sliding windows
 //! on every layer (Mistral v0.1), on every other layer (Gemma-2), on 5 of 6 (Gemma-3) or as listed
 //! in `layer_types`, multimodal configs whose language model sits in `text_config` with a vision
-//! tower in `vision_config`, and mixture-of-experts MLPs. Every default taken is said in `notes`.
+//! tower in `vision_config`, mixture-of-experts MLPs, and the q/k/v biases of Qwen2 (or any
+//! `attention_bias`). Every default taken is said in `notes`.
 
 use serde_json::Value;
 
@@ -17,6 +18,11 @@ use super::Dtype;
 pub struct Architecture {
     /// `model_type` of the language model (`llama`, `gemma2`, `gemma3_text`...).
     pub model_type: String,
+    /// The config's `architectures`, the model classes vLLM picks its implementation (and, from
+    /// 0.22 to 0.28, its model runner) by: `Qwen2ForCausalLM`, `LlamaForCausalLM`...
+    pub architectures: Vec<String>,
+    /// Experts of a mixture-of-experts MLP (0: a dense model).
+    pub experts: u64,
     pub layers: u64,
     pub attention_heads: u64,
     pub kv_heads: u64,
@@ -89,6 +95,9 @@ const TRANSFORMERS_DEFAULTS: &[(&str, &[(&str, u64)])] = &[
 
 /// Model types whose output head is the embedding matrix unless the config says otherwise.
 const TIED_BY_DEFAULT: &[&str] = &["gemma", "gemma2", "gemma3", "gemma3_text"];
+/// Model types whose q, k and v projections carry biases though their configs do not say so
+/// (transformers' Qwen2 and Qwen2-MoE attention: `bias=True` on q/k/v, none on o).
+const QKV_BIAS: &[&str] = &["qwen2", "qwen2_moe"];
 /// Model types with a plain two-matrix MLP (up, down); everything else is gated (gate, up, down).
 const PLAIN_MLP: &[&str] = &[
     "gpt2",
@@ -227,6 +236,22 @@ impl Architecture {
         }
         let (sliding_window, sliding_layers) = sliding(&mut l, layers)?;
         let mlp = mlp_shape(&mut l)?;
+        let bias = match l.flag("attention_bias") {
+            Some(true) => Bias::QkvO,
+            Some(false) => Bias::None,
+            None if QKV_BIAS.contains(&model_type.as_str()) => Bias::Qkv,
+            None => Bias::None,
+        };
+        let architectures = config
+            .get("architectures")
+            .and_then(Value::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(Value::as_str)
+                    .map(str::to_string)
+                    .collect()
+            })
+            .unwrap_or_default();
         let vocab = l.number(&["vocab_size"])?;
         let max_len = l.number(&["max_position_embeddings", "n_positions", "max_seq_len"])?;
         let params = match (hidden, mlp.width, vocab) {
@@ -254,6 +279,7 @@ impl Architecture {
                     hidden,
                     vocab,
                     tied,
+                    bias,
                     mlp,
                 };
                 // A vision tower that cannot be counted leaves the count unknown (--params or
@@ -282,6 +308,8 @@ impl Architecture {
         Ok((
             Architecture {
                 model_type,
+                architectures,
+                experts: mlp.experts,
                 layers,
                 attention_heads: heads,
                 kv_heads,
@@ -344,6 +372,16 @@ fn mlp_shape(l: &mut Lookup) -> Result<Mlp, String> {
     })
 }
 
+/// Which attention projections carry a bias vector.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Bias {
+    None,
+    /// q, k and v (Qwen2).
+    Qkv,
+    /// q, k, v and o (`attention_bias: true`, as Llama's config names it).
+    QkvO,
+}
+
 /// The numbers the parameter count is made of.
 struct Shape {
     layers: u64,
@@ -353,6 +391,7 @@ struct Shape {
     hidden: u64,
     vocab: u64,
     tied: bool,
+    bias: Bias,
     mlp: Mlp,
 }
 
@@ -372,8 +411,8 @@ impl Shape {
         saturate(self.vocab as u128 * self.hidden as u128 * tied)
     }
 
-    /// Every layer: q and o (heads × head_dim), k and v (KV heads × head_dim), the MLP, two norm
-    /// vectors; then the final norm. Biases are left out (< 0.01% where a model has them).
+    /// Every layer: q and o (heads × head_dim), k and v (KV heads × head_dim), their biases where
+    /// the model has them, the MLP, two norm vectors; then the final norm.
     fn layer_params(&self) -> u64 {
         let m = &self.mlp;
         let d = self.hidden as u128;
@@ -383,6 +422,12 @@ impl Shape {
             self.head_dim as u128,
         );
         let attention = 2 * d * heads * head_dim + 2 * d * kv_heads * head_dim;
+        let qkv_bias = (heads + 2 * kv_heads) * head_dim;
+        let bias = match self.bias {
+            Bias::None => 0,
+            Bias::Qkv => qkv_bias,
+            Bias::QkvO => qkv_bias + d,
+        };
         let matrices: u128 = if m.gated { 3 } else { 2 };
         let width = m.width.unwrap_or(0) as u128;
         let (experts, shared) = (m.experts as u128, m.shared_width as u128);
@@ -398,7 +443,7 @@ impl Shape {
         } else {
             matrices * d * width
         };
-        saturate(self.layers as u128 * (attention + mlp + 2 * d) + d)
+        saturate(self.layers as u128 * (attention + bias + mlp + 2 * d) + d)
     }
 }
 

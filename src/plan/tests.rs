@@ -247,6 +247,36 @@ fn gemma_3_multimodal_reads_text_config_and_counts_the_vision_tower() {
 }
 
 #[test]
+fn qwen2_counts_its_qkv_biases_and_ties_small_models() {
+    let (a, notes) = arch("qwen2.5-7b-instruct");
+    assert_eq!(a.architectures, ["Qwen2ForCausalLM"]);
+    assert_eq!(
+        (
+            a.layers,
+            a.attention_heads,
+            a.kv_heads,
+            a.head_dim,
+            a.experts
+        ),
+        (28, 28, 4, 128, 0)
+    );
+    // sliding_window 131072 is off (use_sliding_window false): every layer is full.
+    assert_eq!((a.sliding_window, a.sliding_layers), (None, 0));
+    assert!(notes.iter().any(|n| n.contains("is off")), "{notes:?}");
+    // 152064 × 3584 twice (untied) + 28 × (attention, q/k/v biases (28 + 2 × 4) × 128, MLP,
+    // norms) + final norm: 7,615,616,512, Qwen's published count; 129,024 of it biases.
+    assert_eq!(a.params.unwrap().total(), 7_615_616_512);
+    // The 1.5B ties its output head to the embeddings (as its config says): 1,543,714,304.
+    let (small, _) = arch("qwen2.5-1.5b-instruct");
+    assert_eq!((small.kv_heads, small.head_dim), (2, 128));
+    assert_eq!(small.params.unwrap().total(), 1_543_714_304);
+    assert_eq!(small.params.unwrap().embeddings, 151_936 * 1536);
+    // 28 layers × 2 × 2 KV heads × 128 × 2 bytes: 28 KiB a token, as vLLM's logs divide.
+    let m = plan(&request("qwen2.5-1.5b-instruct", 4096)).unwrap().model;
+    assert_eq!(m.kv_bytes_per_token, 28 << 10);
+}
+
+#[test]
 fn mixtral_counts_every_expert_for_weights() {
     let (a, _) = arch("mixtral-8x7b");
     assert_eq!(a.params.unwrap().total(), 46_702_792_704, "Mistral's 46.7B");
