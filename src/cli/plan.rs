@@ -80,9 +80,9 @@ pub struct PlanArgs {
     #[arg(long, value_delimiter = ',', long_help = gpu_help())]
     gpu: Vec<String>,
     /// The vLLM release to plan for, e.g. 0.19.0: how it charges memory (CUDA graphs inside the
-    /// share from 0.20), its defaults (--gpu-memory-utilization 0.92 from 0.20, else 0.90; batch
-    /// sizes by GPU) and whether it takes the KV cache in bytes (0.10.2 on). Covers 0.6.4 and
-    /// later.
+    /// share from 0.20, but not for models on Model Runner V2 before 0.29), its defaults
+    /// (--gpu-memory-utilization 0.92 from 0.20, else 0.90; batch sizes by GPU) and whether it
+    /// takes the KV cache in bytes (0.10.2 on). Covers 0.6.4 and later.
     #[arg(long, default_value = "0.20.0")]
     vllm_version: crate::plan::Vllm,
     /// vLLM's --gpu-memory-utilization: the share of each GPU the engine may take (default: the
@@ -97,6 +97,10 @@ pub struct PlanArgs {
     /// the GPU). The plan still recommends as many as fit.
     #[arg(long)]
     max_num_seqs: Option<u64>,
+    /// Plan for vLLM's --enforce-eager: no CUDA graphs, none charged to the share or held beyond
+    /// it.
+    #[arg(long)]
+    enforce_eager: bool,
     /// Print the plan as JSON.
     #[arg(long)]
     json: bool,
@@ -245,6 +249,7 @@ fn build_request(args: &PlanArgs) -> Result<PlanRequest, Failure> {
         gpu_memory_utilization: args.gpu_memory_utilization,
         max_num_batched_tokens: args.max_num_batched_tokens,
         max_num_seqs: args.max_num_seqs,
+        enforce_eager: args.enforce_eager,
         notes,
     })
 }

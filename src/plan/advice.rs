@@ -26,6 +26,9 @@ pub(super) fn vllm_args(r: &PlanRequest, o: &GpuPlan, seqs: u64) -> Vec<String> 
     if r.kv_dtype == Dtype::Fp8 {
         args.extend(["--kv-cache-dtype".into(), "fp8".into()]);
     }
+    if r.enforce_eager {
+        args.push("--enforce-eager".into());
+    }
     args
 }
 
@@ -135,11 +138,30 @@ pub(super) fn general_assumptions(r: &PlanRequest, m: &ModelFigures) -> Vec<Stri
         fmt_bytes(m.naive_kv_bytes_per_request)
     ));
     let e = r.engine;
+    let runner_v2 = model_runner_v2(r);
     out.push(format!(
-        "engine: vLLM {e}{} ({}); --vllm-version for another release",
+        "engine: vLLM {e}{} ({}{}); --vllm-version for another release",
         if e == Vllm::DEFAULT { " and later" } else { "" },
         if e.v1() { "V1" } else { "V0" },
+        if runner_v2 {
+            format!(
+                ", Model Runner V2, its default for {}",
+                a.architectures.first().map_or("this model", String::as_str)
+            )
+        } else {
+            String::new()
+        },
     ));
+    let graphs = if r.enforce_eager {
+        "none (--enforce-eager)".to_string()
+    } else {
+        format!(
+            "{} at TP 1, {} with TP",
+            fmt_bytes(engine::CUDA_GRAPH_BYTES),
+            fmt_bytes(engine::CUDA_GRAPH_TP_BYTES)
+        )
+    };
+    let charged = cuda_graphs_charged(r);
     out.push(format!(
         "charged to the share besides the weights, per GPU: the profile run's peak (for the \
          batch in force: tokens × (4 × hidden + 6 × MLP width / TP) bytes, plus fp32 logits and \
@@ -160,12 +182,8 @@ pub(super) fn general_assumptions(r: &PlanRequest, m: &ModelFigures) -> Vec<Stri
         },
         fmt_bytes(engine::NON_TORCH_BYTES),
         fmt_bytes(engine::NON_TORCH_TP_BYTES),
-        if e.charges_cuda_graphs() {
-            format!(
-                ", and CUDA graphs ({} at TP 1, {} with TP)",
-                fmt_bytes(engine::CUDA_GRAPH_BYTES),
-                fmt_bytes(engine::CUDA_GRAPH_TP_BYTES)
-            )
+        if charged {
+            format!(", and CUDA graphs ({graphs})")
         } else {
             String::new()
         }
@@ -173,13 +191,18 @@ pub(super) fn general_assumptions(r: &PlanRequest, m: &ModelFigures) -> Vec<Stri
     out.push(format!(
         "beyond the share, per GPU: the CUDA context ({}){}",
         fmt_bytes(engine::CUDA_CONTEXT_BYTES),
-        if e.charges_cuda_graphs() {
+        if charged {
             String::new()
+        } else if r.enforce_eager {
+            " (no CUDA graphs: --enforce-eager)".to_string()
         } else {
             format!(
-                " and CUDA graphs ({} at TP 1, {} with TP), captured after the KV cache is sized",
-                fmt_bytes(engine::CUDA_GRAPH_BYTES),
-                fmt_bytes(engine::CUDA_GRAPH_TP_BYTES)
+                " and CUDA graphs ({graphs}), captured after the KV cache is sized{}",
+                if e.charges_cuda_graphs(false) {
+                    " (Model Runner V2 charges no estimate of them before vLLM 0.29)"
+                } else {
+                    ""
+                }
             )
         }
     ));

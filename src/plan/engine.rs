@@ -14,7 +14,10 @@
 //! - CUDA graphs are captured after the KV cache is allocated, beyond the share, until 0.20.0;
 //!   from 0.20.0 an estimate of them is charged to the share (the profiler's switch defaults
 //!   on, though its log line says "default since v0.21.0"; nothing with `--enforce-eager`),
-//!   and the default share rose from 0.90 to 0.92 (vLLM PR 38284).
+//!   and the default share rose from 0.90 to 0.92 (vLLM PR 38284). The estimate comes from the
+//!   V1 model runner: Model Runner V2, vLLM's default for more and more models from 0.22.0
+//!   (`model_runner_v2`), returns 0 for it until 0.29.0, so those models have their graphs
+//!   captured beyond the share as before 0.20.
 //! - V0 (before 0.8.0, when V1 became the default) profiles `max(max_model_len, 2048)` tokens
 //!   when chunked prefill is off (`max_model_len` up to 32768), so long contexts cost
 //!   activations; V1 always chunks.
@@ -34,8 +37,8 @@ const MIB: u64 = 1 << 20;
 pub struct Vllm(pub u32, pub u32, pub u32);
 
 impl Vllm {
-    /// What `plan` assumes unless told: the behaviour of 0.20.0 and later (read in 0.20.0, 0.21.0,
-    /// 0.22.0 and 0.33.0; not yet replayed against a complete log).
+    /// What `plan` assumes unless told: the behaviour of 0.20.0 and later (read in 0.20.0 to
+    /// 0.33.0; not yet replayed against a complete log).
     pub const DEFAULT: Vllm = Vllm(0, 20, 0);
     /// The oldest release the model covers: earlier ones charged the CUDA context and measured
     /// the peak differently.
@@ -46,9 +49,60 @@ impl Vllm {
         self >= Vllm(0, 8, 0)
     }
 
-    /// CUDA graphs are estimated and charged to the share (0.20.0 on), not captured beyond it.
-    pub fn charges_cuda_graphs(self) -> bool {
-        self >= Vllm(0, 20, 0)
+    /// CUDA graphs are estimated and charged to the share, not captured beyond it: 0.20.0 on
+    /// (`VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS` defaults to 1), but only where the model
+    /// runner estimates them: Model Runner V2's `profile_cudagraph_memory` returns 0 until 0.29.0
+    /// (`v1/worker/gpu/model_runner.py`, 0.20.0 to 0.28.0; 0.29.0 measures a capture into a
+    /// throwaway pool, `v1/worker/gpu/cudagraph_utils.py`).
+    pub fn charges_cuda_graphs(self, runner_v2: bool) -> bool {
+        self >= Vllm(0, 20, 0) && !(runner_v2 && self < Vllm(0, 29, 0))
+    }
+
+    /// vLLM runs the model with Model Runner V2 unless told (`VLLM_USE_V2_MODEL_RUNNER` unset):
+    /// the model's `architectures`, whether it is a mixture of experts and whether its weights
+    /// are quantized decide, release by release (`VllmConfig.use_v2_model_runner` and
+    /// `_is_default_v2_model_runner_model` in `config/vllm.py`):
+    ///
+    /// - before 0.22.0: never (V2 only when asked for);
+    /// - 0.22: Qwen3ForCausalLM, dense and not quantized;
+    /// - 0.23: Llama, Mistral and Qwen3 ForCausalLM, dense and not quantized;
+    /// - 0.24: those three and DeepseekV2, Qwen2Moe, GraniteMoe ForCausalLM, quantized or not;
+    /// - 0.25 to 0.28: every dense model, and the MoE architectures listed (DeepseekV2, Qwen2Moe,
+    ///   GraniteMoe; 0.26 on also Inkling, LongcatFlashNgram; 0.27 on KimiK3; 0.28 DeepseekV4);
+    /// - 0.29 on: every model.
+    ///
+    /// Hybrid (Mamba, gated delta-net) and attention-free models and features V2 lacks (n-gram
+    /// speculation, custom logits processors, prompt embeddings...) keep V1; `plan` models
+    /// neither.
+    pub fn model_runner_v2(self, architectures: &[String], moe: bool, quantized: bool) -> bool {
+        let listed = |names: &[&str]| architectures.iter().any(|a| names.contains(&a.as_str()));
+        let v = |minor| Vllm(0, minor, 0);
+        match self {
+            e if e < v(22) => false,
+            e if e < v(23) => !moe && !quantized && listed(&["Qwen3ForCausalLM"]),
+            e if e < v(24) => {
+                !moe && !quantized
+                    && listed(&["LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"])
+            }
+            e if e < v(25) => listed(&[
+                "LlamaForCausalLM",
+                "MistralForCausalLM",
+                "Qwen3ForCausalLM",
+                "DeepseekV2ForCausalLM",
+                "Qwen2MoeForCausalLM",
+                "GraniteMoeForCausalLM",
+            ]),
+            e if e < v(29) => {
+                let moe_listed = match e {
+                    e if e < v(26) => 3,
+                    e if e < v(27) => 6,
+                    e if e < v(28) => 7,
+                    _ => 8,
+                };
+                !moe || listed(&V2_MOE_ARCHITECTURES[..moe_listed])
+            }
+            _ => true,
+        }
     }
 
     /// `--gpu-memory-utilization` when not given.
@@ -124,6 +178,20 @@ impl FromStr for Vllm {
     }
 }
 
+/// The mixture-of-experts architectures Model Runner V2 is the default for, in the order vLLM
+/// added them (`DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES`): 0.25 has the first three, 0.26 six, 0.27
+/// seven, 0.28 eight.
+const V2_MOE_ARCHITECTURES: [&str; 8] = [
+    "DeepseekV2ForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "GraniteMoeForCausalLM",
+    "InklingForCausalLM",
+    "InklingForConditionalGeneration",
+    "LongcatFlashNgramForCausalLM",
+    "KimiK3ForConditionalGeneration",
+    "DeepseekV4ForCausalLM",
+];
+
 /// Memory allocated outside PyTorch on each GPU at tensor-parallel size 1 (the logs: 0.16-0.35
 /// GiB).
 pub const NON_TORCH_BYTES: u64 = 384 * MIB;
@@ -180,11 +248,51 @@ mod tests {
         assert!("0".parse::<Vllm>().is_err());
     }
 
+    /// Model Runner V2 became vLLM's default architecture by architecture (0.22 to 0.24), then
+    /// for every dense model (0.25) and every model (0.29); until 0.29 it charges no estimate of
+    /// the CUDA graphs (read in the wheels of 0.20.0 to 0.33.0).
+    #[test]
+    fn model_runner_v2_and_the_graph_estimate_follow_the_release() {
+        let arch = |name: &str| vec![name.to_string()];
+        let (qwen2, qwen3, llama) = (
+            arch("Qwen2ForCausalLM"),
+            arch("Qwen3ForCausalLM"),
+            arch("LlamaForCausalLM"),
+        );
+        let (mixtral, qwen2_moe, inkling, dsv4) = (
+            arch("MixtralForCausalLM"),
+            arch("Qwen2MoeForCausalLM"),
+            arch("InklingForCausalLM"),
+            arch("DeepseekV4ForCausalLM"),
+        );
+        let v2 = |minor, a: &[String], moe, quantized| {
+            Vllm(0, minor, 0).model_runner_v2(a, moe, quantized)
+        };
+        assert!(!v2(21, &qwen3, false, false));
+        assert!(v2(22, &qwen3, false, false));
+        assert!(!v2(22, &qwen3, false, true) && !v2(22, &llama, false, false));
+        assert!(v2(23, &llama, false, false) && !v2(23, &llama, false, true));
+        assert!(!v2(23, &qwen2, false, false));
+        assert!(v2(24, &llama, false, true) && v2(24, &qwen2_moe, true, false));
+        assert!(!v2(24, &qwen2, false, false));
+        assert!(v2(25, &qwen2, false, false) && v2(25, &qwen2, false, true));
+        assert!(v2(25, &qwen2_moe, true, false) && !v2(25, &mixtral, true, false));
+        assert!(!v2(25, &inkling, true, false) && v2(26, &inkling, true, false));
+        assert!(!v2(27, &dsv4, true, false) && v2(28, &dsv4, true, false));
+        assert!(!v2(28, &mixtral, true, false) && v2(29, &mixtral, true, false));
+        assert!(Vllm(0, 28, 1).model_runner_v2(&qwen2, false, false));
+        // The estimate: from 0.20, but not by Model Runner V2 before 0.29.
+        let charges = |minor, runner_v2| Vllm(0, minor, 0).charges_cuda_graphs(runner_v2);
+        assert!(!charges(19, false) && charges(20, false) && charges(28, false));
+        assert!(!charges(22, true) && !charges(28, true) && charges(29, true));
+    }
+
     #[test]
     fn defaults_follow_the_release() {
         assert_eq!(Vllm(0, 19, 0).default_utilization(), 0.90);
         assert_eq!(Vllm(0, 20, 0).default_utilization(), 0.92);
-        assert!(!Vllm(0, 19, 0).charges_cuda_graphs() && Vllm(0, 20, 0).charges_cuda_graphs());
+        assert!(!Vllm(0, 19, 0).charges_cuda_graphs(false));
+        assert!(Vllm(0, 20, 0).charges_cuda_graphs(false));
         assert!(!Vllm(0, 10, 1).kv_cache_bytes_flag() && Vllm(0, 10, 2).kv_cache_bytes_flag());
         let h100 = 79 * GIB;
         let v19 = Vllm(0, 19, 0);

@@ -4,10 +4,11 @@
 //!
 //! The memory of a vLLM server on each GPU is `gpu_memory_utilization × total`, spent on the
 //! weights, what its profile run peaks at (activations, the sampler, a vision encoder), memory
-//! outside PyTorch and, from vLLM 0.20, CUDA graphs; the rest is the KV cache, and what the KV
-//! cache holds is the number of concurrent requests. How that is charged depends on the release
-//! (`engine`); `arch` reads a model's `config.json`, `gpus` is the built-in card table, `advice`
-//! words the result as vLLM flags, a `[[model]]` block and the assumptions.
+//! outside PyTorch and, from vLLM 0.20, CUDA graphs (where the model runner estimates them); the
+//! rest is the KV cache, and what the KV cache holds is the number of concurrent requests. How
+//! that is charged depends on the release (`engine`); `arch` reads a model's `config.json`,
+//! `gpus` is the built-in card table, `advice` words the result as vLLM flags, a `[[model]]`
+//! block and the assumptions.
 
 mod advice;
 pub mod arch;
@@ -155,6 +156,8 @@ pub struct PlanRequest {
     pub max_num_batched_tokens: Option<u64>,
     /// `--max-num-seqs` (default: the release's for the GPU): the sampler's rows in the profile.
     pub max_num_seqs: Option<u64>,
+    /// `--enforce-eager`: no CUDA graphs, so none is charged to the share or held beyond it.
+    pub enforce_eager: bool,
     /// What this host's daemon observed of the model (`--gpu host`, a model of that name with
     /// an engine that reports its KV cache): the overhead of this host's GPUs is taken from it.
     pub observed: Option<Observed>,
@@ -223,9 +226,12 @@ pub struct GpuPlan {
     pub activation_bytes: u64,
     /// Memory allocated outside PyTorch (NCCL, custom all-reduce buffers).
     pub non_torch_bytes: u64,
-    /// CUDA graphs: charged to the share from vLLM 0.20, captured beyond it before.
+    /// CUDA graphs (0 with `--enforce-eager`): charged to the share from vLLM 0.20 where the model
+    /// runner estimates them, captured beyond it before and where it does not.
     pub cuda_graph_bytes: u64,
     pub cuda_graphs_charged: bool,
+    /// vLLM runs the model with its Model Runner V2 (its default for more models from 0.22).
+    pub model_runner_v2: bool,
     /// The CUDA context, never charged to the share: it needs the room the share leaves.
     pub cuda_context_bytes: u64,
     /// What the release charges to the share besides the weights: activations, non-torch
@@ -511,6 +517,20 @@ fn auto_tp(r: &PlanRequest, model: &ModelFigures, gpu: &GpuChoice) -> Vec<GpuPla
     std::iter::once(one).chain(last).collect()
 }
 
+/// Whether vLLM `r.engine` runs the model with its Model Runner V2, as it picks by default.
+fn model_runner_v2(r: &PlanRequest) -> bool {
+    let quantized =
+        r.arch.quantized.is_some() || matches!(r.weights, Weights::Dtype(d) if d.quantized());
+    r.engine
+        .model_runner_v2(&r.arch.architectures, r.arch.experts > 0, quantized)
+}
+
+/// Whether the release charges the model's CUDA graphs to the share (none with
+/// `--enforce-eager`).
+fn cuda_graphs_charged(r: &PlanRequest) -> bool {
+    !r.enforce_eager && r.engine.charges_cuda_graphs(model_runner_v2(r))
+}
+
 /// What an engine charges to its share of one GPU besides the weights, as the release sizes it
 /// (or as a model running on this host was seen to take).
 struct Charged {
@@ -520,6 +540,7 @@ struct Charged {
     non_torch: u64,
     graphs: u64,
     graphs_charged: bool,
+    runner_v2: bool,
     context: u64,
     overhead: u64,
     observed: bool,
@@ -535,17 +556,21 @@ fn charged(r: &PlanRequest, gpu: &GpuChoice, tp: u32, weights: u64, token_bytes:
     let seqs = r.max_num_seqs.unwrap_or(default_seqs);
     let activation = activation_bytes(r, tp64, batched, seqs);
     let non_torch = engine::non_torch_bytes(&gpu.name, tp64);
-    let graphs = engine::cuda_graph_bytes(tp64);
-    let graphs_charged = r.engine.charges_cuda_graphs();
+    // The graphs of a run that captures them, and whether the release charges them to the share
+    // (else they are held beyond it).
+    let captured = engine::cuda_graph_bytes(tp64);
+    let runner_v2 = model_runner_v2(r);
+    let charges = r.engine.charges_cuda_graphs(runner_v2);
+    let graphs = if r.enforce_eager { 0 } else { captured };
     let context = engine::CUDA_CONTEXT_BYTES;
     // What the model says the overhead is, for a batch's activations and whether graphs are
     // captured.
     let modelled_with = |activation: u64, eager: bool| {
         activation
             .saturating_add(non_torch)
-            .saturating_add(if graphs_charged && !eager { graphs } else { 0 })
+            .saturating_add(if charges && !eager { captured } else { 0 })
     };
-    let modelled = modelled_with(activation, false);
+    let modelled = modelled_with(activation, r.enforce_eager);
     // Seen on this host at this TP: what the model takes besides its weights and KV cache, less
     // what it holds beyond the share. It ran with flags of its own: the model's error seen there
     // is carried over to the planned flags (what the model says they cost, plus what it was
@@ -556,8 +581,8 @@ fn charged(r: &PlanRequest, gpu: &GpuChoice, tp: u32, weights: u64, token_bytes:
         .filter(|o| gpu.live && o.gpus == tp && token_bytes > 0 && a.sliding_layers == 0)
         .map(|o| {
             let kv = o.kv_tokens.saturating_mul(token_bytes);
-            let captured = if o.enforce_eager { 0 } else { graphs };
-            let beyond = context + if graphs_charged { 0 } else { captured };
+            let held = if o.enforce_eager { 0 } else { captured };
+            let beyond = context + if charges { 0 } else { held };
             let seen = (o.gpu_bytes / u64::from(o.gpus))
                 .saturating_sub(weights)
                 .saturating_sub(kv)
@@ -577,7 +602,8 @@ fn charged(r: &PlanRequest, gpu: &GpuChoice, tp: u32, weights: u64, token_bytes:
         activation,
         non_torch,
         graphs,
-        graphs_charged,
+        graphs_charged: charges && !r.enforce_eager,
+        runner_v2,
         context,
         overhead: seen.unwrap_or(modelled),
         observed: seen.is_some(),
@@ -684,6 +710,7 @@ fn option(r: &PlanRequest, model: &ModelFigures, gpu: &GpuChoice, tp: u32) -> Gp
         non_torch_bytes: c.non_torch,
         cuda_graph_bytes: c.graphs,
         cuda_graphs_charged: c.graphs_charged,
+        model_runner_v2: c.runner_v2,
         cuda_context_bytes: c.context,
         overhead_bytes: overhead,
         overhead_observed: c.observed,

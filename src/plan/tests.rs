@@ -45,6 +45,7 @@ fn request(name: &str, max_model_len: u64) -> PlanRequest {
         gpu_memory_utilization: Some(0.9),
         max_num_batched_tokens: Some(8192),
         max_num_seqs: Some(256),
+        enforce_eager: false,
         observed: None,
         notes,
     }
@@ -274,6 +275,87 @@ fn qwen2_counts_its_qkv_biases_and_ties_small_models() {
     // 28 layers × 2 × 2 KV heads × 128 × 2 bytes: 28 KiB a token, as vLLM's logs divide.
     let m = plan(&request("qwen2.5-1.5b-instruct", 4096)).unwrap().model;
     assert_eq!(m.kv_bytes_per_token, 28 << 10);
+}
+
+/// vLLM 0.22 to 0.28 runs more and more models with Model Runner V2, which charges no estimate
+/// of the CUDA graphs (they are captured beyond the share, as before 0.20); 0.29 estimates them
+/// again. A dense Qwen2 is on V1 in 0.24 (not listed), on V2 in 0.25 (every dense model); a
+/// mixture of experts such as Mixtral stays on V1 until 0.29.
+#[test]
+fn model_runner_v2_charges_no_cuda_graphs_until_0_29() {
+    let at = |name: &str, version: &str| {
+        let mut r = request(name, 4096);
+        r.engine = version.parse().unwrap();
+        plan(&r).unwrap()
+    };
+    let v1 = at("qwen2.5-7b-instruct", "0.24.0");
+    let v2 = at("qwen2.5-7b-instruct", "0.26.0");
+    let again = at("qwen2.5-7b-instruct", "0.29.0");
+    let (o1, o2, o3) = (&v1.options[0], &v2.options[0], &again.options[0]);
+    assert!(!o1.model_runner_v2 && o1.cuda_graphs_charged);
+    assert!(o2.model_runner_v2 && !o2.cuda_graphs_charged);
+    assert!(o3.model_runner_v2 && o3.cuda_graphs_charged);
+    assert_eq!(o1.overhead_bytes - o2.overhead_bytes, o1.cuda_graph_bytes);
+    assert_eq!(o2.kv_space_bytes - o1.kv_space_bytes, 1 << 30);
+    assert_eq!(o3.overhead_bytes, o1.overhead_bytes);
+    // The KV cache takes that room and the graphs are held beyond the share: the budget is 1 GiB
+    // more (76,969,290,752 bytes of share + 640 MiB of context + 512 MiB, and 1 GiB of graphs).
+    let budget = |o: &GpuPlan| {
+        let line = o
+            .gpuguard_model
+            .lines()
+            .find(|l| l.starts_with("gpu_memory"));
+        line.unwrap().to_string()
+    };
+    assert_eq!(budget(o1), "gpu_memory = \"73GiB\"");
+    assert_eq!(budget(o2), "gpu_memory = \"74GiB\"");
+    assert!(
+        v2.assumptions
+            .iter()
+            .any(|a| a.contains("Model Runner V2, its default for Qwen2ForCausalLM")),
+        "{:?}",
+        v2.assumptions
+    );
+    assert!(
+        v2.assumptions
+            .iter()
+            .any(|a| a.contains("Model Runner V2 charges no estimate")),
+        "{:?}",
+        v2.assumptions
+    );
+    let mixtral = at("mixtral-8x7b", "0.26.0");
+    assert!(!mixtral.options[0].model_runner_v2 && mixtral.options[0].cuda_graphs_charged);
+}
+
+/// `--enforce-eager`: no CUDA graphs, charged or held beyond the share, and the flag in the
+/// command.
+#[test]
+fn enforce_eager_plans_no_cuda_graphs() {
+    let mut r = request("llama-3-8b", 8192);
+    let graphs = plan(&r).unwrap().options.remove(0);
+    r.enforce_eager = true;
+    let p = plan(&r).unwrap();
+    let eager = &p.options[0];
+    assert_eq!(
+        (eager.cuda_graph_bytes, eager.cuda_graphs_charged),
+        (0, false)
+    );
+    assert_eq!(graphs.overhead_bytes - eager.overhead_bytes, 1 << 30);
+    assert_eq!(
+        eager.vllm_args.last().map(String::as_str),
+        Some("--enforce-eager")
+    );
+    assert!(p.assumptions.iter().any(|a| a.contains("--enforce-eager")));
+    // Before 0.20 the graphs were never charged: eager leaves the KV space as it was and takes
+    // them out of what is held beyond the share.
+    r.engine = "0.19.0".parse().unwrap();
+    r.concurrency = Some(20);
+    let eager = plan(&r).unwrap().options.remove(0);
+    r.enforce_eager = false;
+    let graphs = plan(&r).unwrap().options.remove(0);
+    assert_eq!(eager.kv_space_bytes, graphs.kv_space_bytes);
+    assert_eq!(graphs.cuda_graph_bytes, 1 << 30);
+    assert_eq!(eager.cuda_graph_bytes, 0);
 }
 
 #[test]
@@ -514,6 +596,7 @@ fn calibration() -> Vec<Logged> {
                     gpu_memory_utilization: Some(at("gpu_memory_utilization").parse().unwrap()),
                     max_num_batched_tokens: number(at("max_num_batched_tokens")),
                     max_num_seqs: number(at("max_num_seqs")),
+                    enforce_eager: false,
                     observed: None,
                     notes,
                 },
