@@ -166,7 +166,8 @@ pub(super) fn general_assumptions(r: &PlanRequest, m: &ModelFigures) -> Vec<Stri
         "charged to the share besides the weights, per GPU: the profile run's peak (for the \
          batch in force: tokens × (4 × hidden + 6 × MLP width / TP) bytes, plus fp32 logits and \
          probabilities of {} sampler rows{}; 2 GiB when the config gives no widths), memory \
-         outside PyTorch ({} at TP 1, {} with tensor parallelism across data-centre GPUs){}",
+         outside PyTorch ({} at TP 1, {} with tensor parallelism across Hopper or Blackwell \
+         data-centre GPUs, where vLLM fuses the all-reduce through FlashInfer){}",
         if e.v1() {
             "min(max_num_seqs, tokens)"
         } else {

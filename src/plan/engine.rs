@@ -192,11 +192,13 @@ const V2_MOE_ARCHITECTURES: [&str; 8] = [
     "DeepseekV4ForCausalLM",
 ];
 
-/// Memory allocated outside PyTorch on each GPU at tensor-parallel size 1 (the logs: 0.16-0.35
+/// Memory allocated outside PyTorch on each GPU at tensor-parallel size 1 (the logs: 0.07-0.35
 /// GiB).
 pub const NON_TORCH_BYTES: u64 = 384 * MIB;
-/// The same with tensor parallelism on GPUs that talk peer to peer (NCCL and vLLM's custom
-/// all-reduce buffers; the logs: 2.10 GiB at TP 2, 2.17 at TP 4 on H100).
+/// The same with tensor parallelism on Hopper and Blackwell data-centre GPUs, where vLLM fuses
+/// the all-reduce with the RMS norm through FlashInfer, whose workspace is allocated while the
+/// profile compiles the model (the logs: 2.10 GiB at TP 2, 2.17 at TP 4 on H100; on a Turing
+/// pair, where that fusion is off, 0.21 GiB at TP 2).
 pub const NON_TORCH_TP_BYTES: u64 = 2304 * MIB;
 /// The CUDA context and library workspaces, there before vLLM profiles: never charged to the
 /// share, it needs the room the share leaves (about 0.5 GiB on an H100).
@@ -207,10 +209,19 @@ pub const CUDA_GRAPH_TP_BYTES: u64 = 2 * GIB;
 /// A multimodal model's vision encoder, profiled first with a dummy batch of images (V1).
 pub const VISION_PROFILE_BYTES: u64 = 3 * GIB / 2;
 
-/// GPUs whose tensor-parallel traffic goes peer to peer (data-centre cards): GeForce cards have
-/// no P2P, so vLLM leaves its custom all-reduce off and allocates little outside PyTorch.
-pub fn peer_to_peer(gpu: &str) -> bool {
-    !gpu.to_ascii_lowercase().contains("geforce")
+/// Hopper and Blackwell data-centre GPUs (compute capability 9.0 and the 10.x family: H100,
+/// H200, H800, H20, GH200, B100, B200, B300, GB200, GB300). With tensor parallelism vLLM fuses
+/// the all-reduce and the RMS norm on these only (`enable_allreduce_rms_fusion`, "TP > 1 and
+/// Hopper/Blackwell and flashinfer installed", `config/vllm.py` 0.20.0 to 0.33.0; the 0.19.0 H100
+/// logs print "Enabled custom fusions: allreduce_rms"); its FlashInfer workspace is created while
+/// the profile compiles, so it is charged as memory outside PyTorch.
+/// NCCL's own buffers and the custom all-reduce's are allocated before the start snapshot
+/// (vLLM warms NCCL up when it connects), so elsewhere tensor parallelism adds little.
+pub fn hopper_or_blackwell(gpu: &str) -> bool {
+    let name = gpu.to_ascii_lowercase();
+    ["h100", "h200", "h800", "h20", "b100", "b200", "b300"]
+        .iter()
+        .any(|chip| name.contains(chip))
 }
 
 /// CUDA graphs' memory at `tp`.
@@ -224,7 +235,7 @@ pub fn cuda_graph_bytes(tp: u64) -> u64 {
 
 /// Memory allocated outside PyTorch on each GPU of `gpu` at `tp`.
 pub fn non_torch_bytes(gpu: &str, tp: u64) -> u64 {
-    if tp > 1 && peer_to_peer(gpu) {
+    if tp > 1 && hopper_or_blackwell(gpu) {
         NON_TORCH_TP_BYTES
     } else {
         NON_TORCH_BYTES
@@ -285,6 +296,31 @@ mod tests {
         let charges = |minor, runner_v2| Vllm(0, minor, 0).charges_cuda_graphs(runner_v2);
         assert!(!charges(19, false) && charges(20, false) && charges(28, false));
         assert!(!charges(22, true) && !charges(28, true) && charges(29, true));
+    }
+
+    /// Only Hopper and Blackwell data-centre GPUs allocate the all-reduce fusion's workspace
+    /// while vLLM profiles; elsewhere tensor parallelism adds nothing charged outside PyTorch.
+    #[test]
+    fn tensor_parallel_memory_outside_pytorch_follows_the_chip() {
+        for gpu in [
+            "H100 80GB",
+            "NVIDIA H200",
+            "NVIDIA H20",
+            "B200 180GB",
+            "GB200 186GB",
+        ] {
+            assert_eq!(non_torch_bytes(gpu, 2), NON_TORCH_TP_BYTES, "{gpu}");
+            assert_eq!(non_torch_bytes(gpu, 1), NON_TORCH_BYTES, "{gpu}");
+        }
+        for gpu in [
+            "A100 80GB",
+            "L40S 48GB",
+            "GeForce RTX 4090 24GB",
+            "RTX PRO 6000 96GB",
+            "Quadro RTX 6000",
+        ] {
+            assert_eq!(non_torch_bytes(gpu, 4), NON_TORCH_BYTES, "{gpu}");
+        }
     }
 
     #[test]

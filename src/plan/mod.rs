@@ -224,7 +224,8 @@ pub struct GpuPlan {
     /// The profile's peak: the forward pass, the sampler and (multimodal, V1) the vision
     /// encoder.
     pub activation_bytes: u64,
-    /// Memory allocated outside PyTorch (NCCL, custom all-reduce buffers).
+    /// Memory allocated outside PyTorch while vLLM profiles (CUDA libraries; with tensor
+    /// parallelism on Hopper and Blackwell, the all-reduce fusion's workspace).
     pub non_torch_bytes: u64,
     /// CUDA graphs (0 with `--enforce-eager`): charged to the share from vLLM 0.20 where the model
     /// runner estimates them, captured beyond it before and where it does not.
