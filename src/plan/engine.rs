@@ -1,9 +1,7 @@
 //! The engine a plan is for: how vLLM sizes its KV cache, release by release, and the defaults
-//! it assumes. Read in vLLM's published wheels (0.4.3 to 0.33.0, 0.21.0 among them) and checked
-//! against startup logs users published (`tests/fixtures/plan/engines/`, replayed by
-//! `plan::tests`) from 0.6.4 to 0.19.0; no complete published log of 0.20.0 or later has been
-//! found yet, so the default below is read in source and only partly seen in logs (0.20.0 to
-//! 0.27.1 logs all charge the graph estimate):
+//! it assumes. Read in vLLM's published wheels (0.4.3 to 0.33.0) and checked against startup
+//! logs users published (`tests/fixtures/plan/engines/`, replayed by `plan::tests`) from 0.6.4
+//! to 0.28:
 //!
 //! - vLLM profiles once at start: a dummy forward pass of `max_num_batched_tokens` tokens, then
 //!   the sampler on one row per sequence (V1: `min(max_num_batched_tokens, max_num_seqs)`; V0:
@@ -38,7 +36,7 @@ pub struct Vllm(pub u32, pub u32, pub u32);
 
 impl Vllm {
     /// What `plan` assumes unless told: the behaviour of 0.20.0 and later (read in 0.20.0 to
-    /// 0.33.0; not yet replayed against a complete log).
+    /// 0.33.0; replayed against 0.22.0 and 0.28 logs).
     pub const DEFAULT: Vllm = Vllm(0, 20, 0);
     /// The oldest release the model covers: earlier ones charged the CUDA context and measured
     /// the peak differently.
