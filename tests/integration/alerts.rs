@@ -3,8 +3,9 @@
 //! `prometheus-alertmanager`, started here on loopback) showing an alert and then its resolution,
 //! and a flood of client-caused events not pushing a kill alert out of a slow webhook's queue or
 //! the kill's record out of the event and action logs. In process (`daemon::tests`): a webhook
-//! that never answers not slowing the guard down, and a condition firing once, repeating each
-//! `repeat_interval` and resolving (`daemon::tests::alerts`).
+//! that never answers not slowing the guard down, a condition firing once, repeating each
+//! `repeat_interval` and resolving, and a launch's notices naming their model, pid and uid
+//! (`daemon::tests::alerts`); how long a retry waits (`alert::webhook::tests`).
 //!
 //! The Alertmanager test needs `prometheus-alertmanager` on the PATH (.ci/run installs it): it
 //! fails, not skips, without it.
@@ -360,53 +361,6 @@ fn a_real_alertmanager_shows_the_alert_then_resolves_it() {
         am_alerts(port),
         daemon.log_text()
     );
-}
-
-#[test]
-fn launch_events_carry_their_subject() {
-    let receiver = Receiver::start(|_| Reply::Status(200));
-    let config = base_config(&format!(
-        "[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n[launch]\nsocket = \"{{state_dir}}/gpuguard.sock\"\nsettle = \"60s\"\n[[alert.webhook]]\nurl = \"{}\"\nmin_severity = \"info\"\n",
-        receiver.url()
-    ));
-    let daemon = GuardDaemon::start(&config);
-    let t = token("launched");
-    let mut launched = std::process::Command::new(BIN)
-        .args([
-            "launch",
-            "--model",
-            "served",
-            "--",
-            python3(),
-            "-c",
-            "import time; time.sleep(60)",
-            &t,
-        ])
-        .env("GPUGUARD_SOCKET", daemon.socket())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let admitted = wait_for(&receiver, |n| n["event"] == "launch_admitted").unwrap_or_else(|| {
-        panic!(
-            "no launch alert: {:?}\n{}",
-            receiver.notices(),
-            daemon.log_text()
-        )
-    });
-    let s = &admitted.json()["subject"];
-    assert_eq!(s["model"], "served", "{s}");
-    assert_eq!(s["pid"], launched.id(), "{s}");
-    assert_eq!(s["uid"], nix::unistd::getuid().as_raw(), "{s}");
-    let _ = launched.kill();
-    let _ = launched.wait();
-    let died = wait_for(&receiver, |n| n["event"] == "launch_died").unwrap_or_else(|| {
-        panic!(
-            "no launch_died alert: {:?}\n{}",
-            receiver.notices(),
-            daemon.log_text()
-        )
-    });
-    assert_eq!(died.json()["subject"]["pid"], launched.id());
 }
 
 /// An HTTPS receiver on 127.0.0.1 (python's ssl module) whose certificate is signed by a CA made

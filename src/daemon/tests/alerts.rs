@@ -89,3 +89,88 @@ fn a_budget_condition_fires_once_repeats_each_interval_and_resolves() {
         assert!(logged.contains(&transition), "{transition:?}: {logged:?}");
     }
 }
+
+/// A launched process as the ledger sees it: exits when the test says.
+#[derive(Default)]
+struct Loader {
+    exited: std::sync::atomic::AtomicBool,
+}
+
+impl crate::reserve::Launched for Loader {
+    fn exited(&self) -> bool {
+        self.exited.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn watch_ready(&self, _url: &str) -> Box<dyn crate::reserve::ReadyUrl> {
+        struct Silent;
+        impl crate::reserve::ReadyUrl for Silent {
+            fn answered(&self) -> bool {
+                false
+            }
+        }
+        Box::new(Silent)
+    }
+}
+
+/// A launch's notices name the model, the pid and the uid they are about: admitted, then died
+/// while loading. Moved from the host suite (`alerts::launch_events_carry_their_subject`); a
+/// launch through the real socket and CLI is `launch`'s, a webhook's delivery `alerts`'.
+#[test]
+fn launch_notices_name_the_model_the_pid_and_the_uid_they_are_about() {
+    let mut h = Harness::new(
+        World {
+            host: host(64 * GIB, 40 * GIB),
+            ..World::default()
+        },
+        "[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n\
+         [gpu]\nenabled = false\n[launch]\nsettle = \"60s\"\n",
+    );
+    let webhook = h.daemon.reporter.alerter.tap(false);
+    let loader = Arc::new(Loader::default());
+    let peer = crate::reserve::Peer {
+        uid: 1000,
+        pid: 4242,
+        start_time: 1,
+    };
+    {
+        let mut table = h.daemon.shared.table();
+        table.join(7, peer, Duration::ZERO);
+        let request = crate::protocol::LaunchRequest {
+            model: "served".into(),
+            command: vec!["x".into()],
+            ..Default::default()
+        };
+        let answer = table.launch(7, request, loader.clone(), Duration::ZERO);
+        assert!(
+            matches!(answer, Some(crate::protocol::Response::Admitted { .. })),
+            "{answer:?}"
+        );
+    }
+    h.ticks(2, 100 * MS);
+    loader
+        .exited
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    h.ticks(2, 100 * MS);
+    let notices = drain(&webhook);
+    let about = |event: &str| {
+        let n = notices
+            .iter()
+            .find(|n| n.event == event)
+            .unwrap_or_else(|| panic!("no {event}: {notices:#?}"));
+        (
+            n.subject.model.clone(),
+            n.subject.pid,
+            n.subject.uid,
+            n.severity,
+        )
+    };
+    // A model the config does not know, launched by uid 1000, is in that uid's namespace.
+    let subject = (Some("served@1000".to_string()), Some(4242), Some(1000));
+    let info = crate::policy::Severity::Info;
+    let admitted = about("launch_admitted");
+    assert_eq!((admitted.0, admitted.1, admitted.2), subject.clone());
+    assert_eq!(admitted.3, info);
+    let died = about("launch_died");
+    assert_eq!((died.0, died.1, died.2), subject);
+    assert_eq!(died.3, info);
+}
