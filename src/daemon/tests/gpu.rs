@@ -1,5 +1,5 @@
 //! Whole ticks with GPUs, in process: budgets summed over two GPUs, memory NVML cannot tell, a
-//! GPU that is lost, NVML unavailable then back, a victim's pid reused by a new holder, the same
+//! GPU that is lost, Xid events, NVML unavailable then back, a victim's pid reused by a new holder, the same
 //! command loaded twice, spawn-started workers mapping the same weights (and `status`'s rows for
 //! them), a process list NVML would not give, floors no GPU or MemTotal here can hold. Moved from
 //! the host suite (`gpu_guard`, `faults`, `weights`), which started the real binary against the
@@ -587,4 +587,56 @@ fn spawned_workers_mapping_the_same_weights_are_reported_once_and_shown_one_by_o
     let moved = m.processes.iter().find(|p| p.pid == 102).unwrap();
     assert_eq!(moved.gpus[0].gpu, 0, "{moved:?}");
     assert_eq!(recorded(&h, "duplicate_load").len(), 1);
+}
+
+/// An Xid the driver reports is one event about its GPU: critical for the Xids that mean a GPU
+/// lost or broken (79: fallen off the bus), a warning for the rest (13: a graphics engine
+/// exception), each written once however many ticks follow. Moved from the host suite
+/// (`gpu_guard::injected_xid_shows_up_as_a_critical_event`); NVML's event set delivering an
+/// Xid to the listener is `tests/nvml/sampler.rs`'s.
+#[test]
+fn an_xid_is_one_event_about_its_gpu_critical_where_the_gpu_is_lost() {
+    let mut h = Harness::new(
+        World {
+            host: host(64 * GIB, 40 * GIB),
+            gpu: Some(BTreeMap::new()),
+            ..World::default()
+        },
+        "[gpu]\nenabled = true\n",
+    );
+    h.ticks(2, 100 * MS);
+    h.world().xids = vec![
+        crate::sample::nvml::XidEvent {
+            gpu: Some(1),
+            xid: 79,
+        },
+        crate::sample::nvml::XidEvent {
+            gpu: Some(0),
+            xid: 13,
+        },
+    ];
+    h.ticks(5, 100 * MS);
+    let events: Vec<serde_json::Value> = logged(&h, "xid")
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let summary: Vec<(&str, &str, &str)> = events
+        .iter()
+        .map(|e| {
+            (
+                e["event"].as_str().unwrap_or_default(),
+                e["severity"].as_str().unwrap_or_default(),
+                e["subject"]["resource"].as_str().unwrap_or_default(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        summary,
+        [
+            ("xid_critical", "critical", "GPU 1"),
+            ("xid", "warning", "GPU 0")
+        ],
+        "{events:#?}"
+    );
+    assert_eq!(h.signals(), [], "an Xid alone acts on nothing");
 }

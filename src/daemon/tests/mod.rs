@@ -54,6 +54,8 @@ struct World {
     more_gpus: Vec<Gpu>,
     /// What NVML answers instead of a reading (unavailable, and why), while set.
     gpu_status: Option<GpuStatus>,
+    /// Xid errors the driver reported that the sampler has not taken yet.
+    xids: Vec<crate::sample::nvml::XidEvent>,
     /// The weights files each pid maps (/proc/PID/maps), read for the GPU holders the scan asks.
     maps: BTreeMap<i32, Vec<MappedFile>>,
     /// How long an exited process's memory takes to come back to MemAvailable (its address
@@ -227,6 +229,10 @@ impl GpuSource for FakeGpu {
             .collect(),
             read_processes: true,
         }
+    }
+
+    fn take_xids(&mut self) -> Vec<crate::sample::nvml::XidEvent> {
+        std::mem::take(&mut world(&self.0).xids)
     }
 }
 
