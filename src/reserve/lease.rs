@@ -183,6 +183,31 @@ pub fn guess_ready_url(command: &[String]) -> Option<String> {
     crate::config::check_ready_url(&url).ok().map(|()| url)
 }
 
+/// A launched process for tests of the ledger and the daemon: alive until told otherwise
+/// (`exited`), its ready URL never answers.
+#[cfg(test)]
+#[derive(Default)]
+pub(crate) struct FakeProcess {
+    pub(crate) exited: std::sync::atomic::AtomicBool,
+}
+
+#[cfg(test)]
+impl Launched for FakeProcess {
+    fn exited(&self) -> bool {
+        self.exited.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn watch_ready(&self, _url: &str) -> Box<dyn ReadyUrl> {
+        struct Silent;
+        impl ReadyUrl for Silent {
+            fn answered(&self) -> bool {
+                false
+            }
+        }
+        Box::new(Silent)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

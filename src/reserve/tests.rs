@@ -49,30 +49,6 @@ fn mail(t: &mut Reservations, conn: ConnId) -> Vec<Response> {
     mine.into_iter().map(|(_, r)| r).collect()
 }
 
-/// A launched process for the ledger: alive until told otherwise, its ready URL never answers.
-#[derive(Default)]
-pub(super) struct FakeProcess {
-    pub(super) exited: std::sync::atomic::AtomicBool,
-}
-
-struct Silent;
-
-impl ReadyUrl for Silent {
-    fn answered(&self) -> bool {
-        false
-    }
-}
-
-impl Launched for FakeProcess {
-    fn exited(&self) -> bool {
-        self.exited.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    fn watch_ready(&self, _url: &str) -> Box<dyn ReadyUrl> {
-        Box::new(Silent)
-    }
-}
-
 fn table() -> Reservations {
     let mut t = Reservations::new(config(
         "[[model]]\nname = \"served\"\nmatch = { comm = \"x\" }\n",

@@ -90,28 +90,6 @@ fn a_budget_condition_fires_once_repeats_each_interval_and_resolves() {
     }
 }
 
-/// A launched process as the ledger sees it: exits when the test says.
-#[derive(Default)]
-struct Loader {
-    exited: std::sync::atomic::AtomicBool,
-}
-
-impl crate::reserve::Launched for Loader {
-    fn exited(&self) -> bool {
-        self.exited.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    fn watch_ready(&self, _url: &str) -> Box<dyn crate::reserve::ReadyUrl> {
-        struct Silent;
-        impl crate::reserve::ReadyUrl for Silent {
-            fn answered(&self) -> bool {
-                false
-            }
-        }
-        Box::new(Silent)
-    }
-}
-
 /// A launch's notices name the model, the pid and the uid they are about: admitted, then died
 /// while loading. Moved from the host suite (`alerts::launch_events_carry_their_subject`); a
 /// launch through the real socket and CLI is `launch`'s, a webhook's delivery `alerts`'.
@@ -126,7 +104,7 @@ fn launch_notices_name_the_model_the_pid_and_the_uid_they_are_about() {
          [gpu]\nenabled = false\n[launch]\nsettle = \"60s\"\n",
     );
     let webhook = h.daemon.reporter.alerter.tap(false);
-    let loader = Arc::new(Loader::default());
+    let loader = Arc::new(crate::reserve::FakeProcess::default());
     let peer = crate::reserve::Peer {
         uid: 1000,
         pid: 4242,

@@ -556,18 +556,24 @@ impl World {
     /// unserved after 20 s (the clients give up at 30 s).
     fn drain(&mut self) -> Result<u32, String> {
         let refused_before: u64 = self.workers.iter().map(|w| w.refused).sum();
-        let has = |world: &World, w: usize, which: fn(&Request) -> bool| {
-            world.workers[w].requests.iter().any(which)
-        };
         for round in 1..=200 {
             for w in 0..self.workers.len() {
-                while has(self, w, |r| matches!(r, Request::Working { .. })) {
+                while self
+                    .nth(w, 0, |r| matches!(r, Request::Working { .. }))
+                    .is_some()
+                {
                     self.step(&Op::Finish(w, 0))?;
                 }
-                while has(self, w, |r| matches!(r, Request::Granted { .. })) {
+                while self
+                    .nth(w, 0, |r| matches!(r, Request::Granted { .. }))
+                    .is_some()
+                {
                     self.step(&Op::Start(w, 0))?;
                 }
-                while has(self, w, |r| matches!(r, Request::Reported { .. })) {
+                while self
+                    .nth(w, 0, |r| matches!(r, Request::Reported { .. }))
+                    .is_some()
+                {
                     self.step(&Op::Send(w, 0))?;
                 }
                 self.step(&Op::Trim(w))?;
