@@ -62,7 +62,7 @@ dpkg-deb --extract "$DEB" "$WORK/root"
 BIN=$WORK/root/usr/bin/gpuguard
 file -b "$BIN" | grep -q 'ARM aarch64' || fail "not an aarch64 binary: $(file -b "$BIN")"
 arm "$BIN" --version | grep -qx "gpuguard $(dpkg-deb --field "$DEB" Version)" || fail "--version: $(arm "$BIN" --version)"
-arm "$BIN" check-config "$WORK/root/etc/gpuguard/config.toml" || fail "check-config on the packaged config"
+arm "$BIN" check-config --portable "$WORK/root/etc/gpuguard/config.toml" || fail "check-config on the packaged config"
 PLAN=$(arm "$BIN" plan tests/fixtures/plan/llama-3-8b.json --gpu L4 --json) ||
     fail "plan under emulation"
 grep -q '"kv_bytes_per_token": 131072' <<<"$PLAN" || fail "plan --json: $PLAN"

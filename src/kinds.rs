@@ -105,6 +105,8 @@ named! {
         DaemonStopping = "daemon_stopping",
         ConfigReloadFailed = "config_reload_failed",
         LeftoversUndone = "leftovers_undone",
+        /// What a previous run left held stays held: another daemon enforces on the host.
+        LeftoversKept = "leftovers_kept",
         StateFileCorrupt = "state_file_corrupt",
         /// The run before this one ended without a clean stop (from the flight recorder).
         PreviousRunUnclean = "previous_run_unclean",

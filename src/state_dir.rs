@@ -155,6 +155,17 @@ impl StateDir {
         Ok((File::from(fd), set_aside))
     }
 
+    /// Opens `name` for reading and writing (created 0600 if `create`), never through a
+    /// symlink: a lock file (`act::claim`).
+    pub fn open_lock_file(&self, name: &str, create: bool) -> std::io::Result<File> {
+        let mut flags = OFlag::O_RDWR | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+        if create {
+            flags |= OFlag::O_CREAT;
+        }
+        let fd = openat(&self.fd, name, flags, Mode::from_bits_truncate(0o600))?;
+        Ok(File::from(fd))
+    }
+
     /// What `name` is if it exists and is not a regular file ("a symlink", "a directory", ...).
     fn odd_entry(&self, name: &str) -> std::io::Result<Option<&'static str>> {
         let st = match fstatat(&self.fd, name, AtFlags::AT_SYMLINK_NOFOLLOW) {

@@ -1,6 +1,8 @@
 //! Acting on the plan: signals through pidfds, throttles, and the records (in the state
 //! directory) of what is held stopped or throttled. Honours observe mode, and reads memory again
-//! just before a floor action. `undo_leftovers` lets go of whatever a previous run left held.
+//! just before a floor action. Only the daemon that holds the host's enforce lock signals
+//! (`claim.rs`); a daemon resumes only what it holds itself, and lets go of what a previous run
+//! left on its state directory only while no other daemon enforces.
 //!
 //! Who owns what is held: the `HeldRecord` (`stopped.json`) is the one record of the processes
 //! gpuguard keeps stopped (SIGSTOP or a duty cycle), written before the signal; the `Throttler`'s
@@ -9,6 +11,7 @@
 //! a closed incident's stopped victim (which resource releases it, since when), kept in observe
 //! mode too, and it learns whether the stop happened only from outcomes.
 
+pub mod claim;
 pub mod held;
 pub mod signal;
 pub mod throttle;
@@ -26,6 +29,7 @@ use crate::snapshot::{printable, ProcessId};
 use crate::state_dir::StateDir;
 use crate::units::fmt_bytes;
 
+use claim::Holder;
 use held::{read_record, write_record, HeldProcess, HeldRecord};
 use throttle::{CgroupThrottle, ThrottleKind, Throttler};
 
@@ -78,6 +82,15 @@ pub struct Executor {
     held: HeldRecord,
     /// What is throttled, and how.
     throttler: Throttler,
+    /// The host's enforce lock, while this daemon may act: without it nothing is signalled but
+    /// this run's own holds let go (`execute`).
+    enforcing: Option<claim::Lock>,
+    enforce_lock: PathBuf,
+    /// This daemon, as it writes itself into the locks it takes.
+    me: Holder,
+    /// cgroup throttles a previous run left and this one has not lifted yet: kept in the record.
+    inherited_throttles: Vec<CgroupThrottle>,
+    cgroup_root: PathBuf,
 }
 
 /// What a previous gpuguard run left held, and what became of it.
@@ -85,6 +98,9 @@ pub struct Executor {
 pub struct Leftovers {
     /// Done: processes resumed, cgroup limits restored.
     pub undone: Vec<String>,
+    /// Left held on purpose: another daemon enforces on the host, and letting go could undo its
+    /// work (the records keep them for the next daemon here that may act).
+    pub kept: Vec<String>,
     /// Not done, to be reported loudly: unreadable records (set aside), limits left in place.
     pub problems: Vec<String>,
 }
@@ -95,84 +111,153 @@ impl Leftovers {
         for line in &self.undone {
             warn!("{line}");
         }
+        for line in &self.kept {
+            tracing::error!("{line}");
+        }
         for line in &self.problems {
             tracing::error!("{line}");
         }
     }
 }
 
-/// Lets go of what a previous run (one that crashed, or was killed) left in the state directory:
-/// SIGCONT to every recorded process still stopped (same pid and start time), and cgroup limits
-/// put back. Runs at start before the config is read, so a broken config cannot leave a process
-/// frozen. Both records are empty afterwards.
-pub fn undo_leftovers(
-    dir: &Arc<StateDir>,
-    control: &dyn ProcessControl,
-    cgroup_root: &Path,
-) -> Leftovers {
-    let mut out = Leftovers::default();
-    let mut held = HeldRecord::open(dir.clone(), &mut out.problems);
-    for p in held.resume_all(control) {
-        // The record is gpuguard's own, but what it names was chosen by the process.
-        out.undone.push(format!(
-            "resumed pid {} ({}) left stopped ({}) by a previous gpuguard run",
-            p.pid,
-            printable(&p.comm),
-            printable(&p.why)
-        ));
-    }
-    match read_record::<CgroupThrottle>(dir, throttle::FILE_NAME) {
-        Ok(records) if records.is_empty() => {}
-        Ok(records) => {
-            for r in &records {
-                match throttle::restore_leftover(r, cgroup_root) {
-                    Ok(done) => out.undone.push(format!(
-                        "lifted a throttle left by a previous gpuguard run: {done}"
-                    )),
-                    Err(e) => out.problems.push(format!("throttle left in place: {e}")),
-                }
-            }
-            if let Err(e) = write_record::<CgroupThrottle>(dir, throttle::FILE_NAME, &[]) {
-                out.problems.push(format!(
-                    "{}/{}: cannot empty: {e}",
-                    dir.path().display(),
-                    throttle::FILE_NAME
-                ));
-            }
-        }
-        Err(problem) => out.problems.push(problem),
-    }
-    out
+/// Whether the host's enforce lock is free for a moment: no other daemon enforces, so what a
+/// previous run left may be let go of without undoing anyone's work.
+fn lock_for_a_moment(path: &Path, me: &Holder) -> Result<claim::Lock, claim::ClaimError> {
+    claim::take_enforce_lock(path, me)
 }
 
 impl Executor {
-    /// Takes over the state directory: first lets go of what a previous run left there
-    /// (`undo_leftovers`), then records what this run holds.
+    /// Takes over a state directory the caller has claimed (`claim::claim_state_dir`). In
+    /// enforce `mode` it takes the host's enforce lock, and refuses if another daemon holds it.
+    /// What a previous run (one that crashed, or was killed) left held there is let go of when
+    /// this daemon may act on the host: SIGCONT to every recorded process still stopped (same
+    /// pid and start time), cgroup limits put back. An observer takes the enforce lock for that
+    /// moment only; while another daemon enforces it keeps the leftovers in the records, said
+    /// loudly, for the next daemon here that may act.
     pub fn new(
         control: Arc<dyn ProcessControl>,
         dir: Arc<StateDir>,
         cgroup_root: &Path,
-    ) -> (Self, Leftovers) {
-        let mut leftovers = undo_leftovers(&dir, control.as_ref(), cgroup_root);
+        mode: Mode,
+        enforce_lock: &Path,
+        me: Holder,
+    ) -> Result<(Self, Leftovers), claim::ClaimError> {
+        let mut leftovers = Leftovers::default();
         let held = HeldRecord::open(dir.clone(), &mut leftovers.problems);
+        let inherited_throttles = match read_record::<CgroupThrottle>(&dir, throttle::FILE_NAME) {
+            Ok(records) => records,
+            Err(problem) => {
+                leftovers.problems.push(problem);
+                Vec::new()
+            }
+        };
+        let enforcing = match mode {
+            Mode::Enforce => Some(claim::take_enforce_lock(enforce_lock, &me)?),
+            Mode::Observe => None,
+        };
         let throttler = Throttler::new(control.clone(), PathBuf::from(cgroup_root));
-        let executor = Executor {
+        let mut executor = Executor {
             control,
             dir,
             held,
             throttler,
+            enforcing,
+            enforce_lock: enforce_lock.to_path_buf(),
+            me,
+            inherited_throttles,
+            cgroup_root: cgroup_root.to_path_buf(),
         };
-        (executor, leftovers)
+        executor.let_go_of_leftovers(&mut leftovers);
+        Ok((executor, leftovers))
+    }
+
+    /// Whether this daemon holds the host's enforce lock (and so may signal).
+    pub fn enforcing(&self) -> bool {
+        self.enforcing.is_some()
+    }
+
+    /// A reloaded config's mode: to enforce, the host's enforce lock is taken (refused if another
+    /// daemon holds it: the caller keeps the old config) and what a previous run left here is let
+    /// go of; to observe, the lock is let go (this run's own holds are still resumed as due).
+    pub fn set_mode(&mut self, mode: Mode) -> Result<Leftovers, claim::ClaimError> {
+        let mut leftovers = Leftovers::default();
+        match mode {
+            Mode::Enforce if self.enforcing.is_none() => {
+                self.enforcing = Some(claim::take_enforce_lock(&self.enforce_lock, &self.me)?);
+                self.let_go_of_leftovers(&mut leftovers);
+            }
+            Mode::Enforce => {}
+            Mode::Observe => self.enforcing = None,
+        }
+        Ok(leftovers)
+    }
+
+    /// What a previous run left, let go of if this daemon may act on the host now.
+    fn let_go_of_leftovers(&mut self, out: &mut Leftovers) {
+        if self.held.inherited().is_empty() && self.inherited_throttles.is_empty() {
+            return;
+        }
+        let _moment = match &self.enforcing {
+            Some(_) => None,
+            None => match lock_for_a_moment(&self.enforce_lock, &self.me) {
+                Ok(lock) => Some(lock),
+                Err(e) => {
+                    let pids: Vec<String> = self
+                        .held
+                        .inherited()
+                        .iter()
+                        .map(|p| format!("{} ({})", p.pid, printable(&p.comm)))
+                        .collect();
+                    out.kept.push(format!(
+                        "what a previous gpuguard run left held in {} is left as it is: {e}, and                          letting go here could undo its work; still stopped, if they run: pids {};                          cgroup throttles: {}. The next daemon on this state directory that may                          act lets go of them",
+                        self.dir.path().display(),
+                        if pids.is_empty() { "none".into() } else { pids.join(", ") },
+                        self.inherited_throttles.len()
+                    ));
+                    return;
+                }
+            },
+        };
+        for p in self.held.take_inherited(self.control.as_ref()) {
+            // The record is gpuguard's own, but what it names was chosen by the process.
+            out.undone.push(format!(
+                "resumed pid {} ({}) left stopped ({}) by a previous gpuguard run",
+                p.pid,
+                printable(&p.comm),
+                printable(&p.why)
+            ));
+        }
+        for r in std::mem::take(&mut self.inherited_throttles) {
+            match throttle::restore_leftover(&r, &self.cgroup_root) {
+                Ok(done) => out.undone.push(format!(
+                    "lifted a throttle left by a previous gpuguard run: {done}"
+                )),
+                Err(e) => out.problems.push(format!("throttle left in place: {e}")),
+            }
+        }
+        if let Err(e) = self.write_throttles() {
+            out.problems.push(format!(
+                "{}/{}: cannot write: {e}",
+                self.dir.path().display(),
+                throttle::FILE_NAME
+            ));
+        }
     }
 
     pub fn held(&self) -> &[HeldProcess] {
         self.held.entries()
     }
 
+    /// The cgroup throttles in force and those a previous run left, to the record.
+    fn write_throttles(&self) -> std::io::Result<()> {
+        let mut cgroups = self.throttler.cgroup_throttles();
+        cgroups.extend(self.inherited_throttles.iter().cloned());
+        write_record(&self.dir, throttle::FILE_NAME, &cgroups)
+    }
+
     /// Records the cgroup throttles in force, so a crash never leaves one behind.
     fn save_throttles(&self) {
-        let cgroups = self.throttler.cgroup_throttles();
-        if let Err(e) = write_record(&self.dir, throttle::FILE_NAME, &cgroups) {
+        if let Err(e) = self.write_throttles() {
             tracing::error!(
                 "cannot write {}/{}: {e}; a crash now would leave cgroup throttles in place",
                 self.dir.path().display(),
@@ -193,6 +278,28 @@ impl Executor {
         let verb = action.verb.as_str();
         let target = &action.target;
         let why = &action.reason.detail;
+        // Without the host's enforce lock nothing is signalled (another daemon may enforce);
+        // what this run holds itself is still let go.
+        let mode = if self.enforcing() {
+            mode
+        } else {
+            Mode::Observe
+        };
+        let ids: Vec<ProcessId> = target.ids().collect();
+        if matches!(action.verb, Verb::Resume | Verb::Unthrottle)
+            && !ids.iter().any(|&id| self.held.holds(id))
+            && !self.throttler.is_throttled(&ids)
+        {
+            // Never another daemon's stop, nor one an observer only decided on.
+            info!(
+                verb,
+                "not going to {verb} {target}: this gpuguard does not hold it"
+            );
+            return match mode {
+                Mode::Observe => Outcome::Observed,
+                Mode::Enforce => Outcome::Skipped("not held by this gpuguard".into()),
+            };
+        }
         if mode == Mode::Observe && !matches!(action.verb, Verb::Resume | Verb::Unthrottle) {
             info!(
                 verb,
@@ -214,7 +321,6 @@ impl Executor {
                 }
             }
         }
-        let ids: Vec<ProcessId> = target.ids().collect();
         let outcome = match action.verb {
             Verb::Throttle => {
                 let kind = self.throttler.throttle(&ids, cgroup);
@@ -369,6 +475,136 @@ mod tests {
         }
     }
 
+    /// The enforce lock of the tests' host: beside the state directory.
+    fn lock_path(dir: &StateDir) -> PathBuf {
+        dir.path().with_file_name("enforce.lock")
+    }
+
+    fn start(
+        control: Arc<dyn ProcessControl>,
+        dir: &Arc<StateDir>,
+        cgroups: &Path,
+        mode: Mode,
+    ) -> Result<(Executor, Leftovers), claim::ClaimError> {
+        let me = Holder::me(Path::new("/test/config.toml"), dir.path());
+        Executor::new(control, dir.clone(), cgroups, mode, &lock_path(dir), me)
+    }
+
+    fn enforcer(
+        control: Arc<dyn ProcessControl>,
+        dir: &Arc<StateDir>,
+        cgroups: &Path,
+    ) -> (Executor, Leftovers) {
+        start(control, dir, cgroups, Mode::Enforce).unwrap()
+    }
+
+    /// Issue 40: a second daemon (an observer with a state directory of its own, the README's
+    /// first command beside the service) must not undo what the enforcing one does. It takes no
+    /// enforce lock, signals nothing, and never resumes a process it does not hold itself, even
+    /// when its policy decides to: the service's stop stands.
+    #[test]
+    fn an_observer_beside_an_enforcer_never_resumes_what_the_enforcer_stopped() {
+        let root = tempfile::tempdir().unwrap();
+        let service_dir = Arc::new(StateDir::create(&root.path().join("service")).unwrap());
+        let other_dir = Arc::new(StateDir::create(&root.path().join("other")).unwrap());
+        let control = Arc::new(Recorder {
+            stopped: true,
+            ..Recorder::default()
+        });
+        let (mut service, _) = enforcer(control.clone(), &service_dir, root.path());
+        let mut no_read = |_| None;
+        let stop = service.execute(Mode::Enforce, &action(Verb::Stop, 20), None, &mut no_read);
+        assert_eq!(stop, Outcome::Done);
+        // An enforcing second daemon is refused, naming the service.
+        let refused = start(control.clone(), &other_dir, root.path(), Mode::Enforce);
+        let e = refused.err().expect("a second enforcer is refused");
+        assert_eq!(e.holder().map(|h| h.pid), Some(std::process::id() as i32));
+        // An observer starts; nothing it is asked to do reaches a process.
+        let (mut observer, _) = start(control.clone(), &other_dir, root.path(), Mode::Observe)
+            .expect("an observer runs beside an enforcer");
+        assert!(!observer.enforcing());
+        let signals = || control.signals.lock().unwrap().clone();
+        let before = signals();
+        for verb in [Verb::Resume, Verb::Stop, Verb::Kill, Verb::Unthrottle] {
+            let outcome = observer.execute(Mode::Enforce, &action(verb, 20), None, &mut no_read);
+            assert_eq!(outcome, Outcome::Observed, "{verb:?}");
+        }
+        observer.shutdown();
+        assert_eq!(signals(), before, "the observer signalled");
+        // Nor does the enforcer resume what it does not hold.
+        let other = service.execute(Mode::Enforce, &action(Verb::Resume, 21), None, &mut no_read);
+        assert!(matches!(other, Outcome::Skipped(_)), "{other:?}");
+        assert_eq!(signals(), before);
+        let record = std::fs::read_to_string(service_dir.path().join(held::FILE_NAME)).unwrap();
+        assert!(record.contains("\"pid\": 20"), "{record}");
+    }
+
+    /// What a crashed run left on a state directory is let go of only by a daemon that may act:
+    /// not while another daemon enforces (the leftovers stay in the record, said loudly, and the
+    /// observer's own shutdown does not resume them), then by the next one that may.
+    #[test]
+    fn leftovers_wait_while_another_daemon_enforces_and_go_once_none_does() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = Arc::new(StateDir::create(&root.path().join("state")).unwrap());
+        let control = Arc::new(Recorder {
+            stopped: true,
+            ..Recorder::default()
+        });
+        let (mut crashed, _) = enforcer(control.clone(), &dir, root.path());
+        let mut no_read = |_| None;
+        crashed.execute(Mode::Enforce, &action(Verb::Stop, 20), None, &mut no_read);
+        drop(crashed);
+        // Another daemon (its own state directory) enforces meanwhile.
+        let elsewhere = Arc::new(StateDir::create(&root.path().join("elsewhere")).unwrap());
+        let (enforcing, _) = {
+            let me = Holder::me(Path::new("/other.toml"), elsewhere.path());
+            Executor::new(
+                control.clone(),
+                elsewhere.clone(),
+                root.path(),
+                Mode::Enforce,
+                &lock_path(&dir),
+                me,
+            )
+            .unwrap()
+        };
+        let signals = || control.signals.lock().unwrap().clone();
+        let before = signals();
+        let (mut observer, leftovers) =
+            start(control.clone(), &dir, root.path(), Mode::Observe).unwrap();
+        assert!(leftovers.undone.is_empty(), "{leftovers:?}");
+        let problem = leftovers.kept.join("\n");
+        assert!(
+            problem.contains("is left as it is") && problem.contains("pids 20 (vllm)"),
+            "{problem}"
+        );
+        observer.shutdown();
+        drop(observer);
+        assert_eq!(
+            signals(),
+            before,
+            "leftovers resumed while another daemon enforces"
+        );
+        let record = std::fs::read_to_string(dir.path().join(held::FILE_NAME)).unwrap();
+        assert!(
+            record.contains("\"pid\": 20"),
+            "the record lost them: {record}"
+        );
+        // The other daemon stops; an observer on this directory now lets go of them.
+        drop(enforcing);
+        let (observer, leftovers) =
+            start(control.clone(), &dir, root.path(), Mode::Observe).unwrap();
+        assert!(!observer.enforcing(), "the lock was for that moment only");
+        assert!(
+            leftovers
+                .undone
+                .join("\n")
+                .contains("resumed pid 20 (vllm)"),
+            "{leftovers:?}"
+        );
+        assert_eq!(signals().last(), Some(&(20, Sig::Cont)));
+    }
+
     #[test]
     fn a_crash_leaves_nothing_held_for_the_next_start() {
         let root = tempfile::tempdir().unwrap();
@@ -388,7 +624,7 @@ mod tests {
             stopped: true,
             ..Recorder::default()
         });
-        let (mut executor, leftovers) = Executor::new(control.clone(), dir.clone(), &cgroups);
+        let (mut executor, leftovers) = enforcer(control.clone(), &dir, &cgroups);
         assert!(leftovers.undone.is_empty() && leftovers.problems.is_empty());
         let mut no_read = |_| None;
         let cgroup = Some("/system.slice/vllm.service");
@@ -407,7 +643,7 @@ mod tests {
         );
         // gpuguard dies here, without shutdown: the next start lets go of both.
         drop(executor);
-        let (_, leftovers) = Executor::new(control.clone(), dir, &cgroups);
+        let (_, leftovers) = enforcer(control.clone(), &dir, &cgroups);
         assert!(leftovers.problems.is_empty(), "{leftovers:?}");
         assert_eq!(
             std::fs::read_to_string(unit.join("memory.high")).unwrap(),
@@ -467,7 +703,7 @@ mod tests {
     fn a_stopped_process_whose_kill_fails_stays_in_the_record() {
         let root = tempfile::tempdir().unwrap();
         let dir = Arc::new(StateDir::create(&root.path().join("state")).unwrap());
-        let (mut executor, _) = Executor::new(Arc::new(RefusesToKill), dir.clone(), root.path());
+        let (mut executor, _) = enforcer(Arc::new(RefusesToKill), &dir, root.path());
         let mut no_read = |_| None;
         let stop = executor.execute(Mode::Enforce, &action(Verb::Stop, 20), None, &mut no_read);
         assert_eq!(stop, Outcome::Done);
@@ -486,7 +722,7 @@ mod tests {
         let root = tempfile::tempdir().unwrap();
         let dir = Arc::new(StateDir::create(&root.path().join("state")).unwrap());
         let control = Arc::new(SeesRecord(dir.path().to_path_buf(), Mutex::default()));
-        let (mut executor, _) = Executor::new(control.clone(), dir.clone(), root.path());
+        let (mut executor, _) = enforcer(control.clone(), &dir, root.path());
         let mut no_read = |_| None;
         let stop = executor.execute(Mode::Enforce, &action(Verb::Stop, 20), None, &mut no_read);
         assert_eq!(stop, Outcome::Done);

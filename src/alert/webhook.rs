@@ -9,7 +9,6 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use anyhow::Context;
 use hmac::{Hmac, KeyInit, Mac};
 use prometheus_client::metrics::counter::Counter;
 use serde_json::{json, Value};
@@ -62,17 +61,7 @@ impl Spec {
     pub fn new(index: usize, config: &WebhookConfig, alert: &AlertConfig) -> anyhow::Result<Spec> {
         let name = format!("alert.webhook[{index}] ({})", config.redacted_url());
         let key = match &config.secret_file {
-            Some(path) => {
-                let text = std::fs::read(path)
-                    .with_context(|| format!("{name}: secret_file {}", path.display()))?;
-                let trimmed = text.trim_ascii_end().to_vec();
-                anyhow::ensure!(
-                    !trimmed.is_empty(),
-                    "{name}: secret_file {} is empty",
-                    path.display()
-                );
-                Some(trimmed)
-            }
+            Some(path) => Some(read_secret(path).map_err(|e| anyhow::anyhow!("{name}: {e}"))?),
             None => None,
         };
         let url = match config.format {
@@ -92,6 +81,18 @@ impl Spec {
             queue: alert.queue,
         })
     }
+}
+
+/// A webhook's signing secret: the file's bytes without trailing whitespace; an error if it
+/// cannot be read or holds nothing (checked at start, by `check-config` and on reload).
+pub fn read_secret(path: &std::path::Path) -> Result<Vec<u8>, String> {
+    let text = std::fs::read(path)
+        .map_err(|e| format!("secret_file '{}' cannot be read: {e}", path.display()))?;
+    let trimmed = text.trim_ascii_end().to_vec();
+    if trimmed.is_empty() {
+        return Err(format!("secret_file '{}' is empty", path.display()));
+    }
+    Ok(trimmed)
 }
 
 impl Spec {

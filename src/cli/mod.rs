@@ -15,12 +15,14 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 
+use crate::act::claim::{self, Holder};
 use crate::act::signal::PidfdControl;
-use crate::act::{undo_leftovers, Leftovers};
+use crate::act::Executor;
 use crate::config::DEFAULT_SOCKET;
-use crate::config::{Config, DaemonConfig};
-use crate::daemon::{Daemon, Roots};
-use crate::state_dir::{StateDir, StateDirError};
+use crate::config::{Config, Mode, Overrides};
+use crate::daemon::preflight::{self, Checker};
+use crate::daemon::{Daemon, Roots, StartError};
+use crate::state_dir::StateDir;
 
 /// Exit codes, documented in the README and the man page.
 pub mod exit {
@@ -55,27 +57,44 @@ pub struct Cli {
     command: Command,
 }
 
+#[derive(clap::Args)]
+struct DaemonArgs {
+    /// The config file.
+    #[arg(long, short, default_value = "/etc/gpuguard/config.toml")]
+    config: PathBuf,
+    /// Decide, log and alert, but never signal a process, whatever the config's daemon.mode
+    /// says (kept across reloads). An observer may run beside the daemon that enforces.
+    #[arg(long)]
+    observe: bool,
+    /// The state directory, overriding the config's daemon.state_dir. One daemon at a time
+    /// uses a state directory; what a previous run left stopped or throttled there is let go
+    /// (when no other daemon enforces on this host), also when the config is broken.
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    /// The socket, overriding the config's launch.socket (a daemon beside the service needs
+    /// one of its own).
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// Lock the daemon's memory (mlockall) so it is never paged out under memory pressure
+    /// (the systemd unit sets this, with LimitMEMLOCK=infinity). Failure only warns.
+    #[arg(long)]
+    lock_memory: bool,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Run the guard in the foreground (as systemd runs it).
-    Daemon {
-        /// The config file.
-        #[arg(long, short, default_value = "/etc/gpuguard/config.toml")]
-        config: PathBuf,
-        /// Lock the daemon's memory (mlockall) so it is never paged out under memory pressure
-        /// (the systemd unit sets this, with LimitMEMLOCK=infinity). Failure only warns.
-        #[arg(long)]
-        lock_memory: bool,
-        /// The state directory, overriding the config's daemon.state_dir. What a previous run
-        /// left stopped or throttled there (default /var/lib/gpuguard) is let go before the
-        /// config is read, so a broken config never leaves a process frozen.
-        #[arg(long)]
-        state_dir: Option<PathBuf>,
-    },
-    /// Validate a config file: exit 0 if it is good, 2 with the file, key and value if not.
+    Daemon(DaemonArgs),
+    /// Validate a config file for this host, with every check the daemon runs at start: exit 0
+    /// if it is good, 2 with the file, key and value if not.
     CheckConfig {
         /// The config file.
         config: PathBuf,
+        /// Only what is wrong on any host (packaging): not the floors against this host's
+        /// memory, the secret files, the ports, the socket, the state directory, nor whether
+        /// the users it names exist here.
+        #[arg(long)]
+        portable: bool,
     },
     /// Show GPUs, host memory, models, the launch queue, held processes and recent actions.
     Status {
@@ -151,29 +170,8 @@ pub(crate) fn wrapped(text: &str, first: &str, rest: &str) -> String {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let code = match cli.command {
-        Command::CheckConfig { config } => match Config::load(&config) {
-            Ok(c) => {
-                for warning in c.warnings() {
-                    eprintln!("gpuguard: config {}: warning: {warning}", config.display());
-                }
-                println!(
-                    "config {}: ok ({} model(s), mode {})",
-                    config.display(),
-                    c.models.len(),
-                    c.daemon.mode
-                );
-                exit::OK
-            }
-            Err(e) => {
-                eprintln!("gpuguard: {e}");
-                exit::CONFIG
-            }
-        },
-        Command::Daemon {
-            config: path,
-            lock_memory: lock,
-            state_dir,
-        } => run_daemon(path, lock, state_dir),
+        Command::CheckConfig { config, portable } => check_config(&config, portable),
+        Command::Daemon(args) => run_daemon(args),
         Command::Status {
             json,
             watch,
@@ -220,10 +218,86 @@ fn release(socket: &std::path::Path, lease: u64) -> u8 {
     }
 }
 
-/// Runs the guard. The order matters: what a previous run left held is let go first (from
-/// `--state-dir`, else the default directory), then the config is read (exit 2 if it is bad,
-/// or if its floors cannot be right on this host), then the guard starts.
-fn run_daemon(path: PathBuf, lock: bool, state_dir: Option<PathBuf>) -> u8 {
+/// `check-config`: the config parsed and validated, then (unless `portable`) every check the
+/// daemon runs at start, against this host, beside the daemon that runs the config now if one
+/// does.
+fn check_config(path: &Path, portable: bool) -> u8 {
+    let loaded = match portable {
+        true => Config::load_portable(path),
+        false => Config::load(path),
+    };
+    let config = match loaded {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("gpuguard: {e}");
+            return exit::CONFIG;
+        }
+    };
+    let warn = |line: &str| eprintln!("gpuguard: config {}: warning: {line}", path.display());
+    for warning in config.warnings() {
+        warn(&warning);
+    }
+    if !portable {
+        let dir = StateDir::open_existing(&config.daemon.state_dir)
+            .ok()
+            .flatten();
+        let running = dir.as_ref().and_then(claim::state_dir_holder);
+        let totals = preflight::host_totals_now(&config);
+        match preflight::check(
+            &config,
+            path,
+            &totals,
+            &Checker::check_config(running.clone()),
+        ) {
+            Ok(ready) => {
+                for line in &ready.not_checked {
+                    warn(&format!("not checked as this user: {line}"));
+                }
+            }
+            Err(e) => {
+                eprintln!("gpuguard: {e}");
+                return exit::CONFIG;
+            }
+        }
+        let enforcer = claim::enforce_holder(&roots().enforce_lock);
+        let other = enforcer.filter(|e| running.as_ref().is_none_or(|r| r.pid != e.pid));
+        if let (Mode::Enforce, Some(other)) = (config.daemon.mode, other) {
+            warn(&format!(
+                "{other} enforces on this host: a daemon with this config does not start while \
+                 it does (exit 1); with --observe it watches beside it"
+            ));
+        }
+    }
+    println!(
+        "config {}: ok ({} model(s), mode {}{})",
+        path.display(),
+        config.models.len(),
+        config.daemon.mode,
+        if portable {
+            "; portable: not checked against this host"
+        } else {
+            ""
+        }
+    );
+    exit::OK
+}
+
+/// Where this daemon looks at the system: the defaults, and the enforce lock that
+/// `GPUGUARD_ENFORCE_LOCK` names (tests that run daemons side by side).
+fn roots() -> Roots {
+    let mut roots = Roots::default();
+    if let Some(path) = std::env::var_os(claim::ENFORCE_LOCK_ENV) {
+        roots.enforce_lock = PathBuf::from(path);
+    }
+    roots
+}
+
+/// Runs the guard. The order matters: the config is read (exit 2 if it is bad), the state
+/// directory claimed (exit 1 if another daemon holds it, or enforces on this host while this
+/// one would), what a previous run left there let go of, then every check `check-config` runs
+/// too (exit 2), then the guard starts. A config that cannot be read leaves nothing frozen
+/// when the command line names the state directory (the unit does): that is swept anyway.
+fn run_daemon(args: DaemonArgs) -> u8 {
     init_logging();
     // First: a SIGTERM from here on waits for the loop, which stops cleanly.
     let signals = match Daemon::signals() {
@@ -233,39 +307,42 @@ fn run_daemon(path: PathBuf, lock: bool, state_dir: Option<PathBuf>) -> u8 {
             return exit::FAILURE;
         }
     };
-    let swept = state_dir
-        .clone()
-        .unwrap_or_else(|| DaemonConfig::default().state_dir);
-    let leftovers = match undo_leftovers_in(&swept) {
-        Ok(l) => l,
-        Err(e) => {
-            eprintln!("gpuguard: {e}");
-            return exit::FAILURE;
-        }
+    let overrides = Overrides {
+        state_dir: args.state_dir,
+        socket: args.socket,
+        observe: args.observe,
     };
-    let mut config = match Config::load(&path) {
+    let roots = roots();
+    let mut config = match Config::load(&args.config) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("gpuguard: {e}");
+            if let Some(dir) = &overrides.state_dir {
+                let_go_of_leftovers_in(dir, &args.config, &roots);
+            }
             return exit::CONFIG;
         }
     };
-    if let Some(dir) = state_dir {
-        config.daemon.state_dir = dir;
+    overrides.apply(&mut config);
+    if overrides.observe {
+        tracing::info!("--observe: deciding and logging only, never signalling a process");
     }
     raise_file_limit();
-    if lock {
+    if args.lock_memory {
         lock_memory();
     }
-    let mut daemon = match Daemon::new(&path, config, Roots::default()) {
+    let mut daemon = match Daemon::new(&args.config, config, roots) {
         Ok(d) => d,
         Err(e) => {
-            eprintln!("gpuguard: {e:#}");
-            return exit::FAILURE;
+            eprintln!("gpuguard: {e}");
+            return match e {
+                StartError::Config(_) => exit::CONFIG,
+                StartError::Claimed(_) | StartError::Runtime(_) => exit::FAILURE,
+            };
         }
     };
-    daemon.announce_leftovers(&leftovers);
-    if let Err(e) = daemon.check_floors_at_start() {
+    daemon.keep_overrides(overrides);
+    if let Err(e) = daemon.preflight() {
         eprintln!("gpuguard: {e}");
         return exit::CONFIG;
     }
@@ -275,6 +352,31 @@ fn run_daemon(path: PathBuf, lock: bool, state_dir: Option<PathBuf>) -> u8 {
             eprintln!("gpuguard: {e:#}");
             exit::FAILURE
         }
+    }
+}
+
+/// What a previous run left held in `dir` (when it exists and no other daemon holds it), let go
+/// of when no other daemon enforces on the host: the config could not be read, and a broken
+/// config must not leave a process frozen.
+fn let_go_of_leftovers_in(dir: &Path, config: &Path, roots: &Roots) {
+    let Ok(Some(dir)) = StateDir::open_existing(dir) else {
+        return;
+    };
+    let me = Holder::me(config, dir.path());
+    let Ok(_claim) = claim::claim_state_dir(&dir, &me) else {
+        return;
+    };
+    let control = Arc::new(PidfdControl::new(&roots.proc));
+    let dir = Arc::new(dir);
+    if let Ok((_, leftovers)) = Executor::new(
+        control,
+        dir,
+        &roots.cgroup,
+        Mode::Observe,
+        &roots.enforce_lock,
+        me,
+    ) {
+        leftovers.log();
     }
 }
 
@@ -292,18 +394,6 @@ fn raise_file_limit() {
         Ok(_) => {}
         Err(e) => tracing::warn!("cannot read the open-file limit: {e}"),
     }
-}
-
-/// Lets go of what a previous run left held in `dir`, if it exists (it is not created here).
-fn undo_leftovers_in(dir: &Path) -> Result<Leftovers, StateDirError> {
-    let Some(dir) = StateDir::open_existing(dir)? else {
-        return Ok(Leftovers::default());
-    };
-    let roots = Roots::default();
-    let control = PidfdControl::new(&roots.proc);
-    let leftovers = undo_leftovers(&Arc::new(dir), &control, &roots.cgroup);
-    leftovers.log();
-    Ok(leftovers)
 }
 
 /// Keeps the guard resident when the host runs out of memory, when it matters most. Every page

@@ -77,6 +77,30 @@ pub struct Config {
     pub gce: GceConfig,
 }
 
+/// What `gpuguard daemon` flags set over the config file (`--state-dir`, `--socket`,
+/// `--observe`): applied at start and again at every reload, so a reload never undoes them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Overrides {
+    pub state_dir: Option<PathBuf>,
+    pub socket: Option<PathBuf>,
+    /// Observe whatever the file says: decide and log, never signal.
+    pub observe: bool,
+}
+
+impl Overrides {
+    pub fn apply(&self, config: &mut Config) {
+        if let Some(dir) = &self.state_dir {
+            config.daemon.state_dir = dir.clone();
+        }
+        if let Some(socket) = &self.socket {
+            config.launch.socket = socket.clone();
+        }
+        if self.observe {
+            config.daemon.mode = Mode::Observe;
+        }
+    }
+}
+
 impl Config {
     /// Reads and validates a config file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
@@ -86,6 +110,12 @@ impl Config {
             message: format!("cannot read: {e}"),
         })?;
         Config::parse(&text, path)
+    }
+
+    /// `load`, for a host other than this one (`check-config --portable`, packaging): users
+    /// the config names need not exist here (they are resolved on the host that runs it).
+    pub fn load_portable(path: &Path) -> Result<Config, ConfigError> {
+        models::portable_users(|| Config::load(path))
     }
 
     /// Parses and validates config text; `file` is only used in error messages.

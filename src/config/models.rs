@@ -490,6 +490,23 @@ pub struct User {
     pub uid: u32,
 }
 
+std::thread_local! {
+    /// Set while a config for another host is parsed: names of users unknown here pass.
+    static PORTABLE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `parse` with user names left unresolved where this host does not know them (their uid
+/// is then `UNRESOLVED`): for a config checked for another host, never one that runs here.
+pub(super) fn portable_users<T>(parse: impl FnOnce() -> T) -> T {
+    PORTABLE.with(|p| p.set(true));
+    let out = parse();
+    PORTABLE.with(|p| p.set(false));
+    out
+}
+
+/// The uid of a user a portable parse could not resolve (the kernel's overflow uid, nobody's).
+pub const UNRESOLVED: u32 = 65534;
+
 impl<'de> Deserialize<'de> for User {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let name = String::deserialize(d)?;
@@ -500,6 +517,10 @@ impl<'de> Deserialize<'de> for User {
             Ok(Some(user)) => Ok(User {
                 name,
                 uid: user.uid.as_raw(),
+            }),
+            _ if PORTABLE.with(|p| p.get()) => Ok(User {
+                name,
+                uid: UNRESOLVED,
             }),
             _ => Err(serde::de::Error::custom(format!(
                 "'{name}' is not a known user"

@@ -602,6 +602,7 @@ mod tests {
         let roots = Roots {
             proc: proc_root,
             cgroup: dir.path().join("cgroup"),
+            enforce_lock: dir.path().join("enforce.lock"),
         };
         let mut daemon = Daemon::new(&path, config, roots).unwrap();
         daemon.tick(Duration::ZERO);

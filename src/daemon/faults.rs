@@ -1,62 +1,27 @@
 //! What the daemon does about faults around it: floors that cannot be right on this host
-//! (refused at start and on reload), GPUs that are lost (said once, as an event; the condition,
-//! status and metric come from the snapshot), and what a previous run left held.
-
-use std::time::Duration;
+//! (refused on reload; at start by `preflight.rs`), GPUs that are lost (said once, as an event;
+//! the condition, status and metric come from the snapshot), and what a previous run left held.
 
 use tracing::warn;
 
 use crate::act::Leftovers;
 use crate::alert::Alerter;
-use crate::config::{Config, ConfigError, GpuTotal, HostTotals};
+use crate::config::{Config, ConfigError, HostTotals};
 use crate::kinds::EventKind;
 use crate::policy::{About, Event, Resource, Severity};
 
 use super::sampler::Sampler;
 use super::Daemon;
 
-/// At start, how long the GPU floors' check waits for NVML's first answer (loading NVML takes
-/// seconds on some drivers; RAM is not guarded meanwhile, so not longer).
-const FIRST_GPU_ANSWER: Duration = Duration::from_secs(5);
-
 impl Daemon {
-    /// At start: refuses floors that cannot be right on this host. With GPU floors configured,
-    /// GPU totals come from NVML's first answer, waited for at most `FIRST_GPU_ANSWER` (a GPU
-    /// that answers later has such a floor left unenforced by the policy, and a reload then
-    /// refuses it).
-    pub fn check_floors_at_start(&mut self) -> Result<(), ConfigError> {
-        let host = self.sampler.procs.host_memory();
-        let g = &self.config.gpu;
-        let gpu_floors = g.warn_free.is_some() || g.min_free.is_some() || !g.devices.is_empty();
-        let gpus = match &self.sampler.gpus {
-            Some(monitor) if gpu_floors => {
-                monitor.request(false);
-                monitor.wait_first(FIRST_GPU_ANSWER);
-                let (snapshot, _, _) = monitor.snapshot(
-                    std::time::Instant::now(),
-                    Duration::ZERO,
-                    self.config.gpu.sample_timeout,
-                );
-                snapshot.devices
-            }
-            _ => Vec::new(),
-        };
-        let totals = HostTotals {
-            ram_bytes: host.total_bytes,
-            swap_bytes: host.swap_total_bytes,
-            gpus: gpu_totals(&gpus),
-        };
-        self.config.check_host(&totals, &self.config_path)
-    }
-
-    /// A reloaded config, checked against this host's totals as last sampled; `state_dir`
-    /// stays what the daemon started with (it changes only at restart).
+    /// A reloaded config, checked against this host's totals as last sampled; `state_dir` and
+    /// `launch.socket` stay what the daemon started with (they change only at restart).
     pub(super) fn vet_reload(&self, mut config: Config) -> Result<Config, ConfigError> {
         let s = &self.sampler.snapshot;
         let totals = HostTotals {
             ram_bytes: s.host.total_bytes,
             swap_bytes: s.host.swap_total_bytes,
-            gpus: gpu_totals(&s.gpus.devices),
+            gpus: super::preflight::gpu_totals(&s.gpus.devices),
         };
         config.check_host(&totals, &self.config_path)?;
         if config.daemon.state_dir != self.config.daemon.state_dir {
@@ -66,6 +31,7 @@ impl Daemon {
             );
             config.daemon.state_dir = self.config.daemon.state_dir.clone();
         }
+        config.launch.socket = self.config.launch.socket.clone();
         Ok(config)
     }
 }
@@ -112,14 +78,6 @@ impl Sampler {
     }
 }
 
-impl Daemon {
-    /// Tells the alert pipeline what a run found left held before the daemon was set up (the
-    /// sweep of the state directory before the config was read).
-    pub fn announce_leftovers(&mut self, leftovers: &Leftovers) {
-        announce_leftovers(&mut self.reporter.alerter, leftovers);
-    }
-}
-
 /// Tells the alert pipeline what a previous run left held (a record that could not be read is
 /// critical: processes may still be stopped). The log has it already.
 pub(super) fn announce_leftovers(alerter: &mut Alerter, leftovers: &Leftovers) {
@@ -130,6 +88,9 @@ pub(super) fn announce_leftovers(alerter: &mut Alerter, leftovers: &Leftovers) {
             leftovers.undone.join("; "),
         );
     }
+    for kept in &leftovers.kept {
+        alerter.lifecycle(EventKind::LeftoversKept, Severity::Critical, kept.clone());
+    }
     for problem in &leftovers.problems {
         alerter.lifecycle(
             EventKind::StateFileCorrupt,
@@ -137,17 +98,6 @@ pub(super) fn announce_leftovers(alerter: &mut Alerter, leftovers: &Leftovers) {
             problem.clone(),
         );
     }
-}
-
-fn gpu_totals(devices: &[crate::snapshot::Gpu]) -> Vec<GpuTotal> {
-    devices
-        .iter()
-        .map(|g| GpuTotal {
-            index: g.index,
-            uuid: g.uuid.clone(),
-            total_bytes: g.total_bytes,
-        })
-        .collect()
 }
 
 fn gpu_about(index: u32) -> About {

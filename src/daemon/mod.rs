@@ -48,10 +48,11 @@ use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 use tracing::{debug, error, info, warn};
 
+use crate::act::claim::{self, ClaimError, Holder, Lock};
 use crate::act::signal::{self_test, PidfdControl};
 use crate::act::{Executor, ProcessControl};
 use crate::alert::Alerter;
-use crate::config::Config;
+use crate::config::{Config, ConfigError, Overrides};
 use crate::ipc::server::Shared;
 use crate::kinds::EventKind;
 use crate::metrics::Metrics;
@@ -70,6 +71,7 @@ mod alerts;
 mod faults;
 mod gce;
 mod model_detail;
+pub mod preflight;
 mod report;
 mod sampler;
 mod scanning;
@@ -100,6 +102,8 @@ pub struct Sources {
     pub cgroup_root: PathBuf,
     /// /proc, where the socket reads its peers' start times.
     pub proc_root: PathBuf,
+    /// The host's enforce lock (`act::claim`): one daemon at a time signals on a host.
+    pub enforce_lock: PathBuf,
     /// Sample and scan on the loop's own thread, at the tick that asks, instead of on threads of
     /// their own: ticks are then deterministic (tests).
     pub inline: bool,
@@ -121,6 +125,7 @@ impl Sources {
             control: Arc::new(PidfdControl::new(&proc_root)),
             cgroup_root: roots.cgroup.clone(),
             proc_root,
+            enforce_lock: roots.enforce_lock.clone(),
             inline: false,
         }
     }
@@ -131,6 +136,8 @@ impl Sources {
 pub struct Roots {
     pub proc: PathBuf,
     pub cgroup: PathBuf,
+    /// The host's enforce lock (`act::claim::DEFAULT_ENFORCE_LOCK`).
+    pub enforce_lock: PathBuf,
 }
 
 impl Default for Roots {
@@ -138,13 +145,35 @@ impl Default for Roots {
         Roots {
             proc: PathBuf::from("/proc"),
             cgroup: PathBuf::from("/sys/fs/cgroup"),
+            enforce_lock: PathBuf::from(crate::act::claim::DEFAULT_ENFORCE_LOCK),
         }
     }
+}
+
+/// Why a daemon did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The config cannot work on this host (exit 2: restarting does not help).
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// Another gpuguard holds the state directory or enforces on the host (exit 1: it may let
+    /// go, and systemd tries again).
+    #[error("{0}")]
+    Claimed(#[from] ClaimError),
+    #[error("{0:#}")]
+    Runtime(#[from] anyhow::Error),
 }
 
 pub struct Daemon {
     config_path: PathBuf,
     config: Config,
+    /// What the command line set over the config (kept across reloads).
+    overrides: Overrides,
+    /// The state directory, claimed for the daemon's life.
+    dir: Arc<StateDir>,
+    _claim: Lock,
+    /// What the start's checks bound for the daemon (the metrics address).
+    ready: preflight::Ready,
     /// What the loop knows of the host (sources, snapshot), and what it reads next.
     sampler: Sampler,
     executor: Executor,
@@ -192,19 +221,21 @@ const MIN_WAKE_GAP: Duration = Duration::from_millis(2);
 
 impl Daemon {
     /// Sets the daemon up on the real system: /proc, NVML, pidfd signals (`Sources::real`).
-    pub fn new(config_path: &Path, config: Config, roots: Roots) -> anyhow::Result<Daemon> {
+    pub fn new(config_path: &Path, config: Config, roots: Roots) -> Result<Daemon, StartError> {
         one_malloc_arena();
         let sources = Sources::real(&config, &roots);
         Daemon::with_sources(config_path, config, sources)
     }
 
-    /// Sets the daemon up on the given sources: state directory, leftovers from a crash, NVML
-    /// worker, the first process table.
+    /// Sets the daemon up on the given sources: claims the state directory (refused if another
+    /// daemon holds it) and, to enforce, the host's enforce lock; lets go of what a previous run
+    /// left there if it may; starts the NVML worker and reads the first process table. Nothing
+    /// is recorded and nothing is served until `run`.
     pub fn with_sources(
         config_path: &Path,
         config: Config,
         sources: Sources,
-    ) -> anyhow::Result<Daemon> {
+    ) -> Result<Daemon, StartError> {
         let Sources {
             procs,
             tables,
@@ -212,11 +243,23 @@ impl Daemon {
             control,
             cgroup_root,
             proc_root,
+            enforce_lock,
             inline,
         } = sources;
         warm::warm_up(control.as_ref());
-        let dir = Arc::new(StateDir::create(&config.daemon.state_dir)?);
-        let (executor, leftovers) = Executor::new(control, dir.clone(), &cgroup_root);
+        let dir = StateDir::create(&config.daemon.state_dir)
+            .map_err(|e| preflight::state_dir_error(config_path, e))?;
+        let dir = Arc::new(dir);
+        let me = Holder::me(config_path, dir.path());
+        let claim = claim::claim_state_dir(&dir, &me)?;
+        let (executor, leftovers) = Executor::new(
+            control,
+            dir.clone(),
+            &cgroup_root,
+            config.daemon.mode,
+            &enforce_lock,
+            me,
+        )?;
         leftovers.log();
         let timeout = config.gpu.sample_timeout;
         let gpus = gpus.map(|source| match inline {
@@ -234,9 +277,10 @@ impl Daemon {
             ..Default::default()
         };
         let metrics = Metrics::new();
+        preflight::check_secrets(&config, config_path)?;
         let mut alerter = Alerter::new(&config, &metrics).context("[alert]")?;
         faults::announce_leftovers(&mut alerter, &leftovers);
-        let reporter = Reporter::new(alerter, metrics).recording(&dir, &config.history);
+        let reporter = Reporter::new(alerter, metrics);
         let (events_tx, events) = channel();
         let mut sampler = Sampler::new(procs, scans, gpus, snapshot, events_tx.clone());
         sampler.gce = gce::start(&config);
@@ -252,6 +296,10 @@ impl Daemon {
         Ok(Daemon {
             config_path: config_path.to_path_buf(),
             config,
+            overrides: Overrides::default(),
+            dir,
+            _claim: claim,
+            ready: preflight::Ready::default(),
             sampler,
             executor,
             state: PolicyState::default(),
@@ -264,6 +312,32 @@ impl Daemon {
             engines: EngineScraper::default(),
             gce_notices: Default::default(),
         })
+    }
+
+    /// What the command line set over the config file: applied again at every reload.
+    pub fn keep_overrides(&mut self, overrides: Overrides) {
+        self.overrides = overrides;
+    }
+
+    /// At start, before anything is served or recorded: every check `check-config` runs too
+    /// (`preflight::check`), against this host's totals (GPU totals from NVML's first answer).
+    pub fn preflight(&mut self) -> Result<(), ConfigError> {
+        let totals = preflight::host_totals(
+            &self.config,
+            self.sampler.procs.as_mut(),
+            self.sampler.gpus.as_ref(),
+        );
+        let checker = preflight::Checker::Daemon;
+        self.ready = preflight::check(&self.config, &self.config_path, &totals, &checker)?;
+        Ok(())
+    }
+
+    /// The flight recorder, from now on (`[history] enabled`): what the previous run left is
+    /// read first. Started by `run` once the daemon serves, so that a start that fails is never
+    /// taken for a crash by the next one.
+    pub(crate) fn start_recording(&mut self) {
+        self.reporter
+            .start_recording(&self.dir, &self.config.history);
     }
 
     /// The signals the daemon handles, registered as early as the caller can (a SIGTERM that
@@ -293,12 +367,13 @@ impl Daemon {
             .start(self.events_tx.clone())
             .context("starting the process scan thread")?;
         let _socket = crate::ipc::server::spawn(&self.config.launch.socket, self.shared.clone())?;
-        if let Some(address) = self.config.metrics.address() {
-            let bound = crate::metrics::serve(address, self.reporter.metrics.clone())
+        if let Some(listener) = self.ready.metrics.take() {
+            let bound = crate::metrics::serve(listener, self.reporter.metrics.clone())
                 .context("[metrics] listen")?;
             info!("metrics on http://{bound}/metrics");
             self.reporter.metrics_served();
         }
+        self.start_recording();
         for warning in self.config.warnings() {
             warn!("config {}: {warning}", self.config_path.display());
         }
@@ -533,41 +608,49 @@ impl Daemon {
     }
 
     fn reload(&mut self) {
-        match Config::load(&self.config_path).and_then(|c| self.vet_reload(c)) {
-            Ok(config) => {
-                if config.daemon.state_dir != self.config.daemon.state_dir
-                    || config.launch.socket != self.config.launch.socket
-                {
-                    warn!("daemon.state_dir and launch.socket change only at restart");
-                }
-                if config.metrics.listen != self.config.metrics.listen {
-                    warn!("metrics.listen changes only at restart");
-                }
-                if let Err(e) = self.reporter.alerter.configure(&config) {
-                    let message =
-                        format!("config reload failed, keeping the previous config: {e:#}");
-                    error!("{message}");
-                    self.reporter.lifecycle(
-                        EventKind::ConfigReloadFailed,
-                        Severity::Warning,
-                        message,
-                    );
-                    return;
-                }
-                self.shared.table().reconfigure(&config);
-                self.config = config;
-                self.state.config_changed();
-                // Rescan at once so new matchers and budgets apply now.
-                self.sampler.scans.want_full();
-                info!("config {} reloaded", self.config_path.display());
-            }
-            Err(e) => {
-                let message = format!("config reload failed, keeping the previous config: {e}");
-                error!("{message}");
-                self.reporter
-                    .lifecycle(EventKind::ConfigReloadFailed, Severity::Warning, message);
-            }
+        let loaded = Config::load(&self.config_path).and_then(|mut c| {
+            self.overrides.apply(&mut c);
+            self.vet_reload(c)
+        });
+        let config = match loaded {
+            Ok(config) => config,
+            Err(e) => return self.reload_failed(e.to_string()),
+        };
+        if config.launch.socket != self.config.launch.socket {
+            warn!("launch.socket changes only at restart");
         }
+        if config.metrics.listen != self.config.metrics.listen {
+            warn!("metrics.listen changes only at restart");
+        }
+        // To enforce, the host's enforce lock first: refused while another daemon holds it.
+        let (old_mode, mode) = (self.config.daemon.mode, config.daemon.mode);
+        match self.executor.set_mode(mode) {
+            Ok(leftovers) => {
+                leftovers.log();
+                faults::announce_leftovers(&mut self.reporter.alerter, &leftovers);
+            }
+            Err(e) => return self.reload_failed(format!("daemon.mode '{mode}': {e}")),
+        }
+        if let Err(e) = self.reporter.alerter.configure(&config) {
+            if let Err(back) = self.executor.set_mode(old_mode) {
+                error!("daemon.mode stays {mode}: {back}");
+            }
+            return self.reload_failed(format!("{e:#}"));
+        }
+        self.shared.table().reconfigure(&config);
+        self.config = config;
+        self.state.config_changed();
+        // Rescan at once so new matchers and budgets apply now.
+        self.sampler.scans.want_full();
+        info!("config {} reloaded", self.config_path.display());
+    }
+
+    /// A reload that failed: said, and the running config kept.
+    fn reload_failed(&mut self, why: String) {
+        let message = format!("config reload failed, keeping the previous config: {why}");
+        error!("{message}");
+        self.reporter
+            .lifecycle(EventKind::ConfigReloadFailed, Severity::Warning, message);
     }
 
     fn log_start(&mut self) {

@@ -67,13 +67,13 @@ impl Reporter {
     /// the state directory's `history/` (a post-mortem event if it did not stop cleanly), then
     /// starts recording there. A recorder that cannot start is a critical event, not a failed
     /// start: guarding comes first.
-    pub(super) fn recording(mut self, dir: &StateDir, config: &HistoryConfig) -> Reporter {
+    pub(super) fn start_recording(&mut self, dir: &StateDir, config: &HistoryConfig) {
         match KernelLog::open(config.kernel_log, &kernel_log::Paths::real()) {
             Ok(log) => self.kernel_log = log,
             Err(why) => tracing::warn!("history.kernel_log: {why}"),
         }
         if !config.enabled {
-            return self;
+            return;
         }
         let path = dir.path().join(history::DIR);
         let started = dir
@@ -85,7 +85,7 @@ impl Reporter {
                 let why = format!("history: cannot record in {}: {e}", path.display());
                 tracing::error!("{why}");
                 self.lifecycle(EventKind::HistoryStopped, Severity::Critical, why);
-                return self;
+                return;
             }
         };
         let previous = history::last_run(&path);
@@ -111,7 +111,6 @@ impl Reporter {
             }
             Err(e) => tracing::warn!("history: cannot read {}: {e}", path.display()),
         }
-        self
     }
 
     /// How close the host is to a floor, as the flight recorder keeps samples.

@@ -14,7 +14,6 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::Context;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -531,7 +530,9 @@ mod tests {
     fn idle_connections_holding_every_slot_do_not_keep_a_scrape_out() {
         let m = Metrics::new();
         m.count_action("kill", "ram_floor", "done");
-        let port = serve("127.0.0.1:0".parse().unwrap(), m).unwrap().port();
+        let port = serve(std::net::TcpListener::bind("127.0.0.1:0").unwrap(), m)
+            .unwrap()
+            .port();
         let idle: Vec<std::net::TcpStream> = (0..40)
             .map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).unwrap())
             .collect();
@@ -547,9 +548,12 @@ mod tests {
     #[test]
     fn a_connection_that_sends_no_request_is_closed_after_the_header_deadline() {
         use std::io::Read;
-        let port = serve("127.0.0.1:0".parse().unwrap(), Metrics::new())
-            .unwrap()
-            .port();
+        let port = serve(
+            std::net::TcpListener::bind("127.0.0.1:0").unwrap(),
+            Metrics::new(),
+        )
+        .unwrap()
+        .port();
         // Before connecting: the server's deadline starts when it accepts, after this.
         let started = std::time::Instant::now();
         let mut idle = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();

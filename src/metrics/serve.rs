@@ -97,10 +97,9 @@ impl Drop for Slot {
     }
 }
 
-/// Binds `address` and serves `/metrics` on a new thread until the process exits.
-pub fn serve(address: SocketAddr, metrics: Metrics) -> anyhow::Result<SocketAddr> {
-    let listener = std::net::TcpListener::bind(address)
-        .with_context(|| format!("metrics: cannot listen on {address}"))?;
+/// Serves `/metrics` on `listener` (bound by the start's checks) on a new thread until the
+/// process exits; returns the address it listens on.
+pub fn serve(listener: std::net::TcpListener, metrics: Metrics) -> anyhow::Result<SocketAddr> {
     listener.set_nonblocking(true)?;
     let bound = listener.local_addr()?;
     std::thread::Builder::new()

@@ -11,6 +11,7 @@ pub mod proc_events;
 pub mod procfs;
 pub mod prometheus;
 pub mod scan;
+pub mod sockets;
 pub mod tmpfs;
 pub mod unattributed;
 pub mod weights;

@@ -474,7 +474,7 @@ fn floors_that_cannot_be_right_on_this_host_are_refused_at_start_and_on_reload()
             world(),
             &format!("candidates = \"models\"\n{floors}{model}"),
         );
-        let e = h.daemon.check_floors_at_start().unwrap_err().to_string();
+        let e = h.daemon.preflight().unwrap_err().to_string();
         assert!(e.contains(key) && e.contains(why), "{floors}: {e}");
     }
 
@@ -485,7 +485,7 @@ fn floors_that_cannot_be_right_on_this_host_are_refused_at_start_and_on_reload()
         world(),
         &fits("[[gpu.device]]\ngpu = \"0\"\nmin_free = \"20GiB\"\n"),
     );
-    h.daemon.check_floors_at_start().unwrap();
+    h.daemon.preflight().unwrap();
     h.ticks(5, 100 * MS);
     h.reload(&fits("min_free = \"20GiB\"\n"));
     let failed = recorded(&h, "config_reload_failed");

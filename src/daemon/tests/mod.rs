@@ -301,9 +301,11 @@ impl Harness {
             control: Arc::new(FakeControl(shared.clone())),
             cgroup_root: dir.path().join("cgroup"),
             proc_root: dir.path().join("proc"),
+            enforce_lock: dir.path().join("enforce.lock"),
             inline: true,
         };
         let mut daemon = Daemon::with_sources(&path, config, sources).unwrap();
+        daemon.start_recording();
         // The fake pids are not the test's own.
         daemon.sampler.snapshot.self_pid = i32::MAX;
         Harness {

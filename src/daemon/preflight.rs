@@ -1,0 +1,377 @@
+//! What a config needs of this host, checked by the same code for the daemon at start and for
+//! `gpuguard check-config`: the state directory is gpuguard's own, the floors fit this host's
+//! MemTotal, SwapTotal and GPU totals, every webhook's secret file reads, the metrics address
+//! binds, and the socket is not another daemon's. (Users and regexes are checked when the
+//! config is parsed.) Each problem is a `ConfigError` naming the file and the key: both exit 2
+//! on it, so systemd does not restart a config that cannot work here.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::act::claim::Holder;
+use crate::config::{Config, ConfigError, GpuTotal, HostTotals};
+use crate::sample::nvml::{GpuMonitor, NvmlGpuSource};
+use crate::sample::{sockets, ProcSource, ProcfsSource};
+use crate::state_dir::{StateDir, StateDirError};
+
+/// How long the GPU floors' check waits for NVML's first answer (loading NVML takes seconds on
+/// some drivers; at start RAM is not guarded meanwhile, so not longer).
+pub const FIRST_GPU_ANSWER: Duration = Duration::from_secs(5);
+
+/// Who checks: the daemon at its own start, or `check-config` beside the daemon that runs the
+/// config now, if one does (its own port and socket are not in the way of its reload).
+#[derive(Clone, Debug)]
+pub enum Checker {
+    Daemon,
+    CheckConfig {
+        /// The daemon that holds the config's state directory (read as root only).
+        running: Option<Holder>,
+        /// Run as root, as the daemon is: what root alone may read is checked, not noted.
+        root: bool,
+    },
+}
+
+impl Checker {
+    /// `check-config` as the current user.
+    pub fn check_config(running: Option<Holder>) -> Checker {
+        Checker::CheckConfig {
+            running,
+            root: nix::unistd::geteuid().is_root(),
+        }
+    }
+
+    fn running(&self) -> Option<i32> {
+        match self {
+            Checker::CheckConfig { running, .. } => running.as_ref().map(|h| h.pid),
+            Checker::Daemon => None,
+        }
+    }
+
+    /// A user other than root checking, who cannot read what the daemon (root) reads.
+    fn unprivileged(&self) -> bool {
+        matches!(self, Checker::CheckConfig { root: false, .. })
+    }
+}
+
+/// What passing the checks leaves open for the daemon: the metrics address, bound; and what a
+/// checker other than root could not check (`check-config` says it).
+#[derive(Debug, Default)]
+pub struct Ready {
+    pub metrics: Option<TcpListener>,
+    pub not_checked: Vec<String>,
+}
+
+/// This host's totals: MemTotal and SwapTotal from `procs`, each GPU's from NVML's first answer
+/// when GPU floors are configured (waited for at most `FIRST_GPU_ANSWER`: a GPU that answers
+/// later has its floors checked at the next reload).
+pub fn host_totals(
+    config: &Config,
+    procs: &mut dyn ProcSource,
+    gpus: Option<&GpuMonitor>,
+) -> HostTotals {
+    let host = procs.host_memory();
+    let g = &config.gpu;
+    let gpu_floors = g.warn_free.is_some() || g.min_free.is_some() || !g.devices.is_empty();
+    let devices = match gpus {
+        Some(monitor) if gpu_floors => {
+            monitor.request(false);
+            monitor.wait_first(FIRST_GPU_ANSWER);
+            let (snapshot, _, _) =
+                monitor.snapshot(Instant::now(), Duration::ZERO, config.gpu.sample_timeout);
+            snapshot.devices
+        }
+        _ => Vec::new(),
+    };
+    HostTotals {
+        ram_bytes: host.total_bytes,
+        swap_bytes: host.swap_total_bytes,
+        gpus: gpu_totals(&devices),
+    }
+}
+
+/// `host_totals` from the real /proc and NVML (`check-config`, no daemon of its own).
+pub fn host_totals_now(config: &Config) -> HostTotals {
+    let mut procs = ProcfsSource::new("/proc");
+    let gpus = config.gpu.enabled.then(|| {
+        let source = NvmlGpuSource::new(config.gpu.nvml_library.clone(), config.gpu.retry_init);
+        GpuMonitor::start(Box::new(source), config.gpu.sample_timeout)
+    });
+    host_totals(config, &mut procs, gpus.as_ref())
+}
+
+pub fn gpu_totals(devices: &[crate::snapshot::Gpu]) -> Vec<GpuTotal> {
+    devices
+        .iter()
+        .map(|g| GpuTotal {
+            index: g.index,
+            uuid: g.uuid.clone(),
+            total_bytes: g.total_bytes,
+        })
+        .collect()
+}
+
+/// Every check of `config` (read from `file`) against this host, in the order the daemon needs
+/// them.
+pub fn check(
+    config: &Config,
+    file: &Path,
+    totals: &HostTotals,
+    who: &Checker,
+) -> Result<Ready, ConfigError> {
+    let mut ready = Ready::default();
+    check_state_dir(config, file, who, &mut ready)?;
+    config.check_host(totals, file)?;
+    check_secrets_as(config, file, who, &mut ready)?;
+    check_socket(config, file, who, &mut ready)?;
+    ready.metrics = bind_metrics(config, file, who, &mut ready)?;
+    Ok(ready)
+}
+
+/// The state directory is not gpuguard's own (owned by another user, writable by others): a
+/// config error, the key `daemon.state_dir`.
+pub fn state_dir_error(file: &Path, e: StateDirError) -> ConfigError {
+    error(file, "daemon.state_dir", e.to_string())
+}
+
+fn check_state_dir(
+    config: &Config,
+    file: &Path,
+    who: &Checker,
+    ready: &mut Ready,
+) -> Result<(), ConfigError> {
+    let path = &config.daemon.state_dir;
+    if !who.unprivileged() {
+        return match StateDir::open_existing(path) {
+            Ok(_) => Ok(()),
+            Err(e) => Err(state_dir_error(file, e)),
+        };
+    }
+    // Root's directory, seen by another user: only what anyone can see of it.
+    use std::os::unix::fs::MetadataExt;
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.mode() & 0o022 != 0 => Err(error(
+            file,
+            "daemon.state_dir",
+            format!(
+                "'{}' is writable by group or others (mode {:04o}): the daemon refuses it",
+                path.display(),
+                m.mode() & 0o7777
+            ),
+        )),
+        Ok(_) => {
+            ready.not_checked.push(format!(
+                "daemon.state_dir: '{}' checked only for its mode (its owner as root)",
+                path.display()
+            ));
+            Ok(())
+        }
+        Err(_) => Ok(()),
+    }
+}
+
+/// Every webhook's `secret_file` reads and holds a secret (the daemon at start).
+pub fn check_secrets(config: &Config, file: &Path) -> Result<(), ConfigError> {
+    check_secrets_as(config, file, &Checker::Daemon, &mut Ready::default())
+}
+
+fn check_secrets_as(
+    config: &Config,
+    file: &Path,
+    who: &Checker,
+    ready: &mut Ready,
+) -> Result<(), ConfigError> {
+    for (i, w) in config.alert.webhooks.iter().enumerate() {
+        let Some(path) = &w.secret_file else {
+            continue;
+        };
+        let key = format!("alert.webhook[{i}].secret_file");
+        let denied = std::fs::File::open(path)
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied);
+        if denied && who.unprivileged() {
+            ready.not_checked.push(format!(
+                "{key}: '{}' is not readable by this user (the daemon reads it as root)",
+                path.display()
+            ));
+            continue;
+        }
+        crate::alert::webhook::read_secret(path).map_err(|e| error(file, &key, e))?;
+    }
+    Ok(())
+}
+
+/// The socket is free, or is the running daemon's.
+fn check_socket(
+    config: &Config,
+    file: &Path,
+    who: &Checker,
+    ready: &mut Ready,
+) -> Result<(), ConfigError> {
+    let path = &config.launch.socket;
+    let Some(pid) = socket_server(path) else {
+        return Ok(());
+    };
+    if Some(pid) == who.running() {
+        return Ok(());
+    }
+    if who.unprivileged() {
+        ready.not_checked.push(format!(
+            "launch.socket: '{}' is served by pid {pid}: the daemon of this config if it runs \
+             (as root, check-config tells)",
+            path.display()
+        ));
+        return Ok(());
+    }
+    Err(error(
+        file,
+        "launch.socket",
+        format!(
+            "'{}' is in use by pid {pid} (another gpuguard daemon?): give this one a socket of \
+             its own (--socket)",
+            path.display()
+        ),
+    ))
+}
+
+/// The pid of the process that serves the unix socket at `path`, if one answers there.
+fn socket_server(path: &Path) -> Option<i32> {
+    let stream = std::os::unix::net::UnixStream::connect(path).ok()?;
+    let peer = rustix::net::sockopt::socket_peercred(&stream).ok()?;
+    Some(peer.pid.as_raw_nonzero().get())
+}
+
+/// `[metrics] listen`, bound now (`None` when off, or when it is the running daemon's).
+fn bind_metrics(
+    config: &Config,
+    file: &Path,
+    who: &Checker,
+    ready: &mut Ready,
+) -> Result<Option<TcpListener>, ConfigError> {
+    let Some(address) = config.metrics.address() else {
+        return Ok(None);
+    };
+    let e = match TcpListener::bind(address) {
+        Ok(listener) => return Ok(Some(listener)),
+        Err(e) => e,
+    };
+    if e.kind() == std::io::ErrorKind::AddrInUse {
+        let proc = PathBuf::from("/proc");
+        let inodes = sockets::listening(&proc, address);
+        if let Some(pid) = who.running() {
+            if inodes.iter().any(|&i| sockets::holds_socket(&proc, pid, i)) {
+                return Ok(None);
+            }
+        }
+        if who.unprivileged() {
+            ready.not_checked.push(format!(
+                "metrics.listen: '{address}' is in use: by the daemon of this config if it runs \
+                 (as root, check-config tells)"
+            ));
+            return Ok(None);
+        }
+        return Err(error(
+            file,
+            "metrics.listen",
+            format!("'{address}' cannot be bound: {e} (another program listens there)"),
+        ));
+    }
+    Err(error(
+        file,
+        "metrics.listen",
+        format!("'{address}' cannot be bound: {e}"),
+    ))
+}
+
+fn error(file: &Path, key: &str, message: String) -> ConfigError {
+    ConfigError {
+        file: file.to_path_buf(),
+        key: key.into(),
+        message,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(text: &str, dir: &Path) -> Config {
+        let text = format!(
+            "[daemon]\nstate_dir = \"{}\"\n[launch]\nsocket = \"{}\"\n{text}",
+            dir.join("state").display(),
+            dir.join("sock").display()
+        );
+        Config::parse(&text, Path::new("/etc/gpuguard/config.toml")).unwrap()
+    }
+
+    fn totals() -> HostTotals {
+        HostTotals {
+            ram_bytes: Some(64 << 30),
+            swap_bytes: Some(0),
+            gpus: Vec::new(),
+        }
+    }
+
+    /// Issue 40: what passed `check-config` and then stopped the daemon is refused by the one
+    /// check both run, with the key: a floor above MemTotal, a missing secret file, a metrics
+    /// port another program holds, a socket another daemon serves.
+    #[test]
+    fn what_the_daemon_refuses_at_start_is_refused_with_its_key() {
+        let root = tempfile::tempdir().unwrap();
+        let file = Path::new("/etc/gpuguard/config.toml");
+        let key = |text: &str| {
+            check(
+                &config(text, root.path()),
+                file,
+                &totals(),
+                &Checker::Daemon,
+            )
+            .unwrap_err()
+            .key
+        };
+        assert_eq!(
+            key("[ram]\nmin_available = \"65GiB\"\n"),
+            "ram.min_available"
+        );
+        let missing = root.path().join("no-such-secret");
+        assert_eq!(
+            key(&format!(
+                "[[alert.webhook]]\nurl = \"http://127.0.0.1:9/h\"\nsecret_file = \"{}\"\n",
+                missing.display()
+            )),
+            "alert.webhook[0].secret_file"
+        );
+        let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = taken.local_addr().unwrap();
+        assert_eq!(
+            key(&format!("[metrics]\nlisten = \"{port}\"\n")),
+            "metrics.listen"
+        );
+        let server = std::os::unix::net::UnixListener::bind(root.path().join("sock")).unwrap();
+        assert_eq!(key(""), "launch.socket");
+        drop(server);
+        std::fs::remove_file(root.path().join("sock")).unwrap();
+
+        // Its own port and socket do not count against the running daemon's config.
+        let beside = Checker::CheckConfig {
+            running: Some(Holder::me(file, root.path())),
+            root: true,
+        };
+        let _server = std::os::unix::net::UnixListener::bind(root.path().join("sock")).unwrap();
+        let ready = check(
+            &config(&format!("[metrics]\nlisten = \"{port}\"\n"), root.path()),
+            file,
+            &totals(),
+            &beside,
+        )
+        .unwrap();
+        assert!(
+            ready.metrics.is_none(),
+            "the running daemon's port is not bound again"
+        );
+        // A good config binds its port for the daemon.
+        let free = config("[metrics]\nlisten = \"127.0.0.1:0\"\n", root.path());
+        std::fs::remove_file(root.path().join("sock")).unwrap();
+        let ready = check(&free, file, &totals(), &Checker::Daemon).unwrap();
+        assert!(ready.metrics.is_some());
+    }
+}
