@@ -209,7 +209,10 @@ impl Executor {
                         .map(|p| format!("{} ({})", p.pid, printable(&p.comm)))
                         .collect();
                     out.kept.push(format!(
-                        "what a previous gpuguard run left held in {} is left as it is: {e}, and                          letting go here could undo its work; still stopped, if they run: pids {};                          cgroup throttles: {}. The next daemon on this state directory that may                          act lets go of them",
+                        "what a previous gpuguard run left held in {} stays held, since letting go \
+                         could undo another daemon's work ({e}); still stopped, if they run: pids \
+                         {}; cgroup throttles: {}. The next daemon on this state directory that \
+                         may act lets go of them",
                         self.dir.path().display(),
                         if pids.is_empty() { "none".into() } else { pids.join(", ") },
                         self.inherited_throttles.len()
@@ -575,7 +578,7 @@ mod tests {
         assert!(leftovers.undone.is_empty(), "{leftovers:?}");
         let problem = leftovers.kept.join("\n");
         assert!(
-            problem.contains("is left as it is") && problem.contains("pids 20 (vllm)"),
+            problem.contains("stays held") && problem.contains("pids 20 (vllm)"),
             "{problem}"
         );
         observer.shutdown();

@@ -475,4 +475,20 @@ mod tests {
     fn cli_definition_is_consistent() {
         Cli::command().debug_assert();
     }
+
+    /// Issue 40: `--help` wraps (clap's `wrap_help`: to the terminal, to 100 columns where
+    /// there is none); `plan --help` had lines of 332 columns.
+    #[test]
+    fn every_help_fits_100_columns() {
+        let mut cli = Cli::command().term_width(100);
+        cli.build();
+        let mut commands = vec![cli.clone()];
+        commands.extend(cli.get_subcommands().cloned());
+        for mut command in commands {
+            let name = command.get_name().to_string();
+            let help = command.render_long_help().to_string();
+            let widest = help.lines().map(|l| l.chars().count()).max().unwrap_or(0);
+            assert!(widest <= WIDTH, "{name} --help: {widest} columns:\n{help}");
+        }
+    }
 }

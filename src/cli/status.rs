@@ -112,14 +112,15 @@ fn render_memory(m: &MemoryStatus) -> String {
 }
 
 fn render_gpus(g: &GpuProtection, gpus: &[GpuRow]) -> String {
-    let mut out = format!(
-        "GPUs: protection {}{}{}\n",
+    let line = format!(
+        "protection {}{}{}",
         g.state,
         g.reason
             .as_ref()
             .map_or(String::new(), |r| format!(" ({r})")),
         if g.stale { " [stale]" } else { "" }
     );
+    let mut out = super::wrapped(&line, "GPUs:", "  ");
     if gpus.is_empty() {
         return out;
     }
@@ -160,7 +161,7 @@ fn render_gpus(g: &GpuProtection, gpus: &[GpuRow]) -> String {
     }
     out += &format!("{t}\n");
     for (n, note) in notes.iter().enumerate() {
-        out += &format!("[{}] {note}\n", n + 1);
+        out += &super::wrapped(note, &format!("[{}]", n + 1), "    ");
     }
     out
 }
@@ -503,6 +504,16 @@ mod tests {
         let mut r = StatusReport {
             hostname: "a3-highgpu-8g-instance-1".into(),
             ..StatusReport::default()
+        };
+        // What a host without the driver says (`sample::nvml`), stale since the last answer.
+        r.gpu_protection = GpuProtection {
+            state: "unavailable".into(),
+            reason: Some(
+                "NVML library not loadable (libnvidia-ml.so.1: cannot open shared object file: \
+                 No such file or directory): no NVIDIA driver?"
+                    .into(),
+            ),
+            stale: true,
         };
         r.memory.total_bytes = Some(1800 * g);
         r.memory.available_bytes = Some(900 * g);

@@ -6,7 +6,13 @@ use std::process::Command;
 use crate::common::BIN;
 
 fn run(args: &[&str]) -> (i32, String) {
-    let out = Command::new(BIN).args(args).output().unwrap();
+    // A daemon it starts enforces on a host of its own (not on /run/gpuguard/enforce.lock).
+    let lock = tempfile::tempdir().unwrap();
+    let out = Command::new(BIN)
+        .args(args)
+        .env("GPUGUARD_ENFORCE_LOCK", lock.path().join("enforce.lock"))
+        .output()
+        .unwrap();
     let text =
         String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     (out.status.code().unwrap_or(-1), text)
@@ -34,8 +40,8 @@ fn config_errors_exit_2_naming_file_key_and_value() {
     let good = write("good.toml", "[daemon]\nmode = \"observe\"\n");
     let example = concat!(env!("CARGO_MANIFEST_DIR"), "/config.example.toml");
     let exposed = write("exposed.toml", "[metrics]\nlisten = \"0.0.0.0:9835\"\n");
-    // Valid anywhere but above this host's MemTotal: check-config cannot know, the daemon
-    // refuses to start (what it checks: daemon::tests::gpu, floors_that_cannot_be_right_*).
+    // Valid anywhere but above this host's MemTotal: both refuse it (what is checked:
+    // daemon::tests::gpu, floors_that_cannot_be_right_*), `--portable` passes it.
     let above_host = write(
         "above_host.toml",
         &format!(
@@ -75,6 +81,16 @@ fn config_errors_exit_2_naming_file_key_and_value() {
             format!("config {example}: ok ("),
         ),
         (
+            vec!["check-config", &above_host],
+            2,
+            "ram.min_available: '1.0 PiB' (1.0 PiB) is at or above this host's MemTotal".into(),
+        ),
+        (
+            vec!["check-config", "--portable", &above_host],
+            0,
+            "ok (0 model(s), mode enforce; portable: not checked against this host)".into(),
+        ),
+        (
             vec!["check-config", &exposed],
             0,
             "warning: metrics.listen '0.0.0.0:9835' is not a loopback address".into(),
@@ -106,6 +122,69 @@ fn config_errors_exit_2_naming_file_key_and_value() {
     }
 }
 
+/// Issue 40: what passed `check-config` and then stopped the daemon (with exit 1, which the
+/// unit restarts every second, the host unguarded) is refused by both, with exit 2 and the key:
+/// a webhook's missing secret file, a metrics port another program holds, a user this host
+/// does not know, a state directory others may write. `--portable` checks none of what
+/// depends on this host.
+#[test]
+fn host_config_errors_exit_2_from_check_config_and_the_daemon() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap();
+    let write = |name: &str, text: &str| {
+        let state = dir.path().join(format!("{name}-state"));
+        let p = dir.path().join(format!("{name}.toml"));
+        std::fs::write(
+            &p,
+            format!(
+                "[daemon]\nstate_dir = \"{}\"\n[gpu]\nenabled = false\n[launch]\nsocket = \"{}\"\n{text}",
+                state.display(),
+                dir.path().join(format!("{name}.sock")).display()
+            ),
+        )
+        .unwrap();
+        p.to_string_lossy().into_owned()
+    };
+    let missing = dir.path().join("no-such-secret");
+    let secret = write(
+        "secret",
+        &format!(
+            "[[alert.webhook]]\nurl = \"http://127.0.0.1:9/hook\"\nsecret_file = \"{}\"\n",
+            missing.display()
+        ),
+    );
+    let port_taken = write("port", &format!("[metrics]\nlisten = \"{port}\"\n"));
+    let user = write("user", "[protect]\nusers = [\"gpuguard-no-such-user\"]\n");
+    let open_dir = write("open", "");
+    let open_state = dir.path().join("open-state");
+    std::fs::create_dir(&open_state).unwrap();
+    std::fs::set_permissions(&open_state, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let cases = [
+        (&secret, "alert.webhook[0].secret_file: secret_file '"),
+        (
+            &port_taken,
+            &*format!("metrics.listen: '{port}' cannot be bound"),
+        ),
+        (&user, "'gpuguard-no-such-user' is not a known user"),
+        (&open_dir, "daemon.state_dir: state directory"),
+    ];
+    for (config, needle) in cases {
+        for command in ["check-config", "daemon"] {
+            let args: Vec<&str> = match command {
+                "daemon" => vec!["daemon", "--config", config],
+                _ => vec!["check-config", config],
+            };
+            let (got, text) = run(&args);
+            assert_eq!(got, 2, "{args:?}: {text}");
+            assert!(text.contains(needle), "{args:?}: {text:?} lacks {needle:?}");
+        }
+        let (got, text) = run(&["check-config", "--portable", config]);
+        assert_eq!(got, 0, "--portable {config}: {text}");
+    }
+}
+
 /// The daemon speaks systemd's notify protocol: READY, STATUS, watchdog pings, STOPPING.
 #[test]
 fn daemon_notifies_systemd_ready_status_and_watchdog() {
@@ -128,6 +207,7 @@ fn daemon_notifies_systemd_ready_status_and_watchdog() {
     let mut daemon = Command::new(BIN)
         .args(["daemon", "--config"])
         .arg(&config)
+        .env("GPUGUARD_ENFORCE_LOCK", dir.path().join("enforce.lock"))
         .env("NOTIFY_SOCKET", &notify)
         .env("WATCHDOG_USEC", "400000")
         .stderr(std::process::Stdio::null())

@@ -92,6 +92,10 @@ fn run_to_exit(config: &Path, state_dir: &Path, env: &[(&str, String)]) -> (Opti
         .arg(config)
         .arg("--state-dir")
         .arg(state_dir)
+        .env(
+            "GPUGUARD_ENFORCE_LOCK",
+            state_dir.with_file_name("enforce.lock"),
+        )
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
     for (k, v) in env {
@@ -185,8 +189,9 @@ fn a_state_directory_that_is_not_gpuguards_own_is_refused() {
     let fake = FakeNvml::new("");
 
     std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o777)).unwrap();
+    // A config that cannot work on this host: exit 2, which systemd does not restart.
     let (code, stderr) = run_to_exit(&config_path, &state, &fake.env());
-    assert_eq!(code, Some(1), "{stderr}");
+    assert_eq!(code, Some(2), "{stderr}");
     assert!(
         stderr.contains("writable by group or others (mode 0777"),
         "{stderr}"
@@ -197,7 +202,7 @@ fn a_state_directory_that_is_not_gpuguards_own_is_refused() {
     std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700)).unwrap();
     nix::unistd::chown(&state, Some(nix::unistd::Uid::from_raw(65534)), None).unwrap();
     let (code, stderr) = run_to_exit(&config_path, &state, &fake.env());
-    assert_eq!(code, Some(1), "{stderr}");
+    assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("owned by uid 65534"), "{stderr}");
     assert_running(&mut hog);
 }

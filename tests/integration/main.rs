@@ -9,6 +9,7 @@ mod alerts;
 mod cli;
 mod engine;
 mod faults;
+mod first_hour;
 mod gpu_guard;
 mod launch;
 mod metrics;

@@ -4,7 +4,7 @@ answered 503 with a Retry-After header when none came in time: backpressure inst
 
 Run it (next to a running gpuguard daemon):
 
-    GPUGUARD_MODEL=qwen GPUGUARD_PERMIT_GPU_MEM=3GiB GPUGUARD_PERMIT_TIMEOUT=2 \
+    GPUGUARD_MODEL=qwen-32b GPUGUARD_PERMIT_GPU_MEM=3GiB GPUGUARD_PERMIT_TIMEOUT=2 \
         uvicorn fastapi_app:app --host 127.0.0.1 --port 8000
 
 Environment: GPUGUARD_MODEL (the `[[model]]` the work is counted against; default: the model

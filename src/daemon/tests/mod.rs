@@ -1463,3 +1463,95 @@ fn a_garbage_stop_record_is_kept_aside_and_reported() {
     h.ticks(5, 100 * MS);
     assert_eq!(h.signals(), [], "{:?}", h.actions());
 }
+
+/// Issue 40: a daemon that observes reloads a config that enforces while another daemon
+/// enforces on the host: the reload is refused (`config_reload_failed` names the other daemon)
+/// and it keeps observing, signalling nothing although a process is over the floor; once the
+/// other lets go, the same reload takes and it acts at the next crossing.
+#[test]
+fn a_reload_to_enforce_while_another_daemon_enforces_is_refused_and_nothing_is_signalled() {
+    let mut w = World {
+        host: host(64 * GIB, 2 * GIB),
+        ..World::default()
+    };
+    w.spawn(200, "hog", 12 * GIB);
+    let floors = "[ram]\nwarn_available = \"8GiB\"\nmin_available = \"4GiB\"\naction = \"stop\"\n\
+                  [gpu]\nenabled = false\n";
+    let mut h = Harness::new(w, &format!("mode = \"observe\"\n{floors}"));
+    let lock = h._dir.path().join("enforce.lock");
+    let other = crate::act::claim::Holder {
+        pid: 4242,
+        config: "/etc/gpuguard/config.toml".into(),
+        state_dir: "/var/lib/gpuguard".into(),
+    };
+    let held = crate::act::claim::take_enforce_lock(&lock, &other).unwrap();
+    h.ticks(3, 10 * MS);
+    h.reload(floors);
+    let failed = logged(&h, "config_reload_failed");
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert!(
+        failed[0].contains("daemon.mode 'enforce'") && failed[0].contains("gpuguard pid 4242"),
+        "{failed:?}"
+    );
+    assert_eq!(h.daemon.config.daemon.mode, crate::config::Mode::Observe);
+    h.ticks(5, 10 * MS);
+    assert_eq!(h.signals(), [], "{:?}", h.actions());
+    drop(held);
+    h.reload(floors);
+    assert_eq!(h.daemon.config.daemon.mode, crate::config::Mode::Enforce);
+    h.world().host = host(64 * GIB, 40 * GIB);
+    h.ticks(5, 100 * MS);
+    h.world().host = host(64 * GIB, 2 * GIB);
+    h.ticks(5, 10 * MS);
+    assert_eq!(h.signals(), [(200, Sig::Stop)], "{:?}", h.actions());
+}
+
+/// Issue 40: a second daemon on a state directory one holds is refused before it reads or
+/// writes anything there, naming the first; the first's record is untouched.
+#[test]
+fn a_second_daemon_on_the_same_state_directory_is_refused_naming_the_first() {
+    let world = || {
+        let mut w = World {
+            host: host(64 * GIB, 2 * GIB),
+            ..World::default()
+        };
+        w.spawn(200, "hog", 12 * GIB);
+        w
+    };
+    let config = "[ram]\nwarn_available = \"8GiB\"\nmin_available = \"4GiB\"\naction = \"stop\"\n\
+                  [gpu]\nenabled = false\n";
+    let mut h = Harness::new(world(), config);
+    h.tick(MS);
+    assert_eq!(h.signals(), [(200, Sig::Stop)]);
+    let record = h._dir.path().join("state").join("stopped.json");
+    assert_eq!(stopped_pids(&record), [200]);
+    let path = h._dir.path().join("config.toml");
+    let parsed = Config::parse(&config_text(&h._dir, config), &path).unwrap();
+    let shared: Shared = Arc::new(Mutex::new(world()));
+    let tables = shared.clone();
+    let sources = Sources {
+        procs: Box::new(FakeProc(shared.clone())),
+        tables: Box::new(move || Box::new(FakeTables(tables.clone()))),
+        gpus: None,
+        control: Arc::new(FakeControl(shared.clone())),
+        cgroup_root: h._dir.path().join("cgroup"),
+        proc_root: h._dir.path().join("proc"),
+        enforce_lock: h._dir.path().join("other-host.lock"),
+        inline: true,
+    };
+    let e = Daemon::with_sources(&path, parsed, sources)
+        .err()
+        .expect("refused");
+    assert!(matches!(e, super::StartError::Claimed(_)), "{e}");
+    let me = std::process::id();
+    assert!(
+        e.to_string()
+            .contains(&format!("is held by gpuguard pid {me}")),
+        "{e}"
+    );
+    assert!(
+        shared.lock().unwrap().signals.is_empty(),
+        "the second daemon signalled"
+    );
+    assert_eq!(stopped_pids(&record), [200]);
+}

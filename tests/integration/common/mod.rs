@@ -363,6 +363,9 @@ impl GuardDaemon {
             .arg("--state-dir")
             .arg(dir.path().join("state"));
         cmd.env("GPUGUARD_LOG", "debug,gpuguard=debug");
+        // Each daemon is its own host as far as enforcing goes (tests run side by side); a test
+        // of the host's one enforcer gives two daemons the same lock.
+        cmd.env("GPUGUARD_ENFORCE_LOCK", dir.path().join("enforce.lock"));
         for (k, v) in env {
             cmd.env(k, v);
         }
