@@ -162,14 +162,14 @@ impl Reservations {
         }
     }
 
-    /// What a refusal of a request that can never fit says.
+    /// What a refusal of a request that can never fit says (`unplaced`: its pool is not known
+    /// yet, and the host alone said so).
     pub(super) fn never_message(&self, pool: &Pool, unplaced: bool, s: &Shortfall) -> String {
-        let whose = if unplaced {
-            "permit".to_string()
+        if unplaced {
+            format!("can never fit on this host: {}", s.message)
         } else {
-            model_label(pool)
-        };
-        format!("{whose}: can never fit: {}", s.message)
+            format!("{}: can never fit: {}", model_label(pool), s.message)
+        }
     }
 
     /// The pool a permit request belongs to, if the caller may use it.
