@@ -469,6 +469,7 @@ fn snapshot() -> impl Strategy<Value = Snapshot> {
                     devices: g0.into_iter().chain(g1).collect(),
                     process_lists_read: 0,
                     processes_fresh: true,
+                    absent: false,
                 },
                 self_pid: SELF_PID,
                 mapped_weights: Default::default(),

@@ -196,6 +196,12 @@ pub struct GpuSnapshot {
     pub process_lists_read: u64,
     /// The latest reading read the per-process lists in the same pass as the memory figures.
     pub processes_fresh: bool,
+    /// This host has no GPU to read, and will have none while it runs as it is: GPU support is
+    /// disabled (`[gpu] enabled = false`), NVML's library cannot be loaded, or the NVIDIA
+    /// driver is not loaded (`status` says which). Not while NVML starts, nor when it fails in
+    /// a way that may pass (a panic, a permission, a driver/library version mismatch): there the
+    /// GPUs are unknown, and may be there.
+    pub absent: bool,
 }
 
 impl GpuSnapshot {

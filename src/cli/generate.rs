@@ -206,26 +206,47 @@ fn main_man_page(cmd: &clap::Command, date: &str) -> anyhow::Result<Vec<u8>> {
         (exit::OK, "Success."),
         (
             exit::FAILURE,
-            "A runtime error: the daemon could not start, an I/O error.",
+            "A runtime error: an I/O error; daemon: another gpuguard holds its state directory, \
+             or enforces on this host while this one would (it may let go: systemd tries again).",
         ),
-        (exit::CONFIG, "A bad config file or bad usage."),
+        (
+            exit::CONFIG,
+            "A bad config file or bad usage; daemon, check-config: a config that cannot work on \
+             this host (a floor above its memory, a secret file that does not read, a port or \
+             socket another program holds), which systemd does not restart; launch, permit: the \
+             daemon called the request invalid (invalid: a bad value, a model that does not \
+             exist).",
+        ),
+        (
+            exit::NEVER_FITS,
+            "launch, permit: it can never fit on this host as asked (too_large: more than any \
+             GPU or the host's RAM above its floor, GPU memory on a host without a GPU, above \
+             its model's budget); the command was not started. Retrying here is pointless: \
+             with systemd, RestartPreventExitStatus=65.",
+        ),
         (
             exit::UNREACHABLE,
             "The daemon is not reachable on its socket.",
         ),
         (
-            exit::TIMED_OUT,
-            "launch: the model did not fit before the queue timeout; it was not started.",
+            exit::TRY_LATER,
+            "launch, permit: not now (timeout, queue_full, max_permits, or host_maintenance and \
+             preempted while the host drains); the command was not started. Try again later, \
+             or on another host.",
         ),
         (
             exit::REFUSED,
-            "launch, release: the daemon refused the request.",
+            "launch, permit, release: the daemon refused the request (not_allowed: the caller \
+             may not use that model or pool).",
         ),
         (
             exit::CANNOT_EXECUTE,
-            "launch: the command could not be executed.",
+            "launch, permit: the command could not be executed.",
         ),
-        (exit::NOT_FOUND, "launch: the command was not found."),
+        (
+            exit::NOT_FOUND,
+            "launch, permit: the command was not found.",
+        ),
     ] {
         item(&mut roff, vec![bold(code.to_string())], meaning);
     }

@@ -12,7 +12,7 @@ use clap::Args;
 use super::exit;
 use crate::config::DEFAULT_SOCKET;
 use crate::ipc::client::{ClientError, Connection};
-use crate::protocol::{LaunchRequest, RefusalReason, Request, Response};
+use crate::protocol::{LaunchRequest, Request, Response};
 use crate::units::{parse_duration, Amount};
 
 #[derive(Args)]
@@ -121,20 +121,13 @@ pub fn run(args: LaunchArgs) -> u8 {
             }
             Ok(Response::TimedOut { message }) => {
                 eprintln!("gpuguard: {message}");
-                return exit::TIMED_OUT;
+                return exit::TRY_LATER;
             }
             Ok(Response::Refused {
                 reason, message, ..
             }) => {
                 eprintln!("gpuguard: {message}");
-                return match reason {
-                    // Not now, or never on this host: like a queue timeout, nothing started.
-                    RefusalReason::TooLarge
-                    | RefusalReason::Timeout
-                    | RefusalReason::QueueFull
-                    | RefusalReason::MaxPermits => exit::TIMED_OUT,
-                    _ => exit::REFUSED,
-                };
+                return exit::refused(reason);
             }
             Ok(Response::Error { message, .. }) => {
                 eprintln!("gpuguard: launch refused: {message}");

@@ -24,24 +24,108 @@ use crate::daemon::preflight::{self, Checker};
 use crate::daemon::{Daemon, Roots, StartError};
 use crate::state_dir::StateDir;
 
-/// Exit codes, documented in the README and the man page.
+/// Exit codes, documented in the README, the man page and docs/protocol.md.
 pub mod exit {
+    use crate::protocol::RefusalReason;
+
     /// Success.
     pub const OK: u8 = 0;
-    /// A runtime error (the daemon could not start, an I/O error).
+    /// A runtime error: an I/O error; the daemon could not start because another gpuguard holds
+    /// its state directory or enforces on this host (it may let go: systemd tries again).
     pub const FAILURE: u8 = 1;
-    /// A bad config file or bad usage.
+    /// A bad config file, or one that cannot work on this host (systemd does not restart it), or
+    /// bad usage (`launch`/`permit`: a request the daemon calls invalid).
     pub const CONFIG: u8 = 2;
+    /// `launch`/`permit`: it can never fit on this host as asked (more than any GPU or the RAM
+    /// above its floor, GPU memory on a host without a GPU, above its model's budget): trying
+    /// again here is pointless; nothing was started (EX_DATAERR).
+    pub const NEVER_FITS: u8 = 65;
     /// The daemon is not reachable on its socket (EX_UNAVAILABLE).
     pub const UNREACHABLE: u8 = 69;
-    /// `launch`/`permit`: not admitted in time, or can never fit; nothing was started (EX_TEMPFAIL).
-    pub const TIMED_OUT: u8 = 75;
-    /// `launch`: the daemon refused the request (EX_NOPERM).
+    /// `launch`/`permit`: not now: not admitted in time, its queue full or its model's slots
+    /// taken, the host draining for maintenance or preemption; try again later (or elsewhere);
+    /// nothing was started (EX_TEMPFAIL).
+    pub const TRY_LATER: u8 = 75;
+    /// The daemon refused the request: the caller may not (EX_NOPERM).
     pub const REFUSED: u8 = 77;
-    /// `launch`: the command could not be executed (as in shells).
+    /// `launch`/`permit`: the command could not be executed (as in shells).
     pub const CANNOT_EXECUTE: u8 = 126;
-    /// `launch`: the command was not found (as in shells).
+    /// `launch`/`permit`: the command was not found (as in shells).
     pub const NOT_FOUND: u8 = 127;
+
+    /// The exit code of `launch` and `permit` for a refusal: one table for both, decided by
+    /// what the caller can do about it (docs/protocol.md lists it beside each reason). (A
+    /// launch not admitted within its queue timeout is `TRY_LATER`; an `error` answer, a request
+    /// the daemon would not take at all, is `REFUSED`.)
+    pub fn refused(reason: RefusalReason) -> u8 {
+        match reason {
+            RefusalReason::Timeout
+            | RefusalReason::QueueFull
+            | RefusalReason::MaxPermits
+            | RefusalReason::Cancelled
+            | RefusalReason::HostMaintenance
+            | RefusalReason::Preempted => TRY_LATER,
+            RefusalReason::TooLarge => NEVER_FITS,
+            RefusalReason::NotAllowed => REFUSED,
+            RefusalReason::Invalid => CONFIG,
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        /// docs/protocol.md's table of refusal reasons: (reason, exit code) per row.
+        fn documented() -> Vec<(String, u8)> {
+            let text = include_str!("../../docs/protocol.md");
+            let table = text
+                .split_once("<!-- refusals -->")
+                .expect("docs/protocol.md marks its table of refusals")
+                .1;
+            table
+                .lines()
+                .skip_while(|l| !l.starts_with('|'))
+                .take_while(|l| l.starts_with('|'))
+                .skip(2)
+                .map(|row| {
+                    let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+                    let reason = cells[1].trim_matches('`').to_string();
+                    (reason, cells[2].parse().expect(row))
+                })
+                .collect()
+        }
+
+        /// Every reason the daemon gives is in the documented table, with the code the CLI
+        /// exits with.
+        #[test]
+        fn the_exit_code_of_every_refusal_is_the_documented_one() {
+            let table = documented();
+            let reasons = [
+                RefusalReason::Timeout,
+                RefusalReason::TooLarge,
+                RefusalReason::QueueFull,
+                RefusalReason::MaxPermits,
+                RefusalReason::NotAllowed,
+                RefusalReason::Invalid,
+                RefusalReason::Cancelled,
+                RefusalReason::HostMaintenance,
+                RefusalReason::Preempted,
+            ];
+            assert_eq!(table.len(), reasons.len(), "{table:?}");
+            for reason in reasons {
+                let row = table.iter().find(|(r, _)| r == reason.as_str());
+                assert_eq!(
+                    row.map(|(_, code)| *code),
+                    Some(refused(reason)),
+                    "{}",
+                    reason.as_str()
+                );
+            }
+            // Never fits, not now, not allowed, invalid: four answers a script can tell apart.
+            let codes: std::collections::BTreeSet<u8> = reasons.map(refused).into();
+            assert_eq!(codes.len(), 4);
+        }
+    }
 }
 
 #[derive(Parser)]
@@ -49,8 +133,11 @@ pub mod exit {
     name = "gpuguard",
     version,
     about = "Keeps GPU machines alive: guards GPU memory and host RAM for model servers",
-    after_help = "Exit codes: 0 ok; 1 runtime error; 2 bad config or usage; 69 daemon unreachable; \
-                  75 launch or permit not granted in time (or never fits); 77 refused; 126/127 command not executable/found."
+    after_help = "Exit codes: 0 ok; 1 runtime error (daemon: another gpuguard holds its state directory \
+                  or enforces on this host); 2 bad config, one that cannot work on this host, or bad usage; \
+                  65 launch or permit can never fit on this host (do not retry here); 69 daemon unreachable; \
+                  75 launch or permit not now (not in time, queue full, host draining: try again later); \
+                  77 not allowed; 126/127 command not executable/found."
 )]
 pub struct Cli {
     #[command(subcommand)]

@@ -1,7 +1,9 @@
 //! `gpuguard permit`: hold a memory permit while a command runs — the host-wide, memory-aware
 //! semaphore from the shell. The command starts only once the permit is granted; the permit is
 //! given back when it exits (or when this process dies: the daemon ends a permit whose connection
-//! closes). Exits with the command's status, 75 when no permit came in time, 77 when refused.
+//! closes). Exits with the command's status, or, when no permit came, with `exit::refused`'s
+//! code for why (the same table as `launch`'s: 75 not now, 65 never on this host, 77 not
+//! allowed, 2 invalid).
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -15,7 +17,7 @@ use super::exit;
 use super::launch::parse_size;
 use crate::config::DEFAULT_SOCKET;
 use crate::ipc::client::Connection;
-use crate::protocol::{AcquireRequest, RefusalReason, Request, Response};
+use crate::protocol::{AcquireRequest, Request, Response};
 use crate::units::{fmt_bytes, parse_duration};
 
 #[derive(Args)]
@@ -97,10 +99,7 @@ pub fn run(args: PermitArgs) -> u8 {
                     )
                 });
                 eprintln!("gpuguard: no permit: {message}{retry}; the command was not started");
-                return match reason {
-                    RefusalReason::NotAllowed | RefusalReason::Invalid => exit::REFUSED,
-                    _ => exit::TIMED_OUT,
-                };
+                return exit::refused(reason);
             }
             Ok(Response::Error { message, .. }) => {
                 eprintln!("gpuguard: permit refused: {message}");

@@ -53,9 +53,11 @@ impl Sampler {
         procs: Box<dyn ProcSource>,
         scans: Scans,
         gpus: Option<GpuMonitor>,
-        snapshot: Snapshot,
+        mut snapshot: Snapshot,
         wake: Sender<DaemonEvent>,
     ) -> Sampler {
+        // No NVML at all (`[gpu] enabled = false`): no GPU reading will ever come.
+        snapshot.gpus.absent = gpus.is_none();
         let fresh_gpu_wanted = Arc::new(AtomicBool::new(false));
         if let Some(gpus) = &gpus {
             let wanted = fresh_gpu_wanted.clone();

@@ -145,6 +145,9 @@ pub struct RecordedGpus {
     pub processes_fresh: bool,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub devices: Vec<Gpu>,
+    /// `GpuSnapshot::absent`: no GPU on this host (no NVML, no driver, GPUs disabled).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub absent: bool,
 }
 
 /// A launched model's budgets, as `gpuguard launch` declared them.
@@ -245,6 +248,7 @@ impl PolicyInput {
                 stale: gpus.stale,
                 processes_fresh: gpus.processes_fresh,
                 devices: gpus.devices.clone(),
+                absent: gpus.absent,
             },
             self_pid: snapshot.self_pid,
             tmpfs_owners: snapshot.tmpfs_owners.clone().into_iter().collect(),
@@ -323,6 +327,7 @@ impl PolicyInput {
                 devices: self.gpus.devices.clone(),
                 process_lists_read: lists_read,
                 processes_fresh: self.gpus.processes_fresh,
+                absent: self.gpus.absent,
             },
             self_pid: self.self_pid,
             mapped_weights: BTreeMap::new(),

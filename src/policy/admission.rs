@@ -1,11 +1,13 @@
 //! Memory admission: does a reservation (a model launch, or a request's permit) fit now, and on
-//! which GPUs. Pure: the reservation table (`src/reserve/`) hands it the room it computed from the
-//! latest snapshot, the floors and every other outstanding reservation.
+//! which GPUs; could it ever fit on this host. Pure: the reservation table (`src/reserve/`) hands
+//! it the room it computed from the latest snapshot, the floors and every other outstanding
+//! reservation, and the host's ceilings.
 //!
 //! Room on a resource is what may still be taken without crossing its warn floor (its act floor
 //! where no warn floor is set): free memory minus the floor minus what other reservations have
 //! been promised but not taken yet. A reservation fits when what it asks for is within the room
-//! of every resource it needs.
+//! of every resource it needs. Its ceiling is the resource's whole memory minus the floor: a
+//! demand above the ceiling can never fit, whatever is reserved or freed.
 
 use serde::{Deserialize, Serialize};
 
@@ -36,6 +38,14 @@ impl Demand {
         self.gpu_bytes_per_gpu
             .saturating_mul(self.gpus_wanted() as u64)
     }
+
+    fn needs_gpus(&self) -> String {
+        format!(
+            "needs {} on each of {} GPU(s)",
+            fmt_bytes(self.gpu_bytes_per_gpu),
+            self.gpus_wanted()
+        )
+    }
 }
 
 /// One GPU as admission sees it.
@@ -45,8 +55,6 @@ pub struct GpuRoom {
     /// What may still be taken; `None` when the GPU's reading is unknown or stale (nothing is
     /// placed on a GPU we cannot see). Negative: the floor is crossed or promises exceed it.
     pub room: Option<i64>,
-    /// The GPU's memory minus its floor: a demand above it can never fit here.
-    pub ceiling: Option<u64>,
     /// Free memory, the floor and what others have been promised, to explain a refusal.
     pub free: Option<u64>,
     pub floor: u64,
@@ -59,10 +67,24 @@ pub struct GpuRoom {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RamRoom {
     pub room: Option<i64>,
-    pub ceiling: Option<u64>,
     pub available: Option<u64>,
     pub floor: u64,
     pub promised: u64,
+}
+
+/// The host's memory as no reservation changes it: each GPU's and the RAM, less their floors.
+/// A demand beyond it can never fit here, whichever pool it is for and whatever is reserved.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Ceilings {
+    /// Each GPU the readings list, by index, with its memory less its floor (`None`: unknown,
+    /// it may be large).
+    pub gpus: Vec<(u32, Option<u64>)>,
+    /// Why the host has no GPU at all, when its readings say so (no NVML, no driver, GPU
+    /// support disabled, none found). An empty `gpus` without it is not known yet: the GPUs
+    /// may be there (NVML starting, a reading that failed or is stale).
+    pub no_gpu: Option<String>,
+    /// The host's RAM less its floor (`None`: unknown).
+    pub ram: Option<u64>,
 }
 
 /// The answer.
@@ -72,19 +94,59 @@ pub enum Fit {
     Now { gpus: Vec<u32> },
     /// Not now; it may later. The text says what was needed and what was there.
     Later(Shortfall),
-    /// It can never fit on this host (more than a whole GPU or the host's RAM, above its floor).
+    /// It can never fit on this host while its config stands (more than a whole GPU or the
+    /// host's RAM above its floor, a GPU on a host without one, above a model's budget or a
+    /// uid's cap).
     Never(Shortfall),
 }
 
+/// What a demand was short of: a refusal's reason is derived from it, never read from the text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Short {
+    /// Host RAM above its floor.
+    Ram,
+    /// GPU memory above the floor on the GPU(s) it could go on.
+    Gpu,
+    /// A GPU, on a host that has none (or none of that index).
+    NoGpu,
+    /// The model's `max_permits` slots.
+    MaxPermits,
+    /// The model's budget.
+    Budget,
+    /// The uid's share (`[clients] max_reserved_per_uid`).
+    UidCap,
+    /// Its turn: requests of its pool ahead of it.
+    Turn,
+    /// The launch lock (another model is loading), or launches paused below a warn floor.
+    LaunchLock,
+    /// What the daemon needs to decide: a GPU reading newer than the request, a process scan
+    /// that finds the caller's model.
+    Reading,
+}
+
 /// What was asked against what there was, for a refusal the caller can act on.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Shortfall {
+    pub short: Short,
     pub message: String,
     /// The room there was on the resource that was short (GPU: the best candidate GPU).
     pub free_gpu_bytes: Option<u64>,
     pub free_ram_bytes: Option<u64>,
     /// The GPU the shortfall is about, if one.
     pub gpu: Option<u32>,
+}
+
+impl Shortfall {
+    /// Short of `short`, as `message` says; no figures.
+    pub fn new(short: Short, message: impl Into<String>) -> Shortfall {
+        Shortfall {
+            short,
+            message: message.into(),
+            free_gpu_bytes: None,
+            free_ram_bytes: None,
+            gpu: None,
+        }
+    }
 }
 
 fn show(room: Option<i64>) -> String {
@@ -113,34 +175,103 @@ fn describe_gpu(g: &GpuRoom) -> String {
     }
 }
 
-/// Where a demand fits, given the room on every GPU and in RAM.
-pub fn place(demand: &Demand, gpus: &[GpuRoom], ram: &RamRoom) -> Fit {
-    if let Some(shortfall) = ram_shortfall(demand, ram) {
-        return shortfall;
+/// Why `demand` can never fit on this host, if it cannot: more RAM than the host has above its
+/// floor, more GPU memory than any (or enough) of its GPUs has above its floor, a GPU that is
+/// not there. Only what the readings tell for certain: an unknown GPU, or GPUs not read yet,
+/// may be large.
+pub fn never(demand: &Demand, host: &Ceilings) -> Option<Shortfall> {
+    if let Some(ceiling) = host.ram.filter(|&c| c < demand.ram_bytes) {
+        return Some(Shortfall::new(
+            Short::Ram,
+            format!(
+                "RAM: needs {}, more than the host's RAM above its floor ({})",
+                fmt_bytes(demand.ram_bytes),
+                fmt_bytes(ceiling)
+            ),
+        ));
     }
-    if demand.gpus_wanted() == 0 {
-        return Fit::Now { gpus: Vec::new() };
+    let wanted = demand.gpus_wanted();
+    if wanted == 0 {
+        return None;
     }
     let per_gpu = demand.gpu_bytes_per_gpu;
-    let needs = format!(
-        "needs {} on each of {} GPU(s)",
-        fmt_bytes(per_gpu),
-        demand.gpus_wanted()
-    );
+    if host.gpus.is_empty() {
+        let why = host.no_gpu.as_ref()?;
+        return Some(Shortfall::new(
+            Short::NoGpu,
+            format!("{}: this host has no GPU ({why})", demand.needs_gpus()),
+        ));
+    }
+    let ceiling = |index: u32| host.gpus.iter().find(|(i, _)| *i == index);
+    if let Some(pinned) = &demand.pinned {
+        let mut short = None;
+        let mut lacking = Vec::new();
+        for &index in pinned {
+            match ceiling(index) {
+                None => {
+                    short = Some(Short::NoGpu);
+                    lacking.push(format!("GPU {index}: no such GPU"));
+                }
+                Some(&(_, Some(c))) if c < per_gpu => {
+                    short.get_or_insert(Short::Gpu);
+                    lacking.push(format!("GPU {index}: {} above its floor", fmt_bytes(c)));
+                }
+                Some(_) => {}
+            }
+        }
+        let short = short?;
+        return Some(Shortfall {
+            gpu: pinned.first().copied(),
+            ..Shortfall::new(
+                short,
+                format!("{}: {}", demand.needs_gpus(), lacking.join("; ")),
+            )
+        });
+    }
+    // Only when every GPU is known can "never" be said; an unknown one may be large.
+    let all_known = host.gpus.iter().all(|(_, c)| c.is_some());
+    let possible = host
+        .gpus
+        .iter()
+        .filter(|(_, c)| c.is_none_or(|c| c >= per_gpu))
+        .count();
+    if !all_known || possible >= wanted {
+        return None;
+    }
+    let gpus: Vec<String> = host
+        .gpus
+        .iter()
+        .take(8)
+        .map(|&(i, c)| format!("GPU {i}: {} above its floor", fmt_bytes(c.unwrap_or(0))))
+        .collect();
+    Some(Shortfall::new(
+        Short::Gpu,
+        format!(
+            "{}: the host has {} GPU(s), {possible} of them large enough ({})",
+            demand.needs_gpus(),
+            host.gpus.len(),
+            gpus.join("; ")
+        ),
+    ))
+}
+
+/// Where a demand fits now, given the room on every GPU and in RAM; else what it waits for.
+/// (Whether it could ever fit is `never`'s to say.)
+pub fn place(demand: &Demand, gpus: &[GpuRoom], ram: &RamRoom) -> Result<Vec<u32>, Shortfall> {
+    ram_shortfall(demand, ram)?;
+    if demand.gpus_wanted() == 0 {
+        return Ok(Vec::new());
+    }
+    let per_gpu = demand.gpu_bytes_per_gpu;
+    let needs = demand.needs_gpus();
     let fits = |g: &GpuRoom| g.room.is_some_and(|r| r >= per_gpu as i64);
-    let can_ever = |g: &GpuRoom| g.ceiling.is_none_or(|c| c >= per_gpu);
     if let Some(pinned) = &demand.pinned {
         let mut lacking = Vec::new();
-        let mut never = false;
         let mut short: Option<&GpuRoom> = None;
         for index in pinned {
             match gpus.iter().find(|g| g.index == *index) {
-                None => {
-                    lacking.push(format!("GPU {index}: no such GPU"));
-                    never = !gpus.is_empty();
-                }
+                None => lacking.push(format!("GPU {index}: not read yet")),
                 Some(g) if !fits(g) => {
-                    never |= !can_ever(g);
                     lacking.push(describe_gpu(g));
                     short.get_or_insert(g);
                 }
@@ -148,21 +279,15 @@ pub fn place(demand: &Demand, gpus: &[GpuRoom], ram: &RamRoom) -> Fit {
             }
         }
         if lacking.is_empty() {
-            return Fit::Now {
-                gpus: pinned.clone(),
-            };
+            return Ok(pinned.clone());
         }
-        let shortfall = Shortfall {
+        return Err(Shortfall {
+            short: Short::Gpu,
             message: format!("{needs}: {}", lacking.join("; ")),
             free_gpu_bytes: short.and_then(|g| positive(g.room)),
             free_ram_bytes: positive(ram.room),
             gpu: short.map(|g| g.index),
-        };
-        return if never {
-            Fit::Never(shortfall)
-        } else {
-            Fit::Later(shortfall)
-        };
+        });
     }
     // Preferred GPUs first (where the pool already is), then most room, then lowest index.
     let mut order: Vec<&GpuRoom> = gpus.iter().collect();
@@ -180,35 +305,25 @@ pub fn place(demand: &Demand, gpus: &[GpuRoom], ram: &RamRoom) -> Fit {
         .collect();
     if chosen.len() == demand.gpus_wanted() {
         chosen.sort_unstable();
-        return Fit::Now { gpus: chosen };
+        return Ok(chosen);
     }
-    let possible = gpus.iter().filter(|g| can_ever(g)).count();
     let best: Vec<String> = order.iter().take(4).map(|g| describe_gpu(g)).collect();
-    let shortfall = Shortfall {
+    Err(Shortfall {
+        short: Short::Gpu,
         message: if gpus.is_empty() {
-            format!("{needs}: no GPU is known")
+            format!("{needs}: no GPU is known yet")
         } else {
             format!("{needs}: {}", best.join("; "))
         },
         free_gpu_bytes: order.first().and_then(|g| positive(g.room)),
         free_ram_bytes: positive(ram.room),
         gpu: order.first().map(|g| g.index),
-    };
-    // Only when every GPU is known can "never" be said; an unknown one may be large.
-    let all_known = !gpus.is_empty() && gpus.iter().all(|g| g.ceiling.is_some());
-    if all_known && possible < demand.gpus_wanted() {
-        Fit::Never(shortfall)
-    } else {
-        Fit::Later(shortfall)
-    }
+    })
 }
 
-fn ram_shortfall(demand: &Demand, ram: &RamRoom) -> Option<Fit> {
-    if demand.ram_bytes == 0 {
-        return None;
-    }
-    if ram.room.is_some_and(|r| r >= demand.ram_bytes as i64) {
-        return None;
+fn ram_shortfall(demand: &Demand, ram: &RamRoom) -> Result<(), Shortfall> {
+    if demand.ram_bytes == 0 || ram.room.is_some_and(|r| r >= demand.ram_bytes as i64) {
+        return Ok(());
     }
     let message = match ram.available {
         Some(available) => format!(
@@ -224,16 +339,9 @@ fn ram_shortfall(demand: &Demand, ram: &RamRoom) -> Option<Fit> {
             fmt_bytes(demand.ram_bytes)
         ),
     };
-    let shortfall = Shortfall {
-        message,
-        free_gpu_bytes: None,
+    Err(Shortfall {
         free_ram_bytes: positive(ram.room),
-        gpu: None,
-    };
-    Some(if ram.ceiling.is_some_and(|c| c < demand.ram_bytes) {
-        Fit::Never(shortfall)
-    } else {
-        Fit::Later(shortfall)
+        ..Shortfall::new(Short::Ram, message)
     })
 }
 
@@ -243,11 +351,10 @@ mod tests {
 
     const GIB: u64 = 1 << 30;
 
-    fn gpu(index: u32, room_gib: i64, total_gib: u64) -> GpuRoom {
+    fn gpu(index: u32, room_gib: i64) -> GpuRoom {
         GpuRoom {
             index,
             room: Some(room_gib * GIB as i64),
-            ceiling: Some(total_gib * GIB),
             free: Some((room_gib.max(0) as u64 + 2) * GIB),
             floor: 2 * GIB,
             promised: 0,
@@ -258,10 +365,23 @@ mod tests {
     fn ram(room_gib: i64) -> RamRoom {
         RamRoom {
             room: Some(room_gib * GIB as i64),
-            ceiling: Some(60 * GIB),
             available: Some(40 * GIB),
             floor: 4 * GIB,
             promised: 0,
+        }
+    }
+
+    /// A host of GPUs of these sizes above their floors (GiB; `None`: unknown) and 60 GiB of RAM
+    /// above its floor.
+    fn host(gpus: &[Option<u64>]) -> Ceilings {
+        Ceilings {
+            gpus: gpus
+                .iter()
+                .enumerate()
+                .map(|(i, c)| (i as u32, c.map(|c| c * GIB)))
+                .collect(),
+            no_gpu: None,
+            ram: Some(60 * GIB),
         }
     }
 
@@ -273,96 +393,109 @@ mod tests {
         }
     }
 
+    fn pinned(per_gpu_gib: u64, gpus: &[u32]) -> Demand {
+        Demand {
+            pinned: Some(gpus.to_vec()),
+            ..demand(per_gpu_gib, gpus.len() as u32)
+        }
+    }
+
     #[test]
     fn picks_the_gpus_with_most_room_preferring_the_pools_own() {
-        let gpus = [gpu(0, 8, 80), gpu(1, 48, 80), gpu(2, 28, 80)];
-        assert_eq!(
-            place(&demand(20, 1), &gpus, &ram(10)),
-            Fit::Now { gpus: vec![1] }
-        );
-        assert_eq!(
-            place(&demand(20, 2), &gpus, &ram(10)),
-            Fit::Now { gpus: vec![1, 2] }
-        );
+        let gpus = [gpu(0, 8), gpu(1, 48), gpu(2, 28)];
+        assert_eq!(place(&demand(20, 1), &gpus, &ram(10)), Ok(vec![1]));
+        assert_eq!(place(&demand(20, 2), &gpus, &ram(10)), Ok(vec![1, 2]));
         let mut preferring = gpus.clone();
         preferring[2].preferred = true;
-        assert_eq!(
-            place(&demand(20, 1), &preferring, &ram(10)),
-            Fit::Now { gpus: vec![2] }
-        );
+        assert_eq!(place(&demand(20, 1), &preferring, &ram(10)), Ok(vec![2]));
     }
 
     #[test]
     fn a_pinned_gpu_is_checked_and_the_refusal_says_what_was_there() {
-        let gpus = [gpu(0, 8, 80), gpu(1, 48, 80)];
-        let pinned = Demand {
-            pinned: Some(vec![0]),
-            ..demand(20, 1)
-        };
-        let Fit::Later(s) = place(&pinned, &gpus, &ram(10)) else {
-            panic!()
-        };
+        let gpus = [gpu(0, 8), gpu(1, 48)];
+        let s = place(&pinned(20, &[0]), &gpus, &ram(10)).unwrap_err();
         assert_eq!(
             s.message,
             "needs 20.0 GiB on each of 1 GPU(s): GPU 0: room 8.0 GiB (free 10.0 GiB - floor 2.0 GiB - promised 0 B)"
         );
+        assert_eq!(s.short, Short::Gpu);
         assert_eq!(s.free_gpu_bytes, Some(8 * GIB));
         assert_eq!(s.gpu, Some(0));
     }
 
     #[test]
-    fn more_than_any_gpu_or_the_host_is_never_and_said_at_once() {
-        let gpus = [gpu(0, 10, 24), gpu(1, 10, 24)];
-        assert!(matches!(
-            place(&demand(30, 1), &gpus, &ram(10)),
-            Fit::Never(_)
-        ));
-        assert!(matches!(
-            place(&demand(20, 3), &gpus, &ram(10)),
-            Fit::Never(_)
-        ));
-        assert!(matches!(
-            place(&demand(20, 1), &gpus, &ram(10)),
-            Fit::Later(_)
-        ));
+    fn more_than_any_gpu_or_the_host_is_never_and_says_what_was_short() {
+        let h = host(&[Some(24), Some(24)]);
+        let short = |d: &Demand, h: &Ceilings| never(d, h).map(|s| s.short);
+        assert_eq!(short(&demand(30, 1), &h), Some(Short::Gpu));
+        assert_eq!(short(&demand(20, 3), &h), Some(Short::Gpu));
+        assert_eq!(short(&demand(20, 2), &h), None);
+        assert_eq!(short(&pinned(30, &[1]), &h), Some(Short::Gpu));
+        assert_eq!(short(&pinned(1, &[2]), &h), Some(Short::NoGpu));
         let ram_hog = Demand {
             ram_bytes: 100 * GIB,
             ..Default::default()
         };
-        assert!(matches!(place(&ram_hog, &gpus, &ram(10)), Fit::Never(_)));
-        // An unknown GPU may be large: not "never".
-        let mut unknown = gpus.to_vec();
-        unknown[1].ceiling = None;
-        unknown[1].room = None;
-        assert!(matches!(
-            place(&demand(30, 1), &unknown, &ram(10)),
-            Fit::Later(_)
-        ));
+        let s = never(&ram_hog, &h).unwrap();
+        assert_eq!(s.short, Short::Ram);
+        assert_eq!(
+            s.message,
+            "RAM: needs 100.0 GiB, more than the host's RAM above its floor (60.0 GiB)"
+        );
+        // An unknown GPU may be large, and so may GPUs not read yet: not "never".
+        assert_eq!(short(&demand(30, 1), &host(&[Some(24), None])), None);
+        assert_eq!(short(&pinned(30, &[1]), &host(&[Some(24), None])), None);
+        assert_eq!(short(&demand(1, 1), &host(&[])), None);
+        assert_eq!(short(&pinned(1, &[0]), &host(&[])), None);
+        // Unknown RAM may be large.
+        let unknown_ram = Ceilings {
+            ram: None,
+            ..host(&[])
+        };
+        assert_eq!(short(&ram_hog, &unknown_ram), None);
+    }
+
+    #[test]
+    fn a_gpu_on_a_host_without_one_is_never_and_no_gpu_is_needed_for_ram() {
+        let none = Ceilings {
+            no_gpu: Some("NVIDIA driver not loaded".into()),
+            ..host(&[])
+        };
+        let s = never(&demand(20, 1), &none).unwrap();
+        assert_eq!(s.short, Short::NoGpu);
+        assert_eq!(
+            s.message,
+            "needs 20.0 GiB on each of 1 GPU(s): this host has no GPU (NVIDIA driver not loaded)"
+        );
+        // A GPU by index, even of no size, is a GPU.
+        assert_eq!(
+            never(&pinned(0, &[0]), &none).map(|s| s.short),
+            Some(Short::NoGpu)
+        );
+        let ram_only = Demand {
+            ram_bytes: GIB,
+            ..Default::default()
+        };
+        assert_eq!(never(&ram_only, &none), None);
     }
 
     #[test]
     fn ram_is_checked_first_and_negative_room_never_fits() {
-        let gpus = [gpu(0, -1, 80)];
+        let gpus = [gpu(0, -1)];
         let d = Demand {
             ram_bytes: 12 * GIB,
             ..demand(1, 1)
         };
-        let Fit::Later(s) = place(&d, &gpus, &ram(10)) else {
-            panic!()
-        };
+        let s = place(&d, &gpus, &ram(10)).unwrap_err();
+        assert_eq!(s.short, Short::Ram);
         assert!(
             s.message.starts_with("RAM: needs 12.0 GiB, room 10.0 GiB"),
             "{}",
             s.message
         );
-        let Fit::Later(s) = place(&demand(1, 1), &gpus, &ram(10)) else {
-            panic!()
-        };
+        let s = place(&demand(1, 1), &gpus, &ram(10)).unwrap_err();
         assert!(s.message.contains("room -1.0 GiB"), "{}", s.message);
         assert_eq!(s.free_gpu_bytes, Some(0));
-        assert_eq!(
-            place(&Demand::default(), &gpus, &ram(0)),
-            Fit::Now { gpus: vec![] }
-        );
+        assert_eq!(place(&Demand::default(), &gpus, &ram(0)), Ok(vec![]));
     }
 }

@@ -7,13 +7,18 @@ use std::hash::{Hash, Hasher};
 use std::time::Duration;
 
 use crate::config::Config;
+use crate::policy::admission::Ceilings;
 use crate::policy::{Level, PolicyState, Resource};
-use crate::snapshot::{GpuStatus, ProcessId, Snapshot};
+use crate::snapshot::{GpuSnapshot, GpuStatus, ProcessId, Snapshot};
 
 /// The host as admission sees it.
 #[derive(Clone, Debug, Default)]
 pub struct Capacity {
     pub gpus: Vec<GpuCapacity>,
+    /// Why this host has no GPU at all, when its readings say so: GPU support disabled, no
+    /// NVIDIA driver, or NVML answering with no device. `None` with no `gpus`: not known yet
+    /// (NVML starting, failing, or its reading stale), and a GPU demand waits.
+    pub no_gpu: Option<String>,
     pub ram: RamCapacity,
     /// Launches wait while this is set (a warn floor is crossed), and this says why.
     pub launch_pause: Option<String>,
@@ -112,6 +117,7 @@ impl Capacity {
                 }
             })
             .collect();
+        let no_gpu = no_gpu(g);
         let host = &snapshot.host;
         let (warn, min) = config.ram.floor_bytes(host.total_bytes);
         let ram = RamCapacity {
@@ -149,6 +155,7 @@ impl Capacity {
         let (trees, unscanned) = trees(snapshot, &member_of);
         Capacity {
             gpus,
+            no_gpu,
             ram,
             launch_pause,
             models,
@@ -159,6 +166,19 @@ impl Capacity {
             gpu_sampled_at: g.sampled_at,
             scanned_at: snapshot.processes.scanned_at,
             preallocated: BTreeSet::new(),
+        }
+    }
+
+    /// What no reservation changes: each GPU's memory and the RAM, less their floors.
+    pub fn ceilings(&self) -> Ceilings {
+        Ceilings {
+            gpus: self
+                .gpus
+                .iter()
+                .map(|g| (g.index, g.total.map(|t| t.saturating_sub(g.floor))))
+                .collect(),
+            no_gpu: self.no_gpu.clone(),
+            ram: self.ram.total.map(|t| t.saturating_sub(self.ram.floor)),
         }
     }
 
@@ -176,6 +196,22 @@ impl Capacity {
     /// The largest GPU's memory (a `%` GPU size is a share of it).
     pub fn largest_gpu_bytes(&self) -> Option<u64> {
         self.gpus.iter().filter_map(|g| g.total).max()
+    }
+}
+
+/// [`Capacity::no_gpu`]: why the GPU readings say this host has none, if they do (a fresh
+/// reading of none, or no NVML at all), never on a reading that is stale or unknown.
+fn no_gpu(g: &GpuSnapshot) -> Option<String> {
+    if g.stale || !g.devices.is_empty() {
+        return None;
+    }
+    match &g.status {
+        GpuStatus::Off if g.absent => {
+            Some("GPU support is disabled by config ([gpu] enabled = false)".into())
+        }
+        GpuStatus::Unavailable(why) if g.absent => Some(why.clone()),
+        GpuStatus::Ok if g.sampled_at.is_some() => Some("NVML sees no GPU".into()),
+        _ => None,
     }
 }
 
@@ -249,6 +285,66 @@ mod tests {
 
     fn id(pid: i32) -> ProcessId {
         ProcessId { pid, start_time: 7 }
+    }
+
+    /// "No GPU here" only from readings that say so: GPUs disabled, no driver, NVML answering
+    /// with no device; never while NVML starts, fails in a way that may pass, or is stale.
+    #[test]
+    fn no_gpu_is_said_only_when_the_readings_say_so() {
+        let config = Config::parse("", std::path::Path::new("t.toml")).unwrap();
+        let no_gpu = |gpus: GpuSnapshot| {
+            let snapshot = Snapshot {
+                gpus,
+                ..Default::default()
+            };
+            Capacity::from_tick(&config, &snapshot, &PolicyState::default()).no_gpu
+        };
+        let read = |status: GpuStatus, absent: bool| GpuSnapshot {
+            status,
+            absent,
+            sampled_at: Some(Duration::ZERO),
+            ..Default::default()
+        };
+        let no_driver = || GpuStatus::Unavailable("NVIDIA driver not loaded".into());
+        // `[gpu] enabled = false`: the sampler has no NVML at all.
+        let disabled = GpuSnapshot {
+            absent: true,
+            ..Default::default()
+        };
+        assert!(no_gpu(disabled).is_some_and(|why| why.contains("enabled = false")));
+        assert_eq!(
+            no_gpu(read(no_driver(), true)).as_deref(),
+            Some("NVIDIA driver not loaded")
+        );
+        assert_eq!(
+            no_gpu(read(GpuStatus::Ok, false)).as_deref(),
+            Some("NVML sees no GPU")
+        );
+        // NVML not answered yet (its first reading pending, so stale): unknown.
+        let starting = GpuSnapshot {
+            stale: true,
+            ..Default::default()
+        };
+        assert_eq!(no_gpu(starting), None);
+        assert_eq!(no_gpu(GpuSnapshot::default()), None, "not absent: starting");
+        // A failure that may pass (a panic, a version mismatch): unknown.
+        let failing = GpuStatus::Unavailable("GPU sampler failed: boom".into());
+        assert_eq!(no_gpu(read(failing, false)), None);
+        // A stale reading of no driver: unknown.
+        let stale = GpuSnapshot {
+            stale: true,
+            ..read(no_driver(), true)
+        };
+        assert_eq!(no_gpu(stale), None);
+        // A GPU listed, even lost: not "none".
+        let lost = GpuSnapshot {
+            devices: vec![Gpu {
+                lost: true,
+                ..Default::default()
+            }],
+            ..read(GpuStatus::Ok, false)
+        };
+        assert_eq!(no_gpu(lost), None);
     }
 
     #[test]

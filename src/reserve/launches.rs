@@ -64,18 +64,7 @@ impl Reservations {
         let alone = slot == 0;
         match self.launch_fit(&waiter) {
             Fit::Now { gpus } if alone => Some(self.admit_launch(waiter, gpus, now)),
-            Fit::Never(s) => {
-                let Wanted::Launch(l) = &waiter.wanted else {
-                    unreachable!()
-                };
-                refuse(
-                    RefusalReason::TooLarge,
-                    format!(
-                        "model '{}' not started: it can never fit on this host: {}",
-                        l.request.model, s.message
-                    ),
-                )
-            }
+            Fit::Never(s) => Some(never_fits(&waiter, &s)),
             // Only a GPU reading newer than the request is missing: it comes within a tick.
             Fit::Later(_) if alone && self.only_stale(&waiter) => {
                 let mut waiter = waiter;
@@ -269,10 +258,9 @@ impl Reservations {
     /// A launch fits when the lock is free, no warn floor is crossed and its memory fits.
     pub(super) fn launch_fit(&self, w: &Waiter) -> Fit {
         match self.launch_fit_now(w) {
-            Fit::Now { .. } if self.stale_for(&w.demand, w.fresh_after) => Fit::Later(Shortfall {
-                message: "a GPU reading newer than the request".into(),
-                ..Default::default()
-            }),
+            Fit::Now { .. } if self.stale_for(&w.demand, w.fresh_after) => {
+                Fit::Later(Shortfall::new(Short::Reading, FRESH_READING))
+            }
             fit => fit,
         }
     }
@@ -285,16 +273,13 @@ impl Reservations {
         }
         let max = self.config.launch.max_loading;
         if self.loading_against(w.peer.uid) >= max {
-            return Fit::Later(Shortfall {
-                message: "the launch lock: another model is loading".into(),
-                ..Default::default()
-            });
+            return Fit::Later(Shortfall::new(
+                Short::LaunchLock,
+                "the launch lock: another model is loading",
+            ));
         }
         if let Some(why) = &self.capacity.launch_pause {
-            return Fit::Later(Shortfall {
-                message: why.clone(),
-                ..Default::default()
-            });
+            return Fit::Later(Shortfall::new(Short::LaunchLock, why.clone()));
         }
         fit
     }
@@ -566,6 +551,19 @@ impl Reservations {
             self.holdings.remove(&id);
         }
     }
+}
+
+/// The answer to a launch that can never fit on this host: refused, nothing started.
+pub(super) fn never_fits(w: &Waiter, s: &Shortfall) -> Response {
+    Response::refused(
+        None,
+        RefusalReason::TooLarge,
+        format!(
+            "model '{}' not started: it can never fit on this host: {}",
+            model_label(&w.pool),
+            s.message
+        ),
+    )
 }
 
 /// Root: its launches go first. (Not the system accounts: a model server's own account, `vllm`

@@ -38,7 +38,7 @@ use std::time::Duration;
 
 use crate::config::{Config, ModelConfig, Users};
 use crate::kinds::EventKind;
-use crate::policy::admission::{place, Demand, Fit, GpuRoom, RamRoom, Shortfall};
+use crate::policy::admission::{never, place, Demand, Fit, GpuRoom, RamRoom, Short, Shortfall};
 use crate::policy::{About, Event, ModelsInForce, Severity};
 use crate::protocol::{
     check_model_name, check_url, AcquireRequest, Free, LaunchRequest, Needed, RefusalReason,
@@ -72,6 +72,8 @@ const MAX_COMMAND_WORDS: usize = 64;
 const MAX_COMMAND_BYTES: usize = 4096;
 /// Why a permit request whose caller's model is not known yet waits.
 const UNPLACED: &str = "a process scan newer than the request (to find the caller's model)";
+/// Why a GPU request waits for the next GPU reading.
+const FRESH_READING: &str = "a GPU reading newer than the request";
 /// How long past its timeout such a request may wait for that scan (what the daemon needs to
 /// decide is not the caller's wait; a forced scan comes within ~100 ms).
 const UNPLACED_GRACE: Duration = Duration::from_secs(2);
@@ -464,16 +466,28 @@ fn about(pool: &Pool, peer: &Peer) -> About {
     }
 }
 
-/// `asked` beside `held` against `limit`: `None` when it fits, `Later` when it may once some of
-/// `held` is given back, `Never` when it alone is over.
-fn limit_fit(held: u64, asked: u64, limit: u64, message: impl FnOnce() -> String) -> Option<Fit> {
+/// Why a request that could wait for `short` is refused when its queue has no room for it: its
+/// model's slots, or the queue (derived from what was short, never from a message's text).
+fn queue_full_reason(short: Short) -> RefusalReason {
+    match short {
+        Short::MaxPermits => RefusalReason::MaxPermits,
+        _ => RefusalReason::QueueFull,
+    }
+}
+
+/// `asked` beside `held` against `limit` (a limit of kind `short`): `None` when it fits, `Later`
+/// when it may once some of `held` is given back, `Never` when it alone is over.
+fn limit_fit(
+    short: Short,
+    held: u64,
+    asked: u64,
+    limit: u64,
+    message: impl FnOnce() -> String,
+) -> Option<Fit> {
     if asked == 0 || held + asked <= limit {
         return None;
     }
-    let shortfall = Shortfall {
-        message: message(),
-        ..Default::default()
-    };
+    let shortfall = Shortfall::new(short, message());
     Some(if asked > limit {
         Fit::Never(shortfall)
     } else {

@@ -38,10 +38,11 @@ impl Reservations {
             Err(_) if unplaced => None,
             Err((reason, message)) => return refuse(reason, message),
         };
-        let (demand, ttl, timeout) = match self.permit_demand(&pool, &request) {
-            Ok(d) => d,
-            Err(message) => return refuse(RefusalReason::Invalid, message),
-        };
+        let (demand, ttl, timeout) =
+            match self.permit_demand((!unplaced).then_some(&pool), &request) {
+                Ok(d) => d,
+                Err(message) => return refuse(RefusalReason::Invalid, message),
+            };
         if !unplaced {
             self.report_cache(&pool, &peer, &request, now);
         }
@@ -56,6 +57,25 @@ impl Reservations {
                 format!("request id {id} is already waiting on this connection"),
             );
         }
+        // What can never fit is refused at once, before any cap or queue: waiting cannot help
+        // it. A request whose pool is not known yet is set against the host alone.
+        let fit = if unplaced {
+            match self.never_here(&demand) {
+                Some(s) => Fit::Never(s),
+                None => Fit::Later(Shortfall::new(Short::Reading, UNPLACED)),
+            }
+        } else {
+            self.fit_fresh(&peer, &pool, &demand, true, fresh_after)
+        };
+        let fit = match fit {
+            Fit::Never(s) => {
+                let message = self.never_message(&pool, unplaced, &s);
+                let reason = RefusalReason::TooLarge;
+                return Some(self.refusal(id, &peer, &pool, &demand, reason, message));
+            }
+            Fit::Now { gpus } => Ok(gpus),
+            Fit::Later(s) => Err(s),
+        };
         let limits = self.config.permits.clone();
         let total = self.permits_of(None);
         // Root's share of max_total (one uid's, max_per_uid) is never given to the others.
@@ -85,18 +105,14 @@ impl Reservations {
             .waiting
             .get(&pool)
             .map_or(0, |q| q.iter().filter(|w| w.unplaced.is_none()).count());
-        let fit = match self.fit_fresh(&peer, &pool, &demand, true, fresh_after) {
-            Fit::Now { .. } | Fit::Never(_) if unplaced => Fit::Later(Shortfall {
-                message: UNPLACED.into(),
-                ..Default::default()
-            }),
+        let fit = match fit {
             // First come, first served: nobody overtakes a request of the same pool that waits,
             // but for one its own cache holds (it takes nothing the others wait for).
-            Fit::Now { .. } if queued > 0 && !self.held_in_own_cache(&peer, &pool, &demand) => {
-                Fit::Later(Shortfall {
-                    message: format!("{queued} request(s) of this model wait ahead"),
-                    ..Default::default()
-                })
+            Ok(_) if queued > 0 && !self.held_in_own_cache(&peer, &pool, &demand) => {
+                Err(Shortfall::new(
+                    Short::Turn,
+                    format!("{queued} request(s) of this model wait ahead"),
+                ))
             }
             fit => fit,
         };
@@ -115,12 +131,8 @@ impl Reservations {
             unplaced: None,
         };
         match fit {
-            Fit::Now { gpus } => Some(self.grant(waiter(String::new()), gpus, now)),
-            Fit::Never(s) => {
-                let message = format!("{}: can never fit: {}", model_label(&pool), s.message);
-                Some(self.refusal_with(id, &pool, &demand, RefusalReason::TooLarge, message, &s))
-            }
-            Fit::Later(s) => {
+            Ok(gpus) => Some(self.grant(waiter(String::new()), gpus, now)),
+            Err(s) => {
                 tracing::debug!(
                     "{}: permit of pid {} waits: {} (GPU reading consistent: {}; {})",
                     model_label(&pool),
@@ -132,11 +144,7 @@ impl Reservations {
                         .map_or("no pool yet".into(), |a| a.describe_holder(peer.process()))
                 );
                 if queued >= limits.queue {
-                    let reason = if s.message.contains("max_permits") {
-                        RefusalReason::MaxPermits
-                    } else {
-                        RefusalReason::QueueFull
-                    };
+                    let reason = queue_full_reason(s.short);
                     let message = format!(
                         "{}: {queued} requests wait already (permits.queue); {}",
                         model_label(&pool),
@@ -151,6 +159,16 @@ impl Reservations {
                 self.waiting.entry(pool).or_default().push_back(waiter);
                 None
             }
+        }
+    }
+
+    /// What a refusal of a request that can never fit says (`unplaced`: its pool is not known
+    /// yet, and the host alone said so).
+    pub(super) fn never_message(&self, pool: &Pool, unplaced: bool, s: &Shortfall) -> String {
+        if unplaced {
+            format!("can never fit on this host: {}", s.message)
+        } else {
+            format!("{}: can never fit: {}", model_label(pool), s.message)
         }
     }
 
@@ -215,16 +233,18 @@ impl Reservations {
         }
     }
 
-    /// What a permit request asks for, with its defaults and caps applied.
+    /// What a permit request asks for in `pool`, with its defaults and caps applied (`None`:
+    /// its pool is not known yet, and a size it does not name counts as none until it is).
     pub(super) fn permit_demand(
         &self,
-        pool: &Pool,
+        pool: Option<&Pool>,
         r: &AcquireRequest,
     ) -> Result<(Demand, Duration, Duration), String> {
         let limits = &self.config.permits;
-        let gpu_bytes = match r.gpu_bytes {
-            Some(b) => b,
-            None => self.default_permit_size(pool),
+        let gpu_bytes = match (r.gpu_bytes, pool) {
+            (Some(b), _) => b,
+            (None, Some(pool)) => self.default_permit_size(pool),
+            (None, None) => 0,
         };
         let ram_bytes = r.ram_bytes.unwrap_or(0);
         if gpu_bytes > MAX_BYTES || ram_bytes > MAX_BYTES {
@@ -366,7 +386,7 @@ impl Reservations {
             free_gpu_bytes: best.and_then(|g| g.room).map(|r| r.max(0) as u64),
             free_ram_bytes: ram.room.map(|r| r.max(0) as u64),
             gpu: best.map(|g| g.index),
-            message: String::new(),
+            ..Shortfall::new(Short::Gpu, String::new())
         };
         self.refusal_with(id, pool, demand, reason, message, &shortfall)
     }

@@ -54,7 +54,6 @@ impl Reservations {
                 GpuRoom {
                     index: g.index,
                     room,
-                    ceiling: g.total.map(|t| t.saturating_sub(g.floor)),
                     free: g.free.filter(|_| g.usable),
                     floor: g.floor,
                     promised: (others + mine.max(0)) as u64,
@@ -74,7 +73,6 @@ impl Reservations {
             room: ram
                 .available
                 .map(|a| a as i64 - ram.floor as i64 - others - mine),
-            ceiling: ram.total.map(|t| t.saturating_sub(ram.floor)),
             available: ram.available,
             floor: ram.floor,
             promised: (others + mine) as u64,
@@ -82,20 +80,37 @@ impl Reservations {
         (gpus, ram_room)
     }
 
-    /// Does `demand` fit `pool` now: its model's slots and budget, then the memory.
+    /// Why `demand` can never fit on this host, whatever its pool: more than the host's memory
+    /// above its floors, or a GPU on a host without one (`admission::never`).
+    pub(super) fn never_here(&self, demand: &Demand) -> Option<Shortfall> {
+        never(demand, &self.capacity.ceilings())
+    }
+
+    /// Does `demand` fit `pool` now: never on this host, never or not now within the uid's cap
+    /// and the model's slots and budget (what can never fit first, whatever else waits), then
+    /// the memory.
     pub(super) fn fit(&self, peer: &Peer, pool: &Pool, demand: &Demand, permit: bool) -> Fit {
-        if let Some(f) = self.uid_cap_fit(peer.uid, pool, demand) {
-            return f;
+        if let Some(s) = self.never_here(demand) {
+            return Fit::Never(s);
         }
+        let mut limits = self.uid_cap_fit(peer.uid, pool, demand);
         if let Some(name) = pool {
             if let Some(model) = self.model_config(name) {
-                if let Some(f) = self.budget_fit(name, model, demand, permit) {
-                    return f;
-                }
+                limits.extend(self.budget_fit(name, model, demand, permit));
             }
         }
+        let worst = match limits.iter().position(|f| matches!(f, Fit::Never(_))) {
+            Some(i) => Some(limits.swap_remove(i)),
+            None => limits.into_iter().next(),
+        };
+        if let Some(f) = worst {
+            return f;
+        }
         let (gpus, ram) = self.rooms(pool, peer.process(), demand.gpu_bytes_per_gpu);
-        place(demand, &gpus, &ram)
+        match place(demand, &gpus, &ram) {
+            Ok(gpus) => Fit::Now { gpus },
+            Err(s) => Fit::Later(s),
+        }
     }
 
     /// `fit`, on a GPU reading taken after `fresh_after` only (the request's connection's
@@ -110,10 +125,9 @@ impl Reservations {
         fresh_after: Duration,
     ) -> Fit {
         match self.fit(peer, pool, demand, permit) {
-            Fit::Now { .. } if self.stale_for(demand, fresh_after) => Fit::Later(Shortfall {
-                message: "a GPU reading newer than the request".into(),
-                ..Default::default()
-            }),
+            Fit::Now { .. } if self.stale_for(demand, fresh_after) => {
+                Fit::Later(Shortfall::new(Short::Reading, FRESH_READING))
+            }
             fit => fit,
         }
     }
@@ -163,17 +177,19 @@ impl Reservations {
     }
 
     /// `[clients] max_reserved_per_uid` (half of the memory by default): what a uid holds
-    /// reserved (loading launches and permits) plus `demand`, against the cap: `None` when
-    /// within it. Root is not capped, nor a uid the config names for the model it asks for
-    /// (a `[[model]]`'s users): the model's budget bounds them.
-    pub(super) fn uid_cap_fit(&self, uid: u32, pool: &Pool, demand: &Demand) -> Option<Fit> {
-        let cap = self.config.clients.max_reserved_per_uid?;
+    /// reserved (loading launches and permits) plus `demand`, against the cap: what it is short
+    /// of (none when within it). Root is not capped, nor a uid the config names for the model
+    /// it asks for (a `[[model]]`'s users): the model's budget bounds them.
+    pub(super) fn uid_cap_fit(&self, uid: u32, pool: &Pool, demand: &Demand) -> Vec<Fit> {
+        let Some(cap) = self.config.clients.max_reserved_per_uid else {
+            return Vec::new();
+        };
         let named = pool
             .as_deref()
             .and_then(|name| self.config.model(name))
             .is_some_and(|m| m.allowed_users().may_act(uid));
         if uid == 0 || named {
-            return None;
+            return Vec::new();
         }
         let (gpu_held, ram_held) = self
             .holdings
@@ -194,7 +210,7 @@ impl Reservations {
             .filter(|&t| t > 0);
         let check = |held: u64, asked: u64, total: Option<u64>, what: &str| {
             let limit = cap.resolve(total)?;
-            limit_fit(held, asked, limit, || {
+            limit_fit(Short::UidCap, held, asked, limit, || {
                 format!(
                     "uid {uid}: {what} {} reserved + {} asked > {} (clients.max_reserved_per_uid)",
                     fmt_bytes(held),
@@ -203,30 +219,38 @@ impl Reservations {
                 )
             })
         };
-        check(gpu_held, demand.gpu_bytes_total(), gpu_total, "GPU memory")
-            .or_else(|| check(ram_held, demand.ram_bytes, self.capacity.ram.total, "RAM"))
+        [
+            check(gpu_held, demand.gpu_bytes_total(), gpu_total, "GPU memory"),
+            check(ram_held, demand.ram_bytes, self.capacity.ram.total, "RAM"),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
     }
 
-    /// A model's `max_permits` and budget, before the memory: `None` when they allow it.
+    /// A model's `max_permits` and budget, before the memory: what they are short of (none
+    /// when they allow it).
     pub(super) fn budget_fit(
         &self,
         name: &str,
         model: &ModelConfig,
         demand: &Demand,
         permit: bool,
-    ) -> Option<Fit> {
+    ) -> Vec<Fit> {
         let account = self.pools.get(&Some(name.to_string()));
-        if permit {
-            if let Some(max) = model.max_permits {
-                let held = self.permits_held(&Some(name.to_string()));
-                if held >= max as usize {
-                    return Some(Fit::Later(Shortfall {
-                        message: format!(
-                            "model '{name}': {held} of max_permits {max} permits held"
-                        ),
-                        ..Default::default()
-                    }));
-                }
+        let mut short = Vec::new();
+        if let Some(max) = model.max_permits.filter(|_| permit) {
+            let held = self.permits_held(&Some(name.to_string()));
+            if max == 0 {
+                short.push(Fit::Never(Shortfall::new(
+                    Short::MaxPermits,
+                    format!("model '{name}': max_permits is 0"),
+                )));
+            } else if held >= max as usize {
+                short.push(Fit::Later(Shortfall::new(
+                    Short::MaxPermits,
+                    format!("model '{name}': {held} of max_permits {max} permits held"),
+                )));
             }
         }
         let (ram_budget, gpu_budget) =
@@ -240,7 +264,7 @@ impl Reservations {
             } else {
                 budget?
             };
-            limit_fit(committed, asked, budget, || {
+            limit_fit(Short::Budget, committed, asked, budget, || {
                 format!(
                     "model '{name}': {what} {} committed + {} asked > budget {}{}",
                     fmt_bytes(committed),
@@ -254,19 +278,18 @@ impl Reservations {
                 )
             })
         };
-        check(
+        short.extend(check(
             gpu_budget,
             account.map_or(0, Account::gpu_committed),
             demand.gpu_bytes_total(),
             "GPU memory",
-        )
-        .or_else(|| {
-            check(
-                ram_budget,
-                account.map_or(0, Account::ram_committed),
-                demand.ram_bytes,
-                "RAM",
-            )
-        })
+        ));
+        short.extend(check(
+            ram_budget,
+            account.map_or(0, Account::ram_committed),
+            demand.ram_bytes,
+            "RAM",
+        ));
+        short
     }
 }

@@ -944,6 +944,7 @@ fn only_root_may_have_a_ready_url_off_loopback_polled() {
 }
 
 mod caching_workers;
+mod never;
 mod properties;
 mod security;
 

@@ -46,10 +46,7 @@ impl Reservations {
         let fit = self.fit(&w.peer, &w.pool, &w.demand, true);
         let shortfall = match fit {
             Fit::Later(s) | Fit::Never(s) => s,
-            Fit::Now { .. } => Shortfall {
-                message: w.waiting_for.clone(),
-                ..Default::default()
-            },
+            Fit::Now { .. } => Shortfall::new(Short::Reading, w.waiting_for.clone()),
         };
         let message = format!(
             "{}: needs GPU {} RAM {}, not free within {}: {}",
@@ -130,6 +127,8 @@ impl Reservations {
     }
 
     /// Lets in what fits now: the heads of the permit queues, then the head of the launches.
+    /// What can never fit any more (the readings or the config changed), wherever it waits, is
+    /// refused and leaves its queue: it holds back no one.
     pub fn admit_waiting(&mut self, now: Duration) {
         self.place_unplaced(now);
         let pools: Vec<Pool> = self.waiting.keys().cloned().collect();
@@ -139,11 +138,17 @@ impl Reservations {
             // Requests still looking for their model are not ahead of anyone.
             let (mut i, mut blocked) = (0, false);
             while let Some(w) = self.waiting.get(&pool).and_then(|q| q.get(i)) {
-                if w.unplaced.is_some() {
-                    i += 1;
-                    continue;
-                }
-                let fit = self.fit_fresh(&w.peer, &pool, &w.demand, true, w.fresh_after);
+                let fit = match &w.unplaced {
+                    // Its pool is not known yet: only the host can say "never".
+                    Some(_) => match self.never_here(&w.demand) {
+                        Some(s) => Fit::Never(s),
+                        None => {
+                            i += 1;
+                            continue;
+                        }
+                    },
+                    None => self.fit_fresh(&w.peer, &pool, &w.demand, true, w.fresh_after),
+                };
                 let may_go = !blocked || self.held_in_own_cache(&w.peer, &pool, &w.demand);
                 match fit {
                     Fit::Now { gpus } if may_go => {
@@ -157,7 +162,19 @@ impl Reservations {
                         self.send(conn, response);
                     }
                     Fit::Now { .. } => i += 1,
-                    Fit::Later(s) | Fit::Never(s) => {
+                    Fit::Never(s) => {
+                        let w = self
+                            .waiting
+                            .get_mut(&pool)
+                            .and_then(|q| q.remove(i))
+                            .expect("it exists");
+                        let message = self.never_message(&pool, w.unplaced.is_some(), &s);
+                        let reason = RefusalReason::TooLarge;
+                        let response =
+                            self.refusal(w.id, &w.peer, &pool, &w.demand, reason, message);
+                        self.send(w.conn, response);
+                    }
+                    Fit::Later(s) => {
                         if let Some(w) = self.waiting.get_mut(&pool).and_then(|q| q.get_mut(i)) {
                             w.waiting_for = s.message;
                             if !blocked && w.demand.gpu_bytes_total() > 0 {
@@ -174,6 +191,22 @@ impl Reservations {
         self.waiting.retain(|_, q| !q.is_empty());
         for (pool, peer, arrived, size) in starved {
             self.ask_to_trim(&pool, &peer, size, now.saturating_sub(arrived), now);
+        }
+        let mut i = 0;
+        while let Some(w) = self.launch_queue.get(i) {
+            match self.launch_fit(w) {
+                Fit::Never(s) => {
+                    let w = self.launch_queue.remove(i).expect("it exists");
+                    tracing::info!(
+                        "launch of model '{}' by pid {} refused: it can never fit on this host: {}",
+                        model_label(&w.pool),
+                        w.peer.pid,
+                        s.message
+                    );
+                    self.send(w.conn, launches::never_fits(&w, &s));
+                }
+                _ => i += 1,
+            }
         }
         while let Some(head) = self.launch_queue.front() {
             match self.launch_fit(head) {
@@ -322,7 +355,7 @@ impl Reservations {
         for mut w in placed.into_iter().rev() {
             let request = w.unplaced.take().expect("chosen for it");
             let placed = self.permit_pool(&w.peer, None).and_then(|pool| {
-                match self.permit_demand(&pool, &request) {
+                match self.permit_demand(Some(&pool), &request) {
                     Ok((demand, ..)) => Ok((pool, demand)),
                     Err(message) => Err((RefusalReason::Invalid, message)),
                 }

@@ -62,6 +62,10 @@ pub struct GpuReading {
     pub devices: Vec<Gpu>,
     /// True if this reading read the per-process lists afresh.
     pub read_processes: bool,
+    /// NVML says this host has no GPU for it: its library cannot be loaded, or the NVIDIA
+    /// driver is not loaded, and this source never saw a GPU (a driver that goes away under
+    /// GPUs seen is a reload or a fault: they are there, unknown) (`GpuSnapshot::absent`).
+    pub absent: bool,
 }
 
 /// Where GPU readings come from (NVML, or a fake in tests).
@@ -84,6 +88,8 @@ pub struct NvmlGpuSource {
     nvml: Option<Arc<Nvml>>,
     last_init: Option<Instant>,
     last_error: String,
+    /// `last_error` means there is no NVIDIA driver here (`GpuReading::absent`).
+    last_absent: bool,
     /// Per-process lists from the last time they were read, reused between process samples.
     last_processes: BTreeMap<u32, (BTreeMap<i32, Option<u64>>, bool)>,
     /// Every GPU seen healthy, by index: one that goes missing from the list is lost, not gone.
@@ -103,6 +109,7 @@ impl NvmlGpuSource {
             nvml: None,
             last_init: None,
             last_error: String::new(),
+            last_absent: false,
             last_processes: BTreeMap::new(),
             seen: BTreeMap::new(),
             unattributed: BTreeMap::new(),
@@ -136,17 +143,19 @@ impl NvmlGpuSource {
             }
             Err(e) => {
                 self.last_error = describe_init_error(&e);
+                self.last_absent = means_no_driver(&e);
                 Err(self.last_error.clone())
             }
         }
     }
 
     /// Drops the library after an error that needs a fresh init (driver reloaded or upgraded).
-    fn reset(&mut self, why: String) {
+    fn reset(&mut self, why: String, absent: bool) {
         self.quit_events.store(true, Ordering::Relaxed);
         self.quit_events = Arc::default();
         self.nvml = None;
         self.last_error = why;
+        self.last_absent = absent;
     }
 
     /// Listens for Xid events on every GPU in a thread of its own (the wait blocks). Returns
@@ -206,6 +215,15 @@ impl Drop for NvmlGpuSource {
     fn drop(&mut self) {
         self.quit_events.store(true, Ordering::Relaxed);
     }
+}
+
+/// NVML's answer means this host has no NVIDIA driver (no library, or the driver not loaded):
+/// no GPU to place anything on. Any other failure leaves the GPUs unknown.
+fn means_no_driver(e: &NvmlError) -> bool {
+    matches!(
+        e,
+        NvmlError::LibloadingError(_) | NvmlError::DriverNotLoaded
+    )
 }
 
 fn describe_init_error(e: &NvmlError) -> String {
@@ -382,6 +400,7 @@ impl GpuSource for NvmlGpuSource {
             Err(why) => {
                 return GpuReading {
                     status: GpuStatus::Unavailable(why),
+                    absent: self.last_absent && self.seen.is_empty(),
                     ..Default::default()
                 }
             }
@@ -398,16 +417,18 @@ impl GpuSource for NvmlGpuSource {
             Ok(n) => n,
             Err(e) => {
                 let why = format!("NVML device count failed: {e}");
+                let absent = means_no_driver(&e) && self.seen.is_empty();
                 if matches!(
                     e,
                     NvmlError::LibRmVersionMismatch
                         | NvmlError::Uninitialized
                         | NvmlError::DriverNotLoaded
                 ) {
-                    self.reset(why.clone());
+                    self.reset(why.clone(), absent);
                 }
                 return GpuReading {
                     status: GpuStatus::Unavailable(why),
+                    absent,
                     ..Default::default()
                 };
             }
@@ -420,6 +441,7 @@ impl GpuSource for NvmlGpuSource {
             status: GpuStatus::Ok,
             devices,
             read_processes: processes,
+            absent: false,
         }
     }
 
@@ -617,6 +639,7 @@ impl GpuMonitor {
             devices: latest.reading.devices.clone(),
             process_lists_read: latest.process_lists_read,
             processes_fresh: latest.reading.read_processes,
+            absent: latest.reading.absent,
         };
         (snapshot, xids, latest.took)
     }
@@ -641,6 +664,7 @@ mod tests {
                 status: GpuStatus::Ok,
                 devices: vec![Gpu::default()],
                 read_processes: false,
+                absent: false,
             }
         }
     }

@@ -272,7 +272,7 @@ fn a_metrics_url_and_planned_kv_cache_given_at_launch_are_used_and_one_off_loopb
         .env("GPUGUARD_SOCKET", daemon.socket())
         .output()
         .unwrap();
-    assert_eq!(refused.status.code(), Some(77));
+    assert_eq!(refused.status.code(), Some(2), "an invalid request");
     let err = String::from_utf8_lossy(&refused.stderr);
     assert!(
         err.contains("--metrics-url 'http://10.1.2.3:8000/metrics' must be on a loopback address"),

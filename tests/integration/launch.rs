@@ -229,7 +229,7 @@ fn launched_command_keeps_the_pid_and_goes_to_the_gpu_with_room() {
 /// Issue #10: `--gpus N` without `--gpu-mem` still places the command on N GPUs; a launch that
 /// fits the card but not now waits, then exits 75 (that its timeout counts from the request's
 /// arrival, never less, is `reserve::tests`'s, on the driven clock); a launch that fits at once
-/// is not told it was queued; one that can never fit is refused at once (#16).
+/// is not told it was queued; one that can never fit is refused at once (#16), exit 65 (#40).
 #[test]
 fn gpus_without_a_budget_are_placed_and_queue_timeouts_are_answered() {
     let s = setup("", &gpus(2, 12));
@@ -282,7 +282,7 @@ fn gpus_without_a_budget_are_placed_and_queue_timeouts_are_answered() {
         "--",
         "true",
     ]);
-    assert_eq!(out.status.code(), Some(75), "{out:?}");
+    assert_eq!(out.status.code(), Some(65), "{out:?}");
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("can never fit on this host"),
         "{out:?}"

@@ -234,7 +234,7 @@ fn children_of(pid: u32) -> Vec<u32> {
 }
 
 #[test]
-fn gpuguard_permit_runs_the_command_with_its_permit_and_exits_75_when_none_comes() {
+fn gpuguard_permit_runs_the_command_with_its_permit_and_exits_75_when_none_comes_in_time() {
     let c = card("", "");
     let run = |args: &[&str]| {
         let out = Command::new(BIN)
@@ -263,7 +263,7 @@ fn gpuguard_permit_runs_the_command_with_its_permit_and_exits_75_when_none_comes
     ]);
     assert_eq!(code, Some(7));
     assert_eq!(out.trim(), "gpu=0 cuda=0");
-    // Never fits: 75 at once, the command never ran.
+    // Never fits: 65 at once (retrying here is pointless), the command never ran.
     let (code, out, err) = run(&[
         "--model",
         "served",
@@ -273,7 +273,7 @@ fn gpuguard_permit_runs_the_command_with_its_permit_and_exits_75_when_none_comes
         "echo",
         "ran",
     ]);
-    assert_eq!(code, Some(75), "{err}");
+    assert_eq!(code, Some(65), "{err}");
     assert!(out.is_empty());
     assert!(err.contains("can never fit"), "{err}");
     // Does not fit in time: 75 after the timeout, saying what was needed and free.
@@ -295,9 +295,94 @@ fn gpuguard_permit_runs_the_command_with_its_permit_and_exits_75_when_none_comes
     assert!(out.is_empty());
     assert!(err.contains("needs GPU 4.0 GiB"), "{err}");
     assert!(err.contains("try again in"), "{err}");
-    // A model that does not exist is refused (77).
+    // A model that does not exist is an invalid request (2).
     let (code, _, err) = run(&["--model", "nope", "--", "true"]);
-    assert_eq!(code, Some(77), "{err}");
+    assert_eq!(code, Some(2), "{err}");
+}
+
+/// A daemon on a host without a GPU (`[gpu] enabled = false`), with a `[[model]]` that root
+/// may belong to: a permit of a new process that names no model waits for a scan to find its
+/// model.
+pub fn no_gpu_daemon() -> GuardDaemon {
+    let t = token("nevermodel");
+    GuardDaemon::start(&format!(
+        "[daemon]\nstate_dir = \"{{state_dir}}\"\ncandidates = \"models\"\ninterval = \"200ms\"\nscan_interval = \"200ms\"\n\
+         [ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n[gpu]\nenabled = false\n\
+         [[model]]\nname = \"served\"\nmatch = {{ cmdline = \"{t}\" }}\n"
+    ))
+}
+
+/// More RAM than this host has: 1 TiB, or twice its RAM on a larger one.
+pub fn more_ram_than_here() -> String {
+    format!("{}GiB", (2 * mem_total() / GIB).max(1024))
+}
+
+/// Issue #40: on a host without a GPU (`[gpu] enabled = false`), with a `[[model]]` root may
+/// belong to, `gpuguard permit --ram 1TiB` (its caller's model not known yet: on main it waited
+/// for a scan, then its whole timeout, and said "try again in 100ms"), a permit asking GPU
+/// memory, and `gpuguard launch --gpu-mem 20GiB` (on main it headed the launch queue for its
+/// queue timeout) are refused at once as never fitting, exit 65, the command never run. Their
+/// own timeouts are long: a wait would hang the test, not pass it.
+#[test]
+fn what_can_never_fit_here_is_refused_at_once_with_exit_65_from_permit_and_launch() {
+    let daemon = no_gpu_daemon();
+    let run = |args: &[&str]| {
+        let out = Command::new(BIN)
+            .args(args)
+            .env("GPUGUARD_SOCKET", daemon.socket())
+            .env_remove("CUDA_VISIBLE_DEVICES")
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    let ram = more_ram_than_here();
+    let permit = |what: &[&str]| {
+        let mut args = vec!["permit", "--timeout", "600s"];
+        args.extend(what);
+        args.extend(["--", "echo", "ran"]);
+        run(&args)
+    };
+    let (code, out, err) = permit(&["--ram", &ram]);
+    assert_eq!(code, Some(65), "{err}");
+    assert!(out.is_empty(), "the command ran: {out}");
+    assert!(
+        err.contains("can never fit") && err.contains("RAM"),
+        "{err}"
+    );
+    assert!(!err.contains("try again"), "{err}");
+    let (code, out, err) = permit(&["--gpu-mem", "1GiB"]);
+    assert_eq!(code, Some(65), "{err}");
+    assert!(out.is_empty(), "the command ran: {out}");
+    assert!(err.contains("this host has no GPU"), "{err}");
+    let (code, out, err) = run(&[
+        "launch",
+        "--model",
+        "big",
+        "--gpu-mem",
+        "20GiB",
+        "--queue-timeout",
+        "600s",
+        "--",
+        "echo",
+        "ran",
+    ]);
+    assert_eq!(code, Some(65), "{err}");
+    assert!(out.is_empty(), "the command ran: {out}");
+    assert!(
+        err.contains("can never fit on this host") && err.contains("enabled = false"),
+        "{err}"
+    );
+    // Nothing waits, and what fits still runs: a launch and a permit of RAM only.
+    let (code, out, err) = run(&["launch", "--model", "small", "--", "echo", "ran"]);
+    assert_eq!((code, out.trim()), (Some(0), "ran"), "{err}");
+    let (code, out, err) = permit(&["--ram", "1MiB"]);
+    assert_eq!((code, out.trim()), (Some(0), "ran"), "{err}");
+    let status = daemon.status();
+    assert_eq!(status["queue"], serde_json::json!([]), "{status}");
 }
 
 /// A metadata server on 127.0.0.1 as Google documents it: a plain read answers a key's value

@@ -237,3 +237,44 @@ fn the_fastapi_example_answers_200_or_503_with_retry_after_and_never_overflows()
     assert_eq!(r["unavailable_with_retry_after"], unavailable, "{r}");
     assert_eq!(r["server"]["overflows"], 0, "{r}");
 }
+
+/// Issue #40: the Python client, a new process naming no model, on a host without a GPU: a
+/// permit of more RAM than the host has and one of GPU memory are refused at once with
+/// `too_large`, not transient, no retry hint, though each may wait 600 s (a wait would hang the
+/// test). The daemon decides; the client checks nothing itself.
+#[test]
+fn the_python_client_is_refused_at_once_what_can_never_fit_here() {
+    let daemon = crate::permits::no_gpu_daemon();
+    let script = r#"
+import sys, gpuguard
+client = gpuguard.Client(sys.argv[1])
+for asked in ({"ram_bytes": sys.argv[2]}, {"gpu_bytes": "1GiB"}):
+    try:
+        client.acquire(timeout=600, **asked)
+        print("granted")
+    except gpuguard.PermitRefused as refused:
+        print(refused.reason, refused.transient, refused.retry_after, refused.message)
+"#;
+    let out = Command::new(venv_python())
+        .args(["-c", script])
+        .arg(daemon.socket())
+        .arg(crate::permits::more_ram_than_here())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 2, "{stdout}");
+    assert!(
+        lines[0].starts_with("too_large False None ") && lines[0].contains("RAM"),
+        "{stdout}"
+    );
+    assert!(
+        lines[1].starts_with("too_large False None ") && lines[1].contains("this host has no GPU"),
+        "{stdout}"
+    );
+}

@@ -141,6 +141,7 @@ fn any_nvml_state_is_sampled_without_panicking() {
                     devices: reading.devices.clone(),
                     process_lists_read: 1,
                     processes_fresh: reading.read_processes,
+                    absent: reading.absent,
                 },
                 processes: ProcessTable {
                     pss_read: true,
@@ -259,31 +260,51 @@ fn unavailable(reading: &gpuguard::sample::nvml::GpuReading) -> String {
 }
 
 /// NVML that cannot start says why (no library at all, no driver, a driver/library mismatch),
-/// and the source retries init: once the driver answers, the GPUs are read. Moved from the host
-/// suite (`gpu_guard`), where a daemon was started for each.
+/// and the source retries init: once the driver answers, the GPUs are read. No library and no
+/// driver mean no GPU here (`absent`: a GPU request is refused at once); a mismatch leaves the
+/// GPUs unknown (they are there). Moved from the host suite (`gpu_guard`), where a daemon was
+/// started for each.
 #[test]
 fn nvml_that_cannot_start_says_why_and_the_retry_picks_the_gpus_up() {
     let mut none = NvmlGpuSource::new(
         Some("/nonexistent/libnvidia-ml.so.1".into()),
-        Duration::ZERO,
+        Duration::from_secs(60),
     );
-    let why = unavailable(&none.sample(true));
-    assert!(why.contains("NVML library not loadable"), "{why}");
+    for _ in 0..2 {
+        // Again within `retry_init`: the same answer, from the last attempt.
+        let reading = none.sample(true);
+        let why = unavailable(&reading);
+        assert!(why.contains("NVML library not loadable"), "{why}");
+        assert!(reading.absent, "{why}");
+    }
 
     let fake = Fake::new("");
     std::fs::remove_file(&fake.state).unwrap();
     let mut source = NvmlGpuSource::new(Some(lib_path()), Duration::ZERO);
-    let why = unavailable(&source.sample(true));
+    let reading = source.sample(true);
+    let why = unavailable(&reading);
     assert!(why.contains("NVIDIA driver not loaded"), "{why}");
+    assert!(reading.absent, "{why}");
     fake.write(&two_gpus(""));
     let reading = source.sample(true);
     assert_eq!(reading.status, gpuguard::snapshot::GpuStatus::Ok);
     assert_eq!(reading.devices.len(), 2, "{reading:?}");
+    assert!(!reading.absent);
+    // The driver gone from under GPUs seen (a reload, a fault): they are unknown, not absent.
+    fake.write(&two_gpus("error nvmlDeviceGetCount_v2 9\n"));
+    let reading = source.sample(true);
+    let why = unavailable(&reading);
+    assert!(why.contains("device count failed"), "{why}");
+    assert!(!reading.absent, "{why}");
+    let reading = source.sample(true);
+    assert!(!reading.absent, "{:?}", reading.status);
 
     fake.write(&two_gpus("error nvmlInit_v2 18\n"));
     let mut source = NvmlGpuSource::new(Some(lib_path()), Duration::ZERO);
-    let why = unavailable(&source.sample(true));
+    let reading = source.sample(true);
+    let why = unavailable(&reading);
     assert!(why.contains("NVML/driver version mismatch"), "{why}");
+    assert!(!reading.absent, "the GPUs are there, unknown: {why}");
     fake.write(&two_gpus(""));
     let reading = source.sample(true);
     assert_eq!(reading.status, gpuguard::snapshot::GpuStatus::Ok);

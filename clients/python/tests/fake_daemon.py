@@ -359,22 +359,22 @@ class FakeDaemon:
 
     def _refuse(self, waiter: _Waiter, reason: str, text: str) -> None:
         room = self._room()
-        self._send(
-            waiter.conn,
-            {
-                "type": "refused",
-                "id": waiter.id,
-                "reason": reason,
-                "retry_after_ms": self.retry_after_ms,
-                "message": f"fake: needs {waiter.gpu_bytes} bytes, room {room['gpu_bytes']}: {text}",
-                "needed": {
-                    "gpu_bytes": waiter.gpu_bytes,
-                    "ram_bytes": waiter.ram_bytes,
-                    "gpu": waiter.gpu,
-                },
-                "free": room,
+        answer = {
+            "type": "refused",
+            "id": waiter.id,
+            "reason": reason,
+            "message": f"fake: needs {waiter.gpu_bytes} bytes, room {room['gpu_bytes']}: {text}",
+            "needed": {
+                "gpu_bytes": waiter.gpu_bytes,
+                "ram_bytes": waiter.ram_bytes,
+                "gpu": waiter.gpu,
             },
-        )
+            "free": room,
+        }
+        # As the daemon: a retry estimate only where retrying may help.
+        if reason in ("timeout", "queue_full", "max_permits"):
+            answer["retry_after_ms"] = self.retry_after_ms
+        self._send(waiter.conn, answer)
 
     def _refuse_now(
         self,

@@ -2,10 +2,12 @@
 every field, the client's own timeout and cancel races, KeyboardInterrupt, expiry, reconnects,
 lost connections and 16 threads sharing one connection."""
 
+import itertools
 import os
 import signal
 import threading
 import unittest
+from pathlib import Path
 
 import gpuguard
 from gpuguard import Client, DaemonUnavailable, PermitRefused, ProtocolError
@@ -111,14 +113,45 @@ class Grants(FakeDaemonCase):
         self.assertFalse(PermitRefused("too_large", "never fits").transient)
 
     def test_too_large_is_refused_at_once(self):
+        # The daemon says what can never fit (the client checks no size itself): its answer
+        # comes at once, however long the request may wait.
         with self.assertRaises(PermitRefused) as caught:
-            self.client.acquire("100GiB", timeout=60)
+            self.client.acquire("100GiB", timeout=600)
         self.assertEqual(caught.exception.reason, "too_large")
         self.assertFalse(caught.exception.transient)
+        self.assertIsNone(caught.exception.retry_after)
+        self.assertEqual(len(self.received("acquire", gpu_bytes=100 * GIB)), 1)
 
     def test_status(self):
         with self.client.permit(GIB):
             self.assertEqual(self.client.status()["permits"]["held"], 1)
+
+
+class ReasonsAsDocumented(unittest.TestCase):
+    """`transient` for every refusal reason is docs/protocol.md's: the reasons `gpuguard launch`
+    and `gpuguard permit` exit 75 for (try again later, or elsewhere) and no other."""
+
+    def documented(self):
+        doc = Path(__file__).resolve().parents[3] / "docs" / "protocol.md"
+        if not doc.exists():
+            self.skipTest(f"{doc}: not in a gpuguard checkout")
+        after = doc.read_text().split("<!-- refusals -->", 1)[1].lstrip().splitlines()
+        rows = list(itertools.takewhile(lambda line: line.startswith("|"), after))[2:]
+        cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+        return [(reason.strip("`"), int(code), transient) for reason, code, transient, _ in cells]
+
+    def test_transient_is_the_documented_answer_for_every_reason(self):
+        rows = self.documented()
+        self.assertGreaterEqual(len(rows), 9, rows)
+        for reason, code, transient in rows:
+            self.assertIn(transient, ("yes", "no"), reason)
+            self.assertEqual(PermitRefused(reason, "m").transient, transient == "yes", reason)
+            self.assertEqual(transient == "yes", code == 75, f"{reason}: exit {code}")
+        self.assertEqual(
+            gpuguard.errors.TRANSIENT_REASONS, {r for r, _, t in rows if t == "yes"}
+        )
+        # A reason this client does not know yet is not worth retrying blindly.
+        self.assertFalse(PermitRefused("a_new_reason", "m").transient)
 
 
 class Cancels(FakeDaemonCase):

@@ -228,6 +228,7 @@ impl GpuSource for FakeGpu {
             .chain(w.more_gpus.iter().cloned())
             .collect(),
             read_processes: true,
+            absent: false,
         }
     }
 

@@ -107,6 +107,7 @@ fn gsnap(at_ms: u64, procs: Vec<Process>, devices: Vec<Gpu>) -> Snapshot {
         devices,
         process_lists_read: at_ms,
         processes_fresh: true,
+        absent: false,
     };
     s
 }
