@@ -3,6 +3,7 @@
 mod generate;
 mod history;
 mod launch;
+mod matches;
 mod permit;
 mod plan;
 mod replay;
@@ -76,6 +77,10 @@ enum Command {
     CheckConfig {
         /// The config file.
         config: PathBuf,
+        /// Also show what each [[model]] and [protect] rule catches on this host now: how many
+        /// processes, a few of them, and what its match catches that is left out and why.
+        #[arg(long)]
+        matches: bool,
     },
     /// Show GPUs, host memory, models, the launch queue, held processes and recent actions.
     Status {
@@ -151,11 +156,12 @@ pub(crate) fn wrapped(text: &str, first: &str, rest: &str) -> String {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let code = match cli.command {
-        Command::CheckConfig { config } => match Config::load(&config) {
+        Command::CheckConfig { config, matches } => match Config::load(&config) {
             Ok(c) => {
                 for warning in c.warnings() {
                     eprintln!("gpuguard: config {}: warning: {warning}", config.display());
                 }
+                matches::run(&config, &c, matches);
                 println!(
                     "config {}: ok ({} model(s), mode {})",
                     config.display(),

@@ -132,6 +132,12 @@ impl Config {
         if d.interval > Duration::from_secs(60) {
             return Err(("daemon.interval".into(), "must be at most 60s".into()));
         }
+        if d.warn_model_processes == 0 {
+            return Err((
+                "daemon.warn_model_processes".into(),
+                "'0' would warn about every model that has a process; use 1 or more".into(),
+            ));
+        }
         self.validate_floors()?;
         self.validate_paths()?;
         for (key, max, window) in [
@@ -732,6 +738,11 @@ mod tests {
             // Alerting on any use is allowed.
             ("[[model]]\nname = \"a\"\nram = \"0\"\n", ""),
             ("[[model]]\nname = \"a\"\nram = \"1MiB\"\naction = \"kill\"\n", ""),
+            (
+                "[daemon]\nwarn_model_processes = 0\n",
+                "daemon.warn_model_processes: '0' would warn about every model",
+            ),
+            ("[daemon]\nwarn_model_processes = -1\n", "daemon.warn_model_processes"),
             ("[ram\n", "TOML syntax error"),
             (
                 "[ram]\nmin_available = \"100%\"\n",

@@ -1,8 +1,9 @@
 //! Issue 40, "rules that cannot swallow the host": what no model takes in whatever its `match`
-//! (`rules::NeverMembers`, through `attribute` and through a budget's action). Process trees as
-//! plain data.
+//! (`rules::NeverMembers`, through `attribute` and through a budget's action), and the survey
+//! `check-config` and the daemon's start print (`rules::survey`). Process trees as plain data.
 
 use super::*;
+use crate::policy::rules::{survey, LeftOut, RuleWarning, Seen, Why};
 
 /// A process of `uid` named `comm`, child of `ppid`, with `cmdline`.
 fn p(pid: i32, ppid: i32, uid: u32, comm: &str, cmdline: &str) -> Process {
@@ -340,6 +341,173 @@ fn a_budget_action_of_a_loose_model_names_none_of_the_never_members() {
     let s = snap(0, Some(32 * GIB), roots_host());
     let plan = once(&c, &s);
     assert_eq!(acts(&plan), "terminate root[503,600,803]");
+}
+
+#[test]
+fn the_survey_says_what_each_rule_catches_and_warns() {
+    let roots_model = "[[model]]\nname = \"root\"\nmatch = { user = \"0\" }\n";
+    let left = |pid: i32, comm: &str, why: LeftOut| {
+        (
+            Seen {
+                pid,
+                comm: comm.into(),
+                uid: 0,
+            },
+            why,
+        )
+    };
+    // A model of everything root runs, with the guard running.
+    let c = config(roots_model);
+    let s = survey(&c, &table(roots_host()), SELF_PID);
+    let model = &s.rules[0];
+    assert_eq!(model.rule, "model[0] 'root'");
+    let pids = |seen: &[Seen]| seen.iter().map(|p| p.pid).collect::<Vec<_>>();
+    assert_eq!(pids(&model.caught), [503, 600, 803]);
+    let never = vec![
+        left(1, "systemd", LeftOut::Init),
+        left(500, "tmux: server", LeftOut::GuardAncestor),
+        left(501, "bash", LeftOut::GuardAncestor),
+        left(502, "sudo", LeftOut::GuardAncestor),
+        left(700, "sshd", LeftOut::Protected),
+        left(800, "sshd-session", LeftOut::LoginSession),
+        left(801, "sshd-session", LeftOut::LoginSession),
+        left(802, "bash", LeftOut::LoginSession),
+        left(SELF_PID, "agent", LeftOut::Guard),
+    ];
+    let as_why: Vec<(Seen, Why)> = never
+        .iter()
+        .map(|(p, w)| (p.clone(), Why::Never(*w)))
+        .collect();
+    assert_eq!(model.left_out, as_why);
+    assert_eq!(
+        s.warnings,
+        [RuleWarning::CatchesNeverMembers {
+            rule: "model[0] 'root'".into(),
+            left_out: never,
+        }]
+    );
+    // `[protect]`: root's sshd; nothing else here is named like a protected process.
+    assert_eq!(s.rules[1].rule, "[protect]");
+    assert_eq!(pids(&s.rules[1].caught), [1, 700]);
+
+    // Without a guard (`check-config`), its ancestors are ordinary root processes.
+    let s = survey(&c, &table(roots_host()), 0);
+    assert_eq!(
+        pids(&s.rules[0].caught),
+        [500, 501, 502, 503, 600, 803, SELF_PID]
+    );
+
+    // Too many: more than warn_model_processes, not as many.
+    for (limit, warned) in [(2, true), (3, false)] {
+        let c = config(&format!(
+            "[daemon]\nwarn_model_processes = {limit}\n{roots_model}"
+        ));
+        let s = survey(&c, &table(roots_host()), SELF_PID);
+        let too_many = RuleWarning::TooMany {
+            rule: "model[0] 'root'".into(),
+            count: 3,
+            limit,
+        };
+        assert_eq!(
+            s.warnings.contains(&too_many),
+            warned,
+            "{limit}: {:?}",
+            s.warnings
+        );
+        assert_eq!(
+            s.warnings.len(),
+            1 + usize::from(warned),
+            "{:?}",
+            s.warnings
+        );
+    }
+
+    // Two models catching one process: it is the first's; the second's match left it out.
+    // Alice's processes, and her own "sshd", are not root's model's: not its users, and
+    // `[protect]` does not trust her "sshd" with its name.
+    let c = config(
+        "[[model]]\nname = \"vllm\"\nmatch = { cmdline = \"vllm\" }\n\
+         [[model]]\nname = \"servers\"\nmatch = { cmdline = \"serve\" }\n",
+    );
+    let procs = vec![
+        p(100, 1, 0, "python3", "vllm serve qwen"),
+        p(101, 100, 0, "python3", "worker"),
+        p(200, 1, 0, "python3", "triton serve"),
+        p(300, 1, 1000, "python3", "vllm serve mine"),
+        p(301, 1, 1000, "sshd", "sshd: not really"),
+    ];
+    let s = survey(&c, &table(procs), SELF_PID);
+    assert_eq!(pids(&s.rules[0].caught), [100, 101]);
+    assert_eq!(pids(&s.rules[1].caught), [200]);
+    let seen = |pid: i32, uid: u32| Seen {
+        pid,
+        comm: "python3".into(),
+        uid,
+    };
+    assert_eq!(s.rules[0].left_out, [(seen(300, 1000), Why::NotItsUser)]);
+    assert_eq!(
+        s.rules[1].left_out,
+        [
+            (seen(100, 0), Why::Earlier("model[0] 'vllm'".into())),
+            (seen(300, 1000), Why::NotItsUser),
+        ]
+    );
+    assert_eq!(
+        s.warnings,
+        [RuleWarning::Overlap {
+            rule: "model[1] 'servers'".into(),
+            first: "model[0] 'vllm'".into(),
+            caught: vec![seen(100, 0)],
+        }]
+    );
+    let fake = Seen {
+        pid: 301,
+        comm: "sshd".into(),
+        uid: 1000,
+    };
+    assert_eq!(s.rules[2].caught, []);
+    assert_eq!(s.rules[2].left_out, [(fake, Why::Untrusted)]);
+
+    // A tight rule: no warning.
+    let c = config("[[model]]\nname = \"vllm\"\nmatch = { cmdline = \"vllm serve qwen\" }\n");
+    let s = survey(&c, &table(roots_host()), SELF_PID);
+    assert_eq!(s.warnings, []);
+}
+
+/// The warnings say which rule, how many, which processes and why, on one line each.
+#[test]
+fn warnings_name_the_rule_the_processes_and_why() {
+    let c = config(
+        "[daemon]\nwarn_model_processes = 1\n\
+         [[model]]\nname = \"root\"\nmatch = { user = \"0\" }\n\
+         [[model]]\nname = \"cargo\"\nmatch = { comm = \"cargo\" }\n",
+    );
+    let s = survey(&c, &table(roots_host()), SELF_PID);
+    let text: Vec<String> = s.warnings.iter().map(|w| w.to_string()).collect();
+    assert_eq!(text.len(), 3, "{text:#?}");
+    assert!(
+        text[0].starts_with(
+            "model[0] 'root' takes in 3 processes, more than daemon.warn_model_processes (1)"
+        ),
+        "{}",
+        text[0]
+    );
+    assert!(
+        text[1].starts_with(
+            "model[0] 'root': its match catches 9 process(es) that no model takes in, left out: \
+             pid 1 (systemd): pid 1, pid 500 (tmux: server): started gpuguard, "
+        ) && text[1].ends_with("and 4 more"),
+        "{}",
+        text[1]
+    );
+    assert!(
+        text[2].starts_with(
+            "model[1] 'cargo': its match catches 1 process(es) that model[0] 'root' caught first"
+        ) && text[2].ends_with(": pid 503 (cargo)"),
+        "{}",
+        text[2]
+    );
+    assert!(text.iter().all(|t| !t.contains('\n')));
 }
 
 /// What `[protect]` says of a process is remembered with its match, and worked out again when
