@@ -1,8 +1,9 @@
 //! Property tests of the pure parts, in-process (proptest, bounded case counts so `cargo test`
 //! stays fast): every parser takes any input without panicking (config text, /proc files), and
 //! for any snapshot the pure policy, its actions carried out, never chooses a protected process,
-//! never acts on an unknown or inconsistent reading, and never plans more than one new victim
-//! per incident per tick. The socket lines a local user might send are drawn here too (`ipc_line`,
+//! never takes one (nor pid 1, a kernel thread, the guard) into a model, never acts on an
+//! unknown or inconsistent reading, and never plans more than one new victim per incident per
+//! tick. The socket lines a local user might send are drawn here too (`ipc_line`,
 //! served by `ipc::server::tests`); NVML states go through the fake library in
 //! tests/nvml/sampler.rs.
 
@@ -585,6 +586,16 @@ proptest! {
             s.gpus.sampled_at = Some(at);
             s.gpus.process_lists_read = i as u64;
             let plan = evaluate(&config, &s, &Launches::default(), &mut state);
+            // Issue 40: whatever the models match, none takes in pid 1, a process with no
+            // parent, a kernel thread, the guard or a protected process.
+            for m in &state.attribution.models {
+                for &id in &m.members {
+                    let p = s.processes.get(id).expect("a member is in the table");
+                    let never = p.pid <= 1 || p.ppid == 0 || p.kernel_thread || p.pid == s.self_pid
+                        || config.protect.protects(&p.comm, p.uid, &p.cmdline, &p.cgroup, p.exe.as_ref());
+                    prop_assert!(!never, "pid {} ({}) is in model {}", p.pid, p.comm, m.name);
+                }
+            }
             // Carried out, as an executor that succeeds would: the next tick escalates.
             let done = plan.actions.iter().map(|a| Executed { action: a.clone(), outcome: Outcome::Done });
             state.apply(&done.collect::<Vec<_>>());

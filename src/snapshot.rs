@@ -117,7 +117,7 @@ pub struct Process {
 }
 
 /// A process's executable, as `/proc/PID/exe` shows it.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Exe {
     /// Its file name (`sshd`).
     pub name: String,

@@ -3,6 +3,7 @@
 mod generate;
 mod history;
 mod launch;
+mod matches;
 mod permit;
 mod plan;
 mod replay;
@@ -182,6 +183,10 @@ enum Command {
         /// the users it names exist here.
         #[arg(long)]
         portable: bool,
+        /// Also show what each [[model]] and [protect] rule catches on this host now: how many
+        /// processes, a few of them, and what its match catches that is left out and why.
+        #[arg(long)]
+        matches: bool,
     },
     /// Show GPUs, host memory, models, the launch queue, held processes and recent actions.
     Status {
@@ -257,7 +262,11 @@ pub(crate) fn wrapped(text: &str, first: &str, rest: &str) -> String {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let code = match cli.command {
-        Command::CheckConfig { config, portable } => check_config(&config, portable),
+        Command::CheckConfig {
+            config,
+            portable,
+            matches,
+        } => check_config(&config, portable, matches),
         Command::Daemon(args) => run_daemon(args),
         Command::Status {
             json,
@@ -305,10 +314,10 @@ fn release(socket: &std::path::Path, lease: u64) -> u8 {
     }
 }
 
-/// `check-config`: the config parsed and validated, then (unless `portable`) every check the
-/// daemon runs at start, against this host, beside the daemon that runs the config now if one
-/// does.
-fn check_config(path: &Path, portable: bool) -> u8 {
+/// `check-config`: the config parsed and validated, what its rules catch among this host's
+/// processes (the table with `matches`), then (unless `portable`) every check the daemon runs at
+/// start, against this host, beside the daemon that runs the config now if one does.
+fn check_config(path: &Path, portable: bool, matches: bool) -> u8 {
     let loaded = match portable {
         true => Config::load_portable(path),
         false => Config::load(path),
@@ -323,6 +332,10 @@ fn check_config(path: &Path, portable: bool) -> u8 {
     let warn = |line: &str| eprintln!("gpuguard: config {}: warning: {line}", path.display());
     for warning in config.warnings() {
         warn(&warning);
+    }
+    // What its rules catch on this host (a config for another host: only when asked).
+    if !portable || matches {
+        matches::run(path, &config, matches);
     }
     if !portable {
         let dir = StateDir::open_existing(&config.daemon.state_dir)

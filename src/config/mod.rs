@@ -162,6 +162,12 @@ impl Config {
         if d.interval > Duration::from_secs(60) {
             return Err(("daemon.interval".into(), "must be at most 60s".into()));
         }
+        if d.warn_model_processes == 0 {
+            return Err((
+                "daemon.warn_model_processes".into(),
+                "'0' would warn about every model that has a process; use 1 or more".into(),
+            ));
+        }
         self.validate_floors()?;
         self.validate_paths()?;
         for (key, max, window) in [
@@ -277,6 +283,26 @@ impl Config {
                     format!("{key}.action"),
                     format!("'{}' needs a budget: set ram or gpu_memory", m.action),
                 ));
+            }
+            // A budget of nothing is crossed by any process the model has: its action would
+            // take every member the moment it starts.
+            for (field, budget) in [("ram", m.ram), ("gpu_memory", m.gpu_memory)] {
+                let zero = |a: &Amount| match *a {
+                    Amount::Bytes(b) => b == 0,
+                    Amount::Percent(p) => p <= 0.0,
+                };
+                if let Some(amount) = budget.filter(zero) {
+                    if m.action != ModelAction::Alert {
+                        return Err((
+                            format!("{key}.{field}"),
+                            format!(
+                                "'{amount}' with action '{}' would act on the model as soon as \
+                                 it has a process; give a budget above 0 (or action = \"alert\")",
+                                m.action
+                            ),
+                        ));
+                    }
+                }
             }
         }
         Ok(())
@@ -725,6 +751,28 @@ mod tests {
                 "[[model]]\nname = \"(host)\"\n",
                 "model[0] '(host)'.name: must not start with '('",
             ),
+            // Issue 40: a budget of nothing with an action that acts.
+            (
+                "[[model]]\nname = \"qwen\"\nram = \"0\"\naction = \"kill\"\n",
+                "model[0] 'qwen'.ram: '0 B' with action 'kill' would act on the model as soon as it has a process",
+            ),
+            (
+                "[[model]]\nname = \"qwen\"\nram = \"8GiB\"\ngpu_memory = \"0%\"\naction = \"stop\"\n",
+                "model[0] 'qwen'.gpu_memory: '0%' with action 'stop'",
+            ),
+            (
+                "[[model]]\nname = \"a\"\n[[model]]\nname = \"b\"\ngpu_memory = \"0B\"\naction = \"throttle\"\n",
+                "model[1] 'b'.gpu_memory: '0 B' with action 'throttle'",
+            ),
+            ("[[model]]\nname = \"a\"\nram = 0\naction = \"kill\"\n", "model[0] 'a'.ram: '0 B'"),
+            // Alerting on any use is allowed.
+            ("[[model]]\nname = \"a\"\nram = \"0\"\n", ""),
+            ("[[model]]\nname = \"a\"\nram = \"1MiB\"\naction = \"kill\"\n", ""),
+            (
+                "[daemon]\nwarn_model_processes = 0\n",
+                "daemon.warn_model_processes: '0' would warn about every model",
+            ),
+            ("[daemon]\nwarn_model_processes = -1\n", "daemon.warn_model_processes"),
             ("[ram\n", "TOML syntax error"),
             (
                 "[ram]\nmin_available = \"100%\"\n",

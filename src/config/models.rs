@@ -150,6 +150,22 @@ impl ProtectConfig {
             .any(|p| comm_matches(p, comm) && exe_matches(p))
             || self.cmdline.iter().any(|p| p.0.is_match(cmdline))
     }
+
+    /// True if a `comm` or `cmdline` rule (the built-in list too) names a process so, whoever
+    /// runs it: what `protects` trusts only from root and the system accounts.
+    pub fn names(&self, comm: &str, cmdline: &str) -> bool {
+        let builtin = if self.defaults {
+            DEFAULT_PROTECTED_COMM
+        } else {
+            &[]
+        };
+        builtin
+            .iter()
+            .copied()
+            .chain(self.comm.iter().map(String::as_str))
+            .any(|p| comm_matches(p, comm))
+            || self.cmdline.iter().any(|p| p.0.is_match(cmdline))
+    }
 }
 
 /// `pattern` against a process name: exact (the kernel truncates names to 15 bytes, so a longer

@@ -294,6 +294,10 @@ pub struct DaemonConfig {
     /// and nothing more is killed for that incident.
     #[serde(with = "duration")]
     pub kill_timeout: Duration,
+    /// A `[[model]]` that takes in more processes than this (what its match catches and their
+    /// descendants) is warned about by `check-config` and at start: a match that loose
+    /// (`user = "root"`, `cmdline = "python"`) takes in shells, builds and other people's jobs.
+    pub warn_model_processes: usize,
 }
 
 impl Default for DaemonConfig {
@@ -310,6 +314,7 @@ impl Default for DaemonConfig {
             max_stop: Duration::from_secs(300),
             settle: Duration::from_secs(2),
             kill_timeout: Duration::from_secs(10),
+            warn_model_processes: 64,
         }
     }
 }

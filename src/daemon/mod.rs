@@ -377,6 +377,7 @@ impl Daemon {
         for warning in self.config.warnings() {
             warn!("config {}: {warning}", self.config_path.display());
         }
+        self.warn_about_rules();
         if let Err(e) = self_test() {
             warn!("{e}");
         }
@@ -643,6 +644,7 @@ impl Daemon {
         // Rescan at once so new matchers and budgets apply now.
         self.sampler.scans.want_full();
         info!("config {} reloaded", self.config_path.display());
+        self.warn_about_rules();
     }
 
     /// A reload that failed: said, and the running config kept.
@@ -651,6 +653,17 @@ impl Daemon {
         error!("{message}");
         self.reporter
             .lifecycle(EventKind::ConfigReloadFailed, Severity::Warning, message);
+    }
+
+    /// What the rules catch that they probably should not (`policy::rules::survey`), on the
+    /// latest table: at start the first full scan, made before the loop runs
+    /// (`Scans::new`); after a reload, the table the old config was applied to.
+    fn warn_about_rules(&self) {
+        let s = &self.sampler.snapshot;
+        for warning in crate::policy::rules::survey(&self.config, &s.processes, s.self_pid).warnings
+        {
+            warn!("config {}: {warning}", self.config_path.display());
+        }
     }
 
     fn log_start(&mut self) {

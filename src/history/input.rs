@@ -2,8 +2,9 @@
 //! replay` can run the same policy again with another config (`replay.rs`).
 //!
 //! A snapshot holds every process on the host; a record keeps the ones a decision can turn on:
-//! those on a GPU, those of a model or a launch, and the largest by RSS (8 on a quiet host, 32
-//! near a floor or a budget). What a process is (its parent, owner, names, cgroup, executable)
+//! those on a GPU, those of a model or a launch, the guard and what started it (no model takes
+//! them in, `policy::rules`: a replay must know them too), and the largest by RSS (8 on a quiet
+//! host, 32 near a floor or a budget). What a process is (its parent, owner, names, cgroup, executable)
 //! changes rarely and is written with its first sample and every `DETAIL_EVERY` after, not with
 //! each; a reader carries it forward. Command lines are kept with secret-looking values masked
 //! (the history is world-readable and outlives the processes). The rest of the snapshot (host memory, the GPUs with their
@@ -191,6 +192,16 @@ impl PolicyInput {
                     || launches.registered.contains_key(&id)
             })
             .collect();
+        // The guard and its ancestors, up to pid 1 (a hand-made table may be out of pid order).
+        let index_of = |pid: i32| match table.binary_search_by_key(&pid, |p| p.pid) {
+            Ok(i) => Some(i),
+            Err(_) => table.iter().position(|p| p.pid == pid),
+        };
+        let mut at = index_of(snapshot.self_pid).filter(|_| snapshot.self_pid > 1);
+        while let Some(i) = at.filter(|&i| !keep[i]) {
+            keep[i] = true;
+            at = index_of(table[i].ppid).filter(|&j| table[j].pid > 1);
+        }
         let mut by_rss: Vec<usize> = (0..table.len()).collect();
         by_rss.sort_by_key(|&i| std::cmp::Reverse(table[i].rss_bytes));
         let largest = if near { LARGEST_NEAR } else { LARGEST_QUIET };
@@ -471,6 +482,41 @@ mod tests {
         );
     }
 
+    /// The guard and what started it are kept, small as they are: no model takes them in, and
+    /// a replay must leave them out as the loop did.
+    #[test]
+    fn an_input_keeps_the_guard_and_what_started_it() {
+        let mut snapshot = Snapshot {
+            self_pid: 40,
+            ..Snapshot::default()
+        };
+        let small = |pid: i32, ppid: i32| Process {
+            ppid,
+            ..process(pid, 1, "p")
+        };
+        // Ten larger ones fill the 8 places of the largest on a quiet host.
+        snapshot.processes.processes = vec![small(1, 0), small(10, 1), small(20, 10), small(30, 1)];
+        snapshot.processes.processes.push(small(40, 20));
+        snapshot
+            .processes
+            .processes
+            .extend((100..110).map(|pid| process(pid, 100, "big")));
+        let input = PolicyInput::of_tick(
+            &snapshot,
+            &Launches::default(),
+            &Attribution::default(),
+            false,
+            |_| true,
+        );
+        let small_kept: Vec<i32> = input
+            .processes
+            .iter()
+            .map(|p| p.pid)
+            .filter(|&pid| pid < 100)
+            .collect();
+        assert_eq!(small_kept, [10, 20, 40]);
+    }
+
     /// Secrets on a command line stay out of the world-readable history; the rest stays as it
     /// is for the model matchers.
     #[test]
@@ -543,10 +589,10 @@ mod tests {
         let attribution = Attribution::default();
         let mut first = true;
         let input = PolicyInput::of_tick(&snapshot, &launches, &attribution, false, |_| first);
-        // The 8 largest (13..=20) and the GPU holder (2).
+        // The 8 largest (13..=20), the GPU holder (2) and the guard (7).
         let pids: Vec<i32> = input.processes.iter().map(|p| p.pid).collect();
-        assert_eq!(pids, [2, 13, 14, 15, 16, 17, 18, 19, 20]);
-        assert_eq!(input.left_out, 11);
+        assert_eq!(pids, [2, 7, 13, 14, 15, 16, 17, 18, 19, 20]);
+        assert_eq!(input.left_out, 10);
         let cmdline = &input.processes[0].detail.as_ref().unwrap().cmdline;
         assert_eq!(cmdline.len(), CMDLINE_BYTES);
 
@@ -587,6 +633,6 @@ mod tests {
         assert_eq!(snap.processes.by_pid(20).unwrap().uid, 1000);
         // A reader that never saw the details leaves the processes out.
         let (snap, _, unknown) = later.to_snapshot(&mut HashMap::new(), 3);
-        assert_eq!((snap.processes.processes.len(), unknown), (0, 9));
+        assert_eq!((snap.processes.processes.len(), unknown), (0, 10));
     }
 }

@@ -11,6 +11,7 @@ pub mod admission;
 mod budgets;
 mod floors;
 pub mod models;
+pub mod rules;
 mod victim;
 mod waste;
 
@@ -680,6 +681,7 @@ pub fn evaluate(
             &snapshot.gpus,
             &launches.registered,
             &launches.models,
+            snapshot.self_pid,
             &mut state.match_cache,
         );
         state.attributed = Some(inputs);

@@ -9,6 +9,10 @@
 //! (root and system accounts by default; a launched model's launcher): names and command lines
 //! are chosen by the process itself, uids are not. So no user can join, and thereby steer, a
 //! model that is not theirs.
+//!
+//! And whatever matches, some processes are in no model (`rules::NeverMembers`): pid 1, kernel
+//! threads, the guard and its ancestors, `[protect]`ed processes, login sessions. Nothing
+//! inherits a model through one of them; below it, only what matches a rule itself belongs.
 
 use std::collections::hash_map::RandomState;
 use std::collections::{BTreeMap, HashMap};
@@ -16,6 +20,8 @@ use std::hash::BuildHasher;
 
 use crate::config::{Config, ModelConfig, Users};
 use crate::snapshot::{GpuSnapshot, ProcessId, ProcessTable};
+
+use super::rules::NeverMembers;
 
 /// What `gpuguard launch` registered, as the reservation ledger has it: each launched process
 /// with its model, and the launched models that have no `[[model]]` (their budgets from the
@@ -128,13 +134,24 @@ impl ModelUsage {
 }
 
 /// Remembers which processes matched which model, so regexes run once per process, not per scan.
-/// An entry holds while what the matchers look at (name, uid, command line, cgroup) is unchanged:
-/// an exec that keeps the name, or a setuid, is matched again. What they look at is compared by a
-/// hash keyed at random per daemon, so a process cannot choose attributes that collide.
+/// An entry holds while what the matchers look at (name, uid, command line, cgroup, executable)
+/// is unchanged: an exec that keeps the name, or a setuid, is matched again. What they look at is
+/// compared by a hash keyed at random per daemon, so a process cannot choose attributes that
+/// collide. It holds what depends on the process alone: its own match, and whether `[protect]`
+/// protects it (worked out when first needed). Whether it may be a member at all depends on
+/// other processes too (its parent, the guard's ancestors) and is worked out at every
+/// attribution.
 #[derive(Clone, Debug, Default)]
 pub struct MatchCache {
-    matched: HashMap<ProcessId, (u64, Option<usize>)>,
+    matched: HashMap<ProcessId, Matched>,
     keys: RandomState,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Matched {
+    hash: u64,
+    model: Option<usize>,
+    protected: Option<bool>,
 }
 
 impl MatchCache {
@@ -143,13 +160,15 @@ impl MatchCache {
     }
 }
 
-/// Works out model membership and usage. `registered` maps launched processes to model names.
+/// Works out model membership and usage. `registered` maps launched processes to model names;
+/// `self_pid` is the guard's own pid (`Snapshot::self_pid`).
 pub fn attribute(
     config: &Config,
     table: &ProcessTable,
     gpus: &GpuSnapshot,
     registered: &HashMap<ProcessId, String>,
     launched: &BTreeMap<String, ModelConfig>,
+    self_pid: i32,
     cache: &mut MatchCache,
 ) -> Attribution {
     let procs = &table.processes;
@@ -181,15 +200,22 @@ pub fn attribute(
             if p.kernel_thread {
                 return None;
             }
-            let seen = cache.keys.hash_one((&p.comm, p.uid, &p.cmdline, &p.cgroup));
+            let seen = cache
+                .keys
+                .hash_one((&p.comm, p.uid, &p.cmdline, &p.cgroup, &p.exe));
             match cache.matched.get(&p.id()) {
-                Some((hash, model)) if *hash == seen => *model,
+                Some(m) if m.hash == seen => m.model,
                 _ => {
                     let model = config.models.iter().position(|m| {
                         m.matcher.matches(&p.comm, p.uid, &p.cmdline, &p.cgroup)
                             && m.allowed_users().member(p.uid)
                     });
-                    cache.matched.insert(p.id(), (seen, model));
+                    let entry = Matched {
+                        hash: seen,
+                        model,
+                        protected: None,
+                    };
+                    cache.matched.insert(p.id(), entry);
                     model
                 }
             }
@@ -214,7 +240,8 @@ pub fn attribute(
         .matched
         .retain(|id, _| index_of_pid(id.pid).is_some_and(|i| procs[i].id() == *id));
 
-    // Inherit from the nearest matched ancestor.
+    // Inherit from the nearest matched ancestor, never through a process no model may take in.
+    let never = NeverMembers::new(config, table, self_pid);
     let mut model_of: Vec<Option<Option<usize>>> = vec![None; procs.len()];
     for start in 0..procs.len() {
         let mut chain = Vec::new();
@@ -233,7 +260,22 @@ pub fn attribute(
             // pid 0/1 and unknown parents end the walk; a cycle cannot happen but is bounded anyway.
             at = index_of_pid(procs[i].ppid).filter(|&j| j != i && chain.len() < 4096);
         }
-        for i in chain {
+        // From the top down: a process that may not be a member is in no model, and those below
+        // it on the chain (none matched a rule itself, or the walk had ended there) inherit
+        // nothing. Only chains that reach a model are looked at.
+        for &i in chain.iter().rev() {
+            let p = &procs[i];
+            if found.is_some_and(|_| {
+                let launched = registered.contains_key(&p.id());
+                // What `[protect]` says of a process is remembered with its match.
+                let protected = || match cache.matched.get_mut(&p.id()) {
+                    Some(m) => *m.protected.get_or_insert_with(|| never.protected(p)),
+                    None => never.protected(p),
+                };
+                never.why_with(p, launched, protected).is_some()
+            }) {
+                found = None;
+            }
             model_of[i] = Some(found);
         }
     }

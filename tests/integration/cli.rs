@@ -40,6 +40,11 @@ fn config_errors_exit_2_naming_file_key_and_value() {
     let good = write("good.toml", "[daemon]\nmode = \"observe\"\n");
     let example = concat!(env!("CARGO_MANIFEST_DIR"), "/config.example.toml");
     let exposed = write("exposed.toml", "[metrics]\nlisten = \"0.0.0.0:9835\"\n");
+    // Issue 40: a budget of nothing with an action that acts.
+    let zero = write(
+        "zero.toml",
+        "[[model]]\nname = \"qwen\"\nmatch = { user = \"root\" }\nram = \"0\"\naction = \"kill\"\n",
+    );
     // Valid anywhere but above this host's MemTotal: both refuse it (what is checked:
     // daemon::tests::gpu, floors_that_cannot_be_right_*), `--portable` passes it.
     let above_host = write(
@@ -94,6 +99,16 @@ fn config_errors_exit_2_naming_file_key_and_value() {
             vec!["check-config", &exposed],
             0,
             "warning: metrics.listen '0.0.0.0:9835' is not a loopback address".into(),
+        ),
+        (
+            vec!["check-config", &zero],
+            2,
+            format!("config {zero}: model[0] 'qwen'.ram: '0 B' with action 'kill' would act"),
+        ),
+        (
+            vec!["daemon", "--config", &zero],
+            2,
+            "model[0] 'qwen'.ram: '0 B' with action 'kill'".into(),
         ),
         (
             vec!["daemon", "--config", &bad_size],

@@ -19,6 +19,7 @@ mod permits_python;
 mod plan;
 mod process_truth;
 mod ram_guard;
+mod rules;
 mod security;
 mod sigterm;
 mod status;

@@ -1,6 +1,8 @@
 //! Test harness: the real `gpuguard` binary as a child daemon, real child processes to act on.
 //! Every test process carries a unique token in its command line, and test configs only match
-//! those tokens, so a test daemon never touches a process the test did not start.
+//! those tokens, so a test daemon never touches a process the test did not start. (The one
+//! exception, `rules.rs`, matches every root process, in a daemon in observe mode, which never
+//! signals.)
 //!
 //! Tests assert on data: the event log (`events`, `wait_for_event`, `actions_on`, `verbs_on`) and
 //! `status --json` (`status`, `wait_for_status`, `wait_gpus_on`), not on the wording of log
