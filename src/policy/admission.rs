@@ -458,14 +458,14 @@ mod tests {
     #[test]
     fn a_gpu_on_a_host_without_one_is_never_and_no_gpu_is_needed_for_ram() {
         let none = Ceilings {
-            no_gpu: Some("NVIDIA driver not loaded".into()),
+            no_gpu: Some("NVML library not loadable: no NVIDIA driver?".into()),
             ..host(&[])
         };
         let s = never(&demand(20, 1), &none).unwrap();
         assert_eq!(s.short, Short::NoGpu);
         assert_eq!(
             s.message,
-            "needs 20.0 GiB on each of 1 GPU(s): this host has no GPU (NVIDIA driver not loaded)"
+            "needs 20.0 GiB on each of 1 GPU(s): this host has no GPU (NVML library not loadable: no NVIDIA driver?)"
         );
         // A GPU by index, even of no size, is a GPU.
         assert_eq!(

@@ -305,7 +305,8 @@ mod tests {
             sampled_at: Some(Duration::ZERO),
             ..Default::default()
         };
-        let no_driver = || GpuStatus::Unavailable("NVIDIA driver not loaded".into());
+        let no_driver =
+            || GpuStatus::Unavailable("NVML library not loadable: no NVIDIA driver?".into());
         // `[gpu] enabled = false`: the sampler has no NVML at all.
         let disabled = GpuSnapshot {
             absent: true,
@@ -314,7 +315,7 @@ mod tests {
         assert!(no_gpu(disabled).is_some_and(|why| why.contains("enabled = false")));
         assert_eq!(
             no_gpu(read(no_driver(), true)).as_deref(),
-            Some("NVIDIA driver not loaded")
+            Some("NVML library not loadable: no NVIDIA driver?")
         );
         assert_eq!(
             no_gpu(read(GpuStatus::Ok, false)).as_deref(),

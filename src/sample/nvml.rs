@@ -217,13 +217,12 @@ impl Drop for NvmlGpuSource {
     }
 }
 
-/// NVML's answer means this host has no NVIDIA driver (no library, or the driver not loaded):
-/// no GPU to place anything on. Any other failure leaves the GPUs unknown.
+/// NVML's answer means this host has no NVIDIA driver (no library to load): no GPU to place
+/// anything on. Any other failure leaves the GPUs unknown; a driver not loaded (yet) too: at
+/// boot the kernel module may come after gpuguard, and a launch unit refused at once (exit 65,
+/// not restarted) would never start.
 fn means_no_driver(e: &NvmlError) -> bool {
-    matches!(
-        e,
-        NvmlError::LibloadingError(_) | NvmlError::DriverNotLoaded
-    )
+    matches!(e, NvmlError::LibloadingError(_))
 }
 
 fn describe_init_error(e: &NvmlError) -> String {

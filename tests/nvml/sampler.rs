@@ -260,10 +260,10 @@ fn unavailable(reading: &gpuguard::sample::nvml::GpuReading) -> String {
 }
 
 /// NVML that cannot start says why (no library at all, no driver, a driver/library mismatch),
-/// and the source retries init: once the driver answers, the GPUs are read. No library and no
-/// driver mean no GPU here (`absent`: a GPU request is refused at once); a mismatch leaves the
-/// GPUs unknown (they are there). Moved from the host suite (`gpu_guard`), where a daemon was
-/// started for each.
+/// and the source retries init: once the driver answers, the GPUs are read. No library means no
+/// GPU here (`absent`: a GPU request is refused at once); a driver not loaded yet (at boot) or a
+/// mismatch leaves the GPUs unknown (they may be there). Moved from the host suite
+/// (`gpu_guard`), where a daemon was started for each.
 #[test]
 fn nvml_that_cannot_start_says_why_and_the_retry_picks_the_gpus_up() {
     let mut none = NvmlGpuSource::new(
@@ -284,7 +284,7 @@ fn nvml_that_cannot_start_says_why_and_the_retry_picks_the_gpus_up() {
     let reading = source.sample(true);
     let why = unavailable(&reading);
     assert!(why.contains("NVIDIA driver not loaded"), "{why}");
-    assert!(reading.absent, "{why}");
+    assert!(!reading.absent, "the module may load later: {why}");
     fake.write(&two_gpus(""));
     let reading = source.sample(true);
     assert_eq!(reading.status, gpuguard::snapshot::GpuStatus::Ok);

@@ -147,10 +147,16 @@ fn a_waiting_request_that_turns_never_fit_leaves_its_queue_at_once() {
     // The GPUs are not read yet: a GPU request waits, a RAM request behind it too (its turn).
     assert_eq!(t.acquire(1, served(1, 3, 0), now), None);
     assert_eq!(t.acquire(2, served(1, 0, 1), now), None);
-    t.tick(now, without_gpus(Some("NVIDIA driver not loaded")));
+    t.tick(
+        now,
+        without_gpus(Some("NVML library not loadable: no NVIDIA driver?")),
+    );
     let (reason, message) = refusal(mail(&mut t, 1).into_iter().next());
     assert_eq!(reason, RefusalReason::TooLarge, "{message}");
-    assert!(message.contains("NVIDIA driver not loaded"), "{message}");
+    assert!(
+        message.contains("NVML library not loadable: no NVIDIA driver?"),
+        "{message}"
+    );
     assert!(
         matches!(
             mail(&mut t, 2).as_slice(),
@@ -191,10 +197,16 @@ fn a_launch_asking_for_a_gpu_on_a_host_without_one_is_refused_at_once_and_blocks
     );
     // NVML then says there is no driver: the first is refused at once and the second let in.
     let later = now + Duration::from_millis(200);
-    t.tick(later, without_gpus(Some("NVIDIA driver not loaded")));
+    t.tick(
+        later,
+        without_gpus(Some("NVML library not loadable: no NVIDIA driver?")),
+    );
     let (reason, message) = refusal(mail(&mut t, 1).into_iter().next());
     assert_eq!(reason, RefusalReason::TooLarge, "{message}");
-    assert!(message.contains("NVIDIA driver not loaded"), "{message}");
+    assert!(
+        message.contains("NVML library not loadable: no NVIDIA driver?"),
+        "{message}"
+    );
     assert!(
         matches!(mail(&mut t, 2).as_slice(), [Response::Admitted { .. }]),
         "the launch behind it is not held back"
