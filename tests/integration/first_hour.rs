@@ -353,3 +353,44 @@ fn the_readme_commands_run_as_written_against_the_example_config() {
     );
     assert!(text.contains(r#""text":"draugupg""#), "{text}");
 }
+
+/// A start that fails cleanly (a config that cannot work here: its metrics port is another
+/// program's) exits 2 before it records anything, so the next start on that state directory
+/// reports no `previous_run_unclean`. (On the main of issue 40 it exited 1 after the flight
+/// recorder had begun, and the next start called it "killed or crashed".)
+#[test]
+fn a_start_that_fails_cleanly_is_not_taken_for_a_crash() {
+    let dir = tempfile::tempdir().unwrap();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap();
+    let state = dir.path().join("state");
+    let config = |extra: &str| {
+        format!(
+            "[daemon]\nstate_dir = \"{{state_dir}}\"\n[gpu]\nenabled = false\n\
+             [ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n{extra}"
+        )
+    };
+    let failing = dir.path().join("failing.toml");
+    let text = config(&format!("[metrics]\nlisten = \"{port}\"\n"));
+    std::fs::write(&failing, text.replace("{state_dir}", &path(&state))).unwrap();
+    let socket = dir.path().join("failing.sock");
+    let lock = dir.path().join("enforce.lock");
+    let args = [
+        "daemon".as_ref(),
+        "--config".as_ref(),
+        failing.as_os_str(),
+        "--socket".as_ref(),
+        socket.as_os_str(),
+    ];
+    let (code, stderr) = run_to_exit(&args, &[("GPUGUARD_ENFORCE_LOCK", &lock)]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("metrics.listen"), "{stderr}");
+    drop(taken);
+    let daemon = GuardDaemon::start_in(dir, &config(""), &[]);
+    daemon.wait_for_event("daemon_started", LONG, |_| true);
+    let unclean = daemon.events_of("previous_run_unclean");
+    assert!(
+        unclean.is_empty(),
+        "a clean failure taken for a crash: {unclean:#?}"
+    );
+}

@@ -1556,3 +1556,30 @@ fn a_second_daemon_on_the_same_state_directory_is_refused_naming_the_first() {
     );
     assert_eq!(stopped_pids(&record), [200]);
 }
+
+/// Issue 40: what the command line set (`--observe`, `--state-dir`, `--socket`) holds across
+/// reloads: a reloaded file that says enforce, elsewhere, does not make `--observe` act.
+#[test]
+fn command_line_overrides_hold_across_reloads() {
+    let mut w = World {
+        host: host(64 * GIB, 2 * GIB),
+        ..World::default()
+    };
+    w.spawn(200, "hog", 12 * GIB);
+    let floors = "[ram]\nwarn_available = \"8GiB\"\nmin_available = \"4GiB\"\naction = \"stop\"\n\
+                  [gpu]\nenabled = false\n";
+    let mut h = Harness::new(w, &format!("mode = \"observe\"\n{floors}"));
+    let socket = h._dir.path().join("cli.sock");
+    h.daemon.keep_overrides(crate::config::Overrides {
+        state_dir: None,
+        socket: Some(socket.clone()),
+        observe: true,
+    });
+    h.reload(&format!(
+        "mode = \"enforce\"\n{floors}[launch]\nsocket = \"/elsewhere.sock\"\n"
+    ));
+    assert_eq!(h.daemon.config.daemon.mode, crate::config::Mode::Observe);
+    assert!(!h.daemon.executor.enforcing());
+    h.ticks(5, 10 * MS);
+    assert_eq!(h.signals(), [], "{:?}", h.actions());
+}
