@@ -120,12 +120,6 @@ impl Leftovers {
     }
 }
 
-/// Whether the host's enforce lock is free for a moment: no other daemon enforces, so what a
-/// previous run left may be let go of without undoing anyone's work.
-fn lock_for_a_moment(path: &Path, me: &Holder) -> Result<claim::Lock, claim::ClaimError> {
-    claim::take_enforce_lock(path, me)
-}
-
 impl Executor {
     /// Takes over a state directory the caller has claimed (`claim::claim_state_dir`). In
     /// enforce `mode` it takes the host's enforce lock, and refuses if another daemon holds it.
@@ -197,9 +191,11 @@ impl Executor {
         if self.held.inherited().is_empty() && self.inherited_throttles.is_empty() {
             return;
         }
+        // An observer takes the enforce lock for this moment: no other daemon enforces then, so
+        // letting go undoes nobody's work.
         let _moment = match &self.enforcing {
             Some(_) => None,
-            None => match lock_for_a_moment(&self.enforce_lock, &self.me) {
+            None => match claim::take_enforce_lock(&self.enforce_lock, &self.me) {
                 Ok(lock) => Some(lock),
                 Err(e) => {
                     let pids: Vec<String> = self
