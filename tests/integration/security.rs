@@ -553,9 +553,10 @@ fn connections_that_stop_reading_stay_counted_and_are_closed() {
     // While the attacker holds its stalled connections and keeps opening more, the daemon holds
     // at most the per-uid cap (a socket and a pidfd each), and it closes the stalled ones once
     // their answers have waited 5 s to be read (the attacker sees them closed 12 s in).
-    // (Probes come every 0.5 s; on a slow machine the closing may take longer than the 12 s
-    // after which the attacker starts counting: wait for all, up to five minutes: on a loaded
-    // 2-core machine 75 s was once not enough for the last one.)
+    // (A probe comes about every second; on a slow machine the closing may take longer than
+    // the 12 s after which the attacker starts counting: wait for all, up to ten minutes. On a
+    // 2-core machine running four builds beside it, 150 probes were once not enough for the
+    // last of nine.)
     let mut closed = None;
     for _ in 0..600 {
         let probe = lines.next().unwrap().unwrap();
