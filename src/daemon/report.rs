@@ -539,6 +539,7 @@ mod tests {
                     budget_bytes: 1,
                 },
                 first: None,
+                launched_by: (!configured).then_some(1000),
             });
             v
         };
