@@ -8,7 +8,7 @@
 //! `gpuguard history --json` prints for `jq` and friends. Bounded: segments roll at a sixteenth of
 //! `[history] max_size`, the oldest go first when the total would pass it or when they are older
 //! than `retention`, and recording stops (a critical event says why) when the file system is
-//! nearly full.
+//! nearly full, and resumes by itself (a warning says so) once it has room again.
 //!
 //! The control loop never waits on the disk: records go to the `history` thread through a
 //! bounded queue (a record that does not fit is dropped and counted). How often a sample is kept

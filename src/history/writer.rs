@@ -1,7 +1,9 @@
 //! The `history` thread: takes records from the loop through a bounded queue and appends them to
 //! the current segment, rolls segments, keeps the directory within its cap and retention, syncs
 //! as often as the pressure on the host asks, and stops recording when the file system is nearly
-//! full.
+//! full (or a write finds it full): then it looks again at most every `RETRY_FULL` (by the times
+//! of the records it is handed) and resumes by itself, in a new segment, once there is room for
+//! a segment above the floor. Other write errors stop it until the daemon restarts.
 
 use std::fs::File;
 use std::io::Write;
@@ -27,6 +29,8 @@ const MIN_FREE_SHARE: f64 = 0.02;
 const MIN_FREE_BYTES: u64 = 256 << 20;
 /// Segments are at least this large (and at most a sixteenth of the cap above it).
 const MIN_SEGMENT: u64 = 256 << 10;
+/// Stopped on a full disk, the recorder looks at the free space again at most this often.
+const RETRY_FULL: Duration = Duration::from_secs(10);
 
 /// How close the host is to a floor: how often samples are kept and the file synced.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -76,7 +80,26 @@ pub struct Recorder {
 struct Shared {
     /// Why recording stopped, once it did (taken once by `stopped`).
     stopped: Mutex<Option<String>>,
+    /// That recording resumed, once it did (taken once by `resumed`).
+    resumed: Mutex<Option<String>>,
     dropped: AtomicU64,
+    /// Recording stops below this much free space (or `MIN_FREE_SHARE`): `MIN_FREE_BYTES`
+    /// (tests move it to play a disk that fills and empties).
+    min_free: AtomicU64,
+}
+
+/// Why the writer does not write.
+enum Stopped {
+    /// The file system is nearly full: looked at again by itself (`RETRY_FULL`).
+    Full {
+        /// When (a record's time, Unix ms) the free space was last looked at.
+        checked_ms: u64,
+        /// The first and last record times not kept (Unix ms), and how many.
+        lost: (u64, u64),
+        count: u64,
+    },
+    /// Any other write error: until the daemon restarts.
+    Failed,
 }
 
 impl Recorder {
@@ -92,9 +115,9 @@ impl Recorder {
         min_free: u64,
     ) -> std::io::Result<Recorder> {
         let shared = Arc::new(Shared::default());
+        shared.min_free.store(min_free, Ordering::Relaxed);
         let (tx, rx) = sync_channel(QUEUE);
-        let mut writer = Writer::new(dir, config, shared.clone());
-        writer.min_free = min_free;
+        let writer = Writer::new(dir, config, shared.clone());
         let thread = std::thread::Builder::new()
             .name("history".into())
             .spawn(move || writer.run(rx))?;
@@ -131,6 +154,12 @@ impl Recorder {
     /// Why recording stopped, the first time this is asked after it did.
     pub fn stopped(&self) -> Option<String> {
         self.shared.stopped.lock().unwrap().take()
+    }
+
+    /// That recording resumed after a full disk (and what it did not keep meanwhile), the first
+    /// time this is asked after it did.
+    pub fn resumed(&self) -> Option<String> {
+        self.shared.resumed.lock().unwrap().take()
     }
 
     /// Records dropped because the queue was full or one was too large, since the start.
@@ -175,10 +204,8 @@ struct Writer {
     current: Option<(File, u64)>,
     synced: Instant,
     dirty: bool,
-    stopped: bool,
+    stopped: Option<Stopped>,
     writes: u64,
-    /// Recording stops below this much free space (or `MIN_FREE_SHARE`).
-    min_free: u64,
     /// Since the start: bytes written and syncs (said when the thread ends).
     written: u64,
     syncs: u64,
@@ -197,9 +224,8 @@ impl Writer {
             current: None,
             synced: Instant::now(),
             dirty: false,
-            stopped: false,
+            stopped: None,
             writes: 0,
-            min_free: MIN_FREE_BYTES,
             written: 0,
             syncs: 0,
         }
@@ -210,7 +236,14 @@ impl Writer {
             match message {
                 Message::Record(record, pressure) => {
                     if let Err(e) = self.write(&record, pressure) {
-                        self.stop(format!("cannot write: {e}"));
+                        let full = matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT));
+                        let then = if full {
+                            "it starts again by itself once the file system has room"
+                        } else {
+                            "it starts again with the daemon"
+                        };
+                        let why = format!("cannot write: {e}: recording stopped ({then})");
+                        self.stop(why, full.then_some(record.at_ms()));
                     }
                 }
                 Message::Flush(done) => {
@@ -228,16 +261,66 @@ impl Writer {
         );
     }
 
-    fn stop(&mut self, why: String) {
-        if !self.stopped {
-            self.stopped = true;
+    /// Stops writing and says why; `full_at`: stopped on a full disk at that record's time
+    /// (then it looks again by itself).
+    fn stop(&mut self, why: String, full_at: Option<u64>) {
+        if self.stopped.is_none() {
+            self.stopped = Some(match full_at {
+                Some(at_ms) => Stopped::Full {
+                    checked_ms: at_ms,
+                    lost: (at_ms, at_ms),
+                    count: 1,
+                },
+                None => Stopped::Failed,
+            });
             self.current = None;
             *self.shared.stopped.lock().unwrap() = Some(why);
         }
     }
 
+    /// While stopped: whether `at_ms`'s record may be written, the recording resumed. On a full
+    /// disk the free space is looked at again once `RETRY_FULL` has passed since the last look
+    /// (by the records' times; at once if the clock went back), and recording resumes once
+    /// there is room for a segment above the floor.
+    fn resume(&mut self, at_ms: u64) -> bool {
+        let Some(Stopped::Full {
+            checked_ms,
+            lost,
+            count,
+        }) = &mut self.stopped
+        else {
+            return self.stopped.is_none();
+        };
+        let due = at_ms
+            .checked_sub(*checked_ms)
+            .is_none_or(|since| since >= RETRY_FULL.as_millis() as u64);
+        let needed =
+            (self.shared.min_free.load(Ordering::Relaxed)).saturating_add(self.segment_size);
+        let room = due
+            .then(|| {
+                *checked_ms = at_ms;
+                free_space(&self.dir)
+            })
+            .flatten()
+            .filter(|&(free, share)| free >= needed && share >= MIN_FREE_SHARE);
+        let Some((free, share)) = room else {
+            *count += 1;
+            lost.1 = at_ms;
+            return false;
+        };
+        *self.shared.resumed.lock().unwrap() = Some(format!(
+            "the file system of the history has {} free ({:.1}%) again: recording resumed in a new segment; {count} record(s) from {} to {} were not kept",
+            crate::units::fmt_bytes(free),
+            share * 100.0,
+            super::format_ms(lost.0),
+            super::format_ms(lost.1)
+        ));
+        self.stopped = None;
+        true
+    }
+
     fn write(&mut self, record: &Record, pressure: Pressure) -> std::io::Result<()> {
-        if self.stopped {
+        if !self.resume(record.at_ms()) {
             return Ok(());
         }
         let bytes = serde_json::to_vec(record).map_err(std::io::Error::other)?;
@@ -253,7 +336,7 @@ impl Writer {
             .is_none_or(|(_, size)| size + bytes.len() as u64 + 8 > self.segment_size);
         if full || self.writes % 256 == 0 {
             if let Some(why) = self.disk_nearly_full() {
-                self.stop(why);
+                self.stop(why, Some(record.at_ms()));
                 return Ok(());
             }
         }
@@ -380,23 +463,31 @@ impl Writer {
 
     /// Why recording must stop, if the file system is nearly full.
     fn disk_nearly_full(&self) -> Option<String> {
-        let st = nix::sys::statvfs::fstatvfs(self.dir.as_fd()).ok()?;
-        let block = st.fragment_size().max(1);
-        let free = st.blocks_available() * block;
-        let total = st.blocks() * block;
-        let share = if total > 0 {
-            free as f64 / total as f64
-        } else {
-            1.0
-        };
-        (free < self.min_free || share < MIN_FREE_SHARE).then(|| {
+        let (free, share) = free_space(&self.dir)?;
+        let floor = self.shared.min_free.load(Ordering::Relaxed);
+        (free < floor || share < MIN_FREE_SHARE).then(|| {
             format!(
-                "the file system of the history has {} free ({:.1}%): recording stopped so the disk never fills (it starts again with the daemon)",
+                "the file system of the history has {} free ({:.1}%): recording stopped so the disk never fills (it starts again by itself once there is room)",
                 crate::units::fmt_bytes(free),
                 share * 100.0
             )
         })
     }
+}
+
+/// The free space of the file system `dir` is on: bytes available to the daemon, and their
+/// share of its size (`None`: unknown).
+fn free_space(dir: &OwnedFd) -> Option<(u64, f64)> {
+    let st = nix::sys::statvfs::fstatvfs(dir.as_fd()).ok()?;
+    let block = st.fragment_size().max(1);
+    let free = st.blocks_available() * block;
+    let total = st.blocks() * block;
+    let share = if total > 0 {
+        free as f64 / total as f64
+    } else {
+        1.0
+    };
+    Some((free, share))
 }
 
 #[cfg(test)]
@@ -547,20 +638,40 @@ mod tests {
         assert!(read(tmp.path()).is_err());
     }
 
-    /// A file system nearly full: recording stops, says why once, and writes nothing more.
+    /// A file system nearly full: recording stops and says why once. It looks at the free space
+    /// again at most every `RETRY_FULL` (by the records' times), and once there is room again it
+    /// resumes by itself in a new segment and says what it did not keep. Issue 41: a user who
+    /// filled the disk for a moment stopped the recorder until the daemon restarted.
     #[test]
-    fn a_nearly_full_file_system_stops_the_recording() {
+    fn a_nearly_full_file_system_stops_the_recording_until_it_has_room_again() {
         let tmp = tempfile::tempdir().unwrap();
         let r =
             Recorder::start_with(dir_fd(tmp.path()), &HistoryConfig::default(), u64::MAX).unwrap();
-        r.record(event(1, 10), Pressure::Act);
+        let t0 = 1_764_140_000_000;
+        let retry = RETRY_FULL.as_millis() as u64;
+        r.record(event(t0, 10), Pressure::Act);
         r.flush();
         let why = r.stopped().expect("stopped");
         assert!(why.contains("recording stopped"), "{why}");
         assert_eq!(r.stopped(), None, "said once");
-        r.record(event(2, 10), Pressure::Act);
+        // Still full when it looks again: it stays stopped, and looks again `RETRY_FULL` later.
+        r.record(event(t0 + retry, 10), Pressure::Act);
+        r.shared.min_free.store(0, Ordering::Relaxed);
+        r.record(event(t0 + 2 * retry - 1, 10), Pressure::Act);
         r.flush();
+        assert_eq!(r.resumed(), None, "looked again before RETRY_FULL");
         assert!(read(tmp.path()).unwrap().records.is_empty());
+        r.record(event(t0 + 2 * retry, 20), Pressure::Act);
+        r.flush();
+        let resumed = r.resumed().expect("resumed");
+        assert!(
+            resumed.contains("recording resumed") && resumed.contains("3 record(s) from"),
+            "{resumed}"
+        );
+        assert_eq!(r.stopped(), None);
+        let h = read(tmp.path()).unwrap();
+        let kept: Vec<u64> = h.records.iter().map(Record::at_ms).collect();
+        assert_eq!(kept, [t0 + 2 * retry]);
     }
 }
 
