@@ -656,6 +656,7 @@ mod tests {
         assert_eq!(r.stopped(), None, "said once");
         // Still full when it looks again: it stays stopped, and looks again `RETRY_FULL` later.
         r.record(event(t0 + retry, 10), Pressure::Act);
+        r.flush();
         r.shared.min_free.store(0, Ordering::Relaxed);
         r.record(event(t0 + 2 * retry - 1, 10), Pressure::Act);
         r.flush();
