@@ -18,7 +18,7 @@ use nix::fcntl::{openat, OFlag};
 use nix::sys::stat::Mode;
 use nix::unistd::{unlinkat, UnlinkatFlags};
 
-use super::{segment, segment_name, segment_number, Record};
+use super::{segment, segment_name, segment_number, Record, MAX_NUMBER};
 use crate::config::HistoryConfig;
 
 /// Records waiting for the thread; beyond, new ones are dropped (and counted).
@@ -27,7 +27,8 @@ const QUEUE: usize = 1024;
 const MIN_FREE_SHARE: f64 = 0.02;
 /// ...or less than this.
 const MIN_FREE_BYTES: u64 = 256 << 20;
-/// Segments are at least this large (and at most a sixteenth of the cap above it).
+/// Segments are at least this large (and a sixteenth of the cap above it, at most
+/// `segment::MAX_SEGMENT`).
 const MIN_SEGMENT: u64 = 256 << 10;
 /// Stopped on a full disk, the recorder looks at the free space again at most this often.
 const RETRY_FULL: Duration = Duration::from_secs(10);
@@ -217,7 +218,7 @@ impl Writer {
         Writer {
             dir,
             max_size,
-            segment_size: (max_size / 16).max(MIN_SEGMENT),
+            segment_size: (max_size / 16).clamp(MIN_SEGMENT, segment::MAX_SEGMENT),
             retention: config.retention,
             quiet: config.interval,
             shared,
@@ -372,7 +373,25 @@ impl Writer {
         self.sync();
         // Named by the time of its first record, after every segment there (the clock may have
         // gone back, within a run or across a reboot): names stay in write order.
-        let segments = self.list()?;
+        let mut segments = self.list()?;
+        let at_ms = at_ms.min(MAX_NUMBER);
+        if segments
+            .last()
+            .is_some_and(|(newest, ..)| *newest == MAX_NUMBER)
+        {
+            // No name sorts after the newest: those named for now or later (a clock that was
+            // ahead by millennia, a file put there) go, so that names stay in write order.
+            let (kept, ahead): (Vec<_>, Vec<_>) =
+                segments.into_iter().partition(|(n, ..)| *n < at_ms);
+            for (number, ..) in &ahead {
+                tracing::warn!(
+                    "history: removing {}, named for a time after now: no segment name is left after it",
+                    segment_name(*number)
+                );
+                self.unlink(*number)?;
+            }
+            segments = kept;
+        }
         let mut number = segments
             .last()
             .map_or(at_ms, |(newest, ..)| at_ms.max(newest + 1));
@@ -387,8 +406,8 @@ impl Writer {
                 Mode::from_bits_truncate(0o644),
             ) {
                 Ok(fd) => break fd,
-                // Something else took the name meanwhile: the next one.
-                Err(Errno::EEXIST) => number += 1,
+                // Something else took the name meanwhile: the next one, if there is one.
+                Err(Errno::EEXIST) if number < MAX_NUMBER => number += 1,
                 Err(e) => return Err(e.into()),
             }
         };
@@ -416,16 +435,22 @@ impl Writer {
             if total <= budget && !expired {
                 continue;
             }
-            match unlinkat(
-                &self.dir,
-                segment_name(number).as_str(),
-                UnlinkatFlags::NoRemoveDir,
-            ) {
-                Ok(()) | Err(Errno::ENOENT) => total = total.saturating_sub(size),
-                Err(e) => return Err(e.into()),
-            }
+            self.unlink(number)?;
+            total = total.saturating_sub(size);
         }
         Ok(())
+    }
+
+    /// Removes segment `number` (gone already is fine).
+    fn unlink(&self, number: u64) -> std::io::Result<()> {
+        match unlinkat(
+            &self.dir,
+            segment_name(number).as_str(),
+            UnlinkatFlags::NoRemoveDir,
+        ) {
+            Ok(()) | Err(Errno::ENOENT) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// The segments: (number, size, modified at in Unix ms), oldest first.
@@ -493,6 +518,7 @@ fn free_space(dir: &OwnedFd) -> Option<(u64, f64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::history::segment_name;
     use crate::history::{now_ms, read, segments};
     use crate::units::Amount;
 
@@ -604,6 +630,43 @@ mod tests {
             })
             .collect();
         assert_eq!(sizes, [10, 20]);
+    }
+
+    /// Issue 41: a segment named `9999999999999999.seg` made the next one a 17-digit name that
+    /// readers skip and the cap never deletes (each roll another). Now no name passes the largest:
+    /// the segments named for a time after now go, and every file the writer leaves is a segment
+    /// readers read and the cap counts.
+    #[test]
+    fn a_segment_named_at_the_top_leaves_no_name_readers_skip() {
+        let tmp = tempfile::tempdir().unwrap();
+        let top = tmp.path().join(segment_name(MAX_NUMBER));
+        let mut bytes = segment::MAGIC.to_vec();
+        let old = serde_json::to_vec(&event(MAX_NUMBER, 10)).unwrap();
+        segment::write_record(&mut bytes, &old).unwrap();
+        std::fs::write(&top, bytes).unwrap();
+        let config = HistoryConfig {
+            max_size: Amount::Bytes(1 << 20),
+            ..HistoryConfig::default()
+        };
+        let now = now_ms();
+        let recorder = Recorder::start(dir_fd(tmp.path()), &config).unwrap();
+        // Six times the cap: many rolls.
+        for i in 0..1536u64 {
+            recorder.record(event(now + i, 4096), Pressure::Quiet);
+            if i % 256 == 255 {
+                recorder.flush();
+            }
+        }
+        recorder.flush();
+        assert_eq!((recorder.stopped(), recorder.dropped()), (None, 0));
+        for entry in std::fs::read_dir(tmp.path()).unwrap() {
+            let name = entry.unwrap().file_name().into_string().unwrap();
+            assert!(segment_number(&name).is_some(), "{name} is not read");
+        }
+        assert!(!top.exists());
+        assert!(total_size(tmp.path()) <= 1 << 20);
+        let h = read(tmp.path()).unwrap();
+        assert_eq!(h.records.last().unwrap().at_ms(), now + 1535);
     }
 
     /// A record larger than a segment may hold is dropped and counted; the recording goes on.
