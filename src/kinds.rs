@@ -112,6 +112,8 @@ named! {
         PreviousRunUnclean = "previous_run_unclean",
         /// The flight recorder stopped recording (a nearly full disk, a write error).
         HistoryStopped = "history_stopped",
+        /// The flight recorder records again: the disk it stopped on has room again.
+        HistoryResumed = "history_resumed",
         // The cloud (GCE's metadata server).
         GceMaintenance = "gce_maintenance",
         GcePreempted = "gce_preempted",

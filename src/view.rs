@@ -170,6 +170,8 @@ pub struct OverBudget {
     pub model: String,
     pub over: Overage,
     pub first: Option<ProcessInfo>,
+    /// The account that launched it, for a model with no `[[model]]` (`BudgetState::launched_by`).
+    pub launched_by: Option<u32>,
 }
 
 /// A floor stuck: its victim was killed and the memory did not come back.

@@ -5,7 +5,9 @@
 //! - *conditions* (a floor crossed, a model over budget, a GPU lost, a kill that did not free
 //!   memory): the daemon hands the set of active ones to `Alerter::conditions` every tick; a new
 //!   one fires, one that changes severity fires again, one still active repeats every
-//!   `repeat_interval`, and one that goes away is resolved. Not one notice per tick.
+//!   `repeat_interval`, and one that goes away is resolved. Not one notice per tick. One of a
+//!   client's own doing (a model a user launched, over the budget it declared) fires only within
+//!   that uid's share of the per-uid rate limit the daemon hands in (`Condition::caused_by`).
 //! - *events* (an action taken, a launch admitted or timed out, an Xid, a failed reload, start
 //!   and stop): one notice each.
 //!
@@ -161,6 +163,9 @@ pub struct Condition {
     pub severity: Severity,
     pub summary: String,
     pub subject: Subject,
+    /// The account whose own doing it is (a model it launched over the budget it declared), if
+    /// any: its firing counts against that uid's share of the per-uid rate limit.
+    pub caused_by: Option<u32>,
 }
 
 struct Active {
@@ -168,6 +173,8 @@ struct Active {
     since: SystemTime,
     last_sent: Instant,
     last_refresh: Instant,
+    /// It fired past its owner's share of the per-uid rate limit: nothing of it has been told.
+    muted: bool,
 }
 
 /// A sink's end of its queue, on the daemon's side.
@@ -428,16 +435,28 @@ impl Alerter {
     }
 
     /// The conditions active now: fires the new ones, repeats or refreshes the old ones,
-    /// resolves those that are gone.
-    pub fn conditions(&mut self, now: Instant, current: Vec<Condition>) {
+    /// resolves those that are gone. A condition of a client's own doing (`caused_by`) fires
+    /// only if `admit` lets it (its uid's share of the per-uid rate limit): one it does not is
+    /// kept muted (never repeated, refreshed or resolved) and tries again when a repeat is due.
+    pub fn conditions(
+        &mut self,
+        now: Instant,
+        current: Vec<Condition>,
+        mut admit: impl FnMut(u32, &Condition) -> bool,
+    ) {
+        let mut told = |c: &Condition| c.caused_by.is_none_or(|uid| admit(uid, c));
         let mut seen = Vec::with_capacity(current.len());
         for c in current {
             seen.push(c.key.clone());
+            let repeat_interval = self.repeat_interval;
             match self.active.get_mut(&c.key) {
                 None => {
                     let since = SystemTime::now();
-                    let notice = self.condition_notice(&c, since, Status::Firing, false);
-                    self.send(notice, true);
+                    let muted = !told(&c);
+                    if !muted {
+                        let notice = self.condition_notice(&c, since, Status::Firing, false);
+                        self.send(notice, true);
+                    }
                     self.active.insert(
                         c.key.clone(),
                         Active {
@@ -445,8 +464,28 @@ impl Alerter {
                             since,
                             last_sent: now,
                             last_refresh: now,
+                            muted,
                         },
                     );
+                }
+                Some(a) if a.muted => {
+                    // Nothing of it was told: it fires once its owner's share lets it, at the
+                    // earliest when a repeat would be due (or when its state changes).
+                    let changed =
+                        a.condition.event != c.event || a.condition.severity != c.severity;
+                    let due = changed || now.duration_since(a.last_sent) >= repeat_interval;
+                    a.condition = c;
+                    if due {
+                        a.last_sent = now;
+                        a.last_refresh = now;
+                        a.muted = !told(&a.condition);
+                    }
+                    if !a.muted {
+                        let (condition, since) = (a.condition.clone(), a.since);
+                        let notice =
+                            self.condition_notice(&condition, since, Status::Firing, false);
+                        self.send(notice, true);
+                    }
                 }
                 Some(a) if a.condition.event != c.event || a.condition.severity != c.severity => {
                     // Escalated (warn -> act) or eased: Alertmanager ends the old alert, every
@@ -466,7 +505,7 @@ impl Alerter {
                     // Same state: keep the latest figures for the next repeat.
                     a.condition = c;
                     let (repeat, refresh) = (
-                        now.duration_since(a.last_sent) >= self.repeat_interval,
+                        now.duration_since(a.last_sent) >= repeat_interval,
                         now.duration_since(a.last_refresh) >= ALERTMANAGER_REFRESH,
                     );
                     if repeat {
@@ -495,9 +534,13 @@ impl Alerter {
             .cloned()
             .collect();
         for key in gone {
-            if let Some(a) = self.active.remove(&key) {
-                let notice = self.condition_notice(&a.condition, a.since, Status::Resolved, false);
-                self.send(notice, true);
+            match self.active.remove(&key) {
+                Some(a) if !a.muted => {
+                    let notice =
+                        self.condition_notice(&a.condition, a.since, Status::Resolved, false);
+                    self.send(notice, true);
+                }
+                _ => {}
             }
         }
     }
@@ -605,6 +648,7 @@ mod tests {
             severity,
             summary: "RAM low".into(),
             subject: Subject::default(),
+            caused_by: None,
         }
     }
 
@@ -623,27 +667,74 @@ mod tests {
         let (mut a, q) = alerter(Duration::from_secs(10));
         let t0 = Instant::now();
         let warn = floor(Severity::Warning, EventKind::FloorWarn);
-        a.conditions(t0, vec![warn.clone()]);
-        a.conditions(t0 + Duration::from_secs(1), vec![warn.clone()]);
+        a.conditions(t0, vec![warn.clone()], |_, _| true);
+        a.conditions(t0 + Duration::from_secs(1), vec![warn.clone()], |_, _| true);
         assert_eq!(
             drain(&q),
             vec![("floor_warn".into(), Status::Firing, false)]
         );
-        a.conditions(t0 + Duration::from_secs(11), vec![warn.clone()]);
+        a.conditions(t0 + Duration::from_secs(11), vec![warn.clone()], |_, _| {
+            true
+        });
         assert_eq!(drain(&q), vec![("floor_warn".into(), Status::Firing, true)]);
         a.conditions(
             t0 + Duration::from_secs(12),
             vec![floor(Severity::Critical, EventKind::FloorAct)],
+            |_, _| true,
         );
         // The superseded end goes to Alertmanager sinks only.
         assert_eq!(drain(&q), vec![("floor_act".into(), Status::Firing, false)]);
-        a.conditions(t0 + Duration::from_secs(13), vec![]);
+        a.conditions(t0 + Duration::from_secs(13), vec![], |_, _| true);
         assert_eq!(
             drain(&q),
             vec![("floor_act".into(), Status::Resolved, false)]
         );
-        a.conditions(t0 + Duration::from_secs(14), vec![]);
+        a.conditions(t0 + Duration::from_secs(14), vec![], |_, _| true);
         assert!(drain(&q).is_empty());
+    }
+
+    /// A condition of a client's own doing (a model it launched over its declared budget) fires
+    /// only within its uid's share of the rate limit: past it, nothing of it is told (no fire,
+    /// repeat or resolve) until a repeat is due and the share lets it fire. The operator's
+    /// conditions are never held back.
+    #[test]
+    fn a_clients_condition_past_its_share_is_muted_until_a_repeat_is_due() {
+        let (mut a, q) = alerter(Duration::from_secs(10));
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let mut theirs = floor(Severity::Warning, EventKind::BudgetExceeded);
+        theirs.key = "budget:m@1000".into();
+        theirs.caused_by = Some(1000);
+        let ours = floor(Severity::Warning, EventKind::FloorWarn);
+        let both = || vec![theirs.clone(), ours.clone()];
+        let never = |_: u32, c: &Condition| -> bool { panic!("asked about {}", c.key) };
+        let mut asked = Vec::new();
+        a.conditions(at(0), both(), |uid, c| {
+            asked.push((uid, c.key.clone()));
+            false
+        });
+        assert_eq!(asked, [(1000, "budget:m@1000".to_string())]);
+        let firing = |e: &str| (e.to_string(), Status::Firing, false);
+        assert_eq!(drain(&q), [firing("floor_warn")]);
+        // Muted: not asked again before a repeat is due, and never resolved.
+        a.conditions(at(1), both(), never);
+        a.conditions(at(2), vec![ours.clone()], never);
+        assert!(drain(&q).is_empty());
+        // Back within the share: it fires and resolves as any condition does.
+        a.conditions(at(3), both(), |_, _| true);
+        a.conditions(at(4), vec![ours.clone()], never);
+        let resolved = |e: &str| (e.to_string(), Status::Resolved, false);
+        assert_eq!(
+            drain(&q),
+            [firing("budget_exceeded"), resolved("budget_exceeded")]
+        );
+        // Past the share again, and still active when a repeat is due: it fires then.
+        a.conditions(at(5), both(), |_, _| false);
+        a.conditions(at(14), both(), never);
+        let repeat = |e: &str| (e.to_string(), Status::Firing, true);
+        assert_eq!(drain(&q), [repeat("floor_warn")]);
+        a.conditions(at(15), both(), |_, _| true);
+        assert_eq!(drain(&q), [firing("budget_exceeded")]);
     }
 
     /// Red-team finding 5: client traffic rotated the record of a kill out of events.jsonl.
@@ -691,6 +782,7 @@ mod tests {
         a.conditions(
             Instant::now(),
             vec![floor(Severity::Critical, EventKind::FloorAct)],
+            |_, _| true,
         );
         let firing = |e: &str| (e.to_string(), Status::Firing, false);
         assert_eq!(

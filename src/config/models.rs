@@ -224,6 +224,11 @@ pub struct ModelConfig {
     /// engine reports (`vllm:cache_config_info`).
     #[serde(default)]
     pub planned_kv_tokens: Option<u64>,
+    /// The account that launched it, for a model with no `[[model]]` (`launched`): its budget is
+    /// that account's own declaration, and its budget events are that account's doing. Never
+    /// set from a config file.
+    #[serde(skip)]
+    pub launched_by: Option<u32>,
 }
 
 /// Below this a uid is root or a system account (Debian's `SYS_UID_MAX` is 999): users cannot
@@ -376,6 +381,7 @@ impl ModelConfig {
             permit_gpu_memory: None,
             metrics_url: None,
             planned_kv_tokens: None,
+            launched_by: Some(owner),
         }
     }
 

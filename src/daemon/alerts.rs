@@ -307,6 +307,7 @@ fn floor_condition(
             floor_bytes: floor,
             ..Subject::default()
         },
+        caused_by: None,
     })
 }
 
@@ -322,6 +323,7 @@ fn ram_unreadable(error: Option<&str>) -> Condition {
             resource: Some(Resource::Ram.to_string()),
             ..Subject::default()
         },
+        caused_by: None,
     }
 }
 
@@ -361,6 +363,7 @@ fn budget_condition(v: &TickView, o: &OverBudget) -> Condition {
             budget_bytes: Some(limit),
             ..Subject::default()
         },
+        caused_by: o.launched_by,
     }
 }
 
@@ -380,6 +383,7 @@ fn gpu_lost_conditions(v: &TickView) -> Vec<Condition> {
                     resource: Some(Resource::Gpu(g.index).to_string()),
                     ..Subject::default()
                 },
+                caused_by: None,
             })
         })
         .collect();
@@ -390,6 +394,7 @@ fn gpu_lost_conditions(v: &TickView) -> Vec<Condition> {
             severity: Severity::Critical,
             summary: format!("GPU protection is off: {why}"),
             subject: Subject::default(),
+            caused_by: None,
         });
     }
     out
@@ -413,6 +418,7 @@ fn stuck_condition(stuck: &Stuck) -> Condition {
             stuck.victim.as_ref().map_or("the victim", |v| v.name.as_str())
         ),
         subject,
+        caused_by: None,
     }
 }
 
@@ -493,6 +499,7 @@ mod tests {
                     comm: "vllm".into(),
                     cmdline: "vllm serve".into(),
                 }),
+                launched_by: None,
             }],
             stuck: vec![Stuck {
                 resource: Resource::Ram,

@@ -449,18 +449,20 @@ impl Daemon {
         let (scan, mut events, gpu_sample) = self.sampler.sample(&self.config, now, at, since_last);
         self.note_gce(&mut events);
         self.reporter.metrics.observe_sample(now.elapsed());
-        let plan = evaluate(
+        let mut plan = evaluate(
             &self.config,
             &self.sampler.snapshot,
             &self.launches,
             &mut self.state,
         );
         let reserved = self.reserve(at, scan);
+        let decisions = self.within_client_shares(std::mem::take(&mut plan.events));
         events.extend(reserved.events);
-        self.tell(events.iter().chain(&plan.events));
+        self.tell(events.iter().chain(&decisions));
         // A tick that decided something is recorded whatever the pressure: a replay must see
-        // the moments its decisions turn on.
-        let decided = !plan.events.is_empty() || !plan.actions.is_empty();
+        // the moments its decisions turn on. Not for what a client caused (a model it launched
+        // crossing the budget it declared): anyone can make that happen every second.
+        let decided = decisions.iter().any(|e| e.caused_by.is_none()) || !plan.actions.is_empty();
         self.act(plan.actions);
         // A permit request waits for a scan to find its caller's model: one now.
         self.sampler.max_scan_age = if reserved.scan_wanted {
@@ -506,6 +508,23 @@ impl Daemon {
         }
     }
 
+    /// The policy's events, those a client caused (`Event::caused_by`: the budget events of a
+    /// model it launched) only within its uid's share of the per-uid rate limit, the one the
+    /// reservation ledger's own events go through.
+    fn within_client_shares(&self, events: Vec<Event>) -> Vec<Event> {
+        if events.iter().all(|e| e.caused_by.is_none()) {
+            return events;
+        }
+        let mut table = self.shared.table();
+        events
+            .into_iter()
+            .filter(|e| {
+                e.caused_by
+                    .is_none_or(|uid| table.admit_event(uid, e.kind, e.severity))
+            })
+            .collect()
+    }
+
     /// Every event of the tick to the log and the alerts.
     fn tell<'e>(&mut self, events: impl Iterator<Item = &'e Event>) {
         for e in events {
@@ -548,7 +567,13 @@ impl Daemon {
             Detail::Conditions
         });
         let r = &mut self.reporter;
-        r.alerter.conditions(now, alerts::conditions(&r.view));
+        // A model a user launched, over the budget it declared: its condition fires within
+        // that user's share of the per-uid rate limit.
+        let shared = &self.shared;
+        r.alerter
+            .conditions(now, alerts::conditions(&r.view), |uid, c| {
+                shared.table().admit_event(uid, c.event, c.severity)
+            });
         if publish {
             let decided_from = (
                 &self.sampler.snapshot,

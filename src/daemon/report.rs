@@ -158,15 +158,27 @@ impl Reporter {
         });
     }
 
-    /// Says once, as a critical event, that the flight recorder stopped recording.
+    /// Says once, as a critical event, that the flight recorder stopped recording, and as a
+    /// warning that it resumed (the disk it stopped on has room again) and what it did not keep.
     pub(super) fn check_recorder(&mut self) {
-        let why = self.recorder.as_ref().and_then(Recorder::stopped);
-        if let Some(why) = why {
+        let Some(recorder) = self.recorder.as_ref() else {
+            return;
+        };
+        let (stopped, resumed) = (recorder.stopped(), recorder.resumed());
+        if let Some(why) = stopped {
             tracing::error!("history: {why}");
             self.lifecycle(
                 EventKind::HistoryStopped,
                 Severity::Critical,
                 format!("history: {why}"),
+            );
+        }
+        if let Some(what) = resumed {
+            tracing::warn!("history: {what}");
+            self.lifecycle(
+                EventKind::HistoryResumed,
+                Severity::Warning,
+                format!("history: {what}"),
             );
         }
     }
@@ -539,6 +551,7 @@ mod tests {
                     budget_bytes: 1,
                 },
                 first: None,
+                launched_by: (!configured).then_some(1000),
             });
             v
         };

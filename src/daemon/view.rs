@@ -238,6 +238,7 @@ impl Daemon {
                     model: name.clone(),
                     over: b.over?,
                     first,
+                    launched_by: b.launched_by,
                 })
             })
             .collect()

@@ -6,9 +6,17 @@
 //! a full disk can tear the last record of a segment and nothing else, a reader keeps everything
 //! before the damage, no reader can lock the writer out, and the records are JSON that
 //! `gpuguard history --json` prints for `jq` and friends. Bounded: segments roll at a sixteenth of
-//! `[history] max_size`, the oldest go first when the total would pass it or when they are older
-//! than `retention`, and recording stops (a critical event says why) when the file system is
-//! nearly full.
+//! `[history] max_size` (at most `segment::MAX_SEGMENT`), are named by 16-digit numbers up to
+//! `MAX_NUMBER` (so the cap sees every one the writer made), the oldest go first when the total
+//! would pass it or when they are older than `retention`, and recording stops (a critical event
+//! says why) when the file system is nearly full, and resumes by itself (a warning says so) once
+//! it has room again.
+//!
+//! Readers (`visit`, `last_run`: `history`, `replay`, `plan --history-dir`, the post-mortem) may
+//! be pointed at a directory anyone wrote (`--dir`): each segment is checked before it is read (a
+//! regular file, not a link, no larger than `MAX_SEGMENT`, starting with the magic), read one
+//! record at a time, with a few warning lines a segment at most, and every string of a record
+//! comes back printable (control characters escaped), so what they print cannot fake lines.
 //!
 //! The control loop never waits on the disk: records go to the `history` thread through a
 //! bounded queue (a record that does not fit is dropped and counted). How often a sample is kept
@@ -16,7 +24,8 @@
 //! and synced every minute when quiet, every second and synced every 5 s near a floor or with a
 //! model of the config over its budget (not one a user launched), every sample and synced at once at the act floor, because the minutes
 //! before a crash are the ones that matter; and every tick on which the policy decided something
-//! (an event, an action). Each sample keeps what the policy decided from (`input.rs`), so that
+//! (an event, an action), except what a client caused (a model a user launched crossing the budget
+//! it declared: `Event::caused_by`), which anyone can make happen every second. Each sample keeps what the policy decided from (`input.rs`), so that
 //! `gpuguard replay` runs it through the policy again with another config (`replay.rs`).
 
 pub mod input;
@@ -26,11 +35,13 @@ pub mod segment;
 mod writer;
 
 use std::collections::BTreeMap;
+use std::io::Read;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::snapshot::printable;
 use crate::status::{ActionRow, StatusReport};
 use crate::units::{fmt_bytes, fmt_opt_bytes};
 use input::PolicyInput;
@@ -42,6 +53,9 @@ pub const DIR: &str = "history";
 /// Segment files are named by the time their first record was written: `<unix ms>.seg`, the
 /// number in 16 digits so that names sort as numbers do.
 const SUFFIX: &str = ".seg";
+/// The largest segment number: the one of `9999999999999999.seg`. The writer names no segment
+/// past it (a longer name is one readers and the cap would not see).
+const MAX_NUMBER: u64 = 9_999_999_999_999_999;
 
 /// The number of a segment file's name (`None`: not a segment).
 fn segment_number(name: &str) -> Option<u64> {
@@ -51,8 +65,9 @@ fn segment_number(name: &str) -> Option<u64> {
         .flatten()
 }
 
-/// The name of segment `number`.
+/// The name of segment `number` (at most `MAX_NUMBER`: the writer never asks for more).
 fn segment_name(number: u64) -> String {
+    debug_assert!(number <= MAX_NUMBER, "segment number {number}");
     format!("{number:016}{SUFFIX}")
 }
 
@@ -123,17 +138,25 @@ pub fn segments(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
     Ok(named.into_values().collect())
 }
 
-/// The records of one segment, and what could not be read of it (a line each).
-fn read_one(path: &Path, warnings: &mut Vec<String>) -> std::io::Result<Vec<Record>> {
-    // A segment is a regular file, read without following a link (`--dir` may point at a
-    // directory anyone wrote: a FIFO or a link to /dev/zero must not hang or fill the reader).
+/// Hands the records of one segment to `each`, one at a time, and says what could not be read
+/// of it (a line each, at most a few a segment). The file is checked before anything is read:
+/// a regular file (a link is not followed), no larger than `MAX_SEGMENT`, starting with the
+/// segment's magic; a file that is not one is a warning, and the next segment is read.
+fn read_one(
+    path: &Path,
+    warnings: &mut Vec<String>,
+    each: &mut impl FnMut(Record),
+) -> std::io::Result<()> {
+    // `--dir` may point at a directory anyone wrote: a FIFO or a link to /dev/zero must not
+    // hang or fill the reader, nor a sparse terabyte named like a segment.
     let opened = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
         .open(path)
         .and_then(|f| {
-            if f.metadata()?.file_type().is_file() {
-                Ok(f)
+            let meta = f.metadata()?;
+            if meta.file_type().is_file() {
+                Ok((f, meta.len()))
             } else {
                 Err(std::io::Error::new(
                     std::io::ErrorKind::InvalidInput,
@@ -141,10 +164,10 @@ fn read_one(path: &Path, warnings: &mut Vec<String>) -> std::io::Result<Vec<Reco
                 ))
             }
         });
-    let file = match opened {
+    let (file, size) = match opened {
         Ok(f) => f,
         // Dropped by the daemon's cap while we listed: nothing to read.
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
         Err(e) => {
             return Err(std::io::Error::new(
                 e.kind(),
@@ -152,28 +175,95 @@ fn read_one(path: &Path, warnings: &mut Vec<String>) -> std::io::Result<Vec<Reco
             ))
         }
     };
-    let segment = segment::read_segment(&mut std::io::BufReader::new(file))?;
-    let mut out = Vec::with_capacity(segment.records.len());
-    for bytes in segment.records {
-        match serde_json::from_slice::<Record>(&bytes) {
-            Ok(r) => out.push(r),
-            Err(e) => warnings.push(format!("{}: a record that is not one: {e}", path.display())),
-        }
+    if size > segment::MAX_SEGMENT {
+        warnings.push(format!(
+            "{}: {}, larger than any segment gpuguard writes ({}): not read",
+            path.display(),
+            fmt_bytes(size),
+            fmt_bytes(segment::MAX_SEGMENT)
+        ));
+        return Ok(());
     }
-    if let Some(damage) = segment.damage {
+    // Bounded even if the file grows while it is read.
+    let mut input = std::io::BufReader::new(file.take(segment::MAX_SEGMENT));
+    let mut not_records = 0u64;
+    let mut first_error = None;
+    let damage = segment::read_segment(&mut input, |bytes, at| match decode(bytes) {
+        Ok(r) => each(r),
+        Err(e) => {
+            not_records += 1;
+            first_error.get_or_insert_with(|| format!("at byte {at}: {e}"));
+        }
+    })?;
+    if let Some(first) = first_error {
+        warnings.push(format!(
+            "{}: {not_records} record(s) that are not one, skipped (the first {first})",
+            path.display()
+        ));
+    }
+    if let Some(damage) = damage {
         warnings.push(format!("{}: {damage}; read up to there", path.display()));
     }
-    Ok(out)
+    Ok(())
 }
 
-/// Hands every record of `dir` to `each`, oldest first, one segment in memory at a time
+/// One record from its bytes, every string in it printable (`snapshot::printable`: control
+/// characters such as `\n` and `\r`, and bidirectional overrides, escaped): the daemon escapes
+/// what processes chose when it samples them, but a segment in a `--dir` anyone wrote may hold
+/// anything, and what `history`, `replay` and `plan` print must not fake lines or rewrite the
+/// reader's terminal.
+fn decode(bytes: &[u8]) -> serde_json::Result<Record> {
+    if plainly_printable(bytes) {
+        return serde_json::from_slice(bytes);
+    }
+    let mut value: serde_json::Value = serde_json::from_slice(bytes)?;
+    make_printable(&mut value);
+    serde_json::from_value(value)
+}
+
+/// Printable ASCII whose only escapes are `\"`, `\\` and `\/`: no string of such JSON holds a
+/// character `printable` would escape (the daemon's own records, nearly always).
+fn plainly_printable(bytes: &[u8]) -> bool {
+    let mut i = 0;
+    while i < bytes.len() {
+        match (bytes[i], bytes.get(i + 1)) {
+            (b'\\', Some(b'"' | b'\\' | b'/')) => i += 2,
+            (b'\\', _) => return false,
+            (0x20..=0x7e, _) => i += 1,
+            _ => return false,
+        }
+    }
+    true
+}
+
+fn make_printable(value: &mut serde_json::Value) {
+    use serde_json::Value;
+    match value {
+        Value::String(s) => {
+            if let std::borrow::Cow::Owned(escaped) = printable(s) {
+                *s = escaped;
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(make_printable),
+        Value::Object(map) => {
+            *map = std::mem::take(map)
+                .into_iter()
+                .map(|(k, mut v)| {
+                    make_printable(&mut v);
+                    (printable(&k).into_owned(), v)
+                })
+                .collect();
+        }
+        Value::Null | Value::Bool(_) | Value::Number(_) => {}
+    }
+}
+
+/// Hands every record of `dir` to `each`, oldest first, one record in memory at a time
 /// (read-only; works whether the daemon runs or not). Returns what could not be read.
 pub fn visit(dir: &Path, mut each: impl FnMut(Record)) -> std::io::Result<Vec<String>> {
     let mut warnings = Vec::new();
     for path in segments(dir)? {
-        read_one(&path, &mut warnings)?
-            .into_iter()
-            .for_each(&mut each);
+        read_one(&path, &mut warnings, &mut each)?;
     }
     Ok(warnings)
 }
@@ -224,36 +314,69 @@ pub struct LastRun {
 const POST_MORTEM_ACTIONS: usize = 3;
 
 /// The latest run of `dir`, read from its newest segment back to the one it started with, one
-/// segment in memory at a time (`None`: no records at all).
+/// record in memory at a time (`None`: no records at all).
 pub fn last_run(dir: &Path) -> std::io::Result<(Option<LastRun>, Vec<String>)> {
     let mut warnings = Vec::new();
     let mut run: Option<LastRun> = None;
     for path in segments(dir)?.iter().rev() {
-        let records = read_one(path, &mut warnings)?;
-        for r in records.into_iter().rev() {
-            let run = run.get_or_insert_with(|| LastRun {
-                last_at: r.at_ms(),
-                stopped: matches!(r, Record::Stop { .. }),
-                ..LastRun::default()
-            });
-            match r {
-                Record::Sample { at_ms, status, .. } if run.last_sample.is_none() => {
-                    run.last_sample = Some((at_ms, *status));
-                }
-                Record::Action { at_ms, action }
-                    if run.last_actions.len() < POST_MORTEM_ACTIONS =>
-                {
-                    run.last_actions.insert(0, (at_ms, action));
-                }
-                Record::Start { at_ms, boot_id, .. } => {
-                    run.start = Some((at_ms, boot_id));
-                    return Ok((Some(std::mem::take(run)), warnings));
-                }
-                _ => {}
-            }
+        let mut tail = LastRun::default();
+        let mut any = false;
+        read_one(path, &mut warnings, &mut |r| {
+            any = true;
+            tail.take(r);
+        })?;
+        if !any {
+            continue;
+        }
+        let started = tail.start.is_some();
+        run = Some(match run {
+            None => tail,
+            Some(newer) => newer.after(tail),
+        });
+        if started {
+            break;
         }
     }
     Ok((run, warnings))
+}
+
+impl LastRun {
+    /// The next record of a segment read forward: a `Start` begins the run again.
+    fn take(&mut self, r: Record) {
+        let (at, stopped) = (r.at_ms(), matches!(r, Record::Stop { .. }));
+        match r {
+            Record::Start { at_ms, boot_id, .. } => {
+                *self = LastRun {
+                    start: Some((at_ms, boot_id)),
+                    ..LastRun::default()
+                }
+            }
+            Record::Sample { at_ms, status, .. } => self.last_sample = Some((at_ms, *status)),
+            Record::Action { at_ms, action } => {
+                if self.last_actions.len() == POST_MORTEM_ACTIONS {
+                    self.last_actions.remove(0);
+                }
+                self.last_actions.push((at_ms, action));
+            }
+            Record::Event { .. } | Record::Stop { .. } => {}
+        }
+        (self.last_at, self.stopped) = (at, stopped);
+    }
+
+    /// This run (read from later segments, with no `Start` among them) after `earlier`, the
+    /// part of it an earlier segment holds.
+    fn after(mut self, earlier: LastRun) -> LastRun {
+        self.start = earlier.start;
+        if self.last_sample.is_none() {
+            self.last_sample = earlier.last_sample;
+        }
+        let room = POST_MORTEM_ACTIONS - self.last_actions.len();
+        let skip = earlier.last_actions.len().saturating_sub(room);
+        let mut actions: Vec<_> = earlier.last_actions.into_iter().skip(skip).collect();
+        actions.append(&mut self.last_actions);
+        self.last_actions = actions;
+        self
+    }
 }
 
 /// How the latest run ended, as far as its records tell (`None`: it stopped cleanly): one line
@@ -345,4 +468,170 @@ pub fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A segment file at `dir/name` holding `records`.
+    fn write_segment(dir: &Path, name: &str, records: &[Record]) {
+        let mut bytes = segment::MAGIC.to_vec();
+        for r in records {
+            segment::write_record(&mut bytes, &serde_json::to_vec(r).unwrap()).unwrap();
+        }
+        std::fs::write(dir.join(name), bytes).unwrap();
+    }
+
+    fn event(at_ms: u64, message: &str) -> Record {
+        Record::Event {
+            at_ms,
+            severity: "critical".into(),
+            kind: "x".into(),
+            message: message.into(),
+        }
+    }
+
+    /// Issue 41: names the writer makes are names readers read, up to the largest.
+    #[test]
+    fn segment_names_and_numbers_agree_up_to_the_largest() {
+        for n in [0, 1, 1_764_140_000_000, MAX_NUMBER] {
+            let name = segment_name(n);
+            assert_eq!(name.len(), 16 + SUFFIX.len(), "{name}");
+            assert_eq!(segment_number(&name), Some(n), "{name}");
+        }
+        assert_eq!(segment_number("10000000000000000.seg"), None);
+        assert_eq!(segment_number("000000000000001.seg"), None);
+    }
+
+    /// Issue 41: a sparse file over the largest segment size, in a `--dir` anyone wrote, cost
+    /// the reader its size in memory (a terabyte takes the host). Now it is refused unread, with
+    /// a warning, and the segments beside it are read.
+    #[test]
+    fn a_file_larger_than_any_segment_is_refused_unread() {
+        let tmp = tempfile::tempdir().unwrap();
+        let huge = std::fs::File::create(tmp.path().join(segment_name(1))).unwrap();
+        huge.set_len(1 << 40).unwrap();
+        write_segment(tmp.path(), &segment_name(2), &[event(5, "kept")]);
+        let mut records = Vec::new();
+        let warnings = visit(tmp.path(), |r| records.push(r)).unwrap();
+        assert_eq!(records, [event(5, "kept")]);
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(
+            warnings[0].contains("1.0 TiB, larger than any segment gpuguard writes"),
+            "{warnings:?}"
+        );
+    }
+
+    /// A file within the size that starts as a segment and goes on with zeros (each 8 zero
+    /// bytes frame an empty record whose checksum matches): one warning for the segment, not
+    /// one a frame.
+    #[test]
+    fn frames_that_are_not_records_are_one_warning_a_segment() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join(segment_name(1));
+        std::fs::write(&path, segment::MAGIC).unwrap();
+        let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        file.set_len(segment::MAGIC.len() as u64 + 8 * 4096)
+            .unwrap();
+        let warnings = visit(tmp.path(), |_| panic!("a record")).unwrap();
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(
+            warnings[0]
+                .contains("4096 record(s) that are not one, skipped (the first at byte 19: "),
+            "{warnings:?}"
+        );
+        // Not a segment at all: nothing past its first bytes is read.
+        std::fs::write(&path, b"GPUGUARD-HISTORY-2\n").unwrap();
+        let warnings = visit(tmp.path(), |_| panic!("a record")).unwrap();
+        assert!(
+            warnings[0].contains("not a gpuguard history segment"),
+            "{warnings:?}"
+        );
+    }
+
+    /// Issue 41: a crafted record's `\n` was printed raw (a faked line of `history`'s output).
+    /// Every string read from a segment comes back printable, wherever it is in the record.
+    #[test]
+    fn control_characters_in_what_a_segment_holds_come_back_escaped() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut status = StatusReport::default();
+        status.models.push(crate::status::ModelRow {
+            name: "m\r\n11-26 09:44:19  critical process_killed: sshd".into(),
+            ..Default::default()
+        });
+        let forged = [
+            event(
+                1,
+                "ok\n2026-01-01 00:00:00  critical faked: \u{1b}[2J\u{202e}",
+            ),
+            Record::Sample {
+                at_ms: 2,
+                status: Box::new(status),
+                input: None,
+            },
+            event(3, "plain \"quoted\" \\u{1b} a/b"),
+        ];
+        write_segment(tmp.path(), &segment_name(1), &forged);
+        let mut records = Vec::new();
+        let warnings = visit(tmp.path(), |r| records.push(r)).unwrap();
+        assert!(warnings.is_empty(), "{warnings:?}");
+        let Record::Event { message, .. } = &records[0] else {
+            panic!("{records:?}")
+        };
+        assert_eq!(
+            message,
+            "ok\\u{a}2026-01-01 00:00:00  critical faked: \\u{1b}[2J\\u{202e}"
+        );
+        let Record::Sample { status, .. } = &records[1] else {
+            panic!("{records:?}")
+        };
+        assert!(status.models[0].name.starts_with("m\\u{d}\\u{a}11-26"));
+        assert_eq!(records[2], event(3, "plain \"quoted\" \\u{1b} a/b"));
+        assert!(plainly_printable(&serde_json::to_vec(&records[2]).unwrap()));
+    }
+
+    /// The post-mortem's reading, forward through each segment: the latest run's last record,
+    /// sample and actions, across segments, back to its `Start` and not into the run before.
+    #[test]
+    fn the_last_run_is_gathered_from_segments_read_forward() {
+        let tmp = tempfile::tempdir().unwrap();
+        let start = |at_ms: u64, boot: &str| Record::Start {
+            at_ms,
+            version: "0".into(),
+            boot_id: boot.into(),
+        };
+        let action = |at_ms: u64| Record::Action {
+            at_ms,
+            action: ActionRow {
+                verb: "stop".into(),
+                ..ActionRow::default()
+            },
+        };
+        let sample = |at_ms: u64| Record::Sample {
+            at_ms,
+            status: Box::default(),
+            input: None,
+        };
+        write_segment(
+            tmp.path(),
+            &segment_name(1),
+            &[start(1, "a"), action(2), Record::Stop { at_ms: 3 }],
+        );
+        write_segment(
+            tmp.path(),
+            &segment_name(2),
+            &[start(10, "b"), action(11), action(12), sample(13)],
+        );
+        write_segment(tmp.path(), &segment_name(3), &[action(20), action(21)]);
+        write_segment(tmp.path(), &segment_name(4), &[event(30, "x")]);
+        let (run, warnings) = last_run(tmp.path()).unwrap();
+        assert!(warnings.is_empty(), "{warnings:?}");
+        let run = run.unwrap();
+        assert_eq!(run.start, Some((10, "b".to_string())));
+        assert_eq!((run.last_at, run.stopped), (30, false));
+        assert_eq!(run.last_sample.map(|(at, _)| at), Some(13));
+        let at: Vec<u64> = run.last_actions.iter().map(|(at, _)| *at).collect();
+        assert_eq!(at, [12, 20, 21]);
+    }
 }

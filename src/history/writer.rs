@@ -1,7 +1,9 @@
 //! The `history` thread: takes records from the loop through a bounded queue and appends them to
 //! the current segment, rolls segments, keeps the directory within its cap and retention, syncs
 //! as often as the pressure on the host asks, and stops recording when the file system is nearly
-//! full.
+//! full (or a write finds it full): then it looks again at most every `RETRY_FULL` (by the times
+//! of the records it is handed) and resumes by itself, in a new segment, once there is room for
+//! a segment above the floor. Other write errors stop it until the daemon restarts.
 
 use std::fs::File;
 use std::io::Write;
@@ -16,7 +18,7 @@ use nix::fcntl::{openat, OFlag};
 use nix::sys::stat::Mode;
 use nix::unistd::{unlinkat, UnlinkatFlags};
 
-use super::{segment, segment_name, segment_number, Record};
+use super::{segment, segment_name, segment_number, Record, MAX_NUMBER};
 use crate::config::HistoryConfig;
 
 /// Records waiting for the thread; beyond, new ones are dropped (and counted).
@@ -25,8 +27,11 @@ const QUEUE: usize = 1024;
 const MIN_FREE_SHARE: f64 = 0.02;
 /// ...or less than this.
 const MIN_FREE_BYTES: u64 = 256 << 20;
-/// Segments are at least this large (and at most a sixteenth of the cap above it).
+/// Segments are at least this large (and a sixteenth of the cap above it, at most
+/// `segment::MAX_SEGMENT`).
 const MIN_SEGMENT: u64 = 256 << 10;
+/// Stopped on a full disk, the recorder looks at the free space again at most this often.
+const RETRY_FULL: Duration = Duration::from_secs(10);
 
 /// How close the host is to a floor: how often samples are kept and the file synced.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -76,7 +81,26 @@ pub struct Recorder {
 struct Shared {
     /// Why recording stopped, once it did (taken once by `stopped`).
     stopped: Mutex<Option<String>>,
+    /// That recording resumed, once it did (taken once by `resumed`).
+    resumed: Mutex<Option<String>>,
     dropped: AtomicU64,
+    /// Recording stops below this much free space (or `MIN_FREE_SHARE`): `MIN_FREE_BYTES`
+    /// (tests move it to play a disk that fills and empties).
+    min_free: AtomicU64,
+}
+
+/// Why the writer does not write.
+enum Stopped {
+    /// The file system is nearly full: looked at again by itself (`RETRY_FULL`).
+    Full {
+        /// When (a record's time, Unix ms) the free space was last looked at.
+        checked_ms: u64,
+        /// The first and last record times not kept (Unix ms), and how many.
+        lost: (u64, u64),
+        count: u64,
+    },
+    /// Any other write error: until the daemon restarts.
+    Failed,
 }
 
 impl Recorder {
@@ -92,9 +116,9 @@ impl Recorder {
         min_free: u64,
     ) -> std::io::Result<Recorder> {
         let shared = Arc::new(Shared::default());
+        shared.min_free.store(min_free, Ordering::Relaxed);
         let (tx, rx) = sync_channel(QUEUE);
-        let mut writer = Writer::new(dir, config, shared.clone());
-        writer.min_free = min_free;
+        let writer = Writer::new(dir, config, shared.clone());
         let thread = std::thread::Builder::new()
             .name("history".into())
             .spawn(move || writer.run(rx))?;
@@ -131,6 +155,12 @@ impl Recorder {
     /// Why recording stopped, the first time this is asked after it did.
     pub fn stopped(&self) -> Option<String> {
         self.shared.stopped.lock().unwrap().take()
+    }
+
+    /// That recording resumed after a full disk (and what it did not keep meanwhile), the first
+    /// time this is asked after it did.
+    pub fn resumed(&self) -> Option<String> {
+        self.shared.resumed.lock().unwrap().take()
     }
 
     /// Records dropped because the queue was full or one was too large, since the start.
@@ -175,10 +205,8 @@ struct Writer {
     current: Option<(File, u64)>,
     synced: Instant,
     dirty: bool,
-    stopped: bool,
+    stopped: Option<Stopped>,
     writes: u64,
-    /// Recording stops below this much free space (or `MIN_FREE_SHARE`).
-    min_free: u64,
     /// Since the start: bytes written and syncs (said when the thread ends).
     written: u64,
     syncs: u64,
@@ -190,16 +218,15 @@ impl Writer {
         Writer {
             dir,
             max_size,
-            segment_size: (max_size / 16).max(MIN_SEGMENT),
+            segment_size: (max_size / 16).clamp(MIN_SEGMENT, segment::MAX_SEGMENT),
             retention: config.retention,
             quiet: config.interval,
             shared,
             current: None,
             synced: Instant::now(),
             dirty: false,
-            stopped: false,
+            stopped: None,
             writes: 0,
-            min_free: MIN_FREE_BYTES,
             written: 0,
             syncs: 0,
         }
@@ -210,7 +237,14 @@ impl Writer {
             match message {
                 Message::Record(record, pressure) => {
                     if let Err(e) = self.write(&record, pressure) {
-                        self.stop(format!("cannot write: {e}"));
+                        let full = matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT));
+                        let then = if full {
+                            "it starts again by itself once the file system has room"
+                        } else {
+                            "it starts again with the daemon"
+                        };
+                        let why = format!("cannot write: {e}: recording stopped ({then})");
+                        self.stop(why, full.then_some(record.at_ms()));
                     }
                 }
                 Message::Flush(done) => {
@@ -228,16 +262,66 @@ impl Writer {
         );
     }
 
-    fn stop(&mut self, why: String) {
-        if !self.stopped {
-            self.stopped = true;
+    /// Stops writing and says why; `full_at`: stopped on a full disk at that record's time
+    /// (then it looks again by itself).
+    fn stop(&mut self, why: String, full_at: Option<u64>) {
+        if self.stopped.is_none() {
+            self.stopped = Some(match full_at {
+                Some(at_ms) => Stopped::Full {
+                    checked_ms: at_ms,
+                    lost: (at_ms, at_ms),
+                    count: 1,
+                },
+                None => Stopped::Failed,
+            });
             self.current = None;
             *self.shared.stopped.lock().unwrap() = Some(why);
         }
     }
 
+    /// While stopped: whether `at_ms`'s record may be written, the recording resumed. On a full
+    /// disk the free space is looked at again once `RETRY_FULL` has passed since the last look
+    /// (by the records' times; at once if the clock went back), and recording resumes once
+    /// there is room for a segment above the floor.
+    fn resume(&mut self, at_ms: u64) -> bool {
+        let Some(Stopped::Full {
+            checked_ms,
+            lost,
+            count,
+        }) = &mut self.stopped
+        else {
+            return self.stopped.is_none();
+        };
+        let due = at_ms
+            .checked_sub(*checked_ms)
+            .is_none_or(|since| since >= RETRY_FULL.as_millis() as u64);
+        let needed =
+            (self.shared.min_free.load(Ordering::Relaxed)).saturating_add(self.segment_size);
+        let room = due
+            .then(|| {
+                *checked_ms = at_ms;
+                free_space(&self.dir)
+            })
+            .flatten()
+            .filter(|&(free, share)| free >= needed && share >= MIN_FREE_SHARE);
+        let Some((free, share)) = room else {
+            *count += 1;
+            lost.1 = at_ms;
+            return false;
+        };
+        *self.shared.resumed.lock().unwrap() = Some(format!(
+            "the file system of the history has {} free ({:.1}%) again: recording resumed in a new segment; {count} record(s) from {} to {} were not kept",
+            crate::units::fmt_bytes(free),
+            share * 100.0,
+            super::format_ms(lost.0),
+            super::format_ms(lost.1)
+        ));
+        self.stopped = None;
+        true
+    }
+
     fn write(&mut self, record: &Record, pressure: Pressure) -> std::io::Result<()> {
-        if self.stopped {
+        if !self.resume(record.at_ms()) {
             return Ok(());
         }
         let bytes = serde_json::to_vec(record).map_err(std::io::Error::other)?;
@@ -253,7 +337,7 @@ impl Writer {
             .is_none_or(|(_, size)| size + bytes.len() as u64 + 8 > self.segment_size);
         if full || self.writes % 256 == 0 {
             if let Some(why) = self.disk_nearly_full() {
-                self.stop(why);
+                self.stop(why, Some(record.at_ms()));
                 return Ok(());
             }
         }
@@ -289,7 +373,25 @@ impl Writer {
         self.sync();
         // Named by the time of its first record, after every segment there (the clock may have
         // gone back, within a run or across a reboot): names stay in write order.
-        let segments = self.list()?;
+        let mut segments = self.list()?;
+        let at_ms = at_ms.min(MAX_NUMBER);
+        if segments
+            .last()
+            .is_some_and(|(newest, ..)| *newest == MAX_NUMBER)
+        {
+            // No name sorts after the newest: those named for now or later (a clock that was
+            // ahead by millennia, a file put there) go, so that names stay in write order.
+            let (kept, ahead): (Vec<_>, Vec<_>) =
+                segments.into_iter().partition(|(n, ..)| *n < at_ms);
+            for (number, ..) in &ahead {
+                tracing::warn!(
+                    "history: removing {}, named for a time after now: no segment name is left after it",
+                    segment_name(*number)
+                );
+                self.unlink(*number)?;
+            }
+            segments = kept;
+        }
         let mut number = segments
             .last()
             .map_or(at_ms, |(newest, ..)| at_ms.max(newest + 1));
@@ -304,8 +406,8 @@ impl Writer {
                 Mode::from_bits_truncate(0o644),
             ) {
                 Ok(fd) => break fd,
-                // Something else took the name meanwhile: the next one.
-                Err(Errno::EEXIST) => number += 1,
+                // Something else took the name meanwhile: the next one, if there is one.
+                Err(Errno::EEXIST) if number < MAX_NUMBER => number += 1,
                 Err(e) => return Err(e.into()),
             }
         };
@@ -333,16 +435,22 @@ impl Writer {
             if total <= budget && !expired {
                 continue;
             }
-            match unlinkat(
-                &self.dir,
-                segment_name(number).as_str(),
-                UnlinkatFlags::NoRemoveDir,
-            ) {
-                Ok(()) | Err(Errno::ENOENT) => total = total.saturating_sub(size),
-                Err(e) => return Err(e.into()),
-            }
+            self.unlink(number)?;
+            total = total.saturating_sub(size);
         }
         Ok(())
+    }
+
+    /// Removes segment `number` (gone already is fine).
+    fn unlink(&self, number: u64) -> std::io::Result<()> {
+        match unlinkat(
+            &self.dir,
+            segment_name(number).as_str(),
+            UnlinkatFlags::NoRemoveDir,
+        ) {
+            Ok(()) | Err(Errno::ENOENT) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// The segments: (number, size, modified at in Unix ms), oldest first.
@@ -380,18 +488,11 @@ impl Writer {
 
     /// Why recording must stop, if the file system is nearly full.
     fn disk_nearly_full(&self) -> Option<String> {
-        let st = nix::sys::statvfs::fstatvfs(self.dir.as_fd()).ok()?;
-        let block = st.fragment_size().max(1);
-        let free = st.blocks_available() * block;
-        let total = st.blocks() * block;
-        let share = if total > 0 {
-            free as f64 / total as f64
-        } else {
-            1.0
-        };
-        (free < self.min_free || share < MIN_FREE_SHARE).then(|| {
+        let (free, share) = free_space(&self.dir)?;
+        let floor = self.shared.min_free.load(Ordering::Relaxed);
+        (free < floor || share < MIN_FREE_SHARE).then(|| {
             format!(
-                "the file system of the history has {} free ({:.1}%): recording stopped so the disk never fills (it starts again with the daemon)",
+                "the file system of the history has {} free ({:.1}%): recording stopped so the disk never fills (it starts again by itself once there is room)",
                 crate::units::fmt_bytes(free),
                 share * 100.0
             )
@@ -399,9 +500,25 @@ impl Writer {
     }
 }
 
+/// The free space of the file system `dir` is on: bytes available to the daemon, and their
+/// share of its size (`None`: unknown).
+fn free_space(dir: &OwnedFd) -> Option<(u64, f64)> {
+    let st = nix::sys::statvfs::fstatvfs(dir.as_fd()).ok()?;
+    let block = st.fragment_size().max(1);
+    let free = st.blocks_available() * block;
+    let total = st.blocks() * block;
+    let share = if total > 0 {
+        free as f64 / total as f64
+    } else {
+        1.0
+    };
+    Some((free, share))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::history::segment_name;
     use crate::history::{now_ms, read, segments};
     use crate::units::Amount;
 
@@ -515,6 +632,43 @@ mod tests {
         assert_eq!(sizes, [10, 20]);
     }
 
+    /// Issue 41: a segment named `9999999999999999.seg` made the next one a 17-digit name that
+    /// readers skip and the cap never deletes (each roll another). Now no name passes the largest:
+    /// the segments named for a time after now go, and every file the writer leaves is a segment
+    /// readers read and the cap counts.
+    #[test]
+    fn a_segment_named_at_the_top_leaves_no_name_readers_skip() {
+        let tmp = tempfile::tempdir().unwrap();
+        let top = tmp.path().join(segment_name(MAX_NUMBER));
+        let mut bytes = segment::MAGIC.to_vec();
+        let old = serde_json::to_vec(&event(MAX_NUMBER, 10)).unwrap();
+        segment::write_record(&mut bytes, &old).unwrap();
+        std::fs::write(&top, bytes).unwrap();
+        let config = HistoryConfig {
+            max_size: Amount::Bytes(1 << 20),
+            ..HistoryConfig::default()
+        };
+        let now = now_ms();
+        let recorder = Recorder::start(dir_fd(tmp.path()), &config).unwrap();
+        // Six times the cap: many rolls.
+        for i in 0..1536u64 {
+            recorder.record(event(now + i, 4096), Pressure::Quiet);
+            if i % 256 == 255 {
+                recorder.flush();
+            }
+        }
+        recorder.flush();
+        assert_eq!((recorder.stopped(), recorder.dropped()), (None, 0));
+        for entry in std::fs::read_dir(tmp.path()).unwrap() {
+            let name = entry.unwrap().file_name().into_string().unwrap();
+            assert!(segment_number(&name).is_some(), "{name} is not read");
+        }
+        assert!(!top.exists());
+        assert!(total_size(tmp.path()) <= 1 << 20);
+        let h = read(tmp.path()).unwrap();
+        assert_eq!(h.records.last().unwrap().at_ms(), now + 1535);
+    }
+
     /// A record larger than a segment may hold is dropped and counted; the recording goes on.
     #[test]
     fn a_record_too_large_is_dropped_not_the_recording() {
@@ -547,20 +701,41 @@ mod tests {
         assert!(read(tmp.path()).is_err());
     }
 
-    /// A file system nearly full: recording stops, says why once, and writes nothing more.
+    /// A file system nearly full: recording stops and says why once. It looks at the free space
+    /// again at most every `RETRY_FULL` (by the records' times), and once there is room again it
+    /// resumes by itself in a new segment and says what it did not keep. Issue 41: a user who
+    /// filled the disk for a moment stopped the recorder until the daemon restarted.
     #[test]
-    fn a_nearly_full_file_system_stops_the_recording() {
+    fn a_nearly_full_file_system_stops_the_recording_until_it_has_room_again() {
         let tmp = tempfile::tempdir().unwrap();
         let r =
             Recorder::start_with(dir_fd(tmp.path()), &HistoryConfig::default(), u64::MAX).unwrap();
-        r.record(event(1, 10), Pressure::Act);
+        let t0 = 1_764_140_000_000;
+        let retry = RETRY_FULL.as_millis() as u64;
+        r.record(event(t0, 10), Pressure::Act);
         r.flush();
         let why = r.stopped().expect("stopped");
         assert!(why.contains("recording stopped"), "{why}");
         assert_eq!(r.stopped(), None, "said once");
-        r.record(event(2, 10), Pressure::Act);
+        // Still full when it looks again: it stays stopped, and looks again `RETRY_FULL` later.
+        r.record(event(t0 + retry, 10), Pressure::Act);
         r.flush();
+        r.shared.min_free.store(0, Ordering::Relaxed);
+        r.record(event(t0 + 2 * retry - 1, 10), Pressure::Act);
+        r.flush();
+        assert_eq!(r.resumed(), None, "looked again before RETRY_FULL");
         assert!(read(tmp.path()).unwrap().records.is_empty());
+        r.record(event(t0 + 2 * retry, 20), Pressure::Act);
+        r.flush();
+        let resumed = r.resumed().expect("resumed");
+        assert!(
+            resumed.contains("recording resumed") && resumed.contains("3 record(s) from"),
+            "{resumed}"
+        );
+        assert_eq!(r.stopped(), None);
+        let h = read(tmp.path()).unwrap();
+        let kept: Vec<u64> = h.records.iter().map(Record::at_ms).collect();
+        assert_eq!(kept, [t0 + 2 * retry]);
     }
 }
 

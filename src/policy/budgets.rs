@@ -1,5 +1,7 @@
 //! Per-model budgets: a model over its RAM or GPU budget for longer than its `grace` gets its
 //! action (alert, throttle, stop, kill); once back under budget, a throttle or stop is lifted.
+//! A launched model's budget is what its launcher declared: its budget events are that account's
+//! doing (`Event::caused_by`), held to its share of the per-uid rate limit by the loop.
 
 use crate::config::{Config, Mode, ModelAction, ModelConfig};
 use crate::kinds::{EventKind, ReasonKind};
@@ -58,6 +60,7 @@ pub(super) fn evaluate_budgets(
         let excess = measure(budgets, usage);
         let budget = state.budgets.entry(model.name.clone()).or_default();
         budget.wants_pss = wants_pss;
+        budget.launched_by = model.launched_by;
         if wants_pss && !snapshot.processes.pss_read {
             continue;
         }
@@ -83,7 +86,8 @@ pub(super) fn evaluate_budgets(
                         humantime::format_duration(model.grace)
                     ),
                 )
-                .about(about_model(&model.name)),
+                .about(about_model(&model.name))
+                .caused_by(model.launched_by),
             );
             now
         });
@@ -219,7 +223,8 @@ fn enforce(
                     EventKind::BudgetEnforced,
                     format!("{detail} (alert only)"),
                 )
-                .about(about_model(&model.name)),
+                .about(about_model(&model.name))
+                .caused_by(model.launched_by),
             );
             state
                 .budgets
@@ -320,7 +325,8 @@ fn lift(budget: &mut BudgetState, name: &str, plan: &mut Plan) {
                 EventKind::BudgetCleared,
                 format!("model '{name}' back under budget"),
             )
-            .about(about_model(name)),
+            .about(about_model(name))
+            .caused_by(budget.launched_by),
         );
     }
     let Some(Enforcement { stage, target, .. }) = budget.enforced.take() else {

@@ -165,6 +165,12 @@ pub struct Event {
     pub message: String,
     /// Who or what it is about, for alert bodies.
     pub about: About,
+    /// The account whose own doing it is (a client's request, a model it launched), if any:
+    /// counted against that uid's share of the per-uid rate limit (`reserve::limit`), and never
+    /// a reason for the flight recorder to keep a sample. `None`: the host's or the operator's
+    /// (floors, `[[model]]` budgets), never held back.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub caused_by: Option<u32>,
 }
 
 impl Event {
@@ -174,11 +180,18 @@ impl Event {
             kind,
             message,
             about: About::default(),
+            caused_by: None,
         }
     }
 
     pub fn about(mut self, about: About) -> Event {
         self.about = about;
+        self
+    }
+
+    /// Caused by `uid`'s own doing (see `caused_by`).
+    pub fn caused_by(mut self, uid: Option<u32>) -> Event {
+        self.caused_by = uid;
         self
     }
 }
@@ -337,6 +350,10 @@ pub struct BudgetState {
     /// Its members' RSS is over its RAM budget: the scan should read their PSS (shared pages
     /// counted once), which decides.
     pub wants_pss: bool,
+    /// The account that launched the model, for one with no `[[model]]`
+    /// (`ModelConfig::launched_by`): its budget events are that account's doing.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub launched_by: Option<u32>,
 }
 
 /// A budget's action in force against a model.

@@ -1,6 +1,8 @@
 //! A rate limit, per uid, on the events clients cause (a permit that timed out or expired, a
-//! launch that timed out or died...): a local user who sends requests in a loop must not flood
-//! the event log and the webhooks. Each uid has `PER_UID` events per window; past that its events
+//! launch that timed out or died..., and the budget events and conditions of the models a user
+//! launched, which the loop passes through `Reservations::admit_event`): a local user who sends
+//! requests in a loop, or keeps its models crossing the budgets it declared, must not flood the
+//! event log and the webhooks. Each uid has `PER_UID` events per window; past that its events
 //! are counted, not kept, and when the window ends one summary event per uid says how many were
 //! suppressed (and of which kinds). Windows are fixed and rolled by the caller's clock (the
 //! reservation table's tick), so the limit is at most `PER_UID` per uid per window and at most

@@ -296,11 +296,13 @@ impl Reservations {
     }
 
     /// Keeps an event for the next tick. Every event here is caused by a client (it names the
-    /// client's uid): past the uid's share of the rate limit it is counted, not kept, so one
-    /// user's request loop cannot flood the event log and the webhooks.
-    fn event(&mut self, e: Event) {
-        if let Some(uid) = e.about.uid {
-            if !self.event_limit.admit(uid, e.kind, e.severity) {
+    /// client's uid, and says so in `caused_by`): past the uid's share of the rate limit it is
+    /// counted, not kept, so one user's request loop cannot flood the event log and the
+    /// webhooks.
+    fn event(&mut self, mut e: Event) {
+        e.caused_by = e.caused_by.or(e.about.uid);
+        if let Some(uid) = e.caused_by {
+            if !self.admit_event(uid, e.kind, e.severity) {
                 return;
             }
         }
@@ -309,6 +311,14 @@ impl Reservations {
         } else {
             self.events_dropped += 1;
         }
+    }
+
+    /// Whether a notice of `uid`'s own doing may be told, by the per-uid rate limit this table's
+    /// own events go through: the loop asks it for the rest of what a client causes (the budget
+    /// events and conditions of the models it launched). Past the uid's share it is counted
+    /// here and summed up in the window's `events_suppressed` event.
+    pub fn admit_event(&mut self, uid: u32, kind: EventKind, severity: Severity) -> bool {
+        self.event_limit.admit(uid, kind, severity)
     }
 
     fn new_id(&mut self) -> u64 {

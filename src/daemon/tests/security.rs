@@ -118,3 +118,147 @@ fn only_the_configs_and_roots_metrics_urls_are_scraped_on_the_trusted_lane() {
     .collect();
     assert_eq!(trusted, want);
 }
+
+/// Issue 41: a user's launched models flapping around the budgets that user declared flooded the
+/// webhooks and the event log (their budget events and conditions were outside the per-uid rate
+/// limit) and had the flight recorder keep a full sample at each flap (~117x the quiet rate).
+/// Now they are that user's doing: everything of uid 1000 (its launches' own events, its models'
+/// budget events and conditions) is told within one share of `PER_UID` a minute, summed up in
+/// one `events_suppressed`, and the recorder keeps its quiet rate. The operator's `[[model]]`
+/// flapping the same way keeps every event and a sample at each decision.
+#[test]
+fn a_users_launched_models_flapping_around_their_budgets_stay_within_its_share() {
+    use crate::alert::Notice;
+    use crate::history::Record;
+    const PER_UID: usize = 20;
+    let mut w = World {
+        host: host(64 * GIB, 40 * GIB),
+        gpu: Some(BTreeMap::new()),
+        ..World::default()
+    };
+    for pid in [4001, 4002] {
+        w.spawn(pid, "x", 64 * MIB);
+        w.procs.get_mut(&pid).unwrap().uid = 1000;
+        w.gpu.as_mut().unwrap().insert(pid, GIB);
+    }
+    w.spawn(500, "ops", 64 * MIB);
+    w.gpu.as_mut().unwrap().insert(500, GIB);
+    let mut h = Harness::new(
+        w,
+        "[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n\
+         [gpu]\nenabled = true\n[launch]\nsettle = \"1s\"\n\
+         [[model]]\nname = \"ops\"\nmatch = { comm = \"ops\" }\ngpu_memory = \"2GiB\"\n\
+         action = \"alert\"\ngrace = \"60s\"\n",
+    );
+    let webhook = h.daemon.reporter.alerter.tap(false);
+    let event_log = h.daemon.reporter.alerter.tap(true);
+    let samples = |h: &Harness| {
+        h.daemon.reporter.recorder.as_ref().unwrap().flush();
+        let dir = h._dir.path().join("state").join(crate::history::DIR);
+        crate::history::read(&dir)
+            .unwrap()
+            .records
+            .iter()
+            .filter(|r| matches!(r, Record::Sample { .. }))
+            .count()
+    };
+    h.ticks(2, 100 * MS);
+    // Two models of uid 1000, each launched with a 2 GiB GPU budget, one after the other.
+    for (conn, pid, model) in [(7, 4001, "m1"), (8, 4002, "m2")] {
+        let peer = crate::reserve::Peer {
+            uid: 1000,
+            pid,
+            start_time: 1000 + pid as u64,
+        };
+        let at = h.at;
+        let mut table = h.daemon.shared.table();
+        table.join(conn, peer, at);
+        let request = crate::protocol::LaunchRequest {
+            model: model.into(),
+            gpu_memory_bytes: Some(2 * GIB),
+            command: vec!["x".into()],
+            ..Default::default()
+        };
+        let loader = Arc::new(crate::reserve::FakeProcess::default());
+        let answer = table.launch(conn, request, loader, at);
+        assert!(
+            matches!(answer, Some(crate::protocol::Response::Admitted { .. })),
+            "{answer:?}"
+        );
+        drop(table);
+        h.ticks(15, 100 * MS);
+    }
+    let before = samples(&h);
+    let flap = |h: &mut Harness, pids: &[i32], seconds: u64| {
+        for half in 0..seconds * 2 {
+            let used = if half % 2 == 0 { 3 * GIB } else { GIB };
+            for pid in pids {
+                h.world().gpu.as_mut().unwrap().insert(*pid, used);
+            }
+            h.ticks(5, 100 * MS);
+        }
+    };
+    // 50 s of both flapping each half second: 100 crossings of each budget, inside the rate
+    // limit's first window (it began at the first tick, 3 s ago).
+    flap(&mut h, &[4001, 4002], 50);
+    let users = |notices: &[Notice]| {
+        notices
+            .iter()
+            .filter(|n| n.subject.uid == Some(1000) || n.key.ends_with("@1000"))
+            .count()
+    };
+    let told = drain(&webhook);
+    let logged = drain(&event_log);
+    let budget = |notices: &[Notice]| {
+        notices
+            .iter()
+            .filter(|n| n.key.ends_with("@1000") && n.event.starts_with("budget_"))
+            .count()
+    };
+    assert!(budget(&told) > 0 && budget(&logged) > 0, "{told:#?}");
+    assert!(users(&told) <= PER_UID, "{} webhook notices", users(&told));
+    assert!(
+        users(&logged) <= PER_UID,
+        "{} event log lines",
+        users(&logged)
+    );
+    let quiet = samples(&h) - before;
+    assert!(
+        quiet <= 50 / 10 + 1,
+        "{quiet} samples in 50 s at a 10 s interval"
+    );
+    // The window ends: one summary says how many were not told.
+    h.ticks(100, 100 * MS);
+    let summary: Vec<Notice> = drain(&event_log)
+        .into_iter()
+        .filter(|n| n.event == "events_suppressed")
+        .collect();
+    assert_eq!(summary.len(), 1, "{summary:#?}");
+    assert!(summary[0].summary.starts_with("uid 1000: "), "{summary:#?}");
+    assert!(
+        summary[0].summary.contains("budget_exceeded"),
+        "{summary:#?}"
+    );
+
+    // The operator's model crossing its budget as often: every crossing told, every decision
+    // recorded.
+    let before = samples(&h);
+    flap(&mut h, &[500], 10);
+    let ops = drain(&event_log);
+    let exceeded = ops
+        .iter()
+        .filter(|n| n.key == "budget_exceeded" && n.subject.model.as_deref() == Some("ops"))
+        .count();
+    assert_eq!(exceeded, 10, "{ops:#?}");
+    assert!(samples(&h) - before >= 20, "a sample at each decision");
+}
+
+/// Everything queued so far, in order.
+fn drain(q: &Arc<crate::alert::queue::Queue<crate::alert::Notice>>) -> Vec<crate::alert::Notice> {
+    let mut out = Vec::new();
+    while !q.is_empty() {
+        out.extend(q.pop());
+        q.done();
+    }
+    out
+}
