@@ -125,6 +125,7 @@ for path in ./usr/bin/gpuguard ./etc/gpuguard/config.toml \
     ./usr/share/bash-completion/completions/gpuguard ./usr/share/zsh/vendor-completions/_gpuguard \
     ./usr/share/fish/vendor_completions.d/gpuguard.fish \
     ./usr/share/doc/gpuguard/README.md ./usr/share/doc/gpuguard/changelog.gz \
+    ./usr/share/doc/gpuguard/docs/configuration.md ./usr/share/doc/gpuguard/docs/protocol.md \
     ./usr/share/doc/gpuguard/copyright; do
     grep -qxF "$path" <<<"$CONTENTS" || fail "$path missing from the package"
 done

@@ -62,7 +62,7 @@ rpm --root "$ROOT" --initdb
 rpm --root "$ROOT" -i --nodeps --noscripts "$RPM1"
 for path in /usr/bin/gpuguard /etc/gpuguard/config.toml /usr/lib/systemd/system/gpuguard.service \
     /usr/share/man/man1/gpuguard.1.gz /usr/share/bash-completion/completions/gpuguard \
-    /usr/share/licenses/gpuguard/LICENSE; do
+    /usr/share/doc/gpuguard/docs/configuration.md /usr/share/licenses/gpuguard/LICENSE; do
     [ -e "$ROOT$path" ] || fail "$path not installed"
 done
 [ "$(rpm --root "$ROOT" -q --configfiles gpuguard)" = /etc/gpuguard/config.toml ] ||

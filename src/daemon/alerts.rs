@@ -2,43 +2,10 @@
 //! subject, and the conditions that fire, repeat and resolve (`conditions`, a pure function of
 //! the tick view).
 //!
-//! # Why the floor, budget and GPU events still have their own emitters
-//!
-//! The policy writes `floor_warn`/`floor_act`/`floor_cleared`/`budget_exceeded`/`budget_cleared`
-//! and the daemon `gpu_ok`/`gpu_unavailable`/`gpu_lost`/`gpu_recovered` as events, while the
-//! conditions below report floors, budgets and lost GPUs to the webhooks; such events go to the
-//! event log only (`EventKind::is_condition`). Making the conditions the one owner (the alerter
-//! writing the event-log line of each condition transition, the emitters and `is_condition`
-//! gone) was looked into for issue 14 and left undone: the two are not one fact told twice, and
-//! each way of merging them changes what operators see.
-//!
-//! - *Level transitions are not condition transitions.* The policy's floor events follow the
-//!   floor's level, `Unknown` included: a GPU whose reading turns inconsistent and comes back
-//!   writes `reading_unknown`, then `floor_cleared` (tests/integration/faults.rs waits for
-//!   exactly that), while no floor condition was active before, during or after. The other way
-//!   round, a floor at `act` whose reading turns unknown resolves its condition, and the policy
-//!   writes `reading_unknown`, not `floor_cleared`; easing from `act` to `warn` fires the
-//!   condition again but writes no `floor_warn` (the policy test
-//!   `floor_events_follow_the_level_unknown_included` plays these). Writing these lines from the
-//!   conditions would drop or add lines; writing them from a second per-resource level tracker
-//!   in the alerter would be the policy's `state.levels` transitions owned twice, the opposite
-//!   of the aim.
-//! - *`gpu_ok` and `gpu_unavailable` have no condition.* A condition for them would send the
-//!   webhooks notices they never got (every host without NVML would fire `gpu_unavailable` at
-//!   start); `nvml_lost` covers only NVML lost after it had worked. Likewise the `gpu_lost` event
-//!   is GPU_IS_LOST (or a GPU gone from NVML's list), once per loss, while the `gpu_lost`
-//!   condition fires for any failed reading of a GPU.
-//! - *Order and wording in `events.jsonl`.* The policy's events are written before the tick's
-//!   actions (`floor_act` before the `process_killed` it led to, `budget_exceeded` before
-//!   `budget_enforced` in the same tick, `floor_act` before `no_victim`); the conditions are
-//!   worked out from the view, after the actions, so their lines would follow them. The events'
-//!   messages are the policy's own (`RAM available 3.0 GiB < min_available 4.0 GiB`, the budget's
-//!   action and grace) and their subjects come from `event_subject` (a model's RAM figures unless
-//!   only a GPU budget is set), not the conditions' summaries and subjects.
-//!
-//! So the policy stays the owner of the facts (levels, incidents, `BudgetState::over`), its
-//! events record the transitions of its levels in the event log, and the conditions are the
-//! webhooks' view of the same state, read from the tick view and not worked out again.
+//! The policy's floor and budget events and the daemon's GPU events go to the event log only
+//! (`EventKind::is_condition`); the conditions here are the webhooks' view of the same state.
+//! Why the two are kept apart: docs/design.md, "Why floor, budget and GPU events keep their own
+//! emitters".
 
 use crate::act::Outcome;
 use crate::alert::{ActionInfo, Condition};

@@ -35,7 +35,7 @@
 //!   `Executor::shutdown`.
 //!
 //! The loop reads and acts only through its `Sources` (a /proc source, a process-table source, a
-//! GPU source, a process control): `Sources::real` in the binary, fakes in `tests.rs`, which
+//! GPU source, a process control): `Sources::real` in the binary, fakes in `tests/`, which
 //! drive whole ticks in process with the clock in hand (`tick_at`).
 
 use std::path::{Path, PathBuf};
@@ -88,7 +88,7 @@ pub use scanning::MakeTables;
 use systemd::Systemd;
 
 /// What the loop reads and acts through: the real ones (`Sources::real`) in the binary, fakes in
-/// the in-process tick tests (`tests.rs`).
+/// the in-process tick tests (`tests/`).
 pub struct Sources {
     /// Host memory every tick, and the loop's own re-reads of the victims it waits on.
     pub procs: Box<dyn ProcSource>,

@@ -1,6 +1,6 @@
 //! Sampling: turns /proc and NVML into a `Snapshot`. Each source sits behind a small trait
 //! (`ProcSource`, `TableSource`, `nvml::GpuSource`) so the daemon can be driven by fakes
-//! (`daemon/tests.rs`) and the policy never touches the OS. `procfs.rs` reads /proc, `scan/`
+//! (`src/daemon/tests/`) and the policy never touches the OS. `procfs.rs` reads /proc, `scan/`
 //! keeps the process table current on a thread of its own, `nvml.rs` samples GPUs on another.
 
 pub mod cgroup;

@@ -502,7 +502,7 @@ enum Worker {
     /// The sampler thread; a wake-up sent while one is pending is merged into it.
     Thread(SyncSender<()>),
     /// The caller, in `snapshot`, when a sample was requested since the last one: whole ticks
-    /// driven in process by tests (`daemon/tests.rs`) see the sample they asked for, taken at
+    /// driven in process by tests (`src/daemon/tests/`) see the sample they asked for, taken at
     /// the tick's own time.
     Inline {
         source: Mutex<Box<dyn GpuSource>>,

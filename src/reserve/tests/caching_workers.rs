@@ -302,8 +302,8 @@ enum Op {
     /// A worker empties its cache on its own (servers call `empty_cache()` between batches).
     /// Only where clients send no cache report: a report read after a request took a segment
     /// and before such a release, with no reading between the take and the release (NVML saw
-    /// neither), claims cache that is gone and that nothing the daemon sees can tell (README,
-    /// "a server that empties its cache").
+    /// neither), claims cache that is gone and that nothing the daemon sees can tell
+    /// (docs/launches-and-permits.md, "One case no reading can catch").
     EmptyCache(usize),
 }
 
