@@ -122,7 +122,11 @@ impl OwnSockets {
             .map_err(|e| format!("unreachable: {e}"))
             .and_then(|mut response| read(&mut response));
         *self.pinned.lock().unwrap_or_else(|e| e.into_inner()) = None;
-        let inodes = |l: &[Listener]| l.iter().map(|l| l.inode).collect::<Vec<_>>();
+        let inodes = |l: &[Listener]| {
+            l.iter()
+                .map(|l| l.inode)
+                .collect::<std::collections::BTreeSet<_>>()
+        };
         let after = Listeners::read(&self.proc_root).reached(addr);
         let answer = if inodes(&after) == inodes(&reached) {
             answer
