@@ -1,6 +1,7 @@
-//! Outgoing HTTP (webhooks, readiness URLs): one place that builds the ureq agents, so every
-//! request trusts the system's CA store (Debian's `ca-certificates`, plus `SSL_CERT_FILE` /
-//! `SSL_CERT_DIR`), and an Alertmanager behind a company CA works.
+//! Outgoing HTTP (webhooks, readiness URLs, engines' metrics): one place that builds the ureq
+//! agents, so every request trusts the system's CA store (Debian's `ca-certificates`, plus
+//! `SSL_CERT_FILE` / `SSL_CERT_DIR`), and an Alertmanager behind a company CA works. (A model
+//! server's own URLs are asked of its own sockets only: `sample::own_sockets`.)
 
 use std::time::Duration;
 
@@ -9,6 +10,11 @@ use ureq::tls::{RootCerts, TlsConfig};
 /// An agent whose requests take at most `timeout`, report HTTP errors (and redirects) as
 /// statuses and follow no redirect.
 pub fn agent(timeout: Duration) -> ureq::Agent {
+    config(timeout).build().into()
+}
+
+/// What `agent` is built from, for agents with parts of their own.
+pub fn config(timeout: Duration) -> ureq::config::ConfigBuilder<ureq::typestate::AgentScope> {
     ureq::Agent::config_builder()
         .timeout_global(Some(timeout))
         .http_status_as_error(false)
@@ -21,8 +27,6 @@ pub fn agent(timeout: Duration) -> ureq::Agent {
                 .root_certs(RootCerts::PlatformVerifier)
                 .build(),
         )
-        .build()
-        .into()
 }
 
 /// An answer's body as text, read up to `limit` bytes (more is an error, never a larger buffer).

@@ -18,7 +18,7 @@ const LAYERS: &[&[&str]] = &[
     &["view"],
     &["policy", "reserve", "plan"],
     &["config", "snapshot", "sample", "protocol", "status"],
-    &["units", "kinds", "http", "state_dir"],
+    &["units", "kinds", "http", "state_dir", "secrets"],
 ];
 
 fn layer(module: &str) -> usize {

@@ -25,6 +25,7 @@ mod properties;
 pub mod protocol;
 pub mod reserve;
 pub mod sample;
+pub mod secrets;
 pub mod snapshot;
 pub mod state_dir;
 pub mod status;

@@ -266,14 +266,20 @@ pub fn check_model_name(name: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// An http:// or https:// URL of bounded length.
+/// An http:// or https:// URL of bounded length, in printable ASCII without spaces (a URL's
+/// other characters are percent-encoded; a raw one, a control character or a bidirectional
+/// override, would reach logs and terminals where the URL is shown).
 pub fn check_url(what: &str, url: &str) -> Result<(), String> {
     if url.len() > MAX_URL {
         return Err(format!("{what}: longer than {MAX_URL} bytes"));
     }
-    if !(url.starts_with("http://") || url.starts_with("https://"))
-        || url.chars().any(|c| c.is_control() || c == ' ')
-    {
+    if let Some(c) = url.chars().find(|c| !c.is_ascii_graphic()) {
+        return Err(format!(
+            "{what}: {:?} is not printable ASCII (percent-encode it)",
+            c
+        ));
+    }
+    if !(url.starts_with("http://") || url.starts_with("https://")) {
         return Err(format!("{what}: not an http:// or https:// URL"));
     }
     Ok(())
@@ -291,6 +297,27 @@ mod tests {
         }
         assert!(check_model_name(&"x".repeat(MAX_MODEL_NAME)).is_ok());
         assert!(check_model_name(&"x".repeat(MAX_MODEL_NAME + 1)).is_err());
+    }
+
+    /// Round four: a user's metrics URL with a bidirectional override reached root's terminal
+    /// through `status --model`. A URL is printable ASCII.
+    #[test]
+    fn a_url_is_printable_ascii() {
+        assert_eq!(
+            check_url("--metrics-url", "http://127.0.0.1:8000/m%C3%A9trics"),
+            Ok(())
+        );
+        for bad in [
+            "http://127.0.0.1:8000/\u{202e}scirtem",
+            "http://127.0.0.1:8000/métrics",
+            "http://127.0.0.1:8000/a b",
+            "http://127.0.0.1:8000/\x1b[2J",
+            "http://127.0.0.1:8000/\n",
+        ] {
+            let e = check_url("--metrics-url", bad).unwrap_err();
+            assert!(e.contains("is not printable ASCII"), "{bad:?}: {e}");
+        }
+        assert!(check_url("--ready-url", "ftp://h/").is_err());
     }
 
     /// `(host)` is how status and the metrics name the host-wide permit pool: no client model

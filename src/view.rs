@@ -12,6 +12,7 @@ use crate::config::Mode;
 use crate::kinds::Level;
 use crate::policy::{Overage, Resource, Stage};
 use crate::reserve::Rows;
+use crate::secrets::Shown;
 use crate::snapshot::{GpuStatus, HostMemory};
 use crate::status::{ActionRow, EngineRow, GpuProtection, HeldRow, ProcessRow};
 
@@ -160,8 +161,7 @@ pub struct ProcessInfo {
     pub pid: i32,
     pub uid: u32,
     pub comm: String,
-    /// At most 1024 characters.
-    pub cmdline: String,
+    pub cmdline: Shown,
 }
 
 /// A model the policy found over budget (`BudgetState::over`), with its first process.
@@ -196,7 +196,7 @@ pub struct Subject {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub comm: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub cmdline: Option<String>,
+    pub cmdline: Option<Shown>,
     /// Every process of the target (a model has several).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub pids: Vec<i32>,

@@ -105,10 +105,11 @@ fn ser_time<S: serde::Serializer>(t: &SystemTime, ser: S) -> Result<S::Ok, S::Er
 impl queue::Weigh for Notice {
     fn weight(&self) -> usize {
         let s = &self.subject;
-        let strings = [&s.model, &s.resource, &s.comm, &s.cmdline]
+        let strings = [&s.model, &s.resource, &s.comm]
             .iter()
             .map(|o| o.as_ref().map_or(0, String::len))
-            .sum::<usize>();
+            .sum::<usize>()
+            + s.cmdline.as_ref().map_or(0, |c| c.as_str().len());
         let action = self.action.as_ref().map_or(0, |a| {
             a.verb.len() + a.reason.len() + a.detail.len() + a.outcome.len()
         });

@@ -374,7 +374,11 @@ pub fn render_model(m: &ModelRow) -> String {
         m.state
     );
     if let Some(e) = &m.engine {
-        out += &format!("Engine {}: {}\n", e.url, engine_cell(Some(e)));
+        out += &format!(
+            "Engine {}: {}\n",
+            crate::snapshot::printable(&e.url),
+            engine_cell(Some(e))
+        );
         let s = &e.stats;
         if let (Some(blocks), Some(size)) = (s.kv_cache_blocks, s.block_size_tokens) {
             let tokens = blocks.saturating_mul(size);
@@ -493,6 +497,28 @@ mod tests {
         ] {
             assert!(table.contains(needle), "{needle:?} missing from:\n{table}");
         }
+    }
+
+    /// Round four: a bidirectional override in a metrics URL reached the terminal through
+    /// `status --model`. A URL the daemon reports is shown escaped (a client's is refused
+    /// first: `protocol::check_url`).
+    #[test]
+    fn a_models_engine_url_is_shown_escaped() {
+        let m = ModelRow {
+            name: "m".into(),
+            engine: Some(EngineRow {
+                url: "http://127.0.0.1:8000/\u{202e}scirtem".into(),
+                state: "pending".into(),
+                ..EngineRow::default()
+            }),
+            ..ModelRow::default()
+        };
+        let text = render_model(&m);
+        assert!(!text.contains('\u{202e}'), "{text:?}");
+        assert!(
+            text.contains("Engine http://127.0.0.1:8000/\\u{202e}scirtem: "),
+            "{text}"
+        );
     }
 
     /// Eight GPUs (one with an NVML error), models with long names, budgets and an engine that

@@ -11,6 +11,7 @@ use crate::act::Outcome;
 use crate::alert::{ActionInfo, Condition};
 use crate::kinds::{EventKind, ReasonKind};
 use crate::policy::{About, Action, Level, Resource, Severity, Target, Verb};
+use crate::secrets::Shown;
 use crate::status::ActionRow;
 use crate::view::Subject;
 use crate::view::{Floors, GpuView, ModelFigures, OverBudget, Stuck, TickView};
@@ -111,7 +112,7 @@ impl Daemon {
         let first = target.members.first();
         let cmdline = first
             .and_then(|m| self.sampler.snapshot.processes.get(m.id))
-            .map(|p| p.cmdline.chars().take(1024).collect());
+            .map(|p| Shown::of(&p.cmdline));
         Subject {
             model: target.model.clone(),
             pid: first.map(|m| m.id.pid),
@@ -140,7 +141,7 @@ impl Daemon {
             pid: about.pid,
             uid: about.uid.or(process.map(|p| p.uid)),
             comm: process.map(|p| p.comm.clone()),
-            cmdline: process.map(|p| p.cmdline.chars().take(1024).collect()),
+            cmdline: process.map(|p| Shown::of(&p.cmdline)),
             pids: about.pid.into_iter().collect(),
             ..Subject::default()
         };
@@ -393,7 +394,7 @@ fn stuck_condition(stuck: &Stuck) -> Condition {
 mod tests {
     use std::time::{Duration, Instant};
 
-    use super::conditions;
+    use super::{conditions, Shown};
     use crate::config::Config;
     use crate::daemon::{Daemon, Roots};
     use crate::kinds::{EventKind, Level, Severity};
@@ -464,7 +465,7 @@ mod tests {
                     pid: 200,
                     uid: 1000,
                     comm: "vllm".into(),
-                    cmdline: "vllm serve".into(),
+                    cmdline: Shown::of("vllm serve"),
                 }),
                 launched_by: None,
             }],
@@ -522,7 +523,7 @@ mod tests {
         );
         assert_eq!(budget.subject.pids, [200, 201]);
         assert_eq!(budget.subject.pid, Some(200));
-        assert_eq!(budget.subject.cmdline.as_deref(), Some("vllm serve"));
+        assert_eq!(budget.subject.cmdline, Some(Shown::of("vllm serve")));
         assert_eq!(
             (budget.subject.usage_bytes, budget.subject.budget_bytes),
             (Some(30 * GIB), Some(20 * GIB))

@@ -19,7 +19,8 @@ const RESERVED: f64 = 0.9;
 
 impl Daemon {
     /// Model name -> metrics URL for every model that has one: its `[[model]]`'s, else the one
-    /// given at launch. Trusted: the config's, and root's launches.
+    /// given at launch, with the model's processes (only their sockets are asked). Trusted: the
+    /// config's, and root's launches.
     pub(super) fn engine_targets(&self) -> BTreeMap<String, Target> {
         let models = self.launches.models(&self.config);
         models
@@ -35,7 +36,22 @@ impl Daemon {
                     .as_ref()
                     .is_some_and(|u| u.iter().all(|u| u.uid == 0));
                 let trusted = from_config || (self.config.model(&m.name).is_none() && by_root);
-                Some((m.name.clone(), Target { url, trusted }))
+                let members = self
+                    .state
+                    .attribution
+                    .models
+                    .iter()
+                    .find(|u| u.name == m.name)
+                    .map(|u| u.members.clone())
+                    .unwrap_or_default();
+                Some((
+                    m.name.clone(),
+                    Target {
+                        url,
+                        trusted,
+                        members,
+                    },
+                ))
             })
             .collect()
     }

@@ -4,6 +4,7 @@
 
 use crate::policy::{ModelUsage, Resource, Stage};
 use crate::protocol::RefusalReason;
+use crate::secrets::Shown;
 use crate::snapshot::GpuStatus;
 use crate::status::{GpuProtection, HeldRow};
 use crate::view::{
@@ -257,7 +258,7 @@ impl Daemon {
             pid: p.pid,
             uid: p.uid,
             comm: p.comm.clone(),
-            cmdline: p.cmdline.chars().take(1024).collect(),
+            cmdline: Shown::of(&p.cmdline),
         })
     }
 

@@ -7,7 +7,7 @@
 //! host, 32 near a floor or a budget). What a process is (its parent, owner, names, cgroup, executable)
 //! changes rarely and is written with its first sample and every `DETAIL_EVERY` after, not with
 //! each; a reader carries it forward. Command lines are kept with secret-looking values masked
-//! (the history is world-readable and outlives the processes). The rest of the snapshot (host memory, the GPUs with their
+//! (`secrets::masked`: the history is world-readable and outlives the processes). The rest of the snapshot (host memory, the GPUs with their
 //! per-process figures, tmpfs owners, the launches) is kept whole. On a quiet host (every floor
 //! ok, no model of the config over budget) the input goes with one sample a minute (`QUIET_EVERY`), not with
 //! each: nothing is being decided then, and it is most of what a quiet day would write.
@@ -234,7 +234,7 @@ impl PolicyInput {
                     ppid: p.ppid,
                     uid: p.uid,
                     comm: p.comm.clone(),
-                    cmdline: masked(truncated(&p.cmdline, CMDLINE_BYTES)),
+                    cmdline: crate::secrets::masked(truncated(&p.cmdline, CMDLINE_BYTES)),
                     cgroup: p.cgroup.clone(),
                     exe: p.exe.clone(),
                 }),
@@ -355,90 +355,6 @@ impl PolicyInput {
     }
 }
 
-/// Parts of an argument's name that say its value is a secret (`--api-key`, `HF_TOKEN`,
-/// `--db-password`; not `--max-tokens` or `--tokenizer`).
-const SECRET_PARTS: [&str; 16] = [
-    "key",
-    "apikey",
-    "token",
-    "secret",
-    "password",
-    "passwd",
-    "pass",
-    "pwd",
-    "passphrase",
-    "auth",
-    "authorization",
-    "credential",
-    "credentials",
-    "cookie",
-    "jwt",
-    "bearer",
-];
-
-/// Whether an argument named `name` (`--api-key`, `HF_TOKEN`) holds a secret.
-fn secret_name(name: &str) -> bool {
-    name.split(|c: char| !c.is_ascii_alphanumeric())
-        .filter(|part| !part.is_empty())
-        .any(|part| {
-            let part = part.to_ascii_lowercase();
-            SECRET_PARTS.contains(&part.as_str())
-        })
-}
-
-/// A command line as the history keeps it (world-readable, for days after the process is gone),
-/// secrets masked as `***`: the value of an argument whose name says it is one (`--api-key X`,
-/// `--token=X`, `HF_TOKEN=X`), the word after `Bearer`/`Basic`, and the user and password of a
-/// URL (`postgres://***@host`). Model matchers read the rest. (Not caught: secrets in JSON
-/// arguments or attached to short flags, `-pX`.)
-fn masked(cmdline: &str) -> String {
-    let mut out: Vec<String> = Vec::new();
-    let mut hide_next = false;
-    for word in cmdline.split(' ') {
-        let lower = word.to_ascii_lowercase();
-        if std::mem::take(&mut hide_next) && !word.is_empty() {
-            // `Authorization: Bearer X`: the scheme stays, its credential goes.
-            hide_next = lower == "bearer" || lower == "basic";
-            out.push(if hide_next {
-                word.to_string()
-            } else {
-                "***".into()
-            });
-            continue;
-        }
-        let masked = match word.split_once('=') {
-            Some((name, value)) if secret_name(name) => {
-                hide_next = value.is_empty();
-                format!("{name}=***")
-            }
-            _ if lower == "bearer" || lower == "basic" || lower.ends_with("authorization:") => {
-                hide_next = true;
-                word.to_string()
-            }
-            _ if word.starts_with('-') && secret_name(word) => {
-                hide_next = true;
-                word.to_string()
-            }
-            _ => url_without_userinfo(word),
-        };
-        out.push(masked);
-    }
-    out.join(" ")
-}
-
-/// `word` with the user and password of a URL in it masked (`scheme://***@host`).
-fn url_without_userinfo(word: &str) -> String {
-    let Some(scheme_end) = word.find("://") else {
-        return word.to_string();
-    };
-    let rest = &word[scheme_end + 3..];
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    match rest[..authority_end].rfind('@') {
-        Some(at) => format!("{}://***{}", &word[..scheme_end], &rest[at..]),
-        None => word.to_string(),
-    }
-}
-
 /// The first `max` bytes of `text`, cut at a character boundary.
 fn truncated(text: &str, max: usize) -> &str {
     if text.len() <= max {
@@ -515,34 +431,6 @@ mod tests {
             .filter(|&pid| pid < 100)
             .collect();
         assert_eq!(small_kept, [10, 20, 40]);
-    }
-
-    /// Secrets on a command line stay out of the world-readable history; the rest stays as it
-    /// is for the model matchers.
-    #[test]
-    fn secret_arguments_are_masked() {
-        let cases = [
-            (
-                "vllm serve meta-llama/Llama-3-8B --api-key sk-123 --port 8000 --hf-token=hf_abc HF_TOKEN=hf_def",
-                "vllm serve meta-llama/Llama-3-8B --api-key *** --port 8000 --hf-token=*** HF_TOKEN=***",
-            ),
-            // A value that looks like a flag, and one after an empty `=`.
-            ("server --api-key -abc --x", "server --api-key *** --x"),
-            ("server --api-key= sk-1 --x", "server --api-key=*** *** --x"),
-            ("server --db-password hunter2", "server --db-password ***"),
-            (
-                "curl -H Authorization: Bearer eyJhbGci",
-                "curl -H Authorization: Bearer ***",
-            ),
-            ("worker postgres://app:pw@db:5432/x", "worker postgres://***@db:5432/x"),
-            ("git clone https://user:tok@github.com/a/b", "git clone https://***@github.com/a/b"),
-            // Not secrets: kept for the model matchers.
-            ("vllm serve m --max-tokens 512 --tokenizer t", "vllm serve m --max-tokens 512 --tokenizer t"),
-            ("python3 train.py --lr 3e-4 https://example.com/a@b", "python3 train.py --lr 3e-4 https://example.com/a@b"),
-        ];
-        for (given, kept) in cases {
-            assert_eq!(masked(given), kept, "{given}");
-        }
     }
 
     fn process(pid: i32, rss_mib: u64, cmdline: &str) -> Process {

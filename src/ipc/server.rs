@@ -267,7 +267,11 @@ async fn serve(
             return write_line(&mut write, &Response::error(message)).await;
         }
     };
-    let process: Arc<dyn Launched> = Arc::new(PinnedProcess(pidfd));
+    let process: Arc<dyn Launched> = Arc::new(PinnedProcess {
+        pidfd,
+        id: peer.process(),
+        proc_root: shared.proc_root.clone(),
+    });
     let (tx, rx) = channel(REPLY_QUEUE);
     let (overflow, idle) = {
         let mut table = shared.table();

@@ -252,8 +252,9 @@ pub(super) fn duplicate_event(snapshot: &Snapshot, state: &PolicyState, d: &Dupl
         }
         Rule::SameCommand { cmdline } => (
             format!(
-                "GPU {gpu}: {n} processes {pids:?} run the same command and hold {} together: the same model loaded more than once? ({cmdline})",
-                bytes(d.held)
+                "GPU {gpu}: {n} processes {pids:?} run the same command and hold {} together: the same model loaded more than once? ({})",
+                bytes(d.held),
+                crate::secrets::Shown::of(cmdline)
             ),
             None,
         ),

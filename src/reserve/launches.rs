@@ -130,6 +130,7 @@ impl Reservations {
             }
         }
         if let Some(url) = &r.metrics_url {
+            check_url("--metrics-url", url).map_err(invalid)?;
             crate::config::check_metrics_url(url)
                 .map_err(|e| invalid(format!("--metrics-url {e}")))?;
         }

@@ -4,6 +4,10 @@
 //! KV-cache usage, requests running and waiting, preemptions, and the cache's size. And what a
 //! vLLM server was told on its command line that sizes its memory (`EngineFlags`).
 //!
+//! An answer counts only from a socket of the model's own processes (`sample::own_sockets`):
+//! another account's listener at the URL's addresses (a free port taken first, `[::1]` beside
+//! a server bound to IPv4 only) is not asked, and the log and the reading say so.
+//!
 //! The loop hands over the targets and reads the latest readings under a lock that is never
 //! held across a request.
 
@@ -12,6 +16,8 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use super::prometheus::{self, Sample};
+use crate::sample::own_sockets::OwnSockets;
+use crate::snapshot::ProcessId;
 
 /// One request (connect, send, read) may take at most this long.
 const TIMEOUT: Duration = Duration::from_secs(2);
@@ -161,6 +167,8 @@ pub struct Target {
     /// The URL is the config's, or root launched the model: scraped apart from URLs other
     /// accounts gave, so that theirs (slow, or never answering) cannot leave it stale.
     pub trusted: bool,
+    /// The model's processes (as the last scan found them): only their sockets are asked.
+    pub members: Vec<ProcessId>,
 }
 
 #[derive(Default)]
@@ -246,36 +254,48 @@ impl EngineScraper {
 /// Until the daemon drops the scraper: scrape every target of one lane (trusted or not), store,
 /// sleep.
 fn scrape_loop(shared: Weak<Mutex<Shared>>, trusted: bool) {
-    let agent = crate::http::agent(TIMEOUT);
+    let asker = OwnSockets::new(TIMEOUT, "/proc".into());
+    // What was last logged of each model's URL: the sockets of others found there.
+    let mut logged: BTreeMap<String, Vec<String>> = BTreeMap::new();
     loop {
         let Some(strong) = shared.upgrade() else {
             return;
         };
         let (targets, interval) = {
             let s = strong.lock().unwrap_or_else(|e| e.into_inner());
-            let mine: Vec<(String, String)> = s
+            let mine: Vec<(String, Target)> = s
                 .targets
                 .iter()
                 .filter(|(_, t)| t.trusted == trusted)
-                .map(|(m, t)| (m.clone(), t.url.clone()))
+                .map(|(m, t)| (m.clone(), t.clone()))
                 .collect();
             (mine, s.interval)
         };
         drop(strong);
-        for (model, url) in targets {
-            let result = scrape(&agent, &url);
+        logged.retain(|model, _| targets.iter().any(|(m, _)| m == model));
+        for (model, target) in targets {
+            let (result, ignored) = scrape(&asker, &target);
             if let Err(e) = &result {
-                tracing::debug!("engine metrics of model '{model}' ({url}): {e}");
+                tracing::debug!("engine metrics of model '{model}' ({}): {e}", target.url);
             }
+            if !ignored.is_empty() && logged.get(&model) != Some(&ignored) {
+                tracing::warn!(
+                    "engine metrics of model '{model}' ({}): {}: not the model's processes, not \
+                     asked, their answers do not count",
+                    target.url,
+                    ignored.join(", ")
+                );
+            }
+            logged.insert(model.clone(), ignored);
             let Some(strong) = shared.upgrade() else {
                 return;
             };
             let mut s = strong.lock().unwrap_or_else(|e| e.into_inner());
-            if s.targets.get(&model).is_some_and(|t| t.url == url) {
+            if s.targets.get(&model).is_some_and(|t| t.url == target.url) {
                 s.readings.insert(
                     model,
                     EngineReading {
-                        url,
+                        url: target.url,
                         at: Some(Instant::now()),
                         result,
                     },
@@ -286,16 +306,23 @@ fn scrape_loop(shared: Weak<Mutex<Shared>>, trusted: bool) {
     }
 }
 
-fn scrape(agent: &ureq::Agent, url: &str) -> Result<EngineStats, String> {
-    let mut response = agent
-        .get(url)
-        .call()
-        .map_err(|e| format!("unreachable: {e}"))?;
-    if !response.status().is_success() {
-        return Err(format!("HTTP {}", response.status()));
-    }
-    let text = crate::http::body_text(&mut response, MAX_BODY_BYTES)?;
-    EngineStats::from_vllm(&text)
+/// One scrape of a target's own sockets: its figures, and the sockets of others found at its
+/// URL (not asked).
+fn scrape(asker: &OwnSockets, target: &Target) -> (Result<EngineStats, String>, Vec<String>) {
+    let asked = asker.get(
+        &target.url,
+        || target.members.clone(),
+        |response| {
+            if !response.status().is_success() {
+                return Err(format!("HTTP {}", response.status()));
+            }
+            crate::http::body_text(response, MAX_BODY_BYTES)
+        },
+    );
+    (
+        asked.answer.and_then(|text| EngineStats::from_vllm(&text)),
+        asked.ignored,
+    )
 }
 
 #[cfg(test)]
@@ -357,6 +384,82 @@ vllm:cache_config_info{block_size="16",cache_dtype="auto",gpu_memory_utilization
 vllm:e2e_request_latency_seconds_bucket{le="1.0",model_name="Qwen/Qwen2.5-7B"} 12.0
 "#;
 
+    /// This test process, as a model's only member: the listeners it binds are its model's.
+    fn me() -> Vec<ProcessId> {
+        let pid = std::process::id() as i32;
+        let stat = crate::sample::procfs::ProcReader::new("/proc")
+            .stat(pid, None)
+            .unwrap();
+        vec![ProcessId {
+            pid,
+            start_time: stat.start_time,
+        }]
+    }
+
+    /// Answers every request on `listener` with `body`.
+    fn serve(listener: std::net::TcpListener, body: String) {
+        use std::io::{Read, Write};
+        std::thread::spawn(move || {
+            for mut conn in listener.incoming().map_while(Result::ok) {
+                let mut buf = [0u8; 1024];
+                let _ = conn.read(&mut buf);
+                let _ = write!(
+                    conn,
+                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            }
+        });
+    }
+
+    /// Round four: a user listening on the port of root's model's metrics URL before its server
+    /// (or on `[::1]` beside it) fed fake figures into status, the flight recorder and `plan`.
+    /// Only a socket of the model's processes is asked: here the model (a child holding its
+    /// listener) has none at the URL, and the test's own socket there is another's.
+    #[test]
+    fn a_socket_that_is_not_the_models_is_not_asked() {
+        let model = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("60")
+            .stdin(std::process::Stdio::from(std::os::fd::OwnedFd::from(
+                model.try_clone().unwrap(),
+            )))
+            .spawn()
+            .unwrap();
+        let squatter = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let squatted = squatter.local_addr().unwrap();
+        serve(squatter, VLLM.replace("} 8.0", "} 999.0"));
+        let real = model.local_addr().unwrap();
+        serve(model, VLLM.into());
+        let pid = child.id() as i32;
+        let stat = crate::sample::procfs::ProcReader::new("/proc")
+            .stat(pid, None)
+            .unwrap();
+        let members = vec![ProcessId {
+            pid,
+            start_time: stat.start_time,
+        }];
+        let asker = OwnSockets::new(TIMEOUT, "/proc".into());
+        let target = |addr: std::net::SocketAddr| Target {
+            url: format!("http://{addr}/metrics"),
+            trusted: true,
+            members: members.clone(),
+        };
+        let (result, ignored) = scrape(&asker, &target(squatted));
+        let err = result.unwrap_err();
+        assert!(err.contains("not asked"), "{err}");
+        assert_eq!(ignored.len(), 1, "{ignored:?}");
+        assert!(
+            ignored[0].starts_with(&format!("{squatted} is uid ")),
+            "{ignored:?}"
+        );
+        let (result, ignored) = scrape(&asker, &target(real));
+        assert_eq!(result.unwrap().requests_running, Some(15));
+        assert_eq!(ignored, Vec::<String>::new());
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+
     /// Round three: ten metrics URLs a user launched that accept and never answer made root's
     /// model's engine figures stale (one thread, 2 s each in turn) while status said `ok`. The
     /// config's and root's URLs are scraped on a lane of their own.
@@ -387,12 +490,20 @@ vllm:e2e_request_latency_seconds_bucket{le="1.0",model_name="Qwen/Qwen2.5-7B"} 1
                     Target {
                         url,
                         trusted: false,
+                        members: me(),
                     },
                 )
             })
             .collect();
         let url = format!("http://127.0.0.1:{serve_port}/metrics");
-        targets.insert("zzz".into(), Target { url, trusted: true });
+        targets.insert(
+            "zzz".into(),
+            Target {
+                url,
+                trusted: true,
+                members: me(),
+            },
+        );
         let scraper = EngineScraper::default();
         scraper.set_targets(targets, Duration::from_millis(100));
         // The trusted model's figures come while the hung ones still wait (20 s on one lane).
@@ -432,8 +543,14 @@ vllm:e2e_request_latency_seconds_bucket{le="1.0",model_name="Qwen/Qwen2.5-7B"} 1
                 );
             }
         });
-        let agent = crate::http::agent(TIMEOUT);
-        let err = scrape(&agent, &format!("http://127.0.0.1:{port}/metrics")).unwrap_err();
+        let target = Target {
+            url: format!("http://127.0.0.1:{port}/metrics"),
+            trusted: true,
+            members: me(),
+        };
+        let err = scrape(&OwnSockets::new(TIMEOUT, "/proc".into()), &target)
+            .0
+            .unwrap_err();
         assert!(err.starts_with("reading the answer"), "{err}");
     }
 

@@ -2,11 +2,14 @@
 //! (`ProcSource`, `TableSource`, `nvml::GpuSource`) so the daemon can be driven by fakes
 //! (`src/daemon/tests/`) and the policy never touches the OS. `procfs.rs` reads /proc, `scan/`
 //! keeps the process table current on a thread of its own, `nvml.rs` samples GPUs on another.
+//! `sockets.rs` tells whose a listening socket is, and `own_sockets.rs` asks a model server's
+//! URLs of its own sockets only.
 
 pub mod cgroup;
 pub mod engine;
 pub mod gce;
 pub mod nvml;
+pub mod own_sockets;
 pub mod proc_events;
 pub mod procfs;
 pub mod prometheus;

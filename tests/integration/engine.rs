@@ -1,7 +1,9 @@
 //! The model server's own limits in `status`: a fake engine (a small HTTP server on 127.0.0.1
 //! speaking vLLM's metric names) whose KV cache and queue the daemon scrapes, shows in `status`,
 //! `status --json`, `status --model` and its own metrics, and tells apart from "GPU 95%
-//! reserved"; a metrics URL given at launch; a URL off loopback refused.
+//! reserved"; a metrics URL given at launch; a URL off loopback refused. The engine's listener
+//! is held by the model's process (`FakeEngine::server`): the daemon asks only a model's own
+//! sockets.
 
 use std::io::{Read, Write};
 use std::net::TcpListener;
@@ -14,9 +16,11 @@ use crate::common::*;
 use serde_json::Value;
 
 /// A fake vLLM `/metrics` endpoint. The body can be changed while it runs; `scrapes` counts the
-/// requests answered; `stop` closes the port.
+/// requests answered; dropped, it stops answering.
 struct FakeEngine {
     url: String,
+    /// Its listener, for the model's process to hold (`server`).
+    listener: TcpListener,
     body: Arc<Mutex<String>>,
     scrapes: Arc<AtomicU64>,
     stopped: Arc<AtomicBool>,
@@ -31,6 +35,7 @@ impl FakeEngine {
         let scrapes = Arc::new(AtomicU64::new(0));
         let stopped = Arc::new(AtomicBool::new(false));
         let (b, n, s) = (body.clone(), scrapes.clone(), stopped.clone());
+        let held = listener.try_clone().unwrap();
         std::thread::spawn(move || {
             while !s.load(Ordering::Relaxed) {
                 let Ok((mut stream, _)) = listener.accept() else {
@@ -60,6 +65,7 @@ impl FakeEngine {
         });
         FakeEngine {
             url,
+            listener: held,
             body,
             scrapes,
             stopped,
@@ -68,6 +74,22 @@ impl FakeEngine {
 
     fn set(&self, body: String) {
         *self.body.lock().unwrap() = body;
+    }
+
+    /// The model's server: a process (`command`) that holds the engine's listener (as its
+    /// stdin), as a real server holds the socket it answers on.
+    fn server(&self, mut command: Command) -> KillOnDrop {
+        let socket = std::os::fd::OwnedFd::from(self.listener.try_clone().unwrap());
+        KillOnDrop(command.stdin(Stdio::from(socket)).spawn().unwrap())
+    }
+
+    /// An idle process whose command line holds `token`, holding the listener.
+    fn idle_server(&self, token: &str) -> KillOnDrop {
+        let mut command = Command::new(python3());
+        command
+            .args(["-c", "import time; time.sleep(600)", token])
+            .stdout(Stdio::null());
+        self.server(command)
     }
 }
 
@@ -133,14 +155,14 @@ fn wait_engine(daemon: &GuardDaemon, engine: &FakeEngine, name: &str, running: u
 #[test]
 fn kv_cache_full_and_gpu_reserved_are_different_states() {
     let t = token("engine");
-    let server = Hog::start(&t, 0, 0, 600);
     let engine = FakeEngine::start(vllm(1, 0, 0.1, 0));
+    let server = engine.idle_server(&t);
     // A vLLM-like server holding 95% of a 24 GiB card: 22.8 GiB.
     let held = 24 * GIB * 95 / 100;
     let fake = FakeNvml::new(&format!(
         "device 0 name=\"Fake L4\" total={} used={held}\nprocess 0 {} {held}\n",
         24 * GIB,
-        server.pid()
+        server.0.id()
     ));
     let port = free_port();
     let config = format!(
@@ -281,28 +303,27 @@ fn a_metrics_url_and_planned_kv_cache_given_at_launch_are_used_and_one_off_loopb
     assert!(!String::from_utf8_lossy(&refused.stdout).contains("never"));
 
     let t = token("launched-engine");
-    let _launch = KillOnDrop(
-        Command::new(BIN)
-            .args([
-                "launch",
-                "--model",
-                "served",
-                "--gpu-mem",
-                "1GiB",
-                "--metrics-url",
-                &engine.url,
-                "--planned-kv-tokens",
-                "476000",
-                "--",
-            ])
-            .args([python3(), "-c", "import time; time.sleep(600)", &t])
-            .env("GPUGUARD_SOCKET", daemon.socket())
-            .env_remove("CUDA_VISIBLE_DEVICES")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let mut launch = Command::new(BIN);
+    launch
+        .args([
+            "launch",
+            "--model",
+            "served",
+            "--gpu-mem",
+            "1GiB",
+            "--metrics-url",
+            &engine.url,
+            "--planned-kv-tokens",
+            "476000",
+            "--",
+        ])
+        .args([python3(), "-c", "import time; time.sleep(600)", &t])
+        .env("GPUGUARD_SOCKET", daemon.socket())
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    // It execs the server: the listener stays with the launched process.
+    let _launch = engine.server(launch);
     let m = wait_engine(&daemon, &engine, "served", 5);
     assert_eq!(m["source"], "launch");
     assert_eq!(m["engine"]["requests_waiting"], 2);
@@ -339,13 +360,13 @@ fn plan_json(args: &[&str], env: &[(&str, &str)]) -> Value {
 #[test]
 fn the_engines_real_kv_cache_is_shown_beside_the_plan_and_teaches_plan_host() {
     let t = token("planned");
-    let server = Hog::start(&t, 0, 0, 600);
     let engine = FakeEngine::start(vllm(1, 0, 0.1, 0));
+    let server = engine.idle_server(&t);
     let total = 81_559 * MIB;
     let held = 72 * GIB;
     let fake = FakeNvml::new(&format!(
         "device 0 name=\"NVIDIA H100 80GB HBM3\" total={total} used={held}\nprocess 0 {} {held}\n",
-        server.pid()
+        server.0.id()
     ));
     let port = free_port();
     let config = format!(

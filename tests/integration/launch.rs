@@ -79,6 +79,12 @@ fn setup_with(socket: &str, launch: &str, state: &str) -> Setup {
 
 impl Setup {
     fn launch(&self, model: &str, flags: &[&str], loader: (&str, u64)) -> Child {
+        self.launch_with(model, flags, loader, Stdio::inherit())
+    }
+
+    /// `launch`, the loader's stdin `stdin` (a listener it then holds, as a server holds the
+    /// socket of its ready URL).
+    fn launch_with(&self, model: &str, flags: &[&str], loader: (&str, u64), stdin: Stdio) -> Child {
         let (name, gpu_bytes) = loader;
         Command::new(BIN)
             .args(["launch", "--model", model])
@@ -95,6 +101,7 @@ impl Setup {
             ])
             .env("GPUGUARD_SOCKET", &self.socket)
             .env_remove("CUDA_VISIBLE_DEVICES")
+            .stdin(stdin)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -153,12 +160,15 @@ fn kill_all(children: &mut [&mut Child]) {
     }
 }
 
+/// The ready URL is answered on a socket the launched server holds (its stdin here; this test
+/// answers on its own copy): only the launched process tree's sockets are asked.
 #[test]
 fn ready_url_answering_releases_the_lock() {
     let s = setup("settle = \"60s\"\nready_timeout = \"60s\"", &gpus(14, 14));
     let server = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}/health", server.local_addr().unwrap());
-    let mut first = s.launch("first", &["--ready-url", &url], ("first", GIB));
+    let held = Stdio::from(std::os::fd::OwnedFd::from(server.try_clone().unwrap()));
+    let mut first = s.launch_with("first", &["--ready-url", &url], ("first", GIB), held);
     s.wait_noted("loaded", "first", Duration::from_secs(5));
     let mut second = s.launch("second", &[], ("second", GIB));
     // The daemon has the second queued, and still has on a tick that began after that.

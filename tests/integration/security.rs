@@ -14,7 +14,9 @@
 //! - a real tmpfs's Shmem in /proc/meminfo and who owns its files
 //!   (`an_account_whose_tmpfs_files_keep_ram_short_has_its_hog_acted_on`);
 //! - the CLI's check of the peer credentials of the socket it talks to
-//!   (`the_cli_believes_only_a_socket_served_by_root_or_by_its_own_user`).
+//!   (`the_cli_believes_only_a_socket_served_by_root_or_by_its_own_user`);
+//! - another account's socket on the port of root's ready and metrics URLs, and whose socket
+//!   the kernel says it is (`a_users_socket_at_roots_ready_or_metrics_url_is_not_asked`).
 //!
 //! The findings of the three hostile reviews that are policy, ledger or loop logic with uids as
 //! plain data are pinned in process: `policy::tests::security` (a forged command line naming
@@ -1016,4 +1018,110 @@ fn the_cli_believes_only_a_socket_served_by_root_or_by_its_own_user() {
         );
         assert!(out.stdout.is_empty(), "{args:?}: {out:?}");
     }
+}
+
+/// Answers every request on 127.0.0.1 at each port of its arguments with 200 and vLLM figures
+/// of its own (999 requests running); prints `ready` once it listens on all of them.
+const SQUAT_PY: &str = r#"
+import socket, sys, threading
+body = b"vllm:num_requests_running 999.0\nvllm:num_requests_waiting 999.0\n"
+def serve(s):
+    while True:
+        c, _ = s.accept()
+        try:
+            c.recv(65536)
+            c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+        except OSError:
+            pass
+        c.close()
+for port in sys.argv[1:]:
+    s = socket.socket()
+    s.bind(("127.0.0.1", int(port)))
+    s.listen(64)
+    threading.Thread(target=serve, args=(s,), daemon=True).start()
+print("ready", flush=True)
+threading.Event().wait()
+"#;
+
+/// Round four: any account could answer root's ready and metrics URLs. A user listening first
+/// on the port a launch's ready URL names (here guessed from `vllm serve --port N`) released
+/// root's launch lock; one on a `[[model]]`'s metrics URL fed fake engine figures into its
+/// status, the flight recorder and `plan --gpu host`. Only a socket of the model's own
+/// processes (the launched one and its descendants; the model's members) is asked, and the log
+/// says whose socket was found instead. (A user's `[::1]` beside a server bound to IPv4 only,
+/// for `localhost`, is `http::tests::of_the_addresses_localhost_names_only_the_models_socket_
+/// is_asked`; the kernel's side, `sample::sockets::tests`.)
+#[test]
+fn a_users_socket_at_roots_ready_or_metrics_url_is_not_asked() {
+    let attacker = Attacker::create();
+    let (ready_port, metrics_port) = (free_port(), free_port());
+    let mut squatter = KillOnDrop(
+        attacker
+            .python(SQUAT_PY)
+            .args([ready_port.to_string(), metrics_port.to_string()])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    assert_eq!(first_line(&mut squatter.0).trim(), "ready");
+    let t = token("answered");
+    // Root's model server, still loading: it listens nowhere yet.
+    let _server = Hog::idle(&t);
+    let metrics_url = format!("http://127.0.0.1:{metrics_port}/metrics");
+    let g = guard(
+        "min_available = \"0%\"\nwarn_available = \"0%\"",
+        &format!(
+            "settle = \"60s\"\nready_timeout = \"120s\"\n{}",
+            model_toml("rootm", &t, &format!("metrics_url = \"{metrics_url}\""))
+        ),
+    );
+    let launch = KillOnDrop(
+        Command::new(BIN)
+            .args(["launch", "--model", "roots", "--ram", "16MiB", "--"])
+            .args([python3(), "-c", "import time; time.sleep(600)"])
+            .args(["vllm", "serve", "--port", &ready_port.to_string()])
+            .env("GPUGUARD_SOCKET", &g.socket)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let whose = |port: u16| format!("127.0.0.1:{port} is uid {}'s socket", attacker.uid);
+    g.daemon.wait_for_log(
+        &format!(
+            "ready URL http://127.0.0.1:{ready_port}/health of pid {}: {}",
+            launch.0.id(),
+            whose(ready_port)
+        ),
+        Duration::from_secs(20),
+    );
+    g.daemon.wait_for_log(
+        &format!(
+            "engine metrics of model 'rootm' ({metrics_url}): {}",
+            whose(metrics_port)
+        ),
+        Duration::from_secs(20),
+    );
+    // On a tick after both were found: root's launch still loads, and the model's engine has
+    // no figures (the user's 999 running never counted).
+    let report = g.daemon.next_tick_status();
+    let lease = report["leases"]
+        .as_array()
+        .and_then(|l| l.iter().find(|l| l["model"] == "roots"))
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(lease["state"], "loading", "{report:#}");
+    let engine = &model_row(&report, "rootm").expect("model rootm")["engine"];
+    assert_eq!(engine["state"], "error", "{engine:#}");
+    assert!(
+        engine["error"]
+            .as_str()
+            .is_some_and(|e| e.contains(&whose(metrics_port)) && e.contains("not asked")),
+        "{engine:#}"
+    );
+    assert_eq!(
+        engine["requests_running"],
+        serde_json::Value::Null,
+        "{engine:#}"
+    );
 }

@@ -262,3 +262,51 @@ fn drain(q: &Arc<crate::alert::queue::Queue<crate::alert::Notice>>) -> Vec<crate
     }
     out
 }
+
+/// Round four: `duplicate_load` wrote root's full command lines, `--api-key sk-...` and all, into
+/// the world-readable history (and the event log, the alerts and the log), while the same
+/// records' process rows masked it. Every command line leaves through `secrets::masked`: no
+/// file the daemon writes holds the secret, and the warning still names the command.
+#[test]
+fn a_command_lines_secret_reaches_no_record_event_or_alert() {
+    let secret = "sk-live-0123456789";
+    let mut w = World {
+        host: host(64 * GIB, 40 * GIB),
+        gpu: Some(BTreeMap::from([(200, 4 * GIB), (201, 4 * GIB)])),
+        ..World::default()
+    };
+    for pid in [200, 201] {
+        w.spawn(pid, "vllm", GIB);
+        w.procs.get_mut(&pid).unwrap().cmdline =
+            format!("vllm serve m --api-key {secret} -H X-Api-Key:{secret} --port 8000");
+    }
+    let mut h = Harness::new(w, "[gpu]\nenabled = true\n");
+    h.ticks(30, 100 * MS);
+    h.daemon.reporter.recorder.as_ref().unwrap().flush();
+    let said = logged(&h, "duplicate_load");
+    assert_eq!(said.len(), 1, "{said:?}");
+    assert!(
+        said[0].contains("(vllm serve m --api-key *** -H X-Api-Key:*** --port 8000)"),
+        "{said:?}"
+    );
+    let state = h._dir.path().join("state");
+    let mut dirs = vec![state.clone()];
+    let mut files = 0;
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                dirs.push(path);
+                continue;
+            }
+            files += 1;
+            let bytes = std::fs::read(&path).unwrap();
+            assert!(
+                !bytes.windows(secret.len()).any(|w| w == secret.as_bytes()),
+                "{} holds the secret",
+                path.display()
+            );
+        }
+    }
+    assert!(files >= 2, "the history and the event log were written");
+}

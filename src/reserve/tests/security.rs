@@ -138,6 +138,30 @@ fn one_accounts_launches_leases_and_permits_stop_at_its_caps() {
     assert_eq!(reason, RefusalReason::QueueFull, "{message}");
 }
 
+/// Round four: a user's metrics URL with a bidirectional override reached root's terminal
+/// through `status --model`. A URL a client gives is printable ASCII, or the launch is refused
+/// saying which character.
+#[test]
+fn a_users_url_with_a_bidi_override_is_refused_saying_so() {
+    for (ready, metrics) in [
+        (Some("http://127.0.0.1:9/\u{202e}htlaeh"), None),
+        (None, Some("http://127.0.0.1:9/\u{202e}scirtem")),
+    ] {
+        let mut t = table_for("", 1001);
+        let request = LaunchRequest {
+            ready_url: ready.map(String::from),
+            metrics_url: metrics.map(String::from),
+            ..named("bidi")
+        };
+        let (reason, message) = refusal(launch(&mut t, request));
+        assert_eq!(reason, RefusalReason::Invalid, "{message}");
+        assert!(
+            message.contains("'\\u{202e}' is not printable ASCII"),
+            "{message}"
+        );
+    }
+}
+
 /// A user's ready URL off this host (a documentation address no interface has) is refused,
 /// saying so. Moved from the host suite
 /// (`security::connections_that_stop_reading_stay_counted_and_are_closed`, its tail; a permit
