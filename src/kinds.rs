@@ -110,6 +110,9 @@ named! {
         StateFileCorrupt = "state_file_corrupt",
         /// The run before this one ended without a clean stop (from the flight recorder).
         PreviousRunUnclean = "previous_run_unclean",
+        /// The metrics port is held by another program (critical; the guard runs without its
+        /// metrics), or served at last (info).
+        MetricsUnavailable = "metrics_unavailable",
         /// The flight recorder stopped recording (a nearly full disk, a write error).
         HistoryStopped = "history_stopped",
         /// The flight recorder records again: the disk it stopped on has room again.

@@ -34,13 +34,54 @@ pub struct StateDir {
 /// Which file a descriptor is: (device, inode).
 pub type FileIdentity = (u64, u64);
 
+/// Whether root may create, open and chmod files by name in the directory that holds `path`:
+/// every directory from `/` down to it (symlinks resolved) is owned by root or this user, and
+/// not writable by group or others unless sticky (as `/tmp` is: there nobody can rename or
+/// remove another's entries). A directory another account may write is where it swaps a name
+/// for a symlink between root's check and root's use (chmod through it, write through it).
+/// The directory itself must exist.
+pub fn check_parent(path: &Path) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) else {
+        return Ok(());
+    };
+    let real = std::fs::canonicalize(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
+    let me = nix::unistd::geteuid().as_raw();
+    for dir in real.ancestors() {
+        let m = std::fs::metadata(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let mode = m.mode();
+        let sticky = mode & libc::S_ISVTX as u32 != 0;
+        if (m.uid() != 0 && m.uid() != me) || (mode & 0o022 != 0 && !sticky) {
+            return Err(format!(
+                "{} is not safe for it: {} is {} (owner uid {}, mode {:04o}), so another account \
+                 could put a symlink in its place; use a directory only root may write",
+                path.display(),
+                dir.display(),
+                if m.uid() != 0 && m.uid() != me {
+                    "another account's"
+                } else {
+                    "writable by others"
+                },
+                m.uid(),
+                mode & 0o7777
+            ));
+        }
+    }
+    Ok(())
+}
+
 impl StateDir {
     /// Opens the directory, creating it (mode 0700, parents as needed) if it does not exist.
+    /// A symlink is never followed, and the directories above it must be root's alone.
     pub fn create(path: &Path) -> Result<StateDir, StateDirError> {
-        if !path.exists() {
+        if std::fs::symlink_metadata(path).is_err() {
             if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
                 std::fs::create_dir_all(parent).map_err(|e| error(path, e))?;
             }
+            check_parent(path).map_err(|reason| StateDirError {
+                path: path.to_path_buf(),
+                reason,
+            })?;
             match std::fs::DirBuilder::new().mode(0o700).create(path) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
@@ -58,14 +99,29 @@ impl StateDir {
         }
     }
 
-    /// Opens and checks: a directory owned by this user, not writable by group or others.
+    /// Opens and checks: a directory (not a symlink to one) owned by this user, not writable by
+    /// group or others, in directories only root may write (`check_parent`).
     fn open(path: &Path) -> Result<StateDir, StateDirError> {
+        check_parent(path).map_err(|reason| StateDirError {
+            path: path.to_path_buf(),
+            reason,
+        })?;
         let fd = nix::fcntl::open(
             path,
-            OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
             Mode::empty(),
         )
-        .map_err(|e| error(path, e))?;
+        .map_err(|e| match e {
+            Errno::ELOOP | Errno::ENOTDIR
+                if std::fs::symlink_metadata(path).is_ok_and(|m| m.is_symlink()) =>
+            {
+                StateDirError {
+                    path: path.to_path_buf(),
+                    reason: "a symlink: refusing to follow it (name the directory itself)".into(),
+                }
+            }
+            e => error(path, e),
+        })?;
         let st = fstat(&fd).map_err(|e| error(path, e))?;
         let me = nix::unistd::geteuid().as_raw();
         let refuse = |reason: String| {

@@ -182,7 +182,7 @@ fn take(
     for _ in 0..8 {
         let file = open().map_err(|e| unusable(e.to_string()))?;
         check_own_file(&file).map_err(unusable)?;
-        let mut locked = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+        let mut locked = match lock_exclusive(file) {
             Ok(locked) => locked,
             Err((mut file, Errno::EWOULDBLOCK)) => {
                 return Err(ClaimError::Held {
@@ -209,6 +209,21 @@ fn take(
     Err(unusable("it keeps being replaced".into()))
 }
 
+/// The exclusive lock, tried a few times over 100 ms before it is taken as held: a
+/// `check-config` probing it (a shared lock for a moment) must not fail a daemon's start.
+fn lock_exclusive(mut file: File) -> Result<Flock<File>, (File, Errno)> {
+    for _ in 0..10 {
+        match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+            Err((again, Errno::EWOULDBLOCK)) => {
+                file = again;
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            other => return other,
+        }
+    }
+    Flock::lock(file, FlockArg::LockExclusiveNonblock)
+}
+
 /// Opens (creating 0600) a lock file at an absolute path, never through a symlink.
 fn open_lock_path(path: &Path) -> std::io::Result<File> {
     if let Some(parent) = path.parent().filter(|p| !p.exists()) {
@@ -217,6 +232,7 @@ fn open_lock_path(path: &Path) -> std::io::Result<File> {
             .mode(0o755)
             .create(parent)?;
     }
+    crate::state_dir::check_parent(path).map_err(std::io::Error::other)?;
     std::fs::OpenOptions::new()
         .read(true)
         .write(true)

@@ -172,7 +172,8 @@ impl Executor {
 
     /// A reloaded config's mode: to enforce, the host's enforce lock is taken (refused if another
     /// daemon holds it: the caller keeps the old config) and what a previous run left here is let
-    /// go of; to observe, the lock is let go (this run's own holds are still resumed as due).
+    /// go of; to observe, everything this run holds is let go (resumed, throttles lifted), then
+    /// the lock.
     pub fn set_mode(&mut self, mode: Mode) -> Result<Leftovers, claim::ClaimError> {
         let mut leftovers = Leftovers::default();
         match mode {
@@ -181,7 +182,22 @@ impl Executor {
                 self.let_go_of_leftovers(&mut leftovers);
             }
             Mode::Enforce => {}
-            Mode::Observe => self.enforcing = None,
+            Mode::Observe => {
+                // An observer holds nothing: what this run holds is let go before the lock (a
+                // process left stopped by an observer would stay so, past max_stop).
+                if self.enforcing.is_some() {
+                    self.throttler.lift_all();
+                    self.save_throttles();
+                    for p in self.held.resume_all(self.control.as_ref()) {
+                        leftovers.undone.push(format!(
+                            "resumed pid {} ({}): this gpuguard observes from now on",
+                            p.pid,
+                            printable(&p.comm)
+                        ));
+                    }
+                }
+                self.enforcing = None;
+            }
         }
         Ok(leftovers)
     }
@@ -536,6 +552,42 @@ mod tests {
         assert_eq!(signals(), before);
         let record = std::fs::read_to_string(service_dir.path().join(held::FILE_NAME)).unwrap();
         assert!(record.contains("\"pid\": 20"), "{record}");
+    }
+
+    /// Round five (a hostile review of issue 40): a daemon reloaded to observe kept its stopped
+    /// process stopped past max_stop (an observer only "would" act) and let go of the enforce
+    /// lock, so a second enforcer stopped the same pid and the first resumed it at its exit.
+    /// Now it lets go of all it holds, then of the lock.
+    #[test]
+    fn turning_to_observe_lets_go_of_what_it_holds_before_the_lock() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = Arc::new(StateDir::create(&root.path().join("state")).unwrap());
+        let control = Arc::new(Recorder {
+            stopped: true,
+            ..Recorder::default()
+        });
+        let (mut executor, _) = enforcer(control.clone(), &dir, root.path());
+        let mut no_read = |_| None;
+        let stop = executor.execute(Mode::Enforce, &action(Verb::Stop, 20), None, &mut no_read);
+        assert_eq!(stop, Outcome::Done);
+        let done = executor.set_mode(Mode::Observe).unwrap();
+        assert!(
+            done.undone.join("\n").contains("resumed pid 20 (vllm)"),
+            "{done:?}"
+        );
+        assert_eq!(
+            control.signals.lock().unwrap().last(),
+            Some(&(20, Sig::Cont))
+        );
+        assert!(executor.held().is_empty());
+        let record = std::fs::read_to_string(dir.path().join(held::FILE_NAME)).unwrap();
+        assert!(!record.contains("\"pid\": 20"), "{record}");
+        // The lock is free for another daemon only now, and this one's exit resumes nothing.
+        let other = Arc::new(StateDir::create(&root.path().join("other")).unwrap());
+        let (_second, _) = enforcer(control.clone(), &other, root.path());
+        let before = control.signals.lock().unwrap().len();
+        executor.shutdown();
+        assert_eq!(control.signals.lock().unwrap().len(), before);
     }
 
     /// What a crashed run left on a state directory is let go of only by a daemon that may act:

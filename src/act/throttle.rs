@@ -204,6 +204,12 @@ impl Throttler {
 
     /// Stops the duty cycle and lifts every throttle: duty-cycled processes resumed, cgroup
     /// limits put back.
+    /// Lifts every throttle (as `shutdown`), and may throttle again afterwards.
+    pub fn lift_all(&mut self) {
+        self.shutdown();
+        self.quit = Arc::default();
+    }
+
     pub fn shutdown(&mut self) {
         self.quit.store(true, Ordering::Relaxed);
         if let Some(thread) = self.thread.take() {

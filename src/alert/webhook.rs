@@ -83,14 +83,57 @@ impl Spec {
     }
 }
 
+/// Opens a secret file for reading without waiting (a FIFO in its place does not block).
+pub fn open_secret(path: &std::path::Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC | libc::O_NOCTTY)
+        .open(path)
+}
+
+/// The most a secret file may hold.
+const MAX_SECRET_BYTES: u64 = 4096;
+
 /// A webhook's signing secret: the file's bytes without trailing whitespace; an error if it
-/// cannot be read or holds nothing (checked at start, by `check-config` and on reload).
+/// cannot be read or holds nothing (checked at start, by `check-config` and on reload). Opened
+/// without waiting (a FIFO put in its place must not hang the daemon or its reload), and only
+/// a regular file of root's (or this user's) that nobody else may write, of at most 4 KiB, is
+/// read: another account's file is a key that account knows.
 pub fn read_secret(path: &std::path::Path) -> Result<Vec<u8>, String> {
-    let text = std::fs::read(path)
-        .map_err(|e| format!("secret_file '{}' cannot be read: {e}", path.display()))?;
+    use std::io::Read;
+    use std::os::unix::fs::MetadataExt;
+    let shown = path.display();
+    let file =
+        open_secret(path).map_err(|e| format!("secret_file '{shown}' cannot be read: {e}"))?;
+    let m = file
+        .metadata()
+        .map_err(|e| format!("secret_file '{shown}' cannot be read: {e}"))?;
+    let me = nix::unistd::geteuid().as_raw();
+    if !m.is_file() {
+        return Err(format!("secret_file '{shown}' is not a regular file"));
+    }
+    if (m.uid() != 0 && m.uid() != me) || m.mode() & 0o022 != 0 {
+        return Err(format!(
+            "secret_file '{shown}' is not root's alone (owner uid {}, mode {:04o}): another \
+             account could choose the key",
+            m.uid(),
+            m.mode() & 0o7777
+        ));
+    }
+    if m.len() > MAX_SECRET_BYTES {
+        return Err(format!(
+            "secret_file '{shown}' holds {} bytes: a secret is at most {MAX_SECRET_BYTES}",
+            m.len()
+        ));
+    }
+    let mut text = Vec::new();
+    file.take(MAX_SECRET_BYTES)
+        .read_to_end(&mut text)
+        .map_err(|e| format!("secret_file '{shown}' cannot be read: {e}"))?;
     let trimmed = text.trim_ascii_end().to_vec();
     if trimmed.is_empty() {
-        return Err(format!("secret_file '{}' is empty", path.display()));
+        return Err(format!("secret_file '{shown}' is empty"));
     }
     Ok(trimmed)
 }
@@ -340,6 +383,48 @@ fn alertmanager_body(n: &Notice) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Round five (a hostile review of issue 40): a secret file another account could swap
+    /// hung root's check-config and daemon (a FIFO), or ate its memory (`/dev/zero`). Only a
+    /// regular file of root's that nobody else may write, of at most 4 KiB, is read, without
+    /// waiting.
+    #[test]
+    fn a_secret_is_read_only_from_a_small_regular_file_nobody_else_may_write() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let good = dir.path().join("good");
+        std::fs::write(&good, "s3cret\n").unwrap();
+        std::fs::set_permissions(&good, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert_eq!(read_secret(&good).unwrap(), b"s3cret");
+
+        let fifo = dir.path().join("fifo");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let e = read_secret(&fifo).unwrap_err();
+        assert!(e.contains("is not a regular file"), "{e}");
+
+        let zero = dir.path().join("zero");
+        std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
+        let e = read_secret(&zero).unwrap_err();
+        assert!(e.contains("is not a regular file"), "{e}");
+
+        let big = dir.path().join("big");
+        std::fs::write(&big, vec![b'x'; 8192]).unwrap();
+        std::fs::set_permissions(&big, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let e = read_secret(&big).unwrap_err();
+        assert!(e.contains("holds 8192 bytes"), "{e}");
+
+        let open = dir.path().join("open");
+        std::fs::write(&open, "s3cret").unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o666)).unwrap();
+        let e = read_secret(&open).unwrap_err();
+        assert!(e.contains("not root's alone (owner uid"), "{e}");
+        if nix::unistd::geteuid().is_root() {
+            std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o600)).unwrap();
+            nix::unistd::chown(&open, Some(nix::unistd::Uid::from_raw(65534)), None).unwrap();
+            let e = read_secret(&open).unwrap_err();
+            assert!(e.contains("owner uid 65534"), "{e}");
+        }
+    }
 
     #[test]
     fn signature_matches_a_known_hmac_sha256() {

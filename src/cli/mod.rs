@@ -187,6 +187,13 @@ enum Command {
         /// processes, a few of them, and what its match catches that is left out and why.
         #[arg(long)]
         matches: bool,
+        /// The state directory the daemon is given (`daemon --state-dir`), over the config's:
+        /// check the config as that daemon runs it (the unit's reload passes it).
+        #[arg(long)]
+        state_dir: Option<PathBuf>,
+        /// The socket the daemon is given (`daemon --socket`), over the config's.
+        #[arg(long)]
+        socket: Option<PathBuf>,
     },
     /// Show GPUs, host memory, models, the launch queue, held processes and recent actions.
     Status {
@@ -233,15 +240,17 @@ enum Command {
 /// The terminal width the human output of the CLI fits in (plan, status, history, replay).
 pub(crate) const WIDTH: usize = 100;
 
-/// `text` wrapped at word boundaries to `WIDTH`, the first line after `first`, the others after
-/// `rest` (a word longer than a line stays whole).
+/// `text` wrapped at word boundaries to `WIDTH` columns (as the terminal shows them: a fullwidth
+/// character takes two), the first line after `first`, the others after `rest` (a word longer
+/// than a line stays whole).
 pub(crate) fn wrapped(text: &str, first: &str, rest: &str) -> String {
     let mut out = String::new();
     let mut line = first.to_string();
     // Whether the line holds no word yet (a prefix that is not blank counts as one).
     let mut empty = first.trim().is_empty();
+    use unicode_width::UnicodeWidthStr;
     for word in text.split(' ').filter(|w| !w.is_empty()) {
-        if !empty && line.chars().count() + 1 + word.chars().count() > WIDTH {
+        if !empty && line.width() + 1 + word.width() > WIDTH {
             out.push_str(&line);
             out.push('\n');
             line = rest.to_string();
@@ -266,7 +275,16 @@ pub fn main() -> ExitCode {
             config,
             portable,
             matches,
-        } => check_config(&config, portable, matches),
+            state_dir,
+            socket,
+        } => {
+            let overrides = Overrides {
+                state_dir,
+                socket,
+                observe: false,
+            };
+            check_config(&config, &overrides, portable, matches)
+        }
         Command::Daemon(args) => run_daemon(args),
         Command::Status {
             json,
@@ -317,18 +335,19 @@ fn release(socket: &std::path::Path, lease: u64) -> u8 {
 /// `check-config`: the config parsed and validated, what its rules catch among this host's
 /// processes (the table with `matches`), then (unless `portable`) every check the daemon runs at
 /// start, against this host, beside the daemon that runs the config now if one does.
-fn check_config(path: &Path, portable: bool, matches: bool) -> u8 {
+fn check_config(path: &Path, overrides: &Overrides, portable: bool, matches: bool) -> u8 {
     let loaded = match portable {
         true => Config::load_portable(path),
         false => Config::load(path),
     };
-    let config = match loaded {
+    let mut config = match loaded {
         Ok(c) => c,
         Err(e) => {
             eprintln!("gpuguard: {e}");
             return exit::CONFIG;
         }
     };
+    overrides.apply(&mut config);
     let warn = |line: &str| eprintln!("gpuguard: config {}: warning: {line}", path.display());
     for warning in config.warnings() {
         warn(&warning);
@@ -350,8 +369,8 @@ fn check_config(path: &Path, portable: bool, matches: bool) -> u8 {
             &Checker::check_config(running.clone()),
         ) {
             Ok(ready) => {
-                for line in &ready.not_checked {
-                    warn(&format!("not checked as this user: {line}"));
+                for line in &ready.notes {
+                    warn(line);
                 }
             }
             Err(e) => {
@@ -361,11 +380,22 @@ fn check_config(path: &Path, portable: bool, matches: bool) -> u8 {
         }
         let enforcer = claim::enforce_holder(&roots().enforce_lock);
         let other = enforcer.filter(|e| running.as_ref().is_none_or(|r| r.pid != e.pid));
-        if let (Mode::Enforce, Some(other)) = (config.daemon.mode, other) {
-            warn(&format!(
+        match (config.daemon.mode, other, &running) {
+            // The reload of a daemon that runs this config and observes: it would be refused.
+            (Mode::Enforce, Some(other), Some(running)) => {
+                eprintln!(
+                    "gpuguard: config {}: daemon.mode: 'enforce': {other} enforces on this host: \
+                     the daemon of this config (pid {}) cannot enforce while it does",
+                    path.display(),
+                    running.pid
+                );
+                return exit::CONFIG;
+            }
+            (Mode::Enforce, Some(other), None) => warn(&format!(
                 "{other} enforces on this host: a daemon with this config does not start while \
                  it does (exit 1); with --observe it watches beside it"
-            ));
+            )),
+            _ => {}
         }
     }
     println!(

@@ -586,13 +586,18 @@ mod tests {
         r.recent_actions.push(crate::status::ActionRow {
             at_unix: 1_795_690_442,
             verb: "terminate".into(),
-            target: "model 'meta-llama-Llama-3.1-70B-Instruct-replica-0' pids [100000(python3), 100001(python3)]".into(),
+            // A process may name itself in fullwidth characters, two columns each.
+            target: "model 'meta-llama-Llama-3.1-70B-Instruct-replica-0' pids [100000(python3), 100001(ＡＡＡＡＡ)]".into(),
             reason_kind: "gpu_floor".into(),
             reason: "GPU 3 free 1.0 GiB < min_free 2.0 GiB; largest eligible user of GPU 3: 70.0 GiB".into(),
             outcome: "done".into(),
         });
         let text = render(&r);
-        let widest = text.lines().map(|l| l.chars().count()).max().unwrap();
+        let widest = text
+            .lines()
+            .map(unicode_width::UnicodeWidthStr::width)
+            .max()
+            .unwrap();
         assert!(widest <= 100, "{widest} columns:\n{text}");
         assert!(text.contains("error [1]"), "{text}");
         assert!(

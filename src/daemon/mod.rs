@@ -174,6 +174,8 @@ pub struct Daemon {
     _claim: Lock,
     /// What the start's checks bound for the daemon (the metrics address).
     ready: preflight::Ready,
+    /// When a metrics port another program held was last tried.
+    metrics_tried: Option<Instant>,
     /// What the loop knows of the host (sources, snapshot), and what it reads next.
     sampler: Sampler,
     executor: Executor,
@@ -300,6 +302,7 @@ impl Daemon {
             dir,
             _claim: claim,
             ready: preflight::Ready::default(),
+            metrics_tried: None,
             sampler,
             executor,
             state: PolicyState::default(),
@@ -329,7 +332,63 @@ impl Daemon {
         );
         let checker = preflight::Checker::Daemon;
         self.ready = preflight::check(&self.config, &self.config_path, &totals, &checker)?;
+        for note in &self.ready.notes {
+            warn!("config {}: {note}", self.config_path.display());
+        }
         Ok(())
+    }
+
+    /// Serves the metrics once their port is bound: at once when the start's checks bound it;
+    /// when another program held it, the port is tried again every `METRICS_RETRY` (from the
+    /// loop), and said when served at last.
+    fn serve_metrics(&mut self, now: Instant) {
+        let listener = match std::mem::take(&mut self.ready.metrics) {
+            preflight::MetricsPort::Bound(listener) => listener,
+            preflight::MetricsPort::Off => return,
+            preflight::MetricsPort::Held(address, why) => {
+                if self
+                    .metrics_tried
+                    .is_some_and(|t| now < t + preflight::METRICS_RETRY)
+                {
+                    self.ready.metrics = preflight::MetricsPort::Held(address, why);
+                    return;
+                }
+                let first = self.metrics_tried.is_none();
+                self.metrics_tried = Some(now);
+                match std::net::TcpListener::bind(address) {
+                    Ok(listener) => listener,
+                    Err(_) => {
+                        if first {
+                            self.reporter.lifecycle(
+                                EventKind::MetricsUnavailable,
+                                Severity::Critical,
+                                format!(
+                                    "metrics.listen: {why}: no metrics are served until it is \
+                                     free (tried again every {}s); the guard runs",
+                                    preflight::METRICS_RETRY.as_secs()
+                                ),
+                            );
+                        }
+                        self.ready.metrics = preflight::MetricsPort::Held(address, why);
+                        return;
+                    }
+                }
+            }
+        };
+        match crate::metrics::serve(listener, self.reporter.metrics.clone()) {
+            Ok(bound) => {
+                info!("metrics on http://{bound}/metrics");
+                if self.metrics_tried.is_some() {
+                    self.reporter.lifecycle(
+                        EventKind::MetricsUnavailable,
+                        Severity::Info,
+                        format!("metrics.listen: served on {bound} at last"),
+                    );
+                }
+                self.reporter.metrics_served();
+            }
+            Err(e) => error!("metrics.listen: {e:#}"),
+        }
     }
 
     /// The flight recorder, from now on (`[history] enabled`): what the previous run left is
@@ -367,13 +426,8 @@ impl Daemon {
             .start(self.events_tx.clone())
             .context("starting the process scan thread")?;
         let _socket = crate::ipc::server::spawn(&self.config.launch.socket, self.shared.clone())?;
-        if let Some(listener) = self.ready.metrics.take() {
-            let bound = crate::metrics::serve(listener, self.reporter.metrics.clone())
-                .context("[metrics] listen")?;
-            info!("metrics on http://{bound}/metrics");
-            self.reporter.metrics_served();
-        }
         self.start_recording();
+        self.serve_metrics(Instant::now());
         for warning in self.config.warnings() {
             warn!("config {}: {warning}", self.config_path.display());
         }
@@ -390,6 +444,7 @@ impl Daemon {
             let now = Instant::now();
             if now >= next_tick {
                 let wait = self.tick(now.saturating_duration_since(last_tick));
+                self.serve_metrics(now);
                 systemd.tick(now, || report::one_line_status(&self.view(Detail::Full)));
                 last_tick = now;
                 next_tick = now + wait.min(systemd.max_sleep());

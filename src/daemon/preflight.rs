@@ -54,13 +54,28 @@ impl Checker {
     }
 }
 
-/// What passing the checks leaves open for the daemon: the metrics address, bound; and what a
-/// checker other than root could not check (`check-config` says it).
+/// What passing the checks leaves open for the daemon (the metrics address, bound), and what
+/// is to be said of this host without refusing the config (another program holds the metrics
+/// port or serves the socket; what a checker other than root could not check).
 #[derive(Debug, Default)]
 pub struct Ready {
-    pub metrics: Option<TcpListener>,
-    pub not_checked: Vec<String>,
+    pub metrics: MetricsPort,
+    pub notes: Vec<String>,
 }
+
+/// `[metrics] listen` as the start's checks found it.
+#[derive(Debug, Default)]
+pub enum MetricsPort {
+    /// Off in the config (or, for `check-config`, the running daemon's).
+    #[default]
+    Off,
+    Bound(TcpListener),
+    /// Another program holds it (why, said): bound once it is free.
+    Held(std::net::SocketAddr, String),
+}
+
+/// How often the daemon tries again to bind a metrics port another program held.
+pub const METRICS_RETRY: Duration = Duration::from_secs(10);
 
 /// This host's totals: MemTotal and SwapTotal from `procs`, each GPU's from NVML's first answer
 /// when GPU floors are configured (waited for at most `FIRST_GPU_ANSWER`: a GPU that answers
@@ -160,7 +175,7 @@ fn check_state_dir(
             ),
         )),
         Ok(_) => {
-            ready.not_checked.push(format!(
+            ready.notes.push(format!(
                 "daemon.state_dir: '{}' checked only for its mode (its owner as root)",
                 path.display()
             ));
@@ -186,10 +201,10 @@ fn check_secrets_as(
             continue;
         };
         let key = format!("alert.webhook[{i}].secret_file");
-        let denied = std::fs::File::open(path)
+        let denied = crate::alert::webhook::open_secret(path)
             .is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied);
         if denied && who.unprivileged() {
-            ready.not_checked.push(format!(
+            ready.notes.push(format!(
                 "{key}: '{}' is not readable by this user (the daemon reads it as root)",
                 path.display()
             ));
@@ -200,7 +215,9 @@ fn check_secrets_as(
     Ok(())
 }
 
-/// The socket is free, or is the running daemon's.
+/// The socket's directory is root's alone (the daemon binds it, then chmods it by name); one
+/// served by another process now is said (`check-config`; the daemon itself then exits 1: the
+/// other may go, and systemd tries again).
 fn check_socket(
     config: &Config,
     file: &Path,
@@ -208,78 +225,86 @@ fn check_socket(
     ready: &mut Ready,
 ) -> Result<(), ConfigError> {
     let path = &config.launch.socket;
-    let Some(pid) = socket_server(path) else {
+    if path.parent().is_some_and(|p| p.exists()) {
+        crate::state_dir::check_parent(path).map_err(|e| error(file, "launch.socket", e))?;
+    }
+    let Some(pid) = crate::ipc::peer::server_of(path) else {
         return Ok(());
     };
-    if Some(pid) == who.running() {
+    if pid.is_some() && pid == who.running() {
         return Ok(());
     }
-    if who.unprivileged() {
-        ready.not_checked.push(format!(
-            "launch.socket: '{}' is served by pid {pid}: the daemon of this config if it runs \
-             (as root, check-config tells)",
-            path.display()
-        ));
-        return Ok(());
-    }
-    Err(error(
-        file,
-        "launch.socket",
-        format!(
-            "'{}' is in use by pid {pid} (another gpuguard daemon?): give this one a socket of \
-             its own (--socket)",
+    let by = pid.map_or("another process".into(), |p| format!("pid {p}"));
+    ready.notes.push(match who {
+        Checker::CheckConfig { root: false, .. } => format!(
+            "launch.socket: '{}' is served by {by}: the daemon of this config if it runs (as \
+             root, check-config tells)",
             path.display()
         ),
-    ))
+        _ => format!(
+            "launch.socket: '{}' is in use by {by} (another gpuguard daemon?): a daemon of this \
+             config does not start while it is (exit 1); give it a socket of its own (--socket)",
+            path.display()
+        ),
+    });
+    Ok(())
 }
 
-/// The pid of the process that serves the unix socket at `path`, if one answers there.
-fn socket_server(path: &Path) -> Option<i32> {
-    let stream = std::os::unix::net::UnixStream::connect(path).ok()?;
-    let peer = rustix::net::sockopt::socket_peercred(&stream).ok()?;
-    Some(peer.pid.as_raw_nonzero().get())
-}
-
-/// `[metrics] listen`, bound now (`None` when off, or when it is the running daemon's).
+/// `[metrics] listen`: bound now; held by another program (a user may bind a loopback port
+/// first: the guard starts without its metrics and binds them once free, never stays down for
+/// it); or an address that can never be bound here (not this host's, a port below 1024 without
+/// the capability): a config error.
 fn bind_metrics(
     config: &Config,
     file: &Path,
     who: &Checker,
     ready: &mut Ready,
-) -> Result<Option<TcpListener>, ConfigError> {
+) -> Result<MetricsPort, ConfigError> {
     let Some(address) = config.metrics.address() else {
-        return Ok(None);
+        return Ok(MetricsPort::Off);
     };
     let e = match TcpListener::bind(address) {
-        Ok(listener) => return Ok(Some(listener)),
+        Ok(listener) => return Ok(MetricsPort::Bound(listener)),
         Err(e) => e,
     };
-    if e.kind() == std::io::ErrorKind::AddrInUse {
-        let proc = PathBuf::from("/proc");
-        let inodes = sockets::listening(&proc, address);
-        if let Some(pid) = who.running() {
-            if inodes.iter().any(|&i| sockets::holds_socket(&proc, pid, i)) {
-                return Ok(None);
-            }
-        }
-        if who.unprivileged() {
-            ready.not_checked.push(format!(
-                "metrics.listen: '{address}' is in use: by the daemon of this config if it runs \
-                 (as root, check-config tells)"
-            ));
-            return Ok(None);
-        }
+    if e.kind() != std::io::ErrorKind::AddrInUse {
         return Err(error(
             file,
             "metrics.listen",
-            format!("'{address}' cannot be bound: {e} (another program listens there)"),
+            format!("'{address}' cannot be bound: {e}"),
         ));
     }
-    Err(error(
-        file,
-        "metrics.listen",
-        format!("'{address}' cannot be bound: {e}"),
-    ))
+    let proc = PathBuf::from("/proc");
+    let listeners = sockets::Listeners::read(&proc).reached(address);
+    if let Some(pid) = who.running() {
+        if listeners
+            .iter()
+            .any(|l| sockets::holds_socket(&proc, pid, l.inode))
+        {
+            return Ok(MetricsPort::Off);
+        }
+    }
+    let holders: Vec<String> = listeners.iter().map(|l| format!("uid {}", l.uid)).collect();
+    let held = format!(
+        "'{address}' is held by another program ({})",
+        if holders.is_empty() {
+            "its owner unknown".into()
+        } else {
+            holders.join(", ")
+        }
+    );
+    ready.notes.push(match who {
+        Checker::CheckConfig { root: false, .. } => format!(
+            "metrics.listen: {held}: the daemon of this config if it runs (as root, check-config \
+             tells)"
+        ),
+        _ => format!(
+            "metrics.listen: {held}: the daemon serves no metrics until it is free (it tries \
+             again every {}s)",
+            METRICS_RETRY.as_secs()
+        ),
+    });
+    Ok(MetricsPort::Held(address, held))
 }
 
 fn error(file: &Path, key: &str, message: String) -> ConfigError {
@@ -313,7 +338,8 @@ mod tests {
 
     /// Issue 40: what passed `check-config` and then stopped the daemon is refused by the one
     /// check both run, with the key: a floor above MemTotal, a missing secret file, a metrics
-    /// port another program holds, a socket another daemon serves.
+    /// address that can never be bound here, a socket or state directory in a directory another
+    /// account may write (root binds and chmods there by name).
     #[test]
     fn what_the_daemon_refuses_at_start_is_refused_with_its_key() {
         let root = tempfile::tempdir().unwrap();
@@ -340,38 +366,77 @@ mod tests {
             )),
             "alert.webhook[0].secret_file"
         );
-        let taken = TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = taken.local_addr().unwrap();
+        // TEST-NET-1: never an address of this host.
         assert_eq!(
-            key(&format!("[metrics]\nlisten = \"{port}\"\n")),
+            key("[metrics]\nlisten = \"192.0.2.1:9835\"\n"),
             "metrics.listen"
         );
-        let server = std::os::unix::net::UnixListener::bind(root.path().join("sock")).unwrap();
-        assert_eq!(key(""), "launch.socket");
-        drop(server);
-        std::fs::remove_file(root.path().join("sock")).unwrap();
+        let open = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(
+            open.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o777),
+        )
+        .unwrap();
+        let text = format!(
+            "[daemon]\nstate_dir = \"{}\"\n[launch]\nsocket = \"{}\"\n",
+            root.path().join("state").display(),
+            open.path().join("g.sock").display()
+        );
+        let parsed = Config::parse(&text, file).unwrap();
+        let e = check(&parsed, file, &totals(), &Checker::Daemon).unwrap_err();
+        assert_eq!(e.key, "launch.socket", "{e}");
+        assert!(e.message.contains("writable by others"), "{e}");
+        let text = format!(
+            "[daemon]\nstate_dir = \"{}\"\n",
+            open.path().join("state").display()
+        );
+        let parsed = Config::parse(&text, file).unwrap();
+        std::fs::create_dir(open.path().join("state")).unwrap();
+        let e = check(&parsed, file, &totals(), &Checker::Daemon).unwrap_err();
+        assert_eq!(e.key, "daemon.state_dir", "{e}");
+    }
 
-        // Its own port and socket do not count against the running daemon's config.
+    /// Round five (a hostile review of issue 40): a user who binds the metrics port first must
+    /// not keep the guard down (exit 2 is never restarted): the config passes, the port is
+    /// said to be held (by whose uid), and the daemon serves it later. A socket another process
+    /// serves is said too (the daemon exits 1 on it: it may go). Beside the running daemon, its
+    /// own port and socket are neither.
+    #[test]
+    fn a_port_or_socket_another_holds_is_said_never_refused() {
+        let root = tempfile::tempdir().unwrap();
+        let file = Path::new("/etc/gpuguard/config.toml");
+        let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = taken.local_addr().unwrap();
+        let held = config(&format!("[metrics]\nlisten = \"{port}\"\n"), root.path());
+        let server = std::os::unix::net::UnixListener::bind(root.path().join("sock")).unwrap();
+        let ready = check(&held, file, &totals(), &Checker::Daemon).unwrap();
+        assert!(
+            matches!(&ready.metrics, MetricsPort::Held(a, why) if *a == port && why.contains("uid")),
+            "{:?}",
+            ready.metrics
+        );
+        let notes = ready.notes.join("\n");
+        assert!(
+            notes.contains("metrics.listen") && notes.contains("launch.socket"),
+            "{notes}"
+        );
+
         let beside = Checker::CheckConfig {
             running: Some(Holder::me(file, root.path())),
             root: true,
         };
-        let _server = std::os::unix::net::UnixListener::bind(root.path().join("sock")).unwrap();
-        let ready = check(
-            &config(&format!("[metrics]\nlisten = \"{port}\"\n"), root.path()),
-            file,
-            &totals(),
-            &beside,
-        )
-        .unwrap();
+        let ready = check(&held, file, &totals(), &beside).unwrap();
         assert!(
-            ready.metrics.is_none(),
-            "the running daemon's port is not bound again"
+            matches!(ready.metrics, MetricsPort::Off),
+            "{:?}",
+            ready.metrics
         );
+        assert!(ready.notes.is_empty(), "{:?}", ready.notes);
+        drop(server);
+        std::fs::remove_file(root.path().join("sock")).unwrap();
         // A good config binds its port for the daemon.
         let free = config("[metrics]\nlisten = \"127.0.0.1:0\"\n", root.path());
-        std::fs::remove_file(root.path().join("sock")).unwrap();
         let ready = check(&free, file, &totals(), &Checker::Daemon).unwrap();
-        assert!(ready.metrics.is_some());
+        assert!(matches!(ready.metrics, MetricsPort::Bound(_)));
     }
 }

@@ -21,6 +21,28 @@ pub fn credentials(socket: impl AsFd) -> std::io::Result<(u32, i32)> {
     Ok((cred.uid.as_raw(), cred.pid.as_raw_nonzero().get()))
 }
 
+/// Who serves the unix socket at `path`: `None` when nothing does (no file, a dead socket),
+/// `Some(None)` when something does but its pid cannot be told (its backlog is full), else its
+/// pid. Never waits: the connect is non-blocking (a full backlog would hold a blocking one).
+pub fn server_of(path: &Path) -> Option<Option<i32>> {
+    use rustix::net::{
+        connect, socket_with, AddressFamily, SocketAddrUnix, SocketFlags, SocketType,
+    };
+    let address = SocketAddrUnix::new(path).ok()?;
+    let fd = socket_with(
+        AddressFamily::UNIX,
+        SocketType::STREAM,
+        SocketFlags::NONBLOCK | SocketFlags::CLOEXEC,
+        None,
+    )
+    .ok()?;
+    match connect(&fd, &address) {
+        Ok(()) => Some(credentials(&fd).ok().map(|(_, pid)| pid)),
+        Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INPROGRESS) => Some(None),
+        Err(_) => None,
+    }
+}
+
 /// Pins the peer of `socket` (whose credentials are `uid`, `pid`): returns its identity and a
 /// pidfd that refers to that very process for as long as it is held.
 pub fn pin(
@@ -95,6 +117,47 @@ fn read_effective_uid(proc_root: &Path, pid: i32) -> Result<u32, String> {
 mod tests {
     use super::*;
     use std::os::unix::net::UnixStream;
+
+    /// A socket served here is this process's; one with its backlog full is in use all the same,
+    /// and asking never waits; a socket file nobody serves is free.
+    #[test]
+    fn the_server_of_a_socket_is_told_without_waiting() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sock");
+        assert_eq!(server_of(&path), None);
+        let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        assert_eq!(server_of(&path), Some(Some(std::process::id() as i32)));
+        drop(listener);
+        std::fs::remove_file(&path).unwrap();
+        // A listener with the smallest backlog, filled by connections it never accepts (made
+        // non-blocking, as `server_of` makes its own): then in use, pid unknown, at once.
+        use rustix::net::{bind, listen, socket, AddressFamily, SocketAddrUnix, SocketType};
+        let listener = socket(AddressFamily::UNIX, SocketType::STREAM, None).unwrap();
+        bind(&listener, &SocketAddrUnix::new(&path).unwrap()).unwrap();
+        listen(&listener, 0).unwrap();
+        let mut held = Vec::new();
+        let mut answers = Vec::new();
+        for _ in 0..16 {
+            let c = rustix::net::socket_with(
+                AddressFamily::UNIX,
+                SocketType::STREAM,
+                rustix::net::SocketFlags::NONBLOCK,
+                None,
+            )
+            .unwrap();
+            let _ = rustix::net::connect(&c, &SocketAddrUnix::new(&path).unwrap());
+            held.push(c);
+            answers.push(server_of(&path));
+        }
+        assert_eq!(answers.last(), Some(&Some(None)), "{answers:?}");
+        drop(held);
+        drop(listener);
+        assert_eq!(
+            server_of(&path),
+            None,
+            "a socket file nobody serves is free"
+        );
+    }
 
     #[test]
     fn pins_the_peer_of_a_socket_pair_to_this_process() {

@@ -139,9 +139,13 @@ pub fn spawn(path: &Path, shared: Arc<Shared>) -> anyhow::Result<SocketGuard> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    if std::os::unix::net::UnixStream::connect(path).is_ok() {
+    // Bound, then chmod'ed by name: only in a directory nobody else may write.
+    crate::state_dir::check_parent(path).map_err(anyhow::Error::msg)?;
+    if let Some(pid) = super::peer::server_of(path) {
+        let by = pid.map_or("another process".into(), |p| format!("pid {p}"));
         anyhow::bail!(
-            "{} is in use: is another gpuguard daemon running?",
+            "{} is in use by {by} (another gpuguard daemon?): give this one a socket of its own \
+             (--socket)",
             path.display()
         );
     }

@@ -241,7 +241,7 @@ pub fn attribute(
         .retain(|id, _| index_of_pid(id.pid).is_some_and(|i| procs[i].id() == *id));
 
     // Inherit from the nearest matched ancestor, never through a process no model may take in.
-    let never = NeverMembers::new(config, table, self_pid);
+    let never = NeverMembers::new(config, table, gpus, self_pid);
     let mut model_of: Vec<Option<Option<usize>>> = vec![None; procs.len()];
     for start in 0..procs.len() {
         let mut chain = Vec::new();

@@ -17,10 +17,10 @@
 //! `-bash`). Not a session: a user's process named `sshd` under their own shell or their own
 //! sshd (its parent is not root's sshd); anything below the session's shell; a command ssh runs
 //! without a shell (`ssh host python serve.py` execs python in place of the shell), which stays
-//! matchable. What a user can still do: name a direct child of their session's sshd like a shell,
-//! and so keep that one process out of its model and its budget (`exe` is not readable for other
-//! accounts under the packaged unit, so a shell is known by its name). The floors still see it:
-//! this is about membership; victim choice is unchanged. A process `gpuguard launch` registered
+//! matchable. A shell is known by its name (`exe` is not readable for other accounts under the
+//! packaged unit), which its user chooses: so it is left out only while it is what a shell is,
+//! small (`SESSION_SHELL_MAX_RSS`) and holding no GPU memory. A server named `bash` is in its
+//! model and under its budget; what a user can still keep out is one small process per session. A process `gpuguard launch` registered
 //! is its model's even as a session's shell (`ssh host gpuguard launch -- bash -c ...`): its
 //! owner named it, through the socket's peer credentials; everything else above applies to it.
 //!
@@ -95,11 +95,32 @@ pub struct NeverMembers<'a> {
     guard: i32,
     /// The pids above the guard, up to (not including) pid 1.
     ancestors: HashSet<i32>,
+    /// The pids that hold GPU memory (by the GPUs' process lists): never a session's shell.
+    gpu_holders: HashSet<i32>,
 }
 
+/// A login session's shell is left out of the models only while it is what a shell is: small,
+/// and holding no GPU memory. A process that calls itself `bash` is left out by its name
+/// alone, which its user chooses (`exec -a bash`, a copy of python named so): with more than
+/// this, it is an ordinary process, in its model and under its budget.
+pub const SESSION_SHELL_MAX_RSS: u64 = 64 << 20;
+
 impl<'a> NeverMembers<'a> {
-    /// `guard`: the guard's own pid (0 for none: `check-config`).
-    pub fn new(config: &'a Config, table: &'a ProcessTable, guard: i32) -> Self {
+    /// `guard`: the guard's own pid (0 for none: `check-config`); `gpus`: the GPUs' process
+    /// lists (none for `check-config`, which does not read them).
+    pub fn new(
+        config: &'a Config,
+        table: &'a ProcessTable,
+        gpus: &GpuSnapshot,
+        guard: i32,
+    ) -> Self {
+        let gpu_holders = gpus
+            .devices
+            .iter()
+            .flat_map(|g| g.processes.iter())
+            .filter(|(_, bytes)| bytes.is_none_or(|b| b > 0))
+            .map(|(&pid, _)| pid)
+            .collect();
         let mut ancestors = HashSet::new();
         let mut at = (guard > 1).then(|| table.by_pid(guard)).flatten();
         // A cycle cannot happen in /proc but is bounded anyway (`insert` is false the second time).
@@ -114,6 +135,7 @@ impl<'a> NeverMembers<'a> {
             table,
             guard,
             ancestors,
+            gpu_holders,
         }
     }
 
@@ -158,7 +180,10 @@ impl<'a> NeverMembers<'a> {
 
     fn login_session(&self, p: &Process) -> bool {
         self.session_leader(p)
-            || (is_shell(&p.comm) && self.parent(p).is_some_and(|q| self.session_leader(q)))
+            || (is_shell(&p.comm)
+                && p.rss_bytes <= SESSION_SHELL_MAX_RSS
+                && !self.gpu_holders.contains(&p.pid)
+                && self.parent(p).is_some_and(|q| self.session_leader(q)))
     }
 
     /// sshd serving a login (root's, or a child of root's), or root's `login`.
@@ -325,7 +350,7 @@ pub fn survey(config: &Config, table: &ProcessTable, guard: i32) -> Survey {
         guard,
         &mut MatchCache::default(),
     );
-    let never = NeverMembers::new(config, table, guard);
+    let never = NeverMembers::new(config, table, &GpuSnapshot::default(), guard);
     let mut live: Vec<&Process> = table
         .processes
         .iter()

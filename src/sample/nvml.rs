@@ -11,7 +11,7 @@
 //! reading, never a dead sampler or a poisoned lock.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -99,11 +99,18 @@ pub struct NvmlGpuSource {
     started: Instant,
     xids: Arc<Mutex<Vec<XidEvent>>>,
     quit_events: Arc<AtomicBool>,
+    /// The PCI devices (`/sys/bus/pci/devices`): an NVIDIA GPU there is a GPU NVML does not
+    /// answer for yet (a driver installed at first boot), never "no GPU here".
+    pci_devices: PathBuf,
 }
+
+/// The PCI devices as the kernel lists them.
+const PCI_DEVICES: &str = "/sys/bus/pci/devices";
 
 impl NvmlGpuSource {
     pub fn new(library: Option<PathBuf>, retry_init: Duration) -> Self {
         NvmlGpuSource {
+            pci_devices: PathBuf::from(PCI_DEVICES),
             library,
             retry_init,
             nvml: None,
@@ -117,6 +124,12 @@ impl NvmlGpuSource {
             xids: Arc::default(),
             quit_events: Arc::default(),
         }
+    }
+
+    /// The same, with the PCI devices listed at `path` (tests).
+    pub fn with_pci_devices(mut self, path: impl Into<PathBuf>) -> Self {
+        self.pci_devices = path.into();
+        self
     }
 
     fn init(&mut self) -> Result<Arc<Nvml>, String> {
@@ -143,7 +156,7 @@ impl NvmlGpuSource {
             }
             Err(e) => {
                 self.last_error = describe_init_error(&e);
-                self.last_absent = means_no_driver(&e);
+                self.last_absent = means_no_driver(&e) && !nvidia_gpu_on_pci(&self.pci_devices);
                 Err(self.last_error.clone())
             }
         }
@@ -217,10 +230,24 @@ impl Drop for NvmlGpuSource {
     }
 }
 
+/// Whether an NVIDIA GPU (vendor 0x10de, a display or 3D controller: class 0x03xxxx) is on the
+/// PCI bus, whatever its driver: as the kernel lists it in `devices` (`/sys/bus/pci/devices`).
+fn nvidia_gpu_on_pci(devices: &Path) -> bool {
+    let Ok(entries) = std::fs::read_dir(devices) else {
+        return false;
+    };
+    let read = |dir: &Path, name: &str| std::fs::read_to_string(dir.join(name)).unwrap_or_default();
+    entries.flatten().any(|e| {
+        let dir = e.path();
+        read(&dir, "vendor").trim() == "0x10de" && read(&dir, "class").trim().starts_with("0x03")
+    })
+}
+
 /// NVML's answer means this host has no NVIDIA driver (no library to load): no GPU to place
-/// anything on. Any other failure leaves the GPUs unknown; a driver not loaded (yet) too: at
-/// boot the kernel module may come after gpuguard, and a launch unit refused at once (exit 65,
-/// not restarted) would never start.
+/// anything on, unless an NVIDIA GPU is on the PCI bus (`nvidia_gpu_on_pci`: the driver comes
+/// later, as on a Deep Learning VM's first boot). Any other failure leaves the GPUs unknown; a
+/// driver not loaded (yet) too: at boot the kernel module may come after gpuguard, and a launch
+/// unit refused at once (exit 65, not restarted) would never start.
 fn means_no_driver(e: &NvmlError) -> bool {
     matches!(e, NvmlError::LibloadingError(_))
 }
@@ -416,7 +443,9 @@ impl GpuSource for NvmlGpuSource {
             Ok(n) => n,
             Err(e) => {
                 let why = format!("NVML device count failed: {e}");
-                let absent = means_no_driver(&e) && self.seen.is_empty();
+                let absent = means_no_driver(&e)
+                    && self.seen.is_empty()
+                    && !nvidia_gpu_on_pci(&self.pci_devices);
                 if matches!(
                     e,
                     NvmlError::LibRmVersionMismatch
@@ -647,6 +676,35 @@ impl GpuMonitor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Round five (a hostile review of issue 40): with no NVML library a GPU request was refused
+    /// as never fitting (exit 65, not retried) although a GPU is on the bus and its driver comes
+    /// later (a Deep Learning VM installs it at first boot). No library means no GPU only while
+    /// no NVIDIA GPU is on the PCI bus.
+    #[test]
+    fn no_library_is_no_gpu_only_without_an_nvidia_gpu_on_the_bus() {
+        let bus = tempfile::tempdir().unwrap();
+        let device = |slot: &str, vendor: &str, class: &str| {
+            let dir = bus.path().join(slot);
+            std::fs::create_dir(&dir).unwrap();
+            std::fs::write(dir.join("vendor"), format!("{vendor}\n")).unwrap();
+            std::fs::write(dir.join("class"), format!("{class}\n")).unwrap();
+        };
+        // A virtio NIC and an NVIDIA audio function: no GPU.
+        device("0000:00:04.0", "0x1af4", "0x020000");
+        device("0000:00:05.1", "0x10de", "0x040300");
+        let mut source = NvmlGpuSource::new(
+            Some("/nonexistent/libnvidia-ml.so.1".into()),
+            Duration::ZERO,
+        )
+        .with_pci_devices(bus.path());
+        assert!(source.sample(false).absent, "no NVIDIA GPU on the bus");
+        device("0000:00:05.0", "0x10de", "0x030200");
+        assert!(
+            !source.sample(false).absent,
+            "an H100's 3D controller is a GPU"
+        );
+    }
 
     /// Panics on its first sample, then answers with one GPU.
     struct PanicsOnce {

@@ -139,24 +139,29 @@ fn config_errors_exit_2_naming_file_key_and_value() {
 
 /// Issue 40: what passed `check-config` and then stopped the daemon (with exit 1, which the
 /// unit restarts every second, the host unguarded) is refused by both, with exit 2 and the key:
-/// a webhook's missing secret file, a metrics port another program holds, a user this host
-/// does not know, a state directory others may write. `--portable` checks none of what
-/// depends on this host.
+/// a webhook's missing secret file, a metrics address that can never be bound here, a user this
+/// host does not know, a state directory others may write, a socket in a directory others may
+/// write. `--portable` checks none of what depends on this host. (A metrics port another program
+/// holds is not among them: `first_hour`.)
 #[test]
 fn host_config_errors_exit_2_from_check_config_and_the_daemon() {
     use std::os::unix::fs::PermissionsExt;
     let dir = tempfile::tempdir().unwrap();
-    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = taken.local_addr().unwrap();
     let write = |name: &str, text: &str| {
         let state = dir.path().join(format!("{name}-state"));
         let p = dir.path().join(format!("{name}.toml"));
+        let socket = match text.contains("[launch]") {
+            true => String::new(),
+            false => format!(
+                "[launch]\nsocket = \"{}\"\n",
+                dir.path().join(format!("{name}.sock")).display()
+            ),
+        };
         std::fs::write(
             &p,
             format!(
-                "[daemon]\nstate_dir = \"{}\"\n[gpu]\nenabled = false\n[launch]\nsocket = \"{}\"\n{text}",
+                "[daemon]\nstate_dir = \"{}\"\n[gpu]\nenabled = false\n{socket}{text}",
                 state.display(),
-                dir.path().join(format!("{name}.sock")).display()
             ),
         )
         .unwrap();
@@ -170,7 +175,17 @@ fn host_config_errors_exit_2_from_check_config_and_the_daemon() {
             missing.display()
         ),
     );
-    let port_taken = write("port", &format!("[metrics]\nlisten = \"{port}\"\n"));
+    // TEST-NET-1: never an address of this host.
+    let unbindable = write("port", "[metrics]\nlisten = \"192.0.2.1:9835\"\n");
+    let open_sockets = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(open_sockets.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let open_socket = write(
+        "socket",
+        &format!(
+            "[launch]\nsocket = \"{}\"\n",
+            open_sockets.path().join("g.sock").display()
+        ),
+    );
     let user = write("user", "[protect]\nusers = [\"gpuguard-no-such-user\"]\n");
     let open_dir = write("open", "");
     let open_state = dir.path().join("open-state");
@@ -179,9 +194,10 @@ fn host_config_errors_exit_2_from_check_config_and_the_daemon() {
     let cases = [
         (&secret, "alert.webhook[0].secret_file: secret_file '"),
         (
-            &port_taken,
-            &*format!("metrics.listen: '{port}' cannot be bound"),
+            &unbindable,
+            "metrics.listen: '192.0.2.1:9835' cannot be bound",
         ),
+        (&open_socket, "launch.socket: "),
         (&user, "'gpuguard-no-such-user' is not a known user"),
         (&open_dir, "daemon.state_dir: state directory"),
     ];

@@ -354,15 +354,13 @@ fn the_readme_commands_run_as_written_against_the_example_config() {
     assert!(text.contains(r#""text":"draugupg""#), "{text}");
 }
 
-/// A start that fails cleanly (a config that cannot work here: its metrics port is another
-/// program's) exits 2 before it records anything, so the next start on that state directory
+/// A start that fails cleanly (a config that cannot work here: its webhook's secret file is
+/// missing) exits 2 before it records anything, so the next start on that state directory
 /// reports no `previous_run_unclean`. (On the main of issue 40 it exited 1 after the flight
 /// recorder had begun, and the next start called it "killed or crashed".)
 #[test]
 fn a_start_that_fails_cleanly_is_not_taken_for_a_crash() {
     let dir = tempfile::tempdir().unwrap();
-    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = taken.local_addr().unwrap();
     let state = dir.path().join("state");
     let config = |extra: &str| {
         format!(
@@ -371,7 +369,10 @@ fn a_start_that_fails_cleanly_is_not_taken_for_a_crash() {
         )
     };
     let failing = dir.path().join("failing.toml");
-    let text = config(&format!("[metrics]\nlisten = \"{port}\"\n"));
+    let text = config(&format!(
+        "[[alert.webhook]]\nurl = \"http://127.0.0.1:9/hook\"\nsecret_file = \"{}\"\n",
+        dir.path().join("no-such-secret").display()
+    ));
     std::fs::write(&failing, text.replace("{state_dir}", &path(&state))).unwrap();
     let socket = dir.path().join("failing.sock");
     let lock = dir.path().join("enforce.lock");
@@ -384,13 +385,55 @@ fn a_start_that_fails_cleanly_is_not_taken_for_a_crash() {
     ];
     let (code, stderr) = run_to_exit(&args, &[("GPUGUARD_ENFORCE_LOCK", &lock)]);
     assert_eq!(code, Some(2), "{stderr}");
-    assert!(stderr.contains("metrics.listen"), "{stderr}");
-    drop(taken);
+    assert!(stderr.contains("secret_file"), "{stderr}");
     let daemon = GuardDaemon::start_in(dir, &config(""), &[]);
     daemon.wait_for_event("daemon_started", LONG, |_| true);
     let unclean = daemon.events_of("previous_run_unclean");
     assert!(
         unclean.is_empty(),
         "a clean failure taken for a crash: {unclean:#?}"
+    );
+}
+
+/// Round five (a hostile review of issue 40): any user who binds the metrics port first (a
+/// loopback port anyone may take) made root's daemon exit 2, which systemd never restarts: the
+/// guard off for good. Now it starts without its metrics, says so (a critical
+/// `metrics_unavailable`), guards, and serves them once the port is free.
+#[test]
+fn a_metrics_port_someone_else_holds_never_keeps_the_guard_down() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap();
+    let daemon = GuardDaemon::start(&format!(
+        "[daemon]\nstate_dir = \"{{state_dir}}\"\n[gpu]\nenabled = false\n\
+         [ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n\
+         [metrics]\nlisten = \"{port}\"\n"
+    ));
+    let said = daemon.wait_for_event("metrics_unavailable", LONG, |e| e["severity"] == "critical");
+    assert!(
+        said["summary"]
+            .as_str()
+            .unwrap_or("")
+            .contains("held by another program"),
+        "{said}"
+    );
+    // It guards meanwhile: its loop publishes.
+    daemon.next_tick_status();
+    drop(taken);
+    let scrape = || {
+        use std::io::Write;
+        let mut s = std::net::TcpStream::connect(port).ok()?;
+        write!(
+            s,
+            "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        .ok()?;
+        let mut text = String::new();
+        s.read_to_string(&mut text).ok()?;
+        text.contains("gpuguard_").then_some(text)
+    };
+    assert!(
+        wait_until(Duration::from_secs(60), || scrape().is_some()),
+        "metrics never served once the port was free:\n{}",
+        daemon.log_text()
     );
 }

@@ -538,3 +538,57 @@ fn what_protect_says_is_remembered_until_the_process_changes() {
         );
     }
 }
+
+/// Round five (a hostile review of issue 40): a process that calls itself `bash` under its
+/// session's sshd was left out of its user's model by its name alone: 200 MiB and 70 GiB of GPU
+/// memory under no budget, while the floor took another user's model. A session's shell is
+/// left out only while it is small and holds no GPU memory; more, and it is in its model.
+#[test]
+fn a_shell_that_holds_memory_is_in_its_users_model_whatever_its_name() {
+    let c = config("[[model]]\nname = \"alice\"\nmatch = { user = \"1000\" }\n");
+    let host = |shell_rss: u64| {
+        vec![
+            p(700, 1, 0, "sshd", "sshd"),
+            p(800, 700, 0, "sshd", "sshd: alice [priv]"),
+            p(801, 800, 1000, "sshd", "sshd: alice@pts/0"),
+            Process {
+                rss_bytes: shell_rss,
+                ..p(802, 801, 1000, "bash", "bash")
+            },
+        ]
+    };
+    let model_of = |procs: Vec<Process>, gpus: &GpuSnapshot| {
+        let t = table(procs);
+        let a = attribute(
+            &c,
+            &t,
+            gpus,
+            &HashMap::new(),
+            &BTreeMap::new(),
+            SELF_PID,
+            &mut MatchCache::default(),
+        );
+        a.model_of(t.processes[3].id())
+            .map(|m| a.models[m].name.clone())
+    };
+    let no_gpu = GpuSnapshot::default();
+    assert_eq!(
+        model_of(host(8 * MIB), &no_gpu),
+        None,
+        "a login shell is no model's"
+    );
+    assert_eq!(
+        model_of(host(200 * MIB), &no_gpu).as_deref(),
+        Some("alice"),
+        "200 MiB is not a shell's"
+    );
+    let on_gpu = GpuSnapshot {
+        devices: vec![gpu(0, 8 * GIB, &[(802, Some(GIB))])],
+        ..GpuSnapshot::default()
+    };
+    assert_eq!(
+        model_of(host(8 * MIB), &on_gpu).as_deref(),
+        Some("alice"),
+        "GPU memory is not a shell's"
+    );
+}
