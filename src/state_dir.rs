@@ -50,7 +50,7 @@ pub fn check_parent(path: &Path) -> Result<(), String> {
     for dir in real.ancestors() {
         let m = std::fs::metadata(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         let mode = m.mode();
-        let sticky = mode & libc::S_ISVTX as u32 != 0;
+        let sticky = mode & 0o1000 != 0;
         if (m.uid() != 0 && m.uid() != me) || (mode & 0o022 != 0 && !sticky) {
             return Err(format!(
                 "{} is not safe for it: {} is {} (owner uid {}, mode {:04o}), so another account \
