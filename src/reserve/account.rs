@@ -120,6 +120,12 @@ impl Account {
                 .is_some_and(|t| t.gpu_bytes.values().any(|&b| b > 0))
     }
 
+    /// Whether `holder`'s reservations have books here already: its own, or a place in the
+    /// shared ones.
+    pub fn has_books(&self, holder: ProcessId) -> bool {
+        self.holders.contains_key(&holder) || self.shared_holders.contains_key(&holder)
+    }
+
     /// A holder's books, new ones observed at rest from the latest reading.
     fn holder(&mut self, holder: ProcessId, capacity: &Capacity) -> &mut Books {
         self.holders.entry(holder).or_insert_with(|| {

@@ -113,9 +113,7 @@ impl Reservations {
         }
     }
 
-    /// `fit`, on a GPU reading taken after `fresh_after` only (the request's connection's
-    /// start): memory a client allocated before it asked (weights it just loaded) is in the
-    /// reading its requests are decided on.
+    /// `fit`, on a GPU reading that can decide it (`unread_for`).
     pub(super) fn fit_fresh(
         &self,
         peer: &Peer,
@@ -125,11 +123,39 @@ impl Reservations {
         fresh_after: Duration,
     ) -> Fit {
         match self.fit(peer, pool, demand, permit) {
-            Fit::Now { .. } if self.stale_for(demand, fresh_after) => {
-                Fit::Later(Shortfall::new(Short::Reading, FRESH_READING))
-            }
+            Fit::Now { gpus } => match self.unread_for(peer, pool, demand, fresh_after) {
+                Some(why) => Fit::Later(Shortfall::new(Short::Reading, why)),
+                None => Fit::Now { gpus },
+            },
             fit => fit,
         }
+    }
+
+    /// The GPU reading a permit request waits for before it is decided, if the latest will not
+    /// do: one taken after `fresh_after` (the request's connection's start: memory a client
+    /// allocated before it asked, weights it just loaded, is in the reading its requests are
+    /// decided on); and, while its caller has no books in `pool` yet, one that read the GPUs'
+    /// process lists. The books open on what that reading shows the caller holding: its
+    /// baseline, settled at once. Opened on lists of an earlier pass (most readings have none
+    /// while nothing is reserved), they would settle only once at rest, taking the cache its
+    /// first permits left for its own memory: its cache would never serve it again (issue 41's
+    /// caching server in no model, served 3 requests of 30).
+    pub(super) fn unread_for(
+        &self,
+        peer: &Peer,
+        pool: &Pool,
+        demand: &Demand,
+        fresh_after: Duration,
+    ) -> Option<&'static str> {
+        if self.stale_for(demand, fresh_after) {
+            return Some(FRESH_READING);
+        }
+        let opens_books = demand.gpu_bytes_total() > 0
+            && !self
+                .pools
+                .get(pool)
+                .is_some_and(|a| a.has_books(peer.process()));
+        (opens_books && self.capacity.gpu_processes_stale).then_some(PROCESS_LISTS)
     }
 
     pub(super) fn stale_for(&self, demand: &Demand, fresh_after: Duration) -> bool {
@@ -137,19 +163,24 @@ impl Reservations {
     }
 
     /// True while a GPU reading taken now could let a request in: one waits only for a reading
-    /// newer than itself, or a permit ended while requests wait (what became of its memory,
-    /// cached for its holder or free, is known from the first reading after its end). The loop
-    /// then has one taken at once, instead of at its next tick.
+    /// newer than itself or one with the process lists (`unread_for`), or a permit ended while
+    /// requests wait (what became of its memory, cached for its holder or free, is known from
+    /// the first reading after its end). The loop then has one taken at once, with the lists,
+    /// instead of at its next tick.
     pub fn wants_fresh_gpu(&self) -> bool {
-        let stale_head = self
-            .waiting
-            .values()
-            .filter_map(VecDeque::front)
-            .chain(self.launch_queue.front())
-            .any(|w| self.stale_for(&w.demand, w.fresh_after));
+        let unread_permit = self.waiting.iter().any(|(pool, q)| {
+            q.front().is_some_and(|w| {
+                self.unread_for(&w.peer, pool, &w.demand, w.fresh_after)
+                    .is_some()
+            })
+        });
+        let stale_launch = self
+            .launch_queue
+            .front()
+            .is_some_and(|w| self.stale_for(&w.demand, w.fresh_after));
         let ended_while_waiting = (!self.waiting.is_empty() || !self.launch_queue.is_empty())
             && self.pools.values().any(Account::ended_unseen);
-        stale_head || ended_while_waiting
+        unread_permit || stale_launch || ended_while_waiting
     }
 
     /// Whether `demand` would come wholly out of the memory its caller's processes already hold

@@ -11,7 +11,9 @@ impl Reservations {
         for pool in pools {
             while let Some(i) = self.waiting.get(&pool).and_then(|q| {
                 q.iter().position(|w| {
-                    let pending = self.stale_for(&w.demand, w.fresh_after);
+                    let pending = self
+                        .unread_for(&w.peer, &pool, &w.demand, w.fresh_after)
+                        .is_some();
                     w.deadline_with_grace(pending) <= now
                 })
             }) {
