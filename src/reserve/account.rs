@@ -158,6 +158,20 @@ impl Account {
             .sum()
     }
 
+    /// Of `gpu_promised`, what the reservations of the holders `whose` picks may still take.
+    pub fn gpu_promised_by(
+        &self,
+        gpu: u32,
+        consistent: bool,
+        whose: &dyn Fn(ProcessId) -> bool,
+    ) -> u64 {
+        self.holders
+            .values()
+            .chain([&self.shared])
+            .map(|b| b.promised_by(gpu, consistent, whose))
+            .sum()
+    }
+
     /// The same, seen by `holder`'s next request: the cache of the books it draws on counts
     /// (may be negative).
     pub fn gpu_promised_to(

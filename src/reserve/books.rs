@@ -423,6 +423,32 @@ impl Books {
             .fold(0u64, u64::saturating_add)
     }
 
+    /// Of what these books promise on `gpu`, the part that reservations of the holders `whose`
+    /// picks may still take: no more than what those reservations hold, may strand and held
+    /// when they ended unseen.
+    pub(super) fn promised_by(
+        &self,
+        gpu: u32,
+        consistent: bool,
+        whose: impl Fn(ProcessId) -> bool,
+    ) -> u64 {
+        let theirs = self
+            .sizes
+            .iter()
+            .filter(|(h, _)| whose(**h))
+            .map(|(_, s)| s.reserved(gpu).saturating_add(s.stranded_with(gpu, 0)))
+            .chain(
+                self.ended
+                    .get(&gpu)
+                    .into_iter()
+                    .flatten()
+                    .filter(|e| whose(e.holder))
+                    .map(|e| e.bytes),
+            )
+            .fold(0u64, u64::saturating_add);
+        (self.promised(gpu, consistent).max(0) as u64).min(theirs)
+    }
+
     /// `holder`'s smallest reservation on `gpu` since the baseline (0: none).
     fn smallest_of(&self, holder: ProcessId, gpu: u32) -> u64 {
         self.sizes.get(&holder).map_or(0, |s| on(&s.smallest, gpu))

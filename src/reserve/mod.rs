@@ -15,7 +15,9 @@
 //!
 //! Bounds: launches per uid, permits held and waiting per uid and in all, waiting requests per
 //! pool, the TTL and timeout of each request, the length of every string. Whatever local users
-//! send, the ledger's size stays proportional to those caps.
+//! send, the ledger's size stays proportional to those caps. And memory: what one uid holds
+//! reserved, and what all accounts other than root hold reserved and not yet in use, together
+//! (`rooms.rs`): root keeps the rest.
 
 pub mod account;
 mod books;

@@ -1,5 +1,6 @@
 //! The room a demand has: free memory less the floors and every other pool's promises, then a
-//! model's slots and budget and a uid's cap; whether a request is held in its caller's own cache.
+//! model's slots and budget, a uid's cap and the other accounts' share (root keeps the rest);
+//! whether a request is held in its caller's own cache.
 
 use super::*;
 
@@ -94,6 +95,7 @@ impl Reservations {
             return Fit::Never(s);
         }
         let mut limits = self.uid_cap_fit(peer.uid, pool, demand);
+        limits.extend(self.others_share_fit(peer.uid, pool, demand));
         if let Some(name) = pool {
             if let Some(model) = self.model_config(name) {
                 limits.extend(self.budget_fit(name, model, demand, permit));
@@ -207,6 +209,16 @@ impl Reservations {
             })
     }
 
+    /// Root, and a uid the config names for the `[[model]]` it asks for (the model's budget
+    /// bounds it): the reservation caps are not theirs.
+    fn uncapped(&self, uid: u32, pool: &Pool) -> bool {
+        let named = pool
+            .as_deref()
+            .and_then(|name| self.config.model(name))
+            .is_some_and(|m| m.allowed_users().may_act(uid));
+        uid == 0 || named
+    }
+
     /// `[clients] max_reserved_per_uid` (half of the memory by default): what a uid holds
     /// reserved (loading launches and permits) plus `demand`, against the cap: what it is short
     /// of (none when within it). Root is not capped, nor a uid the config names for the model
@@ -215,11 +227,7 @@ impl Reservations {
         let Some(cap) = self.config.clients.max_reserved_per_uid else {
             return Vec::new();
         };
-        let named = pool
-            .as_deref()
-            .and_then(|name| self.config.model(name))
-            .is_some_and(|m| m.allowed_users().may_act(uid));
-        if uid == 0 || named {
+        if self.uncapped(uid, pool) {
             return Vec::new();
         }
         let (gpu_held, ram_held) = self
@@ -244,6 +252,71 @@ impl Reservations {
             limit_fit(Short::UidCap, held, asked, limit, || {
                 format!(
                     "uid {uid}: {what} {} reserved + {} asked > {} (clients.max_reserved_per_uid)",
+                    fmt_bytes(held),
+                    fmt_bytes(asked),
+                    fmt_bytes(limit)
+                )
+            })
+        };
+        [
+            check(gpu_held, demand.gpu_bytes_total(), gpu_total, "GPU memory"),
+            check(ram_held, demand.ram_bytes, self.capacity.ram.total, "RAM"),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
+    }
+
+    /// `[clients] max_reserved` (half of the memory by default): what all accounts other than
+    /// root hold reserved and not yet in use, together (loading launches and permits, as far as
+    /// no memory their processes took backs them: what their books still promise), plus
+    /// `demand`, against the cap: what it is short of (none when within it). However many
+    /// accounts (or subordinate uids of one user) reserve memory they never use, root keeps the
+    /// rest: root is not capped, nor a uid the config names for the model it asks for (the
+    /// model's budget bounds them), as for `max_reserved_per_uid`.
+    pub(super) fn others_share_fit(&self, uid: u32, pool: &Pool, demand: &Demand) -> Vec<Fit> {
+        let Some(cap) = self.config.clients.max_reserved else {
+            return Vec::new();
+        };
+        if self.uncapped(uid, pool) {
+            return Vec::new();
+        }
+        let others: std::collections::HashSet<ProcessId> = self
+            .holdings
+            .values()
+            .filter(|h| h.peer.uid != 0 && h.reserving())
+            .map(|h| h.peer.process())
+            .collect();
+        let whose = |p: ProcessId| others.contains(&p);
+        let consistent = self.capacity.gpu_consistent;
+        let gpu_held: u64 = self
+            .capacity
+            .gpus
+            .iter()
+            .flat_map(|g| {
+                self.pools
+                    .values()
+                    .map(move |a| a.gpu_promised_by(g.index, consistent, &whose))
+            })
+            .sum();
+        let ram_held: u64 = self
+            .holdings
+            .values()
+            .filter(|h| h.peer.uid != 0 && h.reserving())
+            .map(|h| h.ram_bytes)
+            .sum();
+        let gpu_total = self
+            .capacity
+            .gpus
+            .iter()
+            .map(|g| g.total)
+            .sum::<Option<u64>>()
+            .filter(|&t| t > 0);
+        let check = |held: u64, asked: u64, total: Option<u64>, what: &str| {
+            let limit = cap.resolve(total)?;
+            limit_fit(Short::UidCap, held, asked, limit, || {
+                format!(
+                    "accounts other than root: {what} {} reserved and not in use + {} asked > {} (clients.max_reserved)",
                     fmt_bytes(held),
                     fmt_bytes(asked),
                     fmt_bytes(limit)

@@ -97,3 +97,91 @@ fn a_holders_own_mixed_sizes_still_keep_room_for_what_they_may_strand() {
     assert!(message.contains("promised 69.0 GiB"), "{message}");
     granted(t.acquire(2, permit(None, 1, 1), Duration::ZERO));
 }
+
+fn launch(t: &mut Reservations, conn: ConnId, model: &str, gib: u64) -> Option<Response> {
+    let request = LaunchRequest {
+        model: model.into(),
+        gpu_memory_bytes: Some(gib * GIB),
+        command: vec!["serve".into()],
+        ..Default::default()
+    };
+    t.launch(
+        conn,
+        request,
+        Arc::new(FakeProcess::default()),
+        Duration::ZERO,
+    )
+}
+
+#[test]
+fn accounts_other_than_root_never_reserve_roots_share_with_memory_they_do_not_use() {
+    // The review: bob launched a model declaring 34 GiB, released it, and kept renewing a
+    // 34 GiB permit of it; alice launched one declaring 34 GiB that never loads. Each within
+    // its own cap (half the card), together 68 of the 69 GiB above the floor with 1 GiB used:
+    // root's 10 GiB launch and root's permit waited out their timeouts (exit 75).
+    let mut t = ledger("", &[BOB, ALICE, 0, 0]);
+    let lease = match launch(&mut t, 1, "m", 34) {
+        Some(Response::Admitted { lease, .. }) => lease,
+        other => panic!("bob's launch: {other:?}"),
+    };
+    t.release_lease(peer(BOB, 100), lease, Duration::ZERO);
+    let mut later = card_80();
+    later.gpu_sampled_at = Some(Duration::from_millis(1));
+    t.tick(Duration::from_millis(1), later);
+    granted(t.acquire(1, permit(Some("m"), 34, 1), Duration::ZERO));
+    match launch(&mut t, 2, "never", 34) {
+        Some(Response::Queued { waiting_for, .. }) => assert!(
+            waiting_for.contains("34.0 GiB reserved and not in use + 34.0 GiB asked > 40.0 GiB")
+                && waiting_for.contains("clients.max_reserved"),
+            "{waiting_for}"
+        ),
+        other => panic!("alice's launch: {other:?}"),
+    }
+    // Root's launch and root's permit find the memory the others' cap leaves them.
+    let admitted = launch(&mut t, 3, "roots", 10);
+    assert!(
+        matches!(admitted, Some(Response::Admitted { .. })),
+        "{admitted:?}"
+    );
+    granted(t.acquire(4, permit(None, 10, 1), Duration::ZERO));
+}
+
+#[test]
+fn one_users_subordinate_uids_share_the_others_cap() {
+    // Two uids of one person (or two accounts) each within their own cap: together they may
+    // not promise more than the others' share.
+    let mut t = ledger(
+        "[permits]\nusers = [\"1001\", \"1003\"]\n",
+        &[ALICE, 1003, 0],
+    );
+    granted(t.acquire(1, permit(None, 30, 1), Duration::ZERO));
+    let message = refused(&mut t, 2, permit(None, 30, 1));
+    assert!(message.contains("(clients.max_reserved)"), "{message}");
+    granted(t.acquire(3, permit(None, 30, 1), Duration::ZERO));
+}
+
+#[test]
+fn memory_their_processes_took_no_longer_counts_against_the_others_share() {
+    // Alice's process holds 4 GiB of weights and grows into its 30 GiB permit: what it took
+    // backs the permit, and bob's 30 GiB fits the others' share beside it.
+    let mut t = ledger("[permits]\nusers = [\"1001\", \"1002\"]\n", &[ALICE, BOB]);
+    let alice = |held_gib: u64, at_ms: u64| {
+        let mut c = card_80();
+        c.gpus[0].free = Some((79 - held_gib) * GIB);
+        let tree = TreeUse {
+            gpu_bytes: BTreeMap::from([(0, held_gib * GIB)]),
+            members: 1,
+            ..Default::default()
+        };
+        c.trees.insert(peer(ALICE, 100).process(), tree);
+        c.gpu_sampled_at = Some(Duration::from_millis(at_ms));
+        c
+    };
+    t.tick(Duration::from_millis(1), alice(4, 1));
+    let now = Duration::from_millis(2);
+    granted(t.acquire(1, permit(None, 30, 1), now));
+    let message = refused(&mut t, 2, permit(None, 30, 1));
+    assert!(message.contains("(clients.max_reserved)"), "{message}");
+    t.tick(Duration::from_millis(3), alice(34, 3));
+    granted(t.acquire(2, permit(None, 30, 2), Duration::from_millis(3)));
+}
