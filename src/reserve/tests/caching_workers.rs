@@ -719,7 +719,9 @@ proptest! {
 /// has the process lists only while a reservation is out or waits, on every other tick while
 /// idle (a process scan is due), or when a request waits for a reading (then the loop is woken
 /// once it is in). The server connects at `phase` ms, sends its first burst 2 ms later, and
-/// takes a granted request's memory `alloc_ms` after the grant.
+/// takes a granted request's memory `alloc_ms` after the grant; a `cold` one holds nothing
+/// until its first request (CUDA initialised lazily: its context comes with that request's
+/// memory). It gives its cache back when asked (`trim`), as the Python client has PyTorch do.
 mod host_pool {
     use super::*;
 
@@ -754,6 +756,7 @@ mod host_pool {
 
     struct Run {
         t: Reservations,
+        cold: bool,
         card: Card,
         server: Caching,
         unattributed: Unattributed,
@@ -772,18 +775,21 @@ mod host_pool {
     }
 
     impl Run {
-        fn new() -> Run {
+        fn new(cold: bool) -> Run {
             let mut card = Card {
                 total: 16 * GIB,
                 held: BTreeMap::new(),
             };
-            assert!(card.malloc(PID, CONTEXT + WEIGHTS));
+            if !cold {
+                assert!(card.malloc(PID, CONTEXT + WEIGHTS));
+            }
             let mut unattributed = Unattributed::default();
             let latest = host_reading(&card, &card.held, true, 0, &mut unattributed);
             let mut t = Reservations::new(config(""));
             t.tick(Duration::ZERO, latest.clone());
             Run {
                 t,
+                cold,
                 listed: card.held.clone(),
                 card,
                 server: Caching::default(),
@@ -822,6 +828,7 @@ mod host_pool {
                     self.jobs
                         .retain(|j| !matches!(j, Job::Waiting(i) if Some(*i) == id));
                 }
+                Response::Trim { .. } => self.server.release_cached(&mut self.card, PID),
                 _ => {}
             }
         }
@@ -871,6 +878,9 @@ mod host_pool {
             for i in 0..self.jobs.len() {
                 match self.jobs[i] {
                     Job::Granted { permit, at } if ms >= at + alloc_ms => {
+                        if self.cold && !self.card.held.contains_key(&PID) {
+                            assert!(self.card.malloc(PID, CONTEXT), "the context fits");
+                        }
                         let Some(handle) = self.server.alloc(&mut self.card, PID, REQUEST) else {
                             return Err(format!("CUDA OOM under permit {permit} at {ms} ms"));
                         };
@@ -944,8 +954,8 @@ mod host_pool {
         c
     }
 
-    pub(super) fn run(phase: u64, alloc_ms: u64) -> Result<Served, String> {
-        let mut run = Run::new();
+    pub(super) fn run(phase: u64, alloc_ms: u64, cold: bool) -> Result<Served, String> {
+        let mut run = Run::new(cold);
         let conn = PID as ConnId;
         let mut next_burst = Some(phase + 2);
         let mut bursts = 0;
@@ -999,7 +1009,7 @@ fn a_caching_server_in_no_model_is_served_from_its_own_cache_whatever_the_sampli
     let mut failed = Vec::new();
     for phase in 1..=2 * 200 {
         let alloc_ms = [0, 1, 5, 60][phase as usize % 4];
-        let served = host_pool::run(phase, alloc_ms);
+        let served = host_pool::run(phase, alloc_ms, false);
         let all = host_pool::Served {
             served: 30,
             refused: 0,
@@ -1010,4 +1020,23 @@ fn a_caching_server_in_no_model_is_served_from_its_own_cache_whatever_the_sampli
         }
     }
     assert!(failed.is_empty(), "(phase, alloc_ms, served): {failed:?}");
+}
+
+#[test]
+fn a_caching_server_in_no_model_that_held_nothing_at_its_first_request_gets_its_cache_back() {
+    // A server that initialises CUDA with its first request: its first permits are set against
+    // free memory in full (it held nothing of its own), and once they end everything it holds,
+    // their cache included, is its baseline (NVML cannot tell them apart). Asked to give back
+    // what it may cache, as a model's server is, it is served again; in no model it never was.
+    let mut failed = Vec::new();
+    for phase in (1..=2 * 200).step_by(7) {
+        let served = host_pool::run(phase, 1, true);
+        if !served
+            .as_ref()
+            .is_ok_and(|s| s.served == 30 && s.refused == 0)
+        {
+            failed.push((phase, served));
+        }
+    }
+    assert!(failed.is_empty(), "(phase, served): {failed:?}");
 }
