@@ -26,6 +26,11 @@ pub struct ClientsConfig {
     /// of all GPU memory (and, separately, of RAM); half by default. Root is not capped, nor a
     /// `[[model]]`'s users for that model ("100%" turns the cap off).
     pub max_reserved_per_uid: Option<Amount>,
+    /// What all accounts other than root may hold reserved at once, together, of what their
+    /// processes have not taken yet (loading launches, permits their processes did not grow
+    /// into): a size or a share, as `max_reserved_per_uid`; half by default, the rest stays for
+    /// root. Root is not capped, nor a `[[model]]`'s users for that model.
+    pub max_reserved: Option<Amount>,
 }
 
 impl Default for ClientsConfig {
@@ -38,6 +43,7 @@ impl Default for ClientsConfig {
             max_leases: 256,
             idle_timeout: Duration::from_secs(60),
             max_reserved_per_uid: Some(Amount::Percent(50.0)),
+            max_reserved: Some(Amount::Percent(50.0)),
         }
     }
 }

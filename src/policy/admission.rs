@@ -113,7 +113,8 @@ pub enum Short {
     MaxPermits,
     /// The model's budget.
     Budget,
-    /// The uid's share (`[clients] max_reserved_per_uid`).
+    /// The uid's share, or all accounts' other than root (`[clients] max_reserved_per_uid`,
+    /// `max_reserved`).
     UidCap,
     /// Its turn: requests of its pool ahead of it.
     Turn,

@@ -23,8 +23,9 @@ pub struct Account {
     /// The books of each holder whose processes hold GPU memory.
     holders: BTreeMap<ProcessId, Books>,
     /// Reservations of holders whose processes hold no GPU memory (a front end whose model's
-    /// memory is in other processes), together: set against the model's memory outside every
-    /// holder's tree.
+    /// memory is in other processes, `gpuguard permit -- CMD` before CMD allocates), together:
+    /// set against the model's memory outside every holder's tree. They share reservations, not
+    /// allowances: what mixed sizes may strand is each holder's own (`Books::sizes`).
     shared: Books,
     /// The holders in `shared`, with their reservations there.
     shared_holders: BTreeMap<ProcessId, usize>,
@@ -119,10 +120,16 @@ impl Account {
                 .is_some_and(|t| t.gpu_bytes.values().any(|&b| b > 0))
     }
 
+    /// Whether `holder`'s reservations have books here already: its own, or a place in the
+    /// shared ones.
+    pub fn has_books(&self, holder: ProcessId) -> bool {
+        self.holders.contains_key(&holder) || self.shared_holders.contains_key(&holder)
+    }
+
     /// A holder's books, new ones observed at rest from the latest reading.
     fn holder(&mut self, holder: ProcessId, capacity: &Capacity) -> &mut Books {
         self.holders.entry(holder).or_insert_with(|| {
-            let mut books = Books::default();
+            let mut books = Books::of(holder);
             observe_holder(&mut books, holder, capacity);
             books
         })
@@ -148,6 +155,20 @@ impl Account {
             .values()
             .chain([&self.shared])
             .map(|b| b.promised(gpu, consistent).max(0) as u64)
+            .sum()
+    }
+
+    /// Of `gpu_promised`, what the reservations of the holders `whose` picks may still take.
+    pub fn gpu_promised_by(
+        &self,
+        gpu: u32,
+        consistent: bool,
+        whose: &dyn Fn(ProcessId) -> bool,
+    ) -> u64 {
+        self.holders
+            .values()
+            .chain([&self.shared])
+            .map(|b| b.promised_by(gpu, consistent, whose))
             .sum()
     }
 
@@ -188,7 +209,7 @@ impl Account {
             (true, None) => (&none, &self.shared),
             (false, _) => (&self.shared, &none),
         };
-        let mine = draws_on.promised_to_self_with(gpu, consistent, extra) - extra as i64;
+        let mine = draws_on.promised_to_self_with(holder, gpu, consistent, extra) - extra as i64;
         others + mine + shared.promised(gpu, consistent).max(0)
     }
 
@@ -197,7 +218,7 @@ impl Account {
         self.holders
             .iter()
             .filter_map(|(h, b)| {
-                let cached = -b.promised_to_self(gpu, capacity.gpu_consistent);
+                let cached = -b.promised_to_self(*h, gpu, capacity.gpu_consistent);
                 (cached > 0).then_some((*h, cached as u64))
             })
             .collect()
@@ -234,7 +255,7 @@ impl Account {
     pub fn outgrows_cache(&self, holder: ProcessId, gpu: u32, bytes: u64) -> bool {
         self.holders
             .get(&holder)
-            .is_some_and(|b| b.outgrows(gpu, bytes))
+            .is_some_and(|b| b.outgrows(holder, gpu, bytes))
     }
 
     /// Whether `bytes` more for `holder` on `gpu` come wholly out of its own cache.
@@ -246,10 +267,9 @@ impl Account {
         bytes: u64,
     ) -> bool {
         self.own_books(holder, capacity)
-            && self
-                .holders
-                .get(&holder)
-                .is_some_and(|b| b.promised_to_self_with(gpu, capacity.gpu_consistent, bytes) <= 0)
+            && self.holders.get(&holder).is_some_and(|b| {
+                b.promised_to_self_with(holder, gpu, capacity.gpu_consistent, bytes) <= 0
+            })
     }
 
     /// The same for host RAM: always the whole reservation (see the module doc).
@@ -284,12 +304,13 @@ impl Account {
         now: Duration,
     ) {
         if self.own_books(holder, capacity) {
-            self.holder(holder, capacity).reserve(gpus, per_gpu, now);
+            self.holder(holder, capacity)
+                .reserve(holder, gpus, per_gpu, now);
         } else {
-            self.shared.reserve(gpus, per_gpu, now);
+            self.shared.reserve(holder, gpus, per_gpu, now);
             *self.shared_holders.entry(holder).or_default() += 1;
         }
-        self.pool.reserve(gpus, per_gpu, now);
+        self.pool.reserve(holder, gpus, per_gpu, now);
         self.reserved_ram += ram_bytes;
     }
 
@@ -300,15 +321,15 @@ impl Account {
         now: Duration,
     ) {
         if let Some(n) = self.shared_holders.get_mut(&holder) {
-            self.shared.unreserve(gpus, per_gpu, now);
+            self.shared.unreserve(holder, gpus, per_gpu, now);
             *n -= 1;
             if *n == 0 {
                 self.shared_holders.remove(&holder);
             }
         } else if let Some(books) = self.holders.get_mut(&holder) {
-            books.unreserve(gpus, per_gpu, now);
+            books.unreserve(holder, gpus, per_gpu, now);
         }
-        self.pool.unreserve(gpus, per_gpu, now);
+        self.pool.unreserve(holder, gpus, per_gpu, now);
         self.reserved_ram = self.reserved_ram.saturating_sub(ram_bytes);
     }
 

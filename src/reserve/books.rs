@@ -30,6 +30,10 @@
 //! - A reservation larger than the smallest since the baseline may fit none of the holder's cached
 //!   segments: for everyone, its own next permits included, it draws on free memory in full
 //!   (PyTorch takes a new segment while free memory lasts and keeps its cache).
+//! - Sizes are the holder's: what mixed sizes may strand, and which reservations are larger than
+//!   the smallest, are reckoned on each holder's own reservations ([`Sizes`]), never across the
+//!   holders of shared books (each has its own allocator: one holder's 35 GiB permit strands
+//!   nothing in another's). Shared books share reservations, not allowances.
 //! - Memory of a reservation that ended stays promised (to the others) until a reading sampled
 //!   after the end shows what became of it: a caching allocator keeps it.
 //! - Host RAM is read by process scans, never together with MemAvailable: a RAM reservation is
@@ -37,6 +41,8 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
+
+use crate::snapshot::ProcessId;
 
 /// GPU memory per GPU index.
 pub(super) type PerGpu = BTreeMap<u32, u64>;
@@ -55,11 +61,11 @@ pub struct Books {
     /// The most reserved at once on each GPU since the baseline was taken: the most cache its
     /// own reservations may count on.
     pub(super) peak_reserved: PerGpu,
-    /// The sizes of the reservations out, per GPU (size -> how many), and the largest and
-    /// smallest one since the baseline was taken (see `stranded` and `outgrowing`).
-    pub(super) out: BTreeMap<u32, BTreeMap<u64, u64>>,
-    pub(super) largest: PerGpu,
-    pub(super) smallest: PerGpu,
+    /// The sizes of each holder's reservations (see [`Sizes`]): kept while it has some out or
+    /// ended unseen, and for good for the holder whose own books these are (`own`: the sizes
+    /// describe its cache).
+    pub(super) sizes: BTreeMap<ProcessId, Sizes>,
+    pub(super) own: Option<ProcessId>,
     /// What it holds for itself, once settled.
     pub(super) base: Option<PerGpu>,
     pub(super) usage: PerGpu,
@@ -74,11 +80,12 @@ pub struct Books {
     pub(super) quiet_readings: u8,
     /// The sample time of the latest reading.
     pub(super) last_sample: Option<Duration>,
-    /// What reservations that ended held, per GPU, with when they ended, until a reading sampled
-    /// after that shows what became of the memory: a caching allocator keeps it, so until then
-    /// it stays promised. Under steady traffic permits end between every two readings: each
-    /// one is let go by the first reading after its own end, not after the last change.
-    pub(super) ended: BTreeMap<u32, VecDeque<(Duration, u64)>>,
+    /// What reservations that ended held, per GPU, with when they ended and whose they were,
+    /// until a reading sampled after that shows what became of the memory: a caching allocator
+    /// keeps it, so until then it stays promised. Under steady traffic permits end between
+    /// every two readings: each one is let go by the first reading after its own end, not after
+    /// the last change.
+    pub(super) ended: BTreeMap<u32, VecDeque<Ended>>,
     /// What the holder's allocator said it caches, per GPU, with when it was read (daemon
     /// clock): the latest report that a reading sampled after it has come in since. A report
     /// counts memory its permits took since the last reading as held, while that reading's free
@@ -95,15 +102,132 @@ pub struct Books {
     pub(super) steady_since: Option<Duration>,
 }
 
+/// A reservation that ended: when, what it held, whose it was.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Ended {
+    pub(super) at: Duration,
+    pub(super) bytes: u64,
+    pub(super) holder: ProcessId,
+}
+
+/// The sizes of one holder's reservations in a set of books since the baseline was taken: what
+/// its mixed sizes may strand (`stranded_with`) and which of its reservations are larger than
+/// its smallest (`Books::outgrowing`). They describe the segments of the holder's own allocator.
+#[derive(Debug, Default)]
+pub(super) struct Sizes {
+    /// Per GPU: size -> how many are out (slots of size 0 take no block and are not counted).
+    pub(super) out: BTreeMap<u32, BTreeMap<u64, u64>>,
+    /// The most it had out at once on each GPU.
+    pub(super) peak: PerGpu,
+    pub(super) largest: PerGpu,
+    pub(super) smallest: PerGpu,
+}
+
+impl Sizes {
+    /// How many reservations are out on `gpu` (slots aside).
+    fn count(&self, gpu: u32) -> u64 {
+        self.out.get(&gpu).map_or(0, |sizes| sizes.values().sum())
+    }
+
+    /// What its reservations out hold on `gpu`.
+    fn reserved(&self, gpu: u32) -> u64 {
+        self.out.get(&gpu).map_or(0, |sizes| {
+            sizes.iter().fold(0u64, |sum, (size, n)| {
+                sum.saturating_add(size.saturating_mul(*n))
+            })
+        })
+    }
+
+    fn reserve(&mut self, gpu: u32, size: u64) {
+        if size > 0 {
+            *self.out.entry(gpu).or_default().entry(size).or_default() += 1;
+            self.note(gpu, size);
+        }
+        let reserved = self.reserved(gpu);
+        let peak = self.peak.entry(gpu).or_default();
+        *peak = (*peak).max(reserved);
+    }
+
+    fn unreserve(&mut self, gpu: u32, size: u64) {
+        if let Some(sizes) = self.out.get_mut(&gpu) {
+            if let Some(n) = sizes.get_mut(&size) {
+                *n -= 1;
+            }
+            sizes.retain(|_, n| *n > 0);
+        }
+        self.out.retain(|_, sizes| !sizes.is_empty());
+    }
+
+    /// A reservation of `size` on `gpu`: the largest and smallest since the baseline.
+    fn note(&mut self, gpu: u32, size: u64) {
+        let largest = self.largest.entry(gpu).or_default();
+        *largest = (*largest).max(size);
+        let smallest = self.smallest.entry(gpu).or_insert(size);
+        *smallest = (*smallest).min(size);
+    }
+
+    /// Its sizes from a new baseline on: those of its reservations still out and of `ended`
+    /// (ended, no reading since) still describe blocks it holds or will hold.
+    fn restart(&mut self, ended: impl Iterator<Item = (u32, u64)>) {
+        self.largest.clear();
+        self.smallest.clear();
+        self.peak.clear();
+        let out: Vec<(u32, u64)> = self
+            .out
+            .iter()
+            .flat_map(|(g, sizes)| sizes.keys().map(|s| (*g, *s)))
+            .collect();
+        for (g, size) in out.into_iter().chain(ended).filter(|(_, s)| *s > 0) {
+            self.note(g, size);
+        }
+        let gpus: Vec<u32> = self.out.keys().copied().collect();
+        for g in gpus {
+            let reserved = self.reserved(g);
+            self.peak.insert(g, reserved);
+        }
+    }
+
+    /// What its reservations out may strand: a caching allocator serves a request from a larger
+    /// free block by splitting it, and the rest of that segment can then neither serve a larger
+    /// request nor go back to the driver until the request ends (PyTorch's "reserved but
+    /// unallocated" in its OOM message). Each segment was made for one earlier request of this
+    /// holder, so a reservation strands at most its largest one's size less its own: nothing at
+    /// all while every request has the same size. `extra`: as if it had one more reservation of
+    /// that size out (none if 0).
+    fn stranded_with(&self, gpu: u32, extra: u64) -> u64 {
+        let n = self.count(gpu) + u64::from(extra > 0);
+        let reserved = self.reserved(gpu).saturating_add(extra);
+        // No more than the most its permits ever held at once: a cache is made of their blocks.
+        n.saturating_mul(on(&self.largest, gpu).max(extra))
+            .saturating_sub(reserved)
+            .min(on(&self.peak, gpu).max(reserved))
+    }
+
+    /// What its reservations out on `gpu` larger than its smallest since the baseline hold.
+    fn larger_than_smallest(&self, gpu: u32) -> u64 {
+        let smallest = on(&self.smallest, gpu);
+        self.out.get(&gpu).map_or(0, |sizes| {
+            sizes
+                .range(smallest.saturating_add(1)..)
+                .fold(0u64, |sum, (size, n)| {
+                    sum.saturating_add(size.saturating_mul(*n))
+                })
+        })
+    }
+
+    fn idle(&self) -> bool {
+        self.out.is_empty()
+    }
+}
+
 impl Default for Books {
     /// Books that never had a reservation: at rest.
     fn default() -> Books {
         Books {
             reserved: PerGpu::new(),
             peak_reserved: PerGpu::new(),
-            out: BTreeMap::new(),
-            largest: PerGpu::new(),
-            smallest: PerGpu::new(),
+            sizes: BTreeMap::new(),
+            own: None,
             base: None,
             usage: PerGpu::new(),
             members: None,
@@ -120,6 +244,14 @@ impl Default for Books {
 }
 
 impl Books {
+    /// The books of `holder`'s own processes.
+    pub(super) fn of(holder: ProcessId) -> Books {
+        Books {
+            own: Some(holder),
+            ..Books::default()
+        }
+    }
+
     pub(super) fn idle(&self) -> bool {
         self.reserved.values().all(|&b| b == 0)
     }
@@ -171,9 +303,16 @@ impl Books {
         }
         if let (true, Some(at)) = (new_sample, sampled_at) {
             for ends in self.ended.values_mut() {
-                ends.retain(|(ended_at, _)| *ended_at >= at);
+                ends.retain(|e| e.at >= at);
             }
             self.ended.retain(|_, ends| !ends.is_empty());
+            // Another holder's sizes go with its last reservation seen ended: in books not its
+            // own it holds no cache they describe.
+            let ending: BTreeSet<ProcessId> =
+                self.ended.values().flatten().map(|e| e.holder).collect();
+            let own = self.own;
+            self.sizes
+                .retain(|h, s| Some(*h) == own || !s.idle() || ending.contains(h));
         }
         self.last_sample = sampled_at;
         let at_rest = self.idle() && self.quiet_readings >= 2 && consistent;
@@ -214,91 +353,105 @@ impl Books {
     /// describe blocks it holds or will hold.
     pub(super) fn forget_sizes(&mut self) {
         self.peak_reserved = self.reserved.clone();
-        self.largest.clear();
-        self.smallest.clear();
-        let out = self
-            .out
-            .iter()
-            .flat_map(|(g, sizes)| sizes.keys().map(|s| (*g, *s)));
-        let ended = self
-            .ended
-            .iter()
-            .flat_map(|(g, ends)| ends.iter().map(|(_, s)| (*g, *s)));
-        let sizes: Vec<(u32, u64)> = out.chain(ended).filter(|(_, s)| *s > 0).collect();
-        for (g, size) in sizes {
-            self.note_size(g, size);
+        let ended = &self.ended;
+        for (holder, sizes) in self.sizes.iter_mut() {
+            let its_ends = ended.iter().flat_map(|(g, ends)| {
+                ends.iter()
+                    .filter(|e| e.holder == *holder)
+                    .map(|e| (*g, e.bytes))
+            });
+            sizes.restart(its_ends);
         }
     }
 
-    /// How many reservations are out on `gpu` (slots of size 0 aside).
-    pub(super) fn count(&self, gpu: u32) -> u64 {
-        self.out.get(&gpu).map_or(0, |sizes| sizes.values().sum())
-    }
-
-    pub(super) fn reserve(&mut self, gpus: &[u32], per_gpu: u64, now: Duration) {
+    /// `holder` reserved `per_gpu` on each of `gpus` at `now`.
+    pub(super) fn reserve(&mut self, holder: ProcessId, gpus: &[u32], per_gpu: u64, now: Duration) {
         self.changed(now);
+        let sizes = self.sizes.entry(holder).or_default();
         for g in gpus {
             let r = self.reserved.entry(*g).or_default();
             *r += per_gpu;
             let peak = self.peak_reserved.entry(*g).or_default();
             *peak = (*peak).max(*r);
-            if per_gpu > 0 {
-                // A slot (size 0) takes no block and strands nothing.
-                *self.out.entry(*g).or_default().entry(per_gpu).or_default() += 1;
-                self.note_size(*g, per_gpu);
-            }
+            sizes.reserve(*g, per_gpu);
         }
     }
 
-    /// A reservation of `size` on `gpu`: the largest and smallest since the baseline.
-    pub(super) fn note_size(&mut self, gpu: u32, size: u64) {
-        let largest = self.largest.entry(gpu).or_default();
-        *largest = (*largest).max(size);
-        let smallest = self.smallest.entry(gpu).or_insert(size);
-        *smallest = (*smallest).min(size);
-    }
-
-    pub(super) fn unreserve(&mut self, gpus: &[u32], per_gpu: u64, now: Duration) {
+    /// A reservation of `holder`'s ended at `now`.
+    pub(super) fn unreserve(
+        &mut self,
+        holder: ProcessId,
+        gpus: &[u32],
+        per_gpu: u64,
+        now: Duration,
+    ) {
         self.changed(now);
         for g in gpus {
             let ends = self.ended.entry(*g).or_default();
             if ends.len() >= MAX_ENDED {
                 // No reading for long (the GPU sampler is stuck): merged, kept the longer.
-                let (_, a) = ends.pop_front().expect("not empty");
-                if let Some((_, b)) = ends.front_mut() {
-                    *b = b.saturating_add(a);
+                let first = ends.pop_front().expect("not empty");
+                if let Some(next) = ends.front_mut() {
+                    next.bytes = next.bytes.saturating_add(first.bytes);
                 }
             }
-            ends.push_back((now, per_gpu));
+            ends.push_back(Ended {
+                at: now,
+                bytes: per_gpu,
+                holder,
+            });
             if let Some(b) = self.reserved.get_mut(g) {
                 *b = b.saturating_sub(per_gpu);
             }
-            if let Some(sizes) = self.out.get_mut(g) {
-                if let Some(n) = sizes.get_mut(&per_gpu) {
-                    *n -= 1;
-                }
-                sizes.retain(|_, n| *n > 0);
+            if let Some(sizes) = self.sizes.get_mut(&holder) {
+                sizes.unreserve(*g, per_gpu);
             }
         }
         self.reserved.retain(|_, b| *b > 0);
-        self.out.retain(|_, sizes| !sizes.is_empty());
     }
 
-    /// What the reservations out may strand: a caching allocator serves a request from a larger
-    /// free block by splitting it, and the rest of that segment can then neither serve a larger
-    /// request nor go back to the driver until the request ends (PyTorch's "reserved but
-    /// unallocated" in its OOM message). Each segment was made for one earlier request, so a
-    /// reservation strands at most the largest one's size less its own: nothing at all while
-    /// every request has the same size. Counted as promised, as the allocator may need it from
-    /// free memory between two readings.
-    /// `extra`: as if it had one more reservation of that size out (none if 0).
-    pub(super) fn stranded_with(&self, gpu: u32, extra: u64) -> u64 {
-        let n = self.count(gpu) + u64::from(extra > 0);
-        let reserved = on(&self.reserved, gpu).saturating_add(extra);
-        // No more than the most its permits ever held at once: a cache is made of their blocks.
-        n.saturating_mul(on(&self.largest, gpu).max(extra))
-            .saturating_sub(reserved)
-            .min(on(&self.peak_reserved, gpu).max(reserved))
+    /// What the reservations out may strand, each holder's of its own segments
+    /// ([`Sizes::stranded_with`]); `next`: as if that holder had one more of that size out.
+    /// Counted as promised, as the allocator may need it from free memory between two readings.
+    pub(super) fn stranded_with(&self, gpu: u32, next: Option<(ProcessId, u64)>) -> u64 {
+        self.sizes
+            .iter()
+            .map(|(h, s)| {
+                let extra = next.filter(|(n, _)| n == h).map_or(0, |(_, e)| e);
+                s.stranded_with(gpu, extra)
+            })
+            .fold(0u64, u64::saturating_add)
+    }
+
+    /// Of what these books promise on `gpu`, the part that reservations of the holders `whose`
+    /// picks may still take: no more than what those reservations hold, may strand and held
+    /// when they ended unseen.
+    pub(super) fn promised_by(
+        &self,
+        gpu: u32,
+        consistent: bool,
+        whose: impl Fn(ProcessId) -> bool,
+    ) -> u64 {
+        let theirs = self
+            .sizes
+            .iter()
+            .filter(|(h, _)| whose(**h))
+            .map(|(_, s)| s.reserved(gpu).saturating_add(s.stranded_with(gpu, 0)))
+            .chain(
+                self.ended
+                    .get(&gpu)
+                    .into_iter()
+                    .flatten()
+                    .filter(|e| whose(e.holder))
+                    .map(|e| e.bytes),
+            )
+            .fold(0u64, u64::saturating_add);
+        (self.promised(gpu, consistent).max(0) as u64).min(theirs)
+    }
+
+    /// `holder`'s smallest reservation on `gpu` since the baseline (0: none).
+    fn smallest_of(&self, holder: ProcessId, gpu: u32) -> u64 {
+        self.sizes.get(&holder).map_or(0, |s| on(&s.smallest, gpu))
     }
 
     /// What it may still take of free memory on `gpu` for its reservations: their part not yet
@@ -306,46 +459,53 @@ impl Books {
     /// memory held beyond baseline and reservations (cache). `consistent`: the capacity's GPU
     /// figures are from one pass.
     pub(super) fn promised(&self, gpu: u32, consistent: bool) -> i64 {
-        self.promised_for(gpu, consistent, self.ended_larger_than(gpu, 0), 0)
+        self.promised_for(gpu, consistent, self.ended_on(gpu), None)
             .max(self.outgrowing(gpu).min(i64::MAX as u64) as i64)
     }
 
-    /// What reservations larger than the smallest one since the baseline may take of free
-    /// memory however much the holder caches: every cached segment was made for an earlier
+    /// What reservations larger than their holder's smallest one since the baseline may take of
+    /// free memory however much the holder caches: every cached segment was made for an earlier
     /// request, so one no larger than the smallest fits any of them, but a larger one may fit
     /// none, and the allocator then takes a new segment from the driver and keeps its cache
     /// (PyTorch gives its cache back only when its own `cudaMalloc` fails: another process
     /// short of memory gets a CUDA OOM). For everyone else they count in full while they are
     /// out, and once ended until a reading sampled after their end shows what they took.
     pub(super) fn outgrowing(&self, gpu: u32) -> u64 {
-        let smallest = on(&self.smallest, gpu);
-        let out = self.out.get(&gpu).map_or(0, |sizes| {
-            sizes
-                .range(smallest.saturating_add(1)..)
-                .fold(0u64, |sum, (size, n)| {
-                    sum.saturating_add(size.saturating_mul(*n))
-                })
+        let out = self
+            .sizes
+            .values()
+            .map(|s| s.larger_than_smallest(gpu))
+            .fold(0u64, u64::saturating_add);
+        let ended = self.ended.get(&gpu).map_or(0, |ends| {
+            ends.iter()
+                .filter(|e| e.bytes > self.smallest_of(e.holder, gpu))
+                .fold(0u64, |sum, e| sum.saturating_add(e.bytes))
         });
-        out.saturating_add(self.ended_larger_than(gpu, smallest))
+        out.saturating_add(ended)
     }
 
-    /// What the reservations that ended on `gpu`, of more than `size` each, held, while no
-    /// reading since their end says what became of it.
-    pub(super) fn ended_larger_than(&self, gpu: u32, size: u64) -> u64 {
+    /// What the reservations that ended on `gpu` held, while no reading since their end says
+    /// what became of it.
+    pub(super) fn ended_on(&self, gpu: u32) -> u64 {
         self.ended.get(&gpu).map_or(0, |ends| {
-            ends.iter()
-                .filter(|(_, held)| *held > size)
-                .fold(0u64, |sum, (_, held)| sum.saturating_add(*held))
+            ends.iter().fold(0u64, |sum, e| sum.saturating_add(e.bytes))
         })
     }
 
-    /// `promised`, with `ended` of the reservations that ended not yet seen given back, had it
-    /// one more reservation of `extra` out.
-    pub(super) fn promised_for(&self, gpu: u32, consistent: bool, ended: u64, extra: u64) -> i64 {
+    /// `promised`, with `ended` of the reservations that ended not yet seen given back, had
+    /// `next`'s holder one more reservation of its size out.
+    pub(super) fn promised_for(
+        &self,
+        gpu: u32,
+        consistent: bool,
+        ended: u64,
+        next: Option<(ProcessId, u64)>,
+    ) -> i64 {
+        let extra = next.map_or(0, |(_, e)| e);
         let reserved = on(&self.reserved, gpu)
             .saturating_add(extra)
             .saturating_add(ended)
-            .saturating_add(self.stranded_with(gpu, extra))
+            .saturating_add(self.stranded_with(gpu, next))
             .min(i64::MAX as u64) as i64;
         match &self.base {
             Some(base) if consistent && self.consistent => {
@@ -355,12 +515,12 @@ impl Books {
         }
     }
 
-    /// Whether a reservation of `extra` on `gpu` may fit none of its cached segments: it is
-    /// larger than the smallest since the baseline, or its allocator reports more cache than
-    /// NVML showed it take since the baseline (a cache warm before the baseline was taken, made
-    /// of segments of sizes nobody saw).
-    pub(super) fn outgrows(&self, gpu: u32, extra: u64) -> bool {
-        let smallest = on(&self.smallest, gpu);
+    /// Whether a reservation of `extra` on `gpu` for `holder` may fit none of its cached
+    /// segments: it is larger than the holder's smallest since the baseline, or its allocator
+    /// reports more cache than NVML showed it take since the baseline (a cache warm before the
+    /// baseline was taken, made of segments of sizes nobody saw).
+    pub(super) fn outgrows(&self, holder: ProcessId, gpu: u32, extra: u64) -> bool {
+        let smallest = self.smallest_of(holder, gpu);
         let seen_since_base = match &self.base {
             Some(base) => on(&self.usage, gpu).saturating_sub(on(base, gpu)),
             None => 0,
@@ -375,29 +535,36 @@ impl Books {
     /// The same for its own next reservation: its cache counts, up to the most its reservations
     /// reached at once (from NVML), or what its allocator reports caching without the blocks
     /// stranded in segments in use (never more than NVML shows it holding); whichever says more.
-    pub(super) fn promised_to_self(&self, gpu: u32, consistent: bool) -> i64 {
-        self.promised_to_self_with(gpu, consistent, 0)
+    pub(super) fn promised_to_self(&self, holder: ProcessId, gpu: u32, consistent: bool) -> i64 {
+        self.promised_to_self_with(holder, gpu, consistent, 0)
     }
 
-    /// `promised_to_self`, had it one more reservation of `extra` out (counted in): what its
-    /// next reservation would leave promised, what it strands included.
+    /// `promised_to_self`, had `holder` one more reservation of `extra` out (counted in): what
+    /// its next reservation would leave promised, what it strands included.
     ///
     /// One larger than the smallest since the baseline may fit none of its cached segments:
     /// PyTorch then takes a new segment from the driver while free memory lasts and keeps its
     /// cache, so it takes free memory promised to others (it gives its cache back only when its
     /// own `cudaMalloc` fails). Such a reservation draws on free memory in full, beside what its
     /// books promise as everyone else sees them.
-    pub(super) fn promised_to_self_with(&self, gpu: u32, consistent: bool, extra: u64) -> i64 {
-        if self.outgrows(gpu, extra) {
+    pub(super) fn promised_to_self_with(
+        &self,
+        holder: ProcessId,
+        gpu: u32,
+        consistent: bool,
+        extra: u64,
+    ) -> i64 {
+        if self.outgrows(holder, gpu, extra) {
             let promised = self.promised(gpu, consistent).max(0);
             return promised.saturating_add(extra.min(i64::MAX as u64) as i64);
         }
+        let next = Some((holder, extra));
         let reserved = on(&self.reserved, gpu).saturating_add(extra) as i64;
-        let stranded = self.stranded_with(gpu, extra) as i64;
+        let stranded = self.stranded_with(gpu, next) as i64;
         let peak = on(&self.peak_reserved, gpu).max(reserved as u64) as i64;
         // Its own ended permits' memory is its cache or free again: either serves it.
         let seen = self
-            .promised_for(gpu, consistent, 0, extra)
+            .promised_for(gpu, consistent, 0, next)
             .max(stranded - peak);
         match self.reported_cache().get(&gpu) {
             // The report says how much is cached, not in what blocks: what serving the
@@ -465,6 +632,13 @@ impl Books {
 impl Books {
     /// How many reservations are out, per GPU.
     pub(super) fn counts(&self) -> BTreeMap<u32, u64> {
-        self.out.keys().map(|&g| (g, self.count(g))).collect()
+        let gpus: BTreeSet<u32> = self
+            .sizes
+            .values()
+            .flat_map(|s| s.out.keys())
+            .copied()
+            .collect();
+        let count = |g: u32| self.sizes.values().map(|s| s.count(g)).sum();
+        gpus.into_iter().map(|g| (g, count(g))).collect()
     }
 }

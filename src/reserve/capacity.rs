@@ -35,6 +35,9 @@ pub struct Capacity {
     /// The per-process GPU figures were read in the same NVML pass as `free`: a model's use and
     /// the GPU's free memory can be set against each other (see `Account::gpu_promised`).
     pub gpu_consistent: bool,
+    /// The GPU reading did not read the process lists (their figures are an earlier pass's):
+    /// while nothing is reserved or waits, most readings do not.
+    pub gpu_processes_stale: bool,
     /// When the GPU reading was taken (daemon clock).
     pub gpu_sampled_at: Option<Duration>,
     /// When the process scan behind `member_of` and `trees` ran (daemon clock).
@@ -163,6 +166,7 @@ impl Capacity {
             trees,
             unscanned,
             gpu_consistent: g.processes_fresh && g.devices.iter().all(|d| d.processes_steady),
+            gpu_processes_stale: !g.processes_fresh,
             gpu_sampled_at: g.sampled_at,
             scanned_at: snapshot.processes.scanned_at,
             preallocated: BTreeSet::new(),

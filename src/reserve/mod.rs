@@ -15,7 +15,9 @@
 //!
 //! Bounds: launches per uid, permits held and waiting per uid and in all, waiting requests per
 //! pool, the TTL and timeout of each request, the length of every string. Whatever local users
-//! send, the ledger's size stays proportional to those caps.
+//! send, the ledger's size stays proportional to those caps. And memory: what one uid holds
+//! reserved, and what all accounts other than root hold reserved and not yet in use, together
+//! (`rooms.rs`): root keeps the rest.
 
 pub mod account;
 mod books;
@@ -74,6 +76,8 @@ const MAX_COMMAND_BYTES: usize = 4096;
 const UNPLACED: &str = "a process scan newer than the request (to find the caller's model)";
 /// Why a GPU request waits for the next GPU reading.
 const FRESH_READING: &str = "a GPU reading newer than the request";
+/// Why a caller's first GPU permit in a pool waits for a reading with the process lists.
+const PROCESS_LISTS: &str = "a GPU reading with the process lists (what the caller holds)";
 /// How long past its timeout such a request may wait for that scan (what the daemon needs to
 /// decide is not the caller's wait; a forced scan comes within ~100 ms).
 const UNPLACED_GRACE: Duration = Duration::from_secs(2);

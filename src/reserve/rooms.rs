@@ -1,5 +1,6 @@
 //! The room a demand has: free memory less the floors and every other pool's promises, then a
-//! model's slots and budget and a uid's cap; whether a request is held in its caller's own cache.
+//! model's slots and budget, a uid's cap and the other accounts' share (root keeps the rest);
+//! whether a request is held in its caller's own cache.
 
 use super::*;
 
@@ -94,6 +95,7 @@ impl Reservations {
             return Fit::Never(s);
         }
         let mut limits = self.uid_cap_fit(peer.uid, pool, demand);
+        limits.extend(self.others_share_fit(peer.uid, pool, demand));
         if let Some(name) = pool {
             if let Some(model) = self.model_config(name) {
                 limits.extend(self.budget_fit(name, model, demand, permit));
@@ -113,9 +115,7 @@ impl Reservations {
         }
     }
 
-    /// `fit`, on a GPU reading taken after `fresh_after` only (the request's connection's
-    /// start): memory a client allocated before it asked (weights it just loaded) is in the
-    /// reading its requests are decided on.
+    /// `fit`, on a GPU reading that can decide it (`unread_for`).
     pub(super) fn fit_fresh(
         &self,
         peer: &Peer,
@@ -125,11 +125,39 @@ impl Reservations {
         fresh_after: Duration,
     ) -> Fit {
         match self.fit(peer, pool, demand, permit) {
-            Fit::Now { .. } if self.stale_for(demand, fresh_after) => {
-                Fit::Later(Shortfall::new(Short::Reading, FRESH_READING))
-            }
+            Fit::Now { gpus } => match self.unread_for(peer, pool, demand, fresh_after) {
+                Some(why) => Fit::Later(Shortfall::new(Short::Reading, why)),
+                None => Fit::Now { gpus },
+            },
             fit => fit,
         }
+    }
+
+    /// The GPU reading a permit request waits for before it is decided, if the latest will not
+    /// do: one taken after `fresh_after` (the request's connection's start: memory a client
+    /// allocated before it asked, weights it just loaded, is in the reading its requests are
+    /// decided on); and, while its caller has no books in `pool` yet, one that read the GPUs'
+    /// process lists. The books open on what that reading shows the caller holding: its
+    /// baseline, settled at once. Opened on lists of an earlier pass (most readings have none
+    /// while nothing is reserved), they would settle only once at rest, taking the cache its
+    /// first permits left for its own memory: its cache would never serve it again (issue 41's
+    /// caching server in no model, served 3 requests of 30).
+    pub(super) fn unread_for(
+        &self,
+        peer: &Peer,
+        pool: &Pool,
+        demand: &Demand,
+        fresh_after: Duration,
+    ) -> Option<&'static str> {
+        if self.stale_for(demand, fresh_after) {
+            return Some(FRESH_READING);
+        }
+        let opens_books = demand.gpu_bytes_total() > 0
+            && !self
+                .pools
+                .get(pool)
+                .is_some_and(|a| a.has_books(peer.process()));
+        (opens_books && self.capacity.gpu_processes_stale).then_some(PROCESS_LISTS)
     }
 
     pub(super) fn stale_for(&self, demand: &Demand, fresh_after: Duration) -> bool {
@@ -137,19 +165,24 @@ impl Reservations {
     }
 
     /// True while a GPU reading taken now could let a request in: one waits only for a reading
-    /// newer than itself, or a permit ended while requests wait (what became of its memory,
-    /// cached for its holder or free, is known from the first reading after its end). The loop
-    /// then has one taken at once, instead of at its next tick.
+    /// newer than itself or one with the process lists (`unread_for`), or a permit ended while
+    /// requests wait (what became of its memory, cached for its holder or free, is known from
+    /// the first reading after its end). The loop then has one taken at once, with the lists,
+    /// instead of at its next tick.
     pub fn wants_fresh_gpu(&self) -> bool {
-        let stale_head = self
-            .waiting
-            .values()
-            .filter_map(VecDeque::front)
-            .chain(self.launch_queue.front())
-            .any(|w| self.stale_for(&w.demand, w.fresh_after));
+        let unread_permit = self.waiting.iter().any(|(pool, q)| {
+            q.front().is_some_and(|w| {
+                self.unread_for(&w.peer, pool, &w.demand, w.fresh_after)
+                    .is_some()
+            })
+        });
+        let stale_launch = self
+            .launch_queue
+            .front()
+            .is_some_and(|w| self.stale_for(&w.demand, w.fresh_after));
         let ended_while_waiting = (!self.waiting.is_empty() || !self.launch_queue.is_empty())
             && self.pools.values().any(Account::ended_unseen);
-        stale_head || ended_while_waiting
+        unread_permit || stale_launch || ended_while_waiting
     }
 
     /// Whether `demand` would come wholly out of the memory its caller's processes already hold
@@ -176,6 +209,16 @@ impl Reservations {
             })
     }
 
+    /// Root, and a uid the config names for the `[[model]]` it asks for (the model's budget
+    /// bounds it): the reservation caps are not theirs.
+    fn uncapped(&self, uid: u32, pool: &Pool) -> bool {
+        let named = pool
+            .as_deref()
+            .and_then(|name| self.config.model(name))
+            .is_some_and(|m| m.allowed_users().may_act(uid));
+        uid == 0 || named
+    }
+
     /// `[clients] max_reserved_per_uid` (half of the memory by default): what a uid holds
     /// reserved (loading launches and permits) plus `demand`, against the cap: what it is short
     /// of (none when within it). Root is not capped, nor a uid the config names for the model
@@ -184,11 +227,7 @@ impl Reservations {
         let Some(cap) = self.config.clients.max_reserved_per_uid else {
             return Vec::new();
         };
-        let named = pool
-            .as_deref()
-            .and_then(|name| self.config.model(name))
-            .is_some_and(|m| m.allowed_users().may_act(uid));
-        if uid == 0 || named {
+        if self.uncapped(uid, pool) {
             return Vec::new();
         }
         let (gpu_held, ram_held) = self
@@ -213,6 +252,71 @@ impl Reservations {
             limit_fit(Short::UidCap, held, asked, limit, || {
                 format!(
                     "uid {uid}: {what} {} reserved + {} asked > {} (clients.max_reserved_per_uid)",
+                    fmt_bytes(held),
+                    fmt_bytes(asked),
+                    fmt_bytes(limit)
+                )
+            })
+        };
+        [
+            check(gpu_held, demand.gpu_bytes_total(), gpu_total, "GPU memory"),
+            check(ram_held, demand.ram_bytes, self.capacity.ram.total, "RAM"),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
+    }
+
+    /// `[clients] max_reserved` (half of the memory by default): what all accounts other than
+    /// root hold reserved and not yet in use, together (loading launches and permits, as far as
+    /// no memory their processes took backs them: what their books still promise), plus
+    /// `demand`, against the cap: what it is short of (none when within it). However many
+    /// accounts (or subordinate uids of one user) reserve memory they never use, root keeps the
+    /// rest: root is not capped, nor a uid the config names for the model it asks for (the
+    /// model's budget bounds them), as for `max_reserved_per_uid`.
+    pub(super) fn others_share_fit(&self, uid: u32, pool: &Pool, demand: &Demand) -> Vec<Fit> {
+        let Some(cap) = self.config.clients.max_reserved else {
+            return Vec::new();
+        };
+        if self.uncapped(uid, pool) {
+            return Vec::new();
+        }
+        let others: std::collections::HashSet<ProcessId> = self
+            .holdings
+            .values()
+            .filter(|h| h.peer.uid != 0 && h.reserving())
+            .map(|h| h.peer.process())
+            .collect();
+        let whose = |p: ProcessId| others.contains(&p);
+        let consistent = self.capacity.gpu_consistent;
+        let gpu_held: u64 = self
+            .capacity
+            .gpus
+            .iter()
+            .flat_map(|g| {
+                self.pools
+                    .values()
+                    .map(move |a| a.gpu_promised_by(g.index, consistent, &whose))
+            })
+            .sum();
+        let ram_held: u64 = self
+            .holdings
+            .values()
+            .filter(|h| h.peer.uid != 0 && h.reserving())
+            .map(|h| h.ram_bytes)
+            .sum();
+        let gpu_total = self
+            .capacity
+            .gpus
+            .iter()
+            .map(|g| g.total)
+            .sum::<Option<u64>>()
+            .filter(|&t| t > 0);
+        let check = |held: u64, asked: u64, total: Option<u64>, what: &str| {
+            let limit = cap.resolve(total)?;
+            limit_fit(Short::UidCap, held, asked, limit, || {
+                format!(
+                    "accounts other than root: {what} {} reserved and not in use + {} asked > {} (clients.max_reserved)",
                     fmt_bytes(held),
                     fmt_bytes(asked),
                     fmt_bytes(limit)

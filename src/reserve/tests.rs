@@ -945,6 +945,7 @@ fn only_root_may_have_a_ready_url_off_loopback_polled() {
 
 mod caching_workers;
 mod never;
+mod others;
 mod properties;
 mod security;
 

@@ -11,7 +11,9 @@ impl Reservations {
         for pool in pools {
             while let Some(i) = self.waiting.get(&pool).and_then(|q| {
                 q.iter().position(|w| {
-                    let pending = self.stale_for(&w.demand, w.fresh_after);
+                    let pending = self
+                        .unread_for(&w.peer, &pool, &w.demand, w.fresh_after)
+                        .is_some();
                     w.deadline_with_grace(pending) <= now
                 })
             }) {
@@ -240,7 +242,7 @@ impl Reservations {
     /// costs another user's server its cache. Those are the holders seen keeping memory beyond
     /// their reservations (the waiting one too when its request is larger than its cached blocks
     /// may be: they cannot serve it, and hold memory it needs), and, once the request has
-    /// `waited` `BLIND_TRIM_AFTER`, the model's
+    /// `waited` `BLIND_TRIM_AFTER`, the pool's (its model's; for the host-wide pool, of no model)
     /// connected processes with nothing reserved and no report of their cache, the waiting
     /// one's own included, whose cache NVML cannot tell from their own memory once it was there
     /// when their baseline was taken (their books are let go while they hold nothing): they
@@ -282,9 +284,8 @@ impl Reservations {
                 .collect();
             for client in self.clients.values() {
                 let process = client.peer.process();
-                let member = pool
-                    .as_ref()
-                    .is_some_and(|model| self.capacity.member_of.get(&process) == Some(model));
+                // The host-wide pool's are the processes of no model.
+                let member = self.capacity.member_of.get(&process) == pool.as_ref();
                 if !member
                     || reserving.contains(&process)
                     || account.is_some_and(|a| a.reports(process))
