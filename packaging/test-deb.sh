@@ -288,6 +288,7 @@ expect_prop LimitMEMLOCK infinity
 expect_prop LimitNOFILE 65536
 expect_prop CapabilityBoundingSet "cap_kill cap_net_admin"
 expect_prop RuntimeDirectoryMode 0755
+expect_prop RuntimeDirectoryPreserve restart
 # Nothing hides /proc entries or GPU devices.
 expect_prop ProtectProc default
 expect_prop ProcSubset all

@@ -105,6 +105,9 @@ named! {
         DaemonStopping = "daemon_stopping",
         ConfigReloadFailed = "config_reload_failed",
         LeftoversUndone = "leftovers_undone",
+        /// The host's enforce lock file was removed under the daemon: taken anew (warning), or
+        /// another daemon holds it now and this one observes (critical).
+        EnforceLockLost = "enforce_lock_lost",
         /// What a previous run left held stays held: another daemon enforces on the host.
         LeftoversKept = "leftovers_kept",
         StateFileCorrupt = "state_file_corrupt",

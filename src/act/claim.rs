@@ -121,6 +121,16 @@ impl Lock {
     pub fn path(&self) -> &Path {
         &self.path
     }
+
+    /// Whether the path still names the file locked: one unlinked or replaced (a runtime
+    /// directory cleaned up under a daemon started by hand) lets another daemon lock the new file.
+    pub fn still_named(&self) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        let named = std::fs::symlink_metadata(&self.path)
+            .ok()
+            .map(|m| (m.dev(), m.ino()));
+        named.is_some() && named == identity_of(&self._file).ok()
+    }
 }
 
 const STATE_WHAT: &str = "state directory lock";
@@ -331,6 +341,20 @@ mod tests {
         drop(lock);
         assert_eq!(enforce_holder(&path), None);
         assert!(take_enforce_lock(&path, &holder(2)).is_ok());
+    }
+
+    /// A lock whose file is removed under it knows, and taking the path again gives a lock
+    /// that is named again.
+    #[test]
+    fn a_lock_knows_when_its_file_is_no_longer_the_one_its_path_names() {
+        let root = tempfile::tempdir().unwrap();
+        let path = root.path().join("enforce.lock");
+        let lock = take_enforce_lock(&path, &holder(1)).unwrap();
+        assert!(lock.still_named());
+        std::fs::remove_file(&path).unwrap();
+        assert!(!lock.still_named());
+        let again = take_enforce_lock(&path, &holder(1)).unwrap();
+        assert!(again.still_named() && !lock.still_named());
     }
 
     #[test]

@@ -202,6 +202,43 @@ impl Executor {
         Ok(leftovers)
     }
 
+    /// Once a tick, while enforcing: the host's enforce lock still named by its path. A lock file
+    /// removed under this daemon (a stopped service's runtime directory removed under a daemon
+    /// started by hand) is taken anew; if another daemon holds the new one, this one lets go of
+    /// what it holds and observes from now on. Returns what happened, to be said (and whether it
+    /// observes now).
+    pub fn keep_enforce_lock(&mut self) -> Option<(String, bool)> {
+        let lock = self.enforcing.as_ref()?;
+        if lock.still_named() {
+            return None;
+        }
+        let path = lock.path().display().to_string();
+        match claim::take_enforce_lock(&self.enforce_lock, &self.me) {
+            Ok(anew) => {
+                self.enforcing = Some(anew);
+                Some((
+                    format!("the host's enforce lock {path} had been removed: taken anew"),
+                    false,
+                ))
+            }
+            Err(e) => {
+                let let_go = self.set_mode(Mode::Observe).unwrap_or_default();
+                Some((
+                    format!(
+                        "the host's enforce lock {path} was removed and {e}: this daemon observes \
+                         from now on{}",
+                        if let_go.undone.is_empty() {
+                            String::new()
+                        } else {
+                            format!(" ({})", let_go.undone.join("; "))
+                        }
+                    ),
+                    true,
+                ))
+            }
+        }
+    }
+
     /// What a previous run left, let go of if this daemon may act on the host now.
     fn let_go_of_leftovers(&mut self, out: &mut Leftovers) {
         if self.held.inherited().is_empty() && self.inherited_throttles.is_empty() {
@@ -588,6 +625,37 @@ mod tests {
         let before = control.signals.lock().unwrap().len();
         executor.shutdown();
         assert_eq!(control.signals.lock().unwrap().len(), before);
+    }
+
+    /// Round five: the lock file removed under an enforcer (a service's runtime directory) must
+    /// not let a second daemon enforce beside it: the first takes the path anew, or observes once
+    /// another holds it, letting go of what it holds.
+    #[test]
+    fn an_enforcer_whose_lock_file_is_removed_takes_it_anew_or_observes() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = Arc::new(StateDir::create(&root.path().join("state")).unwrap());
+        let control = Arc::new(Recorder {
+            stopped: true,
+            ..Recorder::default()
+        });
+        let (mut first, _) = enforcer(control.clone(), &dir, root.path());
+        assert_eq!(first.keep_enforce_lock(), None);
+        std::fs::remove_file(lock_path(&dir)).unwrap();
+        let (said, observes) = first.keep_enforce_lock().unwrap();
+        assert!(said.contains("taken anew") && !observes, "{said}");
+        assert!(first.enforcing());
+        let mut no_read = |_| None;
+        first.execute(Mode::Enforce, &action(Verb::Stop, 20), None, &mut no_read);
+        // Removed again, and another daemon takes the new file first.
+        std::fs::remove_file(lock_path(&dir)).unwrap();
+        let other = Arc::new(StateDir::create(&root.path().join("other")).unwrap());
+        let (_second, _) = enforcer(control.clone(), &other, root.path());
+        let (said, observes) = first.keep_enforce_lock().unwrap();
+        assert!(observes && said.contains("observes from now on"), "{said}");
+        assert!(said.contains("resumed pid 20"), "{said}");
+        assert!(!first.enforcing());
+        let stop = first.execute(Mode::Enforce, &action(Verb::Stop, 21), None, &mut no_read);
+        assert_eq!(stop, Outcome::Observed);
     }
 
     /// What a crashed run left on a state directory is let go of only by a daemon that may act:

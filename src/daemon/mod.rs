@@ -518,6 +518,7 @@ impl Daemon {
         // the moments its decisions turn on. Not for what a client caused (a model it launched
         // crossing the budget it declared): anyone can make that happen every second.
         let decided = decisions.iter().any(|e| e.caused_by.is_none()) || !plan.actions.is_empty();
+        self.keep_enforce_lock();
         self.act(plan.actions);
         // A permit request waits for a scan to find its caller's model: one now.
         self.sampler.max_scan_age = if reserved.scan_wanted {
@@ -588,6 +589,24 @@ impl Daemon {
             self.reporter.remember_event(e);
             self.reporter.alerter.event(e, subject);
         }
+    }
+
+    /// The host's enforce lock, still this daemon's: taken anew if its file was removed, or, once
+    /// another daemon holds it, this one observes from now on (as if reloaded to observe).
+    fn keep_enforce_lock(&mut self) {
+        let Some((said, observes)) = self.executor.keep_enforce_lock() else {
+            return;
+        };
+        let severity = if observes {
+            self.config.daemon.mode = crate::config::Mode::Observe;
+            error!("{said}");
+            Severity::Critical
+        } else {
+            warn!("{said}");
+            Severity::Warning
+        };
+        self.reporter
+            .lifecycle(EventKind::EnforceLockLost, severity, said);
     }
 
     /// The plan's actions through the executor; their outcomes move the policy's stages.
