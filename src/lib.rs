@@ -7,27 +7,24 @@
 //! driven by the `daemon` loop. `config` holds the TOML config, `units` the sizes and durations
 //! it is written in.
 
+// The core (crates/core): the config, the snapshot, the pure policy and the read model.
+pub use gpuguard_core::{
+    config, engine, host, kinds, policy, secrets, snapshot, status, unattributed, units,
+};
+// The ledger (crates/ledger) and the planner (crates/plan).
+pub use gpuguard_ledger::{protocol, reserve};
+pub use gpuguard_plan as plan;
+
 pub mod act;
 pub mod alert;
 pub mod cli;
-pub mod config;
 pub mod daemon;
 pub mod history;
 pub mod http;
 pub mod ipc;
-pub mod kinds;
-mod layers;
 pub mod metrics;
-pub mod plan;
-pub mod policy;
 #[cfg(test)]
 mod properties;
-pub mod protocol;
-pub mod reserve;
 pub mod sample;
-pub mod secrets;
-pub mod snapshot;
 pub mod state_dir;
-pub mod status;
-pub mod units;
 pub mod view;

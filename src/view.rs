@@ -145,7 +145,7 @@ pub struct ModelView {
     pub planned_kv_tokens: Option<u64>,
     /// What its vLLM server's command line says of the memory it takes (its first member that
     /// is one).
-    pub engine_flags: Option<crate::sample::engine::EngineFlags>,
+    pub engine_flags: Option<crate::engine::EngineFlags>,
 }
 
 impl ModelView {

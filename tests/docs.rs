@@ -92,7 +92,7 @@ fn read(path: &Path) -> String {
 }
 
 /// Maximal runs of the characters a path is written with, their sentence's full stop left off:
-/// in "`src/status.rs`)." that is `src/status.rs`.
+/// in "`crates/core/src/status.rs`)." that is `crates/core/src/status.rs`.
 fn path_like(text: &str) -> impl Iterator<Item = &str> {
     text.split(|c: char| !(c.is_ascii_alphanumeric() || "_.~/-".contains(c)))
         .map(|word| word.trim_end_matches(['.', '-']))
@@ -329,7 +329,7 @@ fn a_missing_path_link_or_anchor_is_reported() {
     let exists = |p: &Path| {
         [
             "src",
-            "src/status.rs",
+            "crates/core/src/status.rs",
             "docs/a.md",
             "docs/b.md",
             "src/daemon/tests",
@@ -340,7 +340,7 @@ fn a_missing_path_link_or_anchor_is_reported() {
     let names = vec!["status.rs".to_string()];
     let doc = Path::new("docs/a.md");
     let text = "# Title\n\
-        `src/status.rs`, `src/gone.rs`. `bench/build/hog` is made by a script; /sys/fs/cgroup\n\
+        `crates/core/src/status.rs`, `src/gone.rs`. `bench/build/hog` is made by a script; /sys/fs/cgroup\n\
         and `src/**/*.rs` are not files of ours. `status.rs` and `nowhere.rs`.\n\
         [b](b.md), [c](c.md), [top](#title), [none](#nothing), [web](https://example.com/x).\n";
     let missing = missing_in_markdown(doc, text, &exists, &names);
@@ -354,7 +354,7 @@ fn a_missing_path_link_or_anchor_is_reported() {
         ]
     );
     let source = Path::new("src/sample/mod.rs");
-    let text = "//! Driven by fakes (`daemon/tests.rs`), see `src/status.rs` and `tests.rs`.\n\
+    let text = "//! Driven by fakes (`daemon/tests.rs`), see `crates/core/src/status.rs` and `tests.rs`.\n\
         let s = \"src/not-a-comment.rs\";\n";
     assert_eq!(
         missing_in_rust(source, text, &exists),

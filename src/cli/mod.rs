@@ -269,6 +269,7 @@ pub(crate) fn wrapped(text: &str, first: &str, rest: &str) -> String {
 
 /// Runs the command line; returns the process exit code.
 pub fn main() -> ExitCode {
+    crate::sample::host_facts::install();
     let cli = Cli::parse();
     let code = match cli.command {
         Command::CheckConfig {

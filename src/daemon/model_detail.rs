@@ -197,7 +197,7 @@ fn engine_row(r: EngineReading, stale: Duration) -> EngineRow {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sample::engine::EngineStats;
+    use crate::engine::EngineStats;
 
     fn engine(kv: f64, running: u64, waiting: u64) -> EngineRow {
         EngineRow {

@@ -191,12 +191,12 @@ impl Daemon {
 
     /// What the command line of a model's vLLM server (its first member that is one) says of
     /// the memory it takes.
-    fn engine_flags(&self, m: &ModelUsage) -> Option<crate::sample::engine::EngineFlags> {
+    fn engine_flags(&self, m: &ModelUsage) -> Option<crate::engine::EngineFlags> {
         let processes = &self.sampler.snapshot.processes;
         m.members
             .iter()
             .filter_map(|&id| processes.get(id))
-            .find_map(|p| crate::sample::engine::EngineFlags::from_vllm_cmdline(&p.cmdline))
+            .find_map(|p| crate::engine::EngineFlags::from_vllm_cmdline(&p.cmdline))
     }
 
     /// A model's use (from its attribution) and budgets.

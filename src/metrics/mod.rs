@@ -597,7 +597,7 @@ mod tests {
     fn engine_kv_tokens_never_wrap_negative() {
         use crate::status::EngineRow;
         let m = Metrics::new();
-        let stats = crate::sample::engine::EngineStats {
+        let stats = crate::engine::EngineStats {
             kv_cache_blocks: Some(9_000_000_000_000_000),
             block_size_tokens: Some(9_000_000_000_000_000),
             ..Default::default()

@@ -1,8 +1,8 @@
 //! The model servers' own limits: each model with a metrics URL (its `[[model]] metrics_url`,
 //! or `gpuguard launch --metrics-url`) has its Prometheus endpoint scraped on a thread of its
 //! own, with timeouts, so the control loop never waits for an engine. vLLM's names are read:
-//! KV-cache usage, requests running and waiting, preemptions, and the cache's size. And what a
-//! vLLM server was told on its command line that sizes its memory (`EngineFlags`).
+//! KV-cache usage, requests running and waiting, preemptions, and the cache's size. What a vLLM server
+//! was told on its command line is read in the core (`engine::EngineFlags`).
 //!
 //! An answer counts only from a socket of the model's own processes (`sample::own_sockets`):
 //! another account's listener at the URL's addresses (a free port taken first, `[::1]` beside
@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use super::prometheus::{self, Sample};
+use crate::engine::EngineStats;
 use crate::sample::own_sockets::OwnSockets;
 use crate::snapshot::ProcessId;
 
@@ -24,75 +25,6 @@ const TIMEOUT: Duration = Duration::from_secs(2);
 /// The largest answer read (vLLM's, histograms included, is a few hundred KiB).
 const MAX_BODY_BYTES: u64 = 2 << 20;
 
-/// What an engine reported, in the units gpuguard uses. `None`: the engine did not say. Also
-/// the figures of `status --json`'s `models[].engine` (`status::EngineRow`).
-#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct EngineStats {
-    /// Share of the KV cache in use, 0 to 1 (the fullest engine, with data parallelism).
-    #[serde(rename = "kv_cache_usage_ratio")]
-    pub kv_cache_usage: Option<f64>,
-    pub requests_running: Option<u64>,
-    pub requests_waiting: Option<u64>,
-    /// Requests preempted since the engine started (their KV cache was taken back).
-    pub preemptions_total: Option<u64>,
-    /// From `vllm:cache_config_info`: the KV cache's blocks, tokens per block, and the share of
-    /// the GPU the engine was told to take.
-    pub kv_cache_blocks: Option<u64>,
-    pub block_size_tokens: Option<u64>,
-    pub gpu_memory_utilization: Option<f64>,
-}
-
-/// What a vLLM server's command line says of the memory it takes besides weights and KV cache:
-/// the batch it profiles (`--max-num-batched-tokens`, `--max-num-seqs`) and whether it captures
-/// CUDA graphs (`--enforce-eager`). `None`: not given, the engine's default. `plan --gpu host`
-/// carries what a model was seen to take over to the flags it plans.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct EngineFlags {
-    pub max_num_batched_tokens: Option<u64>,
-    pub max_num_seqs: Option<u64>,
-    pub enforce_eager: bool,
-}
-
-/// The largest value taken from a command line (anyone names their process as they like).
-const MAX_FLAG_VALUE: u64 = 1 << 40;
-
-impl EngineFlags {
-    /// The flags of a vLLM server's command line (its arguments joined by spaces: `vllm serve
-    /// ...` or `python -m vllm.entrypoints.openai.api_server ...`; `--flag N`, `--flag=N`, and
-    /// vLLM's underscore spellings); None when it is not one.
-    pub fn from_vllm_cmdline(cmdline: &str) -> Option<EngineFlags> {
-        let args: Vec<&str> = cmdline.split_ascii_whitespace().collect();
-        let serve = args
-            .windows(2)
-            .any(|w| w[0].rsplit('/').next() == Some("vllm") && w[1] == "serve");
-        if !serve && !args.iter().any(|a| a.starts_with("vllm.entrypoints.")) {
-            return None;
-        }
-        let mut flags = EngineFlags::default();
-        for (i, arg) in args.iter().enumerate() {
-            let (name, inline) = match arg.split_once('=') {
-                Some((name, value)) => (name, Some(value)),
-                None => (*arg, None),
-            };
-            let number = || {
-                inline
-                    .or_else(|| args.get(i + 1).copied())
-                    .and_then(|v| v.parse::<u64>().ok())
-                    .filter(|&v| (1..=MAX_FLAG_VALUE).contains(&v))
-            };
-            match name.replace('_', "-").as_str() {
-                "--max-num-batched-tokens" => flags.max_num_batched_tokens = number(),
-                "--max-num-seqs" => flags.max_num_seqs = number(),
-                "--enforce-eager" => {
-                    flags.enforce_eager = inline.is_none_or(|v| v.eq_ignore_ascii_case("true"))
-                }
-                _ => {}
-            }
-        }
-        Some(flags)
-    }
-}
-
 /// vLLM's families (`vllm:gpu_cache_usage_perc` was renamed `vllm:kv_cache_usage_perc` in 0.10).
 const KV_USAGE: [&str; 2] = ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"];
 const RUNNING: &str = "vllm:num_requests_running";
@@ -100,36 +32,34 @@ const WAITING: &str = "vllm:num_requests_waiting";
 const PREEMPTIONS: &str = "vllm:num_preemptions_total";
 const CACHE_INFO: &str = "vllm:cache_config_info";
 
-impl EngineStats {
-    /// Reads vLLM's metrics from a `/metrics` answer; an answer without any is an error.
-    pub fn from_vllm(text: &str) -> Result<EngineStats, String> {
-        let samples = prometheus::parse(text, |n| {
-            KV_USAGE.contains(&n) || [RUNNING, WAITING, PREEMPTIONS, CACHE_INFO].contains(&n)
-        });
-        if samples.is_empty() {
-            return Err(format!(
-                "no vLLM metrics in the answer (looked for {RUNNING}, {WAITING}, {})",
-                KV_USAGE[0]
-            ));
-        }
-        let of = |name: &'static str| samples.iter().filter(move |s| s.name == name);
-        let kv = KV_USAGE
-            .iter()
-            .find_map(|name| max(of(name)))
-            .map(|u| u.clamp(0.0, 1.0));
-        let info = of(CACHE_INFO).next();
-        let info_number = |key: &str| info.and_then(|s| s.label(key)?.parse::<f64>().ok());
-        Ok(EngineStats {
-            kv_cache_usage: kv,
-            requests_running: sum(of(RUNNING)),
-            requests_waiting: sum(of(WAITING)),
-            preemptions_total: sum(of(PREEMPTIONS)),
-            kv_cache_blocks: info_number("num_gpu_blocks").and_then(count),
-            block_size_tokens: info_number("block_size").and_then(count),
-            gpu_memory_utilization: info_number("gpu_memory_utilization")
-                .filter(|u| (0.0..=1.0).contains(u)),
-        })
+/// Reads vLLM's metrics from a `/metrics` answer; an answer without any is an error.
+pub fn stats_from_vllm(text: &str) -> Result<EngineStats, String> {
+    let samples = prometheus::parse(text, |n| {
+        KV_USAGE.contains(&n) || [RUNNING, WAITING, PREEMPTIONS, CACHE_INFO].contains(&n)
+    });
+    if samples.is_empty() {
+        return Err(format!(
+            "no vLLM metrics in the answer (looked for {RUNNING}, {WAITING}, {})",
+            KV_USAGE[0]
+        ));
     }
+    let of = |name: &'static str| samples.iter().filter(move |s| s.name == name);
+    let kv = KV_USAGE
+        .iter()
+        .find_map(|name| max(of(name)))
+        .map(|u| u.clamp(0.0, 1.0));
+    let info = of(CACHE_INFO).next();
+    let info_number = |key: &str| info.and_then(|s| s.label(key)?.parse::<f64>().ok());
+    Ok(EngineStats {
+        kv_cache_usage: kv,
+        requests_running: sum(of(RUNNING)),
+        requests_waiting: sum(of(WAITING)),
+        preemptions_total: sum(of(PREEMPTIONS)),
+        kv_cache_blocks: info_number("num_gpu_blocks").and_then(count),
+        block_size_tokens: info_number("block_size").and_then(count),
+        gpu_memory_utilization: info_number("gpu_memory_utilization")
+            .filter(|u| (0.0..=1.0).contains(u)),
+    })
 }
 
 /// A count from an untrusted float: whole, finite, not negative.
@@ -320,7 +250,7 @@ fn scrape(asker: &OwnSockets, target: &Target) -> (Result<EngineStats, String>, 
         },
     );
     (
-        asked.answer.and_then(|text| EngineStats::from_vllm(&text)),
+        asked.answer.and_then(|text| stats_from_vllm(&text)),
         asked.ignored,
     )
 }
@@ -328,43 +258,6 @@ fn scrape(asker: &OwnSockets, target: &Target) -> (Result<EngineStats, String>, 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The flags that size a vLLM server's memory, in each spelling it accepts; anything else,
-    /// or a value out of bounds, is the default.
-    #[test]
-    fn a_vllm_servers_flags_are_read_from_its_command_line() {
-        let read = EngineFlags::from_vllm_cmdline;
-        assert_eq!(
-            read("/usr/bin/python3 /usr/local/bin/vllm serve Qwen/Qwen3-8B --max-num-seqs 64 --max-num-batched-tokens=2048 --enforce-eager"),
-            Some(EngineFlags {
-                max_num_batched_tokens: Some(2048),
-                max_num_seqs: Some(64),
-                enforce_eager: true,
-            })
-        );
-        assert_eq!(
-            read("python3 -m vllm.entrypoints.openai.api_server --model m --max_num_seqs=8 --enforce-eager=false"),
-            Some(EngineFlags {
-                max_num_seqs: Some(8),
-                ..EngineFlags::default()
-            })
-        );
-        assert_eq!(
-            read("vllm serve m --max-num-seqs 0 --max-num-batched-tokens 18446744073709551615"),
-            Some(EngineFlags::default())
-        );
-        assert_eq!(
-            read("vllm serve m --max-num-seqs"),
-            Some(EngineFlags::default())
-        );
-        for other in [
-            "python3 -c from multiprocessing.spawn import spawn_main",
-            "myvllm serve --max-num-seqs 4",
-            "python3 server.py --max-num-seqs 4",
-        ] {
-            assert_eq!(read(other), None, "{other}");
-        }
-    }
 
     const VLLM: &str = r#"# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -556,7 +449,7 @@ vllm:e2e_request_latency_seconds_bucket{le="1.0",model_name="Qwen/Qwen2.5-7B"} 1
 
     #[test]
     fn reads_vllm_names_over_engines() {
-        let s = EngineStats::from_vllm(VLLM).unwrap();
+        let s = stats_from_vllm(VLLM).unwrap();
         assert_eq!(s.requests_running, Some(15));
         assert_eq!(s.requests_waiting, Some(24));
         assert_eq!(s.kv_cache_usage, Some(1.0), "the fullest engine");
@@ -568,16 +461,16 @@ vllm:e2e_request_latency_seconds_bucket{le="1.0",model_name="Qwen/Qwen2.5-7B"} 1
 
     #[test]
     fn older_names_and_missing_families() {
-        let s = EngineStats::from_vllm("vllm:gpu_cache_usage_perc 0.5\n").unwrap();
+        let s = stats_from_vllm("vllm:gpu_cache_usage_perc 0.5\n").unwrap();
         assert_eq!(s.kv_cache_usage, Some(0.5));
         assert_eq!(s.requests_waiting, None, "not reported: unknown, not 0");
-        let err = EngineStats::from_vllm("python_gc_objects_collected_total 3\n").unwrap_err();
+        let err = stats_from_vllm("python_gc_objects_collected_total 3\n").unwrap_err();
         assert!(err.contains("no vLLM metrics"), "{err}");
     }
 
     #[test]
     fn untrusted_values_do_not_become_counts() {
-        let s = EngineStats::from_vllm(
+        let s = stats_from_vllm(
             "vllm:num_requests_waiting -4\nvllm:num_requests_running NaN\nvllm:kv_cache_usage_perc 7\n",
         )
         .unwrap();

@@ -8,6 +8,7 @@
 pub mod cgroup;
 pub mod engine;
 pub mod gce;
+pub mod host_facts;
 pub mod nvml;
 pub mod own_sockets;
 pub mod proc_events;
@@ -16,7 +17,6 @@ pub mod prometheus;
 pub mod scan;
 pub mod sockets;
 pub mod tmpfs;
-pub mod unattributed;
 pub mod weights;
 
 use crate::snapshot::HostMemory;

@@ -24,8 +24,8 @@ use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::struct_wrappers::device::ProcessInfo;
 use nvml_wrapper::Nvml;
 
-use super::unattributed::Unattributed;
 use crate::snapshot::{printable, Gpu, GpuSnapshot, GpuStatus};
+use crate::unattributed::Unattributed;
 
 /// More GPUs than any host has: NVML answering this is not believed (nothing is allocated for it).
 pub const MAX_GPUS: u32 = 256;

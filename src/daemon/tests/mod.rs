@@ -555,7 +555,7 @@ fn a_models_row_carries_its_vllm_servers_flags() {
     };
     assert_eq!(
         flags("qwen"),
-        Some(crate::sample::engine::EngineFlags {
+        Some(crate::engine::EngineFlags {
             max_num_batched_tokens: None,
             max_num_seqs: Some(64),
             enforce_eager: true,

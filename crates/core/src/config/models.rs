@@ -301,7 +301,7 @@ pub fn check_ready_url(url: &str) -> Result<(), String> {
             "'{url}' must name localhost or an IP address of this host, not a host name"
         ));
     };
-    if ip.is_loopback() || local_addresses().contains(&ip) {
+    if ip.is_loopback() || crate::host::facts().local_addresses().contains(&ip) {
         Ok(())
     } else {
         Err(format!("'{url}': {ip} is not an address of this host"))
@@ -323,7 +323,7 @@ pub fn ready_url_is_loopback(url: &str) -> bool {
 /// The host of an absolute URL with one of `schemes` and no credentials.
 fn url_host(url: &str, schemes: &[&str], what: &str) -> Result<String, String> {
     let bad = |why: &str| Err(format!("'{url}' {why}"));
-    let Ok(uri) = url.parse::<ureq::http::Uri>() else {
+    let Ok(uri) = url.parse::<http::Uri>() else {
         return bad("is not a URL");
     };
     if !uri.scheme_str().is_some_and(|s| schemes.contains(&s)) {
@@ -343,21 +343,6 @@ fn url_host(url: &str, schemes: &[&str], what: &str) -> Result<String, String> {
         .trim_start_matches('[')
         .trim_end_matches(']');
     Ok(host.to_string())
-}
-
-/// The IP addresses of this host's interfaces.
-pub fn local_addresses() -> Vec<std::net::IpAddr> {
-    let Ok(addresses) = nix::ifaddrs::getifaddrs() else {
-        return Vec::new();
-    };
-    addresses
-        .filter_map(|a| a.address)
-        .filter_map(|a| {
-            a.as_sockaddr_in()
-                .map(|v4| std::net::IpAddr::V4(v4.ip()))
-                .or_else(|| a.as_sockaddr_in6().map(|v6| std::net::IpAddr::V6(v6.ip())))
-        })
-        .collect()
 }
 
 impl ModelConfig {
@@ -535,11 +520,8 @@ impl<'de> Deserialize<'de> for User {
         if let Ok(uid) = name.parse::<u32>() {
             return Ok(User { name, uid });
         }
-        match nix::unistd::User::from_name(&name) {
-            Ok(Some(user)) => Ok(User {
-                name,
-                uid: user.uid.as_raw(),
-            }),
+        match crate::host::facts().uid_of(&name) {
+            Some(uid) => Ok(User { name, uid }),
             _ if PORTABLE.with(|p| p.get()) => Ok(User {
                 name,
                 uid: UNRESOLVED,

@@ -1,5 +1,5 @@
 //! Memory admission: does a reservation (a model launch, or a request's permit) fit now, and on
-//! which GPUs; could it ever fit on this host. Pure: the reservation table (`src/reserve/`) hands
+//! which GPUs; could it ever fit on this host. Pure: the reservation table (`crates/ledger/src/reserve/`) hands
 //! it the room it computed from the latest snapshot, the floors and every other outstanding
 //! reservation, and the host's ceilings.
 //!

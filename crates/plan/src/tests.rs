@@ -8,7 +8,7 @@ const MIB: u64 = 1 << 20;
 
 fn fixture(name: &str) -> serde_json::Value {
     let path = format!(
-        "{}/tests/fixtures/plan/{name}.json",
+        "{}/../../tests/fixtures/plan/{name}.json",
         env!("CARGO_MANIFEST_DIR")
     );
     serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
@@ -558,7 +558,7 @@ struct Logged {
 
 fn calibration() -> Vec<Logged> {
     let path = format!(
-        "{}/tests/fixtures/plan/engines/calibration.csv",
+        "{}/../../tests/fixtures/plan/engines/calibration.csv",
         env!("CARGO_MANIFEST_DIR")
     );
     let text = std::fs::read_to_string(path).unwrap();

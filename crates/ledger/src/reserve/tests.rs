@@ -911,12 +911,18 @@ fn a_timeout_of_zero_still_waits_for_the_gpu_reading_the_daemon_needs() {
 /// ready URLs only; root may name the host's addresses.
 #[test]
 fn only_root_may_have_a_ready_url_off_loopback_polled() {
-    let host_ip = crate::config::local_addresses()
-        .into_iter()
-        .find(|ip| !ip.is_loopback() && ip.is_ipv4());
-    let Some(ip) = host_ip else {
-        return; // A host with no address but loopback: nothing to tell apart.
-    };
+    /// A host with 10.1.2.3 beside loopback.
+    struct TestHost;
+    impl gpuguard_core::host::HostFacts for TestHost {
+        fn uid_of(&self, _: &str) -> Option<u32> {
+            None
+        }
+        fn local_addresses(&self) -> Vec<std::net::IpAddr> {
+            vec![[127, 0, 0, 1].into(), [10, 1, 2, 3].into()]
+        }
+    }
+    gpuguard_core::host::install(Box::new(TestHost));
+    let ip = std::net::IpAddr::from([10, 1, 2, 3]);
     let mut t = table_for("", 1001);
     t.join(2, peer(0, 7), Duration::ZERO);
     let launch = |t: &mut Reservations, conn, model: &str, url: String| {

@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::sample::engine::{EngineFlags, EngineStats};
+use crate::engine::{EngineFlags, EngineStats};
 
 /// Bumped when a field changes meaning or disappears. 2: `models[].gpu_bytes` may be null
 /// (unknown while NVML is unavailable).

@@ -184,14 +184,15 @@ pub fn guess_ready_url(command: &[String]) -> Option<String> {
 }
 
 /// A launched process for tests of the ledger and the daemon: alive until told otherwise
-/// (`exited`), its ready URL never answers.
-#[cfg(test)]
+/// (`exited`), its ready URL never answers. The daemon's tests take it through the `fakes`
+/// feature.
+#[cfg(any(test, feature = "fakes"))]
 #[derive(Default)]
-pub(crate) struct FakeProcess {
-    pub(crate) exited: std::sync::atomic::AtomicBool,
+pub struct FakeProcess {
+    pub exited: std::sync::atomic::AtomicBool,
 }
 
-#[cfg(test)]
+#[cfg(any(test, feature = "fakes"))]
 impl Launched for FakeProcess {
     fn exited(&self) -> bool {
         self.exited.load(std::sync::atomic::Ordering::Relaxed)

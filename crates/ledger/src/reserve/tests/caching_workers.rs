@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use proptest::prelude::*;
 
 use super::*;
-use crate::sample::unattributed::Unattributed;
+use crate::unattributed::Unattributed;
 
 const MIB: u64 = 1 << 20;
 /// PyTorch rounds large allocations up to 2 MiB and gives each new one a segment of its own.

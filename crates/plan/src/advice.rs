@@ -1,7 +1,7 @@
 //! What a plan tells the operator in their tools' terms: vLLM's flags, the `[[model]]` block and
 //! the `gpuguard launch` flags that hold the engine to its budget, and the assumptions in words.
 
-use crate::units::fmt_bytes;
+use gpuguard_core::units::fmt_bytes;
 
 use super::*;
 

@@ -53,8 +53,8 @@ use crate::units::fmt_bytes;
 use account::Account;
 pub use capacity::Capacity;
 use learner::SAMPLES_FOR_DEFAULT;
-#[cfg(test)]
-pub(crate) use lease::FakeProcess;
+#[cfg(any(test, feature = "fakes"))]
+pub use lease::FakeProcess;
 pub use lease::{Launched, ReadyUrl};
 use lease::{Lease, LeaseState, NewLease};
 use limit::PerUid;

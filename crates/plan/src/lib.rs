@@ -20,7 +20,7 @@ use std::str::FromStr;
 
 use serde::Serialize;
 
-use crate::units::fmt_bytes;
+use gpuguard_core::units::{self, fmt_bytes};
 
 use advice::{general_assumptions, gpuguard_budget, vllm_args};
 pub use arch::{Architecture, ParamCount};
@@ -403,7 +403,7 @@ fn validate(r: &PlanRequest) -> Result<(), String> {
     if kv_per_request > MAX_FIGURE || weights > MAX_FIGURE {
         return Err(format!(
             "the model's weights or one request's KV cache come to more than {} (1 PiB): beyond any GPU host; check the sizes in its config",
-            crate::units::fmt_bytes(MAX_FIGURE as u64)
+            units::fmt_bytes(MAX_FIGURE as u64)
         ));
     }
     if let Some(u) = r

@@ -2270,10 +2270,10 @@ fn a_floor_at_or_above_the_total_is_not_enforced() {
 }
 
 /// The floor events follow the floor's level, `unknown` included, not whether a floor is
-/// crossed (what the conditions in daemon/alerts.rs report): a reading that turns unknown and
+/// crossed (what the conditions in src/daemon/alerts.rs report): a reading that turns unknown and
 /// comes back clears the floor although none was crossed, a crossed floor whose reading turns
 /// unknown is not cleared, and easing from act to warn says nothing. (Why the conditions do not
-/// write these events: daemon/alerts.rs's module doc.)
+/// write these events: src/daemon/alerts.rs's module doc.)
 #[test]
 fn floor_events_follow_the_level_unknown_included() {
     let c = config("[gpu]\nmin_free = \"2GiB\"\nwarn_free = \"3GiB\"\n[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n");

@@ -973,12 +973,12 @@ mod tests {
         ] {
             assert_eq!(check_ready_url(url), Ok(()), "{url}");
         }
-        if let Some(ip) = local_addresses().into_iter().find(|ip| !ip.is_loopback()) {
-            let url = match ip {
-                std::net::IpAddr::V4(v4) => format!("http://{v4}:8000/health"),
-                std::net::IpAddr::V6(v6) => format!("http://[{v6}]:8000/health"),
-            };
-            assert_eq!(check_ready_url(&url), Ok(()), "{url}");
+        crate::host::install_test_host();
+        for url in [
+            "http://10.1.2.3:8000/health",
+            "http://[fd00::7]:8000/health",
+        ] {
+            assert_eq!(check_ready_url(url), Ok(()), "{url}");
         }
         for url in [
             "http://192.0.2.7/health",
