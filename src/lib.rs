@@ -1,11 +1,11 @@
-//! gpuguard: a host agent that keeps GPU machines alive.
+//! gpuguard, the agent: a host daemon that keeps GPU machines alive, and its CLI.
 //!
-//! The pipeline, one module per stage:
-//! `sample` (/proc, NVML) -> `snapshot` (plain data) -> `policy` (pure decisions) -> `act`
-//! (signals, throttles) -> logs, `alert` (webhooks, event log), `metrics` (Prometheus) and
-//! `history` (the flight recorder, read by `gpuguard history`),
-//! driven by the `daemon` loop. `config` holds the TOML config, `units` the sizes and durations
-//! it is written in.
+//! The pipeline, one module per stage: `sample` (/proc, NVML) -> the core's `snapshot` (plain
+//! data) -> its `policy` (pure decisions) and the ledger's `reserve` -> `act` (signals,
+//! throttles) -> logs, `alert` (webhooks, event log), `metrics` (Prometheus) and `history` (the
+//! flight recorder), driven by the `daemon` loop; `ipc` serves the socket, `cli` the commands.
+//! The libraries' modules are named here as the agent's own (`crate::config`, ...). Only
+//! what the binary and the host suite use is public, so the dead-code lint sees the rest.
 
 // The core (crates/core): the config, the snapshot, the pure policy and the read model.
 pub use gpuguard_core::{
@@ -15,16 +15,16 @@ pub use gpuguard_core::{
 pub use gpuguard_ledger::{protocol, reserve};
 pub use gpuguard_plan as plan;
 
-pub mod act;
-pub mod alert;
+mod act;
+mod alert;
 pub mod cli;
-pub mod daemon;
-pub mod history;
-pub mod http;
+mod daemon;
+mod history;
+mod http;
 pub mod ipc;
-pub mod metrics;
+mod metrics;
 #[cfg(test)]
 mod properties;
 pub mod sample;
-pub mod state_dir;
-pub mod view;
+mod state_dir;
+mod view;

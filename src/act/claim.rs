@@ -102,6 +102,7 @@ fn show_holder(holder: &Option<Holder>) -> String {
 
 impl ClaimError {
     /// The daemon that holds the lock, if it said.
+    #[cfg(test)]
     pub fn holder(&self) -> Option<&Holder> {
         match self {
             ClaimError::Held { holder, .. } => holder.as_ref(),

@@ -64,7 +64,8 @@ impl Pressure {
 
 enum Message {
     Record(Record, Pressure),
-    /// Sync what was written; answered when done.
+    /// Sync what was written; answered when done (tests).
+    #[cfg(test)]
     Flush(SyncSender<()>),
 }
 
@@ -164,11 +165,14 @@ impl Recorder {
     }
 
     /// Records dropped because the queue was full or one was too large, since the start.
+    #[cfg(test)]
     pub fn dropped(&self) -> u64 {
         self.shared.dropped.load(Ordering::Relaxed)
     }
 
-    /// Waits until everything queued so far is written and synced.
+    /// Waits until everything queued so far is written and synced (for tests: the loop never
+    /// waits for the disk).
+    #[cfg(test)]
     pub fn flush(&self) {
         if let Some(tx) = &self.tx {
             let (done, wait) = sync_channel(1);
@@ -247,6 +251,7 @@ impl Writer {
                         self.stop(why, full.then_some(record.at_ms()));
                     }
                 }
+                #[cfg(test)]
                 Message::Flush(done) => {
                     self.sync();
                     let _ = done.send(());

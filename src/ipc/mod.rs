@@ -3,7 +3,7 @@
 //! pinning of who is on the other end.
 
 pub mod client;
-pub mod connections;
-pub mod launched;
-pub mod peer;
-pub mod server;
+pub(crate) mod connections;
+pub(crate) mod launched;
+pub(crate) mod peer;
+pub(crate) mod server;

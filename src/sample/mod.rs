@@ -5,23 +5,23 @@
 //! `sockets.rs` tells whose a listening socket is, and `own_sockets.rs` asks a model server's
 //! URLs of its own sockets only.
 
-pub mod cgroup;
-pub mod engine;
-pub mod gce;
-pub mod host_facts;
+pub(crate) mod cgroup;
+pub(crate) mod engine;
+pub(crate) mod gce;
+pub(crate) mod host_facts;
 pub mod nvml;
-pub mod own_sockets;
-pub mod proc_events;
-pub mod procfs;
-pub mod prometheus;
-pub mod scan;
-pub mod sockets;
-pub mod tmpfs;
-pub mod weights;
+pub(crate) mod own_sockets;
+pub(crate) mod proc_events;
+pub(crate) mod procfs;
+pub(crate) mod prometheus;
+pub(crate) mod scan;
+pub(crate) mod sockets;
+pub(crate) mod tmpfs;
+pub(crate) mod weights;
 
 use crate::snapshot::HostMemory;
 
-pub use self::procfs::ProcfsSource;
+pub(crate) use self::procfs::ProcfsSource;
 use self::procfs::{ReadError, Vitals};
 use self::scan::{ScanRequest, ScanResult};
 

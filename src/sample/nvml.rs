@@ -127,6 +127,7 @@ impl NvmlGpuSource {
     }
 
     /// The same, with the PCI devices listed at `path` (tests).
+    #[cfg(test)]
     pub fn with_pci_devices(mut self, path: impl Into<PathBuf>) -> Self {
         self.pci_devices = path.into();
         self

@@ -34,19 +34,6 @@ pub struct Listener {
     pub inode: u64,
 }
 
-/// The inodes of the TCP sockets listening on `addr`'s port and address (or on the unspecified
-/// address of its family, which takes every address of the host).
-pub fn listening(proc_root: &Path, addr: SocketAddr) -> Vec<u64> {
-    table(proc_root, addr.is_ipv6())
-        .into_iter()
-        .filter(|l| {
-            l.local.port() == addr.port()
-                && (l.local.ip() == addr.ip() || l.local.ip().is_unspecified())
-        })
-        .map(|l| l.inode)
-        .collect()
-}
-
 /// The host's listening TCP sockets (of this network namespace), IPv4's and IPv6's.
 #[derive(Debug, Default)]
 pub struct Listeners {
@@ -344,23 +331,6 @@ mod tests {
         root
     }
 
-    #[test]
-    fn a_port_is_found_on_its_address_or_the_unspecified_one() {
-        let root = tempfile::tempdir().unwrap();
-        std::fs::create_dir(root.path().join("net")).unwrap();
-        std::fs::write(root.path().join("net/tcp"), TCP).unwrap();
-        std::fs::write(root.path().join("net/tcp6"), TCP6).unwrap();
-        let at = |a: &str| listening(root.path(), a.parse().unwrap());
-        assert_eq!(at("127.0.0.1:9835"), [41231]);
-        assert_eq!(at("127.0.0.2:9835"), Vec::<u64>::new());
-        assert_eq!(at("10.0.0.5:22"), [1201]);
-        assert_eq!(at("[::1]:8000"), [52001]);
-        assert_eq!(at("[::1]:9835"), Vec::<u64>::new());
-    }
-
-    /// Round four: a user's `[::1]:8000` beside a server on `127.0.0.1:8000` answers `localhost`'s
-    /// IPv6 address. Each address reaches the listeners the kernel gives it: the most specific
-    /// first, IPv4's own wildcard before a dual-stack IPv6 one.
     #[test]
     fn a_connection_reaches_the_listeners_the_kernel_looks_up_for_its_address() {
         let server = listener("127.0.0.1:8000", 0, 1);

@@ -168,13 +168,6 @@ named! {
     }
 }
 
-impl ReasonKind {
-    /// The action is about GPU memory (its usage figures are GPU figures).
-    pub fn is_gpu(self) -> bool {
-        matches!(self, ReasonKind::GpuFloor | ReasonKind::GpuBudget)
-    }
-}
-
 named! {
     pub enum Severity {
         Info = "info",

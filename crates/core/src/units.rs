@@ -110,10 +110,6 @@ pub mod duration {
             .map_err(|_| serde::de::Error::custom("expected a duration such as \"10s\""))?;
         parse_duration(&text).map_err(serde::de::Error::custom)
     }
-
-    pub fn serialize<S: Serializer>(value: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&humantime::format_duration(*value).to_string())
-    }
 }
 
 #[cfg(test)]

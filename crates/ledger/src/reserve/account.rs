@@ -173,7 +173,8 @@ impl Account {
     }
 
     /// The same, seen by `holder`'s next request: the cache of the books it draws on counts
-    /// (may be negative).
+    /// (may be negative). The ledger's own tests read it.
+    #[cfg(test)]
     pub fn gpu_promised_to(
         &self,
         holder: ProcessId,

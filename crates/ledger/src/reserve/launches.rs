@@ -374,7 +374,6 @@ impl Reservations {
                 process,
                 ready_timeout,
                 by_gpu,
-                command: request.command.join(" "),
                 ready_url,
             },
             usage,

@@ -45,7 +45,6 @@ pub struct Lease {
     pub ready_timeout: Duration,
     /// Whether it is judged by GPU memory (it declared some) or by RAM.
     pub by_gpu: bool,
-    pub command: String,
     ready_url: Option<Box<dyn ReadyUrl>>,
     usage_at_admission: u64,
     last_usage: u64,
@@ -58,7 +57,6 @@ pub struct NewLease {
     pub process: Arc<dyn Launched>,
     pub ready_timeout: Duration,
     pub by_gpu: bool,
-    pub command: String,
     pub ready_url: Option<String>,
 }
 
@@ -72,7 +70,6 @@ impl Lease {
             state: LeaseState::Loading,
             ready_timeout: spec.ready_timeout,
             by_gpu: spec.by_gpu,
-            command: spec.command,
             usage_at_admission: usage,
             last_usage: usage,
             stable_since: now,
