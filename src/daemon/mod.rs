@@ -2,9 +2,8 @@
 //! reload and SIGTERM/SIGINT shutdown that resumes every process gpuguard holds stopped.
 //! `view.rs` derives the tick view once per tick; from it `alerts.rs` works out the alert
 //! conditions (it also feeds actions to the alert pipeline), `report.rs` what operators see and
-//! `Metrics::update` the gauges. `sampler.rs` is the sampling part: it owns the sources, the
-//! snapshot it builds from them and what it remembers about them; `scanning.rs` (part of it)
-//! schedules the process scans (on a thread of their own). `warm.rs` runs the kill path once at
+//! `Metrics::update` the gauges. `sampler/` is the sampling part: it owns the sources, the
+//! snapshot it builds from them and what it remembers about them; its `sampler/scanning.rs` schedules the process scans (on a thread of their own). `warm.rs` runs the kill path once at
 //! start, `systemd.rs` speaks sd_notify.
 //!
 //! # Threads
@@ -74,7 +73,7 @@ mod model_detail;
 pub mod preflight;
 mod report;
 mod sampler;
-mod scanning;
+
 mod systemd;
 #[cfg(test)]
 mod tests;
@@ -84,7 +83,7 @@ use sampler::Sampler;
 use view::Detail;
 mod warm;
 
-pub use scanning::MakeTables;
+pub use sampler::scanning::MakeTables;
 use systemd::Systemd;
 
 /// What the loop reads and acts through: the real ones (`Sources::real`) in the binary, fakes in
@@ -115,7 +114,7 @@ impl Sources {
         let proc_root = roots.proc.clone();
         Sources {
             procs: Box::new(ProcfsSource::new(&proc_root).with_cgroups(&roots.cgroup)),
-            tables: scanning::real_tables(&proc_root, &roots.cgroup),
+            tables: sampler::scanning::real_tables(&proc_root, &roots.cgroup),
             gpus: config.gpu.enabled.then(|| {
                 Box::new(NvmlGpuSource::new(
                     config.gpu.nvml_library.clone(),
@@ -268,7 +267,7 @@ impl Daemon {
             true => GpuMonitor::inline(source, timeout),
             false => GpuMonitor::start(source, timeout),
         });
-        let (scans, processes) = scanning::Scans::new(tables, inline);
+        let (scans, processes) = sampler::scanning::Scans::new(tables, inline);
         let snapshot = Snapshot {
             self_pid: std::process::id() as i32,
             processes: crate::snapshot::ProcessTable {

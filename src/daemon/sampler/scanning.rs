@@ -31,8 +31,8 @@ use crate::snapshot::Process;
 use crate::config::Config;
 use crate::policy::{Launches, PolicyState};
 
-use super::sampler::Sampler;
-use super::DaemonEvent;
+use super::Sampler;
+use crate::daemon::DaemonEvent;
 
 /// Near a floor, a full round once MemAvailable has moved by this much since the last one...
 const FULL_SCAN_DRIFT_BYTES: u64 = 64 << 20;
@@ -50,7 +50,7 @@ pub type MakeTables = Box<dyn Fn() -> Box<dyn TableSource> + Send>;
 /// Scanners of the real /proc, told about execs and uid changes by the kernel where it will
 /// (`sample::proc_events`: root with CAP_NET_ADMIN on the host); another root (a test fixture)
 /// gets none.
-pub(super) fn real_tables(proc_root: &Path, cgroup_root: &Path) -> MakeTables {
+pub(in crate::daemon) fn real_tables(proc_root: &Path, cgroup_root: &Path) -> MakeTables {
     let root = proc_root.to_path_buf();
     let cgroup_root = cgroup_root.to_path_buf();
     Box::new(move || {
@@ -80,7 +80,7 @@ pub(super) fn real_tables(proc_root: &Path, cgroup_root: &Path) -> MakeTables {
 }
 
 /// The scan thread and what the loop knows about it.
-pub(super) struct Scans {
+pub(in crate::daemon) struct Scans {
     make: MakeTables,
     /// Rounds run on the loop's own thread, at the start of the tick after the one that asked, as
     /// if the thread had answered meanwhile (in-process tests).
@@ -108,7 +108,7 @@ pub(super) struct Scans {
 
 impl Scans {
     /// Makes the first table here and now (before the loop runs, so the first tick has one).
-    pub(super) fn new(make: MakeTables, inline: bool) -> (Scans, Vec<Process>) {
+    pub(in crate::daemon) fn new(make: MakeTables, inline: bool) -> (Scans, Vec<Process>) {
         let mut source = make();
         let mut first = source.round(ScanRequest {
             full: true,
@@ -138,7 +138,7 @@ impl Scans {
 
     /// Starts the scan thread; its tables come back as `DaemonEvent::Scan`. Inline: nothing to
     /// start.
-    pub(super) fn start(&mut self, events: Sender<DaemonEvent>) -> std::io::Result<()> {
+    pub(in crate::daemon) fn start(&mut self, events: Sender<DaemonEvent>) -> std::io::Result<()> {
         if self.inline {
             return Ok(());
         }
@@ -153,12 +153,12 @@ impl Scans {
     }
 
     /// A table arrived.
-    pub(super) fn arrived(&mut self, result: ScanResult) {
+    pub(in crate::daemon) fn arrived(&mut self, result: ScanResult) {
         self.in_flight = false;
         self.ready = Some(result);
     }
 
-    pub(super) fn want_full(&mut self) {
+    pub(in crate::daemon) fn want_full(&mut self) {
         self.want_full = true;
     }
 
@@ -184,7 +184,7 @@ impl Scans {
 
 impl Sampler {
     /// Merges a round that arrived into the table; true if there was one.
-    pub(super) fn merge_scan(&mut self) -> bool {
+    pub(in crate::daemon) fn merge_scan(&mut self) -> bool {
         if let (Some(request), Some(source)) = (self.scans.pending.take(), &mut self.scans.idle) {
             self.scans.ready = Some(source.round(request));
             self.scans.in_flight = false;
@@ -223,7 +223,7 @@ impl Sampler {
     /// Re-reads the victims the policy waits on. Gone (or the pid reused): marked dead, so the
     /// policy sees it exited before the next scan drops it. Unreadable: left as is,
     /// never taken for gone.
-    pub(super) fn reread_watched(&mut self) {
+    pub(in crate::daemon) fn reread_watched(&mut self) {
         for id in &self.watch {
             let table = &mut self.snapshot.processes.processes;
             let Some(p) = table.iter_mut().find(|p| p.id() == *id) else {
@@ -260,7 +260,11 @@ impl Sampler {
     /// Near the RAM floor: who owns the tmpfs files (once per scan round: a walk of /dev/shm
     /// and /run/user), so memory no process holds is charged to its owner. The processes' PSS
     /// is read by the scan (`ScanRequest::pss_min_rss`), off the loop.
-    pub(super) fn read_tmpfs_owners_near_floor(&mut self, config: &Config, scanned: bool) {
+    pub(in crate::daemon) fn read_tmpfs_owners_near_floor(
+        &mut self,
+        config: &Config,
+        scanned: bool,
+    ) {
         if !self.near_ram_floor(config) {
             self.snapshot.tmpfs_owners.clear();
         } else if scanned || self.snapshot.tmpfs_owners.is_empty() {
@@ -271,7 +275,7 @@ impl Sampler {
     /// At the end of a tick: the round to ask for, if the table is older than the policy wants
     /// and none is under way (`send_scan` sends it, as the tick's very last step: the scan
     /// thread it wakes may take the CPU from the loop).
-    pub(super) fn schedule_scan(
+    pub(in crate::daemon) fn schedule_scan(
         &mut self,
         config: &Config,
         state: &PolicyState,
@@ -356,7 +360,7 @@ impl Sampler {
     }
 
     /// Hands a round to the scan thread (inline: keeps it for the next tick to run).
-    pub(super) fn send_scan(&mut self, request: ScanRequest) {
+    pub(in crate::daemon) fn send_scan(&mut self, request: ScanRequest) {
         if self.scans.inline {
             self.scans.pending = Some(request);
             self.scans.in_flight = true;

@@ -19,8 +19,10 @@ use crate::sample::nvml::GpuMonitor;
 use crate::sample::ProcSource;
 use crate::snapshot::{GpuStatus, ProcessId, Snapshot};
 
-use super::scanning::Scans;
-use super::DaemonEvent;
+pub(super) mod scanning;
+
+use self::scanning::Scans;
+use crate::daemon::DaemonEvent;
 
 pub(super) struct Sampler {
     /// Host memory every tick, and the loop's own reads of single processes.
