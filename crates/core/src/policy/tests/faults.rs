@@ -2,8 +2,6 @@
 
 use super::*;
 
-// ---- Faults and bad values (issue #13): an untrusted reading may alert, never act. ----------
-
 #[test]
 fn inconsistent_gpu_readings_are_unknown_and_never_act() {
     let c = config("[gpu]\nmin_free = \"2GiB\"\n");
