@@ -61,22 +61,23 @@ VENV=$PWD/target/k8s-venv
     python3 -m venv "$VENV"
     "$VENV/bin/pip" install -q kubernetes-validate
 }
-mkdir -p "$WORK/render/with-components"
+mkdir -p "$WORK/render"
 kubectl kustomize deploy/kubernetes >"$WORK/render/base.yaml"
 kubectl kustomize deploy/gke >"$WORK/render/gke.yaml"
-# The base with every component: what an overlay may combine.
-cat >"$WORK/render/with-components/kustomization.yaml" <<EOF
+# The base with every component: what an overlay may combine (kustomize wants relative paths).
+ALL=target/k8s-render-all
+mkdir -p "$ALL"
+cat >"$ALL/kustomization.yaml" <<EOF
 apiVersion: kustomize.config.k8s.io/v1beta1
 kind: Kustomization
 resources:
-  - $PWD/deploy/kubernetes
+  - ../../deploy/kubernetes
 components:
-  - $PWD/deploy/kubernetes/components/prometheus-operator
-  - $PWD/deploy/kubernetes/components/gke-managed-prometheus
-  - $PWD/deploy/kubernetes/components/gpu-devices
+  - ../../deploy/kubernetes/components/prometheus-operator
+  - ../../deploy/kubernetes/components/gke-managed-prometheus
+  - ../../deploy/kubernetes/components/gpu-devices
 EOF
-kubectl kustomize --load-restrictor LoadRestrictionsNone "$WORK/render/with-components" \
-    >"$WORK/render/all.yaml"
+kubectl kustomize "$ALL" >"$WORK/render/all.yaml"
 for version in ${GPUGUARD_K8S_VERSIONS:-1.30.0 1.37.0}; do
     for f in base gke all; do
         "$VENV/bin/kubernetes-validate" --strict --quiet -k "$version" "$WORK/render/$f.yaml" \
@@ -198,6 +199,8 @@ config 16MiB
 python3 -c 'import sys, time; b = b"x" * (64 << 20); time.sleep(600)' "$TOKEN" &
 HOG=$!
 state() { awk '{print $3}' "/proc/$HOG/stat" 2>/dev/null; }
+stopped() { [ "$(state)" = T ]; }
+running() { case $(state) in R | S | D) true ;; *) false ;; esac; }
 wait_for() { # WHAT SECONDS COMMAND...: until COMMAND succeeds
     local what=$1 seconds=$2
     shift 2
@@ -237,7 +240,7 @@ wait_for "/readyz is not ready" 10 answers /readyz 200 "ready: guarding (mode en
 echo "   healthz: $(probe /healthz)"
 echo "   readyz: $(probe /readyz)"
 wait_for "the process outside the container was not stopped for its budget" 30 \
-    test "$(state)" = T
+    stopped
 echo "   pid $HOG stopped for its RAM budget (16 MiB), $(($(date +%s) - t0)) s after podman run"
 "$WORK/gpuguard" status --socket "$WORK/run/gpuguard.sock" >"$WORK/status.txt" ||
     fail "gpuguard status through the shared socket: $(cat "$WORK/status.txt")"
@@ -245,11 +248,10 @@ grep -q "outside" "$WORK/status.txt" && grep -q "$HOG" "$WORK/status.txt" ||
     fail "status from the host does not show the model and its process: $(cat "$WORK/status.txt")"
 echo "   gpuguard status on the host, through $WORK/run/gpuguard.sock: the model and pid $HOG"
 config 4GiB
-wait_for "not resumed after the budget was raised in the mounted config" 30 \
-    test "$(state)" != T
+wait_for "not resumed after the budget was raised in the mounted config" 30 running
 echo "   resumed once the mounted config raised the budget (no signal: --watch-config)"
 config 16MiB
-wait_for "not stopped again under the lowered budget" 30 test "$(state)" = T
+wait_for "not stopped again under the lowered budget" 30 stopped
 t0=$(date +%s)
 podman stop -t 30 "$NAME" >/dev/null
 code=$(podman inspect --format '{{.State.ExitCode}}' "$NAME")
@@ -257,7 +259,7 @@ code=$(podman inspect --format '{{.State.ExitCode}}' "$NAME")
     podman logs "$NAME" 2>&1 | tail -n 40 >&2
     fail "the daemon exited $code on SIGTERM (podman stop)"
 }
-[ "$(state)" != T ] || fail "the daemon's clean stop left pid $HOG stopped"
+running || fail "the daemon's clean stop left pid $HOG $(state) (not running)"
 podman logs "$NAME" 2>&1 | grep -q "resuming held processes and stopping" ||
     fail "the daemon's log does not say it stopped on SIGTERM"
 echo "   podman stop: exit 0 in $(($(date +%s) - t0)) s, pid $HOG resumed first"
