@@ -16,16 +16,18 @@
 #    process this script starts outside the container (the only one its [[model]] matches,
 #    `candidates = "models"`): the process is stopped for its RAM budget, resumed when the config
 #    in the mounted directory is replaced (no signal: --watch-config), stopped again under a lower
-#    budget, and resumed by the daemon's clean stop (`podman stop`, SIGTERM, exit 0). /healthz
-#    and /readyz answer on 127.0.0.1, and `gpuguard status` run on the host reads the daemon
-#    through the shared socket.
+#    budget, and resumed by the daemon's clean stop (`podman stop`, SIGTERM, exit 0). NVML is
+#    loaded as on GKE, from the driver's directory mounted at /usr/local/nvidia (here the fake
+#    of tests/fake_nvml, built here): /readyz is 503 while its GPU is at the act floor, 200 once
+#    it has room; /healthz answers on 127.0.0.1; `gpuguard status` run on the host reads the
+#    daemon through the shared socket.
 #
 #   packaging/test-image.sh
 #
 # GPUGUARD_RELEASE_DIR: passed to build-image.sh (a release directory built already).
 # GPUGUARD_K8S_VERSIONS (default "1.30.0 1.37.0"): the Kubernetes versions to validate against.
 # Run by .ci/run, as root, on Debian 12 (podman 4.3 with runc: packaging/containers.conf). Needs
-# podman, runc, debootstrap, kubectl (Debian's kubernetes-client), python3-venv; promtool
+# podman, runc, debootstrap, kubectl (Debian's kubernetes-client), python3-venv, cc; promtool
 # (Debian's prometheus, which scripts/test installs) for the rules.
 # Signals only the process it starts; listens on 127.0.0.1 only.
 set -euo pipefail
@@ -162,7 +164,7 @@ podman rm "$NAME-copy" >/dev/null
     fail "deploy/kubernetes/config.toml fails check-config --portable"
 
 say "run it as the DaemonSet does, guarding a process outside the container"
-mkdir -p "$WORK/etc" "$WORK/run" "$WORK/state"
+mkdir -p "$WORK/etc" "$WORK/run" "$WORK/state" "$WORK/nvidia/lib64"
 chmod 0755 "$WORK/run"
 chmod 0700 "$WORK/state"
 TOKEN=gpuguard-test-image-$$-$RANDOM
@@ -178,7 +180,8 @@ scan_interval = "200ms"
 warn_available = "0%"
 min_available = "0%"
 [gpu]
-enabled = false
+min_free = "2GiB"
+sample_timeout = "500ms"
 [launch]
 socket = "/run/gpuguard/gpuguard.sock"
 [metrics]
@@ -194,6 +197,18 @@ grace = "0s"
 EOF
     mv "$WORK/etc/.config.toml.new" "$WORK/etc/config.toml"
 }
+# NVML as on GKE: the driver's directory mounted at /usr/local/nvidia, found through the image's
+# LD_LIBRARY_PATH. Here the scripted fake (tests/fake_nvml), one GPU with 1 GiB free: at its
+# act floor (min_free 2 GiB), so /readyz says not ready until it has room.
+command -v cc >/dev/null || fail "cc not found (apt-get install gcc): the fake NVML is built here"
+cc -shared -fPIC -O2 -pthread -Wl,-soname,libnvidia-ml.so.1 -o "$WORK/nvidia/lib64/libnvidia-ml.so.1" \
+    tests/fake_nvml/fake_nvml.c
+gpus() { # USED_GIB: GPU 0's state, replaced whole (the fake re-reads it when it changes)
+    echo "device 0 name=\"Fake H100\" uuid=GPU-test-image total=$((16 << 30)) used=$(($1 << 30)) util=5" \
+        >"$WORK/nvidia/.state.new"
+    mv "$WORK/nvidia/.state.new" "$WORK/nvidia/state"
+}
+gpus 15
 config 16MiB
 # The process to guard: 64 MiB touched, then idle; its command line carries the token.
 python3 -c 'import sys, time; b = b"x" * (64 << 20); time.sleep(600)' "$TOKEN" &
@@ -233,20 +248,27 @@ podman --runtime runc run -d --name "$NAME" \
     --security-opt=no-new-privileges --read-only --tmpfs /tmp \
     -v /sys/fs/cgroup:/sys/fs/cgroup \
     -v "$WORK/etc:/etc/gpuguard:ro" -v "$WORK/run:/run/gpuguard" -v "$WORK/state:/var/lib/gpuguard" \
+    -v "$WORK/nvidia:/usr/local/nvidia:ro" -e FAKE_NVML_STATE=/usr/local/nvidia/state \
     -e GPUGUARD_LOG=info \
     "$IMAGE" --state-dir /var/lib/gpuguard --watch-config 1s >/dev/null
 wait_for "no /healthz on 127.0.0.1:$PORT" 30 answers /healthz 200 "ok: the loop ticked"
-wait_for "/readyz is not ready" 10 answers /readyz 200 "ready: guarding (mode enforce)"
 echo "   healthz: $(probe /healthz)"
+wait_for "/readyz does not name GPU 0 at its act floor" 10 \
+    answers /readyz 503 "not ready: GPU 0 at the act floor"
+echo "   readyz: $(probe /readyz)"
+gpus 6
+wait_for "/readyz is not ready once GPU 0 has room" 10 answers /readyz 200 "ready: guarding (mode enforce)"
 echo "   readyz: $(probe /readyz)"
 wait_for "the process outside the container was not stopped for its budget" 30 \
     stopped
 echo "   pid $HOG stopped for its RAM budget (16 MiB), $(($(date +%s) - t0)) s after podman run"
 "$WORK/gpuguard" status --socket "$WORK/run/gpuguard.sock" >"$WORK/status.txt" ||
     fail "gpuguard status through the shared socket: $(cat "$WORK/status.txt")"
-grep -q "outside" "$WORK/status.txt" && grep -q "$HOG" "$WORK/status.txt" ||
-    fail "status from the host does not show the model and its process: $(cat "$WORK/status.txt")"
-echo "   gpuguard status on the host, through $WORK/run/gpuguard.sock: the model and pid $HOG"
+grep -q "outside" "$WORK/status.txt" && grep -q "$HOG" "$WORK/status.txt" &&
+    grep -q "Fake H100" "$WORK/status.txt" ||
+    fail "status from the host does not show the model, its process and the GPU: $(cat "$WORK/status.txt")"
+echo "   gpuguard status on the host, through $WORK/run/gpuguard.sock: the model, pid $HOG," \
+    "and GPU 0 read through NVML from the mounted /usr/local/nvidia/lib64"
 config 4GiB
 wait_for "not resumed after the budget was raised in the mounted config" 30 running
 echo "   resumed once the mounted config raised the budget (no signal: --watch-config)"
@@ -260,7 +282,8 @@ code=$(podman inspect --format '{{.State.ExitCode}}' "$NAME")
     fail "the daemon exited $code on SIGTERM (podman stop)"
 }
 running || fail "the daemon's clean stop left pid $HOG $(state) (not running)"
-podman logs "$NAME" 2>&1 | grep -q "resuming held processes and stopping" ||
-    fail "the daemon's log does not say it stopped on SIGTERM"
+podman logs "$NAME" >"$WORK/daemon.log" 2>&1
+grep -q "SIGTERM: resuming held processes and stopping" "$WORK/daemon.log" ||
+    fail "the daemon's log does not say it stopped on SIGTERM: $(tail -n 20 "$WORK/daemon.log")"
 echo "   podman stop: exit 0 in $(($(date +%s) - t0)) s, pid $HOG resumed first"
 echo "test-image: passed in $(($(date +%s) - started)) s"
