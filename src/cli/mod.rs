@@ -417,8 +417,6 @@ fn check_config(path: &Path, overrides: &Overrides, portable: bool, matches: boo
     exit::OK
 }
 
-/// Where this daemon looks at the system: the defaults, and the enforce lock that
-/// `GPUGUARD_ENFORCE_LOCK` names (tests that run daemons side by side).
 /// `--watch-config`'s interval: a duration of at least 100 ms.
 fn parse_watch_interval(text: &str) -> Result<Duration, String> {
     let every = crate::units::parse_duration(text)?;
@@ -430,6 +428,8 @@ fn parse_watch_interval(text: &str) -> Result<Duration, String> {
     Ok(every)
 }
 
+/// Where this daemon looks at the system: the defaults, and the enforce lock that
+/// `GPUGUARD_ENFORCE_LOCK` names (tests that run daemons side by side).
 fn roots() -> Roots {
     let mut roots = Roots::default();
     if let Some(path) = std::env::var_os(claim::ENFORCE_LOCK_ENV) {

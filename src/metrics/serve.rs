@@ -1,5 +1,6 @@
-//! `GET /metrics` (and the probes `/healthz` and `/readyz`, `probes.rs`) on `[metrics] listen`, on its own thread: OpenMetrics for a scraper that asks
-//! for it, the classic text format 0.0.4 for anyone else, a few connections at a time.
+//! `GET /metrics` on `[metrics] listen`, on its own thread: OpenMetrics for a scraper that asks
+//! for it, the classic text format 0.0.4 for anyone else, a few connections at a time. Also the
+//! probes `/healthz` and `/readyz` (`probes.rs`).
 
 use super::*;
 
