@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The Kubernetes manifests and the OCI image, on this machine (no cluster, no registry):
 #
-# 1. `kubectl kustomize` renders deploy/kubernetes (the base), deploy/gke and the base with each
-#    component, and `kubernetes-validate` (PyPI, in target/k8s-venv) checks every object offline
-#    against the Kubernetes schemas, strictly (unknown fields are errors), for the oldest and the
-#    newest Kubernetes it is asked for. Objects of CRDs it has no schema for (ServiceMonitor,
+# 1. `kubectl kustomize` (Debian 12's kubectl 1.20, kustomize v2.0.3, or newer) renders
+#    deploy/kubernetes (the base), deploy/gke, and the CRD-based kustomizations beside the base
+#    (prometheus-operator/, gke-managed-prometheus/), and `kubernetes-validate` (PyPI, in
+#    target/k8s-venv) checks every object offline against the Kubernetes schemas, strictly
+#    (unknown fields are errors), for the oldest and the newest Kubernetes it is asked for. Objects of CRDs it has no schema for (ServiceMonitor,
 #    PrometheusRule, PodMonitoring) are listed as such; of those, the PrometheusRule's rules go
 #    through `promtool check rules`, and every monitor's selector and port are checked against
 #    the Service and the DaemonSet. A broken DaemonSet must fail the validation (the check checks).
@@ -64,22 +65,23 @@ VENV=$PWD/target/k8s-venv
     "$VENV/bin/pip" install -q kubernetes-validate
 }
 mkdir -p "$WORK/render"
-kubectl kustomize deploy/kubernetes >"$WORK/render/base.yaml"
-kubectl kustomize deploy/gke >"$WORK/render/gke.yaml"
-# The base with every component: what an overlay may combine (kustomize wants relative paths).
-ALL=target/k8s-render-all
-mkdir -p "$ALL"
-cat >"$ALL/kustomization.yaml" <<EOF
-apiVersion: kustomize.config.k8s.io/v1beta1
-kind: Kustomization
-resources:
-  - ../../deploy/kubernetes
-components:
-  - ../../deploy/kubernetes/components/prometheus-operator
-  - ../../deploy/kubernetes/components/gke-managed-prometheus
-  - ../../deploy/kubernetes/components/gpu-devices
-EOF
-kubectl kustomize "$ALL" >"$WORK/render/all.yaml"
+echo "   kubectl $(kubectl version --client 2>/dev/null | grep -oE 'v[0-9]+\.[0-9]+\.[0-9]+' | head -n 1)"
+render() { # DIR: kubectl kustomize DIR (later kustomizes warn of deprecated fields: not shown)
+    kubectl kustomize "$1" 2>"$WORK/kustomize.err" || {
+        cat "$WORK/kustomize.err" >&2
+        fail "kubectl kustomize $1"
+    }
+}
+render deploy/kubernetes >"$WORK/render/base.yaml"
+render deploy/gke >"$WORK/render/gke.yaml"
+# The base with the CRD-based kustomizations beside it: everything there is, together.
+{
+    cat "$WORK/render/base.yaml"
+    for k in prometheus-operator gke-managed-prometheus; do
+        echo ---
+        render "deploy/kubernetes/$k"
+    done
+} >"$WORK/render/all.yaml"
 for version in ${GPUGUARD_K8S_VERSIONS:-1.30.0 1.37.0}; do
     for f in base gke all; do
         "$VENV/bin/kubernetes-validate" --strict --quiet -k "$version" "$WORK/render/$f.yaml" \
@@ -96,7 +98,7 @@ for version in ${GPUGUARD_K8S_VERSIONS:-1.30.0 1.37.0}; do
     done
 done
 echo "   validated (strict) against Kubernetes ${GPUGUARD_K8S_VERSIONS:-1.30.0 1.37.0}:" \
-    "$(grep -c '^kind:' "$WORK/render/all.yaml") objects of the base and its components"
+    "$(grep -c '^kind:' "$WORK/render/all.yaml") objects, deploy/gke's $(grep -c '^kind:' "$WORK/render/gke.yaml")"
 echo "   no schema (CRDs), checked below instead: $(tr '\n' ' ' <"$WORK/unvalidated")"
 # The validation rejects what it should: a DaemonSet with a misspelt field.
 sed 's/^  updateStrategy:/  updateStrategi:/' "$WORK/render/base.yaml" >"$WORK/render/broken.yaml"
