@@ -167,6 +167,11 @@ struct DaemonArgs {
     /// (the systemd unit sets this, with LimitMEMLOCK=infinity). Failure only warns.
     #[arg(long)]
     lock_memory: bool,
+    /// Look at the config file every INTERVAL (e.g. 10s) and reload it, as SIGHUP does, when its
+    /// content changed: for a Kubernetes ConfigMap volume, which changes without a signal.
+    /// Symlinks are followed. A config with an error keeps the running one and says why.
+    #[arg(long, value_name = "INTERVAL", value_parser = parse_watch_interval, env = "GPUGUARD_WATCH_CONFIG")]
+    watch_config: Option<Duration>,
 }
 
 #[derive(Subcommand)]
@@ -413,6 +418,17 @@ fn check_config(path: &Path, overrides: &Overrides, portable: bool, matches: boo
     exit::OK
 }
 
+/// `--watch-config`'s interval: a duration of at least 100 ms.
+fn parse_watch_interval(text: &str) -> Result<Duration, String> {
+    let every = crate::units::parse_duration(text)?;
+    if every < Duration::from_millis(100) {
+        return Err(format!(
+            "'{text}' is too short: at least 100ms (e.g. \"10s\")"
+        ));
+    }
+    Ok(every)
+}
+
 /// Where this daemon looks at the system: the defaults, and the enforce lock that
 /// `GPUGUARD_ENFORCE_LOCK` names (tests that run daemons side by side).
 fn roots() -> Roots {
@@ -473,6 +489,14 @@ fn run_daemon(args: DaemonArgs) -> u8 {
         }
     };
     daemon.keep_overrides(overrides);
+    if let Some(every) = args.watch_config {
+        tracing::info!(
+            "--watch-config: reloading {} when its content changes (looked at every {})",
+            args.config.display(),
+            humantime::format_duration(every)
+        );
+        daemon.watch_config(every);
+    }
     if let Err(e) = daemon.preflight() {
         eprintln!("gpuguard: {e}");
         return exit::CONFIG;

@@ -78,6 +78,7 @@ mod systemd;
 #[cfg(test)]
 mod tests;
 mod view;
+mod watch;
 use report::Reporter;
 use sampler::Sampler;
 use view::Detail;
@@ -192,6 +193,8 @@ pub struct Daemon {
     engines: EngineScraper,
     /// GCE's notices as last acted on (`gce.rs`).
     gce_notices: crate::sample::gce::Notices,
+    /// `--watch-config`: the config file reloaded when its content changes (`watch.rs`).
+    watch: Option<watch::ConfigWatch>,
 }
 
 /// What the reservation ledger's tick gives the loop.
@@ -313,12 +316,23 @@ impl Daemon {
             reporter,
             engines: EngineScraper::default(),
             gce_notices: Default::default(),
+            watch: None,
         })
     }
 
     /// What the command line set over the config file: applied again at every reload.
     pub fn keep_overrides(&mut self, overrides: Overrides) {
         self.overrides = overrides;
+    }
+
+    /// `--watch-config`: from now on, the config file is looked at every `every` and reloaded
+    /// as SIGHUP reloads it when its content changed (`watch.rs`: a ConfigMap volume).
+    pub fn watch_config(&mut self, every: Duration) {
+        self.watch = Some(watch::ConfigWatch::new(
+            &self.config_path,
+            every,
+            Instant::now(),
+        ));
     }
 
     /// At start, before anything is served or recorded: every check `check-config` runs too
@@ -450,11 +464,7 @@ impl Daemon {
             }
             let wait = next_tick.saturating_duration_since(Instant::now());
             match self.events.recv_timeout(wait) {
-                Ok(DaemonEvent::Signal(SIGHUP)) => {
-                    let _ = sd_notify::notify(&[sd_notify::NotifyState::Reloading]);
-                    self.reload();
-                    let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
-                }
+                Ok(DaemonEvent::Signal(SIGHUP)) => self.reload_notified(),
                 Ok(DaemonEvent::Signal(signal)) => {
                     let name =
                         nix::sys::signal::Signal::try_from(signal).map_or("signal", |s| s.as_str());
@@ -499,6 +509,17 @@ impl Daemon {
     /// log and alerts), act, report (status, metrics, conditions), then ask for the next
     /// samples.
     fn tick_at(&mut self, now: Instant, since_last: Duration) -> Duration {
+        if self
+            .watch
+            .as_mut()
+            .is_some_and(|w| w.changed(&self.config_path, now))
+        {
+            info!(
+                "config {} changed on disk (--watch-config): reloading",
+                self.config_path.display()
+            );
+            self.reload_notified();
+        }
         let at = now.saturating_duration_since(self.started);
         let (scan, mut events, gpu_sample) = self.sampler.sample(&self.config, now, at, since_last);
         self.note_gce(&mut events);
@@ -640,6 +661,9 @@ impl Daemon {
             Detail::Conditions
         });
         let r = &mut self.reporter;
+        r.metrics
+            .probes
+            .ticked(now, self.config.daemon.interval, &r.view);
         // A model a user launched, over the budget it declared: its condition fires within
         // that user's share of the per-uid rate limit.
         let shared = &self.shared;
@@ -706,7 +730,17 @@ impl Daemon {
         next
     }
 
+    /// A reload, said to systemd (SIGHUP's, or `--watch-config`'s).
+    fn reload_notified(&mut self) {
+        let _ = sd_notify::notify(&[sd_notify::NotifyState::Reloading]);
+        self.reload();
+        let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
+    }
+
     fn reload(&mut self) {
+        if let Some(w) = self.watch.as_mut() {
+            w.loading(&self.config_path);
+        }
         let loaded = Config::load(&self.config_path).and_then(|mut c| {
             self.overrides.apply(&mut c);
             self.vet_reload(c)

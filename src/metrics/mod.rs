@@ -29,6 +29,7 @@ use crate::view::{GpuView, ModelView, RamView, TickView};
 type FGauge = Gauge<f64, AtomicU64>;
 
 mod families;
+pub mod probes;
 mod serve;
 
 pub use families::*;
@@ -48,6 +49,8 @@ pub struct Metrics {
     alerts: AlertFamilies,
     permits: PermitFamilies,
     seen: Arc<Mutex<Seen>>,
+    /// What `/healthz` and `/readyz` answer from (`probes.rs`).
+    pub probes: Arc<probes::Probes>,
 }
 
 impl Default for Metrics {
@@ -98,6 +101,7 @@ impl Metrics {
             alerts,
             permits,
             seen: Arc::default(),
+            probes: Arc::default(),
         }
     }
 

@@ -1,5 +1,6 @@
 //! `GET /metrics` on `[metrics] listen`, on its own thread: OpenMetrics for a scraper that asks
-//! for it, the classic text format 0.0.4 for anyone else, a few connections at a time.
+//! for it, the classic text format 0.0.4 for anyone else, a few connections at a time. Also the
+//! probes `/healthz` and `/readyz` (`probes.rs`).
 
 use super::*;
 
@@ -212,10 +213,18 @@ pub(super) async fn answer(
             "text/plain; version=0.0.4; charset=utf-8",
             metrics.text(),
         ),
+        ("GET" | "HEAD", "/healthz" | "/readyz") => {
+            let now = std::time::Instant::now();
+            let probe = match path {
+                "/healthz" => metrics.probes.health(now),
+                _ => metrics.probes.ready(now),
+            };
+            (probe.status(), "text/plain; charset=utf-8", probe.body)
+        }
         ("GET" | "HEAD", "/") => (
             "200 OK",
             "text/plain; charset=utf-8",
-            "gpuguard: metrics at /metrics\n".to_string(),
+            "gpuguard: metrics at /metrics, probes at /healthz and /readyz\n".to_string(),
         ),
         ("GET" | "HEAD", _) => (
             "404 Not Found",

@@ -281,3 +281,82 @@ fn a_real_prometheus_scrapes_the_daemon_and_answers_queries() {
     .unwrap_or_else(|e| panic!("{e}\n{}", s.daemon.log_text()));
     drop(s.held);
 }
+
+/// One GET on 127.0.0.1:`port`: the status code and the body (the probes answer 503 with a
+/// body, which `get` takes for no answer).
+fn probe(port: u16, path: &str) -> Option<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(s, "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    let code = head.split_whitespace().nth(1)?.parse().ok()?;
+    Some((code, body.to_string()))
+}
+
+/// Issue 43, through the real binary's HTTP endpoint on loopback (what a kubelet's probes and a
+/// load balancer's health check read; the decisions are `metrics::probes`' tests): /healthz is
+/// 200 while the loop ticks; /readyz is 503 naming the GPU while GPU 0 is at its act floor, 200
+/// once it has room again; and with `GPUGUARD_WATCH_CONFIG` (`--watch-config`) a config
+/// replaced on disk, with no signal, is reloaded (its mode shows in /readyz).
+#[test]
+fn healthz_and_readyz_answer_on_the_metrics_address_and_a_changed_config_reloads_unsignalled() {
+    let fake = FakeNvml::new(&gpus(15));
+    let port = free_port();
+    let config = |mode: &str| {
+        format!(
+            "[daemon]\nstate_dir = \"{{state_dir}}\"\nmode = \"{mode}\"\ncandidates = \"models\"\n\
+             interval = \"200ms\"\nscan_interval = \"200ms\"\n\
+             [ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n\
+             [gpu]\nnvml_library = \"{}\"\nsample_timeout = \"500ms\"\nmin_free = \"2GiB\"\n\
+             [metrics]\nlisten = \"127.0.0.1:{port}\"\n",
+            FakeNvml::library()
+        )
+    };
+    let mut env = fake.env();
+    env.push(("GPUGUARD_WATCH_CONFIG", "200ms".into()));
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let daemon = GuardDaemon::start_in(tempfile::tempdir().unwrap(), &config("enforce"), &env);
+    let answer = |path: &str, code: u16, body: &str| {
+        let mut last = None;
+        let seen = wait_until(Duration::from_secs(10), || {
+            last = probe(port, path);
+            last.as_ref()
+                .is_some_and(|(c, b)| *c == code && b.contains(body))
+        });
+        assert!(
+            seen,
+            "{path}: wanted {code} {body:?}, last {last:?}\n{}",
+            daemon.log_text()
+        );
+    };
+    answer("/healthz", 200, "ok: the loop ticked");
+    answer(
+        "/readyz",
+        503,
+        "not ready: GPU 0 at the act floor (gpu.min_free)",
+    );
+    // Live all along: the loop ticks at the floor.
+    answer("/healthz", 200, "ok: the loop ticked");
+    fake.set(&gpus(6));
+    answer(
+        "/readyz",
+        200,
+        "ready: guarding (mode enforce) and admitting",
+    );
+
+    daemon.rewrite_config(&config("observe"));
+    answer(
+        "/readyz",
+        200,
+        "ready: guarding (mode observe) and admitting",
+    );
+    daemon.wait_for_log(
+        "changed on disk (--watch-config): reloading",
+        Duration::from_secs(5),
+    );
+    let (code, log) = daemon.stop();
+    assert_eq!(code, Some(0), "{log}");
+}

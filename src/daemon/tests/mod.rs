@@ -23,6 +23,7 @@ use super::{Daemon, Sources};
 
 mod alerts;
 mod gpu;
+mod probes_and_watch;
 mod security;
 
 const GIB: u64 = 1 << 30;
