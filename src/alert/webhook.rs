@@ -109,7 +109,7 @@ pub fn read_secret(path: &std::path::Path) -> Result<Vec<u8>, String> {
     let m = file
         .metadata()
         .map_err(|e| format!("secret_file '{shown}' cannot be read: {e}"))?;
-    let me = nix::unistd::geteuid().as_raw();
+    let me = rustix::process::geteuid().as_raw();
     if !m.is_file() {
         return Err(format!("secret_file '{shown}' is not a regular file"));
     }
@@ -398,7 +398,12 @@ mod tests {
         assert_eq!(read_secret(&good).unwrap(), b"s3cret");
 
         let fifo = dir.path().join("fifo");
-        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        rustix::fs::mkfifoat(
+            rustix::fs::CWD,
+            &fifo,
+            rustix::fs::Mode::from_bits_truncate(0o600),
+        )
+        .unwrap();
         let e = read_secret(&fifo).unwrap_err();
         assert!(e.contains("is not a regular file"), "{e}");
 
@@ -418,9 +423,9 @@ mod tests {
         std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o666)).unwrap();
         let e = read_secret(&open).unwrap_err();
         assert!(e.contains("not root's alone (owner uid"), "{e}");
-        if nix::unistd::geteuid().is_root() {
+        if rustix::process::geteuid().is_root() {
             std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o600)).unwrap();
-            nix::unistd::chown(&open, Some(nix::unistd::Uid::from_raw(65534)), None).unwrap();
+            rustix::fs::chown(&open, Some(rustix::fs::Uid::from_raw(65534)), None).unwrap();
             let e = read_secret(&open).unwrap_err();
             assert!(e.contains("owner uid 65534"), "{e}");
         }

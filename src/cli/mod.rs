@@ -514,15 +514,27 @@ fn let_go_of_leftovers_in(dir: &Path, config: &Path, roots: &Roots) {
 /// connection caps stay far below it, so clients can never use up the descriptors the guard
 /// needs to read /proc and signal a victim.
 fn raise_file_limit() {
-    use nix::sys::resource::{getrlimit, setrlimit, Resource};
-    match getrlimit(Resource::RLIMIT_NOFILE) {
-        Ok((soft, hard)) if soft < hard => {
-            if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
-                tracing::warn!("cannot raise the open-file limit from {soft} to {hard}: {e}");
-            }
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let limit = getrlimit(Resource::Nofile);
+    // `None` is unlimited.
+    let below = match (limit.current, limit.maximum) {
+        (Some(soft), Some(hard)) => soft < hard,
+        (Some(_), None) => true,
+        (None, _) => false,
+    };
+    if below {
+        let raised = Rlimit {
+            current: limit.maximum,
+            maximum: limit.maximum,
+        };
+        if let Err(e) = setrlimit(Resource::Nofile, raised) {
+            let show = |l: Option<u64>| l.map_or("unlimited".to_string(), |n| n.to_string());
+            tracing::warn!(
+                "cannot raise the open-file limit from {} to {}: {e}",
+                show(limit.current),
+                show(limit.maximum)
+            );
         }
-        Ok(_) => {}
-        Err(e) => tracing::warn!("cannot read the open-file limit: {e}"),
     }
 }
 
@@ -539,23 +551,18 @@ fn raise_file_limit() {
 /// Future mappings are therefore locked only without a limit (the unit's LimitMEMLOCK=infinity)
 /// or with CAP_IPC_LOCK.
 fn lock_memory() {
-    // SAFETY: mlockall takes flags only and changes no memory contents.
-    let current = unsafe { libc::mlockall(libc::MCL_CURRENT | libc::MCL_ONFAULT) } == 0
-        || unsafe { libc::mlockall(libc::MCL_CURRENT) } == 0;
-    if !current {
-        let e = std::io::Error::last_os_error();
+    use rustix::mm::{mlockall, MlockAllFlags as Mcl};
+    // MCL_ONFAULT first; kernels before 4.4 refuse it, and then the whole mapping is locked.
+    let lock = |flags: Mcl| mlockall(flags | Mcl::ONFAULT).or_else(|_| mlockall(flags));
+    if let Err(e) = lock(Mcl::CURRENT) {
         tracing::warn!(
             "memory not locked, gpuguard may be paged out under pressure: mlockall: {e}"
         );
         return;
     }
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes one rlimit struct that we own.
-    let unlimited = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) } == 0
-        && limit.rlim_cur == libc::RLIM_INFINITY;
+    let unlimited = rustix::process::getrlimit(rustix::process::Resource::Memlock)
+        .current
+        .is_none();
     // CapEff, bit 14: CAP_IPC_LOCK lifts the limit.
     let ipc_lock = std::fs::read_to_string("/proc/self/status")
         .ok()
@@ -571,15 +578,9 @@ fn lock_memory() {
         );
         return;
     }
-    // SAFETY: as above.
-    let future =
-        unsafe { libc::mlockall(libc::MCL_CURRENT | libc::MCL_FUTURE | libc::MCL_ONFAULT) } == 0
-            || unsafe { libc::mlockall(libc::MCL_CURRENT | libc::MCL_FUTURE) } == 0;
-    if future {
-        tracing::info!("memory locked");
-    } else {
-        let e = std::io::Error::last_os_error();
-        tracing::warn!("memory mapped from now on is not locked: mlockall: {e}");
+    match lock(Mcl::CURRENT | Mcl::FUTURE) {
+        Ok(()) => tracing::info!("memory locked"),
+        Err(e) => tracing::warn!("memory mapped from now on is not locked: mlockall: {e}"),
     }
 }
 

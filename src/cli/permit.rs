@@ -185,8 +185,9 @@ fn forward_signals(child: i32) {
         .name("permit-signals".into())
         .spawn(move || {
             for signal in signals.forever() {
-                if let Ok(sig) = nix::sys::signal::Signal::try_from(signal) {
-                    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(child), sig);
+                let sig = rustix::process::Signal::from_named_raw(signal);
+                if let (Some(sig), Some(pid)) = (sig, rustix::process::Pid::from_raw(child)) {
+                    let _ = rustix::process::kill_process(pid, sig);
                 }
             }
         });

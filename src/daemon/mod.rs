@@ -457,8 +457,11 @@ impl Daemon {
                     let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
                 }
                 Ok(DaemonEvent::Signal(signal)) => {
-                    let name =
-                        nix::sys::signal::Signal::try_from(signal).map_or("signal", |s| s.as_str());
+                    let name = if signal == SIGINT {
+                        "SIGINT"
+                    } else {
+                        "SIGTERM"
+                    };
                     info!("{name}: resuming held processes and stopping");
                     self.reporter.lifecycle(
                         EventKind::DaemonStopping,

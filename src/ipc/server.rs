@@ -528,10 +528,12 @@ async fn write_line(
 /// How long ago `read_at_ns` (CLOCK_MONOTONIC, from a client on this host) was; a time still to
 /// come is now.
 fn monotonic_age(read_at_ns: u64) -> Duration {
-    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
-        .map(Duration::from)
-        .unwrap_or_default();
-    now.saturating_sub(Duration::from_nanos(read_at_ns))
+    monotonic_now().saturating_sub(Duration::from_nanos(read_at_ns))
+}
+
+fn monotonic_now() -> Duration {
+    let now = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    Duration::new(now.tv_sec as u64, now.tv_nsec as u32)
 }
 
 #[cfg(test)]
@@ -541,8 +543,7 @@ mod tests {
     #[test]
     fn a_cache_read_time_is_read_on_the_clients_clock_and_never_in_the_future() {
         // Python's time.monotonic_ns() is CLOCK_MONOTONIC, as here.
-        let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).unwrap();
-        let five_seconds_ago = Duration::from(now).as_nanos() as u64 - 5_000_000_000;
+        let five_seconds_ago = monotonic_now().as_nanos() as u64 - 5_000_000_000;
         assert!(monotonic_age(five_seconds_ago) >= Duration::from_secs(5));
         assert_eq!(monotonic_age(u64::MAX), Duration::ZERO);
     }
@@ -720,7 +721,7 @@ mod tests {
     async fn a_connection_that_waits_for_a_permit_outlives_idle_timeout() {
         // The host-wide pool is root's unless `permits.users` names the account: the test's
         // own account is named so that it waits, whoever runs it (plain `cargo test` as a user).
-        let me = nix::unistd::geteuid();
+        let me = rustix::process::geteuid().as_raw();
         let shared = shared(&format!(
             "[clients]\nidle_timeout = \"2s\"\n[permits]\nusers = [\"{me}\"]\n"
         ));
