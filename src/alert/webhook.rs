@@ -240,7 +240,7 @@ impl Sink {
                         "{}: attempt {} failed ({why}); retrying in {}",
                         self.name,
                         attempt + 1,
-                        humantime::format_duration(wait)
+                        crate::units::fmt_duration(wait)
                     );
                     if !queue.pause(wait) {
                         debug!("{}: replaced by a reload; not retrying", self.name);
@@ -341,7 +341,7 @@ pub fn sign(key: &[u8], body: &[u8]) -> String {
 
 /// Alertmanager's v2 body: one alert, its labels the identity (same labels = same alert).
 fn alertmanager_body(n: &Notice) -> Value {
-    let rfc3339 = |t: SystemTime| humantime::format_rfc3339_millis(t).to_string();
+    let rfc3339 = super::rfc3339_millis;
     let mut labels = serde_json::Map::new();
     labels.insert("alertname".into(), json!(n.event));
     labels.insert("host".into(), json!(n.host));

@@ -157,7 +157,8 @@ fn man_date() -> String {
         .map_or_else(std::time::SystemTime::now, |secs| {
             std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs)
         });
-    humantime::format_rfc3339_seconds(when).to_string()[..10].to_string()
+    let at = jiff::Timestamp::try_from(when).unwrap_or(jiff::Timestamp::UNIX_EPOCH);
+    at.strftime("%Y-%m-%d").to_string()
 }
 
 /// Each clap_mangen section starts with the same two-line apostrophe preamble; keep the first.

@@ -79,7 +79,7 @@ pub fn run(args: PermitArgs) -> u8 {
                 if waited_ms > 0 {
                     eprintln!(
                         "gpuguard: permit {permit} granted after {} (GPU {} {})",
-                        humantime::format_duration(Duration::from_millis(waited_ms)),
+                        crate::units::fmt_duration(Duration::from_millis(waited_ms)),
                         gpu.map_or("-".into(), |g| g.to_string()),
                         fmt_bytes(gpu_bytes)
                     );
@@ -95,7 +95,7 @@ pub fn run(args: PermitArgs) -> u8 {
                 let retry = retry_after_ms.map_or(String::new(), |ms| {
                     format!(
                         " (try again in {})",
-                        humantime::format_duration(Duration::from_millis(ms))
+                        crate::units::fmt_duration(Duration::from_millis(ms))
                     )
                 });
                 eprintln!("gpuguard: no permit: {message}{retry}; the command was not started");

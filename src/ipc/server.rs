@@ -212,7 +212,7 @@ async fn accept(listener: UnixListener, shared: Arc<Shared>) {
                 // EMFILE/ENFILE/ENOMEM: retrying at once would spin a core.
                 tracing::warn!(
                     "socket: accept failed ({e}); retrying in {}",
-                    humantime::format_duration(backoff)
+                    crate::units::fmt_duration(backoff)
                 );
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(1));
