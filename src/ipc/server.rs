@@ -1,4 +1,5 @@
-//! The socket server: a small tokio runtime on a thread of its own.
+//! The socket server: tasks on the daemon's tokio runtime (`daemon::io`), beside the metrics
+//! endpoint's.
 //!
 //! Each connection is pinned to its peer (`peer.rs`) and counted against the connection caps
 //! before anything it sends is read; over a cap it is closed at once. Its requests are parsed and
@@ -133,9 +134,13 @@ const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often waits and TTLs are checked.
 const EXPIRY_TICK: Duration = Duration::from_millis(20);
 
-/// Binds the socket (replacing a stale one) and serves it on a new thread until the process
-/// exits.
-pub fn spawn(path: &Path, shared: Arc<Shared>) -> anyhow::Result<SocketGuard> {
+/// Binds the socket (replacing a stale one) and serves it on `io` (the daemon's runtime) until
+/// the process exits.
+pub fn spawn(
+    path: &Path,
+    shared: Arc<Shared>,
+    io: &tokio::runtime::Handle,
+) -> anyhow::Result<SocketGuard> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
@@ -155,25 +160,14 @@ pub fn spawn(path: &Path, shared: Arc<Shared>) -> anyhow::Result<SocketGuard> {
     // Anyone may connect; what they may do is decided from their peer credentials.
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))?;
     std_listener.set_nonblocking(true)?;
-    std::thread::Builder::new()
-        .name("ipc".into())
-        .spawn(move || {
-            let runtime = match tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            {
-                Ok(r) => r,
-                Err(e) => return tracing::error!("socket server: cannot start its runtime: {e}"),
-            };
-            runtime.block_on(async move {
-                let listener = match UnixListener::from_std(std_listener) {
-                    Ok(l) => l,
-                    Err(e) => return tracing::error!("socket server: {e}"),
-                };
-                tokio::spawn(expire(shared.clone()));
-                accept(listener, shared).await;
-            });
-        })?;
+    io.spawn(async move {
+        let listener = match UnixListener::from_std(std_listener) {
+            Ok(l) => l,
+            Err(e) => return tracing::error!("socket server: {e}"),
+        };
+        tokio::spawn(expire(shared.clone()));
+        accept(listener, shared).await;
+    });
     Ok(SocketGuard {
         path: path.to_path_buf(),
     })

@@ -530,7 +530,8 @@ mod tests {
     fn idle_connections_holding_every_slot_do_not_keep_a_scrape_out() {
         let m = Metrics::new();
         m.count_action("kill", "ram_floor", "done");
-        let port = serve(std::net::TcpListener::bind("127.0.0.1:0").unwrap(), m)
+        let io = crate::daemon::io::start().unwrap();
+        let port = serve(std::net::TcpListener::bind("127.0.0.1:0").unwrap(), m, &io)
             .unwrap()
             .port();
         let idle: Vec<std::net::TcpStream> = (0..40)
@@ -548,9 +549,11 @@ mod tests {
     #[test]
     fn a_connection_that_sends_no_request_is_closed_after_the_header_deadline() {
         use std::io::Read;
+        let io = crate::daemon::io::start().unwrap();
         let port = serve(
             std::net::TcpListener::bind("127.0.0.1:0").unwrap(),
             Metrics::new(),
+            &io,
         )
         .unwrap()
         .port();
