@@ -1,6 +1,5 @@
 //! The `gpuguard` command line: one binary, one subcommand per job. `main.rs` only calls `main`.
 
-mod generate;
 mod history;
 mod launch;
 mod matches;
@@ -232,9 +231,6 @@ enum Command {
         #[arg(long, env = "GPUGUARD_SOCKET", default_value = DEFAULT_SOCKET)]
         socket: PathBuf,
     },
-    /// Packaging: write the man pages and shell completions under DIR.
-    #[command(hide = true)]
-    GenerateAssets { dir: PathBuf },
 }
 
 /// The terminal width the human output of the CLI fits in (plan, status, history, replay).
@@ -303,7 +299,6 @@ pub fn main() -> ExitCode {
         Command::History(args) => history::run(args),
         Command::Replay(args) => replay::run(args),
         Command::Release { lease, socket } => release(&socket, lease),
-        Command::GenerateAssets { dir } => generate::run(&dir),
     };
     ExitCode::from(code)
 }
@@ -621,5 +616,82 @@ mod tests {
             let widest = help.lines().map(|l| l.chars().count()).max().unwrap_or(0);
             assert!(widest <= WIDTH, "{name} --help: {widest} columns:\n{help}");
         }
+    }
+
+    /// The unit keeps what the guard needs (see its header); the boot test in
+    /// packaging/test-deb.sh checks the same on a running systemd.
+    #[test]
+    fn systemd_unit_keeps_what_the_guard_needs() {
+        let unit = include_str!("../../systemd/gpuguard.service");
+        let settings: Vec<(&str, &str)> = unit
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.starts_with('['))
+            .filter_map(|l| l.split_once('='))
+            .collect();
+        let get = |key: &str| -> Vec<&str> {
+            settings
+                .iter()
+                .filter(|(k, _)| *k == key)
+                .map(|(_, v)| *v)
+                .collect()
+        };
+        for (key, value) in [
+            ("Type", "notify"),
+            ("Restart", "always"),
+            ("OOMScoreAdjust", "-1000"),
+            ("LimitMEMLOCK", "infinity"),
+            ("RuntimeDirectory", "gpuguard"),
+            ("RuntimeDirectoryMode", "0755"),
+            ("StateDirectory", "gpuguard"),
+            ("CapabilityBoundingSet", "CAP_KILL CAP_NET_ADMIN"),
+            ("SystemCallErrorNumber", "EPERM"),
+        ] {
+            assert_eq!(get(key), [value], "{key}");
+        }
+        assert!(get("WatchdogSec").len() == 1, "WatchdogSec");
+        assert_eq!(get("ExecReload").last(), Some(&"/bin/kill -HUP $MAINPID"));
+        let exec = get("ExecStart");
+        assert_eq!(
+            exec,
+            ["/usr/bin/gpuguard daemon --config /etc/gpuguard/config.toml --state-dir /var/lib/gpuguard --lock-memory"]
+        );
+        // The arguments are the CLI's.
+        let args = exec[0].split_whitespace();
+        if let Err(e) = <Cli as clap::Parser>::try_parse_from(args) {
+            panic!("{e}");
+        }
+
+        // Nothing that hides /proc entries or devices, freezes cgroups or the hostname.
+        for key in [
+            "ProtectProc",
+            "ProcSubset",
+            "PrivateDevices",
+            "DevicePolicy",
+            "DeviceAllow",
+            "ProtectClock",
+            "ProtectControlGroups",
+            "PrivateUsers",
+            "ProtectHostname",
+            "PrivatePIDs",
+            "User",
+            "DynamicUser",
+        ] {
+            assert!(get(key).is_empty(), "{key} must not be set: {:?}", get(key));
+        }
+        // The kill path survives the system call filter.
+        let filter = get("SystemCallFilter").join(" ");
+        for call in [
+            "kill",
+            "pidfd_open",
+            "pidfd_send_signal",
+            "process_mrelease",
+            "mlockall",
+        ] {
+            assert!(filter.split(' ').any(|c| c == call), "{call} not allowed");
+        }
+        // Where the daemon puts its socket and state by default is where the unit lets it write.
+        assert!(crate::config::DEFAULT_SOCKET.starts_with("/run/gpuguard/"));
+        let defaults = crate::config::Config::parse("", Path::new("-")).unwrap();
+        assert_eq!(defaults.daemon.state_dir, Path::new("/var/lib/gpuguard"));
     }
 }
