@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpuguard");
-const FAKE_NVML: &str = env!("GPUGUARD_FAKE_NVML_DIR");
+const FAKE_NVML: &str = gpuguard_fake_nvml::DIR;
 const GIB: u64 = 1 << 30;
 
 struct Daemon {

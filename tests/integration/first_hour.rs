@@ -271,7 +271,7 @@ fn the_readme_commands_run_as_written_against_the_example_config() {
             .arg(&socket)
             .current_dir(env!("CARGO_MANIFEST_DIR"))
             .env("GPUGUARD_ENFORCE_LOCK", dir.path().join("enforce.lock"))
-            .env("LD_LIBRARY_PATH", env!("GPUGUARD_FAKE_NVML_DIR"))
+            .env("LD_LIBRARY_PATH", gpuguard_fake_nvml::DIR)
             .env("FAKE_NVML_STATE", &fake.state)
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())

@@ -1,4 +1,4 @@
-//! Drives the scripted fake `libnvidia-ml.so.1` (tests/fake_nvml, built by build.rs) through the
+//! Drives the scripted fake `libnvidia-ml.so.1` (tests/fake_nvml, built by crates/fake-nvml) through the
 //! real `nvml-wrapper` crate, so the fake is known to speak the ABI the wrapper expects.
 //!
 //! Every test holds the binary's one lock on `FAKE_NVML_STATE` (through `crate::Fake`).

@@ -1,11 +1,11 @@
 //! The tests that load the scripted fake `libnvidia-ml.so.1` (tests/fake_nvml, built by
-//! build.rs) into this process: `abi` (through nvml-wrapper and the raw C ABI), `sampler` (the
+//! crates/fake-nvml) into this process: `abi` (through nvml-wrapper and the raw C ABI), `sampler` (the
 //! daemon's `NvmlGpuSource`, and any state sampled without panicking). A test binary of its own:
 //! the fake reads its state from `FAKE_NVML_STATE`, a process-wide variable, so every test here
 //! holds the one lock (`Fake`) while the variable points at its own state file, and the daemons
 //! started by the integration tests (`tests/integration/`) never inherit it.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 
 mod abi;
@@ -16,7 +16,7 @@ static ENV_LOCK: Mutex<()> = Mutex::new(());
 pub const GIB: u64 = 1 << 30;
 
 pub fn lib_path() -> PathBuf {
-    Path::new(env!("GPUGUARD_FAKE_NVML_DIR")).join("libnvidia-ml.so.1")
+    PathBuf::from(gpuguard_fake_nvml::LIBRARY)
 }
 
 /// One test's fake: holds the env lock, owns a temp dir with the state file.

@@ -510,7 +510,7 @@ impl FakeNvml {
     }
 
     pub fn library() -> String {
-        format!("{}/libnvidia-ml.so.1", env!("GPUGUARD_FAKE_NVML_DIR"))
+        gpuguard_fake_nvml::LIBRARY.to_string()
     }
 
     pub fn env(&self) -> Vec<(&'static str, String)> {
