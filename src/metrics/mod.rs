@@ -537,7 +537,15 @@ mod tests {
         let idle: Vec<std::net::TcpStream> = (0..40)
             .map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).unwrap())
             .collect();
-        std::thread::sleep(Duration::from_millis(100));
+        // Until the server has taken all 40: the 8 over the cap have closed the 8 oldest.
+        let closed = |s: &std::net::TcpStream| {
+            use std::io::Read;
+            s.set_nonblocking(true).unwrap();
+            matches!((&*s).read(&mut [0u8; 1]), Ok(0))
+        };
+        while idle.iter().filter(|s| closed(s)).count() < 40 - MAX_CONNECTIONS {
+            std::thread::sleep(Duration::from_millis(1));
+        }
         for _ in 0..3 {
             let answer = scrape(port);
             assert!(answer.starts_with("HTTP/1.1 200 OK"), "{answer:?}");
