@@ -29,5 +29,9 @@ pub mod secrets;
 pub mod snapshot;
 pub mod state_dir;
 pub mod status;
+/// The tests' skip helper, shared with the host suite.
+#[cfg(test)]
+#[path = "../tests/support/skip.rs"]
+mod test_skip;
 pub mod units;
 pub mod view;

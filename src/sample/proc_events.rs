@@ -384,7 +384,7 @@ mod tests {
     #[test]
     fn a_forged_datagram_from_a_process_is_not_believed() {
         if !rustix::process::geteuid().is_root() {
-            eprintln!("skipped: needs root");
+            crate::test_skip::skip("root", "the kernel's process events need root");
             return;
         }
         let events = ProcEvents::open().expect("root on the host gets process events");
@@ -436,7 +436,7 @@ mod tests {
     #[test]
     fn a_real_exec_and_setuid_are_reported() {
         if !rustix::process::geteuid().is_root() {
-            eprintln!("skipped: needs root");
+            crate::test_skip::skip("root", "the kernel's process events need root");
             return;
         }
         let events = ProcEvents::open().expect("root on the host gets process events");

@@ -43,6 +43,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use crate::common::*;
+use crate::skip::skip;
 
 /// A user created for one test, removed (with anything it still runs) when dropped.
 struct Attacker {
@@ -650,7 +651,10 @@ fn under_the_units_capabilities_forked_workers_in_a_cgroup_of_their_own_count_on
     let _lock = memory_pressure_lock();
     let Some(cgroup) = OwnCgroup::create(&format!("gpuguard-test-share-{}", std::process::id()))
     else {
-        eprintln!("skipped: /sys/fs/cgroup is not cgroup v2 with the memory controller");
+        skip(
+            "cgroup2",
+            "/sys/fs/cgroup is not cgroup v2 with the memory controller",
+        );
         return;
     };
     let attacker = Attacker::create();
@@ -941,7 +945,10 @@ fn under_the_units_capabilities_tmpfs_files_in_a_private_directory_are_charged_t
     let _lock = memory_pressure_lock();
     let attacker = Attacker::create();
     let Some(slice) = OwnCgroup::create(&format!("user.slice/user-{}.slice", attacker.uid)) else {
-        eprintln!("skipped: /sys/fs/cgroup is not cgroup v2 with the memory controller");
+        skip(
+            "cgroup2",
+            "/sys/fs/cgroup is not cgroup v2 with the memory controller",
+        );
         return;
     };
     struct RemoveDir(PathBuf);

@@ -1333,7 +1333,7 @@ mod tests {
         use std::io::Write;
         use std::process::{Command, Stdio};
         if !rustix::process::geteuid().is_root() {
-            eprintln!("skipped: needs root");
+            crate::test_skip::skip("root", "the kernel's process events need root");
             return;
         }
         let script = "import os, sys\nif sys.stdin.readline() == 'uid\\n':\n    os.setuid(65534)\n\
