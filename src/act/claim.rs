@@ -168,8 +168,7 @@ pub fn enforce_holder(path: &Path) -> Option<Holder> {
 
 /// A shared lock tried and let go at once: refused while someone holds it exclusively, whose
 /// record is then read.
-fn probe(file: File) -> Option<Holder> {
-    let mut file = file;
+fn probe(mut file: File) -> Option<Holder> {
     match flock(&file, FlockOperation::NonBlockingLockShared) {
         // Let go as the file is closed.
         Ok(()) => None,
