@@ -1,53 +1,16 @@
-//! Two things, neither of which can fail the build:
-//! - Builds the scripted fake NVML (tests/fake_nvml/fake_nvml.c) into
-//!   `$OUT_DIR/fake_nvml/libnvidia-ml.so.1` and tells the tests where it is
-//!   (`env!("GPUGUARD_FAKE_NVML_DIR")`). A failing C compiler prints a cargo warning (the
-//!   binary does not need the fake), and the tests that load the fake fail.
-//! - Has the linker place the daemon's hot code first and together in release builds
-//!   (`order_hot_code`).
+//! Has the linker place the daemon's hot code first and together in release builds
+//! (`order_hot_code`). (The fake NVML the tests load is built by crates/fake-nvml, a
+//! dev-dependency: never for the binary.)
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const SOURCE: &str = "tests/fake_nvml/fake_nvml.c";
 const HOT_CODE_ORDER: &str = "packaging/hot-code.order";
 
 fn main() {
-    println!("cargo:rerun-if-changed={SOURCE}");
     println!("cargo:rerun-if-changed=build.rs");
-
     let out_dir = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
     order_hot_code(&out_dir);
-    let dir = out_dir.join("fake_nvml");
-    std::fs::create_dir_all(&dir).expect("create $OUT_DIR/fake_nvml");
-    let lib = dir.join("libnvidia-ml.so.1");
-    let _ = std::fs::remove_file(&lib); // never leave a stale fake behind a failed compile
-    let source = PathBuf::from(
-        std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"),
-    )
-    .join(SOURCE);
-    println!("cargo:rustc-env=GPUGUARD_FAKE_NVML_DIR={}", dir.display());
-
-    let mut cmd: Command = cc::Build::new().get_compiler().to_command();
-    cmd.args(["-shared", "-fPIC", "-O2", "-Wall", "-pthread"])
-        // soname as the real library; nodelete keeps its state (Xid numbering,
-        // events, event sets) for the life of the process across dlclose.
-        .args(["-Wl,-soname,libnvidia-ml.so.1", "-Wl,-z,nodelete"])
-        .arg("-o")
-        .arg(&lib)
-        .arg(&source);
-
-    match cmd.output() {
-        Ok(out) => {
-            for line in String::from_utf8_lossy(&out.stderr).lines() {
-                println!("cargo:warning=fake_nvml: {line}");
-            }
-            if !out.status.success() {
-                println!("cargo:warning=fake_nvml: {cmd:?} failed ({})", out.status);
-            }
-        }
-        Err(e) => println!("cargo:warning=fake_nvml: cannot run {cmd:?}: {e}"),
-    }
 }
 
 /// The functions an idle daemon runs (`packaging/hot-code.order`, written by

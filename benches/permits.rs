@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpuguard");
-const FAKE_NVML: &str = env!("GPUGUARD_FAKE_NVML_DIR");
+const FAKE_NVML: &str = gpuguard_fake_nvml::DIR;
 const GIB: u64 = 1 << 30;
 
 struct Daemon {
@@ -292,16 +292,11 @@ impl BlockingClient {
     }
 
     fn read_answer(&mut self) {
+        use rustix::event::{poll, PollFd, PollFlags};
         use std::io::BufRead;
-        use std::os::fd::AsRawFd;
         if self.read.buffer().is_empty() {
-            let mut fd = libc::pollfd {
-                fd: self.read.get_ref().as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: one valid pollfd, for the duration of the call.
-            while unsafe { libc::poll(&mut fd, 1, -1) } < 0 {}
+            let mut fds = [PollFd::new(self.read.get_ref(), PollFlags::IN)];
+            while poll(&mut fds, None).is_err() {}
         }
         self.line.clear();
         self.read.read_line(&mut self.line).unwrap();
@@ -396,8 +391,7 @@ fn run_open_loop(d: &Daemon, clients: usize, rate: f64, window: Duration) -> Out
     });
     let starters = go_rx.recv().unwrap();
     // Sleeps end on time (the default 50 µs timer slack would clump arrivals).
-    // SAFETY: prctl(PR_SET_TIMERSLACK, 1 ns) changes only this thread's timer slack.
-    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1u64, 0u64, 0u64, 0u64) };
+    let _ = rustix::thread::set_current_timer_slack(std::num::NonZeroU64::new(1));
     let pid = d.child.id();
     let mut free: Vec<usize> = (0..clients).collect();
     let mut backlog = std::collections::VecDeque::new();

@@ -9,11 +9,11 @@
 #    arm64: aarch64), built with `cargo zigbuild` against glibc 2.28 (GPUGUARD_GLIBC; "native":
 #    plain `cargo build` against this host's glibc, amd64 only). 2.28 is Debian 10/11, Ubuntu
 #    20.04 and Rocky/RHEL 8; NVML is still dlopen'ed from the driver (libnvidia-ml.so.1), so the
-#    binary is not static. 2. A binary that runs here writes the man pages, completions and the
-#    packaged config from its CLI definition and config.example.toml (`gpuguard
-#    generate-assets`): the amd64 one itself, the arm64 one under qemu-aarch64-static with
-#    Debian's arm64 glibc (packages qemu-user-static, libc6-arm64-cross). 3. The binary is
-#    stripped with its architecture's strip (binutils-aarch64-linux-gnu for arm64).
+#    binary is not static. 2. The man pages, completions and the packaged config, written from
+#    the CLI definition and config.example.toml by examples/generate-assets.rs, built for and
+#    run on this host (they are the same for every architecture; clap_mangen and clap_complete
+#    are its dev-dependencies, never in the shipped binary). 3. The binary is stripped with its
+#    architecture's strip (binutils-aarch64-linux-gnu for arm64).
 # Needs cargo-zigbuild with zig (PyPI:
 # cargo-zigbuild, ziglang; .ci/run installs them in target/zig-venv and puts it on PATH), and
 # the Rust target (rustup target add aarch64-unknown-linux-gnu for arm64).
@@ -60,16 +60,11 @@ if [ "$GLIBC" != native ]; then
     echo "build-release: $RELEASE/gpuguard needs glibc $NEWEST at most" >&2
 fi
 
-# gpuguard as it runs on this machine (the arm64 one under emulation).
-run_here() {
-    if [ "$ARCH" = arm64 ]; then
-        qemu-aarch64-static -L /usr/aarch64-linux-gnu "$RELEASE/gpuguard" "$@"
-    else
-        "$RELEASE/gpuguard" "$@"
-    fi
-}
+# The assets, by the generator built for this host (dev profile: no release build of the library
+# for the host as well).
+cargo build --locked --example generate-assets >&2
 rm -rf "$RELEASE/assets"
-SOURCE_DATE_EPOCH=$DATE run_here generate-assets "$RELEASE/assets" >&2
+SOURCE_DATE_EPOCH=$DATE "$TARGET/debug/examples/generate-assets" "$RELEASE/assets" >&2
 # cargo-deb compresses man pages only when they are not under target/release; Debian wants them
 # gzipped (-n: no name or timestamp inside, for reproducible packages).
 gzip -9n "$RELEASE"/assets/man/*.1

@@ -27,4 +27,8 @@ mod metrics;
 mod properties;
 pub mod sample;
 mod state_dir;
+/// The tests' skip helper, shared with the host suite.
+#[cfg(test)]
+#[path = "../tests/support/skip.rs"]
+mod test_skip;
 mod view;

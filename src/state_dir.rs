@@ -11,10 +11,8 @@ use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use nix::errno::Errno;
-use nix::fcntl::{openat, renameat, AtFlags, OFlag};
-use nix::sys::stat::{fstat, fstatat, Mode};
-use nix::unistd::{unlinkat, UnlinkatFlags};
+use rustix::fs::{fstat, openat, renameat, statat, unlinkat, AtFlags, FileType, Mode, OFlags};
+use rustix::io::Errno;
 
 /// Why a state directory is not used.
 #[derive(Debug, thiserror::Error)]
@@ -46,7 +44,7 @@ pub fn check_parent(path: &Path) -> Result<(), String> {
         return Ok(());
     };
     let real = std::fs::canonicalize(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
-    let me = nix::unistd::geteuid().as_raw();
+    let me = rustix::process::geteuid().as_raw();
     for dir in real.ancestors() {
         let m = std::fs::metadata(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         let mode = m.mode();
@@ -106,13 +104,13 @@ impl StateDir {
             path: path.to_path_buf(),
             reason,
         })?;
-        let fd = nix::fcntl::open(
+        let fd = rustix::fs::open(
             path,
-            OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
             Mode::empty(),
         )
         .map_err(|e| match e {
-            Errno::ELOOP | Errno::ENOTDIR
+            Errno::LOOP | Errno::NOTDIR
                 if std::fs::symlink_metadata(path).is_ok_and(|m| m.is_symlink()) =>
             {
                 StateDirError {
@@ -123,7 +121,7 @@ impl StateDir {
             e => error(path, e),
         })?;
         let st = fstat(&fd).map_err(|e| error(path, e))?;
-        let me = nix::unistd::geteuid().as_raw();
+        let me = rustix::process::geteuid().as_raw();
         let refuse = |reason: String| {
             StateDirError {
             path: path.to_path_buf(),
@@ -155,10 +153,10 @@ impl StateDir {
     /// The whole content of `name`, or `None` if it does not exist. A symlink is an error
     /// (`ELOOP`): it is never followed.
     pub fn read(&self, name: &str) -> std::io::Result<Option<Vec<u8>>> {
-        let flags = OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC | OFlag::O_NONBLOCK;
+        let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK;
         let fd = match openat(&self.fd, name, flags, Mode::empty()) {
             Ok(fd) => fd,
-            Err(Errno::ENOENT) => return Ok(None),
+            Err(Errno::NOENT) => return Ok(None),
             Err(e) => return Err(e.into()),
         };
         let mut file = File::from(fd);
@@ -174,12 +172,12 @@ impl StateDir {
     /// removing whatever a crash or anyone else left under that name), then renamed over it.
     pub fn write_atomic(&self, name: &str, bytes: &[u8]) -> std::io::Result<()> {
         let tmp = format!("{name}.tmp");
-        match unlinkat(&self.fd, tmp.as_str(), UnlinkatFlags::NoRemoveDir) {
-            Ok(()) | Err(Errno::ENOENT) => {}
+        match unlinkat(&self.fd, tmp.as_str(), AtFlags::empty()) {
+            Ok(()) | Err(Errno::NOENT) => {}
             Err(e) => return Err(e.into()),
         }
         let flags =
-            OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
         let fd = openat(
             &self.fd,
             tmp.as_str(),
@@ -202,11 +200,8 @@ impl StateDir {
                 self.path.display()
             ));
         }
-        let flags = OFlag::O_WRONLY
-            | OFlag::O_APPEND
-            | OFlag::O_CREAT
-            | OFlag::O_NOFOLLOW
-            | OFlag::O_CLOEXEC;
+        let flags =
+            OFlags::WRONLY | OFlags::APPEND | OFlags::CREATE | OFlags::NOFOLLOW | OFlags::CLOEXEC;
         let fd = openat(&self.fd, name, flags, Mode::from_bits_truncate(0o600))?;
         Ok((File::from(fd), set_aside))
     }
@@ -214,9 +209,9 @@ impl StateDir {
     /// Opens `name` for reading and writing (created 0600 if `create`), never through a
     /// symlink: a lock file (`act::claim`).
     pub fn open_lock_file(&self, name: &str, create: bool) -> std::io::Result<File> {
-        let mut flags = OFlag::O_RDWR | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+        let mut flags = OFlags::RDWR | OFlags::NOFOLLOW | OFlags::CLOEXEC;
         if create {
-            flags |= OFlag::O_CREAT;
+            flags |= OFlags::CREATE;
         }
         let fd = openat(&self.fd, name, flags, Mode::from_bits_truncate(0o600))?;
         Ok(File::from(fd))
@@ -224,15 +219,15 @@ impl StateDir {
 
     /// What `name` is if it exists and is not a regular file ("a symlink", "a directory", ...).
     fn odd_entry(&self, name: &str) -> std::io::Result<Option<&'static str>> {
-        let st = match fstatat(&self.fd, name, AtFlags::AT_SYMLINK_NOFOLLOW) {
+        let st = match statat(&self.fd, name, AtFlags::SYMLINK_NOFOLLOW) {
             Ok(st) => st,
-            Err(Errno::ENOENT) => return Ok(None),
+            Err(Errno::NOENT) => return Ok(None),
             Err(e) => return Err(e.into()),
         };
-        Ok(match st.st_mode & libc::S_IFMT {
-            libc::S_IFREG => None,
-            libc::S_IFLNK => Some("a symlink"),
-            libc::S_IFDIR => Some("a directory"),
+        Ok(match FileType::from_raw_mode(st.st_mode) {
+            FileType::RegularFile => None,
+            FileType::Symlink => Some("a symlink"),
+            FileType::Directory => Some("a directory"),
             _ => Some("not a regular file"),
         })
     }
@@ -246,22 +241,21 @@ impl StateDir {
         let st = fstat(&self.fd)?;
         let mode = st.st_mode & 0o7777;
         if mode & 0o011 != 0o011 {
-            nix::sys::stat::fchmod(&self.fd, Mode::from_bits_truncate(mode | 0o011))?;
+            rustix::fs::fchmod(&self.fd, Mode::from_bits_truncate(mode | 0o011))?;
         }
-        let created = match nix::sys::stat::mkdirat(&self.fd, name, Mode::from_bits_truncate(0o755))
-        {
+        let created = match rustix::fs::mkdirat(&self.fd, name, Mode::from_bits_truncate(0o755)) {
             Ok(()) => true,
-            Err(Errno::EEXIST) => false,
+            Err(Errno::EXIST) => false,
             Err(e) => return Err(e.into()),
         };
         let fd = openat(
             &self.fd,
             name,
-            OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
             Mode::empty(),
         )?;
         let st = fstat(&fd)?;
-        let me = nix::unistd::geteuid().as_raw();
+        let me = rustix::process::geteuid().as_raw();
         if st.st_uid != me || st.st_mode & 0o022 != 0 {
             return Err(std::io::Error::other(format!(
                 "{}/{name} is not gpuguard's own (owner uid {}, mode {:04o}): refusing to write there",
@@ -273,16 +267,16 @@ impl StateDir {
         // Whatever the umask made of it (the systemd unit runs with 0077). One that was there
         // keeps the mode it has: an operator may have made it root's alone (0700).
         if created && st.st_mode & 0o7777 != 0o755 {
-            nix::sys::stat::fchmod(&fd, Mode::from_bits_truncate(0o755))?;
+            rustix::fs::fchmod(&fd, Mode::from_bits_truncate(0o755))?;
         }
         Ok(fd)
     }
 
     /// The (device, inode) of `name` itself (a symlink is not followed), if it exists.
     pub fn identity(&self, name: &str) -> std::io::Result<Option<FileIdentity>> {
-        match fstatat(&self.fd, name, AtFlags::AT_SYMLINK_NOFOLLOW) {
+        match statat(&self.fd, name, AtFlags::SYMLINK_NOFOLLOW) {
             Ok(st) => Ok(Some((st.st_dev, st.st_ino))),
-            Err(Errno::ENOENT) => Ok(None),
+            Err(Errno::NOENT) => Ok(None),
             Err(e) => Err(e.into()),
         }
     }
@@ -353,10 +347,10 @@ mod tests {
         assert!(StateDir::open_existing(&root.path().join("none"))
             .unwrap()
             .is_none());
-        if nix::unistd::geteuid().is_root() {
+        if rustix::process::geteuid().is_root() {
             std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o700)).unwrap();
-            let nobody = nix::unistd::Uid::from_raw(65534);
-            nix::unistd::chown(&path, Some(nobody), None).unwrap();
+            let nobody = rustix::fs::Uid::from_raw(65534);
+            rustix::fs::chown(&path, Some(nobody), None).unwrap();
             let e = StateDir::create(&path).unwrap_err().to_string();
             assert!(
                 e.contains("owned by uid 65534, not by gpuguard's uid 0"),

@@ -18,8 +18,8 @@ use std::os::fd::AsFd;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use nix::errno::Errno;
-use nix::fcntl::{Flock, FlockArg};
+use rustix::fs::{flock, FlockOperation};
+use rustix::io::Errno;
 use serde::{Deserialize, Serialize};
 
 use crate::state_dir::{identity_of, StateDir};
@@ -114,7 +114,7 @@ impl ClaimError {
 /// An exclusive lock, held until dropped (or the process ends, whatever way it ends).
 #[derive(Debug)]
 pub struct Lock {
-    _file: Flock<File>,
+    _file: File,
     path: PathBuf,
 }
 
@@ -169,11 +169,12 @@ pub fn enforce_holder(path: &Path) -> Option<Holder> {
 
 /// A shared lock tried and let go at once: refused while someone holds it exclusively, whose
 /// record is then read.
-fn probe(file: File) -> Option<Holder> {
-    match Flock::lock(file, FlockArg::LockSharedNonblock) {
-        Ok(_unlocked_on_drop) => None,
+fn probe(mut file: File) -> Option<Holder> {
+    match flock(&file, FlockOperation::NonBlockingLockShared) {
+        // Let go as the file is closed.
+        Ok(()) => None,
         // Held, by a daemon that may not have written itself in yet: then unknown.
-        Err((mut file, _)) => read_holder(&mut file),
+        Err(_) => read_holder(&mut file),
     }
 }
 
@@ -195,7 +196,7 @@ fn take(
         check_own_file(&file).map_err(unusable)?;
         let mut locked = match lock_exclusive(file) {
             Ok(locked) => locked,
-            Err((mut file, Errno::EWOULDBLOCK)) => {
+            Err((mut file, Errno::WOULDBLOCK)) => {
                 return Err(ClaimError::Held {
                     what,
                     path: path.to_path_buf(),
@@ -222,17 +223,20 @@ fn take(
 
 /// The exclusive lock, tried a few times over 100 ms before it is taken as held: a
 /// `check-config` probing it (a shared lock for a moment) must not fail a daemon's start.
-fn lock_exclusive(mut file: File) -> Result<Flock<File>, (File, Errno)> {
+/// The lock is the file's, held until it is closed.
+fn lock_exclusive(file: File) -> Result<File, (File, Errno)> {
+    let lock = |file: &File| flock(file, FlockOperation::NonBlockingLockExclusive);
     for _ in 0..10 {
-        match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
-            Err((again, Errno::EWOULDBLOCK)) => {
-                file = again;
-                std::thread::sleep(std::time::Duration::from_millis(10));
-            }
-            other => return other,
+        match lock(&file) {
+            Err(Errno::WOULDBLOCK) => std::thread::sleep(std::time::Duration::from_millis(10)),
+            Ok(()) => return Ok(file),
+            Err(e) => return Err((file, e)),
         }
     }
-    Flock::lock(file, FlockArg::LockExclusiveNonblock)
+    match lock(&file) {
+        Ok(()) => Ok(file),
+        Err(e) => Err((file, e)),
+    }
 }
 
 /// Opens (creating 0600) a lock file at an absolute path, never through a symlink.
@@ -257,9 +261,9 @@ fn open_lock_path(path: &Path) -> std::io::Result<File> {
 /// A lock file must be a regular file of this user's that nobody else may open: else another
 /// account could hold the lock.
 fn check_own_file(file: &File) -> Result<(), String> {
-    let st = nix::sys::stat::fstat(file.as_fd()).map_err(|e| e.to_string())?;
-    let me = nix::unistd::geteuid().as_raw();
-    if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+    let st = rustix::fs::fstat(file.as_fd()).map_err(|e| e.to_string())?;
+    let me = rustix::process::geteuid().as_raw();
+    if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
         return Err("not a regular file: refusing to use it".into());
     }
     if st.st_uid != me {
@@ -270,11 +274,8 @@ fn check_own_file(file: &File) -> Result<(), String> {
         ));
     }
     if st.st_mode & 0o077 != 0 {
-        nix::sys::stat::fchmod(
-            file.as_fd(),
-            nix::sys::stat::Mode::from_bits_truncate(0o600),
-        )
-        .map_err(|e| format!("chmod 600: {e}"))?;
+        rustix::fs::fchmod(file.as_fd(), rustix::fs::Mode::from_bits_truncate(0o600))
+            .map_err(|e| format!("chmod 600: {e}"))?;
     }
     Ok(())
 }

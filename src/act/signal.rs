@@ -188,7 +188,7 @@ impl ProcessControl for PidfdControl {
 
 /// Sends signal 0 to pid 1 at start-up, so missing permissions show now, not during an emergency.
 pub fn self_test() -> Result<(), String> {
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(1), None).map_err(|e| {
+    rustix::process::test_kill_process(Pid::INIT).map_err(|e| {
         format!("cannot signal other processes ({e}): run gpuguard as root or with CAP_KILL")
     })
 }

@@ -400,7 +400,10 @@ mod tests {
             ThrottleKind::DutyCycle,
             "pid 99 is not ours: the cgroup is shared"
         );
-        std::thread::sleep(PERIOD * 3);
+        // Until the duty cycle has stopped it once (however long the scheduler takes).
+        while !recorder.signals.lock().unwrap().contains(&(10, Sig::Stop)) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
         assert_eq!(t.unthrottle(&[id(10)]), Some(kind));
         t.shutdown();
         let sent = recorder.signals.lock().unwrap().clone();

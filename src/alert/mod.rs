@@ -99,7 +99,13 @@ pub struct Notice {
 }
 
 fn ser_time<S: serde::Serializer>(t: &SystemTime, ser: S) -> Result<S::Ok, S::Error> {
-    ser.serialize_str(&humantime::format_rfc3339_millis(*t).to_string())
+    ser.serialize_str(&rfc3339_millis(*t))
+}
+
+/// RFC 3339 in UTC to the millisecond: `2026-12-02T02:35:07.123Z`.
+pub(crate) fn rfc3339_millis(t: SystemTime) -> String {
+    let at = jiff::Timestamp::try_from(t).unwrap_or(jiff::Timestamp::UNIX_EPOCH);
+    format!("{at:.3}")
 }
 
 impl queue::Weigh for Notice {
@@ -557,7 +563,7 @@ impl Alerter {
         if status == Status::Resolved {
             summary = format!(
                 "cleared after {}: {summary}",
-                humantime::format_duration(Duration::from_secs(
+                crate::units::fmt_duration(Duration::from_secs(
                     since.elapsed().map_or(0, |d| d.as_secs())
                 ))
             );

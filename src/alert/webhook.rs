@@ -109,7 +109,7 @@ pub fn read_secret(path: &std::path::Path) -> Result<Vec<u8>, String> {
     let m = file
         .metadata()
         .map_err(|e| format!("secret_file '{shown}' cannot be read: {e}"))?;
-    let me = nix::unistd::geteuid().as_raw();
+    let me = rustix::process::geteuid().as_raw();
     if !m.is_file() {
         return Err(format!("secret_file '{shown}' is not a regular file"));
     }
@@ -240,7 +240,7 @@ impl Sink {
                         "{}: attempt {} failed ({why}); retrying in {}",
                         self.name,
                         attempt + 1,
-                        humantime::format_duration(wait)
+                        crate::units::fmt_duration(wait)
                     );
                     if !queue.pause(wait) {
                         debug!("{}: replaced by a reload; not retrying", self.name);
@@ -341,7 +341,7 @@ pub fn sign(key: &[u8], body: &[u8]) -> String {
 
 /// Alertmanager's v2 body: one alert, its labels the identity (same labels = same alert).
 fn alertmanager_body(n: &Notice) -> Value {
-    let rfc3339 = |t: SystemTime| humantime::format_rfc3339_millis(t).to_string();
+    let rfc3339 = super::rfc3339_millis;
     let mut labels = serde_json::Map::new();
     labels.insert("alertname".into(), json!(n.event));
     labels.insert("host".into(), json!(n.host));
@@ -398,7 +398,12 @@ mod tests {
         assert_eq!(read_secret(&good).unwrap(), b"s3cret");
 
         let fifo = dir.path().join("fifo");
-        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        rustix::fs::mkfifoat(
+            rustix::fs::CWD,
+            &fifo,
+            rustix::fs::Mode::from_bits_truncate(0o600),
+        )
+        .unwrap();
         let e = read_secret(&fifo).unwrap_err();
         assert!(e.contains("is not a regular file"), "{e}");
 
@@ -418,9 +423,9 @@ mod tests {
         std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o666)).unwrap();
         let e = read_secret(&open).unwrap_err();
         assert!(e.contains("not root's alone (owner uid"), "{e}");
-        if nix::unistd::geteuid().is_root() {
+        if rustix::process::geteuid().is_root() {
             std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o600)).unwrap();
-            nix::unistd::chown(&open, Some(nix::unistd::Uid::from_raw(65534)), None).unwrap();
+            rustix::fs::chown(&open, Some(rustix::fs::Uid::from_raw(65534)), None).unwrap();
             let e = read_secret(&open).unwrap_err();
             assert!(e.contains("owner uid 65534"), "{e}");
         }

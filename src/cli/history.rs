@@ -211,7 +211,7 @@ pub(super) fn parse_time(text: &str, now_ms: u64) -> Result<u64, String> {
         return Ok(now_ms);
     }
     if let Some(ago) = t.strip_suffix(" ago").or_else(|| t.strip_suffix("ago")) {
-        let d = humantime::parse_duration(ago.trim()).map_err(|e| e.to_string())?;
+        let d = crate::units::parse_duration(ago)?;
         return Ok(now_ms.saturating_sub(d.as_millis() as u64));
     }
     if let Ok(ts) = t.parse::<jiff::Timestamp>() {

@@ -1,6 +1,5 @@
 //! The `gpuguard` command line: one binary, one subcommand per job. `main.rs` only calls `main`.
 
-mod generate;
 mod history;
 mod launch;
 mod matches;
@@ -237,9 +236,6 @@ enum Command {
         #[arg(long, env = "GPUGUARD_SOCKET", default_value = DEFAULT_SOCKET)]
         socket: PathBuf,
     },
-    /// Packaging: write the man pages and shell completions under DIR.
-    #[command(hide = true)]
-    GenerateAssets { dir: PathBuf },
 }
 
 /// The terminal width the human output of the CLI fits in (plan, status, history, replay).
@@ -309,7 +305,6 @@ pub fn main() -> ExitCode {
         Command::History(args) => history::run(args),
         Command::Replay(args) => replay::run(args),
         Command::Release { lease, socket } => release(&socket, lease),
-        Command::GenerateAssets { dir } => generate::run(&dir),
     };
     ExitCode::from(code)
 }
@@ -493,7 +488,7 @@ fn run_daemon(args: DaemonArgs) -> u8 {
         tracing::info!(
             "--watch-config: reloading {} when its content changes (looked at every {})",
             args.config.display(),
-            humantime::format_duration(every)
+            crate::units::fmt_duration(every)
         );
         daemon.watch_config(every);
     }
@@ -539,15 +534,27 @@ fn let_go_of_leftovers_in(dir: &Path, config: &Path, roots: &Roots) {
 /// connection caps stay far below it, so clients can never use up the descriptors the guard
 /// needs to read /proc and signal a victim.
 fn raise_file_limit() {
-    use nix::sys::resource::{getrlimit, setrlimit, Resource};
-    match getrlimit(Resource::RLIMIT_NOFILE) {
-        Ok((soft, hard)) if soft < hard => {
-            if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
-                tracing::warn!("cannot raise the open-file limit from {soft} to {hard}: {e}");
-            }
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let limit = getrlimit(Resource::Nofile);
+    // `None` is unlimited.
+    let below = match (limit.current, limit.maximum) {
+        (Some(soft), Some(hard)) => soft < hard,
+        (Some(_), None) => true,
+        (None, _) => false,
+    };
+    if below {
+        let raised = Rlimit {
+            current: limit.maximum,
+            maximum: limit.maximum,
+        };
+        if let Err(e) = setrlimit(Resource::Nofile, raised) {
+            let show = |l: Option<u64>| l.map_or("unlimited".to_string(), |n| n.to_string());
+            tracing::warn!(
+                "cannot raise the open-file limit from {} to {}: {e}",
+                show(limit.current),
+                show(limit.maximum)
+            );
         }
-        Ok(_) => {}
-        Err(e) => tracing::warn!("cannot read the open-file limit: {e}"),
     }
 }
 
@@ -564,23 +571,18 @@ fn raise_file_limit() {
 /// Future mappings are therefore locked only without a limit (the unit's LimitMEMLOCK=infinity)
 /// or with CAP_IPC_LOCK.
 fn lock_memory() {
-    // SAFETY: mlockall takes flags only and changes no memory contents.
-    let current = unsafe { libc::mlockall(libc::MCL_CURRENT | libc::MCL_ONFAULT) } == 0
-        || unsafe { libc::mlockall(libc::MCL_CURRENT) } == 0;
-    if !current {
-        let e = std::io::Error::last_os_error();
+    use rustix::mm::{mlockall, MlockAllFlags as Mcl};
+    // MCL_ONFAULT first; kernels before 4.4 refuse it, and then the whole mapping is locked.
+    let lock = |flags: Mcl| mlockall(flags | Mcl::ONFAULT).or_else(|_| mlockall(flags));
+    if let Err(e) = lock(Mcl::CURRENT) {
         tracing::warn!(
             "memory not locked, gpuguard may be paged out under pressure: mlockall: {e}"
         );
         return;
     }
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes one rlimit struct that we own.
-    let unlimited = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) } == 0
-        && limit.rlim_cur == libc::RLIM_INFINITY;
+    let unlimited = rustix::process::getrlimit(rustix::process::Resource::Memlock)
+        .current
+        .is_none();
     // CapEff, bit 14: CAP_IPC_LOCK lifts the limit.
     let ipc_lock = std::fs::read_to_string("/proc/self/status")
         .ok()
@@ -596,15 +598,9 @@ fn lock_memory() {
         );
         return;
     }
-    // SAFETY: as above.
-    let future =
-        unsafe { libc::mlockall(libc::MCL_CURRENT | libc::MCL_FUTURE | libc::MCL_ONFAULT) } == 0
-            || unsafe { libc::mlockall(libc::MCL_CURRENT | libc::MCL_FUTURE) } == 0;
-    if future {
-        tracing::info!("memory locked");
-    } else {
-        let e = std::io::Error::last_os_error();
-        tracing::warn!("memory mapped from now on is not locked: mlockall: {e}");
+    match lock(Mcl::CURRENT | Mcl::FUTURE) {
+        Ok(()) => tracing::info!("memory locked"),
+        Err(e) => tracing::warn!("memory mapped from now on is not locked: mlockall: {e}"),
     }
 }
 
@@ -645,5 +641,82 @@ mod tests {
             let widest = help.lines().map(|l| l.chars().count()).max().unwrap_or(0);
             assert!(widest <= WIDTH, "{name} --help: {widest} columns:\n{help}");
         }
+    }
+
+    /// The unit keeps what the guard needs (see its header); the boot test in
+    /// packaging/test-deb.sh checks the same on a running systemd.
+    #[test]
+    fn systemd_unit_keeps_what_the_guard_needs() {
+        let unit = include_str!("../../systemd/gpuguard.service");
+        let settings: Vec<(&str, &str)> = unit
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.starts_with('['))
+            .filter_map(|l| l.split_once('='))
+            .collect();
+        let get = |key: &str| -> Vec<&str> {
+            settings
+                .iter()
+                .filter(|(k, _)| *k == key)
+                .map(|(_, v)| *v)
+                .collect()
+        };
+        for (key, value) in [
+            ("Type", "notify"),
+            ("Restart", "always"),
+            ("OOMScoreAdjust", "-1000"),
+            ("LimitMEMLOCK", "infinity"),
+            ("RuntimeDirectory", "gpuguard"),
+            ("RuntimeDirectoryMode", "0755"),
+            ("StateDirectory", "gpuguard"),
+            ("CapabilityBoundingSet", "CAP_KILL CAP_NET_ADMIN"),
+            ("SystemCallErrorNumber", "EPERM"),
+        ] {
+            assert_eq!(get(key), [value], "{key}");
+        }
+        assert!(get("WatchdogSec").len() == 1, "WatchdogSec");
+        assert_eq!(get("ExecReload").last(), Some(&"/bin/kill -HUP $MAINPID"));
+        let exec = get("ExecStart");
+        assert_eq!(
+            exec,
+            ["/usr/bin/gpuguard daemon --config /etc/gpuguard/config.toml --state-dir /var/lib/gpuguard --lock-memory"]
+        );
+        // The arguments are the CLI's.
+        let args = exec[0].split_whitespace();
+        if let Err(e) = <Cli as clap::Parser>::try_parse_from(args) {
+            panic!("{e}");
+        }
+
+        // Nothing that hides /proc entries or devices, freezes cgroups or the hostname.
+        for key in [
+            "ProtectProc",
+            "ProcSubset",
+            "PrivateDevices",
+            "DevicePolicy",
+            "DeviceAllow",
+            "ProtectClock",
+            "ProtectControlGroups",
+            "PrivateUsers",
+            "ProtectHostname",
+            "PrivatePIDs",
+            "User",
+            "DynamicUser",
+        ] {
+            assert!(get(key).is_empty(), "{key} must not be set: {:?}", get(key));
+        }
+        // The kill path survives the system call filter.
+        let filter = get("SystemCallFilter").join(" ");
+        for call in [
+            "kill",
+            "pidfd_open",
+            "pidfd_send_signal",
+            "process_mrelease",
+            "mlockall",
+        ] {
+            assert!(filter.split(' ').any(|c| c == call), "{call} not allowed");
+        }
+        // Where the daemon puts its socket and state by default is where the unit lets it write.
+        assert!(crate::config::DEFAULT_SOCKET.starts_with("/run/gpuguard/"));
+        let defaults = crate::config::Config::parse("", Path::new("-")).unwrap();
+        assert_eq!(defaults.daemon.state_dir, Path::new("/var/lib/gpuguard"));
     }
 }

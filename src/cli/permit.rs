@@ -79,7 +79,7 @@ pub fn run(args: PermitArgs) -> u8 {
                 if waited_ms > 0 {
                     eprintln!(
                         "gpuguard: permit {permit} granted after {} (GPU {} {})",
-                        humantime::format_duration(Duration::from_millis(waited_ms)),
+                        crate::units::fmt_duration(Duration::from_millis(waited_ms)),
                         gpu.map_or("-".into(), |g| g.to_string()),
                         fmt_bytes(gpu_bytes)
                     );
@@ -95,7 +95,7 @@ pub fn run(args: PermitArgs) -> u8 {
                 let retry = retry_after_ms.map_or(String::new(), |ms| {
                     format!(
                         " (try again in {})",
-                        humantime::format_duration(Duration::from_millis(ms))
+                        crate::units::fmt_duration(Duration::from_millis(ms))
                     )
                 });
                 eprintln!("gpuguard: no permit: {message}{retry}; the command was not started");
@@ -185,8 +185,9 @@ fn forward_signals(child: i32) {
         .name("permit-signals".into())
         .spawn(move || {
             for signal in signals.forever() {
-                if let Ok(sig) = nix::sys::signal::Signal::try_from(signal) {
-                    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(child), sig);
+                let sig = rustix::process::Signal::from_named_raw(signal);
+                if let (Some(sig), Some(pid)) = (sig, rustix::process::Pid::from_raw(child)) {
+                    let _ = rustix::process::kill_process(pid, sig);
                 }
             }
         });

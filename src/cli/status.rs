@@ -92,7 +92,7 @@ fn render_header(r: &StatusReport) -> String {
         r.version,
         r.hostname,
         r.mode,
-        humantime::format_duration(Duration::from_secs(r.uptime_seconds as u64))
+        crate::units::fmt_duration(Duration::from_secs(r.uptime_seconds as u64))
     )
 }
 
@@ -257,7 +257,7 @@ fn render_launches(leases: &[LeaseRow], queue: &[QueuedRow]) -> String {
             l.uid.to_string(),
             format!("{} {:?}", fmt_bytes(l.gpu_bytes), l.gpus),
             fmt_bytes(l.ram_bytes),
-            humantime::format_duration(Duration::from_secs(l.seconds as u64)).to_string(),
+            crate::units::fmt_duration(Duration::from_secs(l.seconds as u64)).to_string(),
             l.state.clone(),
         ]);
     }
@@ -269,7 +269,7 @@ fn render_launches(leases: &[LeaseRow], queue: &[QueuedRow]) -> String {
             q.uid.to_string(),
             fmt_bytes(q.gpu_bytes),
             fmt_bytes(q.ram_bytes),
-            humantime::format_duration(Duration::from_secs(q.waiting_seconds as u64)).to_string(),
+            crate::units::fmt_duration(Duration::from_secs(q.waiting_seconds as u64)).to_string(),
             format!("waiting for {}", q.waiting_for),
         ]);
     }

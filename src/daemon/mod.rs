@@ -20,11 +20,11 @@
 //! - `gpu-sampler` (`sample::nvml::GpuMonitor`): owns the `GpuSource` (NVML) and publishes the
 //!   latest reading under a lock; ends when the monitor is dropped. NVML's Xid listener
 //!   (`nvml-events`) belongs to it and stops with it.
-//! - `ipc` (a current-thread tokio runtime): the socket; shares the reservation table and the
-//!   status report with the loop (`ipc::server::Shared`), wakes it with `DaemonEvent::Wake`;
-//!   ends with the process.
-//! - `metrics` (when `[metrics] listen` is set): serves the registry the loop updates; ends with
-//!   the process.
+//! - `io` (`io.rs`, the one current-thread tokio runtime), with two servers on it as tasks of their
+//!   own (a panic ends its task alone): the socket, which shares the reservation table and the
+//!   status report with the loop (`ipc::server::Shared`) and wakes it with `DaemonEvent::Wake`;
+//!   and, when `[metrics] listen` is set, the metrics endpoint, which serves the registry the
+//!   loop updates. Ends with the process.
 //! - `engine-metrics`: scrapes the model servers' metrics URLs (started when there are any);
 //!   ends when the scraper is dropped.
 //! - one worker per alert sink and `event-log`: fed by bounded queues; `Alerter::shutdown` gives
@@ -69,6 +69,7 @@ use crate::state_dir::StateDir;
 mod alerts;
 mod faults;
 mod gce;
+pub(crate) mod io;
 mod model_detail;
 pub mod preflight;
 mod report;
@@ -354,7 +355,7 @@ impl Daemon {
     /// Serves the metrics once their port is bound: at once when the start's checks bound it;
     /// when another program held it, the port is tried again every `METRICS_RETRY` (from the
     /// loop), and said when served at last.
-    fn serve_metrics(&mut self, now: Instant) {
+    fn serve_metrics(&mut self, now: Instant, io: &tokio::runtime::Handle) {
         let listener = match std::mem::take(&mut self.ready.metrics) {
             preflight::MetricsPort::Bound(listener) => listener,
             preflight::MetricsPort::Off => return,
@@ -388,7 +389,7 @@ impl Daemon {
                 }
             }
         };
-        match crate::metrics::serve(listener, self.reporter.metrics.clone()) {
+        match crate::metrics::serve(listener, self.reporter.metrics.clone(), io) {
             Ok(bound) => {
                 info!("metrics on http://{bound}/metrics");
                 if self.metrics_tried.is_some() {
@@ -438,9 +439,11 @@ impl Daemon {
             .scans
             .start(self.events_tx.clone())
             .context("starting the process scan thread")?;
-        let _socket = crate::ipc::server::spawn(&self.config.launch.socket, self.shared.clone())?;
+        let io = io::start()?;
+        let _socket =
+            crate::ipc::server::spawn(&self.config.launch.socket, self.shared.clone(), &io)?;
         self.start_recording();
-        self.serve_metrics(Instant::now());
+        self.serve_metrics(Instant::now(), &io);
         for warning in self.config.warnings() {
             warn!("config {}: {warning}", self.config_path.display());
         }
@@ -457,7 +460,7 @@ impl Daemon {
             let now = Instant::now();
             if now >= next_tick {
                 let wait = self.tick(now.saturating_duration_since(last_tick));
-                self.serve_metrics(now);
+                self.serve_metrics(now, &io);
                 systemd.tick(now, || report::one_line_status(&self.view(Detail::Full)));
                 last_tick = now;
                 next_tick = now + wait.min(systemd.max_sleep());
@@ -466,8 +469,11 @@ impl Daemon {
             match self.events.recv_timeout(wait) {
                 Ok(DaemonEvent::Signal(SIGHUP)) => self.reload_notified(),
                 Ok(DaemonEvent::Signal(signal)) => {
-                    let name =
-                        nix::sys::signal::Signal::try_from(signal).map_or("signal", |s| s.as_str());
+                    let name = if signal == SIGINT {
+                        "SIGINT"
+                    } else {
+                        "SIGTERM"
+                    };
                     info!("{name}: resuming held processes and stopping");
                     self.reporter.lifecycle(
                         EventKind::DaemonStopping,

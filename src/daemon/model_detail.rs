@@ -178,7 +178,7 @@ fn engine_row(r: EngineReading, stale: Duration) -> EngineRow {
             row.state = "stale".into();
             row.error = Some(format!(
                 "last answer {} ago",
-                humantime::format_duration(Duration::from_secs(age.unwrap_or_default().as_secs()))
+                crate::units::fmt_duration(Duration::from_secs(age.unwrap_or_default().as_secs()))
             ));
             row.stats = stats;
         }

@@ -37,7 +37,7 @@ impl Checker {
     pub fn check_config(running: Option<Holder>) -> Checker {
         Checker::CheckConfig {
             running,
-            root: nix::unistd::geteuid().is_root(),
+            root: rustix::process::geteuid().is_root(),
         }
     }
 

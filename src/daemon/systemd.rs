@@ -17,7 +17,7 @@ impl Systemd {
         let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
         let watchdog = sd_notify::watchdog_enabled();
         if let Some(w) = watchdog {
-            info!("systemd watchdog armed: {}", humantime::format_duration(w));
+            info!("systemd watchdog armed: {}", crate::units::fmt_duration(w));
         }
         Systemd {
             watchdog,

@@ -7,16 +7,14 @@
 
 use std::fs::File;
 use std::io::Write;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use nix::errno::Errno;
-use nix::fcntl::{openat, OFlag};
-use nix::sys::stat::Mode;
-use nix::unistd::{unlinkat, UnlinkatFlags};
+use rustix::fs::{openat, unlinkat, AtFlags, Mode, OFlags};
+use rustix::io::Errno;
 
 use super::{segment, segment_name, segment_number, Record, MAX_NUMBER};
 use crate::config::HistoryConfig;
@@ -401,7 +399,7 @@ impl Writer {
             .last()
             .map_or(at_ms, |(newest, ..)| at_ms.max(newest + 1));
         let flags =
-            OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
         let fd = loop {
             let name = segment_name(number);
             match openat(
@@ -412,12 +410,12 @@ impl Writer {
             ) {
                 Ok(fd) => break fd,
                 // Something else took the name meanwhile: the next one, if there is one.
-                Err(Errno::EEXIST) if number < MAX_NUMBER => number += 1,
+                Err(Errno::EXIST) if number < MAX_NUMBER => number += 1,
                 Err(e) => return Err(e.into()),
             }
         };
         // Readable by any user (`gpuguard history`), whatever the umask (0077 under systemd).
-        nix::sys::stat::fchmod(&fd, Mode::from_bits_truncate(0o644))?;
+        rustix::fs::fchmod(&fd, Mode::from_bits_truncate(0o644))?;
         let mut file = File::from(fd);
         file.write_all(segment::MAGIC)?;
         self.current = Some((file, segment::MAGIC.len() as u64));
@@ -448,26 +446,22 @@ impl Writer {
 
     /// Removes segment `number` (gone already is fine).
     fn unlink(&self, number: u64) -> std::io::Result<()> {
-        match unlinkat(
-            &self.dir,
-            segment_name(number).as_str(),
-            UnlinkatFlags::NoRemoveDir,
-        ) {
-            Ok(()) | Err(Errno::ENOENT) => Ok(()),
+        match unlinkat(&self.dir, segment_name(number).as_str(), AtFlags::empty()) {
+            Ok(()) | Err(Errno::NOENT) => Ok(()),
             Err(e) => Err(e.into()),
         }
     }
 
     /// The segments: (number, size, modified at in Unix ms), oldest first.
     fn list(&self) -> std::io::Result<Vec<(u64, u64, u64)>> {
-        let mut dir = nix::dir::Dir::openat(
+        let listing = openat(
             &self.dir,
             ".",
-            OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
             Mode::empty(),
         )?;
         let mut out = Vec::new();
-        for entry in dir.iter() {
+        for entry in rustix::fs::Dir::read_from(&listing)? {
             let entry = entry?;
             let Ok(name) = entry.file_name().to_str() else {
                 continue;
@@ -475,13 +469,9 @@ impl Writer {
             let Some(number) = segment_number(name) else {
                 continue;
             };
-            let st = match nix::sys::stat::fstatat(
-                &self.dir,
-                name,
-                nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
-            ) {
+            let st = match rustix::fs::statat(&self.dir, name, AtFlags::SYMLINK_NOFOLLOW) {
                 Ok(st) => st,
-                Err(Errno::ENOENT) => continue,
+                Err(Errno::NOENT) => continue,
                 Err(e) => return Err(e.into()),
             };
             let modified_ms = (st.st_mtime.max(0) as u64) * 1000;
@@ -508,10 +498,10 @@ impl Writer {
 /// The free space of the file system `dir` is on: bytes available to the daemon, and their
 /// share of its size (`None`: unknown).
 fn free_space(dir: &OwnedFd) -> Option<(u64, f64)> {
-    let st = nix::sys::statvfs::fstatvfs(dir.as_fd()).ok()?;
-    let block = st.fragment_size().max(1);
-    let free = st.blocks_available() * block;
-    let total = st.blocks() * block;
+    let st = rustix::fs::fstatvfs(dir).ok()?;
+    let block = st.f_frsize.max(1);
+    let free = st.f_bavail * block;
+    let total = st.f_blocks * block;
     let share = if total > 0 {
         free as f64 / total as f64
     } else {
@@ -528,9 +518,9 @@ mod tests {
     use crate::units::Amount;
 
     fn dir_fd(path: &std::path::Path) -> OwnedFd {
-        nix::fcntl::open(
+        rustix::fs::open(
             path,
-            OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
             Mode::empty(),
         )
         .unwrap()
@@ -698,7 +688,7 @@ mod tests {
     fn a_segment_that_is_not_a_regular_file_is_refused() {
         let tmp = tempfile::tempdir().unwrap();
         let fifo = tmp.path().join(super::super::segment_name(1));
-        nix::unistd::mkfifo(&fifo, Mode::from_bits_truncate(0o600)).unwrap();
+        rustix::fs::mkfifoat(rustix::fs::CWD, &fifo, Mode::from_bits_truncate(0o600)).unwrap();
         let e = read(tmp.path()).unwrap_err().to_string();
         assert!(e.contains("not a regular file"), "{e}");
         std::fs::remove_file(&fifo).unwrap();
@@ -756,9 +746,9 @@ mod last_run_tests {
     fn the_last_run_is_read_back_to_its_start_across_segments() {
         let tmp = tempfile::tempdir().unwrap();
         let fd = || {
-            nix::fcntl::open(
+            rustix::fs::open(
                 tmp.path(),
-                OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+                OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
                 Mode::empty(),
             )
             .unwrap()

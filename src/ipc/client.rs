@@ -4,8 +4,8 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 
-use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
-use nix::unistd::geteuid;
+use rustix::net::sockopt::socket_peercred;
+use rustix::process::geteuid;
 
 use crate::protocol::{Envelope, Request, Response, MAX_MESSAGE_BYTES, PROTOCOL_VERSION};
 
@@ -49,9 +49,10 @@ impl Connection {
         // A socket another user made where the daemon's is looked for (a writable state
         // directory, a path given on the command line) could answer with anything: the daemon
         // runs as root (or as you, started by hand).
-        let served_by = getsockopt(&stream, PeerCredentials)
+        let served_by = socket_peercred(&stream)
             .map_err(|e| unreachable(e.into()))?
-            .uid();
+            .uid
+            .as_raw();
         if served_by != 0 && served_by != geteuid().as_raw() {
             return Err(ClientError::NotTheDaemon {
                 path: path.display().to_string(),

@@ -164,7 +164,7 @@ mod tests {
         let (a, b) = UnixStream::pair().unwrap();
         let (uid, pid) = credentials(&a).unwrap();
         assert_eq!(pid, std::process::id() as i32);
-        assert_eq!(uid, nix::unistd::geteuid().as_raw());
+        assert_eq!(uid, rustix::process::geteuid().as_raw());
         let (peer, pidfd) = pin(&a, uid, pid, Path::new("/proc")).unwrap();
         assert_eq!(peer.pid, pid);
         assert!(peer.start_time > 0);

@@ -1,4 +1,5 @@
-//! The socket server: a small tokio runtime on a thread of its own.
+//! The socket server: tasks on the daemon's tokio runtime (`daemon::io`), beside the metrics
+//! endpoint's.
 //!
 //! Each connection is pinned to its peer (`peer.rs`) and counted against the connection caps
 //! before anything it sends is read; over a cap it is closed at once. Its requests are parsed and
@@ -133,9 +134,13 @@ const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often waits and TTLs are checked.
 const EXPIRY_TICK: Duration = Duration::from_millis(20);
 
-/// Binds the socket (replacing a stale one) and serves it on a new thread until the process
-/// exits.
-pub fn spawn(path: &Path, shared: Arc<Shared>) -> anyhow::Result<SocketGuard> {
+/// Binds the socket (replacing a stale one) and serves it on `io` (the daemon's runtime) until
+/// the process exits.
+pub fn spawn(
+    path: &Path,
+    shared: Arc<Shared>,
+    io: &tokio::runtime::Handle,
+) -> anyhow::Result<SocketGuard> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
@@ -155,25 +160,14 @@ pub fn spawn(path: &Path, shared: Arc<Shared>) -> anyhow::Result<SocketGuard> {
     // Anyone may connect; what they may do is decided from their peer credentials.
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))?;
     std_listener.set_nonblocking(true)?;
-    std::thread::Builder::new()
-        .name("ipc".into())
-        .spawn(move || {
-            let runtime = match tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            {
-                Ok(r) => r,
-                Err(e) => return tracing::error!("socket server: cannot start its runtime: {e}"),
-            };
-            runtime.block_on(async move {
-                let listener = match UnixListener::from_std(std_listener) {
-                    Ok(l) => l,
-                    Err(e) => return tracing::error!("socket server: {e}"),
-                };
-                tokio::spawn(expire(shared.clone()));
-                accept(listener, shared).await;
-            });
-        })?;
+    io.spawn(async move {
+        let listener = match UnixListener::from_std(std_listener) {
+            Ok(l) => l,
+            Err(e) => return tracing::error!("socket server: {e}"),
+        };
+        tokio::spawn(expire(shared.clone()));
+        accept(listener, shared).await;
+    });
     Ok(SocketGuard {
         path: path.to_path_buf(),
     })
@@ -212,7 +206,7 @@ async fn accept(listener: UnixListener, shared: Arc<Shared>) {
                 // EMFILE/ENFILE/ENOMEM: retrying at once would spin a core.
                 tracing::warn!(
                     "socket: accept failed ({e}); retrying in {}",
-                    humantime::format_duration(backoff)
+                    crate::units::fmt_duration(backoff)
                 );
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(1));
@@ -528,10 +522,12 @@ async fn write_line(
 /// How long ago `read_at_ns` (CLOCK_MONOTONIC, from a client on this host) was; a time still to
 /// come is now.
 fn monotonic_age(read_at_ns: u64) -> Duration {
-    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
-        .map(Duration::from)
-        .unwrap_or_default();
-    now.saturating_sub(Duration::from_nanos(read_at_ns))
+    monotonic_now().saturating_sub(Duration::from_nanos(read_at_ns))
+}
+
+fn monotonic_now() -> Duration {
+    let now = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    Duration::new(now.tv_sec as u64, now.tv_nsec as u32)
 }
 
 #[cfg(test)]
@@ -541,8 +537,7 @@ mod tests {
     #[test]
     fn a_cache_read_time_is_read_on_the_clients_clock_and_never_in_the_future() {
         // Python's time.monotonic_ns() is CLOCK_MONOTONIC, as here.
-        let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).unwrap();
-        let five_seconds_ago = Duration::from(now).as_nanos() as u64 - 5_000_000_000;
+        let five_seconds_ago = monotonic_now().as_nanos() as u64 - 5_000_000_000;
         assert!(monotonic_age(five_seconds_ago) >= Duration::from_secs(5));
         assert_eq!(monotonic_age(u64::MAX), Duration::ZERO);
     }
@@ -720,7 +715,7 @@ mod tests {
     async fn a_connection_that_waits_for_a_permit_outlives_idle_timeout() {
         // The host-wide pool is root's unless `permits.users` names the account: the test's
         // own account is named so that it waits, whoever runs it (plain `cargo test` as a user).
-        let me = nix::unistd::geteuid();
+        let me = rustix::process::geteuid().as_raw();
         let shared = shared(&format!(
             "[clients]\nidle_timeout = \"2s\"\n[permits]\nusers = [\"{me}\"]\n"
         ));

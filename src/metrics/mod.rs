@@ -534,13 +534,22 @@ mod tests {
     fn idle_connections_holding_every_slot_do_not_keep_a_scrape_out() {
         let m = Metrics::new();
         m.count_action("kill", "ram_floor", "done");
-        let port = serve(std::net::TcpListener::bind("127.0.0.1:0").unwrap(), m)
+        let io = crate::daemon::io::start().unwrap();
+        let port = serve(std::net::TcpListener::bind("127.0.0.1:0").unwrap(), m, &io)
             .unwrap()
             .port();
         let idle: Vec<std::net::TcpStream> = (0..40)
             .map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).unwrap())
             .collect();
-        std::thread::sleep(Duration::from_millis(100));
+        // Until the server has taken all 40: the 8 over the cap have closed the 8 oldest.
+        let closed = |s: &std::net::TcpStream| {
+            use std::io::Read;
+            s.set_nonblocking(true).unwrap();
+            matches!((&*s).read(&mut [0u8; 1]), Ok(0))
+        };
+        while idle.iter().filter(|s| closed(s)).count() < 40 - MAX_CONNECTIONS {
+            std::thread::sleep(Duration::from_millis(1));
+        }
         for _ in 0..3 {
             let answer = scrape(port);
             assert!(answer.starts_with("HTTP/1.1 200 OK"), "{answer:?}");
@@ -552,9 +561,11 @@ mod tests {
     #[test]
     fn a_connection_that_sends_no_request_is_closed_after_the_header_deadline() {
         use std::io::Read;
+        let io = crate::daemon::io::start().unwrap();
         let port = serve(
             std::net::TcpListener::bind("127.0.0.1:0").unwrap(),
             Metrics::new(),
+            &io,
         )
         .unwrap()
         .port();

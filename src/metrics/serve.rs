@@ -1,6 +1,6 @@
-//! `GET /metrics` on `[metrics] listen`, on its own thread: OpenMetrics for a scraper that asks
-//! for it, the classic text format 0.0.4 for anyone else, a few connections at a time. Also the
-//! probes `/healthz` and `/readyz` (`probes.rs`).
+//! `GET /metrics` on `[metrics] listen`, a task of its own on the daemon's runtime: OpenMetrics
+//! for a scraper that asks for it, the classic text format 0.0.4 for anyone else, a few
+//! connections at a time. Also the probes `/healthz` and `/readyz` (`probes.rs`).
 
 use super::*;
 
@@ -98,55 +98,49 @@ impl Drop for Slot {
     }
 }
 
-/// Serves `/metrics` on `listener` (bound by the start's checks) on a new thread until the
-/// process exits; returns the address it listens on.
-pub fn serve(listener: std::net::TcpListener, metrics: Metrics) -> anyhow::Result<SocketAddr> {
+/// Serves `/metrics` on `listener` (bound by the start's checks) on `io` (the daemon's
+/// runtime, shared with the socket: a task of its own, so a panic here ends the endpoint alone)
+/// until the process exits; returns the address it listens on.
+pub fn serve(
+    listener: std::net::TcpListener,
+    metrics: Metrics,
+    io: &tokio::runtime::Handle,
+) -> anyhow::Result<SocketAddr> {
     listener.set_nonblocking(true)?;
     let bound = listener.local_addr()?;
-    std::thread::Builder::new()
-        .name("metrics".into())
-        .spawn(move || {
-            let runtime = match tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            {
-                Ok(r) => r,
-                Err(e) => return tracing::error!("metrics server: cannot start its runtime: {e}"),
+    io.spawn(async move {
+        let listener = match tokio::net::TcpListener::from_std(listener) {
+            Ok(l) => l,
+            Err(e) => return tracing::error!("metrics server: {e}"),
+        };
+        let slots = Arc::new(Mutex::new(Slots::default()));
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                // Out of file descriptors: wait rather than spin.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
             };
-            runtime.block_on(async move {
-                let listener = match tokio::net::TcpListener::from_std(listener) {
-                    Ok(l) => l,
-                    Err(e) => return tracing::error!("metrics server: {e}"),
-                };
-                let slots = Arc::new(Mutex::new(Slots::default()));
-                loop {
-                    let Ok((stream, _)) = listener.accept().await else {
-                        // Out of file descriptors: wait rather than spin.
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    };
-                    // Over the cap the oldest idle connection makes room; if every slot is
-                    // answering, the new connection is closed at once: idle scrapers can
-                    // neither use up the daemon's file descriptors nor keep scrapes out.
-                    let taken = slots
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .take(MAX_CONNECTIONS);
-                    let Some((id, closed)) = taken else {
-                        drop(stream);
-                        continue;
-                    };
-                    let slot = Slot {
-                        slots: slots.clone(),
-                        id,
-                    };
-                    let metrics = metrics.clone();
-                    tokio::spawn(async move {
-                        let _ = connection(stream, slot, closed, &metrics).await;
-                    });
-                }
+            // Over the cap the oldest idle connection makes room; if every slot is answering,
+            // the new connection is closed at once: idle scrapers can neither use up the
+            // daemon's file descriptors nor keep scrapes out.
+            let taken = slots
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take(MAX_CONNECTIONS);
+            let Some((id, closed)) = taken else {
+                drop(stream);
+                continue;
+            };
+            let slot = Slot {
+                slots: slots.clone(),
+                id,
+            };
+            let metrics = metrics.clone();
+            tokio::spawn(async move {
+                let _ = connection(stream, slot, closed, &metrics).await;
             });
-        })?;
+        }
+    });
     Ok(bound)
 }
 

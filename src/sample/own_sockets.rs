@@ -249,7 +249,7 @@ mod tests {
         let model = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = model.local_addr().unwrap().port();
         let Ok(squatter) = TcpListener::bind(("::1", port)) else {
-            eprintln!("no IPv6 loopback here: skipped");
+            crate::test_skip::skip("ipv6", "cannot listen on the IPv6 loopback here");
             return;
         };
         let (mut child, member) = holder(&model);

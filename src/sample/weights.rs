@@ -148,19 +148,19 @@ garbage line
         let file = std::fs::File::open(&path).unwrap();
         // SAFETY: a read-only shared mapping of a file this test owns, unmapped below.
         let mapping = unsafe {
-            libc::mmap(
+            rustix::mm::mmap(
                 std::ptr::null_mut(),
                 2 << 20,
-                libc::PROT_READ,
-                libc::MAP_SHARED,
-                std::os::fd::AsRawFd::as_raw_fd(&file),
+                rustix::mm::ProtFlags::READ,
+                rustix::mm::MapFlags::SHARED,
+                &file,
                 0,
             )
-        };
-        assert_ne!(mapping, libc::MAP_FAILED);
+        }
+        .unwrap();
         let files = read(Path::new("/proc"), std::process::id() as i32);
         // SAFETY: the mapping made above, of that length.
-        unsafe { libc::munmap(mapping, 2 << 20) };
+        unsafe { rustix::mm::munmap(mapping, 2 << 20) }.unwrap();
         let found = files
             .iter()
             .find(|f| f.path.ends_with("model.safetensors"))

@@ -151,7 +151,7 @@ struct fake_proc {
     int graphics;
 };
 
-struct fake_rule { /* an `error` or `delay` line */
+struct fake_rule { /* an `error`, `delay` or `hold` line */
     char fn[FN_LEN];   /* symbol name, or "*" for every function */
     int gpu;           /* -1: any call; N: only calls about GPU N */
     unsigned long long value; /* return code or milliseconds */
@@ -169,10 +169,11 @@ struct fake_state {
     int has_count;     /* `device_count`: what nvmlDeviceGetCount_v2 claims instead of ndev */
     unsigned int count;
     struct fake_gpu gpu[MAX_DEVICES];
-    unsigned int nproc, nerr, ndelay, nxid;
+    unsigned int nproc, nerr, ndelay, nhold, nxid;
     struct fake_proc proc[MAX_PROCESSES];
     struct fake_rule err[MAX_RULES];
     struct fake_rule delay[MAX_RULES];
+    struct fake_rule hold[MAX_RULES];
     struct fake_xid xid[MAX_XIDS];
 };
 
@@ -350,6 +351,27 @@ static const char *parse_process_count(char **tok, int n)
     return NULL;
 }
 
+/* hold FN [gpu=N] */
+static const char *parse_hold(char **tok, int n)
+{
+    struct fake_rule r = {.gpu = -1, .value = 1};
+    unsigned int gpu;
+
+    if (n < 2 || n > 3)
+        return "expected: hold FN [gpu=N]";
+    if (copy_str(r.fn, sizeof(r.fn), tok[1]))
+        return "bad function name";
+    if (n == 3) {
+        if (strncmp(tok[2], "gpu=", 4) || parse_u32(tok[2] + 4, &gpu) || gpu >= MAX_DEVICES)
+            return "expected gpu=N";
+        r.gpu = (int)gpu;
+    }
+    if (g_state.nhold == MAX_RULES)
+        return "too many hold lines";
+    g_state.hold[g_state.nhold++] = r;
+    return NULL;
+}
+
 /* error FN CODE [gpu=N]  /  delay FN MS [gpu=N] */
 static const char *parse_rule(char **tok, int n, int is_delay)
 {
@@ -429,6 +451,8 @@ static void parse_line(char *line, const char *path, unsigned int lineno)
         why = parse_rule(tok, n, 0);
     else if (!strcmp(tok[0], "delay"))
         why = parse_rule(tok, n, 1);
+    else if (!strcmp(tok[0], "hold"))
+        why = parse_hold(tok, n);
     else if (!strcmp(tok[0], "xid"))
         why = parse_xid(tok, n);
     else
@@ -496,7 +520,7 @@ static int load_state(void)
     }
     memset(g_state.driver_version, 0, sizeof(g_state.driver_version));
     strcpy(g_state.driver_version, "550.54.15");
-    g_state.ndev = g_state.nproc = g_state.nerr = g_state.ndelay = g_state.nxid = 0;
+    g_state.ndev = g_state.nproc = g_state.nerr = g_state.ndelay = g_state.nhold = g_state.nxid = 0;
     g_state.has_count = 0;
     for (int i = 0; i < MAX_DEVICES; i++) {
         g_state.gpu[i].present = 0;
@@ -575,8 +599,9 @@ static nvmlReturn_t leave(nvmlReturn_t rc)
 }
 
 /* Every entry point (except nvmlErrorString) starts here: take the lock,
- * re-read the state file, sleep for a matching `delay`, return a matching
- * `error`. On NVML_SUCCESS the lock is held and g_state is fresh; the caller
+ * re-read the state file, sleep for a matching `delay`, wait while a matching
+ * `hold` is in the state (a test releases the call by writing a state without
+ * it, once $FAKE_NVML_LOG shows the call came), return a matching `error`. On NVML_SUCCESS the lock is held and g_state is fresh; the caller
  * ends with leave(). Otherwise the lock is released. */
 static nvmlReturn_t enter(const char *fn, int gpu, int needs_init)
 {
@@ -590,6 +615,13 @@ static nvmlReturn_t enter(const char *fn, int gpu, int needs_init)
     if (delay) {
         pthread_mutex_unlock(&g_lock);
         sleep_ms(delay);
+        pthread_mutex_lock(&g_lock);
+        if (load_state())
+            return leave(NVML_ERROR_DRIVER_NOT_LOADED);
+    }
+    while (find_rule(g_state.hold, g_state.nhold, fn, gpu)) {
+        pthread_mutex_unlock(&g_lock);
+        sleep_ms(1);
         pthread_mutex_lock(&g_lock);
         if (load_state())
             return leave(NVML_ERROR_DRIVER_NOT_LOADED);

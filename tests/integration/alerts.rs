@@ -191,7 +191,7 @@ fn kill_alert_reaches_a_signed_webhook() {
     let s = &n["subject"];
     assert_eq!(s["model"], "greedy");
     assert_eq!(s["pid"], hog.pid());
-    assert_eq!(s["uid"], nix::unistd::getuid().as_raw());
+    assert_eq!(s["uid"], rustix::process::getuid().as_raw());
     // python3, or the shell of a pyenv shim that execs it.
     assert!(s["comm"].as_str().is_some_and(|c| !c.is_empty()), "{s}");
     assert!(s["cmdline"].as_str().unwrap().contains(&t), "{s}");
@@ -578,7 +578,7 @@ fn a_flood_of_timed_out_permits_does_not_push_a_kill_alert_out() {
     // What went out is counted once the daemon has stopped: it sends what it queued before it
     // exits, so no later notice or line can be missed.
     drop(conn);
-    daemon.signal(nix::sys::signal::Signal::SIGTERM);
+    daemon.signal(rustix::process::Signal::TERM);
     let status = wait_child(&mut daemon.child, Duration::from_secs(10));
     assert_eq!(status.and_then(|s| s.code()), Some(0));
     let flood: Vec<Value> = receiver

@@ -258,9 +258,9 @@ fn daemon_notifies_systemd_ready_status_and_watchdog() {
             seen.push(String::from_utf8_lossy(&buf[..n]).into_owned());
         }
     }
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(daemon.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(daemon.id() as i32).unwrap(),
+        rustix::process::Signal::TERM,
     )
     .unwrap();
     let _ = daemon.wait();

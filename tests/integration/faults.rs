@@ -200,7 +200,7 @@ fn a_state_directory_that_is_not_gpuguards_own_is_refused() {
     // A directory of another account (chown needs root: fails, never skips, without it).
     require_root();
     std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700)).unwrap();
-    nix::unistd::chown(&state, Some(nix::unistd::Uid::from_raw(65534)), None).unwrap();
+    rustix::fs::chown(&state, Some(rustix::fs::Uid::from_raw(65534)), None).unwrap();
     let (code, stderr) = run_to_exit(&config_path, &state, &fake.env());
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("owned by uid 65534"), "{stderr}");
@@ -259,7 +259,7 @@ fn reloads_replace_alert_sinks_without_leaking_workers() {
         |n: usize| wait_until(LONG, || daemon.log_text().matches("reloaded").count() >= n);
     // The same sink reload after reload: the same worker (stuck behind the hung endpoint).
     for n in 1..=4 {
-        daemon.signal(nix::sys::signal::Signal::SIGHUP);
+        daemon.signal(rustix::process::Signal::HUP);
         assert!(reloads(n), "{}", daemon.log_text());
     }
     assert_eq!(webhook_threads(&daemon), 1);
@@ -268,10 +268,10 @@ fn reloads_replace_alert_sinks_without_leaking_workers() {
     // up retrying and ends within one request timeout; workers never pile up.
     for (n, url) in [b.url(), a.url(), b.url(), a.url()].iter().enumerate() {
         daemon.rewrite_config("[ram\n");
-        daemon.signal(nix::sys::signal::Signal::SIGHUP);
+        daemon.signal(rustix::process::Signal::HUP);
         wait_count(&daemon, "config_reload_failed", "", n + 1);
         daemon.rewrite_config(&with(url));
-        daemon.signal(nix::sys::signal::Signal::SIGHUP);
+        daemon.signal(rustix::process::Signal::HUP);
         assert!(reloads(5 + n), "{}", daemon.log_text());
     }
     assert!(

@@ -187,9 +187,9 @@ fn a_second_daemon_never_undoes_the_services_stop() {
         "{}",
         log_text()
     );
-    let _ = nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.0.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
+    let _ = rustix::process::kill_process(
+        rustix::process::Pid::from_raw(child.0.id() as i32).unwrap(),
+        rustix::process::Signal::TERM,
     );
     let status = wait_child(&mut child.0, LONG);
     assert_eq!(status.and_then(|s| s.code()), Some(0), "{}", log_text());
@@ -271,7 +271,7 @@ fn the_readme_commands_run_as_written_against_the_example_config() {
             .arg(&socket)
             .current_dir(env!("CARGO_MANIFEST_DIR"))
             .env("GPUGUARD_ENFORCE_LOCK", dir.path().join("enforce.lock"))
-            .env("LD_LIBRARY_PATH", env!("GPUGUARD_FAKE_NVML_DIR"))
+            .env("LD_LIBRARY_PATH", gpuguard_fake_nvml::DIR)
             .env("FAKE_NVML_STATE", &fake.state)
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())

@@ -4,6 +4,8 @@
 //! the fake NVML into this process are in `tests/nvml/`: its `FAKE_NVML_STATE` is process-wide.
 
 mod common;
+#[path = "../support/skip.rs"]
+mod skip;
 
 mod alerts;
 mod cli;

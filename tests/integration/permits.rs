@@ -196,9 +196,9 @@ fn a_killed_holder_frees_its_permit_at_once_and_a_hung_one_loses_it_at_its_ttl()
     let (mut hung, answer) = waiter.join().unwrap();
     let permit = granted(&answer);
     for pid in command_pid {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(pid as i32),
-            nix::sys::signal::Signal::SIGKILL,
+        let _ = rustix::process::kill_process(
+            rustix::process::Pid::from_raw(pid as i32).unwrap(),
+            rustix::process::Signal::KILL,
         );
     }
 

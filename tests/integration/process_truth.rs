@@ -14,7 +14,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use crate::common::*;
-use nix::sys::signal::Signal;
+use rustix::process::Signal;
 use serde_json::Value;
 
 /// A daemon config: fast scans, no GPU, nothing but the given models as candidates.
@@ -78,7 +78,11 @@ impl Idler {
     }
 
     fn signal(&self, sig: Signal) {
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid() as i32), sig).unwrap();
+        rustix::process::kill_process(
+            rustix::process::Pid::from_raw(self.pid() as i32).unwrap(),
+            sig,
+        )
+        .unwrap();
     }
 }
 
@@ -114,7 +118,7 @@ fn an_exec_that_keeps_the_name_moves_the_process_to_its_new_model() {
         ),
     );
     wait_for_member(&daemon, "before", idler.pid());
-    idler.signal(Signal::SIGUSR1);
+    idler.signal(Signal::USR1);
     wait_for_member(&daemon, "after", idler.pid());
     assert!(!model_pids(&daemon, "before").contains(&(idler.pid() as i64)));
 }

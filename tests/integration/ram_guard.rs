@@ -121,9 +121,9 @@ impl Forked {
 impl Drop for Forked {
     fn drop(&mut self) {
         // Only our own group: the leader we started and the workers it forked.
-        let group = nix::unistd::Pid::from_raw(-(self.leader.id() as i32));
-        let _ = nix::sys::signal::kill(group, nix::sys::signal::Signal::SIGCONT);
-        let _ = nix::sys::signal::kill(group, nix::sys::signal::Signal::SIGKILL);
+        let group = rustix::process::Pid::from_child(&self.leader);
+        let _ = rustix::process::kill_process_group(group, rustix::process::Signal::CONT);
+        let _ = rustix::process::kill_process_group(group, rustix::process::Signal::KILL);
         let _ = self.leader.wait();
     }
 }

@@ -43,6 +43,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use crate::common::*;
+use crate::skip::skip;
 
 /// A user created for one test, removed (with anything it still runs) when dropped.
 struct Attacker {
@@ -650,7 +651,10 @@ fn under_the_units_capabilities_forked_workers_in_a_cgroup_of_their_own_count_on
     let _lock = memory_pressure_lock();
     let Some(cgroup) = OwnCgroup::create(&format!("gpuguard-test-share-{}", std::process::id()))
     else {
-        eprintln!("skipped: /sys/fs/cgroup is not cgroup v2 with the memory controller");
+        skip(
+            "cgroup2",
+            "/sys/fs/cgroup is not cgroup v2 with the memory controller",
+        );
         return;
     };
     let attacker = Attacker::create();
@@ -817,8 +821,8 @@ impl CgroupWorkers {
 impl Drop for CgroupWorkers {
     fn drop(&mut self) {
         // Only the group we started: the leader and the workers it forked.
-        let group = nix::unistd::Pid::from_raw(-(self.leader.id() as i32));
-        let _ = nix::sys::signal::kill(group, nix::sys::signal::Signal::SIGKILL);
+        let group = rustix::process::Pid::from_child(&self.leader);
+        let _ = rustix::process::kill_process_group(group, rustix::process::Signal::KILL);
         let _ = self.leader.wait();
     }
 }
@@ -941,7 +945,10 @@ fn under_the_units_capabilities_tmpfs_files_in_a_private_directory_are_charged_t
     let _lock = memory_pressure_lock();
     let attacker = Attacker::create();
     let Some(slice) = OwnCgroup::create(&format!("user.slice/user-{}.slice", attacker.uid)) else {
-        eprintln!("skipped: /sys/fs/cgroup is not cgroup v2 with the memory controller");
+        skip(
+            "cgroup2",
+            "/sys/fs/cgroup is not cgroup v2 with the memory controller",
+        );
         return;
     };
     struct RemoveDir(PathBuf);
@@ -952,8 +959,8 @@ fn under_the_units_capabilities_tmpfs_files_in_a_private_directory_are_charged_t
     }
     let dir = RemoveDir(PathBuf::from(format!("/dev/shm/{}", token("sealed"))));
     std::fs::create_dir(&dir.0).unwrap();
-    let owner = Some(nix::unistd::Uid::from_raw(attacker.uid));
-    nix::unistd::chown(&dir.0, owner, None).unwrap();
+    let owner = Some(rustix::fs::Uid::from_raw(attacker.uid));
+    rustix::fs::chown(&dir.0, owner, None).unwrap();
     std::fs::set_permissions(&dir.0, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
     let file = dir.0.join("f").display().to_string();
     the_files_owners_hog_is_acted_on(
@@ -985,9 +992,9 @@ fn under_the_units_capabilities_tmpfs_files_in_a_private_directory_are_charged_t
 fn the_cli_believes_only_a_socket_served_by_root_or_by_its_own_user() {
     let attacker = Attacker::create();
     let (shared, socket) = shared_socket_dir("gpuguard-fake");
-    nix::unistd::chown(
+    rustix::fs::chown(
         shared.path(),
-        Some(nix::unistd::Uid::from_raw(attacker.uid)),
+        Some(rustix::fs::Uid::from_raw(attacker.uid)),
         None,
     )
     .unwrap();

@@ -32,9 +32,9 @@ fn a_sigterm_during_startup_waits_for_the_loop_and_exits_cleanly() {
     let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
     // Its first line ("memory locked", or why not) comes early in startup.
     let first = lines.next().unwrap().unwrap();
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(child.id() as i32).unwrap(),
+        rustix::process::Signal::TERM,
     )
     .unwrap();
     let rest = std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<_>>());

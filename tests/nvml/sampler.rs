@@ -32,27 +32,24 @@ fn process_lists_that_change_around_the_memory_reading_are_not_steady() {
     };
     // Holds the binary's lock on FAKE_NVML_STATE, which points at this state file.
     let fake = Fake::new(&one(4));
-    let (dir, state) = (&fake.dir, fake.state.clone());
-    let write = |text: &str| fake.write(text);
+    fake.log_calls();
     let mut source = NvmlGpuSource::new(Some(lib_path()), Duration::from_secs(60));
     let reading = source.sample(true);
     assert!(reading.devices[0].processes_steady, "{reading:?}");
-    // The memory call takes 300 ms; the state changes while it runs.
-    write(&format!("{}delay nvmlDeviceGetMemoryInfo_v2 300\n", one(7)));
-    let (state2, dir2) = (state.clone(), dir.path().to_path_buf());
-    let changer = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(100));
-        let tmp = dir2.join("state.tmp2");
-        std::fs::write(
-            &tmp,
-            format!("{}delay nvmlDeviceGetMemoryInfo_v2 300\n", one(10)),
-        )
-        .unwrap();
-        std::fs::rename(&tmp, &state2).unwrap();
+    // The memory call is held (the lists before it are read by then); the state changes while
+    // it waits, and the change lets it go.
+    let memory = "nvmlDeviceGetMemoryInfo_v2";
+    fake.write(&format!("{}hold {memory}\n", one(7)));
+    let called = fake.calls(memory);
+    let reading = std::thread::scope(|s| {
+        s.spawn(|| {
+            fake.wait_for_calls(memory, called + 1);
+            fake.write(&one(10));
+        });
+        source.sample(true)
     });
-    let reading = source.sample(true);
-    changer.join().unwrap();
     let gpu = &reading.devices[0];
+    assert_eq!(gpu.used_bytes, Some(10 * GIB), "{gpu:?}");
     assert!(!gpu.processes_steady, "{gpu:?}");
     // Without the lists, nothing is claimed steady.
     let reading = source.sample(false);
@@ -61,19 +58,20 @@ fn process_lists_that_change_around_the_memory_reading_are_not_steady() {
     // A-B-A: 7 GiB listed before, 4 GiB in use while the memory figures are read (a request
     // finished), 7 GiB listed after (another started). The lists agree, but they hold more
     // than the card had in use at that moment: not steady either.
-    let slow = "delay nvmlDeviceGetMemoryInfo_v2 300\ndelay nvmlDeviceGetUtilizationRates 300\n";
-    write(&format!("{}{slow}", one(7)));
-    let (state3, dir3) = (state.clone(), dir.path().to_path_buf());
-    let changer = std::thread::spawn(move || {
-        for (at_ms, used) in [(150, 4), (300, 7)] {
-            std::thread::sleep(Duration::from_millis(at_ms));
-            let tmp = dir3.join("state.tmp3");
-            std::fs::write(&tmp, format!("{}{slow}", one(used))).unwrap();
-            std::fs::rename(&tmp, &state3).unwrap();
-        }
+    // The memory call held until the 4 GiB state is in, the utilisation call (between it and
+    // the lists after) until the 7 GiB one is.
+    let utilisation = "nvmlDeviceGetUtilizationRates";
+    fake.write(&format!("{}hold {memory}\n", one(7)));
+    let called = (fake.calls(memory), fake.calls(utilisation));
+    let reading = std::thread::scope(|s| {
+        s.spawn(|| {
+            fake.wait_for_calls(memory, called.0 + 1);
+            fake.write(&format!("{}hold {utilisation}\n", one(4)));
+            fake.wait_for_calls(utilisation, called.1 + 1);
+            fake.write(&one(7));
+        });
+        source.sample(true)
     });
-    let reading = source.sample(true);
-    changer.join().unwrap();
     let gpu = &reading.devices[0];
     assert_eq!(gpu.used_bytes, Some(4 * GIB), "{gpu:?}");
     assert_eq!(gpu.processes.get(&4242), Some(&Some(7 * GIB)), "{gpu:?}");

@@ -167,7 +167,7 @@ impl Sampler {
                 EventKind::GpuUnavailable,
                 format!(
                     "GPU protection is off: {why}; guarding host RAM only, retrying NVML every {}",
-                    humantime::format_duration(config.gpu.retry_init)
+                    crate::units::fmt_duration(config.gpu.retry_init)
                 ),
             ),
             GpuStatus::Off => Event::new(

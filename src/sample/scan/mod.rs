@@ -675,9 +675,9 @@ impl ScanThread {
             .stack_size(256 << 10)
             .spawn(move || {
                 // The id from rustix's system call: glibc's gettid() is 2.30 and newer.
-                let tid = rustix::thread::gettid().as_raw_nonzero().get();
-                // SAFETY: setpriority on this thread's own id (Linux nice values are per thread).
-                unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, SCAN_NICE) };
+                // Linux nice values are per thread: setpriority on this thread's own id.
+                let _ =
+                    rustix::process::setpriority_process(Some(rustix::thread::gettid()), SCAN_NICE);
                 while let Ok(request) = incoming.recv() {
                     if !deliver(scanner.round(request)) {
                         break;
@@ -1333,7 +1333,7 @@ mod tests {
         use std::io::Write;
         use std::process::{Command, Stdio};
         if !rustix::process::geteuid().is_root() {
-            eprintln!("skipped: needs root");
+            crate::test_skip::skip("root", "the kernel's process events need root");
             return;
         }
         let script = "import os, sys\nif sys.stdin.readline() == 'uid\\n':\n    os.setuid(65534)\n\

@@ -27,15 +27,15 @@ static PRESSURE: Mutex<()> = Mutex::new(());
 
 pub struct PressureLock {
     _in_process: MutexGuard<'static, ()>,
-    _machine: nix::fcntl::Flock<std::fs::File>,
+    /// Held by this open file until it is closed.
+    _machine: std::fs::File,
 }
 
 pub fn memory_pressure_lock() -> PressureLock {
     let in_process = PRESSURE.lock().unwrap_or_else(|e| e.into_inner());
     let file = open_shared_lock(Path::new("/tmp/gpuguard-memory-pressure.lock"));
-    let machine = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
-        .map_err(|(_, e)| e)
-        .unwrap();
+    rustix::fs::flock(&file, rustix::fs::FlockOperation::LockExclusive).unwrap();
+    let machine = file;
     // What the test before gave back may still be coming back to MemAvailable (freed pages of a
     // process that just died, a tmpfs file just deleted): floors taken from it now would be too
     // low, and a crossing the test counts on would come later than it thinks.
@@ -80,7 +80,7 @@ fn open_shared_lock(path: &Path) -> std::fs::File {
 /// Fails (never skips) a test that needs root, saying how to run it.
 pub fn require_root() {
     assert!(
-        nix::unistd::geteuid().is_root(),
+        rustix::process::geteuid().is_root(),
         "this test needs root (it starts processes as other users): run `scripts/test` as root"
     );
 }
@@ -274,8 +274,8 @@ impl Hog {
 impl Drop for Hog {
     fn drop(&mut self) {
         // Only our own child: SIGCONT first in case a failed test left it stopped.
-        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
-        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT);
+        let pid = rustix::process::Pid::from_raw(self.child.id() as i32).unwrap();
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::CONT);
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -416,13 +416,17 @@ impl GuardDaemon {
         std::fs::rename(tmp, &self.config).unwrap();
     }
 
-    pub fn signal(&self, sig: nix::sys::signal::Signal) {
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), sig).unwrap();
+    pub fn signal(&self, sig: rustix::process::Signal) {
+        rustix::process::kill_process(
+            rustix::process::Pid::from_raw(self.child.id() as i32).unwrap(),
+            sig,
+        )
+        .unwrap();
     }
 
     /// SIGTERM and wait for exit; returns the exit code.
     pub fn stop(mut self) -> (Option<i32>, String) {
-        self.signal(nix::sys::signal::Signal::SIGTERM);
+        self.signal(rustix::process::Signal::TERM);
         let status = wait_child(&mut self.child, Duration::from_secs(10));
         (status.and_then(|s| s.code()), self.log_text())
     }
@@ -506,7 +510,7 @@ impl FakeNvml {
     }
 
     pub fn library() -> String {
-        format!("{}/libnvidia-ml.so.1", env!("GPUGUARD_FAKE_NVML_DIR"))
+        gpuguard_fake_nvml::LIBRARY.to_string()
     }
 
     pub fn env(&self) -> Vec<(&'static str, String)> {
@@ -556,9 +560,11 @@ impl Family {
 impl Drop for Family {
     fn drop(&mut self) {
         for pid in [self.child_pid as i32, self.parent.id() as i32] {
-            let pid = nix::unistd::Pid::from_raw(pid);
-            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT);
-            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            let Some(pid) = rustix::process::Pid::from_raw(pid) else {
+                continue;
+            };
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::CONT);
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
         }
         let _ = self.parent.wait();
     }
@@ -659,7 +665,7 @@ impl GuardDaemon {
 
     /// SIGTERM and wait for exit; returns the exit code, the log and the event log as left.
     pub fn stop_with_events(mut self) -> (Option<i32>, String, Vec<serde_json::Value>) {
-        self.signal(nix::sys::signal::Signal::SIGTERM);
+        self.signal(rustix::process::Signal::TERM);
         let status = wait_child(&mut self.child, Duration::from_secs(10));
         (
             status.and_then(|s| s.code()),

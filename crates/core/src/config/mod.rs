@@ -148,8 +148,8 @@ impl Config {
                 "daemon.min_interval".into(),
                 format!(
                     "'{}' must be above 0 and at most daemon.interval ('{}')",
-                    humantime::format_duration(d.min_interval),
-                    humantime::format_duration(d.interval)
+                    crate::units::fmt_duration(d.min_interval),
+                    crate::units::fmt_duration(d.interval)
                 ),
             ));
         }
@@ -233,7 +233,7 @@ impl Config {
                 "history.interval".into(),
                 format!(
                     "'{}' must be above 0 and at most 1h",
-                    humantime::format_duration(h.interval)
+                    crate::units::fmt_duration(h.interval)
                 ),
             ));
         }
@@ -242,7 +242,7 @@ impl Config {
                 "history.retention".into(),
                 format!(
                     "'{}' must be at least 1m",
-                    humantime::format_duration(h.retention)
+                    crate::units::fmt_duration(h.retention)
                 ),
             ));
         }

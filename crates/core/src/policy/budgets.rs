@@ -83,7 +83,7 @@ pub(super) fn evaluate_budgets(
                         "{}; action {} after grace {}",
                         over.why,
                         model.action,
-                        humantime::format_duration(model.grace)
+                        crate::units::fmt_duration(model.grace)
                     ),
                 )
                 .about(about_model(&model.name))
@@ -201,7 +201,7 @@ fn enforce(
     let detail = format!(
         "{} for longer than grace {}",
         over.why,
-        humantime::format_duration(model.grace)
+        crate::units::fmt_duration(model.grace)
     );
     let enforced = Enforcement {
         stage,
@@ -289,7 +289,7 @@ fn end_stop(
     over: &Over,
     plan: &mut Plan,
 ) {
-    let max_stop = humantime::format_duration(config.daemon.max_stop);
+    let max_stop = crate::units::fmt_duration(config.daemon.max_stop);
     if !over.may_act {
         plan.actions.push(action(
             Verb::Resume,

@@ -359,7 +359,7 @@ impl Reservations {
                     w.peer.uid,
                     fmt_bytes(need.gpu_bytes_total()),
                     fmt_bytes(need.ram_bytes),
-                    humantime::format_duration(Duration::from_millis(ms(now.saturating_sub(w.arrived)))),
+                    crate::units::fmt_duration(Duration::from_millis(ms(now.saturating_sub(w.arrived)))),
                     match (&request.ready_url, &ready_url) {
                         (None, Some(url)) => format!("; ready when {url} answers (a known server)"),
                         _ => String::new(),

@@ -101,13 +101,13 @@ impl Lease {
             return Some(format!(
                 "{what} grew by {} and stayed flat for {}",
                 fmt_bytes(grown),
-                humantime::format_duration(settle)
+                crate::units::fmt_duration(settle)
             ));
         }
         if now.saturating_sub(admitted_at) >= self.ready_timeout {
             return Some(format!(
                 "not ready after ready_timeout {}",
-                humantime::format_duration(self.ready_timeout)
+                crate::units::fmt_duration(self.ready_timeout)
             ));
         }
         None

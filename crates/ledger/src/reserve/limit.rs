@@ -63,7 +63,7 @@ impl PerUid {
         }
         self.started = Some(now);
         let took =
-            humantime::format_duration(Duration::from_secs(now.saturating_sub(started).as_secs()));
+            crate::units::fmt_duration(Duration::from_secs(now.saturating_sub(started).as_secs()));
         std::mem::take(&mut self.uids)
             .into_iter()
             .filter(|(_, c)| c.suppressed > 0)
@@ -76,7 +76,7 @@ impl PerUid {
                         "uid {uid}: {} more events ({}) suppressed in the last {took}: at most {PER_UID} per uid every {} are kept",
                         c.suppressed,
                         kinds.join(", "),
-                        humantime::format_duration(WINDOW)
+                        crate::units::fmt_duration(WINDOW)
                     ),
                 )
                 .about(About {

@@ -349,7 +349,7 @@ impl Reservations {
                         fmt_bytes(demand.gpu_bytes_per_gpu),
                         fmt_bytes(demand.ram_bytes),
                         peer.pid,
-                        humantime::format_duration(Duration::from_millis(ms(waited)))
+                        crate::units::fmt_duration(Duration::from_millis(ms(waited)))
                     ),
                 )
                 .about(about(&pool, &peer)),

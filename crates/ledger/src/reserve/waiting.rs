@@ -55,7 +55,7 @@ impl Reservations {
             model_label(&w.pool),
             fmt_bytes(w.demand.gpu_bytes_total()),
             fmt_bytes(w.demand.ram_bytes),
-            humantime::format_duration(Duration::from_millis(ms(now.saturating_sub(w.arrived)))),
+            crate::units::fmt_duration(Duration::from_millis(ms(now.saturating_sub(w.arrived)))),
             shortfall.message
         );
         let response = self.refusal_with(
@@ -86,7 +86,7 @@ impl Reservations {
         let message = format!(
             "model '{}' not started: it did not fit within the queue timeout of {}: {}",
             l.request.model,
-            humantime::format_duration(l.queue_timeout),
+            crate::units::fmt_duration(l.queue_timeout),
             w.waiting_for
         );
         self.event(
@@ -118,7 +118,7 @@ impl Reservations {
             "permit {permit} of {} held by pid {} for {}, past its TTL: revoked",
             model_label(&pool),
             peer.pid,
-            humantime::format_duration(Duration::from_millis(ms(held_for)))
+            crate::units::fmt_duration(Duration::from_millis(ms(held_for)))
         );
         self.event(
             // Info: the holder's own permit ended (it is told); client-caused.

@@ -680,7 +680,7 @@ pub(in crate::policy) fn release_brakes(
                         "{resource}: brake released ({}; {} victim(s) within the last {}): the floor may act again",
                         reading.describe(),
                         recent.len(),
-                        humantime::format_duration(window)
+                        crate::units::fmt_duration(window)
                     ),
                 )
                 .about(About {
@@ -737,7 +737,7 @@ pub(in crate::policy) fn release_held(
                 ReasonKind::MaxStop,
                 format!(
                     "stopped for {} (max_stop) while {why}: resumed, never killed on a reading that cannot be trusted",
-                    humantime::format_duration(max_stop),
+                    crate::units::fmt_duration(max_stop),
                 ),
                 None,
             ));
@@ -750,7 +750,7 @@ pub(in crate::policy) fn release_held(
                 ReasonKind::MaxStop,
                 format!(
                     "stopped for {} (max_stop) and {} is still below its warn floor",
-                    humantime::format_duration(max_stop),
+                    crate::units::fmt_duration(max_stop),
                     held.resource
                 ),
                 None,

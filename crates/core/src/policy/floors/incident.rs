@@ -260,7 +260,7 @@ pub(in crate::policy) fn terminate_after_stop(step: &Step, plan: &mut Plan) {
             format!(
                 "{}; still below {} after stopping it",
                 reading.describe(),
-                humantime::format_duration(step.config.daemon.settle)
+                crate::units::fmt_duration(step.config.daemon.settle)
             ),
             reading.recheck(),
         )
@@ -325,7 +325,7 @@ pub(in crate::policy) fn survived_kill(incident: &mut Incident, step: &Step, pla
     plan.events.push(event(
         Severity::Critical,
         EventKind::SurvivedKill,
-        format!("{} is still there {} after SIGKILL (uninterruptible, stuck in the driver?); not killing more for {resource}", step.victim, humantime::format_duration(step.since)),
+        format!("{} is still there {} after SIGKILL (uninterruptible, stuck in the driver?); not killing more for {resource}", step.victim, crate::units::fmt_duration(step.since)),
     ));
 }
 
@@ -362,7 +362,7 @@ pub(in crate::policy) fn next_after_gone(
             format!(
                 "{} exited {} ago but {resource} still lists pid(s) {stuck:?} holding memory ({}): memory stuck in the driver; not killing more for {resource}",
                 step.victim,
-                humantime::format_duration(step.since),
+                crate::units::fmt_duration(step.since),
                 step.reading.describe()
             ),
         ));
@@ -436,7 +436,7 @@ pub(in crate::policy) fn end_stop_at_max_stop(
         ReasonKind::MaxStop,
         format!(
             "stopped for {} (max_stop) while {}: resumed, never killed on a reading that cannot be trusted",
-            humantime::format_duration(max_stop),
+            crate::units::fmt_duration(max_stop),
             untrusted(reading)
         ),
         None,

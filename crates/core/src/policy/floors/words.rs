@@ -20,8 +20,8 @@ pub(in crate::policy) fn braked(reading: &Reading, b: &BrakeEngaged) -> Event {
             "{}; {} victim(s) acted on for {resource} within {} did not bring it back above its warn floor: not acting on {resource} until it is back above its warn floor, and for at least {} (brake: max_victims {} per victim_window){shmem}",
             reading.describe(),
             b.victims,
-            humantime::format_duration(b.window),
-            humantime::format_duration(round_secs(b.left)),
+            crate::units::fmt_duration(b.window),
+            crate::units::fmt_duration(round_secs(b.left)),
             b.max_victims,
         ),
     )

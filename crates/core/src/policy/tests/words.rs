@@ -182,9 +182,9 @@ fn the_brake_in_words() {
                 "{}; {} victim(s) acted on for RAM within {} did not bring it back above its warn floor: not acting on RAM until it is back above its warn floor, and for at least {} (brake: max_victims {} per victim_window); Shmem is {} (tmpfs files, shared memory: no process holds it and no kill gives it back)",
                 reading(&c, &braking, Resource::Ram).describe(),
                 b.victims,
-                humantime::format_duration(b.window),
+                crate::units::fmt_duration(b.window),
                 // The least it holds, rounded up to the second.
-                humantime::format_duration(Duration::from_secs(b.left.as_secs_f64().ceil() as u64)),
+                crate::units::fmt_duration(Duration::from_secs(b.left.as_secs_f64().ceil() as u64)),
                 b.max_victims,
                 bytes(b.shmem.unwrap())
             )

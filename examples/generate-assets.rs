@@ -1,6 +1,9 @@
-//! `gpuguard generate-assets DIR` (hidden): the man pages and shell completions, generated from
-//! the CLI definition itself (`Cli::command()`) so the packaged documentation cannot drift from
-//! the binary. `packaging/build-deb.sh` runs it and cargo-deb packages what it writes:
+//! `cargo run --example generate-assets -- DIR`: the man pages and shell completions, generated
+//! from the CLI definition itself (`gpuguard::cli::Cli::command()`) so the packaged documentation
+//! cannot drift from the binary, and the packaged config. An example, not a subcommand: clap_mangen
+//! and clap_complete are dev-dependencies, never linked into the daemon. The assets are the same
+//! for every architecture, so the build host writes them (`packaging/build-release.sh`), and the
+//! packages carry what it writes:
 //!
 //! - `DIR/man/gpuguard.1`, and `DIR/man/gpuguard-SUBCOMMAND.1` for each visible subcommand
 //! - `DIR/completions/gpuguard.bash`, `DIR/completions/_gpuguard` (zsh),
@@ -17,13 +20,13 @@ use clap_complete::Shell;
 use clap_mangen::roff::{bold, italic, roman, Roff};
 use clap_mangen::Man;
 
-use super::{exit, Cli};
+use gpuguard::cli::{exit, Cli};
 
 /// The binary's name, as installed and as completions know it.
 const BIN: &str = "gpuguard";
 
 /// Every key with its default and its documentation; the packaged config is derived from it.
-const EXAMPLE_CONFIG: &str = include_str!("../../config.example.toml");
+const EXAMPLE_CONFIG: &str = include_str!("../config.example.toml");
 
 /// What the installed config does, said once at its top.
 const PACKAGED_HEADER: &str = "\
@@ -39,7 +42,16 @@ const PACKAGED_HEADER: &str = "\
 #
 ";
 
-pub fn run(dir: &Path) -> u8 {
+fn main() -> std::process::ExitCode {
+    let mut args = std::env::args_os().skip(1);
+    let (Some(dir), None) = (args.next(), args.next()) else {
+        eprintln!("usage: generate-assets DIR");
+        return exit::FAILURE.into();
+    };
+    run(Path::new(&dir)).into()
+}
+
+fn run(dir: &Path) -> u8 {
     match write_assets(dir) {
         Ok(files) => {
             for f in files {
@@ -55,7 +67,7 @@ pub fn run(dir: &Path) -> u8 {
 }
 
 /// Writes every man page and completion script under `dir`; returns the files written.
-pub fn write_assets(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+fn write_assets(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let mut written = Vec::new();
     let man_dir = dir.join("man");
     let completions_dir = dir.join("completions");
@@ -99,7 +111,7 @@ pub fn write_assets(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
 
 /// `config.example.toml` as installed: the header above, and every `[[model]]` table commented out
 /// (an example model must never match a real process on a host that installed the package).
-pub fn packaged_config() -> String {
+fn packaged_config() -> String {
     let mut out = String::from(PACKAGED_HEADER);
     let mut in_model = false;
     for line in EXAMPLE_CONFIG.lines() {
@@ -157,7 +169,8 @@ fn man_date() -> String {
         .map_or_else(std::time::SystemTime::now, |secs| {
             std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs)
         });
-    humantime::format_rfc3339_seconds(when).to_string()[..10].to_string()
+    let at = jiff::Timestamp::try_from(when).unwrap_or(jiff::Timestamp::UNIX_EPOCH);
+    at.strftime("%Y-%m-%d").to_string()
 }
 
 /// Each clap_mangen section starts with the same two-line apostrophe preamble; keep the first.
@@ -272,7 +285,7 @@ fn main_man_page(cmd: &clap::Command, date: &str) -> anyhow::Result<Vec<u8>> {
              optional and documented in the file; check it with gpuguard check-config.",
         ),
         (
-            crate::config::DEFAULT_SOCKET,
+            gpuguard::config::DEFAULT_SOCKET,
             "The daemon's unix socket, used by status, launch and release.",
         ),
         (
@@ -394,10 +407,10 @@ mod tests {
     #[test]
     fn packaged_config_is_valid_and_has_no_models() {
         let text = packaged_config();
-        let config = crate::config::Config::parse(&text, Path::new("/etc/gpuguard/config.toml"))
+        let config = gpuguard::config::Config::parse(&text, Path::new("/etc/gpuguard/config.toml"))
             .unwrap_or_else(|e| panic!("{e}"));
         assert!(config.models.is_empty(), "{:?}", config.models);
-        assert_eq!(config.daemon.mode, crate::config::Mode::Enforce);
+        assert_eq!(config.daemon.mode, gpuguard::config::Mode::Enforce);
         assert!(
             EXAMPLE_CONFIG.contains("\n[[model]]\n"),
             "the example lost its model"
@@ -406,82 +419,5 @@ mod tests {
         assert!(text.contains("\n# [[model]]\n# name = "));
         // Everything after the model examples is still live.
         assert!(text.contains("\n[protect]\n"));
-    }
-
-    /// The unit keeps what the guard needs (see its header); the boot test in
-    /// packaging/test-deb.sh checks the same on a running systemd.
-    #[test]
-    fn systemd_unit_keeps_what_the_guard_needs() {
-        let unit = include_str!("../../systemd/gpuguard.service");
-        let settings: Vec<(&str, &str)> = unit
-            .lines()
-            .filter(|l| !l.starts_with('#') && !l.starts_with('['))
-            .filter_map(|l| l.split_once('='))
-            .collect();
-        let get = |key: &str| -> Vec<&str> {
-            settings
-                .iter()
-                .filter(|(k, _)| *k == key)
-                .map(|(_, v)| *v)
-                .collect()
-        };
-        for (key, value) in [
-            ("Type", "notify"),
-            ("Restart", "always"),
-            ("OOMScoreAdjust", "-1000"),
-            ("LimitMEMLOCK", "infinity"),
-            ("RuntimeDirectory", "gpuguard"),
-            ("RuntimeDirectoryMode", "0755"),
-            ("StateDirectory", "gpuguard"),
-            ("CapabilityBoundingSet", "CAP_KILL CAP_NET_ADMIN"),
-            ("SystemCallErrorNumber", "EPERM"),
-        ] {
-            assert_eq!(get(key), [value], "{key}");
-        }
-        assert!(get("WatchdogSec").len() == 1, "WatchdogSec");
-        assert_eq!(get("ExecReload").last(), Some(&"/bin/kill -HUP $MAINPID"));
-        let exec = get("ExecStart");
-        assert_eq!(
-            exec,
-            ["/usr/bin/gpuguard daemon --config /etc/gpuguard/config.toml --state-dir /var/lib/gpuguard --lock-memory"]
-        );
-        // The arguments are the CLI's.
-        let args = exec[0].split_whitespace();
-        if let Err(e) = <Cli as clap::Parser>::try_parse_from(args) {
-            panic!("{e}");
-        }
-
-        // Nothing that hides /proc entries or devices, freezes cgroups or the hostname.
-        for key in [
-            "ProtectProc",
-            "ProcSubset",
-            "PrivateDevices",
-            "DevicePolicy",
-            "DeviceAllow",
-            "ProtectClock",
-            "ProtectControlGroups",
-            "PrivateUsers",
-            "ProtectHostname",
-            "PrivatePIDs",
-            "User",
-            "DynamicUser",
-        ] {
-            assert!(get(key).is_empty(), "{key} must not be set: {:?}", get(key));
-        }
-        // The kill path survives the system call filter.
-        let filter = get("SystemCallFilter").join(" ");
-        for call in [
-            "kill",
-            "pidfd_open",
-            "pidfd_send_signal",
-            "process_mrelease",
-            "mlockall",
-        ] {
-            assert!(filter.split(' ').any(|c| c == call), "{call} not allowed");
-        }
-        // Where the daemon puts its socket and state by default is where the unit lets it write.
-        assert!(crate::config::DEFAULT_SOCKET.starts_with("/run/gpuguard/"));
-        let defaults = crate::config::Config::parse("", Path::new("-")).unwrap();
-        assert_eq!(defaults.daemon.state_dir, Path::new("/var/lib/gpuguard"));
     }
 }
