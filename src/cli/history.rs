@@ -13,6 +13,7 @@ use super::status::render;
 use super::{exit, WIDTH};
 use crate::config::Config;
 use crate::history::{self, Record};
+use crate::kinds::Severity;
 use crate::snapshot::printable;
 use crate::status::StatusReport;
 use crate::units::fmt_bytes;
@@ -570,7 +571,9 @@ fn chart(
                 severity,
                 kind,
                 message,
-            } if (severity != "info" || kind == "daemon_started") && about_model(message) => {
+            } if (*severity != Severity::Info || kind == "daemon_started")
+                && about_model(message) =>
+            {
                 Some(format!("{}  {severity:8} {kind}: {message}", local(*at_ms)))
             }
             Record::Action { at_ms, action } if about_model(&action.target) => Some(format!(
@@ -633,7 +636,7 @@ mod tests {
     fn what_a_history_file_says_cannot_rewrite_the_terminal() {
         let forged = Record::Event {
             at_ms: 1_764_140_000_000,
-            severity: "critical".into(),
+            severity: Severity::Critical,
             kind: "x".into(),
             message: "\u{1b}[2J\u{1b}]0;owned\u{7}\r\u{202e}gnirts".into(),
         };

@@ -12,9 +12,9 @@ use crate::alert::{ActionInfo, Condition};
 use crate::kinds::{EventKind, ReasonKind};
 use crate::policy::{About, Action, Level, Resource, Severity, Target, Verb};
 use crate::secrets::Shown;
-use crate::status::ActionRow;
+use crate::status::{ActionRow, GpuRow};
 use crate::view::Subject;
-use crate::view::{Floors, GpuView, ModelFigures, OverBudget, Stuck, TickView};
+use crate::view::{Floors, ModelFigures, OverBudget, Stuck, TickView};
 
 use super::{unix_now, Daemon};
 
@@ -22,20 +22,14 @@ impl Daemon {
     pub(super) fn record_action(&mut self, action: &Action, outcome: &Outcome) {
         let failed = matches!(outcome, Outcome::Failed(_));
         let skipped = matches!(outcome, Outcome::Skipped(_));
-        let outcome = match outcome {
-            Outcome::Done => "done".to_string(),
-            Outcome::Observed => "observed".to_string(),
-            Outcome::Skipped(why) => format!("skipped: {why}"),
-            Outcome::Failed(why) => format!("failed: {why}"),
-        };
-        self.alert_action(action, &outcome, failed, skipped);
+        self.alert_action(action, &outcome.to_string(), failed, skipped);
         self.reporter.remember(ActionRow {
             at_unix: unix_now(),
-            verb: action.verb.as_str().into(),
+            verb: action.verb,
             target: action.target.to_string(),
-            reason_kind: action.reason.kind.to_string(),
+            reason_kind: action.reason.kind,
             reason: action.reason.detail.clone(),
-            outcome,
+            outcome: outcome.clone(),
         });
     }
 
@@ -223,7 +217,7 @@ fn floor_conditions(v: &TickView) -> Vec<Condition> {
         ram.floors,
         &extra,
     ));
-    let mut gpus: Vec<&GpuView> = v.gpus.iter().collect();
+    let mut gpus: Vec<&GpuRow> = v.gpus.iter().collect();
     gpus.sort_by_key(|g| g.index);
     gpus.dedup_by_key(|g| g.index);
     for g in gpus {
@@ -231,7 +225,7 @@ fn floor_conditions(v: &TickView) -> Vec<Condition> {
             Resource::Gpu(g.index),
             g.level,
             g.free_bytes,
-            g.floors,
+            g.floors(),
             "",
         ));
     }
@@ -400,10 +394,9 @@ mod tests {
     use crate::kinds::{EventKind, Level, Severity};
     use crate::policy::{Overage, Resource};
     use crate::snapshot::HostMemory;
+    use crate::status::{GpuRow, ModelRow};
     use crate::view::Subject;
-    use crate::view::{
-        Floors, GpuView, ModelView, OverBudget, ProcessInfo, RamView, Stuck, TickView, Victim,
-    };
+    use crate::view::{Floors, OverBudget, ProcessInfo, RamView, Stuck, TickView, Victim};
 
     const GIB: u64 = 1 << 30;
 
@@ -431,28 +424,29 @@ mod tests {
             },
             // Out of index order, and one fine: conditions come in resource order.
             gpus: vec![
-                GpuView {
+                GpuRow {
                     index: 1,
                     uuid: "GPU-b".into(),
                     free_bytes: Some(5 * GIB),
-                    floors: floors(6, 2),
+                    warn_free_bytes: Some(6 * GIB),
+                    min_free_bytes: Some(2 * GIB),
                     level: Level::Warn,
-                    ..GpuView::default()
+                    ..GpuRow::default()
                 },
-                GpuView {
+                GpuRow {
                     index: 0,
                     uuid: "GPU-a".into(),
                     level: Level::Unknown,
                     error: Some("GPU is lost".into()),
                     lost: true,
-                    ..GpuView::default()
+                    ..GpuRow::default()
                 },
             ],
             nvml_lost: Some("NVML gone".into()),
-            models: vec![ModelView {
+            models: vec![ModelRow {
                 name: "llm".into(),
                 pids: vec![200, 201],
-                ..ModelView::default()
+                ..ModelRow::default()
             }],
             over_budget: vec![OverBudget {
                 model: "llm".into(),

@@ -41,6 +41,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::kinds::Severity;
 use crate::snapshot::printable;
 use crate::status::{ActionRow, StatusReport};
 use crate::units::{fmt_bytes, fmt_opt_bytes};
@@ -89,10 +90,11 @@ pub enum Record {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         input: Option<Box<PolicyInput>>,
     },
-    /// An event the daemon logged and alerted.
+    /// An event the daemon logged and alerted. Its kind stays a string: a record an older or a
+    /// newer version wrote may name one this version does not know.
     Event {
         at_ms: u64,
-        severity: String,
+        severity: Severity,
         kind: String,
         message: String,
     },
@@ -486,7 +488,7 @@ mod tests {
     fn event(at_ms: u64, message: &str) -> Record {
         Record::Event {
             at_ms,
-            severity: "critical".into(),
+            severity: Severity::Critical,
             kind: "x".into(),
             message: message.into(),
         }
@@ -604,8 +606,12 @@ mod tests {
         let action = |at_ms: u64| Record::Action {
             at_ms,
             action: ActionRow {
-                verb: "stop".into(),
-                ..ActionRow::default()
+                at_unix: 0,
+                verb: crate::policy::Verb::Stop,
+                target: String::new(),
+                reason_kind: crate::kinds::ReasonKind::RamBudget,
+                reason: String::new(),
+                outcome: crate::policy::Outcome::Done,
             },
         };
         let sample = |at_ms: u64| Record::Sample {

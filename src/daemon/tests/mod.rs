@@ -826,10 +826,10 @@ fn a_victims_memory_that_comes_back_late_spares_the_next_process() {
         let status = super::report::status_report(&h.daemon.view(super::view::Detail::Full));
         (status.memory.available_bytes, status.memory.level)
     };
-    assert_eq!(available(&h), (Some(2 * GIB), "act".to_string()));
+    assert_eq!(available(&h), (Some(2 * GIB), crate::kinds::Level::Act));
     h.ticks(10, 100 * MS);
     assert_eq!(h.signals(), [(200, Sig::Term)], "{:?}", h.actions());
-    assert_eq!(available(&h), (Some(14 * GIB), "ok".to_string()));
+    assert_eq!(available(&h), (Some(14 * GIB), crate::kinds::Level::Ok));
     assert!(h.world().procs.contains_key(&300));
 }
 

@@ -80,13 +80,7 @@ impl std::fmt::Display for Ready {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LeaseState {
-    /// Holds the launch lock and its memory reservation.
-    Loading,
-    /// Loaded: the model's memory is its own; the lease only keeps its process in the model.
-    Ready,
-}
+pub use crate::kinds::LeaseState;
 
 pub struct Lease {
     pub model: String,
