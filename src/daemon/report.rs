@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use crate::alert::Alerter;
 use crate::config::HistoryConfig;
 use crate::history::input::{self, PolicyInput};
+use crate::history::jumps::{Figures, Jumps};
 use crate::history::kernel_log::{self, KernelLog};
 use crate::history::{self, now_ms, Pressure, Record, Recorder};
 use crate::ipc::server::Shared;
@@ -45,6 +46,8 @@ pub(super) struct Reporter {
     details_written: HashMap<ProcessId, Instant>,
     /// When a sample last carried the policy's input.
     input_recorded: Option<Instant>,
+    /// The figures of the last sample kept, and the samples kept for jumps (`history::jumps`).
+    jumps: Jumps,
 }
 
 impl Reporter {
@@ -60,6 +63,7 @@ impl Reporter {
             kernel_log: None,
             details_written: HashMap::new(),
             input_recorded: None,
+            jumps: Jumps::default(),
         }
     }
 
@@ -243,8 +247,14 @@ impl Reporter {
         let report = status_report(&self.view);
         let pressure = self.pressure();
         if let Some(r) = self.recorder.as_mut() {
-            if r.sample_due(now, pressure) || decided {
+            let figures = Figures::of(&self.view);
+            let due = r.sample_due(now, pressure) || decided;
+            // A GPU's or a model's figures moved far since the last sample kept (bounded).
+            let jumped = !due && self.jumps.due(now, &figures);
+            if due || jumped {
+                self.jumps.kept(figures);
                 let input_due = decided
+                    || jumped
                     || pressure != Pressure::Quiet
                     || self
                         .input_recorded

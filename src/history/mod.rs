@@ -23,12 +23,14 @@
 //! and how often the file is synced follow the pressure on the host (`Pressure`): every 10 s
 //! and synced every minute when quiet, every second and synced every 5 s near a floor or with a
 //! model of the config over its budget (not one a user launched), every sample and synced at once at the act floor, because the minutes
-//! before a crash are the ones that matter; and every tick on which the policy decided something
+//! before a crash are the ones that matter; when a GPU's or a model's figures jump (`jumps.rs`,
+//! bounded); and every tick on which the policy decided something
 //! (an event, an action), except what a client caused (a model a user launched crossing the budget
 //! it declared: `Event::caused_by`), which anyone can make happen every second. Each sample keeps what the policy decided from (`input.rs`), so that
 //! `gpuguard replay` runs it through the policy again with another config (`replay.rs`).
 
 pub mod input;
+pub mod jumps;
 pub mod kernel_log;
 pub mod replay;
 pub mod segment;
