@@ -3,11 +3,14 @@
 //! last sample kept, so a model that loads 40 GiB between two quiet samples 10 s apart is in the
 //! history as it happened. Bounded as the events clients cause are (`reserve::limit`): at most
 //! `PER_WINDOW` such samples in a fixed window of `WINDOW` (so at most twice that over any
-//! `WINDOW`), whatever a figure does: a figure that flaps cannot flood the history.
+//! `WINDOW`), whatever a figure does: a figure that flaps cannot flood the history. A model a
+//! user launched with no `[[model]]` is left out, as it is of the recording rate (anyone can keep
+//! one flapping); a GPU's used memory is anyone's to move, so that is what the bound is for.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use crate::kinds::ModelSource;
 use crate::view::TickView;
 
 /// A figure that moved by more than this since the last sample kept is a jump.
@@ -17,8 +20,8 @@ pub const PER_WINDOW: u32 = 6;
 pub const WINDOW: Duration = Duration::from_secs(60);
 
 /// The figures a jump is looked for in: each GPU's used memory (as far as read: a reading that
-/// goes missing is not a jump), each model's RAM and GPU memory (a model that came or went
-/// counts from or to 0: its memory came or went with it).
+/// goes missing is not a jump), each model of the config's RAM and GPU memory (a model that came
+/// or went counts from or to 0: its memory came or went with it).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Figures {
     gpus: BTreeMap<u32, u64>,
@@ -36,6 +39,7 @@ impl Figures {
             models: view
                 .models
                 .iter()
+                .filter(|m| m.source == ModelSource::Config)
                 .map(|m| (m.name.clone(), (m.ram_bytes, m.gpu_bytes.unwrap_or(0))))
                 .collect(),
         }
@@ -157,6 +161,11 @@ mod tests {
         gone.models = view(0, 0).models;
         assert!(!j.due(t0, &Figures::of(&gone)), "the GPU's reading gone");
         assert!(!j.due(t0, &Figures::of(&view(3 * GIB, GIB / 2))));
+        // A model a user launched (no `[[model]]`) is no jump, however it moves.
+        let mut launched = view(3 * GIB, 0);
+        launched.models[0].source = ModelSource::Launch;
+        launched.models[0].ram_bytes = 40 * GIB;
+        assert!(!j.due(t0, &Figures::of(&launched)));
     }
 
     /// A figure that flaps every tick gets at most `PER_WINDOW` jump samples a window.
