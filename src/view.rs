@@ -9,13 +9,12 @@
 use serde::Serialize;
 
 use crate::config::Mode;
-use crate::kinds::Level;
 use crate::policy::{Overage, Resource};
 use crate::reserve::Rows;
 use crate::secrets::Shown;
-use crate::snapshot::{GpuStatus, HostMemory};
+use crate::snapshot::GpuStatus;
 pub use crate::status::Floors;
-use crate::status::{ActionRow, GpuProtection, GpuRow, HeldRow, ModelRow};
+use crate::status::{ActionRow, GpuProtection, GpuRow, HeldRow, MemoryStatus, ModelRow};
 
 /// One tick, seen whole.
 #[derive(Clone, Debug, Default)]
@@ -23,7 +22,7 @@ pub struct TickView {
     pub hostname: String,
     pub mode: Mode,
     pub uptime_seconds: f64,
-    pub ram: RamView,
+    pub ram: MemoryStatus,
     /// The GPU reading's status as sampled (`Off` also until NVML's first answer).
     pub gpu_status: GpuStatus,
     /// What GPU protection amounts to now: the sampled status, lost GPUs, not started yet.
@@ -44,16 +43,6 @@ pub struct TickView {
     pub cloud_notice: Option<&'static str>,
     /// The latest actions, newest last.
     pub recent_actions: Vec<ActionRow>,
-}
-
-/// Host memory: the reading, its floors, and where it stands.
-#[derive(Clone, Debug, Default)]
-pub struct RamView {
-    pub memory: HostMemory,
-    pub floors: Floors,
-    pub level: Level,
-    /// Why host memory could not be read, if the source says.
-    pub error: Option<String>,
 }
 
 /// A model's memory use and budgets, in bytes.

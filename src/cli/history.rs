@@ -306,8 +306,8 @@ fn csv(records: &[&Record], only_gpu: Option<u32>, model: Option<&str>) -> Strin
             out,
             "{},{},{},{},{},{}",
             history::format_ms(at),
-            n(m.available_bytes),
-            n(m.total_bytes),
+            n(m.host.available_bytes),
+            n(m.host.total_bytes),
             n(m.warn_available_bytes),
             n(m.min_available_bytes),
             m.level
@@ -444,8 +444,8 @@ fn columns(samples: &[(u64, &StatusReport)], gpu: Option<u32>, model: Option<&st
         read: Box::new(|s| {
             let m = &s.memory;
             Some(Figure {
-                value: m.available_bytes?,
-                scale: m.total_bytes,
+                value: m.host.available_bytes?,
+                scale: m.host.total_bytes,
                 marks: (m.warn_available_bytes, m.min_available_bytes),
             })
         }),
@@ -654,8 +654,8 @@ mod tests {
     fn the_chart_of_eight_gpus_fits_100_columns() {
         let g = 1u64 << 30;
         let mut status = StatusReport::default();
-        status.memory.total_bytes = Some(64 * g);
-        status.memory.available_bytes = Some(20 * g);
+        status.memory.host.total_bytes = Some(64 * g);
+        status.memory.host.available_bytes = Some(20 * g);
         status.gpus = (0..8)
             .map(|index| crate::status::GpuRow {
                 index,

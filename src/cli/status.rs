@@ -99,15 +99,15 @@ fn render_header(r: &StatusReport) -> String {
 fn render_memory(m: &MemoryStatus) -> String {
     format!(
         "Host memory: available {} of {} (warn {}, min {}) [{}]\n  shmem/tmpfs {}; swap free {} of {}; PSI some avg10 {}\n\n",
-        bytes(m.available_bytes),
-        bytes(m.total_bytes),
+        bytes(m.host.available_bytes),
+        bytes(m.host.total_bytes),
         bytes(m.warn_available_bytes),
         bytes(m.min_available_bytes),
         m.level,
-        bytes(m.shmem_bytes),
-        bytes(m.swap_free_bytes),
-        bytes(m.swap_total_bytes),
-        m.psi_some_avg10.map_or("n/a".into(), |p| format!("{p:.1}%")),
+        bytes(m.host.shmem_bytes),
+        bytes(m.host.swap_free_bytes),
+        bytes(m.host.swap_total_bytes),
+        m.host.psi_some_avg10.map_or("n/a".into(), |p| format!("{p:.1}%")),
     )
 }
 
@@ -543,8 +543,8 @@ mod tests {
             ),
             stale: true,
         };
-        r.memory.total_bytes = Some(1800 * g);
-        r.memory.available_bytes = Some(900 * g);
+        r.memory.host.total_bytes = Some(1800 * g);
+        r.memory.host.available_bytes = Some(900 * g);
         r.gpus = (0..8)
             .map(|index| GpuRow {
                 index,

@@ -199,7 +199,7 @@ fn floor_conditions(v: &TickView) -> Vec<Condition> {
     if ram.level == Level::Unknown {
         out.push(ram_unreadable(ram.error.as_deref()));
     }
-    let memory = &ram.memory;
+    let memory = &ram.host;
     let mut extra = String::new();
     if let Some(shmem) = memory.shmem_bytes {
         extra += &format!(
@@ -214,7 +214,7 @@ fn floor_conditions(v: &TickView) -> Vec<Condition> {
         Resource::Ram,
         ram.level,
         memory.available_bytes,
-        ram.floors,
+        ram.floors(),
         &extra,
     ));
     let mut gpus: Vec<&GpuRow> = v.gpus.iter().collect();
@@ -394,31 +394,25 @@ mod tests {
     use crate::kinds::{EventKind, Level, Severity};
     use crate::policy::{Overage, Resource};
     use crate::snapshot::HostMemory;
-    use crate::status::{GpuRow, ModelRow};
+    use crate::status::{GpuRow, MemoryStatus, ModelRow};
     use crate::view::Subject;
-    use crate::view::{Floors, OverBudget, ProcessInfo, RamView, Stuck, TickView, Victim};
+    use crate::view::{OverBudget, ProcessInfo, Stuck, TickView, Victim};
 
     const GIB: u64 = 1 << 30;
-
-    fn floors(warn: u64, min: u64) -> Floors {
-        Floors {
-            warn_bytes: Some(warn * GIB),
-            min_bytes: Some(min * GIB),
-        }
-    }
 
     /// Every kind of condition from a view written by hand: no daemon, no policy run.
     #[test]
     fn conditions_are_read_from_the_view() {
         let view = TickView {
-            ram: RamView {
-                memory: HostMemory {
+            ram: MemoryStatus {
+                host: HostMemory {
                     available_bytes: Some(3 * GIB),
                     shmem_bytes: Some(GIB),
                     psi_some_avg10: Some(12.5),
                     ..HostMemory::default()
                 },
-                floors: floors(8, 4),
+                warn_available_bytes: Some(8 * GIB),
+                min_available_bytes: Some(4 * GIB),
                 level: Level::Act,
                 error: None,
             },
@@ -536,10 +530,10 @@ mod tests {
     fn a_quiet_view_has_no_conditions_and_an_unknown_ram_level_is_unreadable() {
         assert_eq!(conditions(&TickView::default()), []);
         let view = TickView {
-            ram: RamView {
+            ram: MemoryStatus {
                 level: Level::Unknown,
                 error: Some("/proc/meminfo has no MemAvailable".into()),
-                ..RamView::default()
+                ..MemoryStatus::default()
             },
             ..TickView::default()
         };

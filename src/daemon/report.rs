@@ -18,8 +18,8 @@ use crate::policy::{Attribution, Event, Launches, Verb};
 use crate::snapshot::{GpuStatus, ProcessId, Snapshot};
 use crate::state_dir::StateDir;
 use crate::status::ActionRow;
-use crate::status::{MemoryStatus, StatusReport, STATUS_SCHEMA_VERSION};
-use crate::view::{RamView, TickView};
+use crate::status::{StatusReport, STATUS_SCHEMA_VERSION};
+use crate::view::TickView;
 
 /// How many actions `status` shows.
 const RECENT_ACTIONS: usize = 50;
@@ -335,7 +335,7 @@ pub(super) fn status_report(v: &TickView) -> StatusReport {
         version: env!("CARGO_PKG_VERSION").into(),
         mode: v.mode,
         uptime_seconds: v.uptime_seconds,
-        memory: memory_status(&v.ram),
+        memory: v.ram.clone(),
         gpu_protection: v.gpu_protection.clone(),
         gpus: v.gpus.clone(),
         models: v.models.clone(),
@@ -347,26 +347,11 @@ pub(super) fn status_report(v: &TickView) -> StatusReport {
     }
 }
 
-fn memory_status(ram: &RamView) -> MemoryStatus {
-    let m = &ram.memory;
-    MemoryStatus {
-        total_bytes: m.total_bytes,
-        available_bytes: m.available_bytes,
-        swap_total_bytes: m.swap_total_bytes,
-        swap_free_bytes: m.swap_free_bytes,
-        psi_some_avg10: m.psi_some_avg10,
-        shmem_bytes: m.shmem_bytes,
-        warn_available_bytes: ram.floors.warn_bytes,
-        min_available_bytes: ram.floors.min_bytes,
-        level: ram.level,
-    }
-}
-
 /// What `systemctl status` shows.
 pub(super) fn one_line_status(v: &TickView) -> String {
     let ram = v
         .ram
-        .memory
+        .host
         .available_bytes
         .map_or("unknown".into(), crate::units::fmt_bytes);
     let gpus = match &v.gpu_status {
@@ -392,8 +377,10 @@ mod tests {
     use crate::config::Mode;
     use crate::kinds::Level;
     use crate::policy::Stage;
-    use crate::status::{GpuProtection, GpuRow, HeldRow, ModelRow, ModelState, QueuedRow};
-    use crate::view::{Floors, ModelFigures};
+    use crate::status::{
+        GpuProtection, GpuRow, HeldRow, MemoryStatus, ModelRow, ModelState, QueuedRow,
+    };
+    use crate::view::ModelFigures;
 
     const GIB: u64 = 1 << 30;
 
@@ -427,13 +414,10 @@ mod tests {
         let mut view = TickView {
             hostname: "h1".into(),
             mode: Mode::Observe,
-            ram: RamView {
-                floors: Floors {
-                    warn_bytes: Some(8 * GIB),
-                    min_bytes: None,
-                },
+            ram: MemoryStatus {
+                warn_available_bytes: Some(8 * GIB),
                 level: Level::Warn,
-                ..RamView::default()
+                ..MemoryStatus::default()
             },
             gpu_status: GpuStatus::Ok,
             gpu_protection: GpuProtection {

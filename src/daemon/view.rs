@@ -7,8 +7,8 @@ use crate::policy::{ModelUsage, Resource, Stage};
 use crate::protocol::RefusalReason;
 use crate::secrets::Shown;
 use crate::snapshot::GpuStatus;
-use crate::status::{GpuProtection, GpuRow, HeldRow, ModelRow, ModelState};
-use crate::view::{ModelFigures, OverBudget, ProcessInfo, RamView, Stuck, TickView, Victim};
+use crate::status::{GpuProtection, GpuRow, HeldRow, MemoryStatus, ModelRow, ModelState};
+use crate::view::{ModelFigures, OverBudget, ProcessInfo, Stuck, TickView, Victim};
 
 use super::Daemon;
 
@@ -76,11 +76,14 @@ impl Daemon {
             .collect()
     }
 
-    fn ram_view(&self) -> RamView {
+    fn ram_view(&self) -> MemoryStatus {
         let host = &self.sampler.snapshot.host;
-        RamView {
-            memory: *host,
-            floors: self.config.ram.floor_bytes(host.total_bytes).into(),
+        let (warn_available_bytes, min_available_bytes) =
+            self.config.ram.floor_bytes(host.total_bytes);
+        MemoryStatus {
+            host: *host,
+            warn_available_bytes,
+            min_available_bytes,
             level: self.level(Resource::Ram),
             error: self.sampler.procs.host_error().map(str::to_string),
         }

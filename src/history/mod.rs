@@ -412,7 +412,7 @@ pub fn unclean_end(run: &LastRun, boot_id: &str) -> Option<String> {
         out.push_str(&format!(
             "; at {}: RAM {} available ({})",
             format_ms(*at_ms),
-            fmt_opt_bytes(m.available_bytes),
+            fmt_opt_bytes(m.host.available_bytes),
             m.level
         ));
         for g in &status.gpus {

@@ -24,8 +24,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::kinds::{EventKind, LeaseState, Protection, Severity};
 use crate::status::PermitPoolRow;
-use crate::status::{GpuRow, ModelRow};
-use crate::view::{RamView, TickView};
+use crate::status::{GpuRow, MemoryStatus, ModelRow};
+use crate::view::TickView;
 
 type FGauge = Gauge<f64, AtomicU64>;
 
@@ -116,13 +116,13 @@ impl Metrics {
     }
 
     /// Host memory, swap, PSI and the RAM floors.
-    fn update_host(&self, ram: &RamView) {
+    fn update_host(&self, ram: &MemoryStatus) {
         let set = |g: &Gauge, v: Option<u64>| {
             if let Some(v) = v {
                 g.set(v as i64);
             }
         };
-        let m = &ram.memory;
+        let m = &ram.host;
         set(&self.host.total, m.total_bytes);
         set(&self.host.available, m.available_bytes);
         set(&self.host.swap_total, m.swap_total_bytes);
@@ -132,8 +132,8 @@ impl Metrics {
             self.host.psi_some.set(p / 100.0);
         }
         for (floor, v) in [
-            ("warn", ram.floors.warn_bytes),
-            ("min", ram.floors.min_bytes),
+            ("warn", ram.warn_available_bytes),
+            ("min", ram.min_available_bytes),
         ] {
             let labels = FloorLabels {
                 floor: floor.into(),

@@ -9,6 +9,7 @@ use crate::config::Mode;
 use crate::engine::{EngineFlags, EngineStats};
 use crate::kinds::{EngineState, LeaseState, Level, ModelSource, Protection, ReasonKind};
 use crate::policy::{Outcome, Stage, Verb};
+use crate::snapshot::HostMemory;
 
 /// Bumped when a field changes meaning or disappears. 2: `models[].gpu_bytes` may be null
 /// (unknown while NVML is unavailable).
@@ -36,19 +37,31 @@ pub struct StatusReport {
     pub recent_actions: Vec<ActionRow>,
 }
 
+/// Host memory: the reading, its floors, and where it stands. The tick view holds it, the
+/// metrics and the alert conditions read it, and `status` prints it.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct MemoryStatus {
-    pub total_bytes: Option<u64>,
-    pub available_bytes: Option<u64>,
-    pub swap_total_bytes: Option<u64>,
-    pub swap_free_bytes: Option<u64>,
-    pub psi_some_avg10: Option<f64>,
-    /// `Shmem` (tmpfs, shared memory): counted out of MemAvailable, held by no process.
-    #[serde(default)]
-    pub shmem_bytes: Option<u64>,
+    /// The reading, its fields inline: `total_bytes`, `available_bytes`, `swap_total_bytes`,
+    /// `swap_free_bytes`, `psi_some_avg10`, `shmem_bytes` (`Shmem`: tmpfs, shared memory,
+    /// counted out of MemAvailable, held by no process).
+    #[serde(flatten)]
+    pub host: HostMemory,
     pub warn_available_bytes: Option<u64>,
     pub min_available_bytes: Option<u64>,
     pub level: Level,
+    /// Why host memory could not be read, if the source says (for the alert conditions; not
+    /// in the schema).
+    #[serde(skip)]
+    pub error: Option<String>,
+}
+
+impl MemoryStatus {
+    pub fn floors(&self) -> Floors {
+        Floors {
+            warn_bytes: self.warn_available_bytes,
+            min_bytes: self.min_available_bytes,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -389,5 +402,36 @@ mod tests {
         }
         assert!(serde_json::from_str::<Outcome>("\"maybe\"").is_err());
         assert!(serde_json::from_str::<ModelState>("\"maybe\"").is_err());
+    }
+
+    /// `memory` is the reading's fields inline, then the floors and the level, as always; a
+    /// report of a version before `shmem_bytes` reads.
+    #[test]
+    fn memory_keeps_its_json_names_and_order() {
+        let memory = MemoryStatus {
+            host: HostMemory {
+                total_bytes: Some(64),
+                available_bytes: Some(32),
+                swap_total_bytes: Some(0),
+                swap_free_bytes: None,
+                psi_some_avg10: Some(1.5),
+                shmem_bytes: Some(2),
+            },
+            warn_available_bytes: Some(8),
+            min_available_bytes: None,
+            level: Level::Warn,
+            error: None,
+        };
+        let json = serde_json::to_string(&memory).unwrap();
+        assert_eq!(
+            json,
+            "{\"total_bytes\":64,\"available_bytes\":32,\"swap_total_bytes\":0,\
+             \"swap_free_bytes\":null,\"psi_some_avg10\":1.5,\"shmem_bytes\":2,\
+             \"warn_available_bytes\":8,\"min_available_bytes\":null,\"level\":\"warn\"}"
+        );
+        assert_eq!(serde_json::from_str::<MemoryStatus>(&json).unwrap(), memory);
+        let old = json.replace("\"shmem_bytes\":2,", "");
+        let read = serde_json::from_str::<MemoryStatus>(&old).unwrap();
+        assert_eq!(read.host.shmem_bytes, None);
     }
 }

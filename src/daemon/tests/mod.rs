@@ -824,7 +824,7 @@ fn a_victims_memory_that_comes_back_late_spares_the_next_process() {
     assert!(!h.world().procs.contains_key(&200));
     let available = |h: &Harness| {
         let status = super::report::status_report(&h.daemon.view(super::view::Detail::Full));
-        (status.memory.available_bytes, status.memory.level)
+        (status.memory.host.available_bytes, status.memory.level)
     };
     assert_eq!(available(&h), (Some(2 * GIB), crate::kinds::Level::Act));
     h.ticks(10, 100 * MS);
@@ -946,7 +946,7 @@ fn shmem_growth_past_the_floor_alerts_and_signals_nobody() {
         "{baseline:?}"
     );
     let status = super::report::status_report(&h.daemon.view(super::view::Detail::Full));
-    assert_eq!(status.memory.shmem_bytes, Some(4 * GIB + GIB / 2));
+    assert_eq!(status.memory.host.shmem_bytes, Some(4 * GIB + GIB / 2));
 }
 
 #[test]
@@ -1011,7 +1011,7 @@ fn the_history_keeps_an_incident_and_the_next_start_writes_its_post_mortem() {
         .status_at(crate::history::now_ms())
         .expect("a sample");
     assert_eq!(status.memory.level, "act");
-    assert_eq!(status.memory.available_bytes, Some(2 * GIB));
+    assert_eq!(status.memory.host.available_bytes, Some(2 * GIB));
     assert_eq!(status.held.len(), 1, "{:?}", status.held);
     assert!(history.records.iter().any(|r| matches!(r,
         crate::history::Record::Event { kind, .. } if kind == "floor_act")));
