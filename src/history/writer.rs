@@ -772,7 +772,10 @@ mod last_run_tests {
             at_unix: 0,
             reason_kind: crate::kinds::ReasonKind::RamFloor,
             reason: String::new(),
-            verb: crate::policy::Verb::from_name(verb).unwrap(),
+            verb: *crate::policy::Verb::ALL
+                .iter()
+                .find(|v| v.as_str() == verb)
+                .unwrap(),
             target: "pid 7(hog)".into(),
             outcome: crate::policy::Outcome::Done,
         };

@@ -32,11 +32,6 @@ macro_rules! named {
                     $($name::$variant => $text,)*
                 }
             }
-
-            /// The variant of that name.
-            pub fn from_name(name: &str) -> Option<$name> {
-                Self::ALL.iter().copied().find(|v| v.as_str() == name)
-            }
         }
 
         impl fmt::Display for $name {

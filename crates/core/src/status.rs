@@ -318,8 +318,10 @@ impl TryFrom<String> for ModelState {
         match text.as_str() {
             "ok" => Ok(ModelState::Ok),
             "over_budget" => Ok(ModelState::OverBudget),
-            name => Stage::from_name(name)
-                .map(ModelState::Enforced)
+            name => Stage::ALL
+                .iter()
+                .find(|s| s.as_str() == name)
+                .map(|&s| ModelState::Enforced(s))
                 .ok_or_else(|| format!("not a model's state: {text:?}")),
         }
     }
