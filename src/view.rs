@@ -2,19 +2,19 @@
 //! derives it once per tick (`daemon/view.rs`, the one place that reads the loop's internals for
 //! operators); the status report (`daemon/report.rs`), the metrics (`Metrics::update`) and the
 //! alert conditions (`daemon/alerts.rs`) are pure functions of it, so each fact in them (a floor
-//! in bytes, which resource a model is over, a model's figures) is worked out once.
-
-use std::fmt;
+//! in bytes, which resource a model is over, a model's figures) is worked out once. A GPU and a
+//! model are held as the status report's own rows (`status::GpuRow`, `status::ModelRow`): one
+//! type per fact, not a view copied into a row.
 
 use serde::Serialize;
 
 use crate::config::Mode;
-use crate::kinds::Level;
-use crate::policy::{Overage, Resource, Stage};
+use crate::policy::{Overage, Resource};
 use crate::reserve::Rows;
 use crate::secrets::Shown;
-use crate::snapshot::{GpuStatus, HostMemory};
-use crate::status::{ActionRow, EngineRow, GpuProtection, HeldRow, ProcessRow};
+use crate::snapshot::GpuStatus;
+pub use crate::status::Floors;
+use crate::status::{ActionRow, GpuProtection, GpuRow, HeldRow, MemoryStatus, ModelRow};
 
 /// One tick, seen whole.
 #[derive(Clone, Debug, Default)]
@@ -22,15 +22,15 @@ pub struct TickView {
     pub hostname: String,
     pub mode: Mode,
     pub uptime_seconds: f64,
-    pub ram: RamView,
+    pub ram: MemoryStatus,
     /// The GPU reading's status as sampled (`Off` also until NVML's first answer).
     pub gpu_status: GpuStatus,
     /// What GPU protection amounts to now: the sampled status, lost GPUs, not started yet.
     pub gpu_protection: GpuProtection,
     /// NVML worked once and is unavailable now (why): an alert, not a host without GPUs.
     pub nvml_lost: Option<String>,
-    pub gpus: Vec<GpuView>,
-    pub models: Vec<ModelView>,
+    pub gpus: Vec<GpuRow>,
+    pub models: Vec<ModelRow>,
     /// The models the policy found over budget (in name order).
     pub over_budget: Vec<OverBudget>,
     /// Floors whose victim was killed without the memory coming back (in resource order).
@@ -45,114 +45,14 @@ pub struct TickView {
     pub recent_actions: Vec<ActionRow>,
 }
 
-/// A free-memory floor pair in bytes (`None`: not set, or not resolvable without a total).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Floors {
-    /// Below it: alert.
-    pub warn_bytes: Option<u64>,
-    /// Below it: act.
-    pub min_bytes: Option<u64>,
-}
-
-impl From<(Option<u64>, Option<u64>)> for Floors {
-    /// From `config`'s `(warn, min)`.
-    fn from((warn_bytes, min_bytes): (Option<u64>, Option<u64>)) -> Floors {
-        Floors {
-            warn_bytes,
-            min_bytes,
-        }
-    }
-}
-
-/// Host memory: the reading, its floors, and where it stands.
-#[derive(Clone, Debug, Default)]
-pub struct RamView {
-    pub memory: HostMemory,
-    pub floors: Floors,
-    pub level: Level,
-    /// Why host memory could not be read, if the source says.
-    pub error: Option<String>,
-}
-
-/// One GPU: its reading, its floors, and where it stands.
-#[derive(Clone, Debug, Default)]
-pub struct GpuView {
-    pub index: u32,
-    pub uuid: String,
-    pub name: String,
-    pub total_bytes: Option<u64>,
-    pub used_bytes: Option<u64>,
-    pub free_bytes: Option<u64>,
-    pub utilization_percent: Option<u32>,
-    pub floors: Floors,
-    pub level: Level,
-    /// Why its reading failed (or that it is lost).
-    pub error: Option<String>,
-    pub lost: bool,
-}
-
 /// A model's memory use and budgets, in bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ModelFigures {
     pub ram_bytes: u64,
     pub ram_budget_bytes: Option<u64>,
-    /// Summed over its GPUs, as far as known (see `ModelView::gpu_bytes`).
+    /// Summed over its GPUs, as far as known.
     pub gpu_bytes: u64,
     pub gpu_budget_bytes: Option<u64>,
-}
-
-/// Where a model's budget enforcement stands.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum ModelState {
-    #[default]
-    Ok,
-    /// Over budget, within its grace (or its action is done).
-    OverBudget,
-    /// An enforcement is in force.
-    Enforced(Stage),
-}
-
-impl fmt::Display for ModelState {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ModelState::Ok => f.write_str("ok"),
-            ModelState::OverBudget => f.write_str("over_budget"),
-            ModelState::Enforced(stage) => stage.fmt(f),
-        }
-    }
-}
-
-/// One model: who it is, what it uses, what its engine says, its processes.
-#[derive(Clone, Debug, Default)]
-pub struct ModelView {
-    pub name: String,
-    /// It has a `[[model]]` (else it came from `gpuguard launch`).
-    pub configured: bool,
-    pub pids: Vec<i32>,
-    pub figures: ModelFigures,
-    /// GPU readings are available (NVML works): without them `figures.gpu_bytes` means nothing.
-    pub gpu_known: bool,
-    /// Some member's GPU memory is unavailable: `figures.gpu_bytes` is a lower bound.
-    pub gpu_unknown: bool,
-    pub state: ModelState,
-    /// Its GPU memory over the total of the GPUs it is on.
-    pub gpu_reserved_ratio: Option<f64>,
-    pub engine: Option<EngineRow>,
-    pub processes: Vec<ProcessRow>,
-    /// How many GPUs it holds memory on.
-    pub gpu_count: u32,
-    /// The KV cache its `[[model]]` says was planned, in tokens per engine.
-    pub planned_kv_tokens: Option<u64>,
-    /// What its vLLM server's command line says of the memory it takes (its first member that
-    /// is one).
-    pub engine_flags: Option<crate::engine::EngineFlags>,
-}
-
-impl ModelView {
-    /// Its GPU memory: `None` while GPU readings are unavailable (unknown, not zero).
-    pub fn gpu_bytes(&self) -> Option<u64> {
-        self.gpu_known.then_some(self.figures.gpu_bytes)
-    }
 }
 
 /// A process as alerts name it.

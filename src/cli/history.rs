@@ -13,6 +13,7 @@ use super::status::render;
 use super::{exit, WIDTH};
 use crate::config::Config;
 use crate::history::{self, Record};
+use crate::kinds::Severity;
 use crate::snapshot::printable;
 use crate::status::StatusReport;
 use crate::units::fmt_bytes;
@@ -305,8 +306,8 @@ fn csv(records: &[&Record], only_gpu: Option<u32>, model: Option<&str>) -> Strin
             out,
             "{},{},{},{},{},{}",
             history::format_ms(at),
-            n(m.available_bytes),
-            n(m.total_bytes),
+            n(m.host.available_bytes),
+            n(m.host.total_bytes),
             n(m.warn_available_bytes),
             n(m.min_available_bytes),
             m.level
@@ -443,8 +444,8 @@ fn columns(samples: &[(u64, &StatusReport)], gpu: Option<u32>, model: Option<&st
         read: Box::new(|s| {
             let m = &s.memory;
             Some(Figure {
-                value: m.available_bytes?,
-                scale: m.total_bytes,
+                value: m.host.available_bytes?,
+                scale: m.host.total_bytes,
                 marks: (m.warn_available_bytes, m.min_available_bytes),
             })
         }),
@@ -570,7 +571,9 @@ fn chart(
                 severity,
                 kind,
                 message,
-            } if (severity != "info" || kind == "daemon_started") && about_model(message) => {
+            } if (*severity != Severity::Info || kind == "daemon_started")
+                && about_model(message) =>
+            {
                 Some(format!("{}  {severity:8} {kind}: {message}", local(*at_ms)))
             }
             Record::Action { at_ms, action } if about_model(&action.target) => Some(format!(
@@ -633,7 +636,7 @@ mod tests {
     fn what_a_history_file_says_cannot_rewrite_the_terminal() {
         let forged = Record::Event {
             at_ms: 1_764_140_000_000,
-            severity: "critical".into(),
+            severity: Severity::Critical,
             kind: "x".into(),
             message: "\u{1b}[2J\u{1b}]0;owned\u{7}\r\u{202e}gnirts".into(),
         };
@@ -651,8 +654,8 @@ mod tests {
     fn the_chart_of_eight_gpus_fits_100_columns() {
         let g = 1u64 << 30;
         let mut status = StatusReport::default();
-        status.memory.total_bytes = Some(64 * g);
-        status.memory.available_bytes = Some(20 * g);
+        status.memory.host.total_bytes = Some(64 * g);
+        status.memory.host.available_bytes = Some(20 * g);
         status.gpus = (0..8)
             .map(|index| crate::status::GpuRow {
                 index,

@@ -406,7 +406,10 @@ fn gpu_choices(args: &PlanArgs) -> Result<(Vec<GpuChoice>, Vec<ModelRow>), Failu
 /// What the daemon observed of a model: its GPU memory, its engine's KV cache in tokens and the
 /// flags its server ran with.
 fn observed(m: &ModelRow) -> Option<Observed> {
-    let e = m.engine.as_ref().filter(|e| e.state == "ok")?;
+    let e = m
+        .engine
+        .as_ref()
+        .filter(|e| e.state == crate::kinds::EngineState::Ok)?;
     let flags = m.engine_flags.unwrap_or_default();
     Some(Observed {
         gpu_bytes: m.gpu_bytes?,
@@ -454,7 +457,7 @@ fn host_gpus(
 ) -> Result<(Vec<GpuChoice>, Vec<ModelRow>), String> {
     let mut models = Vec::new();
     let rows: Vec<(String, Option<u64>, Option<u64>)> = match ask(socket, Request::Status) {
-        Ok(Response::Status(r)) if r.gpu_protection.state == "ok" => {
+        Ok(Response::Status(r)) if r.gpu_protection.state == crate::kinds::Protection::Ok => {
             models = r.models;
             r.gpus
                 .iter()

@@ -232,10 +232,13 @@ mod tests {
     fn step(at_ms: u64, verb: &str, target: &str, both: bool, outcome: Option<&str>) -> Step {
         Step {
             at_ms,
-            verb: verb.into(),
+            verb: *crate::policy::Verb::ALL
+                .iter()
+                .find(|v| v.as_str() == verb)
+                .unwrap(),
             target: target.into(),
             reason: "RAM available 1.0 GiB < min_available 2.0 GiB".into(),
-            outcome: outcome.map(Into::into),
+            outcome: outcome.map(|o| o.to_string().try_into().unwrap()),
             on_both_sides: both,
         }
     }

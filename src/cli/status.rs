@@ -99,15 +99,15 @@ fn render_header(r: &StatusReport) -> String {
 fn render_memory(m: &MemoryStatus) -> String {
     format!(
         "Host memory: available {} of {} (warn {}, min {}) [{}]\n  shmem/tmpfs {}; swap free {} of {}; PSI some avg10 {}\n\n",
-        bytes(m.available_bytes),
-        bytes(m.total_bytes),
+        bytes(m.host.available_bytes),
+        bytes(m.host.total_bytes),
         bytes(m.warn_available_bytes),
         bytes(m.min_available_bytes),
         m.level,
-        bytes(m.shmem_bytes),
-        bytes(m.swap_free_bytes),
-        bytes(m.swap_total_bytes),
-        m.psi_some_avg10.map_or("n/a".into(), |p| format!("{p:.1}%")),
+        bytes(m.host.shmem_bytes),
+        bytes(m.host.swap_free_bytes),
+        bytes(m.host.swap_total_bytes),
+        m.host.psi_some_avg10.map_or("n/a".into(), |p| format!("{p:.1}%")),
     )
 }
 
@@ -141,7 +141,7 @@ fn render_gpus(g: &GpuProtection, gpus: &[GpuRow]) -> String {
                 notes.push(format!("GPU {}: {e}", gpu.index));
                 format!("error [{}]", notes.len())
             }
-            None => gpu.level.clone(),
+            None => gpu.level.to_string(),
         };
         t.add_row(vec![
             gpu.index.to_string(),
@@ -238,7 +238,7 @@ fn model_cells(model: &ModelRow) -> Vec<String> {
             bytes(model.gpu_budget_bytes),
         ),
         headroom,
-        model.state.clone(),
+        model.state.to_string(),
     ]
 }
 
@@ -258,7 +258,7 @@ fn render_launches(leases: &[LeaseRow], queue: &[QueuedRow]) -> String {
             format!("{} {:?}", fmt_bytes(l.gpu_bytes), l.gpus),
             fmt_bytes(l.ram_bytes),
             crate::units::fmt_duration(Duration::from_secs(l.seconds as u64)).to_string(),
-            l.state.clone(),
+            l.state.to_string(),
         ]);
     }
     for q in queue {
@@ -452,6 +452,8 @@ pub fn render_model(m: &ModelRow) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kinds::{EngineState, Level, Protection};
+    use crate::status::ModelState;
     use crate::status::{EngineRow, GpuRow, ModelRow, ProcessGpu, ProcessRow};
 
     /// `status --model`: a model's processes one by one, with their role, GPU memory per GPU and
@@ -476,14 +478,14 @@ mod tests {
         };
         let m = ModelRow {
             name: "server".into(),
-            source: "config".into(),
+            source: crate::kinds::ModelSource::Config,
             pids: vec![100, 101, 102],
             processes: vec![
                 row(100, 1, "matched", 0, g),
                 row(101, 100, "child", 0, 4 * g),
                 row(102, 100, "child", 1, 4 * g),
             ],
-            state: "ok".into(),
+            state: ModelState::Ok,
             ..ModelRow::default()
         };
         let table = render_model(&m);
@@ -508,7 +510,7 @@ mod tests {
             name: "m".into(),
             engine: Some(EngineRow {
                 url: "http://127.0.0.1:8000/\u{202e}scirtem".into(),
-                state: "pending".into(),
+                state: EngineState::Pending,
                 ..EngineRow::default()
             }),
             ..ModelRow::default()
@@ -533,7 +535,7 @@ mod tests {
         };
         // What a host without the driver says (`sample::nvml`), stale since the last answer.
         r.gpu_protection = GpuProtection {
-            state: "unavailable".into(),
+            state: Protection::Unavailable,
             reason: Some(
                 "NVML library not loadable (libnvidia-ml.so.1: cannot open shared object file: \
                  No such file or directory): no NVIDIA driver?"
@@ -541,8 +543,8 @@ mod tests {
             ),
             stale: true,
         };
-        r.memory.total_bytes = Some(1800 * g);
-        r.memory.available_bytes = Some(900 * g);
+        r.memory.host.total_bytes = Some(1800 * g);
+        r.memory.host.available_bytes = Some(900 * g);
         r.gpus = (0..8)
             .map(|index| GpuRow {
                 index,
@@ -553,7 +555,7 @@ mod tests {
                 utilization_percent: Some(97),
                 warn_free_bytes: Some(4 * g),
                 min_free_bytes: Some(2 * g),
-                level: "ok".into(),
+                level: Level::Ok,
                 error: (index == 3).then(|| {
                     "Unknown Error: the GPU has fallen off the bus or is otherwise inaccessible"
                         .into()
@@ -564,7 +566,7 @@ mod tests {
         r.models = (0..3)
             .map(|i| ModelRow {
                 name: format!("meta-llama-Llama-3.1-70B-Instruct-replica-{i}"),
-                source: "config".into(),
+                source: crate::kinds::ModelSource::Config,
                 pids: (0..8).map(|p| 100_000 + p).collect(),
                 ram_bytes: 60 * g,
                 ram_budget_bytes: Some(96 * g),
@@ -572,11 +574,11 @@ mod tests {
                 gpu_budget_bytes: Some(600 * g),
                 ram_headroom_bytes: Some(36 << 30),
                 gpu_headroom_bytes: Some(40 << 30),
-                state: "ok".into(),
+                state: ModelState::Ok,
                 gpu_reserved_ratio: Some(0.92),
                 engine: Some(EngineRow {
                     url: "http://127.0.0.1:8000/metrics".into(),
-                    state: "error".into(),
+                    state: EngineState::Error,
                     error: Some("unreachable: connection refused (os error 111)".into()),
                     ..EngineRow::default()
                 }),
@@ -585,12 +587,12 @@ mod tests {
             .collect();
         r.recent_actions.push(crate::status::ActionRow {
             at_unix: 1_795_690_442,
-            verb: "terminate".into(),
+            verb: crate::policy::Verb::Terminate,
             // A process may name itself in fullwidth characters, two columns each.
             target: "model 'meta-llama-Llama-3.1-70B-Instruct-replica-0' pids [100000(python3), 100001(ＡＡＡＡＡ)]".into(),
-            reason_kind: "gpu_floor".into(),
+            reason_kind: crate::kinds::ReasonKind::GpuFloor,
             reason: "GPU 3 free 1.0 GiB < min_free 2.0 GiB; largest eligible user of GPU 3: 70.0 GiB".into(),
-            outcome: "done".into(),
+            outcome: crate::policy::Outcome::Done,
         });
         let text = render(&r);
         let widest = text

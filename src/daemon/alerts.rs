@@ -12,9 +12,9 @@ use crate::alert::{ActionInfo, Condition};
 use crate::kinds::{EventKind, ReasonKind};
 use crate::policy::{About, Action, Level, Resource, Severity, Target, Verb};
 use crate::secrets::Shown;
-use crate::status::ActionRow;
+use crate::status::{ActionRow, GpuRow};
 use crate::view::Subject;
-use crate::view::{Floors, GpuView, ModelFigures, OverBudget, Stuck, TickView};
+use crate::view::{Floors, ModelFigures, OverBudget, Stuck, TickView};
 
 use super::{unix_now, Daemon};
 
@@ -22,20 +22,14 @@ impl Daemon {
     pub(super) fn record_action(&mut self, action: &Action, outcome: &Outcome) {
         let failed = matches!(outcome, Outcome::Failed(_));
         let skipped = matches!(outcome, Outcome::Skipped(_));
-        let outcome = match outcome {
-            Outcome::Done => "done".to_string(),
-            Outcome::Observed => "observed".to_string(),
-            Outcome::Skipped(why) => format!("skipped: {why}"),
-            Outcome::Failed(why) => format!("failed: {why}"),
-        };
-        self.alert_action(action, &outcome, failed, skipped);
+        self.alert_action(action, &outcome.to_string(), failed, skipped);
         self.reporter.remember(ActionRow {
             at_unix: unix_now(),
-            verb: action.verb.as_str().into(),
+            verb: action.verb,
             target: action.target.to_string(),
-            reason_kind: action.reason.kind.to_string(),
+            reason_kind: action.reason.kind,
             reason: action.reason.detail.clone(),
-            outcome,
+            outcome: outcome.clone(),
         });
     }
 
@@ -205,7 +199,7 @@ fn floor_conditions(v: &TickView) -> Vec<Condition> {
     if ram.level == Level::Unknown {
         out.push(ram_unreadable(ram.error.as_deref()));
     }
-    let memory = &ram.memory;
+    let memory = &ram.host;
     let mut extra = String::new();
     if let Some(shmem) = memory.shmem_bytes {
         extra += &format!(
@@ -220,10 +214,10 @@ fn floor_conditions(v: &TickView) -> Vec<Condition> {
         Resource::Ram,
         ram.level,
         memory.available_bytes,
-        ram.floors,
+        ram.floors(),
         &extra,
     ));
-    let mut gpus: Vec<&GpuView> = v.gpus.iter().collect();
+    let mut gpus: Vec<&GpuRow> = v.gpus.iter().collect();
     gpus.sort_by_key(|g| g.index);
     gpus.dedup_by_key(|g| g.index);
     for g in gpus {
@@ -231,7 +225,7 @@ fn floor_conditions(v: &TickView) -> Vec<Condition> {
             Resource::Gpu(g.index),
             g.level,
             g.free_bytes,
-            g.floors,
+            g.floors(),
             "",
         ));
     }
@@ -400,59 +394,53 @@ mod tests {
     use crate::kinds::{EventKind, Level, Severity};
     use crate::policy::{Overage, Resource};
     use crate::snapshot::HostMemory;
+    use crate::status::{GpuRow, MemoryStatus, ModelRow};
     use crate::view::Subject;
-    use crate::view::{
-        Floors, GpuView, ModelView, OverBudget, ProcessInfo, RamView, Stuck, TickView, Victim,
-    };
+    use crate::view::{OverBudget, ProcessInfo, Stuck, TickView, Victim};
 
     const GIB: u64 = 1 << 30;
-
-    fn floors(warn: u64, min: u64) -> Floors {
-        Floors {
-            warn_bytes: Some(warn * GIB),
-            min_bytes: Some(min * GIB),
-        }
-    }
 
     /// Every kind of condition from a view written by hand: no daemon, no policy run.
     #[test]
     fn conditions_are_read_from_the_view() {
         let view = TickView {
-            ram: RamView {
-                memory: HostMemory {
+            ram: MemoryStatus {
+                host: HostMemory {
                     available_bytes: Some(3 * GIB),
                     shmem_bytes: Some(GIB),
                     psi_some_avg10: Some(12.5),
                     ..HostMemory::default()
                 },
-                floors: floors(8, 4),
+                warn_available_bytes: Some(8 * GIB),
+                min_available_bytes: Some(4 * GIB),
                 level: Level::Act,
                 error: None,
             },
             // Out of index order, and one fine: conditions come in resource order.
             gpus: vec![
-                GpuView {
+                GpuRow {
                     index: 1,
                     uuid: "GPU-b".into(),
                     free_bytes: Some(5 * GIB),
-                    floors: floors(6, 2),
+                    warn_free_bytes: Some(6 * GIB),
+                    min_free_bytes: Some(2 * GIB),
                     level: Level::Warn,
-                    ..GpuView::default()
+                    ..GpuRow::default()
                 },
-                GpuView {
+                GpuRow {
                     index: 0,
                     uuid: "GPU-a".into(),
                     level: Level::Unknown,
                     error: Some("GPU is lost".into()),
                     lost: true,
-                    ..GpuView::default()
+                    ..GpuRow::default()
                 },
             ],
             nvml_lost: Some("NVML gone".into()),
-            models: vec![ModelView {
+            models: vec![ModelRow {
                 name: "llm".into(),
                 pids: vec![200, 201],
-                ..ModelView::default()
+                ..ModelRow::default()
             }],
             over_budget: vec![OverBudget {
                 model: "llm".into(),
@@ -542,10 +530,10 @@ mod tests {
     fn a_quiet_view_has_no_conditions_and_an_unknown_ram_level_is_unreadable() {
         assert_eq!(conditions(&TickView::default()), []);
         let view = TickView {
-            ram: RamView {
+            ram: MemoryStatus {
                 level: Level::Unknown,
                 error: Some("/proc/meminfo has no MemAvailable".into()),
-                ..RamView::default()
+                ..MemoryStatus::default()
             },
             ..TickView::default()
         };

@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use crate::kinds::EngineState;
 use crate::policy::ModelUsage;
 use crate::sample::engine::{stale_after, EngineReading, Target};
 use crate::snapshot::GpuStatus;
@@ -140,7 +141,7 @@ impl Daemon {
 /// reports one, else a GPU taken up front, which says nothing about load.
 pub(super) fn describe_limit(reserved: Option<f64>, engine: Option<&EngineRow>) -> Option<String> {
     let percent = |r: f64| format!("{:.0}%", r * 100.0);
-    if let Some(e) = engine.filter(|e| e.state == "ok") {
+    if let Some(e) = engine.filter(|e| e.state == EngineState::Ok) {
         let kv = e.stats.kv_cache_usage;
         let waiting = e.stats.requests_waiting.unwrap_or(0);
         return match kv {
@@ -175,7 +176,7 @@ fn engine_row(r: EngineReading, stale: Duration) -> EngineRow {
     };
     match r.result {
         Ok(stats) if age.is_some_and(|a| a > stale) => {
-            row.state = "stale".into();
+            row.state = EngineState::Stale;
             row.error = Some(format!(
                 "last answer {} ago",
                 crate::units::fmt_duration(Duration::from_secs(age.unwrap_or_default().as_secs()))
@@ -183,11 +184,15 @@ fn engine_row(r: EngineReading, stale: Duration) -> EngineRow {
             row.stats = stats;
         }
         Ok(stats) => {
-            row.state = "ok".into();
+            row.state = EngineState::Ok;
             row.stats = stats;
         }
         Err(e) => {
-            row.state = if r.at.is_some() { "error" } else { "pending" }.into();
+            row.state = if r.at.is_some() {
+                EngineState::Error
+            } else {
+                EngineState::Pending
+            };
             row.error = Some(e);
         }
     }
@@ -201,7 +206,7 @@ mod tests {
 
     fn engine(kv: f64, running: u64, waiting: u64) -> EngineRow {
         EngineRow {
-            state: "ok".into(),
+            state: EngineState::Ok,
             stats: EngineStats {
                 kv_cache_usage: Some(kv),
                 requests_running: Some(running),
@@ -265,7 +270,7 @@ mod tests {
             }
         }
         let failed = EngineRow {
-            state: "error".into(),
+            state: EngineState::Error,
             ..EngineRow::default()
         };
         assert!(describe_limit(Some(0.95), Some(&failed))

@@ -8,17 +8,18 @@ use std::time::{Duration, Instant};
 use crate::alert::Alerter;
 use crate::config::HistoryConfig;
 use crate::history::input::{self, PolicyInput};
+use crate::history::jumps::{Figures, Jumps};
 use crate::history::kernel_log::{self, KernelLog};
 use crate::history::{self, now_ms, Pressure, Record, Recorder};
 use crate::ipc::server::Shared;
-use crate::kinds::{EventKind, Level, Severity};
+use crate::kinds::{EventKind, Level, ModelSource, Severity};
 use crate::metrics::Metrics;
-use crate::policy::{Attribution, Event, Launches};
+use crate::policy::{Attribution, Event, Launches, Verb};
 use crate::snapshot::{GpuStatus, ProcessId, Snapshot};
 use crate::state_dir::StateDir;
 use crate::status::ActionRow;
-use crate::status::{GpuRow, MemoryStatus, ModelRow, StatusReport, STATUS_SCHEMA_VERSION};
-use crate::view::{GpuView, ModelView, RamView, TickView};
+use crate::status::{StatusReport, STATUS_SCHEMA_VERSION};
+use crate::view::TickView;
 
 /// How many actions `status` shows.
 const RECENT_ACTIONS: usize = 50;
@@ -45,6 +46,8 @@ pub(super) struct Reporter {
     details_written: HashMap<ProcessId, Instant>,
     /// When a sample last carried the policy's input.
     input_recorded: Option<Instant>,
+    /// The figures of the last sample kept, and the samples kept for jumps (`history::jumps`).
+    jumps: Jumps,
 }
 
 impl Reporter {
@@ -60,6 +63,7 @@ impl Reporter {
             kernel_log: None,
             details_written: HashMap::new(),
             input_recorded: None,
+            jumps: Jumps::default(),
         }
     }
 
@@ -152,7 +156,7 @@ impl Reporter {
         }
         self.record(Record::Event {
             at_ms: now_ms(),
-            severity: severity.as_str().into(),
+            severity,
             kind: kind.as_str().into(),
             message: message.into(),
         });
@@ -206,7 +210,7 @@ impl Reporter {
     /// flight recorder.
     pub(super) fn remember(&mut self, row: ActionRow) {
         if let (true, Some(k)) = (
-            matches!(row.verb.as_str(), "kill" | "terminate"),
+            matches!(row.verb, Verb::Kill | Verb::Terminate),
             &self.kernel_log,
         ) {
             k.critical(&format!(
@@ -243,8 +247,14 @@ impl Reporter {
         let report = status_report(&self.view);
         let pressure = self.pressure();
         if let Some(r) = self.recorder.as_mut() {
-            if r.sample_due(now, pressure) || decided {
+            let figures = Figures::of(&self.view);
+            let due = r.sample_due(now, pressure) || decided;
+            // A GPU's or a model's figures moved far since the last sample kept (bounded).
+            let jumped = !due && self.jumps.due(now, &figures);
+            if due || jumped {
+                self.jumps.kept(figures);
                 let input_due = decided
+                    || jumped
                     || pressure != Pressure::Quiet
                     || self
                         .input_recorded
@@ -303,9 +313,11 @@ fn policy_input(
 /// A model of the config (not one a user launched and declared: anyone can keep that over its
 /// budget, and must not make the recorder write every second) is over its budget.
 fn configured_over_budget(v: &TickView) -> bool {
-    v.over_budget
-        .iter()
-        .any(|o| v.models.iter().any(|m| m.configured && m.name == o.model))
+    v.over_budget.iter().any(|o| {
+        v.models
+            .iter()
+            .any(|m| m.source == ModelSource::Config && m.name == o.model)
+    })
 }
 
 /// This boot's id (`/proc/sys/kernel/random/boot_id`), empty if unknown.
@@ -321,12 +333,12 @@ pub(super) fn status_report(v: &TickView) -> StatusReport {
         schema_version: STATUS_SCHEMA_VERSION,
         hostname: v.hostname.clone(),
         version: env!("CARGO_PKG_VERSION").into(),
-        mode: v.mode.to_string(),
+        mode: v.mode,
         uptime_seconds: v.uptime_seconds,
-        memory: memory_status(&v.ram),
+        memory: v.ram.clone(),
         gpu_protection: v.gpu_protection.clone(),
-        gpus: v.gpus.iter().map(gpu_row).collect(),
-        models: v.models.iter().map(model_row).collect(),
+        gpus: v.gpus.clone(),
+        models: v.models.clone(),
         queue: v.reservations.queue.clone(),
         leases: v.reservations.leases.clone(),
         permits: v.reservations.permits.clone(),
@@ -335,71 +347,11 @@ pub(super) fn status_report(v: &TickView) -> StatusReport {
     }
 }
 
-fn memory_status(ram: &RamView) -> MemoryStatus {
-    let m = &ram.memory;
-    MemoryStatus {
-        total_bytes: m.total_bytes,
-        available_bytes: m.available_bytes,
-        swap_total_bytes: m.swap_total_bytes,
-        swap_free_bytes: m.swap_free_bytes,
-        psi_some_avg10: m.psi_some_avg10,
-        shmem_bytes: m.shmem_bytes,
-        warn_available_bytes: ram.floors.warn_bytes,
-        min_available_bytes: ram.floors.min_bytes,
-        level: ram.level.to_string(),
-    }
-}
-
-fn gpu_row(g: &GpuView) -> GpuRow {
-    GpuRow {
-        index: g.index,
-        uuid: g.uuid.clone(),
-        name: g.name.clone(),
-        total_bytes: g.total_bytes,
-        used_bytes: g.used_bytes,
-        free_bytes: g.free_bytes,
-        utilization_percent: g.utilization_percent,
-        warn_free_bytes: g.floors.warn_bytes,
-        min_free_bytes: g.floors.min_bytes,
-        level: g.level.to_string(),
-        error: g.error.clone(),
-        lost: g.lost,
-    }
-}
-
-fn model_row(m: &ModelView) -> ModelRow {
-    let f = &m.figures;
-    let gpu_bytes = m.gpu_bytes();
-    ModelRow {
-        name: m.name.clone(),
-        source: if m.configured { "config" } else { "launch" }.into(),
-        pids: m.pids.clone(),
-        ram_bytes: f.ram_bytes,
-        ram_budget_bytes: f.ram_budget_bytes,
-        gpu_bytes,
-        gpu_budget_bytes: f.gpu_budget_bytes,
-        gpu_unknown: m.gpu_unknown,
-        ram_headroom_bytes: f.ram_budget_bytes.map(|b| b as i64 - f.ram_bytes as i64),
-        gpu_headroom_bytes: f
-            .gpu_budget_bytes
-            .zip(gpu_bytes)
-            .map(|(b, used)| b as i64 - used as i64),
-        state: m.state.to_string(),
-        limit: super::model_detail::describe_limit(m.gpu_reserved_ratio, m.engine.as_ref()),
-        gpu_reserved_ratio: m.gpu_reserved_ratio,
-        engine: m.engine.clone(),
-        processes: m.processes.clone(),
-        gpu_count: m.gpu_count,
-        planned_kv_tokens: m.planned_kv_tokens,
-        engine_flags: m.engine_flags,
-    }
-}
-
 /// What `systemctl status` shows.
 pub(super) fn one_line_status(v: &TickView) -> String {
     let ram = v
         .ram
-        .memory
+        .host
         .available_bytes
         .map_or("unknown".into(), crate::units::fmt_bytes);
     let gpus = match &v.gpu_status {
@@ -425,64 +377,64 @@ mod tests {
     use crate::config::Mode;
     use crate::kinds::Level;
     use crate::policy::Stage;
-    use crate::status::{GpuProtection, HeldRow, QueuedRow};
-    use crate::view::{Floors, ModelFigures, ModelState};
+    use crate::status::{
+        GpuProtection, GpuRow, HeldRow, MemoryStatus, ModelRow, ModelState, QueuedRow,
+    };
+    use crate::view::ModelFigures;
 
     const GIB: u64 = 1 << 30;
 
-    fn model(name: &str, configured: bool, state: ModelState) -> ModelView {
-        ModelView {
+    /// A model's row as the tick view builds it (`daemon::view::with_figures`).
+    fn model(name: &str, configured: bool, state: ModelState, gpu_known: bool) -> ModelRow {
+        let figures = ModelFigures {
+            ram_bytes: 3 * GIB,
+            ram_budget_bytes: Some(2 * GIB),
+            gpu_bytes: 10 * GIB,
+            gpu_budget_bytes: Some(12 * GIB),
+        };
+        ModelRow {
             name: name.into(),
-            configured,
-            pids: vec![10, 11],
-            figures: ModelFigures {
-                ram_bytes: 3 * GIB,
-                ram_budget_bytes: Some(2 * GIB),
-                gpu_bytes: 10 * GIB,
-                gpu_budget_bytes: Some(12 * GIB),
+            source: if configured {
+                ModelSource::Config
+            } else {
+                ModelSource::Launch
             },
-            gpu_known: true,
+            pids: vec![10, 11],
             state,
             gpu_reserved_ratio: Some(0.95),
-            ..ModelView::default()
+            ..super::super::view::with_figures(figures, gpu_known)
         }
     }
 
     /// The report from a view written by hand: every row is the view's, in the report's words.
     #[test]
     fn the_report_is_read_from_the_view() {
-        let mut unknown_gpu = model("chat", false, ModelState::OverBudget);
-        unknown_gpu.gpu_known = false;
+        let mut unknown_gpu = model("chat", false, ModelState::OverBudget, false);
         unknown_gpu.pids.clear();
         let mut view = TickView {
             hostname: "h1".into(),
             mode: Mode::Observe,
-            ram: RamView {
-                floors: Floors {
-                    warn_bytes: Some(8 * GIB),
-                    min_bytes: None,
-                },
+            ram: MemoryStatus {
+                warn_available_bytes: Some(8 * GIB),
                 level: Level::Warn,
-                ..RamView::default()
+                ..MemoryStatus::default()
             },
             gpu_status: GpuStatus::Ok,
             gpu_protection: GpuProtection {
-                state: "ok".into(),
+                state: crate::kinds::Protection::Ok,
                 reason: None,
                 stale: true,
             },
-            gpus: vec![GpuView {
+            gpus: vec![GpuRow {
                 index: 0,
                 uuid: "GPU-a".into(),
-                floors: Floors {
-                    warn_bytes: Some(GIB),
-                    min_bytes: Some(GIB / 2),
-                },
+                warn_free_bytes: Some(GIB),
+                min_free_bytes: Some(GIB / 2),
                 level: Level::Act,
-                ..GpuView::default()
+                ..GpuRow::default()
             }],
             models: vec![
-                model("llm", true, ModelState::Enforced(Stage::Stopped)),
+                model("llm", true, ModelState::Enforced(Stage::Stopped), true),
                 unknown_gpu,
             ],
             held: vec![HeldRow {
@@ -495,7 +447,7 @@ mod tests {
         view.reservations.queue.push(QueuedRow::default());
         let r = status_report(&view);
         assert_eq!(r.schema_version, STATUS_SCHEMA_VERSION);
-        assert_eq!((r.hostname.as_str(), r.mode.as_str()), ("h1", "observe"));
+        assert_eq!((r.hostname.as_str(), r.mode), ("h1", Mode::Observe));
         assert_eq!(r.memory.level, "warn");
         assert_eq!(r.memory.warn_available_bytes, Some(8 * GIB));
         assert_eq!(r.memory.min_available_bytes, None);
@@ -504,20 +456,15 @@ mod tests {
         assert_eq!(r.gpus[0].min_free_bytes, Some(GIB / 2));
         let llm = &r.models[0];
         assert_eq!(
-            (llm.source.as_str(), llm.state.as_str()),
+            (llm.source.as_str(), llm.state.to_string().as_str()),
             ("config", "stopped")
         );
         assert_eq!(llm.ram_headroom_bytes, Some(-(GIB as i64)));
         assert_eq!(llm.gpu_headroom_bytes, Some(2 * GIB as i64));
         assert_eq!(llm.gpu_bytes, Some(10 * GIB));
-        assert!(llm
-            .limit
-            .as_deref()
-            .unwrap()
-            .starts_with("GPU 95% reserved"));
         let chat = &r.models[1];
         assert_eq!(
-            (chat.source.as_str(), chat.state.as_str()),
+            (chat.source.as_str(), chat.state.to_string().as_str()),
             ("launch", "over_budget")
         );
         assert_eq!(chat.gpu_bytes, None, "unknown without NVML, not zero");
@@ -538,10 +485,14 @@ mod tests {
         use crate::view::OverBudget;
         let over = |configured: bool| {
             let mut v = TickView::default();
-            v.models.push(ModelView {
+            v.models.push(ModelRow {
                 name: "m".into(),
-                configured,
-                ..ModelView::default()
+                source: if configured {
+                    ModelSource::Config
+                } else {
+                    ModelSource::Launch
+                },
+                ..ModelRow::default()
             });
             v.over_budget.push(OverBudget {
                 model: "m".into(),

@@ -2,15 +2,13 @@
 //! state, the executor and the reservation table for operators. The status report, the metrics
 //! and the alert conditions are then worked out from the view alone.
 
+use crate::kinds::{ModelSource, Protection};
 use crate::policy::{ModelUsage, Resource, Stage};
 use crate::protocol::RefusalReason;
 use crate::secrets::Shown;
 use crate::snapshot::GpuStatus;
-use crate::status::{GpuProtection, HeldRow};
-use crate::view::{
-    GpuView, ModelFigures, ModelState, ModelView, OverBudget, ProcessInfo, RamView, Stuck,
-    TickView, Victim,
-};
+use crate::status::{GpuProtection, GpuRow, HeldRow, MemoryStatus, ModelRow, ModelState};
+use crate::view::{ModelFigures, OverBudget, ProcessInfo, Stuck, TickView, Victim};
 
 use super::Daemon;
 
@@ -46,8 +44,8 @@ impl Daemon {
                 (true, GpuStatus::Unavailable(why)) => Some(why.clone()),
                 _ => None,
             },
-            gpus: self.gpu_views(),
-            models: self.model_views(full),
+            gpus: self.gpu_rows(),
+            models: self.model_rows(full),
             over_budget: self.over_budget(),
             stuck: self.stuck(),
             reservations: if full {
@@ -78,11 +76,14 @@ impl Daemon {
             .collect()
     }
 
-    fn ram_view(&self) -> RamView {
+    fn ram_view(&self) -> MemoryStatus {
         let host = &self.sampler.snapshot.host;
-        RamView {
-            memory: *host,
-            floors: self.config.ram.floor_bytes(host.total_bytes).into(),
+        let (warn_available_bytes, min_available_bytes) =
+            self.config.ram.floor_bytes(host.total_bytes);
+        MemoryStatus {
+            host: *host,
+            warn_available_bytes,
+            min_available_bytes,
             level: self.level(Resource::Ram),
             error: self.sampler.procs.host_error().map(str::to_string),
         }
@@ -112,48 +113,53 @@ impl Daemon {
             })
             .collect();
         let (state, reason, stale) = match &gpus.status {
-            GpuStatus::Ok if !lost.is_empty() => ("degraded", Some(lost.join("; ")), gpus.stale),
-            GpuStatus::Ok => ("ok", None, gpus.stale),
-            GpuStatus::Unavailable(why) => ("unavailable", Some(why.clone()), gpus.stale),
-            GpuStatus::Off if self.sampler.gpus.is_some() => {
-                ("starting", Some("NVML has not answered yet".into()), false)
+            GpuStatus::Ok if !lost.is_empty() => {
+                (Protection::Degraded, Some(lost.join("; ")), gpus.stale)
             }
-            GpuStatus::Off => ("off", Some("disabled by config".into()), false),
+            GpuStatus::Ok => (Protection::Ok, None, gpus.stale),
+            GpuStatus::Unavailable(why) => (Protection::Unavailable, Some(why.clone()), gpus.stale),
+            GpuStatus::Off if self.sampler.gpus.is_some() => (
+                Protection::Starting,
+                Some("NVML has not answered yet".into()),
+                false,
+            ),
+            GpuStatus::Off => (Protection::Off, Some("disabled by config".into()), false),
         };
         GpuProtection {
-            state: state.into(),
+            state,
             reason,
             stale,
         }
     }
 
-    fn gpu_views(&self) -> Vec<GpuView> {
+    fn gpu_rows(&self) -> Vec<GpuRow> {
         self.sampler
             .snapshot
             .gpus
             .devices
             .iter()
-            .map(|g| GpuView {
-                index: g.index,
-                uuid: g.uuid.clone(),
-                name: g.name.clone(),
-                total_bytes: g.total_bytes,
-                used_bytes: g.used_bytes,
-                free_bytes: g.free_bytes,
-                utilization_percent: g.utilization_percent,
-                floors: self
-                    .config
-                    .gpu
-                    .floor_bytes(g.index, &g.uuid, g.total_bytes)
-                    .into(),
-                level: self.level(Resource::Gpu(g.index)),
-                error: g.error.clone(),
-                lost: g.lost,
+            .map(|g| {
+                let (warn_free_bytes, min_free_bytes) =
+                    self.config.gpu.floor_bytes(g.index, &g.uuid, g.total_bytes);
+                GpuRow {
+                    index: g.index,
+                    uuid: g.uuid.clone(),
+                    name: g.name.clone(),
+                    total_bytes: g.total_bytes,
+                    used_bytes: g.used_bytes,
+                    free_bytes: g.free_bytes,
+                    utilization_percent: g.utilization_percent,
+                    warn_free_bytes,
+                    min_free_bytes,
+                    level: self.level(Resource::Gpu(g.index)),
+                    error: g.error.clone(),
+                    lost: g.lost,
+                }
             })
             .collect()
     }
 
-    fn model_views(&self, full: bool) -> Vec<ModelView> {
+    fn model_rows(&self, full: bool) -> Vec<ModelRow> {
         let mut engines = if full {
             self.engine_rows()
         } else {
@@ -165,26 +171,34 @@ impl Daemon {
             .attribution
             .models
             .iter()
-            .map(|m| ModelView {
-                name: m.name.clone(),
-                configured: self.config.model(&m.name).is_some(),
-                pids: m.members.iter().map(|id| id.pid).collect(),
-                figures: self.usage_figures(m),
-                gpu_known,
-                gpu_unknown: m.gpu_unknown,
-                state: self.model_state(&m.name),
-                gpu_reserved_ratio: self.gpu_reserved_ratio(m),
-                engine: engines.remove(&m.name),
-                gpu_count: m.gpu_bytes.len() as u32,
-                planned_kv_tokens: models.planned_kv_tokens(&m.name),
-                // Read from command lines for the status and the flight recorder only (the alert
-                // conditions, every tick, need none).
-                engine_flags: if full { self.engine_flags(m) } else { None },
-                processes: if full {
-                    self.process_rows(m)
-                } else {
-                    Vec::new()
-                },
+            .map(|m| {
+                let gpu_reserved_ratio = self.gpu_reserved_ratio(m);
+                let engine = engines.remove(&m.name);
+                ModelRow {
+                    name: m.name.clone(),
+                    source: if self.config.model(&m.name).is_some() {
+                        ModelSource::Config
+                    } else {
+                        ModelSource::Launch
+                    },
+                    pids: m.members.iter().map(|id| id.pid).collect(),
+                    gpu_unknown: m.gpu_unknown,
+                    state: self.model_state(&m.name),
+                    limit: super::model_detail::describe_limit(gpu_reserved_ratio, engine.as_ref()),
+                    gpu_reserved_ratio,
+                    engine,
+                    gpu_count: m.gpu_bytes.len() as u32,
+                    planned_kv_tokens: models.planned_kv_tokens(&m.name),
+                    // Read from command lines for the status and the flight recorder only (the
+                    // alert conditions, every tick, need none).
+                    engine_flags: if full { self.engine_flags(m) } else { None },
+                    processes: if full {
+                        self.process_rows(m)
+                    } else {
+                        Vec::new()
+                    },
+                    ..with_figures(self.usage_figures(m), gpu_known)
+                }
             })
             .collect()
     }
@@ -275,5 +289,24 @@ impl Daemon {
                 }),
             })
             .collect()
+    }
+}
+
+/// A model's row with its figures: its use against its budgets, and the headroom of each budget
+/// set (negative: over). `gpu_known`: GPU readings are available (without them, its GPU use is
+/// unknown, not zero).
+pub(super) fn with_figures(f: ModelFigures, gpu_known: bool) -> ModelRow {
+    let gpu_bytes = gpu_known.then_some(f.gpu_bytes);
+    ModelRow {
+        ram_bytes: f.ram_bytes,
+        ram_budget_bytes: f.ram_budget_bytes,
+        gpu_bytes,
+        gpu_budget_bytes: f.gpu_budget_bytes,
+        ram_headroom_bytes: f.ram_budget_bytes.map(|b| b as i64 - f.ram_bytes as i64),
+        gpu_headroom_bytes: f
+            .gpu_budget_bytes
+            .zip(gpu_bytes)
+            .map(|(b, used)| b as i64 - used as i64),
+        ..ModelRow::default()
     }
 }

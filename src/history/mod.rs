@@ -23,12 +23,14 @@
 //! and how often the file is synced follow the pressure on the host (`Pressure`): every 10 s
 //! and synced every minute when quiet, every second and synced every 5 s near a floor or with a
 //! model of the config over its budget (not one a user launched), every sample and synced at once at the act floor, because the minutes
-//! before a crash are the ones that matter; and every tick on which the policy decided something
+//! before a crash are the ones that matter; when a GPU's or a model's figures jump (`jumps.rs`,
+//! bounded); and every tick on which the policy decided something
 //! (an event, an action), except what a client caused (a model a user launched crossing the budget
 //! it declared: `Event::caused_by`), which anyone can make happen every second. Each sample keeps what the policy decided from (`input.rs`), so that
 //! `gpuguard replay` runs it through the policy again with another config (`replay.rs`).
 
 pub mod input;
+pub mod jumps;
 pub mod kernel_log;
 pub mod replay;
 pub mod segment;
@@ -41,6 +43,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::kinds::Severity;
 use crate::snapshot::printable;
 use crate::status::{ActionRow, StatusReport};
 use crate::units::{fmt_bytes, fmt_opt_bytes};
@@ -89,10 +92,11 @@ pub enum Record {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         input: Option<Box<PolicyInput>>,
     },
-    /// An event the daemon logged and alerted.
+    /// An event the daemon logged and alerted. Its kind stays a string: a record an older or a
+    /// newer version wrote may name one this version does not know.
     Event {
         at_ms: u64,
-        severity: String,
+        severity: Severity,
         kind: String,
         message: String,
     },
@@ -408,7 +412,7 @@ pub fn unclean_end(run: &LastRun, boot_id: &str) -> Option<String> {
         out.push_str(&format!(
             "; at {}: RAM {} available ({})",
             format_ms(*at_ms),
-            fmt_opt_bytes(m.available_bytes),
+            fmt_opt_bytes(m.host.available_bytes),
             m.level
         ));
         for g in &status.gpus {
@@ -486,7 +490,7 @@ mod tests {
     fn event(at_ms: u64, message: &str) -> Record {
         Record::Event {
             at_ms,
-            severity: "critical".into(),
+            severity: Severity::Critical,
             kind: "x".into(),
             message: message.into(),
         }
@@ -604,8 +608,12 @@ mod tests {
         let action = |at_ms: u64| Record::Action {
             at_ms,
             action: ActionRow {
-                verb: "stop".into(),
-                ..ActionRow::default()
+                at_unix: 0,
+                verb: crate::policy::Verb::Stop,
+                target: String::new(),
+                reason_kind: crate::kinds::ReasonKind::RamBudget,
+                reason: String::new(),
+                outcome: crate::policy::Outcome::Done,
             },
         };
         let sample = |at_ms: u64| Record::Sample {

@@ -45,12 +45,12 @@ pub struct ReplayReport {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Step {
     pub at_ms: u64,
-    pub verb: String,
+    pub verb: Verb,
     pub target: String,
     pub reason: String,
     /// What became of it (recorded actions only).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub outcome: Option<String>,
+    pub outcome: Option<Outcome>,
     /// The other side has the same action (verb and target) too.
     pub on_both_sides: bool,
 }
@@ -162,7 +162,7 @@ impl<'c> Replay<'c> {
             if in_range {
                 self.report.replayed.push(Step {
                     at_ms,
-                    verb: action.verb.as_str().into(),
+                    verb: action.verb,
                     target: action.target.to_string(),
                     reason: action.reason.detail.clone(),
                     outcome: None,
@@ -310,11 +310,11 @@ mod tests {
                         at_ms,
                         action: ActionRow {
                             at_unix: second,
-                            verb: action.verb.as_str().into(),
+                            verb: action.verb,
                             target: action.target.to_string(),
-                            reason_kind: action.reason.kind.to_string(),
+                            reason_kind: action.reason.kind,
                             reason: action.reason.detail.clone(),
-                            outcome: "done".into(),
+                            outcome: Outcome::Done,
                         },
                     });
                     Executed {
@@ -372,8 +372,8 @@ mod tests {
         let extra: Vec<&Step> = floor.replayed.iter().filter(|s| !s.on_both_sides).collect();
         assert_eq!(extra.len(), 1, "{floor:?}");
         assert_eq!(
-            (extra[0].verb.as_str(), extra[0].target.as_str()),
-            ("terminate", "model 'srv' pids [200(srv)]")
+            (extra[0].verb, extra[0].target.as_str()),
+            (Verb::Terminate, "model 'srv' pids [200(srv)]")
         );
         assert!(extra[0].reason.contains("min_available"), "{:?}", extra[0]);
         assert!(

@@ -18,6 +18,7 @@ use rustix::io::Errno;
 
 use super::{segment, segment_name, segment_number, Record, MAX_NUMBER};
 use crate::config::HistoryConfig;
+use crate::kinds::Severity;
 
 /// Records waiting for the thread; beyond, new ones are dropped (and counted).
 const QUEUE: usize = 1024;
@@ -353,7 +354,7 @@ impl Writer {
         self.written += bytes.len() as u64 + 8;
         self.writes += 1;
         self.dirty = true;
-        let critical = matches!(record, Record::Event { severity, .. } if severity == "critical")
+        let critical = matches!(record, Record::Event { severity, .. } if *severity == Severity::Critical)
             || matches!(record, Record::Action { .. } | Record::Stop { .. });
         if critical || self.synced.elapsed() >= pressure.sync_every(self.quiet) {
             self.sync();
@@ -529,7 +530,7 @@ mod tests {
     fn event(at_ms: u64, size: usize) -> Record {
         Record::Event {
             at_ms,
-            severity: "warning".into(),
+            severity: Severity::Warning,
             kind: "test".into(),
             message: "x".repeat(size),
         }
@@ -758,10 +759,15 @@ mod last_run_tests {
             ..HistoryConfig::default()
         };
         let action = |verb: &str| ActionRow {
-            verb: verb.into(),
+            at_unix: 0,
+            reason_kind: crate::kinds::ReasonKind::RamFloor,
+            reason: String::new(),
+            verb: *crate::policy::Verb::ALL
+                .iter()
+                .find(|v| v.as_str() == verb)
+                .unwrap(),
             target: "pid 7(hog)".into(),
-            outcome: "done".into(),
-            ..ActionRow::default()
+            outcome: crate::policy::Outcome::Done,
         };
         {
             // An earlier run that stopped cleanly.
@@ -802,7 +808,7 @@ mod last_run_tests {
             );
         }
         let mut status = StatusReport::default();
-        status.memory.level = "act".into();
+        status.memory.level = crate::kinds::Level::Act;
         r.record(
             Record::Sample {
                 at_ms: 20,
@@ -816,7 +822,7 @@ mod last_run_tests {
             r.record(
                 Record::Event {
                     at_ms: 30 + i,
-                    severity: "warning".into(),
+                    severity: Severity::Warning,
                     kind: "test".into(),
                     message: "x".repeat(4096),
                 },

@@ -22,9 +22,10 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Metric, Registry};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::kinds::{EventKind, Severity};
+use crate::kinds::{EventKind, LeaseState, Protection, Severity};
 use crate::status::PermitPoolRow;
-use crate::view::{GpuView, ModelView, RamView, TickView};
+use crate::status::{GpuRow, MemoryStatus, ModelRow};
+use crate::view::TickView;
 
 type FGauge = Gauge<f64, AtomicU64>;
 
@@ -80,11 +81,12 @@ impl Metrics {
         let engine = EngineFamilies::register(&mut r);
         let counts = CountFamilies::register(&mut r);
         let loop_state = LoopFamilies::register(&mut r);
-        for state in NVML_STATES {
+        // The values of `gpuguard_nvml_state{state}`: `GpuProtection::state` in the report.
+        for state in Protection::ALL {
             loop_state
                 .nvml_state
                 .get_or_create(&StateLabels {
-                    state: state.into(),
+                    state: state.as_str().into(),
                 })
                 .set(0);
         }
@@ -118,13 +120,13 @@ impl Metrics {
     }
 
     /// Host memory, swap, PSI and the RAM floors.
-    fn update_host(&self, ram: &RamView) {
+    fn update_host(&self, ram: &MemoryStatus) {
         let set = |g: &Gauge, v: Option<u64>| {
             if let Some(v) = v {
                 g.set(v as i64);
             }
         };
-        let m = &ram.memory;
+        let m = &ram.host;
         set(&self.host.total, m.total_bytes);
         set(&self.host.available, m.available_bytes);
         set(&self.host.swap_total, m.swap_total_bytes);
@@ -134,8 +136,8 @@ impl Metrics {
             self.host.psi_some.set(p / 100.0);
         }
         for (floor, v) in [
-            ("warn", ram.floors.warn_bytes),
-            ("min", ram.floors.min_bytes),
+            ("warn", ram.warn_available_bytes),
+            ("min", ram.min_available_bytes),
         ] {
             let labels = FloorLabels {
                 floor: floor.into(),
@@ -147,8 +149,8 @@ impl Metrics {
     }
 
     /// Each GPU's memory, utilisation, lost flag and floors; a GPU gone loses its series.
-    fn update_gpus(&self, gpus: &[GpuView], seen: &mut Seen) {
-        let labels_of = |g: &GpuView| GpuLabels {
+    fn update_gpus(&self, gpus: &[GpuRow], seen: &mut Seen) {
+        let labels_of = |g: &GpuRow| GpuLabels {
             gpu: g.index.to_string(),
             uuid: g.uuid.clone(),
         };
@@ -170,7 +172,7 @@ impl Metrics {
             set_or_remove(&self.gpu.utilization, &labels, utilization, |g, u| {
                 g.set(f64::from(u) / 100.0);
             });
-            for (floor, v) in [("warn", g.floors.warn_bytes), ("min", g.floors.min_bytes)] {
+            for (floor, v) in [("warn", g.warn_free_bytes), ("min", g.min_free_bytes)] {
                 let labels = GpuFloorLabels {
                     gpu: labels.gpu.clone(),
                     uuid: labels.uuid.clone(),
@@ -206,12 +208,12 @@ impl Metrics {
     }
 
     /// Each model's use, budgets and process count; a model gone loses its series.
-    fn update_models(&self, models: &[ModelView], seen: &mut Seen) {
+    fn update_models(&self, models: &[ModelRow], seen: &mut Seen) {
         let mut usage = HashSet::new();
         let mut budgets = HashSet::new();
         let mut names = HashSet::new();
         for model in models {
-            let f = &model.figures;
+            let f = model;
             let ram = ModelLabels {
                 model: model.name.clone(),
                 resource: "ram".into(),
@@ -222,7 +224,7 @@ impl Metrics {
             };
             self.model.usage.get_or_create(&ram).set(f.ram_bytes as i64);
             // Unknown (no NVML): no series rather than a false 0.
-            if let Some(used) = model.gpu_bytes() {
+            if let Some(used) = model.gpu_bytes {
                 self.model.usage.get_or_create(&gpu).set(used as i64);
                 usage.insert(gpu.clone());
             }
@@ -251,20 +253,20 @@ impl Metrics {
     fn update_loop(&self, v: &TickView) {
         let r = &v.reservations;
         self.loop_state.queue_length.set(r.queue.len() as i64);
-        for state in ["loading", "ready"] {
+        for &state in LeaseState::ALL {
             self.loop_state
                 .leases
                 .get_or_create(&StateLabels {
-                    state: state.into(),
+                    state: state.as_str().into(),
                 })
                 .set(r.leases.iter().filter(|l| l.state == state).count() as i64);
         }
         self.loop_state.held.set(v.held.len() as i64);
-        for state in NVML_STATES {
+        for &state in Protection::ALL {
             self.loop_state
                 .nvml_state
                 .get_or_create(&StateLabels {
-                    state: state.into(),
+                    state: state.as_str().into(),
                 })
                 .set(i64::from(v.gpu_protection.state == state));
         }
@@ -346,14 +348,14 @@ impl Metrics {
     }
 
     /// The model servers' own figures; a figure the engine did not give has no series.
-    fn update_engines(&self, models: &[ModelView], seen: &mut Seen) {
+    fn update_engines(&self, models: &[ModelRow], seen: &mut Seen) {
         let mut engines = HashSet::new();
         for model in models {
             let Some(e) = &model.engine else { continue };
             let labels = NameLabels {
                 model: model.name.clone(),
             };
-            let ok = e.state == "ok";
+            let ok = e.state == crate::kinds::EngineState::Ok;
             self.engine.up.get_or_create(&labels).set(i64::from(ok));
             let keep = |v: Option<u64>| v.filter(|_| ok);
             set_or_remove(
@@ -459,9 +461,6 @@ pub struct SinkCounters {
     pub failed: Counter,
     pub dropped: Counter,
 }
-
-/// The values of `gpuguard_nvml_state{state}`: `GpuProtection::state` in the status report.
-const NVML_STATES: [&str; 5] = ["ok", "degraded", "starting", "unavailable", "off"];
 
 /// Sets the series to `value`, or removes it when the value is unknown (a missing reading is
 /// no series, never a 0).
@@ -617,10 +616,10 @@ mod tests {
             block_size_tokens: Some(9_000_000_000_000_000),
             ..Default::default()
         };
-        let model = crate::view::ModelView {
+        let model = crate::status::ModelRow {
             name: "m".into(),
             engine: Some(EngineRow {
-                state: "ok".into(),
+                state: crate::kinds::EngineState::Ok,
                 stats,
                 ..EngineRow::default()
             }),

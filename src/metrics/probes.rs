@@ -219,24 +219,24 @@ impl Probes {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::view::{GpuView, RamView};
+    use crate::status::{GpuRow, MemoryStatus};
 
     const S: Duration = Duration::from_secs(1);
 
     fn view(ram: Level, gpus: &[Level], notice: Option<&'static str>) -> TickView {
         TickView {
             mode: Mode::Enforce,
-            ram: RamView {
+            ram: MemoryStatus {
                 level: ram,
-                ..RamView::default()
+                ..MemoryStatus::default()
             },
             gpus: gpus
                 .iter()
                 .enumerate()
-                .map(|(i, level)| GpuView {
+                .map(|(i, level)| GpuRow {
                     index: i as u32,
                     level: *level,
-                    ..GpuView::default()
+                    ..GpuRow::default()
                 })
                 .collect(),
             cloud_notice: notice,

@@ -1,11 +1,10 @@
 //! The names of what happens: event kinds, why an action was taken, severities and levels. Each
 //! is an enum whose one spelling (written once, in `named!`) is its serde name, its `Display`
 //! and its `as_str` (the event log's `event`, the webhooks' `event`, the metrics' labels), so
-//! no module writes these names by hand.
+//! no module writes these names by hand. A name read back (a status report over the socket, a
+//! recorded one) is read by the same spelling.
 
 use std::fmt;
-
-use serde::Serialize;
 
 /// An enum of unit variants, each with its one name.
 macro_rules! named {
@@ -16,7 +15,10 @@ macro_rules! named {
         }
     ) => {
         $(#[$meta])*
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+        #[derive(
+            Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord,
+            ::serde::Serialize, ::serde::Deserialize,
+        )]
         pub enum $name {
             $( $(#[$vmeta])* #[serde(rename = $text)] $variant, )*
         }
@@ -33,8 +35,9 @@ macro_rules! named {
         }
 
         impl fmt::Display for $name {
+            /// Padded as a `str` is (`{:8}`).
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(self.as_str())
+                f.pad(self.as_str())
             }
         }
 
@@ -169,6 +172,62 @@ named! {
 }
 
 named! {
+    /// What GPU protection amounts to now (`status`'s `gpu_protection.state`).
+    #[derive(Default)]
+    pub enum Protection {
+        #[default]
+        Ok = "ok",
+        /// A GPU is lost.
+        Degraded = "degraded",
+        /// NVML has not answered yet.
+        Starting = "starting",
+        Unavailable = "unavailable",
+        /// Disabled by the config.
+        Off = "off",
+    }
+}
+
+named! {
+    /// Where a model server's metrics scrape stands (`status`'s `models[].engine.state`).
+    #[derive(Default)]
+    pub enum EngineState {
+        Ok = "ok",
+        /// Unreachable, an HTTP error, no vLLM metrics (the row's `error` says which).
+        Error = "error",
+        /// Its last answer is older than three scan intervals plus 4 s: its figures are not
+        /// current.
+        Stale = "stale",
+        /// Not scraped yet.
+        #[default]
+        Pending = "pending",
+    }
+}
+
+named! {
+    /// Where a model comes from (`status`'s `models[].source`).
+    #[derive(Default)]
+    pub enum ModelSource {
+        /// A `[[model]]` of the config.
+        #[default]
+        Config = "config",
+        /// `gpuguard launch` (with no `[[model]]` of that name).
+        Launch = "launch",
+    }
+}
+
+named! {
+    /// Where a launch lease stands.
+    #[derive(Default)]
+    pub enum LeaseState {
+        /// Holds the launch lock and its memory reservation.
+        #[default]
+        Loading = "loading",
+        /// Loaded: the model's memory is its own; the lease only keeps its process in the model.
+        Ready = "ready",
+    }
+}
+
+named! {
     pub enum Severity {
         Info = "info",
         Warning = "warning",
@@ -196,16 +255,28 @@ mod tests {
     /// The serde name, `Display` and `as_str` are one spelling.
     #[test]
     fn every_name_serializes_as_it_displays() {
-        fn check<T: Serialize + fmt::Display>(all: &[T]) {
+        fn check<T>(all: &[T])
+        where
+            T: serde::Serialize
+                + serde::de::DeserializeOwned
+                + fmt::Display
+                + PartialEq
+                + fmt::Debug,
+        {
             for v in all {
                 let json = serde_json::to_string(v).unwrap();
                 assert_eq!(json, format!("\"{v}\""));
+                assert_eq!(&serde_json::from_str::<T>(&json).unwrap(), v, "read back");
             }
         }
         check(EventKind::ALL);
         check(ReasonKind::ALL);
         check(Severity::ALL);
         check(Level::ALL);
+        check(Protection::ALL);
+        check(EngineState::ALL);
+        check(LeaseState::ALL);
+        check(ModelSource::ALL);
         check(crate::policy::Verb::ALL);
         check(crate::policy::Stage::ALL);
     }

@@ -1,9 +1,15 @@
 //! The status report: what `gpuguard status` shows and `status --json` prints. Its JSON is a
 //! stable, versioned schema (`schema_version`); fields are only ever added within a version.
 
+use std::fmt;
+
 use serde::{Deserialize, Serialize};
 
+use crate::config::Mode;
 use crate::engine::{EngineFlags, EngineStats};
+use crate::kinds::{EngineState, LeaseState, Level, ModelSource, Protection, ReasonKind};
+use crate::policy::{Outcome, Stage, Verb};
+use crate::snapshot::HostMemory;
 
 /// Bumped when a field changes meaning or disappears. 2: `models[].gpu_bytes` may be null
 /// (unknown while NVML is unavailable).
@@ -14,8 +20,7 @@ pub struct StatusReport {
     pub schema_version: u32,
     pub hostname: String,
     pub version: String,
-    /// "enforce" or "observe".
-    pub mode: String,
+    pub mode: Mode,
     pub uptime_seconds: f64,
     pub memory: MemoryStatus,
     pub gpu_protection: GpuProtection,
@@ -32,32 +37,62 @@ pub struct StatusReport {
     pub recent_actions: Vec<ActionRow>,
 }
 
+/// Host memory: the reading, its floors, and where it stands. The tick view holds it, the
+/// metrics and the alert conditions read it, and `status` prints it.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct MemoryStatus {
-    pub total_bytes: Option<u64>,
-    pub available_bytes: Option<u64>,
-    pub swap_total_bytes: Option<u64>,
-    pub swap_free_bytes: Option<u64>,
-    pub psi_some_avg10: Option<f64>,
-    /// `Shmem` (tmpfs, shared memory): counted out of MemAvailable, held by no process.
-    #[serde(default)]
-    pub shmem_bytes: Option<u64>,
+    /// The reading, its fields inline: `total_bytes`, `available_bytes`, `swap_total_bytes`,
+    /// `swap_free_bytes`, `psi_some_avg10`, `shmem_bytes` (`Shmem`: tmpfs, shared memory,
+    /// counted out of MemAvailable, held by no process).
+    #[serde(flatten)]
+    pub host: HostMemory,
     pub warn_available_bytes: Option<u64>,
     pub min_available_bytes: Option<u64>,
-    /// "ok", "warn", "act" or "unknown".
-    pub level: String,
+    pub level: Level,
+    /// Why host memory could not be read, if the source says (for the alert conditions; not
+    /// in the schema).
+    #[serde(skip)]
+    pub error: Option<String>,
+}
+
+impl MemoryStatus {
+    pub fn floors(&self) -> Floors {
+        Floors {
+            warn_bytes: self.warn_available_bytes,
+            min_bytes: self.min_available_bytes,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct GpuProtection {
-    /// "ok", "degraded" (a GPU is lost), "starting" (NVML not sampled yet), "unavailable" or
-    /// "off".
-    pub state: String,
+    pub state: Protection,
     pub reason: Option<String>,
     /// The latest GPU sample is late or old: alerts only.
     pub stale: bool,
 }
 
+/// A free-memory floor pair in bytes (`None`: not set, or not resolvable without a total).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Floors {
+    /// Below it: alert.
+    pub warn_bytes: Option<u64>,
+    /// Below it: act.
+    pub min_bytes: Option<u64>,
+}
+
+impl From<(Option<u64>, Option<u64>)> for Floors {
+    /// From `config`'s `(warn, min)`.
+    fn from((warn_bytes, min_bytes): (Option<u64>, Option<u64>)) -> Floors {
+        Floors {
+            warn_bytes,
+            min_bytes,
+        }
+    }
+}
+
+/// One GPU: its reading, its floors, and where it stands. The tick view holds it, the metrics
+/// and the alert conditions read it, and `status` prints it.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct GpuRow {
     pub index: u32,
@@ -69,18 +104,28 @@ pub struct GpuRow {
     pub utilization_percent: Option<u32>,
     pub warn_free_bytes: Option<u64>,
     pub min_free_bytes: Option<u64>,
-    pub level: String,
+    pub level: Level,
     pub error: Option<String>,
     /// Fell off the bus (GPU_IS_LOST) or left NVML's device list: its readings are unknown.
     #[serde(default)]
     pub lost: bool,
 }
 
+impl GpuRow {
+    pub fn floors(&self) -> Floors {
+        Floors {
+            warn_bytes: self.warn_free_bytes,
+            min_bytes: self.min_free_bytes,
+        }
+    }
+}
+
+/// One model: who it is, what it uses against its budgets, what its engine says, its
+/// processes. The tick view holds it, the metrics read it, and `status` prints it.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct ModelRow {
     pub name: String,
-    /// "config" or "launch".
-    pub source: String,
+    pub source: ModelSource,
     pub pids: Vec<i32>,
     pub ram_bytes: u64,
     pub ram_budget_bytes: Option<u64>,
@@ -92,8 +137,7 @@ pub struct ModelRow {
     /// Budget minus use, for each budget set (negative = over).
     pub ram_headroom_bytes: Option<i64>,
     pub gpu_headroom_bytes: Option<i64>,
-    /// "ok", "over_budget", "alerted", "throttled", "stopped", "terminated", "killed".
-    pub state: String,
+    pub state: ModelState,
     /// The model's GPU memory as a share of the GPUs it is on (a vLLM-like server preallocates
     /// most of them: a high share is its reservation, not its load).
     #[serde(default)]
@@ -126,9 +170,7 @@ pub struct ModelRow {
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct EngineRow {
     pub url: String,
-    /// "ok", or "error" (see `error`: unreachable, HTTP status, no vLLM metrics), or "pending"
-    /// before the first scrape.
-    pub state: String,
+    pub state: EngineState,
     pub error: Option<String>,
     /// Seconds since the last scrape (successful or not).
     pub age_seconds: Option<f64>,
@@ -189,8 +231,7 @@ pub struct LeaseRow {
     pub pid: i32,
     pub uid: u32,
     pub gpus: Vec<u32>,
-    /// "loading" (holds the launch lock) or "ready".
-    pub state: String,
+    pub state: LeaseState,
     pub seconds: f64,
     pub gpu_bytes: u64,
     pub ram_bytes: u64,
@@ -231,15 +272,59 @@ pub struct HeldRow {
     pub since_unix: u64,
 }
 
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct ActionRow {
     pub at_unix: u64,
-    pub verb: String,
+    pub verb: Verb,
     pub target: String,
-    pub reason_kind: String,
+    pub reason_kind: ReasonKind,
     pub reason: String,
-    /// "done", "observed", "skipped: ..." or "failed: ...".
-    pub outcome: String,
+    pub outcome: Outcome,
+}
+
+/// Where a model's budget enforcement stands; in JSON "ok", "over_budget", or the stage of the
+/// enforcement in force ("alerted", "throttled", "stopped", "terminated", "killed").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(into = "String", try_from = "String")]
+pub enum ModelState {
+    #[default]
+    Ok,
+    /// Over budget, within its grace (or its action is done).
+    OverBudget,
+    /// An enforcement is in force.
+    Enforced(Stage),
+}
+
+impl fmt::Display for ModelState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ModelState::Ok => f.write_str("ok"),
+            ModelState::OverBudget => f.write_str("over_budget"),
+            ModelState::Enforced(stage) => stage.fmt(f),
+        }
+    }
+}
+
+impl From<ModelState> for String {
+    fn from(s: ModelState) -> String {
+        s.to_string()
+    }
+}
+
+impl TryFrom<String> for ModelState {
+    type Error = String;
+
+    fn try_from(text: String) -> Result<ModelState, String> {
+        match text.as_str() {
+            "ok" => Ok(ModelState::Ok),
+            "over_budget" => Ok(ModelState::OverBudget),
+            name => Stage::ALL
+                .iter()
+                .find(|s| s.as_str() == name)
+                .map(|&s| ModelState::Enforced(s))
+                .ok_or_else(|| format!("not a model's state: {text:?}")),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -252,7 +337,7 @@ mod tests {
     fn an_engine_row_keeps_its_json_names_and_order() {
         let row = EngineRow {
             url: "http://127.0.0.1:8000/metrics".into(),
-            state: "ok".into(),
+            state: EngineState::Ok,
             error: None,
             age_seconds: Some(1.5),
             stats: EngineStats {
@@ -275,11 +360,80 @@ mod tests {
         );
         assert_eq!(serde_json::from_str::<EngineRow>(&json).unwrap(), row);
         let pending = EngineRow {
-            state: "pending".into(),
+            state: EngineState::Pending,
             ..EngineRow::default()
         };
         let json = serde_json::to_string(&pending).unwrap();
         assert!(json.contains("\"kv_cache_usage_ratio\":null"), "{json}");
         assert_eq!(serde_json::from_str::<EngineRow>(&json).unwrap(), pending);
+    }
+
+    /// The typed fields are written as the strings the schema has always had, and read back.
+    #[test]
+    fn typed_fields_keep_their_json_strings() {
+        let action = ActionRow {
+            at_unix: 7,
+            verb: Verb::Terminate,
+            target: "pid 4(x)".into(),
+            reason_kind: ReasonKind::GpuFloor,
+            reason: "r".into(),
+            outcome: Outcome::Skipped("gone".into()),
+        };
+        let json = serde_json::to_string(&action).unwrap();
+        assert_eq!(
+            json,
+            "{\"at_unix\":7,\"verb\":\"terminate\",\"target\":\"pid 4(x)\",\
+             \"reason_kind\":\"gpu_floor\",\"reason\":\"r\",\"outcome\":\"skipped: gone\"}"
+        );
+        assert_eq!(serde_json::from_str::<ActionRow>(&json).unwrap(), action);
+        for (state, text) in [
+            (ModelState::Ok, "\"ok\""),
+            (ModelState::OverBudget, "\"over_budget\""),
+            (ModelState::Enforced(Stage::Stopped), "\"stopped\""),
+        ] {
+            assert_eq!(serde_json::to_string(&state).unwrap(), text);
+            assert_eq!(serde_json::from_str::<ModelState>(text).unwrap(), state);
+        }
+        for outcome in [
+            Outcome::Done,
+            Outcome::Observed,
+            Outcome::Failed("EPERM: x".into()),
+        ] {
+            let json = serde_json::to_string(&outcome).unwrap();
+            assert_eq!(serde_json::from_str::<Outcome>(&json).unwrap(), outcome);
+        }
+        assert!(serde_json::from_str::<Outcome>("\"maybe\"").is_err());
+        assert!(serde_json::from_str::<ModelState>("\"maybe\"").is_err());
+    }
+
+    /// `memory` is the reading's fields inline, then the floors and the level, as always; a
+    /// report of a version before `shmem_bytes` reads.
+    #[test]
+    fn memory_keeps_its_json_names_and_order() {
+        let memory = MemoryStatus {
+            host: HostMemory {
+                total_bytes: Some(64),
+                available_bytes: Some(32),
+                swap_total_bytes: Some(0),
+                swap_free_bytes: None,
+                psi_some_avg10: Some(1.5),
+                shmem_bytes: Some(2),
+            },
+            warn_available_bytes: Some(8),
+            min_available_bytes: None,
+            level: Level::Warn,
+            error: None,
+        };
+        let json = serde_json::to_string(&memory).unwrap();
+        assert_eq!(
+            json,
+            "{\"total_bytes\":64,\"available_bytes\":32,\"swap_total_bytes\":0,\
+             \"swap_free_bytes\":null,\"psi_some_avg10\":1.5,\"shmem_bytes\":2,\
+             \"warn_available_bytes\":8,\"min_available_bytes\":null,\"level\":\"warn\"}"
+        );
+        assert_eq!(serde_json::from_str::<MemoryStatus>(&json).unwrap(), memory);
+        let old = json.replace("\"shmem_bytes\":2,", "");
+        let read = serde_json::from_str::<MemoryStatus>(&old).unwrap();
+        assert_eq!(read.host.shmem_bytes, None);
     }
 }

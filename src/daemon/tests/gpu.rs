@@ -56,7 +56,7 @@ fn recorded(h: &Harness, kind: &str) -> Vec<(String, String)> {
                 severity,
                 message,
                 ..
-            } if k == kind => Some((severity, message)),
+            } if k == kind => Some((severity.to_string(), message)),
             _ => None,
         })
         .collect()
@@ -268,7 +268,7 @@ fn a_victim_stopped_for_a_gpu_floor_is_resumed_at_max_stop_once_its_gpu_is_lost(
         .reporter
         .recent_actions
         .iter()
-        .map(|a| (a.verb.clone(), a.reason_kind.clone()))
+        .map(|a| (a.verb.to_string(), a.reason_kind.to_string()))
         .collect();
     assert_eq!(
         acted,

@@ -825,12 +825,12 @@ fn a_victims_memory_that_comes_back_late_spares_the_next_process() {
     assert!(!h.world().procs.contains_key(&200));
     let available = |h: &Harness| {
         let status = super::report::status_report(&h.daemon.view(super::view::Detail::Full));
-        (status.memory.available_bytes, status.memory.level)
+        (status.memory.host.available_bytes, status.memory.level)
     };
-    assert_eq!(available(&h), (Some(2 * GIB), "act".to_string()));
+    assert_eq!(available(&h), (Some(2 * GIB), crate::kinds::Level::Act));
     h.ticks(10, 100 * MS);
     assert_eq!(h.signals(), [(200, Sig::Term)], "{:?}", h.actions());
-    assert_eq!(available(&h), (Some(14 * GIB), "ok".to_string()));
+    assert_eq!(available(&h), (Some(14 * GIB), crate::kinds::Level::Ok));
     assert!(h.world().procs.contains_key(&300));
 }
 
@@ -947,7 +947,7 @@ fn shmem_growth_past_the_floor_alerts_and_signals_nobody() {
         "{baseline:?}"
     );
     let status = super::report::status_report(&h.daemon.view(super::view::Detail::Full));
-    assert_eq!(status.memory.shmem_bytes, Some(4 * GIB + GIB / 2));
+    assert_eq!(status.memory.host.shmem_bytes, Some(4 * GIB + GIB / 2));
 }
 
 #[test]
@@ -1012,7 +1012,7 @@ fn the_history_keeps_an_incident_and_the_next_start_writes_its_post_mortem() {
         .status_at(crate::history::now_ms())
         .expect("a sample");
     assert_eq!(status.memory.level, "act");
-    assert_eq!(status.memory.available_bytes, Some(2 * GIB));
+    assert_eq!(status.memory.host.available_bytes, Some(2 * GIB));
     assert_eq!(status.held.len(), 1, "{:?}", status.held);
     assert!(history.records.iter().any(|r| matches!(r,
         crate::history::Record::Event { kind, .. } if kind == "floor_act")));
@@ -1082,6 +1082,61 @@ fn the_history_keeps_an_incident_and_the_next_start_writes_its_post_mortem() {
         })
         .count();
     assert_eq!(post_mortems, 1, "only the one after the kill");
+}
+
+/// The flight recorder keeps a sample when a model's figures jump, not only by the clock: a
+/// quiet host keeps one every 10 s, but a model that grows by 4 GiB between two of them is
+/// recorded on the tick it is seen; and a figure that flaps every tick for two minutes adds at
+/// most `PER_WINDOW` samples a window (on the driven clock).
+#[test]
+fn the_history_keeps_a_sample_when_a_models_figures_jump_and_a_flapping_one_cannot_flood_it() {
+    use crate::history::jumps::PER_WINDOW;
+    let config = "scan_interval = \"1s\"\n[ram]\nmin_available = \"0%\"\nwarn_available = \"0%\"\n[gpu]\nenabled = false\n\
+                  [[model]]\nname = \"srv\"\nmatch = { comm = \"srv\" }\nram = \"1TiB\"\n";
+    let mut w = World {
+        host: host(256 * GIB, 200 * GIB),
+        ..World::default()
+    };
+    w.spawn(200, "srv", GIB);
+    let mut h = Harness::new(w, config);
+    let samples = |h: &Harness| {
+        h.daemon.reporter.recorder.as_ref().unwrap().flush();
+        let dir = h._dir.path().join("state").join(crate::history::DIR);
+        let history = crate::history::read(&dir).unwrap();
+        history
+            .records
+            .iter()
+            .filter_map(|r| match r {
+                crate::history::Record::Sample { status, .. } => {
+                    Some(status.models.iter().map(|m| m.ram_bytes).sum::<u64>())
+                }
+                _ => None,
+            })
+            .collect::<Vec<u64>>()
+    };
+    h.ticks(20, 100 * MS);
+    let quiet = samples(&h);
+    assert!(!quiet.is_empty() && quiet.len() <= 2, "{quiet:?}");
+    // It loads 4 GiB: within a scan or two it is in the history, 8 s before the clock's sample.
+    h.world().procs.get_mut(&200).unwrap().rss_bytes = 5 * GIB;
+    h.ticks(20, 100 * MS);
+    let loaded = samples(&h);
+    assert_eq!(loaded.len(), quiet.len() + 1, "{loaded:?}");
+    assert_eq!(loaded.last(), Some(&(5 * GIB)));
+    // Flapping between 1 and 5 GiB, every scan (each second) seeing the other figure, for two
+    // minutes: the clock's 12 samples, and at most PER_WINDOW a window for the jumps (three
+    // windows touch these two minutes, the one the load opened included).
+    for tick in 0..1200 {
+        let rss = if tick / 10 % 2 == 0 { GIB } else { 5 * GIB };
+        h.world().procs.get_mut(&200).unwrap().rss_bytes = rss;
+        h.tick(100 * MS);
+    }
+    let flapped = samples(&h).len() - loaded.len();
+    let (least, most) = (12 + PER_WINDOW as usize, 13 + 3 * PER_WINDOW as usize);
+    assert!(
+        (least..=most).contains(&flapped),
+        "{flapped} samples in two minutes (from {least} to {most})"
+    );
 }
 
 /// On GCE the kernel log gets every kill (SIGTERM or SIGKILL) too, besides critical events:

@@ -124,7 +124,8 @@ fn only_the_configs_and_roots_metrics_urls_are_scraped_on_the_trusted_lane() {
 /// limit) and had the flight recorder keep a full sample at each flap (~117x the quiet rate).
 /// Now they are that user's doing: everything of uid 1000 (its launches' own events, its models'
 /// budget events and conditions) is told within one share of `PER_UID` a minute, summed up in
-/// one `events_suppressed`, and the recorder keeps its quiet rate. The operator's `[[model]]`
+/// one `events_suppressed`, and the recorder keeps its quiet rate (but for the few samples the
+/// GPU's jumping use may add, `history::jumps`). The operator's `[[model]]`
 /// flapping the same way keeps every event and a sample at each decision.
 #[test]
 fn a_users_launched_models_flapping_around_their_budgets_stay_within_its_share() {
@@ -222,10 +223,14 @@ fn a_users_launched_models_flapping_around_their_budgets_stay_within_its_share()
         "{} event log lines",
         users(&logged)
     );
+    // The clock's samples, and the GPU's used memory, which anyone's process moves, jumping:
+    // at most `jumps::PER_WINDOW` samples a window for that (the models themselves, launched
+    // by a user, are no jumps).
     let quiet = samples(&h) - before;
+    let most = 50 / 10 + 1 + crate::history::jumps::PER_WINDOW as usize;
     assert!(
-        quiet <= 50 / 10 + 1,
-        "{quiet} samples in 50 s at a 10 s interval"
+        quiet <= most,
+        "{quiet} samples in 50 s at a 10 s interval (at most {most})"
     );
     // The window ends: one summary says how many were not told.
     h.ticks(100, 100 * MS);

@@ -231,8 +231,11 @@ pub struct Plan {
     pub watch: Vec<ProcessId>,
 }
 
-/// What became of one action (the executor's answer, fed back with `PolicyState::apply`).
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// What became of one action (the executor's answer, fed back with `PolicyState::apply`). In
+/// words and in JSON (`status`'s `recent_actions[].outcome`): "done", "observed", "skipped: why"
+/// or "failed: why".
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(into = "String", try_from = "String")]
 pub enum Outcome {
     Done,
     /// Observe mode: logged, nothing signalled.
@@ -240,6 +243,43 @@ pub enum Outcome {
     /// Not needed any more (memory recovered, the target is gone).
     Skipped(String),
     Failed(String),
+}
+
+impl fmt::Display for Outcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Outcome::Done => f.write_str("done"),
+            Outcome::Observed => f.write_str("observed"),
+            Outcome::Skipped(why) => write!(f, "skipped: {why}"),
+            Outcome::Failed(why) => write!(f, "failed: {why}"),
+        }
+    }
+}
+
+impl From<Outcome> for String {
+    fn from(o: Outcome) -> String {
+        o.to_string()
+    }
+}
+
+impl TryFrom<String> for Outcome {
+    type Error = String;
+
+    /// The words `Display` writes (every version has written these four).
+    fn try_from(text: String) -> Result<Outcome, String> {
+        match text.as_str() {
+            "done" => Ok(Outcome::Done),
+            "observed" => Ok(Outcome::Observed),
+            _ => match (
+                text.strip_prefix("skipped: "),
+                text.strip_prefix("failed: "),
+            ) {
+                (Some(why), _) => Ok(Outcome::Skipped(why.into())),
+                (_, Some(why)) => Ok(Outcome::Failed(why.into())),
+                _ => Err(format!("not an action's outcome: {text:?}")),
+            },
+        }
+    }
 }
 
 crate::kinds::named! {

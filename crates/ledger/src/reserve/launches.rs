@@ -503,13 +503,7 @@ impl Reservations {
             let Some(h) = self.holdings.get(&id) else {
                 continue;
             };
-            // A model that overran its ready timeout held the launch lock all that while: a
-            // warning. Ready in time is news for no one but the launcher.
-            let severity = if why.starts_with("not ready") {
-                Severity::Warning
-            } else {
-                Severity::Info
-            };
+            let severity = why.severity();
             let (pool, peer) = (h.pool.clone(), h.peer);
             self.event(
                 Event::new(

@@ -29,13 +29,58 @@ const FLAT_BYTES: u64 = 64 << 20;
 /// Memory counts as "grown" once the model holds this much more than when it was admitted.
 const GROWN_BYTES: u64 = 64 << 20;
 
+/// How a loading lease became ready.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LeaseState {
-    /// Holds the launch lock and its memory reservation.
-    Loading,
-    /// Loaded: the model's memory is its own; the lease only keeps its process in the model.
-    Ready,
+pub enum Ready {
+    /// Its ready URL answered.
+    UrlAnswered,
+    /// Its memory (GPU if `by_gpu`, else RAM) grew by `grown` bytes and stayed flat for
+    /// `settle`.
+    Settled {
+        by_gpu: bool,
+        grown: u64,
+        settle: Duration,
+    },
+    /// Its ready timeout passed first: it held the launch lock all that while.
+    TimedOut(Duration),
 }
+
+impl Ready {
+    /// A lease that overran its ready timeout held the launch lock all that while: a warning.
+    /// Ready in time is news for no one but the launcher.
+    pub fn severity(self) -> crate::kinds::Severity {
+        match self {
+            Ready::TimedOut(_) => crate::kinds::Severity::Warning,
+            Ready::UrlAnswered | Ready::Settled { .. } => crate::kinds::Severity::Info,
+        }
+    }
+}
+
+impl std::fmt::Display for Ready {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            Ready::UrlAnswered => f.write_str("ready URL answered"),
+            Ready::Settled {
+                by_gpu,
+                grown,
+                settle,
+            } => write!(
+                f,
+                "{} grew by {} and stayed flat for {}",
+                if by_gpu { "GPU memory" } else { "RAM" },
+                fmt_bytes(grown),
+                crate::units::fmt_duration(settle)
+            ),
+            Ready::TimedOut(timeout) => write!(
+                f,
+                "not ready after ready_timeout {}",
+                crate::units::fmt_duration(timeout)
+            ),
+        }
+    }
+}
+
+pub use crate::kinds::LeaseState;
 
 pub struct Lease {
     pub model: String,
@@ -76,7 +121,7 @@ impl Lease {
         }
     }
 
-    /// Ready now? Returns how it became so (`not ready ...` when the timeout decided).
+    /// Ready now? Returns how it became so.
     /// `usage` is the model's GPU (or RAM) use now, `admitted_at` when the lease began.
     pub fn readiness(
         &mut self,
@@ -84,9 +129,9 @@ impl Lease {
         now: Duration,
         admitted_at: Duration,
         settle: Duration,
-    ) -> Option<String> {
+    ) -> Option<Ready> {
         if self.ready_url.as_ref().is_some_and(|r| r.answered()) {
-            return Some("ready URL answered".into());
+            return Some(Ready::UrlAnswered);
         }
         if usage.abs_diff(self.last_usage) > FLAT_BYTES {
             self.last_usage = usage;
@@ -97,18 +142,14 @@ impl Lease {
             && grown >= GROWN_BYTES
             && now.saturating_sub(self.stable_since) >= settle
         {
-            let what = if self.by_gpu { "GPU memory" } else { "RAM" };
-            return Some(format!(
-                "{what} grew by {} and stayed flat for {}",
-                fmt_bytes(grown),
-                crate::units::fmt_duration(settle)
-            ));
+            return Some(Ready::Settled {
+                by_gpu: self.by_gpu,
+                grown,
+                settle,
+            });
         }
         if now.saturating_sub(admitted_at) >= self.ready_timeout {
-            return Some(format!(
-                "not ready after ready_timeout {}",
-                crate::units::fmt_duration(self.ready_timeout)
-            ));
+            return Some(Ready::TimedOut(self.ready_timeout));
         }
         None
     }
@@ -209,6 +250,7 @@ impl Launched for FakeProcess {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kinds::Severity;
 
     fn args(text: &str) -> Vec<String> {
         text.split_whitespace().map(str::to_string).collect()
@@ -251,5 +293,24 @@ mod tests {
             Some("http://127.0.0.1:30000/health".into())
         );
         assert_eq!(guess_ready_url(&args("python3 train.py --port 9")), None);
+    }
+
+    /// Only a lease its ready timeout released is a warning; the words say how each became ready.
+    #[test]
+    fn a_lease_released_by_its_timeout_is_the_one_warning() {
+        let timed_out = Ready::TimedOut(Duration::from_secs(600));
+        assert_eq!(timed_out.severity(), Severity::Warning);
+        assert_eq!(timed_out.to_string(), "not ready after ready_timeout 10m");
+        let settled = Ready::Settled {
+            by_gpu: true,
+            grown: 2 << 30,
+            settle: Duration::from_secs(1),
+        };
+        assert_eq!(settled.severity(), Severity::Info);
+        assert_eq!(
+            settled.to_string(),
+            "GPU memory grew by 2.0 GiB and stayed flat for 1s"
+        );
+        assert_eq!(Ready::UrlAnswered.severity(), Severity::Info);
     }
 }

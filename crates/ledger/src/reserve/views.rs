@@ -54,11 +54,7 @@ impl Reservations {
                     pid: h.peer.pid,
                     uid: h.peer.uid,
                     gpus: h.gpus.clone(),
-                    state: match l.state {
-                        LeaseState::Loading => "loading",
-                        LeaseState::Ready => "ready",
-                    }
-                    .into(),
+                    state: l.state,
                     seconds: now.saturating_sub(h.granted_at).as_secs_f64(),
                     gpu_bytes: h.gpu_bytes_per_gpu * h.gpus.len() as u64,
                     ram_bytes: h.ram_bytes,
