@@ -33,6 +33,15 @@ fn stamp(path: &Path) -> Option<Stamp> {
     })
 }
 
+/// The file's content as a load would read it (without blocking, bounded, only from a file
+/// root alone can change: `host::HostFacts::read_config`), None if it cannot be.
+fn read(path: &Path) -> Option<Vec<u8>> {
+    crate::host::facts()
+        .read_config(path)
+        .ok()
+        .map(String::into_bytes)
+}
+
 /// The watch on the config file.
 #[derive(Debug)]
 pub(super) struct ConfigWatch {
@@ -60,7 +69,7 @@ impl ConfigWatch {
     /// was tried. Read before the load, so a change after it is seen at the next look.
     pub(super) fn loading(&mut self, path: &Path) {
         self.stamp = stamp(path);
-        self.content = std::fs::read(path).ok();
+        self.content = read(path);
     }
 
     /// Whether the file's content changed since it was last loaded or tried, looked at when a
@@ -75,7 +84,7 @@ impl ConfigWatch {
             return false;
         }
         self.stamp = stamp;
-        let content = std::fs::read(path).ok();
+        let content = read(path);
         let changed = content != self.content;
         self.content = content;
         changed

@@ -5,6 +5,7 @@
 //! guessed and a URL never taken for local when it might not be.
 
 use std::net::IpAddr;
+use std::path::Path;
 use std::sync::OnceLock;
 
 /// The host's answers.
@@ -13,6 +14,12 @@ pub trait HostFacts: Send + Sync {
     fn uid_of(&self, name: &str) -> Option<u32>;
     /// The IP addresses of the host's interfaces.
     fn local_addresses(&self) -> Vec<IpAddr>;
+    /// The text of a config file, or why it cannot be used (`Config::load`). The agent's
+    /// reads only a regular file of bounded size, without blocking, that only root can change
+    /// when the daemon is root.
+    fn read_config(&self, path: &Path) -> Result<String, String> {
+        std::fs::read_to_string(path).map_err(|e| e.to_string())
+    }
 }
 
 static FACTS: OnceLock<Box<dyn HostFacts>> = OnceLock::new();

@@ -104,11 +104,13 @@ impl Overrides {
 impl Config {
     /// Reads and validates a config file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
-            file: path.to_path_buf(),
-            key: String::new(),
-            message: format!("cannot read: {e}"),
-        })?;
+        let text = crate::host::facts()
+            .read_config(path)
+            .map_err(|e| ConfigError {
+                file: path.to_path_buf(),
+                key: String::new(),
+                message: format!("cannot read: {e}"),
+            })?;
         Config::parse(&text, path)
     }
 
