@@ -5,7 +5,9 @@
 //! `PER_WINDOW` such samples in a fixed window of `WINDOW` (so at most twice that over any
 //! `WINDOW`), whatever a figure does: a figure that flaps cannot flood the history. A model a
 //! user launched with no `[[model]]` is left out, as it is of the recording rate (anyone can keep
-//! one flapping); a GPU's used memory is anyone's to move, so that is what the bound is for.
+//! one flapping); a GPU's used memory is anyone's to move, so that is what the bound is for, and
+//! its jumps have a budget of their own: a user who keeps a GPU's memory flapping spends only
+//! that one, and a model of the config that loads is still kept when it does.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -45,8 +47,8 @@ impl Figures {
         }
     }
 
-    /// Some figure moved by more than `JUMP_BYTES` from `before`.
-    fn jumped_from(&self, before: &Figures) -> bool {
+    /// Which figures moved by more than `JUMP_BYTES` from `before`: a model's, a GPU's.
+    fn jumped_from(&self, before: &Figures) -> Option<Budget> {
         let far = |a: u64, b: u64| a.abs_diff(b) > JUMP_BYTES;
         let gpus = self
             .gpus
@@ -65,16 +67,29 @@ impl Figures {
                     .map(|(_, then)| (&zero, then)),
             )
             .any(|(now, then)| far(now.0, then.0) || far(now.1, then.1));
-        gpus || models
+        if models {
+            Some(Budget::Models)
+        } else if gpus {
+            Some(Budget::Gpus)
+        } else {
+            None
+        }
     }
+}
+
+/// The two budgets of jump samples: the config's models', and the GPUs' (anyone's to move).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Budget {
+    Models = 0,
+    Gpus = 1,
 }
 
 /// The figures of the last sample kept, and the jump samples of this window.
 #[derive(Debug, Default)]
 pub struct Jumps {
     last: Option<Figures>,
-    /// When the current window began, and the jump samples kept in it.
-    window: Option<(Instant, u32)>,
+    /// For each budget, when its current window began and the jump samples kept in it.
+    windows: [Option<(Instant, u32)>; 2],
 }
 
 impl Jumps {
@@ -84,10 +99,10 @@ impl Jumps {
         let Some(last) = &self.last else {
             return false;
         };
-        if !figures.jumped_from(last) {
+        let Some(budget) = figures.jumped_from(last) else {
             return false;
-        }
-        let (started, kept) = self.window.get_or_insert((now, 0));
+        };
+        let (started, kept) = self.windows[budget as usize].get_or_insert((now, 0));
         if now.saturating_duration_since(*started) >= WINDOW {
             (*started, *kept) = (now, 0);
         }
@@ -184,5 +199,29 @@ mod tests {
             }
         }
         assert_eq!(kept, 2 * PER_WINDOW);
+    }
+
+    /// The hostile review: a user who keeps a GPU's memory flapping spent the one budget in
+    /// the first seconds of each window, and a model of the config that loaded 40 GiB then got
+    /// no sample until the clock's. The GPUs' jumps have a budget of their own.
+    #[test]
+    fn a_flapping_gpu_does_not_spend_the_budget_of_the_configs_models() {
+        let t0 = Instant::now();
+        let mut j = Jumps::default();
+        j.kept(Figures::of(&view(0, GIB)));
+        let mut gpu_kept = 0;
+        for tick in 1..=40 {
+            let f = Figures::of(&view(if tick % 2 == 0 { 0 } else { 10 * GIB }, GIB));
+            if j.due(t0 + Duration::from_millis(250 * tick), &f) {
+                gpu_kept += 1;
+                j.kept(f);
+            }
+        }
+        assert_eq!(gpu_kept, PER_WINDOW, "the GPU's jumps are bounded");
+        let loaded = Figures::of(&view(0, 41 * GIB));
+        assert!(
+            j.due(t0 + Duration::from_secs(11), &loaded),
+            "the model's load is kept within the same window"
+        );
     }
 }
