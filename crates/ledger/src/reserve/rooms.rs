@@ -240,31 +240,19 @@ impl Reservations {
                     r + h.ram_bytes,
                 )
             });
-        let gpu_total = self
-            .capacity
-            .gpus
-            .iter()
-            .map(|g| g.total)
-            .sum::<Option<u64>>()
-            .filter(|&t| t > 0);
-        let check = |held: u64, asked: u64, total: Option<u64>, what: &str| {
-            let limit = cap.resolve(total)?;
-            limit_fit(Short::UidCap, held, asked, limit, || {
+        self.cap_fit(
+            cap,
+            (gpu_held, ram_held),
+            demand,
+            |what, held, asked, limit| {
                 format!(
                     "uid {uid}: {what} {} reserved + {} asked > {} (clients.max_reserved_per_uid)",
                     fmt_bytes(held),
                     fmt_bytes(asked),
                     fmt_bytes(limit)
                 )
-            })
-        };
-        [
-            check(gpu_held, demand.gpu_bytes_total(), gpu_total, "GPU memory"),
-            check(ram_held, demand.ram_bytes, self.capacity.ram.total, "RAM"),
-        ]
-        .into_iter()
-        .flatten()
-        .collect()
+            },
+        )
     }
 
     /// `[clients] max_reserved` (half of the memory by default): what all accounts other than
@@ -305,6 +293,26 @@ impl Reservations {
             .filter(|h| h.peer.uid != 0 && h.reserving())
             .map(|h| h.ram_bytes)
             .sum();
+        self.cap_fit(cap, (gpu_held, ram_held), demand, |what, held, asked, limit| {
+            format!(
+                "accounts other than root: {what} {} reserved and not in use + {} asked > {} (clients.max_reserved)",
+                fmt_bytes(held),
+                fmt_bytes(asked),
+                fmt_bytes(limit)
+            )
+        })
+    }
+
+    /// What `held` (GPU memory over all GPUs, RAM) plus `demand` is short of against `cap`, a
+    /// size or a share of the host's memory (none when within it); `why` words a shortfall from
+    /// what it is of ("GPU memory", "RAM"), the bytes held, asked and the limit.
+    fn cap_fit(
+        &self,
+        cap: crate::units::Amount,
+        (gpu_held, ram_held): (u64, u64),
+        demand: &Demand,
+        why: impl Fn(&str, u64, u64, u64) -> String,
+    ) -> Vec<Fit> {
         let gpu_total = self
             .capacity
             .gpus
@@ -315,12 +323,7 @@ impl Reservations {
         let check = |held: u64, asked: u64, total: Option<u64>, what: &str| {
             let limit = cap.resolve(total)?;
             limit_fit(Short::UidCap, held, asked, limit, || {
-                format!(
-                    "accounts other than root: {what} {} reserved and not in use + {} asked > {} (clients.max_reserved)",
-                    fmt_bytes(held),
-                    fmt_bytes(asked),
-                    fmt_bytes(limit)
-                )
+                why(what, held, asked, limit)
             })
         };
         [
